@@ -1,0 +1,105 @@
+// Package balancer chooses a backend for each new connection.
+//
+// It is a leaf package: it imports only the standard library. The proxy
+// builds one Balancer per service port from the port's ready endpoints and
+// swaps it atomically when they change; a Balancer is therefore immutable
+// over its backend list, and all mutable per-backend state (active
+// connection counts, passive-health ejection) lives in *Backend values that
+// the proxy keeps across rebuilds.
+package balancer
+
+import (
+	"fmt"
+	"net/netip"
+	"sync/atomic"
+)
+
+// Balancer picks a backend for a new connection.
+//
+// Implementations are safe for concurrent use by any number of goroutines,
+// never modify the backend slice they were built from, and Pick does not
+// allocate.
+type Balancer interface {
+	// Pick returns the backend for a new connection from client, or nil
+	// when the balancer has no backends. It prefers backends that are not
+	// ejected; when every backend is ejected it picks among all of them
+	// (a proxy that refuses everything helps nobody).
+	Pick(client netip.Addr) *Backend
+}
+
+// Backend is one endpoint that balancers choose from.
+//
+// The proxy creates a Backend per endpoint address and keeps it for as long
+// as the endpoint exists, so that counters survive balancer rebuilds.
+// Addr and Weight are set at creation and never change; the counters are
+// atomic and safe for concurrent use.
+type Backend struct {
+	// Addr is the endpoint's address and port.
+	Addr netip.AddrPort
+	// Weight is the relative share of new connections for the weighted
+	// balancers. Zero or negative means 1.
+	Weight int
+
+	active  atomic.Int64
+	ejected atomic.Bool
+}
+
+// NewBackend returns a backend for addr with the given weight.
+func NewBackend(addr netip.AddrPort, weight int) *Backend {
+	return &Backend{Addr: addr, Weight: weight}
+}
+
+// weight returns the effective weight, at least 1.
+func (b *Backend) weight() int64 {
+	if b.Weight <= 0 {
+		return 1
+	}
+	return int64(b.Weight)
+}
+
+// Acquire records that a connection to b has started. The caller must call
+// Release exactly once when it ends.
+func (b *Backend) Acquire() { b.active.Add(1) }
+
+// Release records that a connection to b has ended.
+func (b *Backend) Release() { b.active.Add(-1) }
+
+// Active returns the number of connections in progress.
+func (b *Backend) Active() int64 { return b.active.Load() }
+
+// SetEjected marks b as failing (true) or healthy again (false). Balancers
+// skip ejected backends while any other backend is not ejected. The proxy's
+// passive health checks own this flag.
+func (b *Backend) SetEjected(v bool) { b.ejected.Store(v) }
+
+// Ejected reports whether b is currently ejected.
+func (b *Backend) Ejected() bool { return b.ejected.Load() }
+
+// String returns the backend's address.
+func (b *Backend) String() string { return b.Addr.String() }
+
+// Kind names a balancing algorithm, as written in the uproxy.io/balancer
+// annotation and the --balancer flag.
+type Kind string
+
+// The balancing algorithms.
+const (
+	RoundRobin         Kind = "round-robin"
+	WeightedRoundRobin Kind = "weighted-round-robin"
+	LeastConn          Kind = "least-conn"
+	WeightedLeastConn  Kind = "weighted-least-conn"
+	SourceHash         Kind = "source-hash"
+)
+
+// Kinds lists every algorithm, in documentation order.
+var Kinds = []Kind{RoundRobin, WeightedRoundRobin, LeastConn, WeightedLeastConn, SourceHash}
+
+// ParseKind returns the Kind named s, or an error naming the valid choices.
+func ParseKind(s string) (Kind, error) {
+	for _, k := range Kinds {
+		if string(k) == s {
+			return k, nil
+		}
+	}
+	return "", fmt.Errorf("unknown balancer %q (want one of %v)", s, Kinds)
+}
