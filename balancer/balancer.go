@@ -11,6 +11,7 @@ package balancer
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync/atomic"
 )
 
@@ -84,11 +85,20 @@ type Kind string
 
 // The balancing algorithms.
 const (
-	RoundRobin         Kind = "round-robin"
+	// RoundRobin hands out backends in turn, ignoring weights.
+	RoundRobin Kind = "round-robin"
+	// WeightedRoundRobin hands out backends in turn in proportion to
+	// their weights, interleaved as by nginx's smooth weighted round-robin.
 	WeightedRoundRobin Kind = "weighted-round-robin"
-	LeastConn          Kind = "least-conn"
-	WeightedLeastConn  Kind = "weighted-least-conn"
-	SourceHash         Kind = "source-hash"
+	// LeastConn picks the backend with the fewest active connections.
+	LeastConn Kind = "least-conn"
+	// WeightedLeastConn picks the backend with the fewest active
+	// connections per unit of weight.
+	WeightedLeastConn Kind = "weighted-least-conn"
+	// SourceHash maps each client address to a backend with Maglev
+	// consistent hashing, identically on every node, so that a backend
+	// change moves few clients. It ignores weights.
+	SourceHash Kind = "source-hash"
 )
 
 // Kinds lists every algorithm, in documentation order.
@@ -102,4 +112,82 @@ func ParseKind(s string) (Kind, error) {
 		}
 	}
 	return "", fmt.Errorf("unknown balancer %q (want one of %v)", s, Kinds)
+}
+
+// New returns a Balancer of the given kind over a private copy of backends,
+// which must not contain nil. With no backends it returns a Balancer whose
+// Pick always returns nil. An unknown kind yields round-robin rather than a
+// panic: callers validate user input with ParseKind first, and a proxy that
+// keeps forwarding is better than one that crashes on a typo that slipped
+// through.
+func New(kind Kind, backends []*Backend) Balancer {
+	if len(backends) == 0 {
+		return none{}
+	}
+	bs := slices.Clone(backends)
+	switch kind {
+	case WeightedRoundRobin:
+		return newWeightedRoundRobin(bs)
+	case LeastConn:
+		return newLeastConn(bs, false)
+	case WeightedLeastConn:
+		return newLeastConn(bs, true)
+	case SourceHash:
+		return newMaglev(bs)
+	default:
+		return &roundRobin{backends: bs}
+	}
+}
+
+// none is the Balancer for an empty backend list.
+type none struct{}
+
+var _ Balancer = none{}
+
+// Pick returns nil.
+func (none) Pick(netip.Addr) *Backend { return nil }
+
+// anyHealthy reports whether some backend is not ejected.
+func anyHealthy(backends []*Backend) bool {
+	for _, b := range backends {
+		if !b.Ejected() {
+			return true
+		}
+	}
+	return false
+}
+
+// spill returns a replacement for pick, an ejected backend, rotating through
+// the non-ejected backends with ctr so that the ejected backend's share is
+// spread over all of them in proportion to weights (nil means equal
+// weights) instead of landing on its neighbour. It returns pick when every
+// backend is ejected.
+func spill(backends []*Backend, weights []uint64, ctr *atomic.Uint64, pick *Backend) *Backend {
+	weight := func(i int) uint64 {
+		if weights == nil {
+			return 1
+		}
+		return weights[i]
+	}
+	var total uint64
+	for i, b := range backends {
+		if !b.Ejected() {
+			total += weight(i)
+		}
+	}
+	if total == 0 {
+		return pick
+	}
+	r := (ctr.Add(1) - 1) % total
+	for i, b := range backends {
+		if b.Ejected() {
+			continue
+		}
+		if w := weight(i); r >= w {
+			r -= w
+			continue
+		}
+		return b
+	}
+	return pick // ejections changed during the scan
 }
