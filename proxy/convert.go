@@ -1,0 +1,376 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// skipReason returns why uproxy does not proxy svc at all, or "" when it
+// does. These are not errors: kube-proxy skips the same services.
+func skipReason(svc *v1.Service) string {
+	// kube-proxy selects with "!label": the label's presence counts, even
+	// with an empty value.
+	if _, ok := svc.Labels[LabelServiceProxyName]; ok {
+		return "labelled " + LabelServiceProxyName
+	}
+	switch {
+	case svc.Spec.Type == v1.ServiceTypeExternalName:
+		return "type ExternalName"
+	case svc.Spec.ClusterIP == v1.ClusterIPNone:
+		return "headless"
+	case svc.Spec.ClusterIP == "":
+		return "no cluster IP"
+	}
+	return ""
+}
+
+// ValidateService checks the fields of svc that uproxy relies on. An
+// invalid Service is rejected whole, on its own: the error says which field
+// and why. Services that uproxy skips (headless, ExternalName, another
+// proxy's) are valid.
+func ValidateService(svc *v1.Service) error {
+	if svc.Name == "" {
+		return errors.New("metadata.name is empty")
+	}
+	if skipReason(svc) != "" {
+		return nil
+	}
+	if _, err := clusterIPs(svc); err != nil {
+		return err
+	}
+	names := map[string]bool{}
+	seen := map[string]bool{}
+	for i, p := range svc.Spec.Ports {
+		field := fmt.Sprintf("spec.ports[%d]", i)
+		if p.Port < 1 || p.Port > 65535 {
+			return fmt.Errorf("%s.port: %d is not in 1-65535", field, p.Port)
+		}
+		if err := checkProtocol(p.Protocol); err != nil {
+			return fmt.Errorf("%s.protocol: %w", field, err)
+		}
+		if names[p.Name] {
+			return fmt.Errorf("%s.name: duplicate port name %q", field, p.Name)
+		}
+		names[p.Name] = true
+		key := fmt.Sprintf("%d/%s", p.Port, protocolOf(p.Protocol))
+		if seen[key] {
+			return fmt.Errorf("%s: duplicate port %s", field, key)
+		}
+		seen[key] = true
+		if tp := p.TargetPort; tp.IntVal < 0 || tp.IntVal > 65535 {
+			return fmt.Errorf("%s.targetPort: %d is not in 0-65535", field, tp.IntVal)
+		}
+	}
+	if _, err := parseBalancer(svc.Annotations); err != nil {
+		return err
+	}
+	if _, err := ParseWeights(svc.Annotations[AnnotationWeights]); err != nil {
+		return fmt.Errorf("annotation %s: %w", AnnotationWeights, err)
+	}
+	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
+		if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
+			if t := *c.ClientIP.TimeoutSeconds; t <= 0 || t > 86400 {
+				return fmt.Errorf("spec.sessionAffinityConfig.clientIP.timeoutSeconds: %d is not in 1-86400", t)
+			}
+		}
+	}
+	return nil
+}
+
+// ValidateSlice checks an EndpointSlice the way ValidateService checks a
+// Service. A slice without the service-name label is valid but unused.
+func ValidateSlice(s *discovery.EndpointSlice) error {
+	if s.Name == "" {
+		return errors.New("metadata.name is empty")
+	}
+	switch s.AddressType {
+	case discovery.AddressTypeIPv4, discovery.AddressTypeIPv6, discovery.AddressTypeFQDN:
+	default:
+		return fmt.Errorf("addressType: unknown type %q", s.AddressType)
+	}
+	names := map[string]bool{}
+	for i, p := range s.Ports {
+		field := fmt.Sprintf("ports[%d]", i)
+		if p.Port == nil || *p.Port < 1 || *p.Port > 65535 {
+			if p.Port == nil {
+				return fmt.Errorf("%s.port: missing", field)
+			}
+			return fmt.Errorf("%s.port: %d is not in 1-65535", field, *p.Port)
+		}
+		if p.Protocol != nil {
+			if err := checkProtocol(*p.Protocol); err != nil {
+				return fmt.Errorf("%s.protocol: %w", field, err)
+			}
+		}
+		name := ""
+		if p.Name != nil {
+			name = *p.Name
+		}
+		if names[name] {
+			return fmt.Errorf("%s.name: duplicate port name %q", field, name)
+		}
+		names[name] = true
+	}
+	if s.AddressType == discovery.AddressTypeFQDN {
+		return nil
+	}
+	for i, ep := range s.Endpoints {
+		if len(ep.Addresses) == 0 {
+			return fmt.Errorf("endpoints[%d].addresses: empty", i)
+		}
+		for j, a := range ep.Addresses {
+			ip, err := netip.ParseAddr(a)
+			if err != nil || ip.Zone() != "" {
+				return fmt.Errorf("endpoints[%d].addresses[%d]: %q is not an IP address", i, j, a)
+			}
+			if ip.Is4() != (s.AddressType == discovery.AddressTypeIPv4) {
+				return fmt.Errorf("endpoints[%d].addresses[%d]: %s does not match addressType %s", i, j, a, s.AddressType)
+			}
+		}
+	}
+	return nil
+}
+
+func checkProtocol(p v1.Protocol) error {
+	switch p {
+	case "", v1.ProtocolTCP, v1.ProtocolUDP:
+		return nil
+	case v1.ProtocolSCTP:
+		return errors.New("SCTP is not supported by uproxy")
+	}
+	return fmt.Errorf("unknown protocol %q (want TCP or UDP)", p)
+}
+
+// protocolOf applies the API default (TCP) to an empty protocol.
+func protocolOf(p v1.Protocol) v1.Protocol {
+	if p == "" {
+		return v1.ProtocolTCP
+	}
+	return p
+}
+
+// clusterIPs returns the Service's cluster IPs, one per family, falling
+// back to spec.clusterIP for objects written without spec.clusterIPs.
+func clusterIPs(svc *v1.Service) ([]netip.Addr, error) {
+	raw := svc.Spec.ClusterIPs
+	if len(raw) == 0 {
+		raw = []string{svc.Spec.ClusterIP}
+	} else if svc.Spec.ClusterIP != "" && svc.Spec.ClusterIP != raw[0] {
+		return nil, fmt.Errorf("spec.clusterIP %q differs from spec.clusterIPs[0] %q", svc.Spec.ClusterIP, raw[0])
+	}
+	if len(raw) > 2 {
+		return nil, fmt.Errorf("spec.clusterIPs: %d addresses, at most 2 (one per family)", len(raw))
+	}
+	var out []netip.Addr
+	for i, s := range raw {
+		ip, err := netip.ParseAddr(s)
+		if err != nil || ip.Zone() != "" || ip.IsUnspecified() {
+			return nil, fmt.Errorf("spec.clusterIPs[%d]: %q is not a valid IP address", i, s)
+		}
+		ip = ip.Unmap()
+		for _, o := range out {
+			if o.Is4() == ip.Is4() {
+				return nil, fmt.Errorf("spec.clusterIPs[%d]: two addresses of the same family", i)
+			}
+		}
+		out = append(out, ip)
+	}
+	return out, nil
+}
+
+func parseBalancer(ann map[string]string) (balancer.Kind, error) {
+	v, ok := ann[AnnotationBalancer]
+	if !ok {
+		return "", nil
+	}
+	k, err := balancer.ParseKind(strings.TrimSpace(v))
+	if err != nil {
+		return "", fmt.Errorf("annotation %s: %w", AnnotationBalancer, err)
+	}
+	return k, nil
+}
+
+// ParseWeights parses the uproxy.io/weights annotation:
+// "10.244.0.11=3,10.244.0.12=1". Spaces around items are allowed. The
+// empty string means no weights.
+func ParseWeights(s string) (map[netip.Addr]int, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	out := map[netip.Addr]int{}
+	for item := range strings.SplitSeq(s, ",") {
+		item = strings.TrimSpace(item)
+		ipStr, wStr, ok := strings.Cut(item, "=")
+		if !ok {
+			return nil, fmt.Errorf("%q: want IP=weight", item)
+		}
+		ip, err := netip.ParseAddr(strings.TrimSpace(ipStr))
+		if err != nil {
+			return nil, fmt.Errorf("%q: bad IP: %w", item, err)
+		}
+		w, err := strconv.Atoi(strings.TrimSpace(wStr))
+		if err != nil || w < 1 || w > 1000000 {
+			return nil, fmt.Errorf("%q: weight must be an integer in 1-1000000", item)
+		}
+		ip = ip.Unmap()
+		if _, dup := out[ip]; dup {
+			return nil, fmt.Errorf("%q: %s listed twice", item, ip)
+		}
+		out[ip] = w
+	}
+	return out, nil
+}
+
+// ServiceDefaults are the proxy-wide settings that a Service can override.
+type ServiceDefaults struct {
+	// Balancer is used when the Service has no uproxy.io/balancer
+	// annotation. Empty means round-robin.
+	Balancer balancer.Kind
+}
+
+// ServicePorts converts a valid Service (see ValidateService) into its
+// service ports. It returns nil for services uproxy skips.
+func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
+	if skipReason(svc) != "" {
+		return nil
+	}
+	ips, err := clusterIPs(svc)
+	if err != nil {
+		return nil
+	}
+	kind, _ := parseBalancer(svc.Annotations)
+	if kind == "" {
+		kind = d.Balancer
+	}
+	if kind == "" {
+		kind = balancer.RoundRobin
+	}
+	weights, _ := ParseWeights(svc.Annotations[AnnotationWeights])
+	var affinity time.Duration
+	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
+		affinity = DefaultAffinityTimeout
+		if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
+			affinity = time.Duration(*c.ClientIP.TimeoutSeconds) * time.Second
+		}
+	}
+	name := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
+	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
+	for _, p := range svc.Spec.Ports {
+		out = append(out, &ServicePort{
+			Name:            ServicePortName{NamespacedName: name, Port: p.Name, Protocol: protocolOf(p.Protocol)},
+			ClusterIPs:      ips,
+			Port:            uint16(p.Port),
+			Balancer:        kind,
+			Weights:         weights,
+			AffinityTimeout: affinity,
+		})
+	}
+	return out
+}
+
+// PortEndpoints returns the endpoints of sp found in its service's slices,
+// resolving the target port the way kube-proxy does: through the slice port
+// whose name and protocol equal the service port's. Endpoints listed in
+// several slices appear once; the first slice (by name) wins. Endpoints of
+// both families are returned; the caller splits them per listener family.
+func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoint {
+	var out []Endpoint
+	seen := map[netip.AddrPort]bool{}
+	for _, s := range sortedSlices(slices) {
+		if s.AddressType != discovery.AddressTypeIPv4 && s.AddressType != discovery.AddressTypeIPv6 {
+			continue
+		}
+		if _, ok := s.Labels[LabelHeadless]; ok {
+			continue
+		}
+		port, ok := slicePort(s, sp.Name)
+		if !ok {
+			continue
+		}
+		for _, ep := range s.Endpoints {
+			if len(ep.Addresses) == 0 {
+				continue
+			}
+			ip, err := netip.ParseAddr(ep.Addresses[0])
+			if err != nil {
+				continue
+			}
+			ap := netip.AddrPortFrom(ip.Unmap(), port)
+			if seen[ap] {
+				continue
+			}
+			seen[ap] = true
+			e := Endpoint{Addr: ap}
+			// The API's rules for unset conditions: ready unknown counts as
+			// ready, serving defaults to ready, terminating to false.
+			e.Ready = ep.Conditions.Ready == nil || *ep.Conditions.Ready
+			e.Serving = e.Ready
+			if ep.Conditions.Serving != nil {
+				e.Serving = *ep.Conditions.Serving
+			}
+			e.Terminating = ep.Conditions.Terminating != nil && *ep.Conditions.Terminating
+			if ep.NodeName != nil {
+				e.NodeName = *ep.NodeName
+			}
+			if ep.Zone != nil {
+				e.Zone = *ep.Zone
+			}
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+func slicePort(s *discovery.EndpointSlice, name ServicePortName) (uint16, bool) {
+	for _, p := range s.Ports {
+		pn := ""
+		if p.Name != nil {
+			pn = *p.Name
+		}
+		proto := v1.ProtocolTCP
+		if p.Protocol != nil {
+			proto = *p.Protocol
+		}
+		if pn == name.Port && proto == name.Protocol && p.Port != nil && *p.Port > 0 && *p.Port <= 65535 {
+			return uint16(*p.Port), true
+		}
+	}
+	return 0, false
+}
+
+func sortedSlices(in []*discovery.EndpointSlice) []*discovery.EndpointSlice {
+	out := slices.Clone(in)
+	slices.SortFunc(out, func(a, b *discovery.EndpointSlice) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// UsableEndpoints returns the endpoints that get new connections: the
+// ready ones, or, when none is ready, the ones that are still serving while
+// terminating (kube-proxy's fallback, so a rolling update does not drop
+// traffic while the last pods drain).
+func UsableEndpoints(eps []Endpoint) []Endpoint {
+	var ready, fallback []Endpoint
+	for _, e := range eps {
+		switch {
+		case e.Ready:
+			ready = append(ready, e)
+		case e.Serving && e.Terminating:
+			fallback = append(fallback, e)
+		}
+	}
+	if len(ready) > 0 {
+		return ready
+	}
+	return fallback
+}

@@ -1,0 +1,209 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+)
+
+// Objects is what a set of manifests holds that uproxy uses.
+type Objects struct {
+	Services []*v1.Service
+	Slices   []*discovery.EndpointSlice
+	// Ignored counts documents of other kinds (Deployments and the like),
+	// which a manifest folder may well contain.
+	Ignored int
+}
+
+func (o *Objects) add(obj runtime.Object) error {
+	switch t := obj.(type) {
+	case *v1.Service:
+		if t.Namespace == "" {
+			t.Namespace = v1.NamespaceDefault
+		}
+		o.Services = append(o.Services, t)
+	case *discovery.EndpointSlice:
+		if t.Namespace == "" {
+			t.Namespace = v1.NamespaceDefault
+		}
+		o.Slices = append(o.Slices, t)
+	case *v1.List:
+		for i, item := range t.Items {
+			inner, err := decodeObject(item.Raw)
+			if err != nil {
+				return fmt.Errorf("items[%d]: %w", i, err)
+			}
+			if err := o.add(inner); err != nil {
+				return fmt.Errorf("items[%d]: %w", i, err)
+			}
+		}
+	default:
+		o.Ignored++
+	}
+	return nil
+}
+
+// ManifestError says which file and which document of it could not be
+// decoded, and why.
+type ManifestError struct {
+	File  string
+	Doc   int // zero-based index of the document in the file; -1 for the file as a whole
+	Cause error
+}
+
+func (e *ManifestError) Error() string {
+	if e.Doc < 0 {
+		return fmt.Sprintf("%s: %v", e.File, e.Cause)
+	}
+	return fmt.Sprintf("%s: document %d: %v", e.File, e.Doc, e.Cause)
+}
+
+func (e *ManifestError) Unwrap() error { return e.Cause }
+
+// decodeObject decodes one YAML or JSON document into the API type its
+// apiVersion and kind name, with apimachinery's universal deserializer: the
+// same code path, defaults excepted, that kubectl's objects take.
+func decodeObject(doc []byte) (runtime.Object, error) {
+	obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+	if runtime.IsNotRegisteredError(err) {
+		return unknownKind{}, nil
+	}
+	return obj, err
+}
+
+// unknownKind stands for a well-formed object of a kind uproxy ignores.
+type unknownKind struct{ runtime.Object }
+
+// DecodeManifests decodes a multi-document YAML stream, a JSON object, or
+// a stream of JSON objects, as read from the file named name.
+func DecodeManifests(name string, r io.Reader) (Objects, error) {
+	var out Objects
+	data, err := io.ReadAll(r)
+	if err != nil {
+		return out, &ManifestError{File: name, Doc: -1, Cause: err}
+	}
+	docs, err := splitDocuments(data)
+	if err != nil {
+		return out, &ManifestError{File: name, Doc: len(docs), Cause: err}
+	}
+	for i, doc := range docs {
+		if len(bytes.TrimSpace(doc)) == 0 || isOnlyComments(doc) {
+			continue
+		}
+		obj, err := decodeObject(doc)
+		if err == nil {
+			err = out.add(obj)
+		}
+		if err != nil {
+			return Objects{}, &ManifestError{File: name, Doc: i, Cause: err}
+		}
+	}
+	return out, nil
+}
+
+func isOnlyComments(doc []byte) bool {
+	for line := range strings.SplitSeq(string(doc), "\n") {
+		l := strings.TrimSpace(line)
+		if l != "" && !strings.HasPrefix(l, "#") {
+			return false
+		}
+	}
+	return true
+}
+
+// splitDocuments splits YAML on "---" lines, and JSON streams object by
+// object. On error it returns the documents read before the bad one.
+func splitDocuments(data []byte) ([][]byte, error) {
+	trimmed := bytes.TrimSpace(data)
+	if len(trimmed) > 0 && (trimmed[0] == '{' || trimmed[0] == '[') {
+		var docs [][]byte
+		dec := json.NewDecoder(bytes.NewReader(trimmed))
+		for {
+			var raw json.RawMessage
+			if err := dec.Decode(&raw); err == io.EOF {
+				return docs, nil
+			} else if err != nil {
+				return docs, fmt.Errorf("invalid JSON: %w", err)
+			}
+			if len(raw) > 0 && raw[0] == '[' {
+				return docs, errors.New("a JSON array is not a Kubernetes object (use kind: List)")
+			}
+			docs = append(docs, raw)
+		}
+	}
+	var docs [][]byte
+	rd := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	for {
+		doc, err := rd.Read()
+		if err == io.EOF {
+			return docs, nil
+		}
+		if err != nil {
+			return docs, err
+		}
+		docs = append(docs, doc)
+	}
+}
+
+// ManifestFiles lists the manifest files at path: path itself if it is a
+// file, else the .yaml, .yml and .json files directly in it (not in
+// subfolders, and not hidden ones, which is where editors and ConfigMap
+// volumes keep their temporary files), sorted.
+func ManifestFiles(path string) ([]string, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, err
+	}
+	if !fi.IsDir() {
+		return []string{path}, nil
+	}
+	entries, err := os.ReadDir(path)
+	if err != nil {
+		return nil, err
+	}
+	var files []string
+	for _, e := range entries {
+		name := e.Name()
+		if strings.HasPrefix(name, ".") || !isManifestName(name) {
+			continue
+		}
+		full := filepath.Join(path, name)
+		if st, err := os.Stat(full); err != nil || st.IsDir() {
+			continue // dangling symlink or a folder named like a file
+		}
+		files = append(files, full)
+	}
+	slices.Sort(files)
+	return files, nil
+}
+
+func isManifestName(name string) bool {
+	switch strings.ToLower(filepath.Ext(name)) {
+	case ".yaml", ".yml", ".json":
+		return true
+	}
+	return false
+}
+
+// LoadManifestFile decodes one file.
+func LoadManifestFile(file string) (Objects, error) {
+	f, err := os.Open(file)
+	if err != nil {
+		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: err}
+	}
+	defer f.Close()
+	return DecodeManifests(file, f)
+}

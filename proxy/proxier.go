@@ -1,0 +1,508 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// Config configures a Proxier. The zero value of each field is documented;
+// only what the command line sets needs setting.
+type Config struct {
+	// Rules programs the kernel's intercept rules. Nil means none are
+	// programmed (tests that connect to listeners directly).
+	Rules RuleSyncer
+	// OriginalDst recovers the destination a client connected to before the
+	// kernel redirected it (SO_ORIGINAL_DST in redirect mode). The
+	// connection is dropped unless it equals the listener's service VIP and
+	// port, so the listener cannot be used to reach a service it does not
+	// serve. Nil means no check.
+	OriginalDst func(*net.TCPConn) (netip.AddrPort, error)
+	// Listen opens a listener; nil means net.ListenConfig.Listen.
+	Listen func(ctx context.Context, network, address string) (net.Listener, error)
+	// Dial connects to a backend; nil means net.Dialer.DialContext.
+	Dial func(ctx context.Context, network, address string) (net.Conn, error)
+	// PortRange limits listener ports; zero means kernel-assigned.
+	PortRange PortRange
+	// Defaults are the settings a Service can override by annotation.
+	Defaults ServiceDefaults
+	// Sync sets the sync frequency bounds.
+	Sync RunnerConfig
+	// DialTimeout bounds one connection attempt to a backend; zero means 1s.
+	DialTimeout time.Duration
+	// DialAttempts is how many backends a connection tries before it is
+	// refused; zero means 3.
+	DialAttempts int
+	// IdleTimeout closes a TCP connection after neither side has sent or
+	// received anything for about that long (between one and two periods).
+	// Zero means no idle timeout.
+	IdleTimeout time.Duration
+	// EjectBase is how long a backend that refused or timed out a
+	// connection is skipped by the balancers; it doubles with each
+	// consecutive failure up to EjectMax. Zeros mean 1s and 30s.
+	EjectBase, EjectMax time.Duration
+	// Logger receives the proxier's logs; nil means none.
+	Logger *zap.Logger
+	// Clock is the time source for sync and ejection timing; nil means the
+	// real clock. Socket deadlines always use the real clock.
+	Clock clock.WithTickerAndDelayedExecution
+}
+
+func (c *Config) dialTimeout() time.Duration {
+	if c.DialTimeout <= 0 {
+		return time.Second
+	}
+	return c.DialTimeout
+}
+
+func (c *Config) dialAttempts() int {
+	if c.DialAttempts <= 0 {
+		return 3
+	}
+	return c.DialAttempts
+}
+
+func (c *Config) clock() clock.WithTickerAndDelayedExecution {
+	if c.Clock == nil {
+		return clock.RealClock{}
+	}
+	return c.Clock
+}
+
+func (c *Config) logger() *zap.Logger {
+	if c.Logger == nil {
+		return zap.NewNop()
+	}
+	return c.Logger
+}
+
+// Proxier turns the tracked Services and EndpointSlices into listeners,
+// balancers and intercept rules, and carries the connections.
+//
+// Run owns the sync goroutine; each listener owns an accept goroutine that
+// exits when the listener is closed; each connection owns one goroutine
+// (plus one for its second copy direction) that exits when both directions
+// have ended. Shutdown stops them all.
+type Proxier struct {
+	cfg     Config
+	tracker *Tracker
+	runner  *Runner
+	log     *zap.Logger
+	connLog *zap.Logger // sampled: per-connection errors
+	health  *health
+
+	// Owned by the sync goroutine.
+	ports      portAllocator
+	services   map[types.NamespacedName]map[portKey]*listener
+	rulesDirty bool
+
+	lastSync atomic.Int64 // unix nanos of the last successful sync
+
+	sessMu   sync.Mutex
+	sessions map[*session]struct{}
+	closing  bool
+	wg       sync.WaitGroup // accept loops and sessions
+}
+
+// NewProxier returns a Proxier with an empty Tracker. Feed the tracker
+// from one or more sources, then call Run.
+func NewProxier(cfg Config) *Proxier {
+	p := &Proxier{
+		cfg:      cfg,
+		log:      cfg.logger(),
+		services: map[types.NamespacedName]map[portKey]*listener{},
+		sessions: map[*session]struct{}{},
+		ports:    portAllocator{r: cfg.PortRange},
+	}
+	// At most 5 identical per-connection messages per second, then 1 in 100.
+	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 100)
+	}))
+	p.health = newHealth(cfg.clock(), cfg.EjectBase, cfg.EjectMax)
+	p.runner = NewRunner(cfg.Sync, p.sync)
+	p.tracker = NewTracker(p.log, p.runner.Run)
+	return p
+}
+
+// Tracker returns the tracker that sources feed.
+func (p *Proxier) Tracker() *Tracker { return p.tracker }
+
+// Run syncs until ctx is done. It does not close listeners: call Shutdown.
+func (p *Proxier) Run(ctx context.Context) { p.runner.Loop(ctx) }
+
+// LastSync returns when the last successful sync finished; zero if none.
+func (p *Proxier) LastSync() time.Time {
+	n := p.lastSync.Load()
+	if n == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, n)
+}
+
+// portKey names one listener: a service port in one address family.
+type portKey struct {
+	name ServicePortName
+	v6   bool
+}
+
+func (k portKey) network() string {
+	n := "tcp"
+	if k.name.Protocol == v1.ProtocolUDP {
+		n = "udp"
+	}
+	if k.v6 {
+		return n + "6"
+	}
+	return n + "4"
+}
+
+// sync applies the tracker's changes. It runs only on the runner's goroutine.
+func (p *Proxier) sync(ctx context.Context, full bool) error {
+	if !p.tracker.Synced() {
+		p.log.Info("waiting for the initial lists of Services and EndpointSlices before syncing")
+		return nil
+	}
+	start := p.cfg.clock().Now()
+	var programmed []types.NamespacedName
+	if full {
+		for name := range p.services {
+			programmed = append(programmed, name)
+		}
+	}
+	ch := p.tracker.Take(full, programmed)
+	for _, st := range ch.Services {
+		p.applyService(ctx, st)
+	}
+	wrote := false
+	if p.cfg.Rules != nil && (full || p.rulesDirty) {
+		if err := p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
+			p.rulesDirty = true
+			p.log.Error("syncing rules failed; will retry with a full resync", zap.Error(err))
+			return fmt.Errorf("syncing rules: %w", err)
+		}
+		wrote = p.rulesDirty || full
+	}
+	p.rulesDirty = false
+	end := p.cfg.clock().Now()
+	p.lastSync.Store(end.UnixNano())
+	nsvc, neps := p.counts()
+	p.log.Info("synced",
+		zap.Bool("full", full),
+		zap.Int("servicesChanged", len(ch.Services)),
+		zap.Int("services", nsvc),
+		zap.Int("endpoints", neps),
+		zap.Bool("rulesSynced", wrote),
+		zap.Duration("duration", end.Sub(start)))
+	return nil
+}
+
+func (p *Proxier) counts() (services, endpoints int) {
+	for _, ls := range p.services {
+		services++
+		for _, l := range ls {
+			endpoints += len(l.snap.Load().endpoints)
+		}
+	}
+	return services, endpoints
+}
+
+// applyService makes the listeners of one service match its objects.
+func (p *Proxier) applyService(ctx context.Context, st ServiceState) {
+	var ports []*ServicePort
+	if st.Service != nil {
+		ports = ServicePorts(st.Service, p.cfg.Defaults)
+	}
+	want := map[portKey]*ServicePort{}
+	vips := map[portKey]netip.Addr{}
+	for _, sp := range ports {
+		for _, ip := range sp.ClusterIPs {
+			k := portKey{name: sp.Name, v6: ip.Is6()}
+			want[k], vips[k] = sp, ip
+		}
+	}
+	have := p.services[st.Name]
+	for k, l := range have {
+		if want[k] == nil {
+			p.closeListener(l)
+			delete(have, k)
+			p.rulesDirty = true
+		}
+	}
+	failed := false
+	for k, sp := range want {
+		l := have[k]
+		if l == nil {
+			if sp.Name.Protocol != v1.ProtocolTCP {
+				p.log.Warn("skipping service port: only TCP is proxied so far", zap.Stringer("servicePort", sp.Name))
+				continue
+			}
+			var err error
+			if l, err = p.openListener(ctx, k); err != nil {
+				p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
+				failed = true
+				continue
+			}
+			if have == nil {
+				have = map[portKey]*listener{}
+				p.services[st.Name] = have
+			}
+			have[k] = l
+			p.rulesDirty = true
+		}
+		old := l.snap.Load()
+		next := p.buildSnapshot(l, sp, netip.AddrPortFrom(vips[k], sp.Port), st, old)
+		if old == nil || old.vip != next.vip {
+			p.rulesDirty = true
+		}
+		l.snap.Store(next)
+	}
+	if len(have) == 0 {
+		delete(p.services, st.Name)
+	}
+	if failed {
+		p.tracker.Requeue(st.Name)
+	}
+}
+
+// buildSnapshot builds a listener's next data-path state. Backends that
+// survive keep their identity, so active counts and ejections carry over.
+func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.AddrPort, st ServiceState, old *snapshot) *snapshot {
+	var eps []Endpoint
+	for _, e := range PortEndpoints(sp, st.Slices) {
+		if e.Addr.Addr().Is6() == l.key.v6 {
+			eps = append(eps, e)
+		}
+	}
+	usable := UsableEndpoints(eps)
+	backends := make([]*balancer.Backend, 0, len(usable))
+	for _, e := range usable {
+		w := sp.Weights[e.Addr.Addr()]
+		var b *balancer.Backend
+		if old != nil {
+			if ob := old.backend(e.Addr); ob != nil && ob.Weight == w {
+				b = ob
+			}
+		}
+		if b == nil {
+			b = balancer.NewBackend(e.Addr, w)
+		}
+		backends = append(backends, b)
+	}
+	if old != nil {
+		for _, ob := range old.backends {
+			if !slices.Contains(backends, ob) {
+				p.health.forget(ob)
+			}
+		}
+	}
+	bal := balancer.New(sp.Balancer, backends)
+	if sp.AffinityTimeout > 0 {
+		if l.affinity == nil || l.affinityTimeout != sp.AffinityTimeout {
+			l.affinity = balancer.NewAffinityTable(balancer.AffinityConfig{
+				Timeout: sp.AffinityTimeout,
+				Now:     p.cfg.clock().Now,
+			})
+			l.affinityTimeout = sp.AffinityTimeout
+		}
+		bal = l.affinity.Wrap(bal, backends)
+	} else {
+		l.affinity = nil
+	}
+	return &snapshot{sp: sp, vip: vip, endpoints: eps, backends: backends, bal: bal}
+}
+
+// Intercepts returns the intercepts of every listener, sorted. It must be
+// called from the sync goroutine (or before Run).
+func (p *Proxier) Intercepts() []Intercept {
+	var out []Intercept
+	for _, ls := range p.services {
+		for _, l := range ls {
+			s := l.snap.Load()
+			out = append(out, Intercept{
+				Service:    s.sp.Name,
+				Protocol:   s.sp.Name.Protocol,
+				VIP:        s.vip.Addr(),
+				Port:       s.vip.Port(),
+				ListenPort: l.port,
+			})
+		}
+	}
+	slices.SortFunc(out, func(a, b Intercept) int {
+		if c := a.VIP.Compare(b.VIP); c != 0 {
+			return c
+		}
+		if a.Port != b.Port {
+			return int(a.Port) - int(b.Port)
+		}
+		if a.Protocol < b.Protocol {
+			return -1
+		} else if a.Protocol > b.Protocol {
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// snapshot is a listener's data-path state: immutable, replaced whole.
+type snapshot struct {
+	sp        *ServicePort
+	vip       netip.AddrPort // the original destination this listener serves
+	endpoints []Endpoint     // all endpoints of the listener's family
+	backends  []*balancer.Backend
+	bal       balancer.Balancer
+}
+
+func (s *snapshot) backend(addr netip.AddrPort) *balancer.Backend {
+	for _, b := range s.backends {
+		if b.Addr == addr {
+			return b
+		}
+	}
+	return nil
+}
+
+// listener is one service port's socket in one family.
+type listener struct {
+	key  portKey
+	ln   net.Listener
+	port uint16
+	snap atomic.Pointer[snapshot]
+
+	// Owned by the sync goroutine.
+	affinity        *balancer.AffinityTable
+	affinityTimeout time.Duration
+}
+
+func (p *Proxier) listen(ctx context.Context, network, addr string) (net.Listener, error) {
+	if p.cfg.Listen != nil {
+		return p.cfg.Listen(ctx, network, addr)
+	}
+	var lc net.ListenConfig
+	return lc.Listen(ctx, network, addr)
+}
+
+// openListener binds a listener for k on all addresses of its family (the
+// kernel's REDIRECT rewrites the destination to a local address: 127.0.0.1
+// or ::1 for OUTPUT, the incoming interface's address for PREROUTING) and
+// starts its accept loop.
+func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error) {
+	host := "0.0.0.0"
+	if k.v6 {
+		host = "::"
+	}
+	network := k.network()
+	l := &listener{key: k}
+	port, err := p.ports.allocate(network, func(port uint16) (uint16, error) {
+		ln, err := p.listen(ctx, network, net.JoinHostPort(host, strconv.Itoa(int(port))))
+		if err != nil {
+			return 0, err
+		}
+		l.ln = ln
+		ap, err := netip.ParseAddrPort(ln.Addr().String())
+		if err != nil {
+			ln.Close()
+			return 0, fmt.Errorf("listener address %s: %w", ln.Addr(), err)
+		}
+		return ap.Port(), nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
+	}
+	l.port = port
+	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
+	p.wg.Add(1)
+	go p.acceptLoop(l)
+	return l, nil
+}
+
+// closeListener stops accepting for l. Its established connections go on.
+func (p *Proxier) closeListener(l *listener) {
+	l.ln.Close()
+	p.ports.release(l.key.network(), l.port)
+	p.log.Info("closed listener", zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.port))
+}
+
+// acceptLoop accepts until l is closed. On temporary errors (EMFILE,
+// ENFILE, ENOBUFS) it backs off from 5ms to 1s, as net/http's Server does,
+// instead of spinning or exiting: the old userspace proxy died here.
+func (p *Proxier) acceptLoop(l *listener) {
+	defer p.wg.Done()
+	var delay time.Duration
+	for {
+		c, err := l.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay), zap.Error(err))
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		tc, ok := c.(*net.TCPConn)
+		if !ok {
+			c.Close()
+			continue
+		}
+		s := p.newSession(tc)
+		if s == nil {
+			tc.Close()
+			continue
+		}
+		go p.serveTCP(l, tc, s)
+	}
+}
+
+// Shutdown stops accepting on every listener, then waits for established
+// connections to finish until ctx is done, and then closes the rest. It
+// leaves the kernel rules in place for the next instance to adopt. Call it
+// after Run has returned.
+func (p *Proxier) Shutdown(ctx context.Context) error {
+	p.sessMu.Lock()
+	p.closing = true
+	p.sessMu.Unlock()
+	for _, ls := range p.services {
+		for _, l := range ls {
+			p.closeListener(l)
+		}
+	}
+	done := make(chan struct{})
+	go func() { p.wg.Wait(); close(done) }() // exits when every session has ended (forced below)
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+	}
+	p.sessMu.Lock()
+	n := len(p.sessions)
+	for s := range p.sessions {
+		s.abort()
+	}
+	p.sessMu.Unlock()
+	<-done
+	return fmt.Errorf("drain timeout: closed %d connections", n)
+}
+
+// ActiveConnections returns the number of proxied connections in progress.
+func (p *Proxier) ActiveConnections() int {
+	p.sessMu.Lock()
+	defer p.sessMu.Unlock()
+	return len(p.sessions)
+}

@@ -1,0 +1,534 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+)
+
+// recordingRules is a RuleSyncer that remembers the last intercepts.
+type recordingRules struct {
+	mu    sync.Mutex
+	last  []Intercept
+	calls int
+	fail  error
+}
+
+func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, _ bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.calls++
+	if r.fail != nil {
+		return r.fail
+	}
+	r.last = in
+	return nil
+}
+
+// port returns the listener port of the intercept for service name (as
+// "default/web:http") once it exists.
+func (r *recordingRules) port(t *testing.T, name string) int {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		r.mu.Lock()
+		for _, i := range r.last {
+			if i.Service.String() == name {
+				r.mu.Unlock()
+				return int(i.ListenPort)
+			}
+		}
+		r.mu.Unlock()
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Fatalf("no intercept for %s", name)
+	return 0
+}
+
+func (r *recordingRules) has(name string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, i := range r.last {
+		if i.Service.String() == name {
+			return true
+		}
+	}
+	return false
+}
+
+// startProxier runs a Proxier until the test ends, then shuts it down and
+// checks that no session is left.
+func startProxier(t *testing.T, cfg Config) (*Proxier, *recordingRules) {
+	t.Helper()
+	rules := &recordingRules{}
+	cfg.Rules = rules
+	cfg.Sync.MinInterval = 10 * time.Millisecond
+	p := NewProxier(cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx); close(done) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer scancel()
+		if err := p.Shutdown(sctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	return p, rules
+}
+
+// backend is a TCP server on 127.0.0.1 that runs handle for each
+// connection, until the test ends.
+type backend struct {
+	ln   net.Listener
+	addr netip.AddrPort
+	wg   sync.WaitGroup
+}
+
+func startBackend(t *testing.T, handle func(net.Conn)) *backend {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &backend{ln: ln, addr: netip.MustParseAddrPort(ln.Addr().String())}
+	b.wg.Add(1)
+	go func() {
+		defer b.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			b.wg.Add(1)
+			go func() { defer b.wg.Done(); defer c.Close(); handle(c) }()
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); b.wg.Wait() })
+	return b
+}
+
+// nameBackend answers every connection with its name and closes.
+func nameBackend(t *testing.T, name string) *backend {
+	return startBackend(t, func(c net.Conn) { fmt.Fprintln(c, name) })
+}
+
+// echoBackend echoes until EOF.
+func echoBackend(t *testing.T) *backend {
+	return startBackend(t, func(c net.Conn) { io.Copy(c, c) })
+}
+
+// sliceFor returns a slice whose endpoints are the backends; the port is
+// the first backend's (all test backends on 127.0.0.1 have distinct ports,
+// so each gets its own slice).
+func slicesFor(svcName, portName string, bs ...*backend) []*discovery.EndpointSlice {
+	var out []*discovery.EndpointSlice
+	for i, b := range bs {
+		out = append(out, slice(fmt.Sprintf("%s-%d", svcName, i), svcName, portName, int32(b.addr.Port()), ep{ip: b.addr.Addr().String()}))
+	}
+	return out
+}
+
+func get(t *testing.T, port int) (string, error) {
+	t.Helper()
+	c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", port), 2*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	return strings.TrimSpace(line), err
+}
+
+func TestProxyDistributesAndFollowsChanges(t *testing.T) {
+	a, b, c := nameBackend(t, "a"), nameBackend(t, "b"), nameBackend(t, "c")
+	p, rules := startProxier(t, Config{})
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", a, b, c))
+	port := rules.port(t, "default/web:http")
+
+	count := func(n int) map[string]int {
+		got := map[string]int{}
+		for range n {
+			name, err := get(t, port)
+			if err != nil {
+				t.Fatalf("request failed: %v", err)
+			}
+			got[name]++
+		}
+		return got
+	}
+	if diff := cmp.Diff(map[string]int{"a": 10, "b": 10, "c": 10}, count(30)); diff != "" {
+		t.Errorf("round-robin spread (-want +got):\n%s", diff)
+	}
+
+	// Drop c and mark b not ready: only a gets traffic, on the same listener.
+	sl := slicesFor("web", "http", a, b)
+	sl[1].Endpoints[0].Conditions.Ready = new(bool)
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, sl)
+	waitUntil(t, "only a serves", func() bool { return cmp.Equal(count(4), map[string]int{"a": 4}) })
+	if got := rules.port(t, "default/web:http"); got != port {
+		t.Errorf("endpoint change moved the listener from %d to %d", port, got)
+	}
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		if cond() {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("timed out waiting until %s", what)
+}
+
+// blackhole returns an address whose SYNs go unanswered: a listening
+// socket with a full accept queue (Linux drops SYNs it cannot queue).
+func blackhole(t *testing.T) netip.AddrPort {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, _ := syscall.Getsockname(fd)
+	addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*syscall.SockaddrInet4).Port))
+	// Fill the queue (backlog 0 still admits one connection, plus one in
+	// SYN-RECV on some kernels), until a dial times out.
+	for range 8 {
+		c, err := net.DialTimeout("tcp4", addr.String(), 200*time.Millisecond)
+		if err != nil {
+			return addr
+		}
+		t.Cleanup(func() { c.Close() })
+	}
+	t.Fatal("could not fill the accept queue")
+	return addr
+}
+
+func TestProxyFailsOverRefusedAndBlackholedEndpoints(t *testing.T) {
+	good := nameBackend(t, "good")
+	refused := nameBackend(t, "refused")
+	refused.ln.Close()
+	hole := blackhole(t)
+	p, rules := startProxier(t, Config{DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute})
+	slices := slicesFor("web", "http", refused, good)
+	slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{ip: "127.0.0.1"}))
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
+	port := rules.port(t, "default/web:http")
+	for i := range 20 {
+		name, err := get(t, port)
+		if err != nil || name != "good" {
+			t.Fatalf("request %d = %q, %v; want good", i, name, err)
+		}
+	}
+}
+
+func TestProxyPassesHalfClose(t *testing.T) {
+	// The backend reads the whole request, then answers: it needs the
+	// client's EOF to arrive while its own direction is still open.
+	be := startBackend(t, func(c net.Conn) {
+		n, _ := io.Copy(io.Discard, c)
+		fmt.Fprintf(c, "got %d bytes\n", n)
+	})
+	p, rules := startProxier(t, Config{})
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	port := rules.port(t, "default/web:http")
+	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write(make([]byte, 100000)); err != nil {
+		t.Fatal(err)
+	}
+	c.(*net.TCPConn).CloseWrite()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil || string(got) != "got 100000 bytes\n" {
+		t.Fatalf("response %q, %v", got, err)
+	}
+}
+
+func TestProxyIdleTimeout(t *testing.T) {
+	be := echoBackend(t)
+	const idle = 200 * time.Millisecond
+	p, rules := startProxier(t, Config{IdleTimeout: idle})
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	port := rules.port(t, "default/web:http")
+
+	// A connection that talks every idle/4 stays open for many periods.
+	busy, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	buf := make([]byte, 1)
+	for i := range 20 {
+		busy.SetDeadline(time.Now().Add(time.Second))
+		if _, err := busy.Write([]byte{byte(i)}); err != nil {
+			t.Fatalf("busy write %d: %v", i, err)
+		}
+		if _, err := io.ReadFull(busy, buf); err != nil || buf[0] != byte(i) {
+			t.Fatalf("busy read %d: %v", i, err)
+		}
+		time.Sleep(idle / 4)
+	}
+
+	// A quiet one is closed after one to two periods (plus scheduling).
+	quiet, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer quiet.Close()
+	start := time.Now()
+	quiet.SetDeadline(time.Now().Add(5 * time.Second))
+	_, err = quiet.Read(buf)
+	if elapsed := time.Since(start); err == nil || elapsed < idle || elapsed > 4*idle {
+		t.Fatalf("quiet connection ended after %v with %v; want an error between %v and %v", elapsed, err, idle, 4*idle)
+	}
+}
+
+func TestProxyChecksOriginalDestination(t *testing.T) {
+	be := nameBackend(t, "a")
+	dst := netip.MustParseAddrPort("10.96.0.10:80")
+	var mu sync.Mutex
+	p, rules := startProxier(t, Config{OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return dst, nil
+	}})
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	port := rules.port(t, "default/web:http")
+	if name, err := get(t, port); err != nil || name != "a" {
+		t.Fatalf("matching destination: %q, %v", name, err)
+	}
+	mu.Lock()
+	dst = netip.MustParseAddrPort("10.96.0.11:80") // another service's VIP
+	mu.Unlock()
+	if name, err := get(t, port); err == nil {
+		t.Fatalf("mismatched destination was proxied (got %q)", name)
+	}
+}
+
+func TestProxySessionAffinity(t *testing.T) {
+	a, b := nameBackend(t, "a"), nameBackend(t, "b")
+	p, rules := startProxier(t, Config{})
+	s := svc("web", "10.96.0.10", "http:80")
+	s.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", a, b))
+	port := rules.port(t, "default/web:http")
+	first, err := get(t, port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 10 {
+		if name, err := get(t, port); err != nil || name != first {
+			t.Fatalf("affinity broken: got %q, %v; want %q", name, err, first)
+		}
+	}
+}
+
+func TestReloadKeepsUnchangedConnections(t *testing.T) {
+	be := echoBackend(t)
+	other := nameBackend(t, "other")
+	p, rules := startProxier(t, Config{})
+	web := svc("web", "10.96.0.10", "http:80")
+	gone := svc("gone", "10.96.0.12", "http:80")
+	p.Tracker().Replace([]*v1.Service{web, gone}, append(slicesFor("web", "http", be), slicesFor("gone", "http", other)...))
+	port := rules.port(t, "default/web:http")
+	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	roundTrip := func(msg string) {
+		t.Helper()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+			t.Fatalf("echo %q: got %q, %v", msg, buf, err)
+		}
+	}
+	roundTrip("before")
+
+	// Add a service, remove one, and add an endpoint to web.
+	p.Tracker().Replace([]*v1.Service{web, svc("new", "10.96.0.13", "http:80")},
+		append(slicesFor("web", "http", be, other), slicesFor("new", "http", other)...))
+	rules.port(t, "default/new:http")
+	waitUntil(t, "gone is removed", func() bool { return !rules.has("default/gone:http") })
+	roundTrip("after")
+	if got := rules.port(t, "default/web:http"); got != port {
+		t.Errorf("web's listener moved from %d to %d", port, got)
+	}
+}
+
+func TestShutdownDrains(t *testing.T) {
+	be := echoBackend(t)
+	rules := &recordingRules{}
+	p := NewProxier(Config{Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx); close(done) }()
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	port := rules.port(t, "default/web:http")
+	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
+	cancel()
+	<-done
+
+	// The client finishes its exchange during the drain.
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		c.Write([]byte("bye"))
+		c.(*net.TCPConn).CloseWrite()
+	}()
+	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer scancel()
+	start := time.Now()
+	if err := p.Shutdown(sctx); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if got, _ := io.ReadAll(c); string(got) != "bye" {
+		t.Errorf("drained connection lost data: %q", got)
+	}
+	if time.Since(start) > 4*time.Second {
+		t.Error("Shutdown waited for the deadline although the connection ended")
+	}
+	if _, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", port), time.Second); err == nil {
+		t.Error("listener still accepts after Shutdown")
+	}
+}
+
+func TestShutdownForcesAfterDeadline(t *testing.T) {
+	be := echoBackend(t)
+	rules := &recordingRules{}
+	p := NewProxier(Config{Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx); close(done) }()
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	port := rules.port(t, "default/web:http")
+	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
+	cancel()
+	<-done
+	sctx, scancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer scancel()
+	if err := p.Shutdown(sctx); err == nil || !strings.Contains(err.Error(), "closed 1 connections") {
+		t.Fatalf("Shutdown = %v, want a drain timeout that closed 1 connection", err)
+	}
+	c.SetDeadline(time.Now().Add(time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("forced connection not closed: %v", err)
+	}
+}
+
+func TestRuleFailureForcesFullResync(t *testing.T) {
+	be := nameBackend(t, "a")
+	p, rules := startProxier(t, Config{})
+	rules.mu.Lock()
+	rules.fail = errors.New("iptables-restore: exit status 1")
+	rules.mu.Unlock()
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	waitUntil(t, "two failed attempts", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 2 })
+	rules.mu.Lock()
+	rules.fail = nil
+	rules.mu.Unlock()
+	rules.port(t, "default/web:http") // the retry succeeds without any new event
+	if !p.LastSync().After(time.Time{}) {
+		t.Error("LastSync not recorded")
+	}
+}
+
+// TestNoLeaks runs many connections, of every ending, and checks that
+// goroutines and file descriptors return to their baseline.
+func TestNoLeaks(t *testing.T) {
+	be := echoBackend(t)
+	refused := nameBackend(t, "x")
+	refused.ln.Close()
+	baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
+	func() {
+		p, rules := startProxier(t, Config{IdleTimeout: time.Second})
+		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("dead", "10.96.0.11", "http:80")},
+			append(slicesFor("web", "http", be), slicesFor("dead", "http", refused)...))
+		port, dead := rules.port(t, "default/web:http"), rules.port(t, "default/dead:http")
+		var wg sync.WaitGroup
+		for i := range 200 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				target := port
+				if i%10 == 0 {
+					target = dead
+				}
+				c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", target))
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				switch i % 3 {
+				case 0: // clean half-close
+					c.Write([]byte("hello"))
+					c.(*net.TCPConn).CloseWrite()
+					io.ReadAll(c)
+				case 1: // abrupt reset
+					c.(*net.TCPConn).SetLinger(0)
+				default: // write and drop
+					c.Write([]byte("x"))
+				}
+			}()
+		}
+		wg.Wait()
+		waitUntil(t, "sessions end", func() bool { return p.ActiveConnections() == 0 })
+		p.Shutdown(context.Background())
+	}()
+	waitUntil(t, "goroutines and fds return to baseline", func() bool {
+		return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD+2
+	})
+}
+
+func countFDs(t *testing.T) int {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skip("no /proc/self/fd")
+	}
+	return len(entries)
+}

@@ -1,0 +1,99 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
+)
+
+type runCall struct {
+	at   time.Time
+	full bool
+}
+
+func TestRunnerBoundsFrequency(t *testing.T) {
+	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	clk := clocktesting.NewFakeClock(start)
+	calls := make(chan runCall, 10)
+	fail := make(chan bool, 10)
+	r := NewRunner(RunnerConfig{MinInterval: time.Second, MaxInterval: 30 * time.Second, Clock: clk}, func(ctx context.Context, full bool) error {
+		calls <- runCall{clk.Now(), full}
+		if <-fail {
+			return errors.New("boom")
+		}
+		return nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Loop(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	expect := func(at time.Duration, full bool, failIt bool) {
+		t.Helper()
+		fail <- failIt
+		select {
+		case c := <-calls:
+			if got := c.at.Sub(start); got != at || c.full != full {
+				t.Fatalf("run at %v full=%v; want at %v full=%v", got, c.full, at, full)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no run; want one at %v", at)
+		}
+	}
+	expectNone := func() {
+		t.Helper()
+		select {
+		case c := <-calls:
+			t.Fatalf("unexpected run at %v", c.at.Sub(start))
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	step := func(d time.Duration) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for !clk.HasWaiters() && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		clk.Step(d)
+	}
+
+	// Nothing runs before the first request, not even the periodic run.
+	step(time.Minute)
+	expectNone()
+	start = start.Add(time.Minute)
+
+	r.Run() // the first run is immediate and full
+	expect(0, true, false)
+
+	// Requests within MinInterval are batched into one run at MinInterval.
+	r.Run()
+	r.Run()
+	expectNone()
+	step(500 * time.Millisecond)
+	expectNone()
+	step(500 * time.Millisecond)
+	expect(time.Second, false, false)
+
+	// With no requests, a full run comes every MaxInterval.
+	step(30 * time.Second)
+	expect(31*time.Second, true, false)
+
+	// A failure retries as full, with backoff 1s, 2s, ... until success.
+	r.Run()
+	step(time.Second)
+	expect(32*time.Second, false, true)
+	step(time.Second)
+	expect(33*time.Second, true, true)
+	step(time.Second)
+	expectNone()
+	step(time.Second)
+	expect(35*time.Second, true, false)
+
+	// After success, requests are served at MinInterval again.
+	r.Run()
+	step(time.Second)
+	expect(36*time.Second, false, false)
+}

@@ -1,0 +1,318 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+	"k8s.io/utils/clock"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// errNoEndpoints is returned when a service port has no usable endpoint.
+var errNoEndpoints = errors.New("no usable endpoints")
+
+// session is one proxied TCP connection. Its conns are plain *net.TCPConn
+// values, never wrapped: net.TCPConn.ReadFrom splices only when both sides
+// are bare TCPConns, and a wrapper would silently fall back to copying
+// through userspace buffers.
+type session struct {
+	client *net.TCPConn
+
+	mu       sync.Mutex
+	backend  *net.TCPConn // nil until dialled
+	aborted  bool
+	progress [2]uint64 // TCP_INFO progress counters seen at the last idle check
+}
+
+// setBackend attaches the dialled backend; false if the session was
+// aborted meanwhile (the caller then closes bc).
+func (s *session) setBackend(bc *net.TCPConn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.aborted {
+		return false
+	}
+	s.backend = bc
+	return true
+}
+
+// abort ends both directions at once: it resets and closes both sides, so
+// whichever copy is blocked returns. Used on errors, idle timeouts and
+// forced shutdown.
+func (s *session) abort() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.aborted {
+		return
+	}
+	s.aborted = true
+	for _, c := range []*net.TCPConn{s.client, s.backend} {
+		if c != nil {
+			// Linger 0 makes close send RST, so the peer learns at once that
+			// the stream was cut rather than cleanly finished.
+			_ = c.SetLinger(0)
+			_ = c.Close()
+		}
+	}
+}
+
+func (s *session) isAborted() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.aborted
+}
+
+// stillActive reports whether either socket received data or had sent data
+// acknowledged since the previous call, from the kernel's TCP_INFO
+// counters. A splice in progress is invisible to userspace, so this is how
+// the idle timeout tells a quiet direction of a busy connection from a
+// dead connection, and a peer that stopped reading from one that is slow.
+func (s *session) stillActive() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.aborted || s.backend == nil {
+		return false
+	}
+	now := [2]uint64{tcpProgress(s.client), tcpProgress(s.backend)}
+	changed := now != s.progress
+	s.progress = now
+	return changed
+}
+
+// tcpProgress returns bytes received plus bytes acknowledged by the peer.
+func tcpProgress(c *net.TCPConn) uint64 {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var v uint64
+	_ = rc.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			v = info.Bytes_received + info.Bytes_acked
+		}
+	})
+	return v
+}
+
+// serveTCP carries one accepted connection: check its original
+// destination, pick and dial a backend, then splice both directions.
+func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
+	defer p.endSession(s)
+	snap := l.snap.Load()
+	if p.cfg.OriginalDst != nil {
+		dst, err := p.cfg.OriginalDst(c)
+		if err != nil || dst.Addr().Unmap() != snap.vip.Addr() || dst.Port() != snap.vip.Port() {
+			p.connLog.Warn("dropping connection not addressed to this listener's service",
+				zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst), zap.Error(err))
+			s.abort()
+			return
+		}
+	}
+	client := remoteAddr(c)
+	b, bc, err := p.dialBackend(snap, client.Addr())
+	if err != nil {
+		p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		s.abort()
+		return
+	}
+	defer b.Release()
+	if !s.setBackend(bc) {
+		bc.Close()
+		return
+	}
+	s.pipe(p.cfg.IdleTimeout)
+}
+
+func remoteAddr(c net.Conn) netip.AddrPort {
+	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		ap := a.AddrPort()
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	}
+	return netip.AddrPort{}
+}
+
+// dialBackend picks a backend and connects to it, moving on to another
+// backend when a dial is refused or times out, at most DialAttempts times.
+// Each failure ejects the backend for a while, so the balancers steer the
+// next picks (this connection's and everyone else's) away from it. On
+// success the backend has been Acquired; the caller Releases it.
+func (p *Proxier) dialBackend(snap *snapshot, client netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
+	var errs []error
+	for range p.cfg.dialAttempts() {
+		b := snap.bal.Pick(client)
+		if b == nil {
+			return nil, nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
+		}
+		b.Acquire()
+		c, err := p.dialOnce(b.Addr)
+		if err == nil {
+			p.health.success(b)
+			return b, c, nil
+		}
+		b.Release()
+		p.health.failure(b)
+		errs = append(errs, fmt.Errorf("dial %s: %w", b.Addr, err))
+	}
+	return nil, nil, errors.Join(errs...)
+}
+
+func (p *Proxier) dialOnce(addr netip.AddrPort) (*net.TCPConn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
+	defer cancel()
+	var (
+		c   net.Conn
+		err error
+	)
+	if p.cfg.Dial != nil {
+		c, err = p.cfg.Dial(ctx, "tcp", addr.String())
+	} else {
+		var d net.Dialer
+		c, err = d.DialContext(ctx, "tcp", addr.String())
+	}
+	if err != nil {
+		return nil, err
+	}
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		c.Close()
+		return nil, fmt.Errorf("dialer returned %T, not *net.TCPConn", c)
+	}
+	return tc, nil
+}
+
+// pipe copies both directions until both have ended, then closes both
+// connections. It owns one extra goroutine, which exits when its copy
+// ends (at EOF, on error, or when abort closes its sockets).
+func (s *session) pipe(idle time.Duration) (up, down int64) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		up = s.copyHalf(s.backend, s.client, idle)
+	}()
+	down = s.copyHalf(s.client, s.backend, idle)
+	<-done
+	s.client.Close()
+	s.backend.Close()
+	return up, down
+}
+
+// copyHalf copies src to dst until src's EOF, which it passes on with
+// CloseWrite (the other direction may still be sending: HTTP clients that
+// half-close, for one). Any error aborts the whole session.
+//
+// dst.ReadFrom(src) splices, through a kernel pipe, when both are bare
+// *net.TCPConn. With an idle timeout the read deadline interrupts the
+// splice once per period; a read deadline only interrupts the wait for
+// data to enter the pipe, never the pump out of it, so no byte is lost when
+// the copy resumes.
+func (s *session) copyHalf(dst, src *net.TCPConn, idle time.Duration) int64 {
+	var total int64
+	for {
+		if idle > 0 {
+			_ = src.SetReadDeadline(time.Now().Add(idle))
+		}
+		n, err := dst.ReadFrom(src)
+		total += n
+		if err == nil {
+			_ = dst.CloseWrite()
+			return total
+		}
+		if idle > 0 && isTimeout(err) && (n > 0 || s.stillActive()) {
+			continue
+		}
+		s.abort()
+		return total
+	}
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout() && !errors.Is(err, syscall.ECONNRESET)
+}
+
+// newSession registers a connection so Shutdown can find it; nil once
+// shutting down.
+func (p *Proxier) newSession(c *net.TCPConn) *session {
+	p.sessMu.Lock()
+	defer p.sessMu.Unlock()
+	if p.closing {
+		return nil
+	}
+	s := &session{client: c}
+	p.sessions[s] = struct{}{}
+	p.wg.Add(1)
+	return s
+}
+
+func (p *Proxier) endSession(s *session) {
+	p.sessMu.Lock()
+	delete(p.sessions, s)
+	p.sessMu.Unlock()
+	p.wg.Done()
+}
+
+// health ejects backends that fail to accept connections (passive health
+// checking, like Envoy's outlier detection): the first failure ejects for
+// base, each consecutive one doubles it up to max; a success resets.
+// Safe for concurrent use.
+type health struct {
+	clock     clock.WithTickerAndDelayedExecution
+	base, max time.Duration
+	failing   atomic.Int32 // number of entries in fails; lets success skip the lock
+	mu        sync.Mutex
+	fails     map[*balancer.Backend]int
+}
+
+func newHealth(c clock.WithTickerAndDelayedExecution, base, maxD time.Duration) *health {
+	if base <= 0 {
+		base = time.Second
+	}
+	if maxD <= 0 {
+		maxD = 30 * time.Second
+	}
+	return &health{clock: c, base: base, max: max(base, maxD), fails: map[*balancer.Backend]int{}}
+}
+
+func (h *health) failure(b *balancer.Backend) {
+	h.mu.Lock()
+	n := h.fails[b] + 1
+	if n == 1 {
+		h.failing.Add(1)
+	}
+	h.fails[b] = n
+	h.mu.Unlock()
+	d := h.base << min(n-1, 20)
+	if d > h.max || d <= 0 {
+		d = h.max
+	}
+	b.SetEjected(true)
+	// The timer fires once and exits; re-admission lets the next pick
+	// probe the backend again.
+	h.clock.AfterFunc(d, func() { b.SetEjected(false) })
+}
+
+func (h *health) success(b *balancer.Backend) {
+	if h.failing.Load() == 0 {
+		return
+	}
+	h.forget(b)
+}
+
+func (h *health) forget(b *balancer.Backend) {
+	h.mu.Lock()
+	if _, ok := h.fails[b]; ok {
+		delete(h.fails, b)
+		h.failing.Add(-1)
+	}
+	h.mu.Unlock()
+}

@@ -1,0 +1,322 @@
+package proxy
+
+import (
+	"maps"
+	"slices"
+	"sync"
+
+	"go.uber.org/zap"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+// Tracker records Service and EndpointSlice changes from any source and
+// hands them to the Proxier's sync. Its event methods only record: they
+// validate, store and mark the affected service dirty, then call Notify.
+// It is safe for concurrent use.
+//
+// An invalid object is rejected on its own: it is logged, and the last
+// valid version of that object (if any) stays in effect, so a bad edit
+// never disturbs the service's traffic nor any other service.
+type Tracker struct {
+	// Notify is called, without the lock held, after a change is recorded.
+	// It must not block (the sync runner's Run is the usual value).
+	Notify func()
+	// Logger receives rejections; nil means no logging.
+	Logger *zap.Logger
+
+	mu                           sync.Mutex
+	services                     map[types.NamespacedName]*v1.Service
+	slices                       map[types.NamespacedName]*discovery.EndpointSlice
+	slicesBySvc                  map[types.NamespacedName]map[types.NamespacedName]bool
+	dirty                        map[types.NamespacedName]bool
+	servicesSynced, slicesSynced bool
+	serviceChanges, sliceChanges int
+}
+
+// NewTracker returns an empty tracker.
+func NewTracker(log *zap.Logger, notify func()) *Tracker {
+	return &Tracker{
+		Notify:      notify,
+		Logger:      log,
+		services:    map[types.NamespacedName]*v1.Service{},
+		slices:      map[types.NamespacedName]*discovery.EndpointSlice{},
+		slicesBySvc: map[types.NamespacedName]map[types.NamespacedName]bool{},
+		dirty:       map[types.NamespacedName]bool{},
+	}
+}
+
+func keyOf(ns, name string) types.NamespacedName {
+	if ns == "" {
+		ns = v1.NamespaceDefault
+	}
+	return types.NamespacedName{Namespace: ns, Name: name}
+}
+
+func (t *Tracker) notify() {
+	if t.Notify != nil {
+		t.Notify()
+	}
+}
+
+func (t *Tracker) reject(kind string, key types.NamespacedName, err error) {
+	if t.Logger != nil {
+		t.Logger.Error("rejected invalid object; keeping its last valid version",
+			zap.String("kind", kind), zap.Stringer("object", key), zap.Error(err))
+	}
+}
+
+// OnServiceUpsert records that svc was added or updated.
+func (t *Tracker) OnServiceUpsert(svc *v1.Service) {
+	if t.upsertService(svc) {
+		t.notify()
+	}
+}
+
+func (t *Tracker) upsertService(svc *v1.Service) bool {
+	key := keyOf(svc.Namespace, svc.Name)
+	if err := ValidateService(svc); err != nil {
+		t.reject("Service", key, err)
+		return false
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if old := t.services[key]; old != nil && equality.Semantic.DeepEqual(old.Spec, svc.Spec) &&
+		maps.Equal(old.Annotations, svc.Annotations) && maps.Equal(old.Labels, svc.Labels) {
+		return false
+	}
+	t.services[key] = svc
+	t.dirty[key] = true
+	t.serviceChanges++
+	return true
+}
+
+// OnServiceDelete records that svc was deleted.
+func (t *Tracker) OnServiceDelete(svc *v1.Service) {
+	if t.deleteService(keyOf(svc.Namespace, svc.Name)) {
+		t.notify()
+	}
+}
+
+func (t *Tracker) deleteService(key types.NamespacedName) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, ok := t.services[key]; !ok {
+		return false
+	}
+	delete(t.services, key)
+	t.dirty[key] = true
+	t.serviceChanges++
+	return true
+}
+
+// OnSliceUpsert records that s was added or updated.
+func (t *Tracker) OnSliceUpsert(s *discovery.EndpointSlice) {
+	if t.upsertSlice(s) {
+		t.notify()
+	}
+}
+
+func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
+	key := keyOf(s.Namespace, s.Name)
+	if err := ValidateSlice(s); err != nil {
+		t.reject("EndpointSlice", key, err)
+		return false
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	old := t.slices[key]
+	if old != nil && old.AddressType == s.AddressType && equality.Semantic.DeepEqual(old.Endpoints, s.Endpoints) &&
+		equality.Semantic.DeepEqual(old.Ports, s.Ports) && maps.Equal(old.Labels, s.Labels) {
+		return false
+	}
+	if old != nil {
+		t.unindex(key, old)
+	}
+	t.slices[key] = s
+	if svc := sliceService(s); svc.Name != "" {
+		if t.slicesBySvc[svc] == nil {
+			t.slicesBySvc[svc] = map[types.NamespacedName]bool{}
+		}
+		t.slicesBySvc[svc][key] = true
+		t.dirty[svc] = true
+	}
+	t.sliceChanges++
+	return true
+}
+
+// OnSliceDelete records that s was deleted.
+func (t *Tracker) OnSliceDelete(s *discovery.EndpointSlice) {
+	if t.deleteSlice(keyOf(s.Namespace, s.Name)) {
+		t.notify()
+	}
+}
+
+func (t *Tracker) deleteSlice(key types.NamespacedName) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	old, ok := t.slices[key]
+	if !ok {
+		return false
+	}
+	t.unindex(key, old)
+	delete(t.slices, key)
+	t.sliceChanges++
+	return true
+}
+
+// unindex removes the slice key from its service's index and marks the
+// service dirty. Called with t.mu held.
+func (t *Tracker) unindex(key types.NamespacedName, s *discovery.EndpointSlice) {
+	svc := sliceService(s)
+	if svc.Name == "" {
+		return
+	}
+	delete(t.slicesBySvc[svc], key)
+	if len(t.slicesBySvc[svc]) == 0 {
+		delete(t.slicesBySvc, svc)
+	}
+	t.dirty[svc] = true
+}
+
+func sliceService(s *discovery.EndpointSlice) types.NamespacedName {
+	name := s.Labels[LabelServiceName]
+	if name == "" {
+		return types.NamespacedName{}
+	}
+	return keyOf(s.Namespace, name)
+}
+
+// Replace makes the tracked objects exactly services and slices, recording
+// only what differs. It is how a source that always knows the whole state
+// (the manifest files) reports it. It also marks both initial lists as
+// synced.
+func (t *Tracker) Replace(services []*v1.Service, slices []*discovery.EndpointSlice) {
+	changed := false
+	wantSvc := map[types.NamespacedName]bool{}
+	for _, s := range services {
+		wantSvc[keyOf(s.Namespace, s.Name)] = true
+		changed = t.upsertService(s) || changed
+	}
+	wantSlice := map[types.NamespacedName]bool{}
+	for _, s := range slices {
+		wantSlice[keyOf(s.Namespace, s.Name)] = true
+		changed = t.upsertSlice(s) || changed
+	}
+	t.mu.Lock()
+	var goneSvc, goneSlice []types.NamespacedName
+	for k := range t.services {
+		if !wantSvc[k] {
+			goneSvc = append(goneSvc, k)
+		}
+	}
+	for k := range t.slices {
+		if !wantSlice[k] {
+			goneSlice = append(goneSlice, k)
+		}
+	}
+	first := !t.servicesSynced || !t.slicesSynced
+	t.servicesSynced, t.slicesSynced = true, true
+	t.mu.Unlock()
+	for _, k := range goneSvc {
+		changed = t.deleteService(k) || changed
+	}
+	for _, k := range goneSlice {
+		changed = t.deleteSlice(k) || changed
+	}
+	if changed || first {
+		t.notify()
+	}
+}
+
+// SetServicesSynced records that the initial list of Services has arrived.
+func (t *Tracker) SetServicesSynced() { t.setSynced(&t.servicesSynced) }
+
+// SetSlicesSynced records that the initial list of EndpointSlices has arrived.
+func (t *Tracker) SetSlicesSynced() { t.setSynced(&t.slicesSynced) }
+
+func (t *Tracker) setSynced(flag *bool) {
+	t.mu.Lock()
+	*flag = true
+	t.mu.Unlock()
+	t.notify()
+}
+
+// Synced reports whether both initial lists have arrived. The Proxier
+// never syncs before that, so it never programs a partial state.
+func (t *Tracker) Synced() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.servicesSynced && t.slicesSynced
+}
+
+// ServiceState is one service's objects as of a Take.
+type ServiceState struct {
+	Name    types.NamespacedName
+	Service *v1.Service // nil when the service does not exist
+	Slices  []*discovery.EndpointSlice
+}
+
+// Changes is what a Take returns.
+type Changes struct {
+	// Services lists the state of every service that changed (all of them
+	// on a full take), sorted by name.
+	Services []ServiceState
+	// ServiceChanges and SliceChanges count the recorded events since the
+	// last Take.
+	ServiceChanges, SliceChanges int
+}
+
+// Take returns the services that changed since the last Take and clears
+// the record. With all set it returns every known service, plus those
+// named in also (services the caller still programs, so deletions missed
+// by a failed sync are seen). The returned objects must not be modified.
+func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	names := t.dirty
+	t.dirty = map[types.NamespacedName]bool{}
+	if all {
+		for k := range t.services {
+			names[k] = true
+		}
+		for _, k := range also {
+			names[k] = true
+		}
+	}
+	c := Changes{ServiceChanges: t.serviceChanges, SliceChanges: t.sliceChanges}
+	t.serviceChanges, t.sliceChanges = 0, 0
+	keys := slices.SortedFunc(maps.Keys(names), func(a, b types.NamespacedName) int {
+		if a.Namespace != b.Namespace {
+			if a.Namespace < b.Namespace {
+				return -1
+			}
+			return 1
+		}
+		if a.Name < b.Name {
+			return -1
+		} else if a.Name > b.Name {
+			return 1
+		}
+		return 0
+	})
+	for _, k := range keys {
+		st := ServiceState{Name: k, Service: t.services[k]}
+		for sk := range t.slicesBySvc[k] {
+			st.Slices = append(st.Slices, t.slices[sk])
+		}
+		c.Services = append(c.Services, st)
+	}
+	return c
+}
+
+// Requeue marks names dirty again, for services whose sync failed.
+func (t *Tracker) Requeue(names ...types.NamespacedName) {
+	t.mu.Lock()
+	for _, n := range names {
+		t.dirty[n] = true
+	}
+	t.mu.Unlock()
+}
