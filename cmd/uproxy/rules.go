@@ -24,23 +24,22 @@ type kernelRules struct {
 
 var _ proxy.RuleSyncer = (*kernelRules)(nil)
 
-// newKernelRules checks that the iptables tools are usable. IPv4 is
-// required; IPv6 is optional (a node without ip6tables serves IPv4 only,
-// and says so once if an IPv6 service shows up).
-func newKernelRules(cfg redirect.Config, log *zap.Logger) (*kernelRules, error) {
+// init checks that the iptables tools are usable. IPv4 is required; IPv6
+// is optional (a node without ip6tables serves IPv4 only, and says so once
+// if an IPv6 service shows up).
+func (k *kernelRules) init(cfg redirect.Config) error {
 	cfg.Family = redirect.IPv4
-	v4, err := redirect.New(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("iptables: %w", err)
+	var err error
+	if k.v4, err = redirect.New(cfg); err != nil {
+		return fmt.Errorf("iptables: %w", err)
 	}
-	k := &kernelRules{v4: v4, log: log}
 	if _, err := exec.LookPath("ip6tables"); err == nil {
 		cfg.Family = redirect.IPv6
 		if k.v6, err = redirect.New(cfg); err != nil {
-			log.Warn("ip6tables is not usable; IPv6 service addresses will not be proxied", zap.Error(err))
+			k.log.Warn("ip6tables is not usable; IPv6 service addresses will not be proxied", zap.Error(err))
 		}
 	}
-	return k, nil
+	return nil
 }
 
 func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) error {

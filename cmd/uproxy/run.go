@@ -138,10 +138,9 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 // run wires the proxier to its source and the kernel, and runs until ctx
 // is done; then it drains.
 func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
-	rules, err := newKernelRules(redirect.Config{Wait: o.iptablesWait}, log.Named("rules"))
-	if err != nil {
-		return err
-	}
+	// Read the manifests before touching the kernel: a typo must stop us
+	// with the file and document named, not after half a setup.
+	rules := &kernelRules{log: log.Named("rules")}
 	p := proxy.NewProxier(proxy.Config{
 		Rules:        rules,
 		OriginalDst:  redirect.OriginalDst,
@@ -156,6 +155,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	src := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
 	if err := src.Load(); err != nil {
 		return fmt.Errorf("loading manifests: %w", err)
+	}
+	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
+		return err
 	}
 
 	// Goroutines owned here: the sync loop and the file watcher. Both

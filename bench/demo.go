@@ -1,0 +1,189 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/bench/lab"
+)
+
+// newDemoCommand tells uproxy's story in a throw-away lab: pods, the
+// rules uproxy installs, and requests to a ClusterIP spreading over the
+// pods, from the node and from a pod.
+func newDemoCommand() *cobra.Command {
+	var uproxyBin, manifests string
+	var keep bool
+	cmd := &cobra.Command{
+		Use:   "demo",
+		Short: "Build a namespace lab, run uproxy with the example manifests, and show it working",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+			defer stop()
+			return demo(ctx, cmd.OutOrStdout(), uproxyBin, manifests, keep)
+		},
+	}
+	cmd.Flags().StringVar(&uproxyBin, "uproxy", "bin/uproxy", "The uproxy binary to run.")
+	cmd.Flags().StringVar(&manifests, "manifests", "deploy/examples", "The manifests uproxy serves.")
+	cmd.Flags().BoolVar(&keep, "pause", false, "Wait for Ctrl-C before tearing the lab down, to explore it (ip netns exec <node> …).")
+	return cmd
+}
+
+func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause bool) error {
+	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
+	step := func(title string) { say("\n\033[1m== %s\033[0m", title) }
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	if uproxyBin, err = filepath.Abs(uproxyBin); err != nil {
+		return err
+	}
+	if manifests, err = filepath.Abs(manifests); err != nil {
+		return err
+	}
+	if _, err := os.Stat(uproxyBin); err != nil {
+		return fmt.Errorf("%w (run make build first)", err)
+	}
+
+	step("1. A node and four pods, each in its own network namespace")
+	l, err := lab.New(lab.Options{})
+	if err != nil {
+		return err
+	}
+	defer func() {
+		step("6. Tearing down")
+		l.Close()
+		say("removed every namespace and process the demo created; the host was never touched")
+	}()
+	for i := range 3 {
+		p, err := l.AddPod(fmt.Sprintf("web-%d", i))
+		if err != nil {
+			return err
+		}
+		if _, err := l.Start(p.NS, p.Name, self, "serve", "--name", p.Name, "--listen", ":8080"); err != nil {
+			return err
+		}
+		say("pod %-7s %s  serving HTTP on :8080", p.Name, p.IP)
+	}
+	client, err := l.AddPod("client")
+	if err != nil {
+		return err
+	}
+	say("pod %-7s %s  (sends requests)", client.Name, client.IP)
+	say("node namespace: %s (bridge 10.244.0.1/24)", l.Node)
+
+	step("2. uproxy starts with the manifests in " + manifests)
+	up, err := l.Start(l.Node, "uproxy", uproxyBin, "run", "--config", manifests, "--iptables-min-sync-period", "100ms")
+	if err != nil {
+		return err
+	}
+	if err := waitFor(ctx, 10*time.Second, func() bool {
+		s, _ := l.Exec(ctx, l.Node, "iptables-save", "-t", "nat")
+		return strings.Count(s, "-j REDIRECT") >= 3
+	}); err != nil {
+		return fmt.Errorf("uproxy did not install its rules: %w\n%s", err, up.Output())
+	}
+	for _, line := range strings.Split(strings.TrimSpace(up.Output()), "\n") {
+		if strings.Contains(line, "listening") {
+			say("  %s", line)
+		}
+	}
+
+	step("3. The rules it installed (iptables-save -t nat, in the node namespace)")
+	rules, err := l.Exec(ctx, l.Node, "iptables-save", "-t", "nat")
+	if err != nil {
+		return err
+	}
+	for _, line := range strings.Split(rules, "\n") {
+		if strings.Contains(line, "UPROXY") {
+			say("  %s", line)
+		}
+	}
+	say("PREROUTING catches pods' traffic, OUTPUT the node's own; each VIP:port is REDIRECTed\n" +
+		"to its listener, which reads the original destination back with SO_ORIGINAL_DST.")
+
+	step("4. 30 requests to http://10.96.0.10/ (round-robin), from the client pod and from the node")
+	for _, from := range []struct{ name, ns string }{{"client pod", client.NS}, {"node", l.Node}} {
+		res, err := get(ctx, l, from.ns, self, "http://10.96.0.10/", 30)
+		if err != nil {
+			return err
+		}
+		say("  from the %-10s %s   (the pods saw client %s)", from.name+":", spread(res.Counts), strings.Join(slices.Sorted(maps.Keys(res.Peers)), ", "))
+	}
+	say("  one of them with curl, from the client pod:")
+	if curl, err := l.Exec(ctx, client.NS, "curl", "-sS", "--max-time", "5", "http://10.96.0.10/"); err == nil {
+		say("  $ curl http://10.96.0.10/\n  %s", strings.TrimSpace(curl))
+	} else {
+		say("  (curl is not installed: %v)", err)
+	}
+
+	step("5. Other balancers: weighted 3:1:1 (10.96.0.11) and ClientIP affinity (10.96.0.12:8000)")
+	for _, s := range []struct{ what, url string }{
+		{"weighted-round-robin", "http://10.96.0.11/"},
+		{"sessionAffinity ClientIP", "http://10.96.0.12:8000/"},
+	} {
+		res, err := get(ctx, l, client.NS, self, s.url, 25)
+		if err != nil {
+			return err
+		}
+		say("  %-26s %s", s.what+":", spread(res.Counts))
+	}
+	if pause {
+		say("\nThe lab is up: try  ip netns exec %s curl http://10.96.0.10/  — Ctrl-C to tear down.", client.NS)
+		<-ctx.Done()
+	}
+	return nil
+}
+
+// get runs `bench get` inside ns and decodes its answer.
+func get(ctx context.Context, l *lab.Lab, ns, self, url string, n int) (GetResult, error) {
+	var res GetResult
+	out, err := l.Exec(ctx, ns, self, "get", "-n", fmt.Sprint(n), url)
+	if err != nil {
+		return res, err
+	}
+	if err := json.Unmarshal([]byte(out), &res); err != nil {
+		return res, fmt.Errorf("decoding %q: %w", out, err)
+	}
+	if res.Errors > 0 {
+		return res, fmt.Errorf("%d of %d requests to %s failed; first: %s", res.Errors, n, url, res.FirstError)
+	}
+	return res, nil
+}
+
+func spread(counts map[string]int) string {
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(counts)) {
+		parts = append(parts, fmt.Sprintf("%s=%d", k, counts[k]))
+	}
+	return strings.Join(parts, " ")
+}
+
+func waitFor(ctx context.Context, timeout time.Duration, cond func() bool) error {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if cond() {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	return errors.New("timed out")
+}

@@ -1,0 +1,27 @@
+// Command bench is uproxy's lab tool: the network-namespace lab, the
+// backends and load generators that run inside it, the demo, and the
+// side-by-side benchmarks.
+//
+//	go run ./bench <part> [flags]
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/spf13/cobra"
+)
+
+func main() {
+	root := &cobra.Command{
+		Use:           "bench",
+		Short:         "uproxy's lab: backends, clients, the demo and the benchmarks, in network namespaces",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand())
+	if err := root.Execute(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
