@@ -7,6 +7,7 @@ package lab
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 )
 
 // envNetns is set, in a re-executed test process, to the namespace it runs in.
@@ -69,7 +71,20 @@ func RunInNetns(t *testing.T, cmds ...string) bool {
 	if sub := subName(t.Name()); sub != "" {
 		args[len(args)-3] += "/^" + sub + "$"
 	}
-	cmd := exec.Command("ip", args...)
+	// The inner run gets the outer one's remaining time, less a margin, so
+	// a hung inner test fails (and the namespace is still deleted) before
+	// the outer test binary is killed.
+	timeout := 10 * time.Minute
+	if d, ok := t.Deadline(); ok {
+		timeout = time.Until(d) - 10*time.Second
+		if timeout < 10*time.Second {
+			timeout = 10 * time.Second
+		}
+	}
+	args = append(args, "-test.timeout="+timeout.String())
+	ctx, cancel := context.WithTimeout(context.Background(), timeout+5*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", args...)
 	cmd.Env = append(os.Environ(), envNetns+"="+ns)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out

@@ -1,0 +1,61 @@
+# uproxy — see README.md. Every target that needs root-only tools checks for
+# them, installs the Debian packages when run as root, and otherwise prints
+# the exact apt-get command.
+
+GO        ?= go
+BIN       := bin
+# Debian packages the tests need (the e2e tests build namespaces, install
+# iptables rules in them, and run a real etcd and kube-apiserver).
+TEST_PKGS := iptables iproute2 ipset curl socat etcd-server
+DEMO_PKGS := iptables iproute2 curl
+GOTESTFLAGS ?=
+
+.PHONY: all build test test-short demo deps-test deps-demo vet fmt clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN)/uproxy ./cmd/uproxy
+
+# make test: vet, then every test with the race detector. Root-only tests
+# skip (saying why) when not run as root; CI runs as root.
+test: deps-test
+	$(GO) vet ./...
+	$(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
+
+# test-short: the unit tests only (no root needed).
+test-short:
+	$(GO) test -race -count=1 -short ./...
+
+demo: deps-demo build
+	$(GO) run ./bench demo --uproxy $(BIN)/uproxy --manifests deploy/examples
+
+# apt-ensure: as root, install the missing packages; otherwise print the
+# exact command and carry on (the tests that need them skip, saying why).
+define apt-ensure
+	@missing=""; for p in $(1); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" -eq 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	  else \
+	    echo "missing Debian packages:$$missing"; \
+	    echo "install them with: sudo apt-get update && sudo apt-get install -y$$missing"; \
+	  fi; \
+	fi
+endef
+
+deps-test:
+	$(call apt-ensure,$(TEST_PKGS))
+
+deps-demo:
+	$(call apt-ensure,$(DEMO_PKGS))
+
+fmt:
+	gofmt -w $$(git ls-files '*.go')
+
+clean:
+	rm -rf $(BIN)
