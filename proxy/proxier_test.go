@@ -532,3 +532,36 @@ func countFDs(t *testing.T) int {
 	}
 	return len(entries)
 }
+
+func TestListenerPortsComeFromTheRange(t *testing.T) {
+	be := nameBackend(t, "a")
+	// Take a port inside the range so the allocator has to skip it.
+	busy, err := net.Listen("tcp4", "0.0.0.0:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	base := busy.Addr().(*net.TCPAddr).Port
+	if base > 65530 {
+		t.Skip("ephemeral port too close to the top of the range")
+	}
+	p, rules := startProxier(t, Config{PortRange: PortRange{Base: uint16(base), Size: 3}})
+	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
+		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
+	pa, pb := rules.port(t, "default/a:http"), rules.port(t, "default/b:http")
+	got := map[int]bool{pa: true, pb: true}
+	if !cmp.Equal(got, map[int]bool{base + 1: true, base + 2: true}) {
+		t.Errorf("listener ports %d and %d; want %d and %d (skipping the busy %d)", pa, pb, base+1, base+2, base)
+	}
+	// The range is full now: a third service cannot listen, and says so,
+	// while the others keep working.
+	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80"), svc("c", "10.96.0.12", "http:80")},
+		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
+	time.Sleep(100 * time.Millisecond)
+	if rules.has("default/c:http") {
+		t.Error("a service got a listener outside the range")
+	}
+	if name, err := get(t, pa); err != nil || name != "a" {
+		t.Errorf("service a broke: %q, %v", name, err)
+	}
+}
