@@ -71,6 +71,26 @@ func ValidateService(svc *v1.Service) error {
 		if tp := p.TargetPort; tp.IntVal < 0 || tp.IntVal > 65535 {
 			return fmt.Errorf("%s.targetPort: %d is not in 0-65535", field, tp.IntVal)
 		}
+		if p.NodePort < 0 || p.NodePort > 65535 {
+			return fmt.Errorf("%s.nodePort: %d is not in 0-65535", field, p.NodePort)
+		}
+	}
+	if _, err := parseIPs("spec.externalIPs", svc.Spec.ExternalIPs); err != nil {
+		return err
+	}
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		if ing.IP == "" {
+			continue // a hostname-only ingress: nothing to intercept
+		}
+		if _, err := parseIPs(fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), []string{ing.IP}); err != nil {
+			return err
+		}
+	}
+	if _, err := sourceRanges(svc); err != nil {
+		return err
+	}
+	if hc := svc.Spec.HealthCheckNodePort; hc < 0 || hc > 65535 {
+		return fmt.Errorf("spec.healthCheckNodePort: %d is not in 0-65535", hc)
 	}
 	if _, err := parseBalancer(svc.Annotations); err != nil {
 		return err
@@ -189,6 +209,33 @@ func clusterIPs(svc *v1.Service) ([]netip.Addr, error) {
 	return out, nil
 }
 
+// parseIPs parses addresses, naming the field of the first bad one.
+func parseIPs(field string, raw []string) ([]netip.Addr, error) {
+	var out []netip.Addr
+	for i, r := range raw {
+		ip, err := netip.ParseAddr(strings.TrimSpace(r))
+		if err != nil || ip.Zone() != "" || ip.IsUnspecified() {
+			return nil, fmt.Errorf("%s[%d]: %q is not a valid IP address", field, i, r)
+		}
+		out = append(out, ip.Unmap())
+	}
+	return out, nil
+}
+
+// sourceRanges parses spec.loadBalancerSourceRanges. Like kube-proxy it
+// accepts surrounding spaces.
+func sourceRanges(svc *v1.Service) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for i, r := range svc.Spec.LoadBalancerSourceRanges {
+		p, err := netip.ParsePrefix(strings.TrimSpace(r))
+		if err != nil {
+			return nil, fmt.Errorf("spec.loadBalancerSourceRanges[%d]: %q is not a CIDR", i, r)
+		}
+		out = append(out, p.Masked())
+	}
+	return out, nil
+}
+
 func parseBalancer(ann map[string]string) (balancer.Kind, error) {
 	v, ok := ann[AnnotationBalancer]
 	if !ok {
@@ -265,16 +312,44 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 		}
 	}
 	name := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
+	nodePorts := svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer
+	externalIPs, _ := parseIPs("", svc.Spec.ExternalIPs)
+	var lbIPs []netip.Addr
+	if svc.Spec.Type == v1.ServiceTypeLoadBalancer {
+		for _, ing := range svc.Status.LoadBalancer.Ingress {
+			// ipMode Proxy: the load balancer rewrites the destination to the
+			// node, so the node must not intercept the IP (KEP-1860).
+			if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == v1.LoadBalancerIPModeProxy) {
+				continue
+			}
+			ip, _ := parseIPs("", []string{ing.IP})
+			lbIPs = append(lbIPs, ip...)
+		}
+	}
+	ranges, _ := sourceRanges(svc)
+	internalLocal := svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal
 	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
 	for _, p := range svc.Spec.Ports {
-		out = append(out, &ServicePort{
-			Name:            ServicePortName{NamespacedName: name, Port: p.Name, Protocol: protocolOf(p.Protocol)},
-			ClusterIPs:      ips,
-			Port:            uint16(p.Port),
-			Balancer:        kind,
-			Weights:         weights,
-			AffinityTimeout: affinity,
-		})
+		sp := &ServicePort{
+			Name:                ServicePortName{NamespacedName: name, Port: p.Name, Protocol: protocolOf(p.Protocol)},
+			ClusterIPs:          ips,
+			Port:                uint16(p.Port),
+			ExternalIPs:         externalIPs,
+			LoadBalancerIPs:     lbIPs,
+			SourceRanges:        ranges,
+			InternalPolicyLocal: internalLocal,
+			Balancer:            kind,
+			Weights:             weights,
+			AffinityTimeout:     affinity,
+		}
+		if nodePorts {
+			sp.NodePort = uint16(p.NodePort)
+		}
+		sp.ExternalPolicyLocal = svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && sp.ExternallyAccessible()
+		if sp.ExternalPolicyLocal && svc.Spec.Type == v1.ServiceTypeLoadBalancer {
+			sp.HealthCheckNodePort = uint16(svc.Spec.HealthCheckNodePort)
+		}
+		out = append(out, sp)
 	}
 	return out
 }
@@ -326,6 +401,14 @@ func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoin
 			if ep.Zone != nil {
 				e.Zone = *ep.Zone
 			}
+			if h := ep.Hints; h != nil {
+				for _, z := range h.ForZones {
+					e.ZoneHints = append(e.ZoneHints, z.Name)
+				}
+				for _, n := range h.ForNodes {
+					e.NodeHints = append(e.NodeHints, n.Name)
+				}
+			}
 			out = append(out, e)
 		}
 	}
@@ -353,24 +436,4 @@ func sortedSlices(in []*discovery.EndpointSlice) []*discovery.EndpointSlice {
 	out := slices.Clone(in)
 	slices.SortFunc(out, func(a, b *discovery.EndpointSlice) int { return strings.Compare(a.Name, b.Name) })
 	return out
-}
-
-// UsableEndpoints returns the endpoints that get new connections: the
-// ready ones, or, when none is ready, the ones that are still serving while
-// terminating (kube-proxy's fallback, so a rolling update does not drop
-// traffic while the last pods drain).
-func UsableEndpoints(eps []Endpoint) []Endpoint {
-	var ready, fallback []Endpoint
-	for _, e := range eps {
-		switch {
-		case e.Ready:
-			ready = append(ready, e)
-		case e.Serving && e.Terminating:
-			fallback = append(fallback, e)
-		}
-	}
-	if len(ready) > 0 {
-		return ready
-	}
-	return fallback
 }

@@ -157,29 +157,6 @@ func TestPortEndpoints(t *testing.T) {
 	}
 }
 
-func TestUsableEndpoints(t *testing.T) {
-	ready := Endpoint{Addr: netip.MustParseAddrPort("10.244.0.1:80"), Ready: true, Serving: true}
-	draining := Endpoint{Addr: netip.MustParseAddrPort("10.244.0.2:80"), Serving: true, Terminating: true}
-	dead := Endpoint{Addr: netip.MustParseAddrPort("10.244.0.3:80"), Terminating: true}
-	notReady := Endpoint{Addr: netip.MustParseAddrPort("10.244.0.4:80")}
-	tests := []struct {
-		name string
-		in   []Endpoint
-		want []Endpoint
-	}{
-		{"ready wins", []Endpoint{ready, draining, dead, notReady}, []Endpoint{ready}},
-		{"fallback to serving terminating", []Endpoint{draining, dead, notReady}, []Endpoint{draining}},
-		{"nothing usable", []Endpoint{dead, notReady}, nil},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			if diff := cmp.Diff(tt.want, UsableEndpoints(tt.in), cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
-				t.Errorf("mismatch (-want +got):\n%s", diff)
-			}
-		})
-	}
-}
-
 func TestParseWeights(t *testing.T) {
 	tests := []struct {
 		in      string

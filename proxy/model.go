@@ -70,6 +70,27 @@ type ServicePort struct {
 	ClusterIPs []netip.Addr
 	// Port is the service port that clients connect to.
 	Port uint16
+	// NodePort is the port on the node's addresses; zero means none.
+	NodePort uint16
+	// ExternalIPs are spec.externalIPs: addresses routed to the node that
+	// are proxied like the cluster IP, at Port.
+	ExternalIPs []netip.Addr
+	// LoadBalancerIPs are the status.loadBalancer.ingress IPs whose ipMode
+	// is not Proxy (those the load balancer delivers to the node unchanged).
+	LoadBalancerIPs []netip.Addr
+	// SourceRanges are spec.loadBalancerSourceRanges: when set, only these
+	// clients may reach the LoadBalancer IPs.
+	SourceRanges []netip.Prefix
+	// ExternalPolicyLocal: externalTrafficPolicy Local. External traffic
+	// (node ports, external and load-balancer IPs) goes only to endpoints
+	// on this node.
+	ExternalPolicyLocal bool
+	// InternalPolicyLocal: internalTrafficPolicy Local. Cluster-IP traffic
+	// goes only to endpoints on this node.
+	InternalPolicyLocal bool
+	// HealthCheckNodePort serves the service's local-endpoint health for
+	// external load balancers; zero means none.
+	HealthCheckNodePort uint16
 	// Balancer is the algorithm for this port: the Service's annotation,
 	// else the proxy's default.
 	Balancer balancer.Kind
@@ -78,6 +99,28 @@ type ServicePort struct {
 	// AffinityTimeout is the ClientIP session affinity timeout; zero means
 	// no session affinity.
 	AffinityTimeout time.Duration
+}
+
+// ExternallyAccessible reports whether the port takes traffic from outside
+// the cluster (kube-proxy's definition): a node port, external IPs or
+// load-balancer IPs.
+func (sp *ServicePort) ExternallyAccessible() bool {
+	return sp.NodePort != 0 || len(sp.ExternalIPs) > 0 || len(sp.LoadBalancerIPs) > 0
+}
+
+// UsesClusterEndpoints reports whether any traffic to the port may go to
+// endpoints on other nodes. Even with externalTrafficPolicy Local, pods and
+// the node itself reaching an external address are sent to the cluster
+// endpoints (kube-proxy's short circuit), so only internal Local without
+// external access avoids them.
+func (sp *ServicePort) UsesClusterEndpoints() bool {
+	return !sp.InternalPolicyLocal || sp.ExternallyAccessible()
+}
+
+// UsesLocalEndpoints reports whether some traffic to the port is limited
+// to endpoints on this node.
+func (sp *ServicePort) UsesLocalEndpoints() bool {
+	return sp.InternalPolicyLocal || (sp.ExternalPolicyLocal && sp.ExternallyAccessible())
 }
 
 // Endpoint is one endpoint of a service port, with its slice's port
@@ -89,18 +132,55 @@ type Endpoint struct {
 	Terminating bool
 	NodeName    string
 	Zone        string
+	// ZoneHints and NodeHints are the slice's topology hints (forZones,
+	// forNodes), set by the EndpointSlice controller for
+	// trafficDistribution and topology-aware routing.
+	ZoneHints []string
+	NodeHints []string
 }
+
+// InterceptKind says which kind of service address an intercept catches.
+type InterceptKind int
+
+// The kinds of intercepted addresses.
+const (
+	ClusterIP InterceptKind = iota
+	ExternalIP
+	LoadBalancerIP
+	NodePort
+)
+
+var interceptKindNames = [...]string{"ClusterIP", "ExternalIP", "LoadBalancerIP", "NodePort"}
+
+func (k InterceptKind) String() string { return interceptKindNames[k] }
 
 // Intercept is one destination whose traffic the kernel must deliver to a
 // local listener.
 type Intercept struct {
 	Service  ServicePortName
+	Kind     InterceptKind
 	Protocol v1.Protocol
-	// VIP and Port are the destination clients use.
+	// VIP and Port are the destination clients use. For a NodePort, VIP is
+	// the unspecified address of the family (any local address, as
+	// --nodeport-addresses admits) and Port the node port.
 	VIP  netip.Addr
 	Port uint16
 	// ListenPort is the local listener's port (same family as VIP).
 	ListenPort uint16
+	// SourceRanges, for a LoadBalancerIP, are the only clients allowed; nil
+	// means all.
+	SourceRanges []netip.Prefix
+}
+
+// ServiceHealthSyncer serves the health-check node ports of services with
+// externalTrafficPolicy Local (healthcheck.ServiceHealth implements it).
+// The Proxier calls it from its sync goroutine only, after every sync,
+// with the complete state.
+type ServiceHealthSyncer interface {
+	// SyncServices sets which services have a health-check port, and which.
+	SyncServices(ports map[types.NamespacedName]uint16) error
+	// SyncEndpoints sets each service's number of ready local endpoints.
+	SyncEndpoints(counts map[types.NamespacedName]int) error
 }
 
 // RuleSyncer programs the kernel so that each intercept reaches its

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -56,6 +57,25 @@ type Config struct {
 	// connection is skipped by the balancers; it doubles with each
 	// consecutive failure up to EjectMax. Zeros mean 1s and 30s.
 	EjectBase, EjectMax time.Duration
+	// NodeName is this node's name, as endpoints' nodeName gives it: it
+	// decides which endpoints are local. Empty means none is.
+	NodeName string
+	// ClusterCIDRs are the pod networks (--cluster-cidr). Like kube-proxy,
+	// uproxy sends pods that reach a service's external address to the
+	// cluster endpoints even under externalTrafficPolicy Local. Nil means
+	// only the node's own addresses count as internal clients.
+	ClusterCIDRs []netip.Prefix
+	// LocalAddrs lists the node's own addresses; clients using them count
+	// as internal (kube-proxy's "addrtype LOCAL" short circuit). Nil means
+	// the addresses of net.InterfaceAddrs, read at every sync.
+	LocalAddrs func() ([]netip.Addr, error)
+	// ServiceHealth receives the health-check node ports and local
+	// endpoint counts of externalTrafficPolicy Local services after every
+	// sync; nil means they are not served.
+	ServiceHealth ServiceHealthSyncer
+	// OnSync is called after every successful sync, from the sync
+	// goroutine; nil means nothing is. The health server uses it.
+	OnSync func()
 	// Logger receives the proxier's logs; nil means none.
 	Logger *zap.Logger
 	// Clock is the time source for sync and ejection timing; nil means the
@@ -111,7 +131,10 @@ type Proxier struct {
 	services   map[types.NamespacedName]map[portKey]*listener
 	rulesDirty bool
 
-	lastSync atomic.Int64 // unix nanos of the last successful sync
+	lastSync   atomic.Int64 // unix nanos of the last successful sync
+	zone       atomic.Pointer[string]
+	forceFull  atomic.Bool
+	localAddrs atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
 
 	sessMu   sync.Mutex
 	sessions map[*session]struct{}
@@ -141,6 +164,69 @@ func NewProxier(cfg Config) *Proxier {
 
 // Tracker returns the tracker that sources feed.
 func (p *Proxier) Tracker() *Tracker { return p.tracker }
+
+// SetZone records this node's topology zone (its topology.kubernetes.io/zone
+// label). A change re-evaluates every service's topology hints with a full
+// sync. Safe for concurrent use.
+func (p *Proxier) SetZone(zone string) {
+	if old := p.zone.Swap(&zone); old == nil || *old != zone {
+		p.forceFull.Store(true)
+		p.runner.Run()
+	}
+}
+
+func (p *Proxier) currentZone() string {
+	if z := p.zone.Load(); z != nil {
+		return *z
+	}
+	return ""
+}
+
+// refreshLocalAddrs re-reads the node's addresses.
+func (p *Proxier) refreshLocalAddrs() {
+	var addrs []netip.Addr
+	if p.cfg.LocalAddrs != nil {
+		var err error
+		if addrs, err = p.cfg.LocalAddrs(); err != nil {
+			p.log.Warn("cannot list the node's addresses", zap.Error(err))
+			return
+		}
+	} else {
+		ifAddrs, err := net.InterfaceAddrs()
+		if err != nil {
+			p.log.Warn("cannot list the node's addresses", zap.Error(err))
+			return
+		}
+		for _, a := range ifAddrs {
+			if n, ok := a.(*net.IPNet); ok {
+				if ip, ok := netip.AddrFromSlice(n.IP); ok {
+					addrs = append(addrs, ip.Unmap())
+				}
+			}
+		}
+	}
+	slices.SortFunc(addrs, netip.Addr.Compare)
+	p.localAddrs.Store(&addrs)
+}
+
+// internalClient reports whether a client is a pod or the node itself, which
+// kube-proxy sends to the cluster endpoints even when they reach a service
+// through an external address with externalTrafficPolicy Local.
+func (p *Proxier) internalClient(ip netip.Addr) bool {
+	if ip.IsLoopback() {
+		return true
+	}
+	for _, c := range p.cfg.ClusterCIDRs {
+		if c.Contains(ip) {
+			return true
+		}
+	}
+	if addrs := p.localAddrs.Load(); addrs != nil {
+		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
+		return found
+	}
+	return false
+}
 
 // Run syncs until ctx is done. It does not close listeners: call Shutdown.
 func (p *Proxier) Run(ctx context.Context) { p.runner.Loop(ctx) }
@@ -178,6 +264,8 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		return nil
 	}
 	start := p.cfg.clock().Now()
+	full = p.forceFull.Swap(false) || full
+	p.refreshLocalAddrs()
 	var programmed []types.NamespacedName
 	if full {
 		for name := range p.services {
@@ -185,9 +273,11 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		}
 	}
 	ch := p.tracker.Take(full, programmed)
+	zone := p.currentZone()
 	for _, st := range ch.Services {
-		p.applyService(ctx, st)
+		p.applyService(ctx, st, zone)
 	}
+	p.syncServiceHealth()
 	wrote := false
 	if p.cfg.Rules != nil && (full || p.rulesDirty) {
 		if err := p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
@@ -200,6 +290,9 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	p.rulesDirty = false
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
+	if p.cfg.OnSync != nil {
+		p.cfg.OnSync()
+	}
 	nsvc, neps := p.counts()
 	p.log.Info("synced",
 		zap.Bool("full", full),
@@ -222,7 +315,7 @@ func (p *Proxier) counts() (services, endpoints int) {
 }
 
 // applyService makes the listeners of one service match its objects.
-func (p *Proxier) applyService(ctx context.Context, st ServiceState) {
+func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string) {
 	var ports []*ServicePort
 	if st.Service != nil {
 		ports = ServicePorts(st.Service, p.cfg.Defaults)
@@ -262,11 +355,10 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState) {
 				p.services[st.Name] = have
 			}
 			have[k] = l
-			p.rulesDirty = true
 		}
 		old := l.snap.Load()
-		next := p.buildSnapshot(l, sp, netip.AddrPortFrom(vips[k], sp.Port), st, old)
-		if old == nil || old.vip != next.vip {
+		next := p.buildSnapshot(l, sp, vips[k], st, zone, old)
+		if old == nil || !slices.EqualFunc(l.intercepts(old), l.intercepts(next), interceptEqual) {
 			p.rulesDirty = true
 		}
 		l.snap.Store(next)
@@ -281,36 +373,51 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState) {
 
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
-func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.AddrPort, st ServiceState, old *snapshot) *snapshot {
-	var eps []Endpoint
+func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot) *snapshot {
+	s := &snapshot{sp: sp, vip: netip.AddrPortFrom(vip, sp.Port), nodePort: sp.NodePort}
+	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
+		if ip.Is6() == l.key.v6 {
+			s.external = append(s.external, ip)
+		}
+	}
 	for _, e := range PortEndpoints(sp, st.Slices) {
 		if e.Addr.Addr().Is6() == l.key.v6 {
-			eps = append(eps, e)
+			s.endpoints = append(s.endpoints, e)
 		}
 	}
-	usable := UsableEndpoints(eps)
-	backends := make([]*balancer.Backend, 0, len(usable))
-	for _, e := range usable {
-		w := sp.Weights[e.Addr.Addr()]
-		var b *balancer.Backend
-		if old != nil {
-			if ob := old.backend(e.Addr); ob != nil && ob.Weight == w {
-				b = ob
+	s.sets = CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
+
+	// One Backend per endpoint address, shared by both sets.
+	byAddr := map[netip.AddrPort]*balancer.Backend{}
+	backendsOf := func(eps []Endpoint) []*balancer.Backend {
+		out := make([]*balancer.Backend, 0, len(eps))
+		for _, e := range eps {
+			b := byAddr[e.Addr]
+			if b == nil {
+				w := sp.Weights[e.Addr.Addr()]
+				if old != nil {
+					if ob := old.backend(e.Addr); ob != nil && ob.Weight == w {
+						b = ob
+					}
+				}
+				if b == nil {
+					b = balancer.NewBackend(e.Addr, w)
+				}
+				byAddr[e.Addr] = b
+				s.backends = append(s.backends, b)
 			}
+			out = append(out, b)
 		}
-		if b == nil {
-			b = balancer.NewBackend(e.Addr, w)
-		}
-		backends = append(backends, b)
+		return out
 	}
+	cluster, local := backendsOf(s.sets.Cluster), backendsOf(s.sets.Local)
 	if old != nil {
 		for _, ob := range old.backends {
-			if !slices.Contains(backends, ob) {
+			if byAddr[ob.Addr] != ob {
 				p.health.forget(ob)
 			}
 		}
 	}
-	bal := balancer.New(sp.Balancer, backends)
 	if sp.AffinityTimeout > 0 {
 		if l.affinity == nil || l.affinityTimeout != sp.AffinityTimeout {
 			l.affinity = balancer.NewAffinityTable(balancer.AffinityConfig{
@@ -319,11 +426,58 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.AddrPort
 			})
 			l.affinityTimeout = sp.AffinityTimeout
 		}
-		bal = l.affinity.Wrap(bal, backends)
 	} else {
 		l.affinity = nil
 	}
-	return &snapshot{sp: sp, vip: vip, endpoints: eps, backends: backends, bal: bal}
+	build := func(bs []*balancer.Backend) balancer.Balancer {
+		bal := balancer.New(sp.Balancer, bs)
+		if l.affinity != nil {
+			bal = l.affinity.Wrap(bal, bs)
+		}
+		return bal
+	}
+	s.cluster, s.local = build(cluster), build(local)
+	return s
+}
+
+// intercepts returns the addresses whose traffic the kernel must send to
+// l, given its snapshot s.
+func (l *listener) intercepts(s *snapshot) []Intercept {
+	proto := s.sp.Name.Protocol
+	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: l.port}
+	out := []Intercept{with(base, ClusterIP, s.vip.Addr())}
+	for _, ip := range s.sp.ExternalIPs {
+		if ip.Is6() == l.key.v6 {
+			out = append(out, with(base, ExternalIP, ip))
+		}
+	}
+	for _, ip := range s.sp.LoadBalancerIPs {
+		if ip.Is6() == l.key.v6 {
+			i := with(base, LoadBalancerIP, ip)
+			i.SourceRanges = s.sp.SourceRanges
+			out = append(out, i)
+		}
+	}
+	if s.nodePort != 0 {
+		any := netip.IPv4Unspecified()
+		if l.key.v6 {
+			any = netip.IPv6Unspecified()
+		}
+		i := with(base, NodePort, any)
+		i.Port = s.nodePort
+		out = append(out, i)
+	}
+	return out
+}
+
+func with(i Intercept, k InterceptKind, ip netip.Addr) Intercept {
+	i.Kind, i.VIP = k, ip
+	return i
+}
+
+func interceptEqual(a, b Intercept) bool {
+	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol && a.VIP == b.VIP &&
+		a.Port == b.Port && a.ListenPort == b.ListenPort && slices.Equal(a.SourceRanges, b.SourceRanges)
 }
 
 // Intercepts returns the intercepts of every listener, sorted. It must be
@@ -332,14 +486,7 @@ func (p *Proxier) Intercepts() []Intercept {
 	var out []Intercept
 	for _, ls := range p.services {
 		for _, l := range ls {
-			s := l.snap.Load()
-			out = append(out, Intercept{
-				Service:    s.sp.Name,
-				Protocol:   s.sp.Name.Protocol,
-				VIP:        s.vip.Addr(),
-				Port:       s.vip.Port(),
-				ListenPort: l.port,
-			})
+			out = append(out, l.intercepts(l.snap.Load())...)
 		}
 	}
 	slices.SortFunc(out, func(a, b Intercept) int {
@@ -349,23 +496,83 @@ func (p *Proxier) Intercepts() []Intercept {
 		if a.Port != b.Port {
 			return int(a.Port) - int(b.Port)
 		}
-		if a.Protocol < b.Protocol {
-			return -1
-		} else if a.Protocol > b.Protocol {
-			return 1
+		if a.Protocol != b.Protocol {
+			return strings.Compare(string(a.Protocol), string(b.Protocol))
 		}
-		return 0
+		return int(a.Kind) - int(b.Kind)
 	})
 	return out
+}
+
+// syncServiceHealth hands the health-check ports and local endpoint counts
+// to the ServiceHealth server.
+func (p *Proxier) syncServiceHealth() {
+	if p.cfg.ServiceHealth == nil {
+		return
+	}
+	ports := map[types.NamespacedName]uint16{}
+	counts := map[types.NamespacedName]int{}
+	for name, ls := range p.services {
+		local := map[netip.Addr]bool{}
+		for _, l := range ls {
+			s := l.snap.Load()
+			if s.sp.HealthCheckNodePort == 0 {
+				continue
+			}
+			ports[name] = s.sp.HealthCheckNodePort
+			for _, e := range s.sets.Local {
+				if e.Ready {
+					local[e.Addr.Addr()] = true
+				}
+			}
+		}
+		if _, ok := ports[name]; ok {
+			counts[name] = len(local)
+		}
+	}
+	if err := p.cfg.ServiceHealth.SyncServices(ports); err != nil {
+		p.log.Error("serving health-check node ports", zap.Error(err))
+	}
+	if err := p.cfg.ServiceHealth.SyncEndpoints(counts); err != nil {
+		p.log.Error("updating health-check node ports", zap.Error(err))
+	}
 }
 
 // snapshot is a listener's data-path state: immutable, replaced whole.
 type snapshot struct {
 	sp        *ServicePort
-	vip       netip.AddrPort // the original destination this listener serves
-	endpoints []Endpoint     // all endpoints of the listener's family
-	backends  []*balancer.Backend
-	bal       balancer.Balancer
+	vip       netip.AddrPort // the cluster IP and port of the listener's family
+	external  []netip.Addr   // external and load-balancer IPs of the family, at sp.Port
+	nodePort  uint16
+	endpoints []Endpoint // all endpoints of the listener's family
+	sets      EndpointSets
+	backends  []*balancer.Backend // every backend of cluster and local
+	// cluster and local balance the two endpoint sets; a balancer over an
+	// empty set picks nothing.
+	cluster, local balancer.Balancer
+}
+
+// route returns the balancer for a connection that was originally sent to
+// dst by client, applying the traffic policies; nil when dst is not one of
+// this service port's addresses. known is false when the original
+// destination is unknown (no OriginalDst configured): the cluster IP is
+// assumed.
+func (s *snapshot) route(dst netip.AddrPort, known bool, client netip.Addr, internal func(netip.Addr) bool) balancer.Balancer {
+	if !known || (dst.Addr().Unmap() == s.vip.Addr() && dst.Port() == s.vip.Port()) {
+		if s.sp.InternalPolicyLocal {
+			return s.local
+		}
+		return s.cluster
+	}
+	external := (s.nodePort != 0 && dst.Port() == s.nodePort) ||
+		(dst.Port() == s.vip.Port() && slices.Contains(s.external, dst.Addr().Unmap()))
+	if !external {
+		return nil
+	}
+	if s.sp.ExternalPolicyLocal && !internal(client) {
+		return s.local
+	}
+	return s.cluster
 }
 
 func (s *snapshot) backend(addr netip.AddrPort) *balancer.Backend {

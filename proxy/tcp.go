@@ -109,17 +109,25 @@ func tcpProgress(c *net.TCPConn) uint64 {
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	defer p.endSession(s)
 	snap := l.snap.Load()
+	var dst netip.AddrPort
 	if p.cfg.OriginalDst != nil {
-		dst, err := p.cfg.OriginalDst(c)
-		if err != nil || dst.Addr().Unmap() != snap.vip.Addr() || dst.Port() != snap.vip.Port() {
-			p.connLog.Warn("dropping connection not addressed to this listener's service",
-				zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst), zap.Error(err))
+		var err error
+		if dst, err = p.cfg.OriginalDst(c); err != nil {
+			p.connLog.Warn("dropping connection without an original destination (not redirected)",
+				zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			s.abort()
 			return
 		}
 	}
 	client := remoteAddr(c)
-	b, bc, err := p.dialBackend(snap, client.Addr())
+	bal := snap.route(dst, p.cfg.OriginalDst != nil, client.Addr(), p.internalClient)
+	if bal == nil {
+		p.connLog.Warn("dropping connection not addressed to this listener's service",
+			zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst))
+		s.abort()
+		return
+	}
+	b, bc, err := p.dialBackend(bal, snap.sp.Name, client.Addr())
 	if err != nil {
 		p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 		s.abort()
@@ -146,12 +154,12 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 // Each failure ejects the backend for a while, so the balancers steer the
 // next picks (this connection's and everyone else's) away from it. On
 // success the backend has been Acquired; the caller Releases it.
-func (p *Proxier) dialBackend(snap *snapshot, client netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
+func (p *Proxier) dialBackend(bal balancer.Balancer, name ServicePortName, client netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
 	var errs []error
 	for range p.cfg.dialAttempts() {
-		b := snap.bal.Pick(client)
+		b := bal.Pick(client)
 		if b == nil {
-			return nil, nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
+			return nil, nil, fmt.Errorf("%s: %w", name, errNoEndpoints)
 		}
 		b.Acquire()
 		c, err := p.dialOnce(b.Addr)
