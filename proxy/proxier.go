@@ -76,6 +76,10 @@ type Config struct {
 	// OnSync is called after every successful sync, from the sync
 	// goroutine; nil means nothing is. The health server uses it.
 	OnSync func()
+	// OnChange is called whenever a source records a change that a sync
+	// will apply, from the source's goroutine; it must not block. Nil
+	// means nothing is. The health server uses it to time pending syncs.
+	OnChange func()
 	// Logger receives the proxier's logs; nil means none.
 	Logger *zap.Logger
 	// Clock is the time source for sync and ejection timing; nil means the
@@ -158,7 +162,12 @@ func NewProxier(cfg Config) *Proxier {
 	}))
 	p.health = newHealth(cfg.clock(), cfg.EjectBase, cfg.EjectMax)
 	p.runner = NewRunner(cfg.Sync, p.sync)
-	p.tracker = NewTracker(p.log, p.runner.Run)
+	p.tracker = NewTracker(p.log, func() {
+		if cfg.OnChange != nil {
+			cfg.OnChange()
+		}
+		p.runner.Run()
+	})
 	return p
 }
 

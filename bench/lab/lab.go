@@ -24,6 +24,8 @@ import (
 //	       with addresses 10.244.0.N and 2001:db8:244::N and the node as
 //	       default gateway: their traffic to a VIP crosses the node's
 //	       PREROUTING chain, like a pod's on a real node.
+//	external hosts (AddExternal) on a second bridge, in 192.0.2.0/24 and
+//	       2001:db8:c0::/64, routed through the node.
 //
 // Everything the Lab creates (namespaces, processes) is removed by Close.
 // A Lab is not safe for concurrent use, except Start, Exec and Close.
@@ -39,6 +41,9 @@ type Lab struct {
 	procs []*Proc
 	pods  map[string]*Pod
 	next  int
+
+	nextExternal int
+	externalNet  bool // brx exists
 }
 
 // Pod is one pod namespace.
@@ -138,6 +143,52 @@ func (l *Lab) AddPod(name string) (*Pod, error) {
 	}
 	l.pods[name] = p
 	return p, nil
+}
+
+// AddExternal creates a host outside the cluster: a namespace on its own
+// veth to the node, in 192.0.2.0/24 and 2001:db8:c0::/64 (the node is .1
+// and ::1 there, and the host's default gateway), with the next free
+// address (192.0.2.10, .11, …). Its traffic to node ports, external IPs
+// and load-balancer IPs crosses the node's PREROUTING chain like a real
+// client's routed through the node.
+func (l *Lab) AddExternal(name string) (*Pod, error) {
+	n := l.nextExternal + 10
+	l.nextExternal++
+	h := &Pod{
+		Name: name,
+		NS:   fmt.Sprintf("uplab-%s-%s", name, l.id),
+		IP:   netip.AddrFrom4([4]byte{192, 0, 2, byte(n)}),
+		IP6:  netip.MustParseAddr(fmt.Sprintf("2001:db8:c0::%x", n)),
+	}
+	if err := l.addNS(h.NS); err != nil {
+		return nil, err
+	}
+	host := fmt.Sprintf("vx%d", n)
+	cmds := [][]string{
+		{"ip", "-n", l.Node, "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", h.NS},
+		{"ip", "-n", h.NS, "addr", "add", h.IP.String() + "/24", "dev", "eth0"},
+		{"ip", "-n", h.NS, "addr", "add", h.IP6.String() + "/64", "dev", "eth0", "nodad"},
+		{"ip", "-n", h.NS, "link", "set", "eth0", "up"},
+		{"ip", "-n", h.NS, "route", "add", "default", "via", "192.0.2.1"},
+		{"ip", "-n", h.NS, "-6", "route", "add", "default", "via", "2001:db8:c0::1"},
+	}
+	if !l.externalNet {
+		// The first external host's veth carries the node's address in the
+		// external subnet; later hosts join through a second bridge.
+		cmds = append([][]string{
+			{"ip", "-n", l.Node, "link", "add", "brx", "type", "bridge"},
+			{"ip", "-n", l.Node, "addr", "add", "192.0.2.1/24", "dev", "brx"},
+			{"ip", "-n", l.Node, "addr", "add", "2001:db8:c0::1/64", "dev", "brx", "nodad"},
+			{"ip", "-n", l.Node, "link", "set", "brx", "up"},
+		}, cmds...)
+		l.externalNet = true
+	}
+	cmds = append(cmds, []string{"ip", "-n", l.Node, "link", "set", host, "master", "brx", "up"})
+	if err := l.run(cmds...); err != nil {
+		return nil, err
+	}
+	l.pods[name] = h
+	return h, nil
 }
 
 // Pod returns the pod named name, or nil.

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os/exec"
+	"slices"
 
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
@@ -17,9 +20,10 @@ import (
 // one Syncer per IP family. It is called only from the proxier's sync
 // goroutine.
 type kernelRules struct {
-	v4, v6 *redirect.Syncer // v6 is nil when ip6tables is unavailable
-	log    *zap.Logger
-	warned bool
+	v4, v6            *redirect.Syncer // v6 is nil when ip6tables is unavailable
+	nodePortAddresses []netip.Prefix
+	log               *zap.Logger
+	warned            bool
 }
 
 var _ proxy.RuleSyncer = (*kernelRules)(nil)
@@ -43,22 +47,8 @@ func (k *kernelRules) init(cfg redirect.Config) error {
 }
 
 func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) error {
-	var rules redirect.Rules
-	hasV6 := false
-	for _, i := range in {
-		proto := redirect.TCP
-		if i.Protocol == v1.ProtocolUDP {
-			proto = redirect.UDP
-		}
-		hasV6 = hasV6 || i.VIP.Is6()
-		rules.Intercepts = append(rules.Intercepts, redirect.Intercept{
-			Comment:  i.Service.String(),
-			Protocol: proto,
-			Dest:     i.VIP,
-			Port:     i.Port,
-			ToPort:   i.ListenPort,
-		})
-	}
+	rules := toRedirectRules(in, k.nodePortAddresses)
+	hasV6 := slices.ContainsFunc(in, func(i proxy.Intercept) bool { return i.VIP.Is6() })
 	var errs []error
 	for _, s := range []*redirect.Syncer{k.v4, k.v6} {
 		if s == nil {
@@ -80,4 +70,58 @@ func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full 
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// toRedirectRules translates the proxier's intercepts into the redirect
+// package's rule set: exact destinations, node ports, source-range
+// firewalls for load-balancer IPs, and a guard for every listener port.
+func toRedirectRules(in []proxy.Intercept, nodePortAddresses []netip.Prefix) redirect.Rules {
+	r := redirect.Rules{NodePortAddresses: nodePortAddresses}
+	listeners := map[redirect.Listener]bool{}
+	// Two services may claim the same external or load-balancer IP and
+	// port (the API server does not forbid it); the kernel can send such
+	// traffic to one listener only. The first in the proxier's order wins,
+	// the rest are left out rather than failing every service's sync.
+	type key struct {
+		kind  proxy.InterceptKind
+		ip    netip.Addr
+		proto v1.Protocol
+		port  uint16
+	}
+	seen := map[key]bool{}
+	for _, i := range in {
+		k := key{i.Kind, i.VIP, i.Protocol, i.Port}
+		if i.Kind != proxy.NodePort {
+			k.kind = proxy.ClusterIP // exact destinations conflict whatever their kind
+		}
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		proto := redirect.TCP
+		if i.Protocol == v1.ProtocolUDP {
+			proto = redirect.UDP
+		}
+		family := redirect.IPv4
+		if i.VIP.Is6() {
+			family = redirect.IPv6
+		}
+		comment := i.Service.String()
+		listeners[redirect.Listener{Family: family, Protocol: proto, Port: i.ListenPort}] = true
+		if i.Kind == proxy.NodePort {
+			r.NodePorts = append(r.NodePorts, redirect.NodePort{Comment: comment, Family: family, Protocol: proto, Port: i.Port, ToPort: i.ListenPort})
+			continue
+		}
+		r.Intercepts = append(r.Intercepts, redirect.Intercept{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort})
+		if i.Kind == proxy.LoadBalancerIP && len(i.SourceRanges) > 0 {
+			r.Firewalls = append(r.Firewalls, redirect.Firewall{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, Allow: i.SourceRanges})
+		}
+	}
+	for l := range listeners {
+		r.Listeners = append(r.Listeners, l)
+	}
+	slices.SortFunc(r.Listeners, func(a, b redirect.Listener) int {
+		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Port, b.Port))
+	})
+	return r
 }

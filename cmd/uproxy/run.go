@@ -4,44 +4,71 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"net/netip"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/healthcheck"
 	"github.com/uproxy/uproxy/redirect"
 )
 
 // runOptions are the flags of `uproxy run`. Names follow kube-proxy's
 // where the concept is the same.
 type runOptions struct {
-	config         string
-	mode           string
-	portRange      string
-	balancer       string
-	syncPeriod     time.Duration
-	minSyncPeriod  time.Duration
-	drainTimeout   time.Duration
-	tcpIdleTimeout time.Duration
-	dialTimeout    time.Duration
-	dialAttempts   int
-	iptablesWait   time.Duration
-	cleanupAndExit bool
+	config             string
+	kubeconfig         string
+	master             string
+	hostnameOverride   string
+	clusterCIDR        string
+	nodePortAddresses  []string
+	healthzBindAddress string
+	metricsBindAddress string
+	mode               string
+	portRange          string
+	balancer           string
+	syncPeriod         time.Duration
+	minSyncPeriod      time.Duration
+	drainTimeout       time.Duration
+	tcpIdleTimeout     time.Duration
+	dialTimeout        time.Duration
+	dialAttempts       int
+	iptablesWait       time.Duration
+	cleanupAndExit     bool
 
 	// Parsed by validate.
-	ports       proxy.PortRange
-	balancerKnd balancer.Kind
+	ports         proxy.PortRange
+	balancerKind  balancer.Kind
+	clusterCIDRs  []netip.Prefix
+	nodePortCIDRs []netip.Prefix
+	nodeName      string
 }
 
 func (o *runOptions) register(fs *pflag.FlagSet) {
-	fs.StringVar(&o.config, "config", "", "A manifest file, or a folder of them, holding v1 Services and discovery.k8s.io/v1 EndpointSlices (YAML or JSON, multi-document). Reloaded when it changes.")
+	fs.StringVar(&o.config, "config", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes.")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file. Without it, and without --master, uproxy uses the in-cluster configuration.")
+	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig's).")
+	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "This node's name, as endpoints' nodeName and the Node object give it. Empty means the hostname.")
+	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pod network(s), comma-separated for dual-stack. Pods reaching a service's external address are sent to all its endpoints even under externalTrafficPolicy: Local, as kube-proxy does.")
+	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated. Empty means every local address except loopback.")
+	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
+	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics and /debug/pprof server. Empty disables it.")
 	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table).")
 	fs.StringVar(&o.portRange, "proxy-port-range", "", "Local ports for the listeners: begin-end, begin+offset or a single port. Empty means kernel-assigned ports.")
 	fs.StringVar(&o.balancer, "balancer", string(balancer.RoundRobin), fmt.Sprintf("Default balancer for services without the %s annotation: one of %v.", proxy.AnnotationBalancer, balancer.Kinds))
@@ -61,8 +88,8 @@ func (o *runOptions) validate() error {
 		return nil
 	}
 	var errs []error
-	if o.config == "" {
-		errs = append(errs, errors.New("--config is required: a manifest file or folder"))
+	if o.config != "" && (o.kubeconfig != "" || o.master != "") {
+		errs = append(errs, errors.New("--config and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
 	}
 	if o.mode != "redirect" {
 		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect)", o.mode))
@@ -71,8 +98,22 @@ func (o *runOptions) validate() error {
 	if o.ports, err = proxy.ParsePortRange(o.portRange); err != nil {
 		errs = append(errs, fmt.Errorf("--proxy-port-range: %w", err))
 	}
-	if o.balancerKnd, err = balancer.ParseKind(o.balancer); err != nil {
+	if o.balancerKind, err = balancer.ParseKind(o.balancer); err != nil {
 		errs = append(errs, fmt.Errorf("--balancer: %w", err))
+	}
+	if o.clusterCIDRs, err = parseCIDRs(strings.Split(o.clusterCIDR, ",")); err != nil {
+		errs = append(errs, fmt.Errorf("--cluster-cidr: %w", err))
+	}
+	if o.nodePortCIDRs, err = parseCIDRs(o.nodePortAddresses); err != nil {
+		errs = append(errs, fmt.Errorf("--nodeport-addresses: %w", err))
+	}
+	for _, a := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}} {
+		if a.v == "" {
+			continue
+		}
+		if _, _, err := net.SplitHostPort(a.v); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", a.flag, err))
+		}
 	}
 	for _, d := range []struct {
 		name string
@@ -96,22 +137,50 @@ func (o *runOptions) validate() error {
 	if o.dialAttempts < 1 {
 		errs = append(errs, fmt.Errorf("--endpoint-dial-attempts: %d must be at least 1", o.dialAttempts))
 	}
+	o.nodeName = strings.ToLower(strings.TrimSpace(o.hostnameOverride))
+	if o.nodeName == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("--hostname-override is empty and the hostname is unknown: %w", err))
+		}
+		o.nodeName = strings.ToLower(h)
+	}
 	return errors.Join(errs...)
+}
+
+func parseCIDRs(raw []string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, r := range raw {
+		r = strings.TrimSpace(r)
+		if r == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(r)
+		if err != nil {
+			return nil, fmt.Errorf("%q is not a CIDR", r)
+		}
+		out = append(out, p.Masked())
+	}
+	return out, nil
 }
 
 func newRunCommand(lf *logFlags) *cobra.Command {
 	var o runOptions
 	cmd := &cobra.Command{
 		Use:   "run",
-		Short: "Proxy the Services found in manifests",
-		Long: `run installs iptables REDIRECT rules for every ClusterIP Service port and serves each
-on its own local listener, balancing new connections over the ready endpoints of the
-Service's EndpointSlices.
+		Short: "Proxy the Services of an API server, or of manifest files",
+		Long: `run installs iptables REDIRECT rules for every Service port's cluster IPs, node ports,
+external IPs and load-balancer IPs, and serves each Service port on its own local listener,
+balancing new connections over the endpoints of its EndpointSlices as kube-proxy would.
+
+The Services come from the API server (--kubeconfig, --master, or the in-cluster
+configuration), or from manifests (--config).
 
 On SIGTERM or SIGINT it stops accepting, lets established connections finish for up to
 --drain-timeout, and leaves the rules in place for the next instance to adopt
 (remove them with 'uproxy cleanup').`,
-		Example: `  uproxy run --config deploy/examples/
+		Example: `  uproxy run --kubeconfig /etc/kubernetes/uproxy.conf --cluster-cidr 10.244.0.0/16
+  uproxy run --config deploy/examples/
   uproxy run --config services.yaml --balancer least-conn --proxy-port-range 40000-40999`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -135,50 +204,151 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 	return cmd
 }
 
-// run wires the proxier to its source and the kernel, and runs until ctx
-// is done; then it drains.
+// run wires the proxier to its source, the kernel and the health servers,
+// and runs until ctx is done; then it drains.
 func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
-	// Read the manifests before touching the kernel: a typo must stop us
-	// with the file and document named, not after half a setup.
-	rules := &kernelRules{log: log.Named("rules")}
-	p := proxy.NewProxier(proxy.Config{
-		Rules:        rules,
-		OriginalDst:  redirect.OriginalDst,
-		PortRange:    o.ports,
-		Defaults:     proxy.ServiceDefaults{Balancer: o.balancerKnd},
-		Sync:         proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
-		DialTimeout:  o.dialTimeout,
-		DialAttempts: o.dialAttempts,
-		IdleTimeout:  o.tcpIdleTimeout,
-		Logger:       log.Named("proxy"),
+	// Check the manifests or the API server's configuration before touching
+	// the kernel: a typo must stop us with the cause named.
+	var client kubernetes.Interface
+	if o.config == "" {
+		cfg, err := clientcmd.BuildConfigFromFlags(o.master, o.kubeconfig)
+		if err != nil {
+			return fmt.Errorf("API server configuration (--kubeconfig, --master or in-cluster): %w", err)
+		}
+		cfg.UserAgent = "uproxy"
+		if client, err = kubernetes.NewForConfig(cfg); err != nil {
+			return fmt.Errorf("API client: %w", err)
+		}
+	}
+
+	health := healthcheck.NewProxyHealth(healthcheck.ProxyHealthConfig{
+		Addr:          o.healthzBindAddress,
+		HealthTimeout: 2 * o.syncPeriod,
+		IPFamilies:    []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol},
+		Logger:        log.Named("healthz"),
 	})
-	src := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
-	if err := src.Load(); err != nil {
-		return fmt.Errorf("loading manifests: %w", err)
+	svcHealth := healthcheck.NewServiceHealth(healthcheck.ServiceHealthConfig{
+		Addresses:   o.nodePortCIDRs,
+		Logger:      log.Named("healthcheck"),
+		ProxyHealth: health,
+	})
+	defer svcHealth.Close()
+	rules := &kernelRules{log: log.Named("rules"), nodePortAddresses: o.nodePortCIDRs}
+	p := proxy.NewProxier(proxy.Config{
+		Rules:         rules,
+		OriginalDst:   redirect.OriginalDst,
+		PortRange:     o.ports,
+		Defaults:      proxy.ServiceDefaults{Balancer: o.balancerKind},
+		Sync:          proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
+		DialTimeout:   o.dialTimeout,
+		DialAttempts:  o.dialAttempts,
+		IdleTimeout:   o.tcpIdleTimeout,
+		NodeName:      o.nodeName,
+		ClusterCIDRs:  o.clusterCIDRs,
+		ServiceHealth: svcHealth,
+		OnSync:        health.Updated,
+		OnChange:      health.QueuedUpdate,
+		Logger:        log.Named("proxy"),
+	})
+	var src interface{ Run(context.Context) error }
+	if o.config != "" {
+		fs := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
+		if err := fs.Load(); err != nil {
+			return fmt.Errorf("loading manifests: %w", err)
+		}
+		src = fileWatch{fs}
+	} else {
+		src = &proxy.KubeSource{
+			Client:   client,
+			Tracker:  p.Tracker(),
+			NodeName: o.nodeName,
+			OnNode: func(n *v1.Node) {
+				health.SyncNode(n)
+				if n != nil {
+					p.SetZone(n.Labels[v1.LabelTopologyZone])
+				}
+			},
+			Logger: log.Named("kube"),
+		}
 	}
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
 	}
 
-	// Goroutines owned here: the sync loop and the file watcher. Both
-	// return when ctx is done; wg waits for them before the drain.
+	// Goroutines owned here: the sync loop, the source, and the two
+	// servers. All return when ctx is done; wg waits for them before the
+	// drain. A server that cannot listen stops uproxy: a health check that
+	// silently does not exist is worse than a clear failure.
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	var wg sync.WaitGroup
+	// As kube-proxy's sync loop does at its start: healthy until an update
+	// stays pending for longer than the health timeout.
+	health.Updated()
 	wg.Go(func() { p.Run(ctx) })
 	wg.Go(func() {
-		if err := src.Watch(ctx); err != nil {
-			log.Error("not watching manifests for changes", zap.Error(err))
+		if err := src.Run(ctx); err != nil {
+			cancel(fmt.Errorf("source: %w", err))
 		}
 	})
-	log.Info("uproxy started", zap.String("config", o.config), zap.String("mode", o.mode), zap.Int("pid", os.Getpid()))
+	wg.Go(func() {
+		if err := health.Run(ctx); err != nil {
+			cancel(fmt.Errorf("healthz server: %w", err))
+		}
+	})
+	wg.Go(func() {
+		if err := serveMetrics(ctx, o.metricsBindAddress); err != nil {
+			cancel(fmt.Errorf("metrics server: %w", err))
+		}
+	})
+	source := o.config
+	if source == "" {
+		source = "API server"
+	}
+	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()
+	failure := context.Cause(ctx)
+	if errors.Is(failure, context.Canceled) {
+		failure = nil // a signal, not a failure
+	}
 
 	log.Info("stopping: draining connections", zap.Int("active", p.ActiveConnections()), zap.Duration("timeout", o.drainTimeout))
-	dctx, cancel := context.WithTimeout(context.Background(), o.drainTimeout)
-	defer cancel()
+	dctx, dcancel := context.WithTimeout(context.Background(), o.drainTimeout)
+	defer dcancel()
 	if err := p.Shutdown(dctx); err != nil {
 		log.Warn("drain incomplete", zap.Error(err))
 	}
 	log.Info("stopped; rules left in place for the next instance")
+	return failure
+}
+
+// fileWatch adapts a FileSource to the sources' Run signature.
+type fileWatch struct{ fs *proxy.FileSource }
+
+func (f fileWatch) Run(ctx context.Context) error { return f.fs.Watch(ctx) }
+
+// serveMetrics serves Prometheus metrics and pprof on addr until ctx is
+// done. An empty addr disables it.
+func serveMetrics(ctx context.Context, addr string) error {
+	if addr == "" {
+		return nil
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.Handler())
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() { <-ctx.Done(); srv.Close() }() // ends when ctx is done
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
 	return nil
 }
