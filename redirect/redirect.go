@@ -5,8 +5,15 @@
 // nat table, the chain UPROXY-SERVICES holds one REDIRECT rule per service
 // port (VIP, protocol, port → local listener port), and the built-in chains
 // PREROUTING (traffic from pods and routed through the node) and OUTPUT
-// (traffic from the node itself) jump to it. The listener finds out which
-// service a connection was for with OriginalDst.
+// (traffic from the node itself) jump to it. Its last rules jump to
+// UPROXY-NODEPORTS, which redirects node ports on the node's own
+// addresses. The listener finds out which service a connection was for
+// with OriginalDst.
+//
+// In the filter table, the chain UPROXY-FIREWALL, jumped to from INPUT,
+// FORWARD and OUTPUT, drops what a LoadBalancer's source ranges exclude
+// and every packet that reaches a listener port without having been
+// redirected.
 //
 // Render turns the wanted Rules into iptables-restore --noflush input, a
 // pure function. A Syncer writes that input only when it differs from the
@@ -24,10 +31,10 @@ import (
 	"net/netip"
 )
 
-// Protocol is the transport protocol of an Intercept: "tcp" or "udp".
+// Protocol is the transport protocol of a rule: "tcp" or "udp".
 type Protocol string
 
-// The protocols an Intercept may name.
+// The protocols a rule may name.
 const (
 	TCP Protocol = "tcp"
 	UDP Protocol = "udp"
@@ -131,18 +138,180 @@ func (i Intercept) key() interceptKey {
 	return interceptKey{dest: i.Dest.Unmap(), proto: i.Protocol, port: i.Port}
 }
 
+// NodePort is a port that the kernel redirects to a local proxy listener
+// when it is addressed to one of the node's own addresses (a Service's
+// nodePort), as far as Rules.NodePortAddresses admits the address.
+type NodePort struct {
+	// Comment is shown in the rule's comment, e.g. "default/web:http";
+	// Render makes any string safe, as for Intercept.Comment.
+	Comment string
+	// Family is the family of the node addresses the port is opened on.
+	Family Family
+	// Protocol is TCP or UDP.
+	Protocol Protocol
+	// Port is the node port; it must not be zero.
+	Port uint16
+	// ToPort is the local listener port (REDIRECT --to-ports); it must not
+	// be zero.
+	ToPort uint16
+}
+
+// validate reports why n cannot be rendered, or nil.
+func (n NodePort) validate() error {
+	switch {
+	case !n.Family.valid():
+		return fmt.Errorf("unknown family %s", n.Family)
+	case n.Protocol != TCP && n.Protocol != UDP:
+		return fmt.Errorf("protocol %q is not %q or %q", n.Protocol, TCP, UDP)
+	case n.Port == 0:
+		return errors.New("port 0")
+	case n.ToPort == 0:
+		return errors.New("listener port 0")
+	}
+	return nil
+}
+
+// portKey identifies a port of the node's own addresses: two node ports
+// with the same key would conflict.
+type portKey struct {
+	family Family
+	proto  Protocol
+	port   uint16
+}
+
+func (n NodePort) key() portKey { return portKey{n.Family, n.Protocol, n.Port} }
+
+// Firewall restricts which sources may reach one destination, like a
+// LoadBalancer service's loadBalancerSourceRanges. An Intercept with the
+// same destination, protocol and port is redirected only for sources
+// inside Allow; every other packet to that destination, protocol and port
+// is dropped. A Firewall without such an Intercept drops all of them.
+type Firewall struct {
+	// Comment is shown in the rule's comment; Render makes any string
+	// safe, as for Intercept.Comment.
+	Comment string
+	// Protocol is TCP or UDP.
+	Protocol Protocol
+	// Dest is the guarded address, e.g. a LoadBalancer ingress IP. An
+	// IPv4-mapped IPv6 address counts as IPv4.
+	Dest netip.Addr
+	// Port is the guarded port; it must not be zero.
+	Port uint16
+	// Allow lists the source ranges that may reach Dest:Port. Only those
+	// of Dest's family count: an empty Allow, or one whose ranges are all
+	// of the other family, lets no source in, as kube-proxy does when a
+	// service's source ranges are all of the other family. An
+	// IPv4-mapped IPv6 prefix of length 96 or more counts as IPv4.
+	Allow []netip.Prefix
+}
+
+// validate reports why w cannot be rendered, or nil.
+func (w Firewall) validate() error {
+	if err := w.validateDest(); err != nil {
+		return err
+	}
+	var errs []error
+	for n, p := range w.Allow {
+		if _, err := normPrefix(p); err != nil {
+			errs = append(errs, fmt.Errorf("allow %d: %w", n, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// validateDest reports why w's DROP rule cannot be rendered, or nil: all of
+// w but Allow.
+func (w Firewall) validateDest() error {
+	switch {
+	case w.Protocol != TCP && w.Protocol != UDP:
+		return fmt.Errorf("protocol %q is not %q or %q", w.Protocol, TCP, UDP)
+	case !w.Dest.IsValid():
+		return errors.New("no destination address")
+	case w.Dest.Zone() != "":
+		return fmt.Errorf("destination %s has a zone", w.Dest)
+	case w.Port == 0:
+		return errors.New("port 0")
+	}
+	return nil
+}
+
+// key is the key of the intercepts w guards.
+func (w Firewall) key() interceptKey {
+	return interceptKey{dest: w.Dest.Unmap(), proto: w.Protocol, port: w.Port}
+}
+
+// Listener is one of the proxy's own listening ports. The kernel drops
+// every packet to it, on any of the node's addresses, whose connection no
+// destination NAT (such as uproxy's REDIRECT rules) sent there, so the
+// listeners cannot be reached directly, from pods or from the node.
+type Listener struct {
+	// Family is the family of the listening socket's traffic; a
+	// dual-stack socket needs a Listener of each family.
+	Family Family
+	// Protocol is TCP or UDP.
+	Protocol Protocol
+	// Port is the listening port; it must not be zero.
+	Port uint16
+}
+
+// validate reports why l cannot be rendered, or nil.
+func (l Listener) validate() error {
+	switch {
+	case !l.Family.valid():
+		return fmt.Errorf("unknown family %s", l.Family)
+	case l.Protocol != TCP && l.Protocol != UDP:
+		return fmt.Errorf("protocol %q is not %q or %q", l.Protocol, TCP, UDP)
+	case l.Port == 0:
+		return errors.New("port 0")
+	}
+	return nil
+}
+
+// normPrefix returns p as iptables prints it back: host bits cleared, and
+// an IPv4-mapped IPv6 prefix of length 96 or more as the IPv4 prefix it
+// covers. It fails for an invalid p and for a mapped prefix shorter than
+// 96 bits, which covers more than IPv4 addresses.
+func normPrefix(p netip.Prefix) (netip.Prefix, error) {
+	if !p.IsValid() {
+		return p, errors.New("invalid prefix")
+	}
+	if a := p.Addr(); a.Is4In6() {
+		if p.Bits() < 96 {
+			return p, fmt.Errorf("prefix %s covers IPv4-mapped and other IPv6 addresses", p)
+		}
+		p = netip.PrefixFrom(a.Unmap(), p.Bits()-96)
+	}
+	return p.Masked(), nil
+}
+
 // Rules is everything uproxy wants in the kernel. One Rules value may mix
 // families; each Render or Syncer keeps the parts of its own family.
 //
-// Later kinds of rules (node ports, external IPs, source ranges, TPROXY)
-// become new fields here, rendered into their own chains of the chain table
-// in render.go.
+// Later kinds of rules (TPROXY, say) become new fields here, rendered into
+// chains of the chain table in render.go.
 type Rules struct {
 	// Intercepts may be in any order and mix IPv4 and IPv6 destinations.
+	// They cover every exact destination of a service: ClusterIPs,
+	// externalIPs and LoadBalancer ingress IPs.
 	Intercepts []Intercept
+	// NodePorts are redirected when addressed to a local address of the
+	// node that NodePortAddresses admits, unless an Intercept matches the
+	// packet first.
+	NodePorts []NodePort
+	// NodePortAddresses limits the local addresses that accept node ports
+	// (kube-proxy's --nodeport-addresses, as CIDRs): a family with no
+	// prefix here accepts node ports on none of its addresses. Empty
+	// means every local address except loopback (127.0.0.0/8, ::1). An
+	// IPv4-mapped IPv6 prefix of length 96 or more counts as IPv4.
+	NodePortAddresses []netip.Prefix
+	// Firewalls restrict who may reach a destination
+	// (loadBalancerSourceRanges); see Firewall.
+	Firewalls []Firewall
+	// Listeners are the proxy's own listener ports; see Listener.
+	Listeners []Listener
 }
 
-// validate reports every invalid or conflicting intercept in r, or nil.
+// validate reports every invalid or conflicting part of r, or nil.
 func (r Rules) validate() error {
 	var errs []error
 	seen := make(map[interceptKey]int, len(r.Intercepts))
@@ -157,6 +326,44 @@ func (r Rules) validate() error {
 			continue
 		}
 		seen[i.key()] = n
+	}
+	seenNP := make(map[portKey]int, len(r.NodePorts))
+	for n, np := range r.NodePorts {
+		if err := np.validate(); err != nil {
+			errs = append(errs, fmt.Errorf("node port %d (%q): %w", n, np.Comment, err))
+			continue
+		}
+		if prev, dup := seenNP[np.key()]; dup {
+			errs = append(errs, fmt.Errorf("node port %d (%q) and %d (%q) both match %s %s port %d",
+				prev, r.NodePorts[prev].Comment, n, np.Comment, np.Family, np.Protocol, np.Port))
+			continue
+		}
+		seenNP[np.key()] = n
+	}
+	for n, p := range r.NodePortAddresses {
+		if _, err := normPrefix(p); err != nil {
+			errs = append(errs, fmt.Errorf("node port address %d: %w", n, err))
+		}
+	}
+	seenFW := make(map[interceptKey]int, len(r.Firewalls))
+	for n, w := range r.Firewalls {
+		if err := w.validate(); err != nil {
+			errs = append(errs, fmt.Errorf("firewall %d (%q): %w", n, w.Comment, err))
+			continue
+		}
+		if prev, dup := seenFW[w.key()]; dup {
+			errs = append(errs, fmt.Errorf("firewall %d (%q) and %d (%q) both guard %s %s port %d",
+				prev, r.Firewalls[prev].Comment, n, w.Comment, w.Dest.Unmap(), w.Protocol, w.Port))
+			continue
+		}
+		seenFW[w.key()] = n
+	}
+	// The same listener twice is harmless (Render writes its guard once),
+	// so only invalid ones are errors.
+	for n, l := range r.Listeners {
+		if err := l.validate(); err != nil {
+			errs = append(errs, fmt.Errorf("listener %d: %w", n, err))
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"fmt"
 	"maps"
+	"net/netip"
 	"slices"
 	"strings"
 	"unicode/utf8"
@@ -26,6 +27,13 @@ type chainSpec struct {
 	rules func(c chainSpec, f Family, r Rules) []string
 }
 
+// The names of uproxy's chains.
+const (
+	servicesChain  = "UPROXY-SERVICES"
+	nodePortsChain = "UPROXY-NODEPORTS"
+	firewallChain  = "UPROXY-FIREWALL"
+)
+
 // chains is every chain uproxy creates, in every table. Render, Sync and
 // Cleanup all walk it: a new chain is added here and nowhere else. Chains
 // of one table are written in one iptables-restore section; tables appear
@@ -33,10 +41,29 @@ type chainSpec struct {
 var chains = []chainSpec{
 	{
 		table:       "nat",
-		name:        "UPROXY-SERVICES",
+		name:        servicesChain,
 		from:        []string{"PREROUTING", "OUTPUT"},
 		jumpComment: "uproxy service portals",
 		rules:       serviceRules,
+	},
+	{
+		// Jumped to only from the end of UPROXY-SERVICES.
+		table: "nat",
+		name:  nodePortsChain,
+		rules: nodePortRules,
+	},
+	{
+		// The filter hooks run after nat's (NF_IP_PRI_FILTER 0 after
+		// NF_IP_PRI_NAT_DST -100 at PREROUTING and OUTPUT), so these
+		// rules see a redirected packet with its new, local destination.
+		// INPUT sees what is addressed to the node, FORWARD what a pod
+		// sends to a guarded address that is routed on, OUTPUT what the
+		// node itself sends.
+		table:       "filter",
+		name:        firewallChain,
+		from:        []string{"INPUT", "FORWARD", "OUTPUT"},
+		jumpComment: "uproxy firewall",
+		rules:       firewallRules,
 	},
 }
 
@@ -71,14 +98,16 @@ func chainNames(table string) string {
 // own chains hold exactly what r asks for family f, and touches nothing
 // else.
 //
-// For each table it declares each of uproxy's chains (":NAME - [0:0]",
-// which creates the chain or, under --noflush, flushes it), adds the rules
-// and commits. The rules are in the exact form iptables-save prints them
-// back, so a Syncer can compare the kernel's state with the rendering line
-// by line. Render keeps only the intercepts of family f, skips invalid ones
-// (Syncer.Sync rejects those before rendering) and sorts them by
-// destination, protocol and port, so its output depends only on the set of
-// intercepts. It is a pure function.
+// For each table (nat, then filter) it declares each of uproxy's chains
+// (":NAME - [0:0]", which creates the chain or, under --noflush, flushes
+// it), adds the rules and commits. The rules are in the exact form
+// iptables-save prints them back, so a Syncer can compare the kernel's
+// state with the rendering line by line. Render keeps only the parts of r
+// of family f, skips invalid ones (Syncer.Sync rejects those before
+// rendering; an invalid prefix in a Firewall's Allow lets nobody more in)
+// and sorts what it keeps, so its output depends only on the sets of
+// intercepts, node ports, addresses, firewalls and listeners. It is a
+// pure function.
 func Render(f Family, r Rules) []byte {
 	var b bytes.Buffer
 	for _, t := range tables() {
@@ -101,7 +130,17 @@ func Render(f Family, r Rules) []byte {
 	return b.Bytes()
 }
 
-// serviceRules renders UPROXY-SERVICES: one REDIRECT per intercept of f.
+// serviceRules renders UPROXY-SERVICES: one REDIRECT per intercept of f,
+// or, for an intercept that a Firewall guards, one per allowed source
+// prefix of f; then the jumps to UPROXY-NODEPORTS, last, so that an
+// intercept of one of the node's own addresses wins over a node port.
+//
+// The jumps are rendered only when r has node ports of f, so rules
+// without node ports render no jump. With no NodePortAddresses, one jump
+// takes every local address except loopback: "-m addrtype --dst-type
+// LOCAL" asks the routing table whether the destination is the node's
+// own (RTN_LOCAL), which loopback addresses are. Otherwise there is one
+// jump per prefix of f, and none when no prefix is of f.
 func serviceRules(c chainSpec, f Family, r Rules) []string {
 	var is []Intercept
 	for _, i := range r.Intercepts {
@@ -118,10 +157,153 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 			cmp.Compare(a.Comment, b.Comment),
 		)
 	})
+	allowed := firewallAllows(f, r)
 	rules := make([]string, 0, len(is))
 	for _, i := range is {
-		rules = append(rules, fmt.Sprintf("-A %s -d %s/%d -p %s -m comment --comment %s -m %s --dport %d -j REDIRECT --to-ports %d",
-			c.name, i.Dest.Unmap(), f.hostBits(), i.Protocol, quoteComment(i.Comment), i.Protocol, i.Port, i.ToPort))
+		redirect := fmt.Sprintf("-d %s/%d -p %s -m comment --comment %s -m %s --dport %d -j REDIRECT --to-ports %d",
+			i.Dest.Unmap(), f.hostBits(), i.Protocol, quoteComment(i.Comment), i.Protocol, i.Port, i.ToPort)
+		sources, guarded := allowed[i.key()]
+		if !guarded {
+			rules = append(rules, fmt.Sprintf("-A %s %s", c.name, redirect))
+			continue
+		}
+		for _, p := range sources {
+			rules = append(rules, fmt.Sprintf("-A %s%s %s", c.name, prefixMatch("-s", p), redirect))
+		}
+	}
+	if !slices.ContainsFunc(r.NodePorts, func(n NodePort) bool { return n.validate() == nil && n.Family == f }) {
+		return rules
+	}
+	if len(r.NodePortAddresses) == 0 {
+		loopback := netip.MustParsePrefix("127.0.0.0/8")
+		if f == IPv6 {
+			loopback = netip.MustParsePrefix("::1/128")
+		}
+		return append(rules, fmt.Sprintf("-A %s ! -d %s -m addrtype --dst-type LOCAL -j %s", c.name, loopback, nodePortsChain))
+	}
+	for _, p := range prefixesOf(f, r.NodePortAddresses) {
+		rules = append(rules, fmt.Sprintf("-A %s%s -m addrtype --dst-type LOCAL -j %s", c.name, prefixMatch("-d", p), nodePortsChain))
+	}
+	return rules
+}
+
+// firewallAllows returns, for each destination, protocol and port that a
+// valid Firewall of f guards, the source prefixes of f it allows (none is
+// an empty, non-nil entry). Duplicate firewalls, which Sync rejects,
+// allow the union of their prefixes, so the result does not depend on
+// their order.
+func firewallAllows(f Family, r Rules) map[interceptKey][]netip.Prefix {
+	all := map[interceptKey][]netip.Prefix{}
+	for _, w := range r.Firewalls {
+		if w.validateDest() != nil || familyOf(w.Dest.Unmap()) != f {
+			continue
+		}
+		all[w.key()] = append(all[w.key()], w.Allow...)
+	}
+	for k, ps := range all {
+		all[k] = prefixesOf(f, ps)
+	}
+	return all
+}
+
+// prefixesOf returns the valid prefixes of family f in ps, normalized by
+// normPrefix, sorted and without duplicates. The result is never nil.
+func prefixesOf(f Family, ps []netip.Prefix) []netip.Prefix {
+	out := []netip.Prefix{}
+	for _, p := range ps {
+		if p, err := normPrefix(p); err == nil && familyOf(p.Addr()) == f {
+			out = append(out, p)
+		}
+	}
+	slices.SortFunc(out, netip.Prefix.Compare)
+	return slices.Compact(out)
+}
+
+// prefixMatch returns the match of flag ("-s" or "-d") for p as
+// iptables-save prints it, with a leading space, or "" for a prefix of
+// length 0, which iptables-save leaves out because it matches everything.
+func prefixMatch(flag string, p netip.Prefix) string {
+	if p.Bits() == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" %s %s", flag, p)
+}
+
+// nodePortRules renders UPROXY-NODEPORTS: one REDIRECT per node port of f.
+// The destination was checked by the jump from UPROXY-SERVICES.
+func nodePortRules(c chainSpec, f Family, r Rules) []string {
+	var ns []NodePort
+	for _, n := range r.NodePorts {
+		if n.validate() == nil && n.Family == f {
+			ns = append(ns, n)
+		}
+	}
+	slices.SortFunc(ns, func(a, b NodePort) int {
+		return cmp.Or(
+			cmp.Compare(a.Protocol, b.Protocol),
+			cmp.Compare(a.Port, b.Port),
+			cmp.Compare(a.ToPort, b.ToPort),
+			cmp.Compare(a.Comment, b.Comment),
+		)
+	})
+	rules := make([]string, 0, len(ns))
+	for _, n := range ns {
+		rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m %s --dport %d -j REDIRECT --to-ports %d",
+			c.name, n.Protocol, quoteComment(n.Comment), n.Protocol, n.Port, n.ToPort))
+	}
+	return rules
+}
+
+// firewallRules renders UPROXY-FIREWALL: a DROP per firewall of f, then a
+// guard per listener of f.
+//
+// A firewall's DROP matches its own destination. A packet that
+// UPROXY-SERVICES redirected has had its destination rewritten to a local
+// address by the time the filter hooks see it, so only the packets that no
+// allowed source prefix redirected still carry it.
+//
+// A listener's guard drops a packet to the listener's port on a local
+// address unless its conntrack entry records a destination NAT: REDIRECT
+// is a DNAT to an address of the incoming interface (127.0.0.1 or ::1
+// from OUTPUT; nf_nat_redirect.c) and sets IPS_DST_NAT on the connection,
+// which "--ctstate DNAT" tests for every packet of it. "--dst-type LOCAL" keeps the guard away from
+// traffic that only passes through (FORWARD) or leaves (OUTPUT) the node,
+// such as a pod's connection to another pod that listens on the same port
+// number. Replies to the node's own connections are not caught either: the
+// kernel picks no ephemeral port that a bound socket holds.
+func firewallRules(c chainSpec, f Family, r Rules) []string {
+	var ws []Firewall
+	for _, w := range r.Firewalls {
+		if w.validateDest() == nil && familyOf(w.Dest.Unmap()) == f {
+			ws = append(ws, w)
+		}
+	}
+	slices.SortFunc(ws, func(a, b Firewall) int {
+		return cmp.Or(
+			a.Dest.Unmap().Compare(b.Dest.Unmap()),
+			cmp.Compare(a.Protocol, b.Protocol),
+			cmp.Compare(a.Port, b.Port),
+			cmp.Compare(a.Comment, b.Comment),
+		)
+	})
+	var rules []string
+	for _, w := range ws {
+		rules = append(rules, fmt.Sprintf("-A %s -d %s/%d -p %s -m comment --comment %s -m %s --dport %d -j DROP",
+			c.name, w.Dest.Unmap(), f.hostBits(), w.Protocol, quoteComment(w.Comment), w.Protocol, w.Port))
+	}
+	rules = slices.Compact(rules)
+	var ls []Listener
+	for _, l := range r.Listeners {
+		if l.validate() == nil && l.Family == f {
+			ls = append(ls, l)
+		}
+	}
+	slices.SortFunc(ls, func(a, b Listener) int {
+		return cmp.Or(cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Port, b.Port))
+	})
+	for _, l := range slices.Compact(ls) {
+		rules = append(rules, fmt.Sprintf("-A %s -p %s -m %s --dport %d -m addrtype --dst-type LOCAL -m conntrack ! --ctstate DNAT -j DROP",
+			c.name, l.Protocol, l.Protocol, l.Port))
 	}
 	return rules
 }

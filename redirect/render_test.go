@@ -18,6 +18,56 @@ func svc(comment string, p Protocol, dest string, port, toPort uint16) Intercept
 	return Intercept{Comment: comment, Protocol: p, Dest: netip.MustParseAddr(dest), Port: port, ToPort: toPort}
 }
 
+// pfx returns the prefixes named by the literals.
+func pfx(literals ...string) []netip.Prefix {
+	ps := make([]netip.Prefix, len(literals))
+	for i, l := range literals {
+		ps[i] = netip.MustParsePrefix(l)
+	}
+	return ps
+}
+
+// np returns a node port.
+func np(comment string, f Family, p Protocol, port, toPort uint16) NodePort {
+	return NodePort{Comment: comment, Family: f, Protocol: p, Port: port, ToPort: toPort}
+}
+
+// fw returns a firewall for dest (an address literal) allowing the
+// prefixes.
+func fw(comment string, p Protocol, dest string, port uint16, allow ...string) Firewall {
+	return Firewall{Comment: comment, Protocol: p, Dest: netip.MustParseAddr(dest), Port: port, Allow: pfx(allow...)}
+}
+
+// all has every kind of rule, of both families, unsorted: a ClusterIP
+// and a LoadBalancer service of TCP and UDP ports, with node ports and
+// source ranges.
+var all = Rules{
+	Intercepts: []Intercept{
+		svc("default/lb:https", TCP, "10.96.200.1", 443, 40011),
+		svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
+		svc("default/lb:https", TCP, "10.96.0.20", 443, 40011),
+		svc("default/lb:dns", UDP, "10.96.200.1", 53, 40012),
+		svc("default/lb:dns", UDP, "10.96.0.20", 53, 40012),
+		svc("default/lb:https", TCP, "2001:db8:96::c8:1", 443, 41011),
+		svc("default/lb:https", TCP, "2001:db8:96::20", 443, 41011),
+		svc("default/web:http", TCP, "2001:db8:96::10", 80, 41001),
+	},
+	NodePorts: []NodePort{
+		np("default/lb:https", IPv4, TCP, 30443, 40011),
+		np("default/lb:dns", IPv4, UDP, 30053, 40012),
+		np("default/lb:https", IPv6, TCP, 30443, 41011),
+	},
+	Firewalls: []Firewall{
+		fw("default/lb:https", TCP, "10.96.200.1", 443, "203.0.113.0/24", "2001:db8:1::/48", "10.244.0.10/32"),
+		fw("default/lb:dns", UDP, "10.96.200.1", 53, "2001:db8:1::/48"),
+		fw("default/lb:https", TCP, "2001:db8:96::c8:1", 443, "2001:db8:1::/48", "10.244.0.10/32"),
+	},
+	Listeners: []Listener{
+		{IPv4, UDP, 40012}, {IPv4, TCP, 40011}, {IPv4, TCP, 40001},
+		{IPv6, TCP, 41011}, {IPv6, TCP, 41001},
+	},
+}
+
 // mixed has IPv4 and IPv6 intercepts, unsorted.
 var mixed = Rules{Intercepts: []Intercept{
 	svc("default/web:http", TCP, "2001:db8::10", 80, 40001),
@@ -65,6 +115,84 @@ func TestRenderGolden(t *testing.T) {
 			svc(strings.Repeat("x", 300), TCP, "10.96.0.1", 10, 40010),
 			svc(strings.Repeat("x", 254)+"é", TCP, "10.96.0.1", 11, 40011),
 		}}},
+		{"all_v4", IPv4, all},
+		{"all_v6", IPv6, all},
+		{"nodeports", IPv4, Rules{NodePorts: []NodePort{
+			np("default/web:http", IPv4, TCP, 30080, 40001),
+			np("kube-system/dns:dns", IPv4, UDP, 30053, 40002),
+			np("default/web:http", IPv6, TCP, 30080, 41001),
+		}}},
+		{"nodeports_v6", IPv6, Rules{NodePorts: []NodePort{
+			np("default/web:http", IPv4, TCP, 30080, 40001),
+			np("default/web:http", IPv6, TCP, 30080, 41001),
+			np("default/web:quic", IPv6, UDP, 30443, 41002),
+		}}},
+		// The jumps are from the node's own addresses in the prefixes
+		// of the family, masked, sorted, without duplicates; a /0 matches
+		// every address, so it has no -d.
+		{"nodeport_addresses", IPv4, Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv4, TCP, 30080, 40001)},
+			NodePortAddresses: pfx("192.168.1.7/24", "2001:db8::/64", "10.0.0.0/8", "::ffff:172.16.0.0/108", "192.168.1.0/24"),
+		}},
+		{"nodeport_addresses_v6", IPv6, Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("10.0.0.0/8", "2001:db8:1::1/64", "fd00::/8"),
+		}},
+		{"nodeport_addresses_all", IPv4, Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv4, TCP, 30080, 40001)},
+			NodePortAddresses: pfx("0.0.0.0/0"),
+		}},
+		{"nodeport_addresses_all_v6", IPv6, Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("::/0"),
+		}},
+		// Node-port addresses of only the other family: no jump.
+		{"nodeport_addresses_other_family", IPv6, Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("10.0.0.0/8"),
+		}},
+		// Node-port addresses but no node ports: no jump.
+		{"nodeport_addresses_no_nodeports", IPv4, Rules{
+			Intercepts:        []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("10.0.0.0/8"),
+		}},
+		// One REDIRECT per allowed prefix of the family (the IPv6 one
+		// is skipped), host bits cleared, a /0 without -s; a firewall
+		// with no allowed prefix of the family redirects nothing; one
+		// without an intercept only drops.
+		{"firewall", IPv4, Rules{
+			Intercepts: []Intercept{
+				svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
+				svc("default/lb:dns", UDP, "10.96.200.1", 53, 40002),
+				svc("default/open:http", TCP, "10.96.200.2", 80, 40003),
+				svc("default/v6only:http", TCP, "10.96.200.3", 80, 40004),
+				svc("default/lb:http", TCP, "10.96.0.10", 80, 40001),
+			},
+			Firewalls: []Firewall{
+				fw("default/lb:http", TCP, "10.96.200.1", 80, "2001:db8::/32", "192.0.2.77/24", "10.244.0.10/32", "10.244.0.10/32", "::ffff:198.51.100.0/120"),
+				fw("default/lb:dns", UDP, "10.96.200.1", 53, "10.244.0.0/16"),
+				fw("default/open:http", TCP, "10.96.200.2", 80, "0.0.0.0/0"),
+				fw("default/v6only:http", TCP, "10.96.200.3", 80, "2001:db8::/32"),
+				fw("default/gone:http", TCP, "10.96.200.4", 80, "10.244.0.0/16"),
+			},
+		}},
+		{"firewall_v6", IPv6, Rules{
+			Intercepts: []Intercept{
+				svc("default/lb:http", TCP, "2001:db8:96::c8:1", 80, 41001),
+				svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
+			},
+			Firewalls: []Firewall{
+				fw("default/lb:http", TCP, "2001:db8:96::c8:1", 80, "2001:db8:244::a/128", "10.0.0.0/8", "2001:db8:1::1/48"),
+				fw("default/lb:http", TCP, "10.96.200.1", 80, "10.0.0.0/8"),
+			},
+		}},
+		{"listeners", IPv4, Rules{Listeners: []Listener{
+			{IPv4, TCP, 40002}, {IPv4, UDP, 40002}, {IPv4, TCP, 40001}, {IPv4, TCP, 40001}, {IPv6, TCP, 41001},
+		}}},
+		{"listeners_v6", IPv6, Rules{Listeners: []Listener{
+			{IPv4, TCP, 40001}, {IPv6, TCP, 41001}, {IPv6, UDP, 41002},
+		}}},
 		{"invalid_skipped", IPv4, Rules{Intercepts: []Intercept{
 			svc("ok", TCP, "10.96.0.1", 80, 40001),
 			svc("bad protocol", Protocol("sctp"), "10.96.0.1", 81, 40002),
@@ -72,6 +200,25 @@ func TestRenderGolden(t *testing.T) {
 			svc("bad listener", TCP, "10.96.0.1", 82, 0),
 			{Comment: "no address", Protocol: TCP, Port: 83, ToPort: 40004},
 		}}},
+		// Invalid node ports, firewalls and listeners are skipped; an
+		// invalid allowed prefix lets nobody more in.
+		{"invalid_skipped_others", IPv4, Rules{
+			Intercepts: []Intercept{svc("lb", TCP, "10.96.200.1", 80, 40001)},
+			NodePorts: []NodePort{
+				np("ok", IPv4, TCP, 30080, 40001),
+				np("bad family", Family(7), TCP, 30081, 40001),
+				np("bad protocol", IPv4, "sctp", 30082, 40001),
+				np("bad port", IPv4, TCP, 0, 40001),
+				np("bad listener", IPv4, TCP, 30083, 0),
+			},
+			NodePortAddresses: []netip.Prefix{{}, netip.MustParsePrefix("::ffff:0.0.0.0/80"), netip.MustParsePrefix("10.0.0.0/8")},
+			Firewalls: []Firewall{
+				{Comment: "lb", Protocol: TCP, Dest: netip.MustParseAddr("10.96.200.1"), Port: 80, Allow: []netip.Prefix{{}, netip.MustParsePrefix("10.244.0.0/24")}},
+				fw("bad port", TCP, "10.96.200.1", 0, "10.0.0.0/8"),
+				{Comment: "no address", Protocol: TCP, Port: 81},
+			},
+			Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 0}, {IPv4, "sctp", 40002}, {Family(7), TCP, 40003}},
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -96,28 +243,27 @@ func TestRenderGolden(t *testing.T) {
 // TestRenderDeterministic checks that the order of the input does not
 // matter.
 func TestRenderDeterministic(t *testing.T) {
-	fwd := mixed.Intercepts
-	rev := make([]Intercept, len(fwd))
-	for i, in := range fwd {
-		rev[len(fwd)-1-i] = in
-	}
-	for _, f := range []Family{IPv4, IPv6} {
-		a, b := Render(f, Rules{Intercepts: fwd}), Render(f, Rules{Intercepts: rev})
-		if diff := cmp.Diff(string(a), string(b)); diff != "" {
-			t.Errorf("Render(%s) depends on input order (-forward +reversed):\n%s", f, diff)
+	withAddrs := all
+	withAddrs.NodePortAddresses = pfx("10.0.0.0/8", "2001:db8::/32", "192.168.0.0/16", "fd00::/8")
+	for _, r := range []Rules{mixed, all, withAddrs} {
+		for _, f := range []Family{IPv4, IPv6} {
+			a, b := Render(f, r), Render(f, reversed(r))
+			if diff := cmp.Diff(string(a), string(b)); diff != "" {
+				t.Errorf("Render(%s) depends on input order (-forward +reversed):\n%s", f, diff)
+			}
 		}
 	}
 }
 
-// TestRenderDoesNotModifyInput checks that Render sorts a copy.
+// TestRenderDoesNotModifyInput checks that Render sorts copies.
 func TestRenderDoesNotModifyInput(t *testing.T) {
-	in := []Intercept{
-		svc("b", TCP, "10.96.0.2", 80, 40002),
-		svc("a", TCP, "10.96.0.1", 80, 40001),
-	}
-	before := append([]Intercept(nil), in...)
-	Render(IPv4, Rules{Intercepts: in})
-	if diff := cmp.Diff(before, in, cmp.Comparer(func(a, b netip.Addr) bool { return a == b })); diff != "" {
+	in := reversed(all)
+	in.NodePortAddresses = pfx("192.168.0.0/16", "10.1.2.3/8")
+	before := reversed(reversed(in))
+	Render(IPv4, in)
+	Render(IPv6, in)
+	if diff := cmp.Diff(before, in, cmp.Comparer(func(a, b netip.Addr) bool { return a == b }),
+		cmp.Comparer(func(a, b netip.Prefix) bool { return a == b })); diff != "" {
 		t.Errorf("Render modified its input (-before +after):\n%s", diff)
 	}
 }
@@ -164,6 +310,42 @@ func TestRulesValidate(t *testing.T) {
 		{"duplicate", Rules{Intercepts: []Intercept{
 			svc("a", TCP, "10.96.0.1", 80, 40001), svc("b", TCP, "::ffff:10.96.0.1", 80, 40002),
 		}}, `intercept 0 ("a") and 1 ("b") both match 10.96.0.1 tcp port 80`},
+		{"ok all", all, ""},
+		{"node port same port other family or protocol", Rules{NodePorts: []NodePort{
+			np("a", IPv4, TCP, 30080, 1), np("b", IPv6, TCP, 30080, 2), np("c", IPv4, UDP, 30080, 3),
+		}}, ""},
+		{"node port family", Rules{NodePorts: []NodePort{np("x", Family(2), TCP, 30080, 1)}}, `node port 0 ("x"): unknown family Family(2)`},
+		{"node port protocol", Rules{NodePorts: []NodePort{np("x", IPv4, "sctp", 30080, 1)}}, `node port 0 ("x"): protocol "sctp"`},
+		{"node port port", Rules{NodePorts: []NodePort{np("x", IPv4, TCP, 0, 1)}}, `node port 0 ("x"): port 0`},
+		{"node port listener", Rules{NodePorts: []NodePort{np("x", IPv4, TCP, 30080, 0)}}, `node port 0 ("x"): listener port 0`},
+		{"node port duplicate", Rules{NodePorts: []NodePort{
+			np("a", IPv4, TCP, 30080, 1), np("b", IPv6, TCP, 30080, 2), np("c", IPv4, TCP, 30080, 3),
+		}}, `node port 0 ("a") and 2 ("c") both match IPv4 tcp port 30080`},
+		{"node port address", Rules{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), {}}}, "node port address 1: invalid prefix"},
+		{"node port address mapped", Rules{NodePortAddresses: pfx("::ffff:0.0.0.0/95")}, "node port address 0: prefix ::ffff:0.0.0.0/95 covers IPv4-mapped and other IPv6 addresses"},
+		{"node port address mapped ok", Rules{NodePortAddresses: pfx("::ffff:10.0.0.0/104")}, ""},
+		{"firewall empty allow", Rules{Firewalls: []Firewall{fw("x", TCP, "10.96.0.1", 80)}}, ""},
+		{"firewall same dest other port or protocol", Rules{Firewalls: []Firewall{
+			fw("a", TCP, "10.96.0.1", 80), fw("b", TCP, "10.96.0.1", 81), fw("c", UDP, "10.96.0.1", 80),
+		}}, ""},
+		{"firewall protocol", Rules{Firewalls: []Firewall{fw("x", "sctp", "10.96.0.1", 80)}}, `firewall 0 ("x"): protocol "sctp"`},
+		{"firewall no address", Rules{Firewalls: []Firewall{{Comment: "x", Protocol: TCP, Port: 80}}}, `firewall 0 ("x"): no destination address`},
+		{"firewall zone", Rules{Firewalls: []Firewall{fw("x", TCP, "fe80::1%eth0", 80)}}, "has a zone"},
+		{"firewall port", Rules{Firewalls: []Firewall{fw("x", TCP, "10.96.0.1", 0)}}, `firewall 0 ("x"): port 0`},
+		{"firewall prefix", Rules{Firewalls: []Firewall{{Comment: "x", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80,
+			Allow: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), {}}}}}, `firewall 0 ("x"): allow 1: invalid prefix`},
+		{"firewall duplicate", Rules{Firewalls: []Firewall{
+			fw("a", TCP, "10.96.0.1", 80, "10.0.0.0/8"), fw("b", TCP, "::ffff:10.96.0.1", 80),
+		}}, `firewall 0 ("a") and 1 ("b") both guard 10.96.0.1 tcp port 80`},
+		{"listener duplicate is fine", Rules{Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 40001}}}, ""},
+		{"listener port", Rules{Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 0}}}, "listener 1: port 0"},
+		{"listener protocol", Rules{Listeners: []Listener{{IPv6, "sctp", 1}}}, `listener 0: protocol "sctp"`},
+		{"listener family", Rules{Listeners: []Listener{{Family(9), TCP, 1}}}, "listener 0: unknown family Family(9)"},
+		{"every error", Rules{
+			Intercepts: []Intercept{svc("x", TCP, "10.96.0.1", 0, 1)},
+			NodePorts:  []NodePort{np("y", IPv4, TCP, 0, 1)},
+			Listeners:  []Listener{{IPv4, TCP, 0}},
+		}, `intercept 0 ("x"): port 0` + "\n" + `node port 0 ("y"): port 0` + "\n" + "listener 0: port 0"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -180,15 +362,85 @@ func TestRulesValidate(t *testing.T) {
 
 func TestParseStateOfRender(t *testing.T) {
 	st := parseState(Render(IPv4, mixed))
-	want := state{{"nat", "UPROXY-SERVICES"}: {exists: true, rules: []string{
-		`-A UPROXY-SERVICES -d 10.96.0.2/32 -p udp -m comment --comment "kube-system/kube-dns:dns" -m udp --dport 53 -j REDIRECT --to-ports 40004`,
-		`-A UPROXY-SERVICES -d 10.96.0.3/32 -p tcp -m comment --comment "mapped/v4:x" -m tcp --dport 8080 -j REDIRECT --to-ports 40005`,
-		`-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40002`,
-	}}}
+	want := state{
+		{"nat", "UPROXY-SERVICES"}: {exists: true, rules: []string{
+			`-A UPROXY-SERVICES -d 10.96.0.2/32 -p udp -m comment --comment "kube-system/kube-dns:dns" -m udp --dport 53 -j REDIRECT --to-ports 40004`,
+			`-A UPROXY-SERVICES -d 10.96.0.3/32 -p tcp -m comment --comment "mapped/v4:x" -m tcp --dport 8080 -j REDIRECT --to-ports 40005`,
+			`-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40002`,
+		}},
+		{"nat", "UPROXY-NODEPORTS"}:   {exists: true},
+		{"filter", "UPROXY-FIREWALL"}: {exists: true},
+	}
 	if diff := cmp.Diff(want, st, cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState(Render(...)) (-want +got):\n%s", diff)
 	}
 	if n := st.ruleCount(); n != 3 {
 		t.Errorf("ruleCount() = %d, want 3", n)
+	}
+}
+
+// TestParseStateTables checks that parseState keeps chains of the same
+// name in different tables apart and ignores other chains.
+func TestParseStateTables(t *testing.T) {
+	text := "*filter\n:INPUT ACCEPT [0:0]\n:UPROXY-FIREWALL - [0:0]\n:UPROXY-SERVICES - [0:0]\n" +
+		"-A INPUT -j UPROXY-FIREWALL\n-A UPROXY-FIREWALL -j DROP\n-A UPROXY-SERVICES -j ACCEPT\nCOMMIT\n" +
+		"*nat\n:UPROXY-NODEPORTS - [0:0]\n:UPROXY-FIREWALL - [0:0]\n-A UPROXY-NODEPORTS -j RETURN\n-A UPROXY-FIREWALL -j RETURN\nCOMMIT\n"
+	want := state{
+		{"nat", "UPROXY-SERVICES"}:    {},
+		{"nat", "UPROXY-NODEPORTS"}:   {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
+		{"filter", "UPROXY-FIREWALL"}: {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
+	}
+	if diff := cmp.Diff(want, parseState([]byte(text)), cmp.AllowUnexported(chainState{})); diff != "" {
+		t.Errorf("parseState (-want +got):\n%s", diff)
+	}
+}
+
+// TestChainTable checks the chain table's invariants: unique names, a
+// comment on every jump from a built-in chain, and tables in the order
+// Render writes them.
+func TestChainTable(t *testing.T) {
+	seen := map[string]bool{}
+	for _, c := range chains {
+		if seen[c.name] {
+			t.Errorf("chain %s is listed twice", c.name)
+		}
+		seen[c.name] = true
+		if len(c.from) > 0 && c.jumpComment == "" {
+			t.Errorf("chain %s has jumps without a comment", c.name)
+		}
+		if c.rules == nil {
+			t.Errorf("chain %s has no rules function", c.name)
+		}
+	}
+	if diff := cmp.Diff([]string{"nat", "filter"}, tables()); diff != "" {
+		t.Errorf("tables() (-want +got):\n%s", diff)
+	}
+}
+
+func TestNormPrefix(t *testing.T) {
+	for _, tt := range []struct{ in, want, err string }{
+		{"10.1.2.3/8", "10.0.0.0/8", ""},
+		{"10.1.2.3/32", "10.1.2.3/32", ""},
+		{"0.0.0.0/0", "0.0.0.0/0", ""},
+		{"2001:db8::1/64", "2001:db8::/64", ""},
+		{"::ffff:10.1.2.3/104", "10.0.0.0/8", ""},
+		{"::ffff:10.1.2.3/128", "10.1.2.3/32", ""},
+		{"::ffff:0.0.0.0/96", "0.0.0.0/0", ""},
+		{"::ffff:0.0.0.0/95", "", "covers IPv4-mapped and other IPv6 addresses"},
+		{"", "", "invalid prefix"},
+	} {
+		var p netip.Prefix
+		if tt.in != "" {
+			p = netip.MustParsePrefix(tt.in)
+		}
+		got, err := normPrefix(p)
+		switch {
+		case tt.err != "":
+			if err == nil || !strings.Contains(err.Error(), tt.err) {
+				t.Errorf("normPrefix(%s) = %s, %v; want error %q", tt.in, got, err, tt.err)
+			}
+		case err != nil || got.String() != tt.want:
+			t.Errorf("normPrefix(%s) = %s, %v; want %s", tt.in, got, err, tt.want)
+		}
 	}
 }

@@ -175,7 +175,8 @@ type Result struct {
 	// iptables-restore call.
 	Wrote bool
 	// Rules is the number of rules the rendering of r puts in uproxy's
-	// chains (jump rules not counted).
+	// chains, the jumps from UPROXY-SERVICES to UPROXY-NODEPORTS included
+	// (the jumps from built-in chains are not counted).
 	Rules int
 	// Repaired reports that a full Sync found the kernel different from
 	// this Syncer's last successful write: someone else changed or
@@ -215,7 +216,9 @@ func New(cfg Config) (*Syncer, error) {
 // of a previous one.
 //
 // Sync returns an error, and changes nothing, when r has an invalid
-// intercept or two intercepts for the same destination, protocol and port.
+// intercept, node port, node port address, firewall or listener, two
+// intercepts or two firewalls for the same destination, protocol and
+// port, or two node ports for the same family, protocol and port.
 func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := r.validate(); err != nil {
 		return Result{}, fmt.Errorf("redirect: %s: invalid rules: %w", s.family, err)
@@ -326,8 +329,9 @@ func (s *Syncer) ensureJumps(ctx context.Context) (bool, error) {
 }
 
 // Cleanup removes everything uproxy created in cfg's family: every jump
-// rule to one of uproxy's chains (duplicates included), then the chains
-// themselves, in every table of the chain table. It touches nothing else.
+// rule from a built-in chain to one of uproxy's chains (duplicates
+// included), then the chains themselves, in every table of the chain
+// table. It touches nothing else.
 // Rules and chains that are already gone count as success, so Cleanup is
 // idempotent. It must not run while a Syncer of the same family syncs.
 func Cleanup(ctx context.Context, cfg Config) error {
@@ -342,8 +346,11 @@ func Cleanup(ctx context.Context, cfg Config) error {
 			}
 		}
 	}
-	// Declaring a chain creates or flushes it; then -X deletes it. With
-	// every chain of a table flushed first, none references another.
+	// Declaring a chain creates or flushes it; then -X deletes it. The
+	// kernel refuses to delete a chain that still holds rules or that a
+	// rule still jumps to (nf_tables: EBUSY), so every chain of a table
+	// is flushed before the first is deleted, which also removes the jump
+	// from UPROXY-SERVICES to UPROXY-NODEPORTS.
 	var b bytes.Buffer
 	for _, t := range tables() {
 		fmt.Fprintf(&b, "*%s\n", t)

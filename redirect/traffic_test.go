@@ -1,0 +1,405 @@
+package redirect
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/coreos/go-iptables/iptables"
+	"github.com/uproxy/uproxy/bench/lab"
+)
+
+// The tests in this file send real traffic through the rules, between the
+// network namespaces of a lab (bench/lab): a node namespace with a bridge,
+// and pod namespaces hanging off it. The Syncer and Cleanup work on the
+// node namespace through `ip netns exec`, so nothing but ip itself runs in
+// the root namespace, and a command for a namespace that is gone fails
+// instead of running there.
+
+// netnsExec is OSExec inside the network namespace ns.
+type netnsExec struct{ ns string }
+
+var _ Exec = netnsExec{}
+
+func (x netnsExec) Run(ctx context.Context, name string, args []string, stdin []byte) ([]byte, error) {
+	if x.ns == "" {
+		return nil, errors.New("netnsExec: no namespace")
+	}
+	return OSExec{}.Run(ctx, "ip", append([]string{"netns", "exec", x.ns, name}, args...), stdin)
+}
+
+// trafficLab is a lab with a node, pods, a socat server standing in for
+// the proxy's listeners, and a Config per family that acts on the node.
+type trafficLab struct {
+	t    *testing.T
+	lab  *lab.Lab
+	pods []*lab.Pod
+	cfg  map[Family]Config
+	sync map[Family]*Syncer
+}
+
+// nodeAddr is the node's address on the pods' bridge.
+var nodeAddr = map[Family]netip.Addr{
+	IPv4: netip.MustParseAddr("10.244.0.1"),
+	IPv6: netip.MustParseAddr("2001:db8:244::1"),
+}
+
+// newTrafficLab builds a lab with the given number of pods. It is closed
+// (namespaces deleted, processes killed) when t ends, failed or not.
+func newTrafficLab(t *testing.T, pods int) *trafficLab {
+	t.Helper()
+	lab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "socat", "ss")
+	l, err := lab.New(lab.Options{Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	tl := &trafficLab{t: t, lab: l, cfg: map[Family]Config{}, sync: map[Family]*Syncer{}}
+	for i := range pods {
+		p, err := l.AddPod(fmt.Sprintf("p%d", i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The node routes a packet for a guarded address that it does
+		// not redirect back out of the bridge, and the kernel sends the
+		// pod an ICMPv6 redirect for it before the FORWARD hook drops it
+		// (ip6_forward); the pod would then look for that address on
+		// its own link and never send to the node again. Pods ignore
+		// redirects, so each connection tests the rules afresh.
+		tl.exec(p.NS, "sysctl", "-qw", "net.ipv4.conf.all.accept_redirects=0", "net.ipv4.conf.eth0.accept_redirects=0",
+			"net.ipv6.conf.all.accept_redirects=0", "net.ipv6.conf.eth0.accept_redirects=0")
+		tl.pods = append(tl.pods, p)
+	}
+	dir := t.TempDir()
+	for _, f := range []Family{IPv4, IPv6} {
+		// go-iptables runs the binary at Path; this one is iptables in
+		// the node namespace, and fails if the namespace is gone.
+		script := filepath.Join(dir, f.command(""))
+		body := fmt.Sprintf("#!/bin/sh\nexec ip netns exec '%s' %s \"$@\"\n", l.Node, f.command(""))
+		if err := os.WriteFile(script, []byte(body), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		proto := iptables.ProtocolIPv4
+		if f == IPv6 {
+			proto = iptables.ProtocolIPv6
+		}
+		ipt, err := iptables.New(iptables.IPFamily(proto), iptables.Path(script), iptables.Timeout(5))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tl.cfg[f] = Config{Family: f, Exec: netnsExec{l.Node}, Jumps: ipt}
+		if tl.sync[f], err = New(tl.cfg[f]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return tl
+}
+
+// podAddr returns pod p's address of family f.
+func podAddr(p *lab.Pod, f Family) netip.Addr {
+	if f == IPv6 {
+		return p.IP6
+	}
+	return p.IP
+}
+
+// apply syncs r into the node's f tables.
+func (tl *trafficLab) apply(f Family, r Rules) {
+	tl.t.Helper()
+	if _, err := tl.sync[f].Sync(context.Background(), r, true); err != nil {
+		tl.t.Fatal(err)
+	}
+}
+
+// exec runs a command in namespace ns and fails the test if it fails.
+func (tl *trafficLab) exec(ns string, args ...string) string {
+	tl.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := tl.lab.Exec(ctx, ns, args...)
+	if err != nil {
+		tl.t.Fatal(err)
+	}
+	return out
+}
+
+// serve starts a socat server in namespace ns that answers reply to every
+// TCP connection (or UDP datagram) on port of family f, and waits until
+// it listens.
+func (tl *trafficLab) serve(ns string, f Family, p Protocol, port uint16, reply string) {
+	tl.t.Helper()
+	kind := map[Protocol]string{TCP: "TCP", UDP: "UDP"}[p] + map[Family]string{IPv4: "4", IPv6: "6"}[f]
+	listen := fmt.Sprintf("%s-LISTEN:%d,fork,reuseaddr", kind, port)
+	if p == UDP {
+		listen = fmt.Sprintf("%s-RECVFROM:%d,fork,reuseaddr", kind, port)
+	}
+	if f == IPv6 {
+		listen += ",ipv6only=1"
+	}
+	if _, err := tl.lab.Start(ns, "socat "+listen, "socat", listen, "SYSTEM:echo "+reply); err != nil {
+		tl.t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if strings.TrimSpace(tl.exec(ns, "ss", "-Hltun", "sport = :"+strconv.Itoa(int(port)))) != "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			tl.t.Fatalf("socat does not listen on %s port %d in %s", p, port, ns)
+		}
+	}
+}
+
+// The outcomes of dial.
+const (
+	refused  = "refused"
+	timedOut = "timed out"
+	noReply  = "no reply"
+	// unreachable is an ICMP host unreachable, when the node finds no
+	// neighbour for an address it routes on the bridge.
+	unreachable = "unreachable"
+)
+
+// dial connects from namespace ns to dest over p and returns what the
+// server answered, refused (TCP reset), timedOut (TCP SYNs dropped),
+// unreachable or noReply (no UDP answer within two seconds).
+func (tl *trafficLab) dial(ns string, p Protocol, dest netip.AddrPort) string {
+	tl.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var out string
+	var err error
+	switch p {
+	case TCP:
+		out, err = tl.lab.Exec(ctx, ns, "socat", "-t2", "-T3", "-", fmt.Sprintf("TCP:%s,connect-timeout=2", dest))
+	case UDP:
+		out, err = tl.lab.Exec(ctx, ns, "sh", "-c", fmt.Sprintf("echo ping | socat -t2 -T3 - 'UDP:%s'", dest))
+	}
+	switch {
+	case err == nil && strings.TrimSpace(out) == "":
+		return noReply
+	case err == nil:
+		return strings.TrimSpace(out)
+	case strings.Contains(out, "Connection refused") && p == TCP:
+		return refused
+	case strings.Contains(out, "Connection refused"):
+		return noReply // an ICMP port unreachable
+	case strings.Contains(out, "Connection timed out"):
+		return timedOut
+	case strings.Contains(out, "No route to host"):
+		return unreachable
+	}
+	tl.t.Fatalf("dial %s %s from %s: %v", p, dest, ns, err)
+	return ""
+}
+
+// expect checks that dialing dest from ns over p gives want.
+func (tl *trafficLab) expect(what, ns string, p Protocol, dest netip.AddrPort, want string) {
+	tl.t.Helper()
+	if got := tl.dial(ns, p, dest); got != want {
+		tl.t.Errorf("%s: %s to %s from %s: got %q, want %q", what, p, dest, ns, got, want)
+	}
+}
+
+var ruleCounters = regexp.MustCompile(`^\[(\d+):\d+\] (.*)$`)
+
+// packets returns the packet counter of the rule of the node's f table
+// that contains match; it fails the test unless exactly one rule does.
+func (tl *trafficLab) packets(f Family, table, match string) int {
+	tl.t.Helper()
+	n, found := 0, 0
+	for line := range strings.Lines(tl.exec(tl.lab.Node, f.command("-save"), "-c", "-t", table)) {
+		m := ruleCounters.FindStringSubmatch(strings.TrimSpace(line))
+		if m != nil && strings.Contains(m[2], match) {
+			n, _ = strconv.Atoi(m[1])
+			found++
+		}
+	}
+	if found != 1 {
+		tl.t.Fatalf("%d rules of %s %s contain %q", found, f, table, match)
+	}
+	return n
+}
+
+// ap is an address and port.
+func ap(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
+
+// otherFamilyPrefix is a prefix of the family other than f, which a
+// Syncer of f skips.
+var otherFamilyPrefix = map[Family]netip.Prefix{
+	IPv4: netip.MustParsePrefix("2001:db8:244::a/128"),
+	IPv6: netip.MustParsePrefix("10.244.0.10/32"),
+}
+
+// TestTrafficNodePort checks that a pod and the node itself reach a
+// listener through a node port on the node's address, that loopback is
+// not a node-port address by default, and that NodePortAddresses limits
+// the addresses.
+func TestTrafficNodePort(t *testing.T) {
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			tl := newTrafficLab(t, 1)
+			pod, node := tl.pods[0].NS, tl.lab.Node
+			listener := uint16(40001)
+			tl.serve(node, f, TCP, listener, "hi")
+			r := Rules{
+				NodePorts: []NodePort{np("default/web:http", f, TCP, 30080, listener)},
+				Listeners: []Listener{{f, TCP, listener}},
+			}
+			if f == IPv4 {
+				tl.serve(node, f, UDP, 40002, "hi-udp")
+				r.NodePorts = append(r.NodePorts, np("kube-system/dns:dns", f, UDP, 30053, 40002))
+				r.Listeners = append(r.Listeners, Listener{f, UDP, 40002})
+			}
+			loopback := map[Family]netip.Addr{IPv4: netip.MustParseAddr("127.0.0.1"), IPv6: netip.IPv6Loopback()}[f]
+			nodePort := ap(nodeAddr[f], 30080)
+
+			tl.apply(f, r)
+			tl.expect("node port from a pod", pod, TCP, nodePort, "hi")
+			tl.expect("node port from the node", node, TCP, nodePort, "hi")
+			tl.expect("node port on loopback", node, TCP, ap(loopback, 30080), refused)
+			if f == IPv4 {
+				tl.expect("UDP node port from a pod", pod, UDP, ap(nodeAddr[f], 30053), "hi-udp")
+				tl.expect("UDP listener from a pod, directly", pod, UDP, ap(nodeAddr[f], 40002), noReply)
+			}
+
+			other := map[Family]string{IPv4: "192.168.0.0/16", IPv6: "fd00::/8"}[f]
+			r.NodePortAddresses = pfx(other)
+			tl.apply(f, r)
+			tl.expect("node port outside NodePortAddresses", pod, TCP, nodePort, refused)
+
+			// Addresses of the other family only: no node ports at all.
+			r.NodePortAddresses = []netip.Prefix{otherFamilyPrefix[f]}
+			tl.apply(f, r)
+			tl.expect("NodePortAddresses of the other family", pod, TCP, nodePort, refused)
+
+			bridge := map[Family]string{IPv4: "10.244.0.0/24", IPv6: "2001:db8:244::/64"}[f]
+			r.NodePortAddresses = pfx(other, bridge)
+			tl.apply(f, r)
+			tl.expect("node port inside NodePortAddresses", pod, TCP, nodePort, "hi")
+		})
+	}
+}
+
+// TestTrafficFirewall checks loadBalancerSourceRanges: an allowed pod
+// reaches the listener through the LoadBalancer IP, another pod and the
+// node are dropped, and the DROP rule sees only the packets that were not
+// redirected, because REDIRECT has rewritten the others' destination
+// before the filter hooks run.
+func TestTrafficFirewall(t *testing.T) {
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			tl := newTrafficLab(t, 2)
+			allowed, denied, node := tl.pods[0], tl.pods[1], tl.lab.Node
+			lbIP := map[Family]netip.Addr{IPv4: netip.MustParseAddr("10.96.200.1"), IPv6: netip.MustParseAddr("2001:db8:96::c8:1")}[f]
+			lb := ap(lbIP, 80)
+			listener := uint16(40001)
+			tl.serve(node, f, TCP, listener, "hi")
+			intercept := Intercept{Comment: "default/lb:http", Protocol: TCP, Dest: lbIP, Port: 80, ToPort: listener}
+			r := Rules{
+				Intercepts: []Intercept{intercept},
+				Firewalls: []Firewall{{Comment: "default/lb:http", Protocol: TCP, Dest: lbIP, Port: 80,
+					Allow: []netip.Prefix{netip.PrefixFrom(podAddr(allowed, f), f.hostBits()), otherFamilyPrefix[f]}}},
+				Listeners: []Listener{{f, TCP, listener}},
+			}
+			tl.apply(f, r)
+			drop := fmt.Sprintf("-d %s/%d -p tcp", lbIP, f.hostBits())
+
+			tl.expect("allowed pod", allowed.NS, TCP, lb, "hi")
+			if n := tl.packets(f, "filter", drop); n != 0 {
+				t.Errorf("the firewall's DROP rule saw %d packets of a redirected connection", n)
+			}
+			tl.expect("denied pod", denied.NS, TCP, lb, timedOut)
+			if n := tl.packets(f, "filter", drop); n == 0 {
+				t.Error("the denied pod's SYNs did not hit the firewall's DROP rule")
+			}
+			before := tl.packets(f, "filter", drop)
+			tl.expect("the node, not in the source ranges", node, TCP, lb, timedOut)
+			if n := tl.packets(f, "filter", drop); n == before {
+				t.Error("the node's SYNs did not hit the firewall's DROP rule")
+			}
+
+			// Source ranges of the other family only: nobody gets in.
+			r.Firewalls[0].Allow = []netip.Prefix{otherFamilyPrefix[f]}
+			tl.apply(f, r)
+			tl.expect("allowed pod, source ranges of the other family only", allowed.NS, TCP, lb, timedOut)
+
+			// Without the firewall, the denied pod gets in: it was the
+			// firewall that kept it out.
+			r.Firewalls = nil
+			tl.apply(f, r)
+			tl.expect("denied pod without a firewall", denied.NS, TCP, lb, "hi")
+		})
+	}
+}
+
+// TestTrafficListenerGuard checks that a listener cannot be reached
+// directly from a pod, while the same pod and the node itself reach it
+// through the service address; that the guard leaves alone traffic to the
+// same port number elsewhere; and that Cleanup removes everything from
+// both tables and nothing else.
+func TestTrafficListenerGuard(t *testing.T) {
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			tl := newTrafficLab(t, 2)
+			client, other, node := tl.pods[0].NS, tl.pods[1], tl.lab.Node
+			vipAddr := map[Family]netip.Addr{IPv4: netip.MustParseAddr("10.96.0.10"), IPv6: netip.MustParseAddr("2001:db8:96::10")}[f]
+			vip := ap(vipAddr, 80)
+			listener := uint16(40001)
+			direct := ap(nodeAddr[f], listener)
+			tl.serve(node, f, TCP, listener, "hi")
+			tl.serve(other.NS, f, TCP, listener, "pod")
+			ipt := f.command("")
+			tl.exec(node, ipt, "-t", "filter", "-A", "INPUT", "-s", unrelatedSource[f], "-m", "comment", "--comment", "not ours", "-j", "ACCEPT")
+			tl.exec(node, ipt, "-t", "nat", "-A", "OUTPUT", "-d", unrelatedDest[f], "-m", "comment", "--comment", "not ours", "-j", "RETURN")
+
+			tl.expect("listener directly, before any rule", client, TCP, direct, "hi")
+			tl.apply(f, Rules{
+				Intercepts: []Intercept{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
+				Listeners:  []Listener{{f, TCP, listener}},
+			})
+			guard := fmt.Sprintf("--dport %d -m addrtype", listener)
+
+			tl.expect("listener directly from a pod", client, TCP, direct, timedOut)
+			if n := tl.packets(f, "filter", guard); n == 0 {
+				t.Error("the direct connection's SYNs did not hit the listener guard")
+			}
+			before := tl.packets(f, "filter", guard)
+			tl.expect("service from a pod", client, TCP, vip, "hi")
+			tl.expect("service from the node", node, TCP, vip, "hi")
+			if n := tl.packets(f, "filter", guard); n != before {
+				t.Errorf("the listener guard saw %d packets of redirected connections", n-before)
+			}
+			// Not the node's: passing through the bridge (FORWARD, with
+			// br_netfilter) or leaving the node (OUTPUT).
+			tl.expect("another pod on the listener's port number", client, TCP, ap(podAddr(other, f), listener), "pod")
+			tl.expect("the node to a pod on the listener's port number", node, TCP, ap(podAddr(other, f), listener), "pod")
+
+			for range 2 { // idempotent
+				if err := Cleanup(context.Background(), tl.cfg[f]); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, table := range []string{"nat", "filter"} {
+				saved := tl.exec(node, f.command("-save"), "-t", table)
+				if strings.Contains(saved, "UPROXY") || strings.Contains(saved, "uproxy") {
+					t.Errorf("Cleanup left rules in %s:\n%s", table, saved)
+				}
+				if !strings.Contains(saved, `--comment "not ours"`) {
+					t.Errorf("Cleanup removed someone else's rule from %s:\n%s", table, saved)
+				}
+			}
+			tl.expect("listener directly after Cleanup", client, TCP, direct, "hi")
+			if got := tl.dial(client, TCP, vip); got == "hi" {
+				t.Errorf("service after Cleanup: still redirected")
+			}
+		})
+	}
+}
