@@ -177,6 +177,9 @@ type ControlPlane struct {
 	caPEM                  []byte
 	etcd, apiserver, socat *lab.Proc
 	closeOnce              sync.Once
+
+	lab           *lab.Lab
+	apiserverArgv []string // to restart it
 }
 
 // Start runs etcd (on 127.0.0.1:2379, peer 127.0.0.1:2380) and
@@ -253,7 +256,8 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 		return nil, fmt.Errorf("kube.Start: %w", err)
 	}
 	args := append([]string{apiserverBin}, apiserverArgs(pk, tokens, cidr)...)
-	cp.apiserver, err = opts.Lab.Start(node, "kube-apiserver", append(args, opts.APIServerArgs...)...)
+	cp.lab, cp.apiserverArgv = opts.Lab, append(args, opts.APIServerArgs...)
+	cp.apiserver, err = opts.Lab.Start(node, "kube-apiserver", cp.apiserverArgv...)
 	if err != nil {
 		return nil, fmt.Errorf("kube.Start: %w", err)
 	}
@@ -426,6 +430,30 @@ func (cp *ControlPlane) Close() {
 			_ = os.RemoveAll(cp.Dir)
 		}
 	})
+}
+
+// StopAPIServer stops kube-apiserver, leaving etcd running, so a test can
+// see how clients behave while the API is down.
+func (cp *ControlPlane) StopAPIServer() {
+	stop(cp.apiserver)
+	cp.logf("stopped kube-apiserver")
+}
+
+// StartAPIServer starts kube-apiserver again, with the same flags, after
+// StopAPIServer, and waits until it is ready.
+func (cp *ControlPlane) StartAPIServer(ctx context.Context) error {
+	if !cp.apiserver.Exited() {
+		return errors.New("kube-apiserver is still running")
+	}
+	p, err := cp.lab.Start(cp.lab.Node, "kube-apiserver", cp.apiserverArgv...)
+	if err != nil {
+		return err
+	}
+	cp.apiserver = p
+	if err := cp.waitReady(ctx); err != nil {
+		return fmt.Errorf("restarting kube-apiserver: %w", err)
+	}
+	return nil
 }
 
 // stop ends p, which the Lab started for us, by its pid.

@@ -1,0 +1,212 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/bench/lab"
+)
+
+// kubeCluster is a lab with a real etcd and kube-apiserver, and uproxy
+// watching it.
+type kubeCluster struct {
+	*cluster
+	cp *kube.ControlPlane
+}
+
+func newKubeCluster(t *testing.T, pods int) *kubeCluster {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("skipping: starts a real API server")
+	}
+	c := newCluster(t, pods)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cp, err := kube.Start(ctx, kube.Options{Lab: c.lab, Root: "../..", Logf: t.Logf})
+	if err != nil {
+		if kubeUnavailable(err) {
+			t.Skipf("skipping: %v", err)
+		}
+		t.Fatal(err)
+	}
+	t.Cleanup(cp.Close)
+	return &kubeCluster{cluster: c, cp: cp}
+}
+
+// kubeUnavailable reports whether the control plane cannot run here at
+// all (no etcd), as opposed to failing.
+func kubeUnavailable(err error) bool {
+	return strings.Contains(err.Error(), "etcd is not installed")
+}
+
+// slice builds an EndpointSlice of service svc over pods, port http/8080.
+func kubeSlice(name, svc string, eps ...discovery.Endpoint) *discovery.EndpointSlice {
+	return &discovery.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: "default", Labels: map[string]string{"kubernetes.io/service-name": svc}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To[int32](8080), Protocol: ptr.To(v1.ProtocolTCP)}},
+		Endpoints:   eps,
+	}
+}
+
+func endpoint(p *lab.Pod, ready, serving, terminating bool) discovery.Endpoint {
+	return discovery.Endpoint{
+		Addresses:  []string{p.IP.String()},
+		Conditions: discovery.EndpointConditions{Ready: &ready, Serving: &serving, Terminating: &terminating},
+		NodeName:   ptr.To("node-a"),
+	}
+}
+
+func readyEP(p *lab.Pod) discovery.Endpoint { return endpoint(p, true, true, false) }
+
+// TestE2EKubernetes runs uproxy against a real API server and checks that
+// traffic follows every kind of change within the sync bound, and that an
+// API server outage changes nothing until it returns.
+func TestE2EKubernetes(t *testing.T) {
+	c := newKubeCluster(t, 3)
+	ctx := context.Background()
+	client := c.cp.Client
+	p0, p1, p2 := c.pods[0], c.pods[1], c.pods[2]
+	if err := c.cp.CreateNode(ctx, "node-a", "10.244.0.1"); err != nil {
+		t.Fatal(err)
+	}
+	node, err := client.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Labels = map[string]string{v1.LabelTopologyZone: "zone-a"}
+	if _, err := client.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	c.up = nil
+	argv := []string{c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
+		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16"}
+	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+		t.Fatal(err)
+	}
+
+	svc, err := client.CoreV1().Services("default").Create(ctx, &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "web"},
+		Spec: v1.ServiceSpec{
+			Selector: map[string]string{"app": "web"},
+			Ports:    []v1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + svc.Spec.ClusterIP + "/"
+	slices := client.DiscoveryV1().EndpointSlices("default")
+	sl, err := slices.Create(ctx, kubeSlice("web-abc", "web", readyEP(p0)), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// followWithin waits until requests spread exactly over want, and logs
+	// how long the change took to reach the data path.
+	followWithin := func(what string, limit time.Duration, want ...string) {
+		t.Helper()
+		start := time.Now()
+		deadline := start.Add(limit)
+		for {
+			r := c.get(c.client.NS, url, 3*len(want), "--timeout", "1s")
+			ok := r.Errors == 0 && len(r.Counts) == len(want)
+			for _, w := range want {
+				ok = ok && r.Counts[w] > 0
+			}
+			if ok {
+				t.Logf("%s: traffic followed in %v", what, time.Since(start).Round(time.Millisecond))
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: traffic did not follow within %v: %+v\nuproxy:\n%s", what, limit, r, c.up.Output())
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	follow := func(what string, want ...string) {
+		t.Helper()
+		followWithin(what, 10*time.Second, want...)
+	}
+	update := func(eps ...discovery.Endpoint) {
+		t.Helper()
+		sl.Endpoints = eps
+		if sl, err = slices.Update(ctx, sl, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	follow("service created", "web-0")
+	update(readyEP(p0), readyEP(p1), readyEP(p2))
+	follow("scaled up", "web-0", "web-1", "web-2")
+	update(readyEP(p1), readyEP(p2))
+	follow("scaled down", "web-1", "web-2")
+	update(readyEP(p1), endpoint(p2, false, false, false))
+	follow("an endpoint not ready", "web-1")
+	update(endpoint(p1, false, true, true), endpoint(p2, false, false, true))
+	follow("only terminating endpoints: serving ones are used", "web-1")
+
+	// A second slice for the same service counts too.
+	if _, err := slices.Create(ctx, kubeSlice("web-def", "web", readyEP(p0)), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	follow("a second slice", "web-0")
+	if err := slices.Delete(ctx, "web-def", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Topology: the node's zone comes from its Node object.
+	withZone := func(p *lab.Pod, zone string) discovery.Endpoint {
+		e := readyEP(p)
+		e.Hints = &discovery.EndpointHints{ForZones: []discovery.ForZone{{Name: zone}}}
+		return e
+	}
+	update(withZone(p0, "zone-b"), withZone(p1, "zone-a"), withZone(p2, "zone-b"))
+	follow("zone hints", "web-1")
+	update(readyEP(p0), readyEP(p1), readyEP(p2))
+	follow("hints removed", "web-0", "web-1", "web-2")
+
+	// The API server goes away: the last state keeps serving.
+	c.cp.StopAPIServer()
+	for range 10 {
+		if r := c.get(c.client.NS, url, 3); r.Errors > 0 || len(r.Counts) != 3 {
+			t.Fatalf("while the API server is down: %+v", r)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	if c.up.Exited() {
+		t.Fatalf("uproxy exited while the API server was down:\n%s", c.up.Output())
+	}
+	sctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if err := c.cp.StartAPIServer(sctx); err != nil {
+		t.Fatal(err)
+	}
+	// Changes made after it returns are followed (the watch resumed or
+	// relisted).
+	if sl, err = slices.Get(ctx, "web-abc", metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	update(readyEP(p2))
+	// client-go's reflectors retry a broken watch with exponential backoff
+	// capped at 30s, so the resync can take that long.
+	followWithin("after the API server returned", 45*time.Second, "web-2")
+
+	if err := client.CoreV1().Services("default").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	c.waitRules("the service's rule to go", func(s string) bool { return !strings.Contains(s, svc.Spec.ClusterIP+"/32") })
+	if r := c.get(c.client.NS, url, 1, "--timeout", "1s"); r.Errors != 1 {
+		t.Errorf("deleted service still answers: %+v", r)
+	}
+}
