@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # build.sh builds the Kubernetes binaries that uproxy's tests and benchmarks
-# run against (kube-apiserver and kube-proxy, at the version pinned in this
-# directory's go.mod) into a cache folder, by default bench/.cache/bin.
+# run against (kube-apiserver, kube-proxy and kubectl, at the version pinned in
+# this directory's go.mod) into a cache folder, by default bench/.cache/bin.
 #
 #	bench/tools/build.sh [outdir]
 #
-# A binary that already exists and is newer than go.mod and go.sum is kept,
-# so a repeated run is instant. The first build takes several minutes.
+# Each binary that already exists and is newer than go.mod and go.sum is
+# kept, so a repeated run is instant. The first build takes several minutes.
 set -euo pipefail
 
 tools=$(cd "$(dirname "$0")" && pwd)
@@ -27,14 +27,15 @@ minor=${version#v*.}
 minor=${minor%%.*}
 
 # Stamp the release version, as Kubernetes' own build does: the apiserver
-# reports it, and derives its compatibility version from it.
+# reports it, and derives its compatibility version from it; kubectl's
+# version skew check compares it with the server's.
 ldflags="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 	ldflags+=" -X $pkg.gitVersion=$version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
 	ldflags+=" -X $pkg.gitTreeState=clean"
 done
 
-for cmd in kube-apiserver kube-proxy; do
+for cmd in kube-apiserver kube-proxy kubectl; do
 	bin="$out/$cmd"
 	if [[ -x "$bin" && "$bin" -nt go.mod && "$bin" -nt go.sum ]]; then
 		echo "build.sh: $bin is up to date ($version)"

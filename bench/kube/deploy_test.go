@@ -1,0 +1,378 @@
+package kube
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+)
+
+// kubectlBinary returns bench/.cache/bin/kubectl, building it with
+// bench/tools/build.sh when it is missing or older than the tools module
+// (Binaries only looks after kube-apiserver and kube-proxy). It skips t,
+// or fails it under CI, when the build fails.
+func kubectlBinary(t *testing.T, root string) string {
+	t.Helper()
+	tools := filepath.Join(root, "bench", "tools")
+	bin := filepath.Join(root, "bench", ".cache", "bin")
+	kubectl := filepath.Join(bin, "kubectl")
+	if upToDate([]string{kubectl}, []string{filepath.Join(tools, "go.mod"), filepath.Join(tools, "go.sum")}) {
+		return kubectl
+	}
+	start := time.Now()
+	out, err := exec.Command("bash", filepath.Join(tools, "build.sh"), bin).CombinedOutput()
+	if err != nil {
+		err = fmt.Errorf("building kubectl with bench/tools/build.sh: %w:\n%s", err, tail(string(out), 30))
+		if os.Getenv("CI") != "" {
+			t.Fatalf("CI must be able to build kubectl: %v", err)
+		}
+		t.Skipf("skipping: %v", err)
+	}
+	t.Logf("kubectl built in %v", time.Since(start).Round(time.Millisecond))
+	return kubectl
+}
+
+// kubectl runs the kubectl binary inside the lab's node namespace, where
+// the admin Kubeconfig's server (127.0.0.1:6443) is the control plane.
+// Unlike lab.Exec it keeps stdout apart from stderr, so that warnings
+// cannot corrupt output that is parsed.
+type kubectl struct {
+	t          *testing.T
+	ns         string // network namespace
+	bin        string
+	kubeconfig string
+	env        []string
+}
+
+func newKubectl(t *testing.T, ns, bin, kubeconfig string) *kubectl {
+	// A private HOME: no user's kuberc or discovery cache, and nothing
+	// left in root's.
+	env := []string{"HOME=" + t.TempDir(), "KUBERC=off"}
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); k != "HOME" && k != "KUBECONFIG" && k != "KUBERC" {
+			env = append(env, kv)
+		}
+	}
+	return &kubectl{t: t, ns: ns, bin: bin, kubeconfig: kubeconfig, env: env}
+}
+
+// run runs kubectl with args and returns its stdout. Anything it wrote
+// to stderr is logged.
+func (k *kubectl) run(ctx context.Context, args ...string) (string, error) {
+	full := append([]string{"netns", "exec", k.ns, k.bin, "--kubeconfig=" + k.kubeconfig}, args...)
+	cmd := exec.CommandContext(ctx, "ip", full...)
+	cmd.Env = k.env
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	if err != nil {
+		return stdout.String(), fmt.Errorf("kubectl %s: %w:\n%s", strings.Join(args, " "), err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	if s := bytes.TrimSpace(stderr.Bytes()); len(s) > 0 {
+		k.t.Logf("kubectl %s: stderr:\n%s", strings.Join(args, " "), s)
+	}
+	return stdout.String(), nil
+}
+
+// decodeObjects decodes multi-document YAML (or JSON) into typed objects
+// with client-go's scheme, unpacking v1 Lists (what kubectl prints for
+// several objects with -o yaml).
+func decodeObjects(data string) ([]runtime.Object, error) {
+	decoder := scheme.Codecs.UniversalDeserializer()
+	var objs []runtime.Object
+	var add func(doc []byte) error
+	add = func(doc []byte) error {
+		obj, _, err := decoder.Decode(doc, nil, nil)
+		if err != nil {
+			return err
+		}
+		if list, ok := obj.(*v1.List); ok {
+			for i, item := range list.Items {
+				if err := add(item.Raw); err != nil {
+					return fmt.Errorf("list item %d: %w", i, err)
+				}
+			}
+			return nil
+		}
+		objs = append(objs, obj)
+		return nil
+	}
+	r := utilyaml.NewYAMLReader(bufio.NewReader(strings.NewReader(data)))
+	for n := 1; ; n++ {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return objs, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("document %d: %w", n, err)
+		}
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		if err := add(doc); err != nil {
+			return nil, fmt.Errorf("document %d: %w", n, err)
+		}
+	}
+}
+
+// objectKeys names each object "Kind namespace/name", sorted.
+func objectKeys(t *testing.T, objs []runtime.Object) []string {
+	t.Helper()
+	var keys []string
+	for _, o := range objs {
+		m, err := meta.Accessor(o)
+		if err != nil {
+			t.Fatalf("%T has no metadata: %v", o, err)
+		}
+		kind := strings.TrimPrefix(fmt.Sprintf("%T", o), "*")
+		keys = append(keys, fmt.Sprintf("%s %s/%s", kind, m.GetNamespace(), m.GetName()))
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// deployObjects are the objects of deploy/kustomization.yaml.
+var deployObjects = []string{
+	"v1.ClusterRole /uproxy",
+	"v1.ClusterRoleBinding /uproxy",
+	"v1.DaemonSet kube-system/uproxy",
+	"v1.ServiceAccount kube-system/uproxy",
+}
+
+// daemonSet returns the one DaemonSet in objs.
+func daemonSet(t *testing.T, objs []runtime.Object) *appsv1.DaemonSet {
+	t.Helper()
+	for _, o := range objs {
+		if ds, ok := o.(*appsv1.DaemonSet); ok {
+			return ds
+		}
+	}
+	t.Fatal("no DaemonSet")
+	return nil
+}
+
+// checkDaemonSet checks what matters for security and for running as the
+// node's service proxy in the DaemonSet as the apiserver returned it.
+func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	spec := ds.Spec.Template.Spec
+	if len(spec.Containers) != 1 {
+		t.Fatalf("DaemonSet has %d containers, want 1", len(spec.Containers))
+	}
+	c := spec.Containers[0]
+	sc := c.SecurityContext
+	if sc == nil || sc.Capabilities == nil {
+		t.Fatalf("container %s has no securityContext capabilities: %+v", c.Name, sc)
+	}
+	if diff := cmp.Diff([]v1.Capability{"NET_ADMIN", "NET_RAW"}, sc.Capabilities.Add); diff != "" {
+		t.Errorf("capabilities.add (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]v1.Capability{"ALL"}, sc.Capabilities.Drop); diff != "" {
+		t.Errorf("capabilities.drop (-want +got):\n%s", diff)
+	}
+	if sc.Privileged != nil && *sc.Privileged {
+		t.Error("the container is privileged")
+	}
+	if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		t.Errorf("allowPrivilegeEscalation = %v, want false", sc.AllowPrivilegeEscalation)
+	}
+	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Errorf("readOnlyRootFilesystem = %v, want true", sc.ReadOnlyRootFilesystem)
+	}
+	type summary struct {
+		HostNetwork        bool
+		DNSPolicy          v1.DNSPolicy
+		ServiceAccountName string
+		PriorityClassName  string
+		Image              string
+		Args               []string
+		Grace              int64
+	}
+	got := summary{
+		HostNetwork:        spec.HostNetwork,
+		DNSPolicy:          spec.DNSPolicy,
+		ServiceAccountName: spec.ServiceAccountName,
+		PriorityClassName:  spec.PriorityClassName,
+		Image:              c.Image,
+		Args:               c.Args,
+	}
+	if spec.TerminationGracePeriodSeconds != nil {
+		got.Grace = *spec.TerminationGracePeriodSeconds
+	}
+	want := summary{
+		HostNetwork:        true,
+		DNSPolicy:          v1.DNSClusterFirstWithHostNet,
+		ServiceAccountName: "uproxy",
+		PriorityClassName:  "system-node-critical",
+		Image:              "uproxy:latest",
+		Args: []string{"run", "--hostname-override=$(NODE_NAME)", "--healthz-bind-address=0.0.0.0:10256",
+			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json"},
+		Grace: 30,
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("DaemonSet pod spec (-want +got):\n%s", diff)
+	}
+}
+
+// TestDeploy validates deploy/ against a real kube-apiserver: the
+// kustomization builds, every object passes the server's validation (a
+// server-side dry run), and the RBAC objects grant uproxy's service
+// account exactly what it needs.
+func TestDeploy(t *testing.T) {
+	l, cp := startControlPlane(t)
+	root, err := ModuleRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := newKubectl(t, l.Node, kubectlBinary(t, root), cp.Kubeconfig)
+	deploy := filepath.Join(root, "deploy")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	// The kustomization builds, and holds each object.
+	out, err := k.run(ctx, "kustomize", deploy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	built, err := decodeObjects(out)
+	if err != nil {
+		t.Fatalf("decoding kubectl kustomize's output: %v\n%s", err, out)
+	}
+	if diff := cmp.Diff(deployObjects, objectKeys(t, built)); diff != "" {
+		t.Errorf("kubectl kustomize deploy/ objects (-want +got):\n%s", diff)
+	}
+	checkDaemonSet(t, daemonSet(t, built))
+
+	// The server validates and defaults every object, and creates none.
+	out, err = k.run(ctx, "apply", "-k", deploy, "--server-side", "--field-manager=uproxy-test", "--dry-run=server", "-o", "yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied, err := decodeObjects(out)
+	if err != nil {
+		t.Fatalf("decoding the dry run's output: %v\n%s", err, out)
+	}
+	if diff := cmp.Diff(deployObjects, objectKeys(t, applied)); diff != "" {
+		t.Errorf("server-side dry run objects (-want +got):\n%s", diff)
+	}
+	checkDaemonSet(t, daemonSet(t, applied))
+	if _, err := cp.Client.AppsV1().DaemonSets("kube-system").Get(ctx, "uproxy", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("after the dry run, getting the DaemonSet: err = %v, want NotFound", err)
+	}
+
+	// The ServiceAccount and the RBAC objects, for real.
+	if _, err := k.run(ctx, "apply", "--server-side", "--field-manager=uproxy-test",
+		"-f", filepath.Join(deploy, "serviceaccount.yaml"), "-f", filepath.Join(deploy, "rbac.yaml")); err != nil {
+		t.Fatal(err)
+	}
+
+	const user = "system:serviceaccount:kube-system:uproxy"
+	type check struct {
+		verb, group, resource, namespace string
+	}
+	allowed := func(c check) bool {
+		t.Helper()
+		sar, err := cp.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{
+			Spec: authorizationv1.SubjectAccessReviewSpec{
+				User:   user,
+				Groups: []string{"system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"},
+				ResourceAttributes: &authorizationv1.ResourceAttributes{
+					Verb: c.verb, Group: c.group, Resource: c.resource, Namespace: c.namespace,
+				},
+			},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatalf("SubjectAccessReview %+v: %v", c, err)
+		}
+		return sar.Status.Allowed
+	}
+	name := func(c check) string {
+		r := c.resource
+		if c.group != "" {
+			r += "." + c.group
+		}
+		if c.namespace != "" {
+			r += " in " + c.namespace
+		}
+		return c.verb + " " + r
+	}
+	want := map[string]bool{}
+	got := map[string]bool{}
+	for _, tc := range []struct {
+		check
+		allowed bool
+	}{
+		{check{"list", "", "services", ""}, true},
+		{check{"watch", "", "services", ""}, true},
+		{check{"list", "discovery.k8s.io", "endpointslices", ""}, true},
+		{check{"watch", "discovery.k8s.io", "endpointslices", ""}, true},
+		{check{"list", "", "nodes", ""}, true},
+		{check{"watch", "", "nodes", ""}, true},
+		{check{"create", "", "events", "default"}, true},
+		{check{"patch", "", "events", "default"}, true},
+		{check{"create", "events.k8s.io", "events", "default"}, true},
+		{check{"patch", "events.k8s.io", "events", "default"}, true},
+
+		{check{"get", "", "secrets", "kube-system"}, false},
+		{check{"list", "", "secrets", ""}, false},
+		{check{"update", "", "services", "default"}, false},
+		{check{"delete", "discovery.k8s.io", "endpointslices", "default"}, false},
+		{check{"patch", "", "nodes", ""}, false},
+		{check{"create", "", "pods", "default"}, false},
+		{check{"list", "", "configmaps", ""}, false},
+	} {
+		want[name(tc.check)] = tc.allowed
+		got[name(tc.check)] = allowed(tc.check)
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("%s's permissions (-want +got):\n%s", user, diff)
+	}
+	for _, k := range slices.Sorted(maps.Keys(got)) {
+		t.Logf("%-50s allowed=%v", k, got[k])
+	}
+
+	// And with the service account's own token.
+	kc, err := cp.ServiceAccountKubeconfig(ctx, "kube-system", "uproxy")
+	if err != nil {
+		t.Fatal(err)
+	}
+	saConfig, err := cp.RESTConfigFor(kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sa, err := kubernetes.NewForConfig(saConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sa.CoreV1().Services("").List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("listing services as %s: %v", user, err)
+	}
+	if _, err := sa.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("listing endpointslices as %s: %v", user, err)
+	}
+	if _, err := sa.CoreV1().Secrets("kube-system").List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("listing secrets as %s: err = %v, want Forbidden", user, err)
+	}
+}
