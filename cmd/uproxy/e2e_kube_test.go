@@ -88,8 +88,16 @@ func TestE2EKubernetes(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	c.up = nil
-	argv := []string{c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
+	// uproxy runs as the service account of deploy/, with deploy/'s RBAC:
+	// if that is not enough for everything below, this test fails.
+	if err := c.cp.Apply(ctx, "../../deploy/serviceaccount.yaml", "../../deploy/rbac.yaml"); err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig, err := c.cp.ServiceAccountKubeconfig(ctx, "kube-system", "uproxy")
+	if err != nil {
+		t.Fatal(err)
+	}
+	argv := []string{c.uproxy, "run", "--kubeconfig", kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16"}
 	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
 		t.Fatal(err)
