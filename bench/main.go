@@ -19,7 +19,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand())
+	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand(), newUDPServeCommand(), newUDPQueryCommand())
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)

@@ -119,7 +119,11 @@ func TestServicePorts(t *testing.T) {
 	for _, skip := range []*v1.Service{
 		func() *v1.Service { s := svc("h", "None", "a:80"); return s }(),
 		func() *v1.Service { s := svc("e", "", "a:80"); s.Spec.Type = v1.ServiceTypeExternalName; return s }(),
-		func() *v1.Service { s := svc("o", "10.96.0.12", "a:80"); s.Labels = map[string]string{LabelServiceProxyName: "x"}; return s }(),
+		func() *v1.Service {
+			s := svc("o", "10.96.0.12", "a:80")
+			s.Labels = map[string]string{LabelServiceProxyName: "x"}
+			return s
+		}(),
 	} {
 		if got := ServicePorts(skip, ServiceDefaults{}); got != nil {
 			t.Errorf("ServicePorts(%s) = %v, want nil (skipped)", skip.Name, got)

@@ -33,7 +33,7 @@ func svc(name, ip string, ports ...string) *v1.Service {
 
 // ep is an endpoint for slice(); ready unless notReady is set.
 type ep struct {
-	ip                            string
+	ip                             string
 	notReady, serving, terminating bool
 }
 

@@ -36,8 +36,17 @@ type Config struct {
 	OriginalDst func(*net.TCPConn) (netip.AddrPort, error)
 	// Listen opens a listener; nil means net.ListenConfig.Listen.
 	Listen func(ctx context.Context, network, address string) (net.Listener, error)
+	// ListenUDP opens a UDP listener; nil means net.ListenConfig.ListenPacket.
+	ListenUDP func(ctx context.Context, network, address string) (*net.UDPConn, error)
 	// Dial connects to a backend; nil means net.Dialer.DialContext.
 	Dial func(ctx context.Context, network, address string) (net.Conn, error)
+	// UDPTimeout is how long a UDP flow lives without traffic in either
+	// direction (kube-proxy's --udp-timeout); zero means 30s, conntrack's
+	// default for UDP streams.
+	UDPTimeout time.Duration
+	// UDPMaxFlows bounds the UDP flow table, across all services: past it
+	// the least recently used flow is dropped. Zero means 65536.
+	UDPMaxFlows int
 	// PortRange limits listener ports; zero means kernel-assigned.
 	PortRange PortRange
 	// Defaults are the settings a Service can override by annotation.
@@ -139,6 +148,8 @@ type Proxier struct {
 	zone       atomic.Pointer[string]
 	forceFull  atomic.Bool
 	localAddrs atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
+
+	flows flowTable // UDP flows, created with the first UDP listener
 
 	sessMu   sync.Mutex
 	sessions map[*session]struct{}
@@ -349,10 +360,6 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 	for k, sp := range want {
 		l := have[k]
 		if l == nil {
-			if sp.Name.Protocol != v1.ProtocolTCP {
-				p.log.Warn("skipping service port: only TCP is proxied so far", zap.Stringer("servicePort", sp.Name))
-				continue
-			}
 			var err error
 			if l, err = p.openListener(ctx, k); err != nil {
 				p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
@@ -446,6 +453,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 		return bal
 	}
 	s.cluster, s.local = build(cluster), build(local)
+	s.clusterBackends, s.localBackends = cluster, local
 	return s
 }
 
@@ -558,7 +566,8 @@ type snapshot struct {
 	backends  []*balancer.Backend // every backend of cluster and local
 	// cluster and local balance the two endpoint sets; a balancer over an
 	// empty set picks nothing.
-	cluster, local balancer.Balancer
+	cluster, local                 balancer.Balancer
+	clusterBackends, localBackends []*balancer.Backend
 }
 
 // route returns the balancer for a connection that was originally sent to
@@ -584,6 +593,16 @@ func (s *snapshot) route(dst netip.AddrPort, known bool, client netip.Addr, inte
 	return s.cluster
 }
 
+// serves reports whether b is one of the backends that balancer set picks
+// from (the snapshot's cluster or local balancer).
+func (s *snapshot) serves(set balancer.Balancer, b *balancer.Backend) bool {
+	bs := s.clusterBackends
+	if set == s.local {
+		bs = s.localBackends
+	}
+	return slices.Contains(bs, b)
+}
+
 func (s *snapshot) backend(addr netip.AddrPort) *balancer.Backend {
 	for _, b := range s.backends {
 		if b.Addr == addr {
@@ -596,7 +615,8 @@ func (s *snapshot) backend(addr netip.AddrPort) *balancer.Backend {
 // listener is one service port's socket in one family.
 type listener struct {
 	key  portKey
-	ln   net.Listener
+	ln   net.Listener // TCP
+	pc   *net.UDPConn // UDP
 	port uint16
 	snap atomic.Pointer[snapshot]
 
@@ -624,16 +644,27 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	}
 	network := k.network()
 	l := &listener{key: k}
+	udp := k.name.Protocol == v1.ProtocolUDP
 	port, err := p.ports.allocate(network, func(port uint16) (uint16, error) {
-		ln, err := p.listen(ctx, network, net.JoinHostPort(host, strconv.Itoa(int(port))))
-		if err != nil {
-			return 0, err
+		addr := net.JoinHostPort(host, strconv.Itoa(int(port)))
+		var local net.Addr
+		if udp {
+			pc, err := p.listenUDP(ctx, network, addr)
+			if err != nil {
+				return 0, err
+			}
+			l.pc, local = pc, pc.LocalAddr()
+		} else {
+			ln, err := p.listen(ctx, network, addr)
+			if err != nil {
+				return 0, err
+			}
+			l.ln, local = ln, ln.Addr()
 		}
-		l.ln = ln
-		ap, err := netip.ParseAddrPort(ln.Addr().String())
+		ap, err := netip.ParseAddrPort(local.String())
 		if err != nil {
-			ln.Close()
-			return 0, fmt.Errorf("listener address %s: %w", ln.Addr(), err)
+			l.close()
+			return 0, fmt.Errorf("listener address %s: %w", local, err)
 		}
 		return ap.Port(), nil
 	})
@@ -643,13 +674,27 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	l.port = port
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	p.wg.Add(1)
-	go p.acceptLoop(l)
+	if udp {
+		go p.udpLoop(l)
+	} else {
+		go p.acceptLoop(l)
+	}
 	return l, nil
+}
+
+// close closes l's socket, which ends its accept or read loop.
+func (l *listener) close() {
+	if l.ln != nil {
+		l.ln.Close()
+	}
+	if l.pc != nil {
+		l.pc.Close()
+	}
 }
 
 // closeListener stops accepting for l. Its established connections go on.
 func (p *Proxier) closeListener(l *listener) {
-	l.ln.Close()
+	l.close()
 	p.ports.release(l.key.network(), l.port)
 	p.log.Info("closed listener", zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.port))
 }

@@ -166,7 +166,7 @@ spec:
 	t.Run("LoadBalancer IP with source ranges", func(t *testing.T) {
 		want(t, ext1.NS, "http://10.96.200.200/", 9, spread)
 		refused(t, ext2.NS, "http://10.96.200.200/")
-		refused(t, ext1.NS, "http://10.96.200.201/") // ipMode Proxy: not intercepted
+		refused(t, ext1.NS, "http://10.96.200.201/")           // ipMode Proxy: not intercepted
 		want(t, ext2.NS, "http://192.0.2.1:30082/", 3, spread) // the node port has no source ranges
 	})
 	t.Run("externalTrafficPolicy Local", func(t *testing.T) {

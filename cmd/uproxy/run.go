@@ -49,6 +49,7 @@ type runOptions struct {
 	tcpIdleTimeout     time.Duration
 	dialTimeout        time.Duration
 	dialAttempts       int
+	udpTimeout         time.Duration
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
 
@@ -78,6 +79,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", time.Hour, "Close a proxied TCP connection after it has been idle in both directions for this long (detected within twice the period). 0 disables.")
 	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
+	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 }
@@ -126,6 +128,7 @@ func (o *runOptions) validate() error {
 		{"--tcp-idle-timeout", o.tcpIdleTimeout, true},
 		{"--endpoint-dial-timeout", o.dialTimeout, false},
 		{"--iptables-wait", o.iptablesWait, false},
+		{"--udp-timeout", o.udpTimeout, false},
 	} {
 		if d.v < 0 || (d.v == 0 && !d.zero) {
 			errs = append(errs, fmt.Errorf("%s: %v must be positive", d.name, d.v))
@@ -243,6 +246,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		DialTimeout:   o.dialTimeout,
 		DialAttempts:  o.dialAttempts,
 		IdleTimeout:   o.tcpIdleTimeout,
+		UDPTimeout:    o.udpTimeout,
 		NodeName:      o.nodeName,
 		ClusterCIDRs:  o.clusterCIDRs,
 		ServiceHealth: svcHealth,

@@ -1,0 +1,87 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+)
+
+type udpResult struct {
+	Counts     map[string]int `json:"counts"`
+	Peers      map[string]int `json:"peers"`
+	Errors     int            `json:"errors"`
+	FirstError string         `json:"firstError"`
+}
+
+func (c *cluster) query(ns, addr string, n int, extra ...string) udpResult {
+	c.t.Helper()
+	out, err := c.lab.Exec(context.Background(), ns, append([]string{c.bench, "udp-query", "-n", fmt.Sprint(n), addr}, extra...)...)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	var r udpResult
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		c.t.Fatalf("decoding %q: %v", out, err)
+	}
+	return r
+}
+
+// TestE2EUDP sends DNS-like queries through a UDP service from a pod, the
+// node and an external host, each from a connected socket that accepts
+// only answers coming from the VIP.
+func TestE2EUDP(t *testing.T) {
+	c := newCluster(t, 3)
+	ext, err := c.lab.AddExternal("ext")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range c.pods {
+		if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var eps strings.Builder
+	for _, p := range c.pods {
+		fmt.Fprintf(&eps, "- addresses: [%q]\n", p.IP)
+	}
+	c.write("dns.yaml", `apiVersion: v1
+kind: Service
+metadata: {name: dns}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.53
+  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}
+addressType: IPv4
+ports: [{name: dns, port: 5353, protocol: UDP}]
+endpoints:
+`+eps.String())
+	c.start(2, "--udp-timeout", "5s")
+	for _, from := range []struct{ name, ns, addr string }{
+		{"pod", c.client.NS, "10.96.0.53:53"},
+		{"node", c.lab.Node, "10.96.0.53:53"},
+		{"external host via the node port", ext.NS, "192.0.2.1:30053"},
+	} {
+		t.Run(from.name, func(t *testing.T) {
+			r := c.query(from.ns, from.addr, 30)
+			if r.Errors > 0 || len(r.Counts) != 3 {
+				t.Errorf("spread %v, %d errors (%s); want all three backends, no errors", r.Counts, r.Errors, r.FirstError)
+			}
+			// A large datagram arrives whole.
+			if r := c.query(from.ns, from.addr, 2, "--size", "60000"); r.Errors > 0 {
+				t.Errorf("60000-byte query: %d errors (%s)", r.Errors, r.FirstError)
+			}
+		})
+	}
+	// A backend that goes away: its clients move on, at most one query lost.
+	c.lab.Exec(context.Background(), c.pods[0].NS, "iptables", "-A", "INPUT", "-p", "udp", "--dport", "5353", "-j", "REJECT")
+	c.query(c.client.NS, "10.96.0.53:53", 6, "--timeout", "500ms")
+	if r := c.query(c.client.NS, "10.96.0.53:53", 20); r.Errors > 0 || r.Counts["web-0"] > 0 {
+		t.Errorf("after web-0 started refusing: spread %v, %d errors (%s)", r.Counts, r.Errors, r.FirstError)
+	}
+}

@@ -1,0 +1,348 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/golang-lru/v2/expirable"
+	"go.uber.org/zap"
+	"golang.org/x/net/ipv4"
+	"golang.org/x/net/ipv6"
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// maxDatagram is the largest UDP payload: 65,535 bytes less the 8-byte
+// UDP header (IPv4 further subtracts its 20-byte header, to 65,507).
+const maxDatagram = 65535 - 8
+
+// flowKey identifies a UDP flow: one client of one listener.
+type flowKey struct {
+	l      *listener
+	client netip.AddrPort
+}
+
+// udpFlow is one client's association with one backend: a connected UDP
+// socket towards the backend, and a goroutine that relays its replies.
+type udpFlow struct {
+	key     flowKey
+	backend *balancer.Backend
+	conn    *net.UDPConn // connected to backend
+	// local is the address the client's datagrams arrived at after the
+	// kernel redirected them; replies are sent from it, so conntrack maps
+	// them back to the service's address and port, and a client with a
+	// connected socket (a DNS resolver) accepts them.
+	local  netip.Addr
+	closed atomic.Bool
+}
+
+func (f *udpFlow) close() {
+	if f.closed.CompareAndSwap(false, true) {
+		f.conn.Close()
+	}
+}
+
+// flowTable holds every UDP flow of a Proxier, bounded in size, each
+// expiring after the UDP timeout without traffic. It is an expirable LRU
+// from hashicorp/golang-lru; that LRU runs one expiry goroutine that never
+// exits, so the table is created once per Proxier, with its first UDP
+// listener, and lives as long as the process.
+type flowTable struct {
+	once sync.Once
+	lru  *expirable.LRU[flowKey, *udpFlow]
+}
+
+func (p *Proxier) flowTable() *expirable.LRU[flowKey, *udpFlow] {
+	p.flows.once.Do(func() {
+		size, ttl := p.cfg.UDPMaxFlows, p.cfg.UDPTimeout
+		if size <= 0 {
+			size = 65536
+		}
+		if ttl <= 0 {
+			ttl = 30 * time.Second
+		}
+		// The callback runs with the LRU's lock held: it only closes the
+		// flow's socket, which ends the flow's reply goroutine.
+		p.flows.lru = expirable.NewLRU(size, func(_ flowKey, f *udpFlow) { f.close() }, ttl)
+	})
+	return p.flows.lru
+}
+
+// UDPFlows returns the number of live UDP flows.
+func (p *Proxier) UDPFlows() int {
+	if p.flows.lru == nil {
+		return 0
+	}
+	return p.flows.lru.Len()
+}
+
+func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDPConn, error) {
+	if p.cfg.ListenUDP != nil {
+		return p.cfg.ListenUDP(ctx, network, addr)
+	}
+	var lc net.ListenConfig
+	pc, err := lc.ListenPacket(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	return pc.(*net.UDPConn), nil
+}
+
+// udpSocket reads datagrams with their local destination address and
+// writes replies from a chosen local address, for one address family.
+type udpSocket interface {
+	read(b []byte) (n int, client netip.AddrPort, local netip.Addr, err error)
+	write(b []byte, client netip.AddrPort, local netip.Addr) error
+}
+
+type udp4 struct{ pc *ipv4.PacketConn }
+
+func (u udp4) read(b []byte) (int, netip.AddrPort, netip.Addr, error) {
+	n, cm, src, err := u.pc.ReadFrom(b)
+	if err != nil {
+		return 0, netip.AddrPort{}, netip.Addr{}, err
+	}
+	var local netip.Addr
+	if cm != nil {
+		local, _ = netip.AddrFromSlice(cm.Dst)
+	}
+	return n, udpAddrPort(src), local.Unmap(), nil
+}
+
+func (u udp4) write(b []byte, client netip.AddrPort, local netip.Addr) error {
+	var cm *ipv4.ControlMessage
+	if local.IsValid() {
+		cm = &ipv4.ControlMessage{Src: local.AsSlice()}
+	}
+	_, err := u.pc.WriteTo(b, cm, net.UDPAddrFromAddrPort(client))
+	return err
+}
+
+type udp6 struct{ pc *ipv6.PacketConn }
+
+func (u udp6) read(b []byte) (int, netip.AddrPort, netip.Addr, error) {
+	n, cm, src, err := u.pc.ReadFrom(b)
+	if err != nil {
+		return 0, netip.AddrPort{}, netip.Addr{}, err
+	}
+	var local netip.Addr
+	if cm != nil {
+		local, _ = netip.AddrFromSlice(cm.Dst)
+	}
+	return n, udpAddrPort(src), local, nil
+}
+
+func (u udp6) write(b []byte, client netip.AddrPort, local netip.Addr) error {
+	var cm *ipv6.ControlMessage
+	if local.IsValid() {
+		cm = &ipv6.ControlMessage{Src: local.AsSlice()}
+	}
+	_, err := u.pc.WriteTo(b, cm, net.UDPAddrFromAddrPort(client))
+	return err
+}
+
+func udpAddrPort(a net.Addr) netip.AddrPort {
+	if u, ok := a.(*net.UDPAddr); ok {
+		ap := u.AddrPort()
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	}
+	return netip.AddrPort{}
+}
+
+func (l *listener) udpSocket() (udpSocket, error) {
+	if l.key.v6 {
+		pc := ipv6.NewPacketConn(l.pc)
+		return udp6{pc}, pc.SetControlMessage(ipv6.FlagDst, true)
+	}
+	pc := ipv4.NewPacketConn(l.pc)
+	return udp4{pc}, pc.SetControlMessage(ipv4.FlagDst, true)
+}
+
+// udpLoop reads the listener's datagrams until it is closed, and forwards
+// each to its client's flow, creating the flow on the first datagram. It
+// is the only goroutine that creates flows for l.
+func (p *Proxier) udpLoop(l *listener) {
+	defer p.wg.Done()
+	sock, err := l.udpSocket()
+	if err != nil {
+		p.log.Error("UDP listener cannot see destination addresses; replies may come from the wrong address",
+			zap.Stringer("servicePort", l.key.name), zap.Error(err))
+	}
+	flows := p.flowTable()
+	buf := make([]byte, maxDatagram)
+	var delay time.Duration
+	for {
+		n, client, local, err := sock.read(buf)
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				p.removeFlows(l)
+				return
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		// A backend that answered with ICMP port unreachable makes the send
+		// fail: eject it and try the next one, at most DialAttempts times.
+		for range p.cfg.dialAttempts() {
+			f, err := p.udpFlowFor(l, sock, client, local)
+			if err != nil {
+				p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+				break
+			}
+			if _, err := f.conn.Write(buf[:n]); err != nil {
+				p.udpFailed(f, err)
+				continue
+			}
+			flows.Add(f.key, f) // refresh the flow's timeout
+			break
+		}
+	}
+}
+
+// udpFlowFor returns the live flow of client on l, or creates one. A flow
+// whose backend is no longer usable (removed, no longer ready, ejected) is
+// replaced, so no client stays blackholed behind a dead endpoint.
+func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client netip.AddrPort, local netip.Addr) (*udpFlow, error) {
+	flows := p.flowTable()
+	key := flowKey{l, client}
+	snap := l.snap.Load()
+	bal, set := snap.route(netip.AddrPort{}, false, client.Addr(), p.internalClient), snap.cluster
+	if bal == snap.local {
+		set = snap.local
+	}
+	if f, ok := flows.Peek(key); ok {
+		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
+			return f, nil
+		}
+		flows.Remove(key)
+	}
+	b := bal.Pick(client.Addr())
+	if b == nil {
+		return nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
+	}
+	conn, err := p.dialUDP(b.Addr)
+	if err != nil {
+		p.health.failure(b)
+		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
+	}
+	f := &udpFlow{key: key, backend: b, conn: conn, local: local}
+	b.Acquire()
+	flows.Add(key, f)
+	p.wg.Add(1)
+	go p.udpReplies(sock, f) // ends when the flow's socket is closed
+	return f, nil
+}
+
+// udpFailed handles an error sending to or receiving from a flow's
+// backend: ECONNREFUSED (an ICMP port unreachable) ejects the backend;
+// the flow is dropped either way.
+func (p *Proxier) udpFailed(f *udpFlow, err error) {
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		p.health.failure(f.backend)
+	}
+	if flows := p.flowTable(); flows != nil {
+		if cur, ok := flows.Peek(f.key); ok && cur == f {
+			flows.Remove(f.key)
+		}
+	}
+	f.close()
+}
+
+func (p *Proxier) dialUDP(addr netip.AddrPort) (*net.UDPConn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
+	defer cancel()
+	var (
+		c   net.Conn
+		err error
+	)
+	if p.cfg.Dial != nil {
+		c, err = p.cfg.Dial(ctx, "udp", addr.String())
+	} else {
+		var d net.Dialer
+		c, err = d.DialContext(ctx, "udp", addr.String())
+	}
+	if err != nil {
+		return nil, err
+	}
+	uc, ok := c.(*net.UDPConn)
+	if !ok {
+		c.Close()
+		return nil, fmt.Errorf("dialer returned %T, not *net.UDPConn", c)
+	}
+	return uc, nil
+}
+
+// replyBuffers recycles reply buffers: a flow holds one only while it
+// relays a datagram, not while it waits, so idle flows cost no buffer.
+var replyBuffers = sync.Pool{New: func() any { b := make([]byte, maxDatagram); return &b }}
+
+// udpReplies relays the backend's datagrams to the client until the
+// flow's socket is closed (expiry, eviction, replacement, shutdown).
+func (p *Proxier) udpReplies(sock udpSocket, f *udpFlow) {
+	defer p.wg.Done()
+	defer f.backend.Release()
+	rc, err := f.conn.SyscallConn()
+	if err != nil {
+		f.close()
+		return
+	}
+	for {
+		if err := waitReadable(rc); err != nil {
+			p.udpFailed(f, err)
+			return
+		}
+		bp := replyBuffers.Get().(*[]byte)
+		n, err := f.conn.Read(*bp)
+		if err == nil {
+			err = sock.write((*bp)[:n], f.key.client, f.local)
+			if err != nil {
+				p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
+				err = nil
+			}
+		}
+		replyBuffers.Put(bp)
+		if err != nil {
+			p.udpFailed(f, err)
+			return
+		}
+		if cur, ok := p.flowTable().Peek(f.key); ok && cur == f {
+			p.flowTable().Add(f.key, f) // replies keep the flow alive too
+		}
+	}
+}
+
+// waitReadable blocks, in the netpoller, until a datagram is queued on the
+// socket, without taking it: MSG_PEEK with an empty buffer. It returns the
+// socket's pending error (ECONNREFUSED after an ICMP port unreachable).
+func waitReadable(rc syscall.RawConn) error {
+	var serr error
+	err := rc.Read(func(fd uintptr) bool {
+		_, _, serr = unix.Recvfrom(int(fd), nil, unix.MSG_PEEK|unix.MSG_TRUNC|unix.MSG_DONTWAIT)
+		return serr != unix.EAGAIN
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
+// removeFlows drops every flow of a closed listener.
+func (p *Proxier) removeFlows(l *listener) {
+	flows := p.flowTable()
+	for _, k := range flows.Keys() {
+		if k.l == l {
+			flows.Remove(k)
+		}
+	}
+}
