@@ -98,6 +98,12 @@ func ValidateService(svc *v1.Service) error {
 	if _, err := ParseWeights(svc.Annotations[AnnotationWeights]); err != nil {
 		return fmt.Errorf("annotation %s: %w", AnnotationWeights, err)
 	}
+	if _, err := parsePreserveSourceIP(svc.Annotations); err != nil {
+		return err
+	}
+	if _, err := parseProxyProtocol(svc.Annotations); err != nil {
+		return err
+	}
 	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
 		if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
 			if t := *c.ClientIP.TimeoutSeconds; t <= 0 || t > 86400 {
@@ -236,6 +242,31 @@ func sourceRanges(svc *v1.Service) ([]netip.Prefix, error) {
 	return out, nil
 }
 
+func parsePreserveSourceIP(ann map[string]string) (bool, error) {
+	v, ok := ann[AnnotationPreserveSourceIP]
+	if !ok {
+		return false, nil
+	}
+	b, err := strconv.ParseBool(strings.TrimSpace(v))
+	if err != nil {
+		return false, fmt.Errorf("annotation %s: %q is not true or false", AnnotationPreserveSourceIP, v)
+	}
+	return b, nil
+}
+
+func parseProxyProtocol(ann map[string]string) (int, error) {
+	switch v := strings.TrimSpace(ann[AnnotationProxyProtocol]); v {
+	case "":
+		return 0, nil
+	case "v1":
+		return 1, nil
+	case "v2":
+		return 2, nil
+	default:
+		return 0, fmt.Errorf("annotation %s: %q is not v1 or v2", AnnotationProxyProtocol, v)
+	}
+}
+
 func parseBalancer(ann map[string]string) (balancer.Kind, error) {
 	v, ok := ann[AnnotationBalancer]
 	if !ok {
@@ -327,6 +358,8 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 		}
 	}
 	ranges, _ := sourceRanges(svc)
+	preserve, _ := parsePreserveSourceIP(svc.Annotations)
+	proxyProto, _ := parseProxyProtocol(svc.Annotations)
 	internalLocal := svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal
 	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
 	for _, p := range svc.Spec.Ports {
@@ -346,6 +379,8 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 			sp.NodePort = uint16(p.NodePort)
 		}
 		sp.ExternalPolicyLocal = svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && sp.ExternallyAccessible()
+		sp.PreserveSourceIP = preserve || sp.ExternalPolicyLocal
+		sp.ProxyProtocol = proxyProto
 		if sp.ExternalPolicyLocal && svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.HealthCheckNodePort = uint16(svc.Spec.HealthCheckNodePort)
 		}

@@ -32,6 +32,11 @@ func TestValidateService(t *testing.T) {
 		{"duplicate port name", func(s *v1.Service) { s.Spec.Ports[1].Name = "http" }, `spec.ports[1].name: duplicate port name "http"`},
 		{"duplicate port", func(s *v1.Service) { s.Spec.Ports[1].Port = 80 }, "duplicate port 80/TCP"},
 		{"bad balancer", func(s *v1.Service) { s.Annotations = map[string]string{AnnotationBalancer: "random"} }, `unknown balancer "random"`},
+		{"bad preserve-source-ip", func(s *v1.Service) { s.Annotations = map[string]string{AnnotationPreserveSourceIP: "yes please"} }, "uproxy.io/preserve-source-ip"},
+		{"bad proxy-protocol", func(s *v1.Service) { s.Annotations = map[string]string{AnnotationProxyProtocol: "v3"} }, `"v3" is not v1 or v2`},
+		{"bad source range", func(s *v1.Service) { s.Spec.LoadBalancerSourceRanges = []string{"10.0.0.0/33"} }, "loadBalancerSourceRanges[0]"},
+		{"bad external IP", func(s *v1.Service) { s.Spec.ExternalIPs = []string{"10.96.300.1"} }, "spec.externalIPs[0]"},
+		{"bad node port", func(s *v1.Service) { s.Spec.Ports[0].NodePort = 70000 }, "nodePort: 70000"},
 		{"bad weights", func(s *v1.Service) { s.Annotations = map[string]string{AnnotationWeights: "10.244.0.1=x"} }, "uproxy.io/weights"},
 		{"bad affinity timeout", func(s *v1.Service) {
 			s.Spec.SessionAffinity = v1.ServiceAffinityClientIP

@@ -28,6 +28,14 @@ const (
 	// AnnotationWeights gives endpoint weights for the weighted balancers,
 	// as "10.244.0.11=3,10.244.0.12=1". Unlisted endpoints weigh 1.
 	AnnotationWeights = "uproxy.io/weights"
+	// AnnotationPreserveSourceIP, "true", makes backends see the client's
+	// own address (in tproxy mode, which dials from it). Services with
+	// externalTrafficPolicy Local get it without the annotation.
+	AnnotationPreserveSourceIP = "uproxy.io/preserve-source-ip"
+	// AnnotationProxyProtocol, "v1" or "v2", sends a PROXY protocol header
+	// with the client's address to the backend at the start of every TCP
+	// connection (and, for v2, of every UDP datagram).
+	AnnotationProxyProtocol = "uproxy.io/proxy-protocol"
 )
 
 // Labels uproxy honours, with the meaning kube-proxy gives them.
@@ -99,6 +107,13 @@ type ServicePort struct {
 	// AffinityTimeout is the ClientIP session affinity timeout; zero means
 	// no session affinity.
 	AffinityTimeout time.Duration
+	// PreserveSourceIP asks that backends see the client's address: the
+	// annotation, or externalTrafficPolicy Local. Only tproxy mode can
+	// honour it (by dialling from the client's address).
+	PreserveSourceIP bool
+	// ProxyProtocol is the PROXY protocol version sent to the backend: 0
+	// (none), 1 or 2.
+	ProxyProtocol int
 }
 
 // ExternallyAccessible reports whether the port takes traffic from outside

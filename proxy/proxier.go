@@ -34,6 +34,16 @@ type Config struct {
 	// port, so the listener cannot be used to reach a service it does not
 	// serve. Nil means no check.
 	OriginalDst func(*net.TCPConn) (netip.AddrPort, error)
+	// Transparent selects tproxy mode. The kernel's TPROXY rules hand
+	// connections and datagrams to listeners bound to the loopback address
+	// with IP_TRANSPARENT, destination unchanged: the original destination
+	// is a connection's local address, or a datagram's IP_RECVORIGDSTADDR;
+	// UDP replies leave from transparent sockets bound to it; and services
+	// that ask for it are dialled from the client's own address. Listeners
+	// on loopback cannot be reached from outside the node. False is
+	// redirect mode: listeners on every address, destinations rewritten by
+	// REDIRECT.
+	Transparent bool
 	// Listen opens a listener; nil means net.ListenConfig.Listen.
 	Listen func(ctx context.Context, network, address string) (net.Listener, error)
 	// ListenUDP opens a UDP listener; nil means net.ListenConfig.ListenPacket.
@@ -629,7 +639,7 @@ func (p *Proxier) listen(ctx context.Context, network, addr string) (net.Listene
 	if p.cfg.Listen != nil {
 		return p.cfg.Listen(ctx, network, addr)
 	}
-	var lc net.ListenConfig
+	lc := p.listenConfig()
 	return lc.Listen(ctx, network, addr)
 }
 
@@ -641,6 +651,14 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	host := "0.0.0.0"
 	if k.v6 {
 		host = "::"
+	}
+	if p.cfg.Transparent {
+		// TPROXY --on-ip hands packets to the loopback listener whatever
+		// their destination; nothing else can reach it.
+		host = "127.0.0.1"
+		if k.v6 {
+			host = "::1"
+		}
 	}
 	network := k.network()
 	l := &listener{key: k}
@@ -690,6 +708,13 @@ func (l *listener) close() {
 	if l.pc != nil {
 		l.pc.Close()
 	}
+}
+
+func (p *Proxier) listenConfig() net.ListenConfig {
+	if p.cfg.Transparent {
+		return transparentListenConfig()
+	}
+	return net.ListenConfig{}
 }
 
 // closeListener stops accepting for l. Its established connections go on.

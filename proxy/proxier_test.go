@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	proxyproto "github.com/pires/go-proxyproto"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 )
@@ -563,5 +564,40 @@ func TestListenerPortsComeFromTheRange(t *testing.T) {
 	}
 	if name, err := get(t, pa); err != nil || name != "a" {
 		t.Errorf("service a broke: %q, %v", name, err)
+	}
+}
+
+func TestProxyProtocolHeader(t *testing.T) {
+	for _, version := range []string{"v1", "v2"} {
+		t.Run(version, func(t *testing.T) {
+			// The backend reads the header and answers with what it says.
+			be := startBackend(t, func(c net.Conn) {
+				pc := proxyproto.NewConn(c)
+				h := pc.ProxyHeader()
+				if h == nil {
+					fmt.Fprintln(c, "no header")
+					return
+				}
+				fmt.Fprintf(c, "v%d %s %s\n", h.Version, h.SourceAddr, h.DestinationAddr)
+			})
+			p, rules := startProxier(t, Config{OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+				return netip.MustParseAddrPort("10.96.0.10:80"), nil
+			}})
+			s := svc("web", "10.96.0.10", "http:80")
+			s.Annotations = map[string]string{AnnotationProxyProtocol: version}
+			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
+			port := rules.port(t, "default/web:http")
+			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			line, err := bufio.NewReader(c).ReadString('\n')
+			want := fmt.Sprintf("%s %s 10.96.0.10:80\n", version, c.LocalAddr())
+			if err != nil || line != want {
+				t.Fatalf("backend saw %q (%v); want %q", line, err, want)
+			}
+		})
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	proxyproto "github.com/pires/go-proxyproto"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 	"k8s.io/utils/clock"
@@ -127,13 +128,28 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		s.abort()
 		return
 	}
-	b, bc, err := p.dialBackend(bal, snap.sp.Name, client.Addr())
+	var from netip.Addr
+	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
+		from = client.Addr()
+	}
+	b, bc, err := p.dialBackend(bal, snap.sp.Name, client.Addr(), from)
 	if err != nil {
 		p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 		s.abort()
 		return
 	}
 	defer b.Release()
+	if v := snap.sp.ProxyProtocol; v != 0 {
+		if !dst.IsValid() {
+			dst = snap.vip
+		}
+		if err := writeProxyHeader(bc, v, client, dst); err != nil {
+			p.connLog.Warn("sending the PROXY protocol header failed", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			bc.Close()
+			s.abort()
+			return
+		}
+	}
 	if !s.setBackend(bc) {
 		bc.Close()
 		return
@@ -154,7 +170,7 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 // Each failure ejects the backend for a while, so the balancers steer the
 // next picks (this connection's and everyone else's) away from it. On
 // success the backend has been Acquired; the caller Releases it.
-func (p *Proxier) dialBackend(bal balancer.Balancer, name ServicePortName, client netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
+func (p *Proxier) dialBackend(bal balancer.Balancer, name ServicePortName, client, from netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
 	var errs []error
 	for range p.cfg.dialAttempts() {
 		b := bal.Pick(client)
@@ -162,7 +178,7 @@ func (p *Proxier) dialBackend(bal balancer.Balancer, name ServicePortName, clien
 			return nil, nil, fmt.Errorf("%s: %w", name, errNoEndpoints)
 		}
 		b.Acquire()
-		c, err := p.dialOnce(b.Addr)
+		c, err := p.dialOnce(b.Addr, from)
 		if err == nil {
 			p.health.success(b)
 			return b, c, nil
@@ -174,16 +190,21 @@ func (p *Proxier) dialBackend(bal balancer.Balancer, name ServicePortName, clien
 	return nil, nil, errors.Join(errs...)
 }
 
-func (p *Proxier) dialOnce(addr netip.AddrPort) (*net.TCPConn, error) {
+// dialOnce connects to addr, from the address from when it is valid
+// (tproxy mode, preserving the client's address).
+func (p *Proxier) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
 	defer cancel()
 	var (
 		c   net.Conn
 		err error
 	)
-	if p.cfg.Dial != nil {
+	switch {
+	case from.IsValid():
+		c, err = transparentDialer(from, false).DialContext(ctx, "tcp", addr.String())
+	case p.cfg.Dial != nil:
 		c, err = p.cfg.Dial(ctx, "tcp", addr.String())
-	} else {
+	default:
 		var d net.Dialer
 		c, err = d.DialContext(ctx, "tcp", addr.String())
 	}
@@ -323,4 +344,25 @@ func (h *health) forget(b *balancer.Backend) {
 		h.failing.Add(-1)
 	}
 	h.mu.Unlock()
+}
+
+// writeProxyHeader sends a PROXY protocol header (version 1 or 2) telling
+// the backend the client's address and the address it connected to, for
+// backends that cannot see the client's address otherwise (redirect mode).
+func writeProxyHeader(c *net.TCPConn, version int, client, dst netip.AddrPort) error {
+	proto := proxyproto.TCPv4
+	if client.Addr().Is6() || dst.Addr().Is6() {
+		proto = proxyproto.TCPv6
+		client = netip.AddrPortFrom(netip.AddrFrom16(client.Addr().As16()), client.Port())
+		dst = netip.AddrPortFrom(netip.AddrFrom16(dst.Addr().As16()), dst.Port())
+	}
+	h := &proxyproto.Header{
+		Version:           byte(version),
+		Command:           proxyproto.PROXY,
+		TransportProtocol: proto,
+		SourceAddr:        net.TCPAddrFromAddrPort(client),
+		DestinationAddr:   net.TCPAddrFromAddrPort(dst),
+	}
+	_, err := h.WriteTo(c)
+	return err
 }

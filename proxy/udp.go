@@ -36,11 +36,13 @@ type udpFlow struct {
 	key     flowKey
 	backend *balancer.Backend
 	conn    *net.UDPConn // connected to backend
-	// local is the address the client's datagrams arrived at after the
-	// kernel redirected them; replies are sent from it, so conntrack maps
-	// them back to the service's address and port, and a client with a
-	// connected socket (a DNS resolver) accepts them.
-	local  netip.Addr
+	// dst is where the client's datagrams arrived: in redirect mode the
+	// local address the kernel redirected them to (replies sent from it are
+	// mapped back to the service's address and port by conntrack); in
+	// tproxy mode the service's address and port themselves. Either way a
+	// client with a connected socket (a DNS resolver) accepts the replies.
+	dst    netip.AddrPort
+	sock   udpSocket
 	closed atomic.Bool
 }
 
@@ -88,7 +90,7 @@ func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDP
 	if p.cfg.ListenUDP != nil {
 		return p.cfg.ListenUDP(ctx, network, addr)
 	}
-	var lc net.ListenConfig
+	lc := p.listenConfig()
 	pc, err := lc.ListenPacket(ctx, network, addr)
 	if err != nil {
 		return nil, err
@@ -96,58 +98,66 @@ func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDP
 	return pc.(*net.UDPConn), nil
 }
 
-// udpSocket reads datagrams with their local destination address and
-// writes replies from a chosen local address, for one address family.
+// udpSocket reads datagrams with the address they were sent to, and
+// writes replies that appear to come from it, for one listener. read is
+// called by one goroutine only; write by any.
 type udpSocket interface {
-	read(b []byte) (n int, client netip.AddrPort, local netip.Addr, err error)
-	write(b []byte, client netip.AddrPort, local netip.Addr) error
+	read(b []byte) (n int, client, dst netip.AddrPort, err error)
+	write(b []byte, client, dst netip.AddrPort) error
+	close()
 }
 
+// udp4 and udp6 are redirect-mode sockets: dst is the local address the
+// datagram was redirected to (IP_PKTINFO), and replies are sent from it.
 type udp4 struct{ pc *ipv4.PacketConn }
 
-func (u udp4) read(b []byte) (int, netip.AddrPort, netip.Addr, error) {
+func (u udp4) read(b []byte) (int, netip.AddrPort, netip.AddrPort, error) {
 	n, cm, src, err := u.pc.ReadFrom(b)
 	if err != nil {
-		return 0, netip.AddrPort{}, netip.Addr{}, err
+		return 0, netip.AddrPort{}, netip.AddrPort{}, err
 	}
 	var local netip.Addr
 	if cm != nil {
 		local, _ = netip.AddrFromSlice(cm.Dst)
 	}
-	return n, udpAddrPort(src), local.Unmap(), nil
+	return n, udpAddrPort(src), netip.AddrPortFrom(local.Unmap(), 0), nil
 }
 
-func (u udp4) write(b []byte, client netip.AddrPort, local netip.Addr) error {
+func (u udp4) write(b []byte, client, dst netip.AddrPort) error {
 	var cm *ipv4.ControlMessage
-	if local.IsValid() {
-		cm = &ipv4.ControlMessage{Src: local.AsSlice()}
+	if dst.Addr().IsValid() {
+		cm = &ipv4.ControlMessage{Src: dst.Addr().AsSlice()}
 	}
 	_, err := u.pc.WriteTo(b, cm, net.UDPAddrFromAddrPort(client))
 	return err
 }
+
+func (udp4) close() {}
 
 type udp6 struct{ pc *ipv6.PacketConn }
 
-func (u udp6) read(b []byte) (int, netip.AddrPort, netip.Addr, error) {
+func (u udp6) read(b []byte) (int, netip.AddrPort, netip.AddrPort, error) {
 	n, cm, src, err := u.pc.ReadFrom(b)
 	if err != nil {
-		return 0, netip.AddrPort{}, netip.Addr{}, err
+		return 0, netip.AddrPort{}, netip.AddrPort{}, err
 	}
 	var local netip.Addr
 	if cm != nil {
 		local, _ = netip.AddrFromSlice(cm.Dst)
 	}
-	return n, udpAddrPort(src), local, nil
+	return n, udpAddrPort(src), netip.AddrPortFrom(local, 0), nil
 }
 
-func (u udp6) write(b []byte, client netip.AddrPort, local netip.Addr) error {
+func (u udp6) write(b []byte, client, dst netip.AddrPort) error {
 	var cm *ipv6.ControlMessage
-	if local.IsValid() {
-		cm = &ipv6.ControlMessage{Src: local.AsSlice()}
+	if dst.Addr().IsValid() {
+		cm = &ipv6.ControlMessage{Src: dst.Addr().AsSlice()}
 	}
 	_, err := u.pc.WriteTo(b, cm, net.UDPAddrFromAddrPort(client))
 	return err
 }
+
+func (udp6) close() {}
 
 func udpAddrPort(a net.Addr) netip.AddrPort {
 	if u, ok := a.(*net.UDPAddr); ok {
@@ -157,7 +167,10 @@ func udpAddrPort(a net.Addr) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
-func (l *listener) udpSocket() (udpSocket, error) {
+func (p *Proxier) udpSocket(l *listener) (udpSocket, error) {
+	if p.cfg.Transparent {
+		return &tproxySocket{pc: l.pc, v6: l.key.v6, oob: make([]byte, 128)}, nil
+	}
 	if l.key.v6 {
 		pc := ipv6.NewPacketConn(l.pc)
 		return udp6{pc}, pc.SetControlMessage(ipv6.FlagDst, true)
@@ -171,7 +184,10 @@ func (l *listener) udpSocket() (udpSocket, error) {
 // is the only goroutine that creates flows for l.
 func (p *Proxier) udpLoop(l *listener) {
 	defer p.wg.Done()
-	sock, err := l.udpSocket()
+	sock, err := p.udpSocket(l)
+	if sock != nil {
+		defer sock.close()
+	}
 	if err != nil {
 		p.log.Error("UDP listener cannot see destination addresses; replies may come from the wrong address",
 			zap.Stringer("servicePort", l.key.name), zap.Error(err))
@@ -180,7 +196,7 @@ func (p *Proxier) udpLoop(l *listener) {
 	buf := make([]byte, maxDatagram)
 	var delay time.Duration
 	for {
-		n, client, local, err := sock.read(buf)
+		n, client, dst, err := sock.read(buf)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				p.removeFlows(l)
@@ -195,7 +211,7 @@ func (p *Proxier) udpLoop(l *listener) {
 		// A backend that answered with ICMP port unreachable makes the send
 		// fail: eject it and try the next one, at most DialAttempts times.
 		for range p.cfg.dialAttempts() {
-			f, err := p.udpFlowFor(l, sock, client, local)
+			f, err := p.udpFlowFor(l, sock, client, dst)
 			if err != nil {
 				p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 				break
@@ -213,11 +229,17 @@ func (p *Proxier) udpLoop(l *listener) {
 // udpFlowFor returns the live flow of client on l, or creates one. A flow
 // whose backend is no longer usable (removed, no longer ready, ejected) is
 // replaced, so no client stays blackholed behind a dead endpoint.
-func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client netip.AddrPort, local netip.Addr) (*udpFlow, error) {
+func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client, dst netip.AddrPort) (*udpFlow, error) {
 	flows := p.flowTable()
 	key := flowKey{l, client}
 	snap := l.snap.Load()
-	bal, set := snap.route(netip.AddrPort{}, false, client.Addr(), p.internalClient), snap.cluster
+	// Only tproxy mode knows which of the service's addresses a datagram
+	// was sent to; in redirect mode it counts as cluster-IP traffic.
+	bal := snap.route(dst, p.cfg.Transparent, client.Addr(), p.internalClient)
+	if bal == nil {
+		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.sp.Name, dst)
+	}
+	set := snap.cluster
 	if bal == snap.local {
 		set = snap.local
 	}
@@ -231,16 +253,20 @@ func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client netip.AddrPort,
 	if b == nil {
 		return nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
 	}
-	conn, err := p.dialUDP(b.Addr)
+	var from netip.Addr
+	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
+		from = client.Addr()
+	}
+	conn, err := p.dialUDP(b.Addr, from)
 	if err != nil {
 		p.health.failure(b)
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
-	f := &udpFlow{key: key, backend: b, conn: conn, local: local}
+	f := &udpFlow{key: key, backend: b, conn: conn, dst: dst, sock: sock}
 	b.Acquire()
 	flows.Add(key, f)
 	p.wg.Add(1)
-	go p.udpReplies(sock, f) // ends when the flow's socket is closed
+	go p.udpReplies(f) // ends when the flow's socket is closed
 	return f, nil
 }
 
@@ -259,16 +285,19 @@ func (p *Proxier) udpFailed(f *udpFlow, err error) {
 	f.close()
 }
 
-func (p *Proxier) dialUDP(addr netip.AddrPort) (*net.UDPConn, error) {
+func (p *Proxier) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
 	defer cancel()
 	var (
 		c   net.Conn
 		err error
 	)
-	if p.cfg.Dial != nil {
+	switch {
+	case from.IsValid():
+		c, err = transparentDialer(from, true).DialContext(ctx, "udp", addr.String())
+	case p.cfg.Dial != nil:
 		c, err = p.cfg.Dial(ctx, "udp", addr.String())
-	} else {
+	default:
 		var d net.Dialer
 		c, err = d.DialContext(ctx, "udp", addr.String())
 	}
@@ -289,7 +318,7 @@ var replyBuffers = sync.Pool{New: func() any { b := make([]byte, maxDatagram); r
 
 // udpReplies relays the backend's datagrams to the client until the
 // flow's socket is closed (expiry, eviction, replacement, shutdown).
-func (p *Proxier) udpReplies(sock udpSocket, f *udpFlow) {
+func (p *Proxier) udpReplies(f *udpFlow) {
 	defer p.wg.Done()
 	defer f.backend.Release()
 	rc, err := f.conn.SyscallConn()
@@ -305,7 +334,7 @@ func (p *Proxier) udpReplies(sock udpSocket, f *udpFlow) {
 		bp := replyBuffers.Get().(*[]byte)
 		n, err := f.conn.Read(*bp)
 		if err == nil {
-			err = sock.write((*bp)[:n], f.key.client, f.local)
+			err = f.sock.write((*bp)[:n], f.key.client, f.dst)
 			if err != nil {
 				p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
 				err = nil

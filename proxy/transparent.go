@@ -1,0 +1,185 @@
+package proxy
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// setTransparent sets IP_TRANSPARENT (or IPV6_TRANSPARENT), which lets a
+// socket accept connections TPROXY hands it for addresses that are not the
+// node's, and bind to such an address to dial from a client's IP or send
+// from a service VIP (ip(7); needs CAP_NET_ADMIN or CAP_NET_RAW).
+func setTransparent(network string, c syscall.RawConn, origDst bool) error {
+	var serr error
+	err := c.Control(func(fd uintptr) {
+		if is6(network) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+			if serr == nil && origDst {
+				serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_RECVORIGDSTADDR, 1)
+			}
+			return
+		}
+		serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+		if serr == nil && origDst {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("setting IP_TRANSPARENT: %w", serr)
+	}
+	return nil
+}
+
+func is6(network string) bool { return network[len(network)-1] == '6' }
+
+// transparentListenConfig returns a ListenConfig for tproxy-mode
+// listeners: transparent, and for UDP reporting each datagram's original
+// destination.
+func transparentListenConfig() net.ListenConfig {
+	return net.ListenConfig{Control: func(network, _ string, c syscall.RawConn) error {
+		return setTransparent(network, c, network[:3] == "udp")
+	}}
+}
+
+// transparentDialer returns a Dialer that connects from addr, which need
+// not be the node's: with IP_TRANSPARENT the backend sees the client's
+// own address. The replies reach us because the kernel's rules mark
+// packets of transparent sockets for local delivery.
+func transparentDialer(from netip.Addr, udp bool) *net.Dialer {
+	d := &net.Dialer{Control: func(network, _ string, c syscall.RawConn) error {
+		return setTransparent(network, c, false)
+	}}
+	if udp {
+		d.LocalAddr = &net.UDPAddr{IP: from.AsSlice()}
+	} else {
+		d.LocalAddr = &net.TCPAddr{IP: from.AsSlice()}
+	}
+	return d
+}
+
+// tproxySocket is a tproxy-mode UDP listener: each datagram carries its
+// original destination (IP_RECVORIGDSTADDR), and replies go out from
+// transparent sockets bound to that destination, so the client sees them
+// come from the service's address and port.
+type tproxySocket struct {
+	pc  *net.UDPConn
+	v6  bool
+	oob []byte // control messages of the datagram being read (one reader)
+
+	mu      sync.Mutex
+	replies map[netip.AddrPort]*net.UDPConn
+	closed  bool
+}
+
+var _ udpSocket = (*tproxySocket)(nil)
+
+func (t *tproxySocket) read(b []byte) (int, netip.AddrPort, netip.AddrPort, error) {
+	n, oobn, _, src, err := t.pc.ReadMsgUDPAddrPort(b, t.oob)
+	if err != nil {
+		return 0, netip.AddrPort{}, netip.AddrPort{}, err
+	}
+	dst, err := origDstFromControl(t.oob[:oobn])
+	if err != nil {
+		return 0, netip.AddrPort{}, netip.AddrPort{}, err
+	}
+	return n, netip.AddrPortFrom(src.Addr().Unmap(), src.Port()), dst, nil
+}
+
+// origDstFromControl finds IP_ORIGDSTADDR or IPV6_ORIGDSTADDR in a
+// datagram's control messages.
+func origDstFromControl(oob []byte) (netip.AddrPort, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("parsing control messages: %w", err)
+	}
+	for _, m := range msgs {
+		switch {
+		case m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet4:
+			sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&m.Data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port)), nil
+		case m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet6:
+			sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&m.Data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), ntohs(sa.Port)), nil
+		}
+	}
+	return netip.AddrPort{}, errors.New("datagram without its original destination (not delivered by TPROXY)")
+}
+
+// ntohs converts a port from the network byte order a sockaddr holds.
+func ntohs(p uint16) uint16 {
+	var b [2]byte
+	binary.NativeEndian.PutUint16(b[:], p)
+	return binary.BigEndian.Uint16(b[:])
+}
+
+func (t *tproxySocket) write(b []byte, client, dst netip.AddrPort) error {
+	c, err := t.replySocket(dst)
+	if err != nil {
+		return err
+	}
+	_, err = c.WriteToUDPAddrPort(b, client)
+	return err
+}
+
+// replySocket returns the transparent socket bound to dst, opening it on
+// first use. It only sends: TPROXY hands datagrams to the listener, and
+// the kernel never delivers to an unconnected socket a datagram that
+// TPROXY assigned elsewhere.
+func (t *tproxySocket) replySocket(dst netip.AddrPort) (*net.UDPConn, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return nil, net.ErrClosed
+	}
+	if c := t.replies[dst]; c != nil {
+		return c, nil
+	}
+	lc := net.ListenConfig{Control: func(network, _ string, c syscall.RawConn) error {
+		if err := setTransparent(network, c, false); err != nil {
+			return err
+		}
+		var serr error
+		if err := c.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}}
+	network := "udp4"
+	if t.v6 {
+		network = "udp6"
+	}
+	pc, err := lc.ListenPacket(context.Background(), network, dst.String())
+	if err != nil {
+		return nil, fmt.Errorf("opening a reply socket on %s: %w", dst, err)
+	}
+	if t.replies == nil {
+		t.replies = map[netip.AddrPort]*net.UDPConn{}
+	}
+	t.replies[dst] = pc.(*net.UDPConn)
+	return t.replies[dst], nil
+}
+
+// close closes the reply sockets; the listener is closed by its owner.
+func (t *tproxySocket) close() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+	for _, c := range t.replies {
+		c.Close()
+	}
+	t.replies = nil
+}
