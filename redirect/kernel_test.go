@@ -4,16 +4,21 @@ import (
 	"context"
 	"os/exec"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/uproxy/uproxy/bench/lab"
 )
 
-// The tests in this file run real iptables, each in a network namespace of
-// its own (lab.RunInNetns), never in the root namespace.
+// The tests in this file run real iptables and ipset, each in a network
+// namespace of its own (lab.RunInNetns), never in the root namespace: ipsets
+// are per network namespace too.
 
 // nsCommand runs a command inside the test's namespace and returns its
 // stdout. It refuses to run outside one.
@@ -157,10 +162,36 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	return b.String()
 }
 
+// checkSets fails the test unless the namespace's sets are exactly those
+// that r asks for of f, with their members, and the sets in others.
+func checkSets(t *testing.T, step string, f Family, r Rules, others ...string) {
+	t.Helper()
+	want := slices.Clone(others)
+	for _, s := range setsOf(f) {
+		if len(s.members(r)) > 0 {
+			want = append(want, s.name)
+		}
+	}
+	slices.Sort(want)
+	got := strings.Fields(nsCommand(t, "ipset", "list", "-n"))
+	slices.Sort(got)
+	if diff := cmp.Diff(want, got, cmpopts.EquateEmpty()); diff != "" {
+		t.Fatalf("%s: sets (-want +got):\n%s", step, diff)
+	}
+	for name, c := range wantSets(f, r) {
+		if !c.exists {
+			continue
+		}
+		if diff := cmp.Diff(c, parseSetSave(name, []byte(nsCommand(t, "ipset", "save", name))), cmp.AllowUnexported(setContent{})); diff != "" {
+			t.Fatalf("%s: set %s (-want +got):\n%s", step, name, diff)
+		}
+	}
+}
+
 func TestKernelSync(t *testing.T) {
 	for _, f := range []Family{IPv4, IPv6} {
 		t.Run(f.String(), func(t *testing.T) {
-			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore")) {
+			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
 				return
 			}
 			testKernelSync(t, f)
@@ -176,6 +207,10 @@ func testKernelSync(t *testing.T, f Family) {
 		if diff := cmp.Diff(kernelWant(f, r, synced), savedTables(t, f)); diff != "" {
 			t.Fatalf("%s: nat and filter tables (-want +got):\n%s", step, diff)
 		}
+		if !synced {
+			r = Rules{}
+		}
+		checkSets(t, step, f, r)
 	}
 	sync := func(step string, s *Syncer, x *countingExec, r Rules, full bool, want Result, wantCalls map[string]int) {
 		t.Helper()
@@ -192,6 +227,8 @@ func testKernelSync(t *testing.T, f Family) {
 	}
 	save, restore := f.command("-save"), f.command("-restore")
 	n := parseState(Render(f, kernelRules)).ruleCount()
+	// kernelRules has TCP and UDP listeners of both families: two sets.
+	members := wantSets(f, kernelRules).memberCount()
 
 	ipt("-t", "nat", "-A", "OUTPUT", "-d", unrelatedDest[f], "-m", "comment", "--comment", "someone else", "-j", "RETURN")
 	ipt("-t", "filter", "-A", "INPUT", "-s", unrelatedSource[f], "-m", "comment", "--comment", "someone else", "-j", "ACCEPT")
@@ -206,13 +243,17 @@ func testKernelSync(t *testing.T, f Family) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("first Sync", s, x, kernelRules, false, Result{Wrote: true, Rules: n}, map[string]int{save: 2, restore: 1})
+	// Two ipset saves that find nothing, one ipset restore that creates
+	// and fills both sets.
+	sync("first Sync", s, x, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members},
+		map[string]int{save: 2, "ipset": 3, restore: 1})
 	check("first Sync", kernelRules, true)
 
-	sync("unchanged Sync", s, x, kernelRules, false, Result{Rules: n}, map[string]int{})
+	sync("unchanged Sync", s, x, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{})
 	// Nothing to write proves that the rendering is exactly what
-	// iptables-save prints back, quoted comments included.
-	sync("unchanged full Sync", s, x, kernelRules, true, Result{Rules: n}, map[string]int{save: 2})
+	// iptables-save prints back, quoted comments and set matches
+	// included, and the set contents what ipset save prints.
+	sync("unchanged full Sync", s, x, kernelRules, true, Result{Rules: n, SetMembers: members}, map[string]int{save: 2, "ipset": 2})
 
 	// Odd comments, and node-port addresses: /0 prints without -d, a
 	// prefix with host bits set prints masked.
@@ -235,26 +276,42 @@ func testKernelSync(t *testing.T, f Family) {
 		},
 	}
 	m := parseState(Render(f, comments)).ruleCount()
-	sync("changed Sync", s, x, comments, false, Result{Wrote: true, Rules: m}, map[string]int{restore: 1})
+	// No listeners: the rules stop naming the sets, which are destroyed.
+	sync("changed Sync", s, x, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
 	check("changed Sync", comments, true)
-	sync("full Sync of odd comments", s, x, comments, true, Result{Rules: m}, map[string]int{save: 2})
-	sync("back", s, x, kernelRules, false, Result{Wrote: true, Rules: n}, map[string]int{restore: 1})
+	sync("full Sync of odd comments", s, x, comments, true, Result{Rules: m}, map[string]int{save: 2, "ipset": 2})
+	sync("back", s, x, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members}, map[string]int{"ipset": 1, restore: 1})
+	check("back", kernelRules, true)
+
+	// Listeners change: one ipset restore, no iptables-restore.
+	moved := kernelRules
+	moved.Listeners = append(slices.Clone(kernelRules.Listeners[1:]), Listener{f, TCP, 40009}, Listener{f, UDP, 40010})
+	sync("listeners changed", s, x, moved, false, Result{Rules: n, WroteSets: true, SetMembers: wantSets(f, moved).memberCount()}, map[string]int{"ipset": 1})
+	check("listeners changed", moved, true)
+	sync("listeners changed back", s, x, kernelRules, true, Result{Rules: n, WroteSets: true, SetMembers: members}, map[string]int{save: 2, "ipset": 3})
+	check("listeners changed back", kernelRules, true)
 
 	ipt("-t", "nat", "-D", "UPROXY-SERVICES", "2")
-	sync("repair a deleted rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true}, map[string]int{save: 2, restore: 1})
+	sync("repair a deleted rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
 	check("repair a deleted rule", kernelRules, true)
 
 	ipt("-t", "nat", "-A", "UPROXY-SERVICES", "-j", "RETURN")
-	sync("repair an added rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true}, map[string]int{save: 2, restore: 1})
+	sync("repair an added rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
 	check("repair an added rule", kernelRules, true)
 
 	ipt("-t", "nat", "-F", "UPROXY-NODEPORTS")
-	sync("repair a flushed node-port chain", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true}, map[string]int{save: 2, restore: 1})
+	sync("repair a flushed node-port chain", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
 	check("repair a flushed node-port chain", kernelRules, true)
 
 	ipt("-t", "filter", "-D", "UPROXY-FIREWALL", "1")
-	sync("repair a deleted filter rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true}, map[string]int{save: 2, restore: 1})
+	sync("repair a deleted filter rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
 	check("repair a deleted filter rule", kernelRules, true)
+
+	tcpSet := setsOf(f)[0].name
+	nsCommand(t, "ipset", "flush", tcpSet)
+	sync("repair a flushed set", s, x, kernelRules, true, Result{Rules: n, Repaired: true, WroteSets: true, SetMembers: members, SetsRepaired: true},
+		map[string]int{save: 2, "ipset": 3})
+	check("repair a flushed set", kernelRules, true)
 
 	jump := []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"}
 	fwJump := []string{"-m", "comment", "--comment", "uproxy firewall", "-j", "UPROXY-FIREWALL"}
@@ -269,12 +326,20 @@ func testKernelSync(t *testing.T, f Family) {
 	}
 	ipt("-t", "filter", "-F", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
-	check("chains deleted", Rules{}, false)
-	sync("repair deleted chains", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true}, map[string]int{save: 2, restore: 1})
-	check("repair deleted chains", kernelRules, true)
+	// Only now, with no rule naming them, can the sets be destroyed.
+	for _, set := range setsOf(f) {
+		nsCommand(t, "ipset", "destroy", set.name)
+	}
+	check("chains and sets deleted", Rules{}, false)
+	// The sets are created again before iptables-restore, which would
+	// fail on a rule naming a missing set.
+	sync("repair deleted chains and sets", s, x, kernelRules, true,
+		Result{Wrote: true, Rules: n, Repaired: true, WroteSets: true, SetMembers: members, SetsRepaired: true},
+		map[string]int{save: 2, "ipset": 3, restore: 1})
+	check("repair deleted chains and sets", kernelRules, true)
 
 	ipt(append([]string{"-t", "filter", "-D", "FORWARD"}, fwJump...)...)
-	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true}, map[string]int{save: 2})
+	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2})
 	check("repair a deleted filter jump", kernelRules, true)
 
 	// A restarted process adopts the rules as they are.
@@ -283,15 +348,17 @@ func testKernelSync(t *testing.T, f Family) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("restarted, same rules", s2, x2, kernelRules, false, Result{Rules: n}, map[string]int{save: 2})
+	sync("restarted, same rules", s2, x2, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{save: 2, "ipset": 2})
 	check("restarted, same rules", kernelRules, true)
 	x3 := &countingExec{calls: map[string]int{}}
 	s3, err := New(Config{Family: f, Exec: x3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("restarted, new rules", s3, x3, comments, false, Result{Wrote: true, Rules: m}, map[string]int{save: 2, restore: 1})
+	sync("restarted, new rules", s3, x3, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{save: 2, "ipset": 4, restore: 1})
 	check("restarted, new rules", comments, true)
+	sync("restarted, listeners again", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members}, map[string]int{"ipset": 1, restore: 1})
+	check("restarted, listeners again", kernelRules, true)
 
 	if err := Cleanup(ctx, Config{Family: f}); err != nil {
 		t.Fatalf("Cleanup: %v", err)
@@ -301,4 +368,202 @@ func testKernelSync(t *testing.T, f Family) {
 		t.Fatalf("second Cleanup: %v", err)
 	}
 	check("second Cleanup", Rules{}, false)
+}
+
+// manyListeners returns rules with n TCP listeners of f from port 20000
+// on, one UDP listener, and one intercept.
+func manyListeners(f Family, n int) Rules {
+	dest := map[Family]string{IPv4: "10.96.0.10", IPv6: "2001:db8::10"}[f]
+	r := Rules{Intercepts: []Intercept{svc("default/web:http", TCP, dest, 80, 20000)}}
+	for i := range n {
+		r.Listeners = append(r.Listeners, Listener{f, TCP, uint16(20000 + i)})
+	}
+	r.Listeners = append(r.Listeners, Listener{f, UDP, 19999})
+	return r
+}
+
+// firewallRuleCount returns the number of rules in UPROXY-FIREWALL.
+func firewallRuleCount(t *testing.T, f Family) int {
+	t.Helper()
+	return strings.Count(nsCommand(t, f.command("-save"), "-t", "filter"), "\n-A "+firewallChain+" ")
+}
+
+// setEntries returns the number of members of set name, as ipset list says.
+func setEntries(t *testing.T, name string) int {
+	t.Helper()
+	for line := range strings.Lines(nsCommand(t, "ipset", "list", name)) {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Number of entries: "); ok {
+			n, err := strconv.Atoi(v)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("ipset list %s: no entry count", name)
+	return 0
+}
+
+// TestKernelManyListeners checks that 5,000 listeners cost the filter
+// chain that every packet walks one rule, not 5,000; that a change of
+// listeners is one ipset restore; that drift of the set is repaired; and
+// that Cleanup removes rules and sets, idempotently.
+func TestKernelManyListeners(t *testing.T) {
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
+				return
+			}
+			testKernelManyListeners(t, f)
+		})
+	}
+}
+
+func testKernelManyListeners(t *testing.T, f Family) {
+	ctx := context.Background()
+	save, restore := f.command("-save"), f.command("-restore")
+	tcpSet := setsOf(f)[0].name
+	x := &countingExec{calls: map[string]int{}}
+	s, err := New(Config{Family: f, Exec: x})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sync := func(step string, r Rules, full bool, want Result, wantCalls map[string]int) {
+		t.Helper()
+		start := time.Now()
+		res, err := s.Sync(ctx, r, full)
+		if err != nil {
+			t.Fatalf("%s: %v", step, err)
+		}
+		t.Logf("%s: %v", step, time.Since(start))
+		if res != want {
+			t.Errorf("%s: Sync = %+v, want %+v", step, res, want)
+		}
+		if diff := cmp.Diff(wantCalls, x.take()); diff != "" {
+			t.Errorf("%s: commands run (-want +got):\n%s", step, diff)
+		}
+		if n := firewallRuleCount(t, f); n != 2 {
+			t.Errorf("%s: %d rules in %s, want 2", step, n, firewallChain)
+		}
+		checkSets(t, step, f, r)
+	}
+
+	// From an empty kernel: two ipset saves that find nothing, one ipset
+	// restore of 5,000 adds, one iptables-restore of three rules.
+	const n = 5000
+	r := manyListeners(f, n)
+	sync("5,000 listeners", r, false, Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: n + 1},
+		map[string]int{save: 2, "ipset": 3, restore: 1})
+	many := savedTables(t, f)
+	if got := setEntries(t, tcpSet); got != n {
+		t.Errorf("ipset list %s: %d entries, want %d", tcpSet, got, n)
+	}
+	sync("unchanged", r, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{})
+	sync("unchanged full", r, true, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 2, "ipset": 2})
+
+	// One listener per protocol: the same rules, 4,999 deletes.
+	sync("one listener per protocol", manyListeners(f, 1), false, Result{Rules: 3, WroteSets: true, SetMembers: 2}, map[string]int{"ipset": 1})
+	if got := savedTables(t, f); got != many {
+		t.Errorf("the rules for one listener differ from those for 5,000 (-many +one):\n%s", cmp.Diff(many, got))
+	}
+	sync("5,000 listeners again", r, false, Result{Rules: 3, WroteSets: true, SetMembers: n + 1}, map[string]int{"ipset": 1})
+
+	moved := manyListeners(f, n)
+	for i := range 100 {
+		moved.Listeners[i].Port = uint16(30000 + i)
+	}
+	sync("100 moved", moved, false, Result{Rules: 3, WroteSets: true, SetMembers: n + 1}, map[string]int{"ipset": 1})
+
+	// Drift of the set alone: no iptables-restore needed.
+	nsCommand(t, "ipset", "flush", tcpSet)
+	sync("set flushed", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetsRepaired: true},
+		map[string]int{save: 2, "ipset": 3})
+	nsCommand(t, "ipset", "del", tcpSet, "30000")
+	nsCommand(t, "ipset", "add", tcpSet, "22")
+	sync("member deleted, stray member added", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetsRepaired: true},
+		map[string]int{save: 2, "ipset": 3})
+
+	// The kernel refuses to destroy a set that a rule names.
+	if out, err := exec.Command("ipset", "destroy", tcpSet).CombinedOutput(); err == nil || !strings.Contains(string(out), "in use") {
+		t.Errorf("ipset destroy of a set in use: %v: %s", err, out)
+	}
+	nsCommand(t, f.command(""), "-t", "filter", "-F", firewallChain)
+	nsCommand(t, "ipset", "destroy", tcpSet)
+	sync("chain flushed, set destroyed", moved, true,
+		Result{Wrote: true, Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetsRepaired: true},
+		map[string]int{save: 2, "ipset": 3, restore: 1})
+	if got := setEntries(t, tcpSet); got != n {
+		t.Errorf("ipset list %s after repair: %d entries, want %d", tcpSet, got, n)
+	}
+
+	s2, err := New(Config{Family: f, Exec: x})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s = s2
+	sync("restarted", moved, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 2, "ipset": 2})
+
+	for i := range 2 {
+		if err := Cleanup(ctx, Config{Family: f, Exec: x}); err != nil {
+			t.Fatalf("Cleanup %d: %v", i+1, err)
+		}
+		// The jumps go through go-iptables, not x.
+		if diff := cmp.Diff(map[string]int{restore: 1, "ipset": 2}, x.take()); diff != "" {
+			t.Errorf("Cleanup %d: commands run (-want +got):\n%s", i+1, diff)
+		}
+		if saved := nsCommand(t, f.command("-save")); strings.Contains(saved, "UPROXY") || strings.Contains(saved, "uproxy") {
+			t.Errorf("Cleanup %d left rules:\n%s", i+1, saved)
+		}
+		if names := nsCommand(t, "ipset", "list", "-n"); names != "" {
+			t.Errorf("Cleanup %d left sets: %q", i+1, names)
+		}
+	}
+}
+
+// TestKernelFamiliesShareNothing checks that the IPv4 and IPv6 Syncers of
+// one namespace, with the same listener ports, each own their sets: one
+// family's Sync and Cleanup leave the other's sets and rules alone.
+func TestKernelFamiliesShareNothing(t *testing.T) {
+	if !lab.RunInNetns(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "ipset") {
+		return
+	}
+	ctx := context.Background()
+	r := Rules{}
+	for _, f := range []Family{IPv4, IPv6} {
+		r.Listeners = append(r.Listeners, Listener{f, TCP, 40001}, Listener{f, UDP, 40002})
+	}
+	r6 := r
+	r6.Listeners = append(slices.Clone(r.Listeners), Listener{IPv6, TCP, 40003})
+	syncers := map[Family]*Syncer{}
+	for _, f := range []Family{IPv4, IPv6} {
+		s, err := New(Config{Family: f})
+		if err != nil {
+			t.Fatal(err)
+		}
+		syncers[f] = s
+		if _, err := s.Sync(ctx, r, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := syncers[IPv6].Sync(ctx, r6, true); err != nil {
+		t.Fatal(err)
+	}
+	// The IPv4 Syncer finds its sets as it left them: no drift.
+	if res, err := syncers[IPv4].Sync(ctx, r, true); err != nil || res.Repaired || res.WroteSets {
+		t.Errorf("IPv4 full Sync after the IPv6 one = %+v, %v; want no change", res, err)
+	}
+	checkSets(t, "both", IPv4, r, listenersTCP6, listenersUDP6)
+	checkSets(t, "both", IPv6, r6, listenersTCP4, listenersUDP4)
+
+	if err := Cleanup(ctx, Config{Family: IPv4}); err != nil {
+		t.Fatal(err)
+	}
+	checkSets(t, "IPv4 cleaned up", IPv6, r6)
+	if res, err := syncers[IPv6].Sync(ctx, r6, true); err != nil || res.Repaired || res.Wrote || res.WroteSets {
+		t.Errorf("IPv6 full Sync after IPv4 Cleanup = %+v, %v; want no change", res, err)
+	}
+	if err := Cleanup(ctx, Config{Family: IPv6}); err != nil {
+		t.Fatal(err)
+	}
+	checkSets(t, "both cleaned up", IPv6, Rules{})
 }

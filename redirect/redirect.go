@@ -13,16 +13,21 @@
 // In the filter table, the chain UPROXY-FIREWALL, jumped to from INPUT,
 // FORWARD and OUTPUT, drops what a LoadBalancer's source ranges exclude
 // and every packet that reaches a listener port without having been
-// redirected.
+// redirected. The listener ports are members of kernel sets (ipset
+// bitmap:port), one per family and protocol, so that this guard is one
+// rule per protocol however many listeners there are.
 //
 // Render turns the wanted Rules into iptables-restore --noflush input, a
-// pure function. A Syncer writes that input only when it differs from the
-// last successful write, and on a full (periodic) sync reads the kernel back
-// with iptables-save and repairs drift. Cleanup removes everything uproxy
-// created. Every chain uproxy owns is described once, in the chain table in
-// render.go, which Render, Sync and Cleanup all walk.
+// pure function, and RenderSetUpdate the changes of the sets into ipset
+// restore input. A Syncer writes only what differs from the last
+// successful write, and on a full (periodic) sync reads the kernel back
+// with iptables-save and ipset save and repairs drift. Cleanup removes
+// everything uproxy created. Every chain uproxy owns is described once, in
+// the chain table in render.go, and every set in the set table in sets.go;
+// Render, Sync and Cleanup all walk them.
 //
-// The package is Linux-only: it drives iptables and reads conntrack.
+// The package is Linux-only: it drives iptables and ipset and reads
+// conntrack.
 package redirect
 
 import (
@@ -244,6 +249,9 @@ func (w Firewall) key() interceptKey {
 // every packet to it, on any of the node's addresses, whose connection no
 // destination NAT (such as uproxy's REDIRECT rules) sent there, so the
 // listeners cannot be reached directly, from pods or from the node.
+//
+// The port is a member of the kernel set of its family and protocol (see
+// the set table in sets.go), which needs ipset.
 type Listener struct {
 	// Family is the family of the listening socket's traffic; a
 	// dual-stack socket needs a Listener of each family.
@@ -307,7 +315,9 @@ type Rules struct {
 	// Firewalls restrict who may reach a destination
 	// (loadBalancerSourceRanges); see Firewall.
 	Firewalls []Firewall
-	// Listeners are the proxy's own listener ports; see Listener.
+	// Listeners are the proxy's own listener ports; see Listener. They
+	// go into kernel sets, not rules: any number of them costs one rule
+	// per protocol.
 	Listeners []Listener
 }
 
@@ -358,8 +368,8 @@ func (r Rules) validate() error {
 		}
 		seenFW[w.key()] = n
 	}
-	// The same listener twice is harmless (Render writes its guard once),
-	// so only invalid ones are errors.
+	// The same listener twice is harmless (its port is one member of its
+	// set), so only invalid ones are errors.
 	for n, l := range r.Listeners {
 		if err := l.validate(); err != nil {
 			errs = append(errs, fmt.Errorf("listener %d: %w", n, err))

@@ -108,6 +108,11 @@ func chainNames(table string) string {
 // and sorts what it keeps, so its output depends only on the sets of
 // intercepts, node ports, addresses, firewalls and listeners. It is a
 // pure function.
+//
+// The listener guards do not list the listener ports: they match
+// uproxy's sets (see RenderSetUpdate), which must exist before this input
+// is restored, since iptables-restore refuses a rule that names a
+// missing set.
 func Render(f Family, r Rules) []byte {
 	var b bytes.Buffer
 	for _, t := range tables() {
@@ -254,23 +259,31 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 	return rules
 }
 
-// firewallRules renders UPROXY-FIREWALL: a DROP per firewall of f, then a
-// guard per listener of f.
+// firewallRules renders UPROXY-FIREWALL: a DROP per firewall of f, then
+// one listener guard per protocol that has listeners of f.
 //
 // A firewall's DROP matches its own destination. A packet that
 // UPROXY-SERVICES redirected has had its destination rewritten to a local
 // address by the time the filter hooks see it, so only the packets that no
 // allowed source prefix redirected still carry it.
 //
-// A listener's guard drops a packet to the listener's port on a local
-// address unless its conntrack entry records a destination NAT: REDIRECT
-// is a DNAT to an address of the incoming interface (127.0.0.1 or ::1
-// from OUTPUT; nf_nat_redirect.c) and sets IPS_DST_NAT on the connection,
-// which "--ctstate DNAT" tests for every packet of it. "--dst-type LOCAL" keeps the guard away from
-// traffic that only passes through (FORWARD) or leaves (OUTPUT) the node,
-// such as a pod's connection to another pod that listens on the same port
-// number. Replies to the node's own connections are not caught either: the
-// kernel picks no ephemeral port that a bound socket holds.
+// The listener guard of a protocol drops a packet whose destination port
+// is in the protocol's listener set of f (see the set table in sets.go),
+// on a local address, unless its conntrack entry records a destination
+// NAT: REDIRECT is a DNAT to an address of the incoming interface
+// (127.0.0.1 or ::1 from OUTPUT; nf_nat_redirect.c) and sets IPS_DST_NAT
+// on the connection, which "--ctstate DNAT" tests for every packet of it.
+// "--dst-type LOCAL" keeps the guard away from traffic that only passes
+// through (FORWARD) or leaves (OUTPUT) the node, such as a pod's
+// connection to another pod that listens on the same port number. Replies
+// to the node's own connections are not caught either: the kernel picks
+// no ephemeral port that a bound socket holds.
+//
+// Every packet that enters, leaves or crosses the node walks this chain,
+// so the guard is one rule per protocol, whose set lookup costs the same
+// for one listener or thousands, not one rule per listener. The matches
+// are in the order iptables-save prints them; the set match tests the
+// cheap port bit before addrtype's route lookup and conntrack's state.
 func firewallRules(c chainSpec, f Family, r Rules) []string {
 	var ws []Firewall
 	for _, w := range r.Firewalls {
@@ -292,18 +305,11 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 			c.name, w.Dest.Unmap(), f.hostBits(), w.Protocol, quoteComment(w.Comment), w.Protocol, w.Port))
 	}
 	rules = slices.Compact(rules)
-	var ls []Listener
-	for _, l := range r.Listeners {
-		if l.validate() == nil && l.Family == f {
-			ls = append(ls, l)
+	for _, s := range setsOf(f) {
+		if len(s.members(r)) > 0 {
+			rules = append(rules, fmt.Sprintf("-A %s -p %s -m set --match-set %s dst -m addrtype --dst-type LOCAL -m conntrack ! --ctstate DNAT -j DROP",
+				c.name, s.proto, s.name))
 		}
-	}
-	slices.SortFunc(ls, func(a, b Listener) int {
-		return cmp.Or(cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Port, b.Port))
-	})
-	for _, l := range slices.Compact(ls) {
-		rules = append(rules, fmt.Sprintf("-A %s -p %s -m %s --dport %d -m addrtype --dst-type LOCAL -m conntrack ! --ctstate DNAT -j DROP",
-			c.name, l.Protocol, l.Protocol, l.Port))
 	}
 	return rules
 }

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -441,6 +443,230 @@ func TestNormPrefix(t *testing.T) {
 			}
 		case err != nil || got.String() != tt.want:
 			t.Errorf("normPrefix(%s) = %s, %v; want %s", tt.in, got, err, tt.want)
+		}
+	}
+}
+
+// listenerRules returns rules with only the listeners.
+func listenerRules(ls ...Listener) Rules { return Rules{Listeners: ls} }
+
+func TestRenderSetUpdateGolden(t *testing.T) {
+	both := []Listener{
+		{IPv4, TCP, 40002}, {IPv4, UDP, 40002}, {IPv4, TCP, 40001}, {IPv4, TCP, 40001}, {IPv4, TCP, 65535},
+		{IPv6, TCP, 41001}, {IPv6, UDP, 41002}, {IPv6, UDP, 41002},
+	}
+	tests := []struct {
+		name     string
+		family   Family
+		old, new Rules
+	}{
+		// From nothing: each set with listeners is created, then filled,
+		// in ascending port order without duplicates; the other
+		// family's listeners are left out.
+		{"sets_create", IPv4, Rules{}, listenerRules(both...)},
+		{"sets_create_v6", IPv6, Rules{}, listenerRules(both...)},
+		{"sets_all_v4", IPv4, Rules{}, all},
+		{"sets_all_v6", IPv6, Rules{}, all},
+		// Only the difference: deletes, then adds; an unchanged set
+		// writes nothing.
+		{"sets_update", IPv4,
+			listenerRules(Listener{IPv4, TCP, 40001}, Listener{IPv4, TCP, 40002}, Listener{IPv4, TCP, 40003}, Listener{IPv4, UDP, 40010}),
+			listenerRules(Listener{IPv4, TCP, 40005}, Listener{IPv4, TCP, 40002}, Listener{IPv4, TCP, 40004}, Listener{IPv4, UDP, 40010})},
+		// A protocol's first listener creates its set.
+		{"sets_new_protocol", IPv4,
+			listenerRules(Listener{IPv4, TCP, 40001}),
+			listenerRules(Listener{IPv4, TCP, 40001}, Listener{IPv4, UDP, 40002}, Listener{IPv4, UDP, 40001})},
+		// A protocol's last listener going away writes nothing for its
+		// set: the Syncer destroys it after iptables-restore.
+		{"sets_drop_protocol", IPv6,
+			listenerRules(Listener{IPv6, TCP, 41001}, Listener{IPv6, UDP, 41002}),
+			listenerRules(Listener{IPv6, TCP, 41001}, Listener{IPv6, TCP, 41003})},
+		{"sets_unchanged", IPv4, listenerRules(both...), listenerRules(reversed(listenerRules(both...)).Listeners...)},
+		{"sets_other_family_changed", IPv4, listenerRules(both...), listenerRules(append(slices.Clone(both), Listener{IPv6, TCP, 41009})...)},
+		{"sets_invalid_skipped", IPv4, Rules{}, listenerRules(
+			Listener{IPv4, TCP, 40001}, Listener{IPv4, TCP, 0}, Listener{IPv4, "sctp", 40002}, Listener{Family(7), TCP, 40003})},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := RenderSetUpdate(tt.family, tt.old, tt.new)
+			path := filepath.Join("testdata", tt.name+".golden")
+			if *update {
+				if err := os.WriteFile(path, got, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatalf("%v (run go test ./redirect -update to create it)", err)
+			}
+			if diff := cmp.Diff(string(want), string(got)); diff != "" {
+				t.Errorf("RenderSetUpdate(%s) differs from %s (-want +got):\n%s", tt.family, path, diff)
+			}
+			// Applying the update to the old sets, then destroying the
+			// sets no longer wanted, gives the new ones.
+			old, new := wantSets(tt.family, tt.old), wantSets(tt.family, tt.new)
+			if diff := cmp.Diff(new, applySetUpdate(t, old, got, setsToDestroy(old, new)),
+				cmp.AllowUnexported(setContent{})); diff != "" {
+				t.Errorf("old sets updated (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// applySetUpdate applies ipset restore input to a copy of st, as the
+// kernel would, then destroys the sets named by destroy; it fails the
+// test on a line that would fail.
+func applySetUpdate(t *testing.T, st setState, input []byte, destroy []string) setState {
+	t.Helper()
+	out := setState{}
+	for k, v := range st {
+		v.members = slices.Clone(v.members)
+		out[k] = v
+	}
+	for line := range strings.Lines(string(input)) {
+		f := strings.Fields(line)
+		c, ok := out[f[1]]
+		if !ok {
+			t.Fatalf("%q: not a set of the family", line)
+		}
+		switch f[0] {
+		case "destroy":
+			c = setContent{}
+		case "create":
+			if c.exists {
+				t.Fatalf("%q: set exists", line)
+			}
+			c = setContent{exists: true, header: strings.Join(f[2:len(f)-1], " ")}
+		case "add", "del":
+			if !c.exists {
+				t.Fatalf("%q: no set", line)
+			}
+			p, err := strconv.ParseUint(f[2], 10, 16)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.members = slices.DeleteFunc(c.members, func(m uint16) bool { return m == uint16(p) })
+			if f[0] == "add" {
+				c.members = append(c.members, uint16(p))
+				slices.Sort(c.members)
+			}
+		default:
+			t.Fatalf("unexpected line %q", line)
+		}
+		out[f[1]] = c
+	}
+	for _, name := range destroy {
+		if !out[name].exists {
+			t.Fatalf("destroy %s: no set", name)
+		}
+		out[name] = setContent{}
+	}
+	return out
+}
+
+// TestRenderSetUpdateDrift checks the update from a kernel that drifted:
+// a set missing, emptied, with a stray member, or of another type.
+func TestRenderSetUpdateDrift(t *testing.T) {
+	want := wantSets(IPv4, listenerRules(Listener{IPv4, TCP, 40001}, Listener{IPv4, TCP, 40002}, Listener{IPv4, UDP, 40003}))
+	full := want[listenersTCP4]
+	tests := []struct {
+		name string
+		tcp  setContent
+		want string
+	}{
+		{"missing", setContent{}, "create uproxy-listeners-tcp4 bitmap:port range 0-65535 -exist\n" +
+			"add uproxy-listeners-tcp4 40001 -exist\nadd uproxy-listeners-tcp4 40002 -exist\n"},
+		{"flushed", setContent{exists: true, header: setType}, "add uproxy-listeners-tcp4 40001 -exist\nadd uproxy-listeners-tcp4 40002 -exist\n"},
+		{"stray and missing member", setContent{exists: true, header: setType, members: []uint16{22, 40002}},
+			"del uproxy-listeners-tcp4 22 -exist\nadd uproxy-listeners-tcp4 40001 -exist\n"},
+		{"other type", setContent{exists: true, header: "hash:ip family inet hashsize 1024 maxelem 65536", members: full.members},
+			"destroy uproxy-listeners-tcp4\ncreate uproxy-listeners-tcp4 bitmap:port range 0-65535 -exist\n" +
+				"add uproxy-listeners-tcp4 40001 -exist\nadd uproxy-listeners-tcp4 40002 -exist\n"},
+		{"same", full, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			have := setState{listenersTCP4: tt.tcp, listenersUDP4: want[listenersUDP4]}
+			if got := string(renderSetUpdate(have, want)); got != tt.want {
+				t.Errorf("renderSetUpdate = %q, want %q", got, tt.want)
+			}
+			if got, wantEq := have.equal(want), tt.want == ""; got != wantEq {
+				t.Errorf("equal = %v, want %v", got, wantEq)
+			}
+		})
+	}
+	// Sets no longer wanted are destroyed, not updated.
+	have := wantSets(IPv4, all)
+	none := wantSets(IPv4, Rules{})
+	if got := renderSetUpdate(have, none); len(got) != 0 {
+		t.Errorf("update to no sets = %q, want nothing", got)
+	}
+	if diff := cmp.Diff([]string{listenersTCP4, listenersUDP4}, setsToDestroy(have, none)); diff != "" {
+		t.Errorf("setsToDestroy (-want +got):\n%s", diff)
+	}
+	if got := setsToDestroy(none, have); got != nil {
+		t.Errorf("setsToDestroy of missing sets = %q", got)
+	}
+}
+
+func TestParseSetSave(t *testing.T) {
+	text := "create uproxy-listeners-tcp4 bitmap:port range 0-65535\n" +
+		"add uproxy-listeners-tcp4 40002\nadd uproxy-listeners-tcp4 40001\nadd uproxy-listeners-tcp4 40001\n" +
+		"create other hash:ip family inet hashsize 1024 maxelem 65536 bucketsize 12 initval 0x1\nadd other 10.0.0.1\n" +
+		"create uproxy-listeners-udp4 hash:ip family inet\nadd uproxy-listeners-udp4 10.0.0.1\n"
+	for _, tt := range []struct {
+		name string
+		want setContent
+	}{
+		{listenersTCP4, setContent{exists: true, header: setType, members: []uint16{40001, 40002}}},
+		{listenersUDP4, setContent{exists: true, header: "hash:ip family inet"}},
+		{listenersTCP6, setContent{}},
+		{"uproxy-listeners", setContent{}},
+	} {
+		if diff := cmp.Diff(tt.want, parseSetSave(tt.name, []byte(text)), cmp.AllowUnexported(setContent{})); diff != "" {
+			t.Errorf("parseSetSave(%s) (-want +got):\n%s", tt.name, diff)
+		}
+	}
+}
+
+// TestSetTable checks the set table's invariants: unique names that the
+// kernel takes, and one set per family and protocol.
+func TestSetTable(t *testing.T) {
+	seen := map[string]bool{}
+	perFamily := map[Family][]Protocol{}
+	for _, s := range sets {
+		if seen[s.name] {
+			t.Errorf("set %s is listed twice", s.name)
+		}
+		seen[s.name] = true
+		if len(s.name) > 31 || s.name == "" || strings.ContainsAny(s.name, " \t\n") {
+			t.Errorf("set name %q is not a valid ipset name", s.name)
+		}
+		if !s.family.valid() || (s.proto != TCP && s.proto != UDP) {
+			t.Errorf("set %s: family %s, protocol %q", s.name, s.family, s.proto)
+		}
+		perFamily[s.family] = append(perFamily[s.family], s.proto)
+	}
+	want := map[Family][]Protocol{IPv4: {TCP, UDP}, IPv6: {TCP, UDP}}
+	if diff := cmp.Diff(want, perFamily); diff != "" {
+		t.Errorf("protocols per family (-want +got):\n%s", diff)
+	}
+}
+
+// TestRenderListenerGuardIsConstant checks that the number of rules does
+// not grow with the number of listeners.
+func TestRenderListenerGuardIsConstant(t *testing.T) {
+	var r Rules
+	for i := range 5000 {
+		r.Listeners = append(r.Listeners, Listener{IPv4, TCP, uint16(20000 + i)}, Listener{IPv6, UDP, uint16(20000 + i)})
+	}
+	for _, f := range []Family{IPv4, IPv6} {
+		st := parseState(Render(f, r))
+		if n := len(st[chainKey{"filter", firewallChain}].rules); n != 1 {
+			t.Errorf("%s: %d rules for 5000 listeners, want 1", f, n)
+		}
+		if n := wantSets(f, r).memberCount(); n != 5000 {
+			t.Errorf("%s: %d set members, want 5000", f, n)
 		}
 	}
 }

@@ -14,8 +14,8 @@ import (
 	"github.com/coreos/go-iptables/iptables"
 )
 
-// Exec runs a command. It is how the Syncer calls iptables-restore and
-// iptables-save; tests inject a fake.
+// Exec runs a command. It is how the Syncer calls iptables-restore,
+// iptables-save and ipset; tests inject a fake.
 //
 // A Syncer calls its Exec only from inside Sync, one call at a time, and
 // Cleanup only from inside itself; the caller keeps ownership. OSExec is
@@ -74,7 +74,11 @@ var _ JumpRules = (*iptables.IPTables)(nil)
 type Config struct {
 	// Family selects iptables (IPv4, the zero value) or ip6tables (IPv6).
 	Family Family
-	// Exec runs iptables-save and iptables-restore; nil means OSExec.
+	// Exec runs iptables-save, iptables-restore and ipset; nil means
+	// OSExec, and New and Cleanup then check that the iptables tools are
+	// installed, and whether ipset is. ipset is needed only for
+	// Listeners: without it, a Sync whose rules have listeners of Family
+	// fails with an error naming ipset, and Cleanup skips the sets.
 	Exec Exec
 	// Jumps manages the jump rules from the built-in chains; nil means a
 	// go-iptables handle for Family, whose creation checks that iptables
@@ -94,8 +98,35 @@ const defaultWait = 5 * time.Second
 // 1.4.11).
 var minVersion = [3]int{1, 6, 2}
 
+// ipsetCommand is the name of the tool that manages kernel sets.
+const ipsetCommand = "ipset"
+
+// resolved is a checked Config with its defaults filled in.
+type resolved struct {
+	Config
+	// noIpset, when not nil, says why ipset cannot be run: cfg.Exec was
+	// nil and ipset is not installed.
+	noIpset error
+}
+
 // resolve checks cfg and fills in its defaults.
-func resolve(cfg Config) (Config, error) {
+func resolve(cfg Config) (resolved, error) {
+	res := resolved{}
+	cfg, err := resolveConfig(cfg)
+	if err != nil {
+		return res, err
+	}
+	res.Config = cfg
+	if _, ok := cfg.Exec.(OSExec); ok {
+		if _, err := exec.LookPath(ipsetCommand); err != nil {
+			res.noIpset = fmt.Errorf("%s is not installed (Debian package ipset): %w", ipsetCommand, err)
+		}
+	}
+	return res, nil
+}
+
+// resolveConfig checks cfg and fills in its defaults.
+func resolveConfig(cfg Config) (Config, error) {
 	if !cfg.Family.valid() {
 		return cfg, fmt.Errorf("redirect: unknown family %s", cfg.Family)
 	}
@@ -150,23 +181,28 @@ func waitSeconds(d time.Duration) int {
 	return int((d + time.Second - 1) / time.Second)
 }
 
-// Syncer keeps uproxy's chains of one family in the kernel equal to the
-// latest Rules. It remembers the last rendering it wrote (or verified) so
-// that unchanged rules cost nothing.
+// Syncer keeps uproxy's chains and sets of one family in the kernel equal
+// to the latest Rules. It remembers the last rendering and set content it
+// wrote (or verified) so that unchanged rules cost nothing.
 //
 // A Syncer is safe for concurrent use; Sync calls are serialized. Only one
 // Syncer per family should run on a node: two would overwrite each other's
-// chains.
+// chains and sets. The Syncers of IPv4 and IPv6 share nothing: each has
+// sets of its own (see the set table in sets.go).
 type Syncer struct {
 	family Family
 	exec   Exec
 	jumps  JumpRules
 	wait   string
+	// noIpset, when not nil, says why ipset cannot be run.
+	noIpset error
 
 	mu sync.Mutex
-	// last is the rendering known to be in the kernel, or nil when that is
-	// unknown: before the first Sync and after a failed one.
-	last []byte
+	// last is the rendering known to be in the kernel, and lastSets the
+	// content of the family's sets, or both nil when that is unknown:
+	// before the first Sync and after a failed one.
+	last     []byte
+	lastSets setState
 }
 
 // Result says what a Sync did.
@@ -180,69 +216,97 @@ type Result struct {
 	Rules int
 	// Repaired reports that a full Sync found the kernel different from
 	// this Syncer's last successful write: someone else changed or
-	// deleted uproxy's chains or jump rules. Sync then restored them.
+	// deleted uproxy's chains, jump rules or sets. Sync then restored them.
 	Repaired bool
+	// WroteSets reports that Sync changed uproxy's sets: an ipset restore
+	// call that created sets or added or deleted members, or an ipset
+	// destroy of a set that no rule needs any more.
+	WroteSets bool
+	// SetMembers is the number of members r puts in uproxy's sets of the
+	// family: its distinct listener ports of each protocol.
+	SetMembers int
+	// SetsRepaired reports that the drift Repaired reports was, at least
+	// in part, in uproxy's sets: a set destroyed, flushed or recreated,
+	// or a member deleted or added, by someone else.
+	SetsRepaired bool
 }
 
 // New returns a Syncer for cfg. It checks cfg and, when cfg leaves Exec
 // or Jumps nil, that the real iptables tools are installed and at least
-// version 1.6.2. It changes nothing in the kernel.
+// version 1.6.2; when Exec is nil and ipset is not installed, the Syncer
+// syncs rules without listeners only. It changes nothing in the kernel.
 func New(cfg Config) (*Syncer, error) {
-	cfg, err := resolve(cfg)
+	rc, err := resolve(cfg)
 	if err != nil {
 		return nil, err
 	}
 	return &Syncer{
-		family: cfg.Family,
-		exec:   cfg.Exec,
-		jumps:  cfg.Jumps,
-		wait:   strconv.Itoa(waitSeconds(cfg.Wait)),
+		family:  rc.Family,
+		exec:    rc.Exec,
+		jumps:   rc.Jumps,
+		wait:    strconv.Itoa(waitSeconds(rc.Wait)),
+		noIpset: rc.noIpset,
 	}, nil
 }
 
 // Sync makes the kernel hold exactly r (the part of it of the Syncer's
-// family) in uproxy's chains, with the jump rules to them.
+// family) in uproxy's chains and sets, with the jump rules to the chains.
 //
-// When full is false and the rendering of r equals the last successful
-// write, Sync runs nothing at all; when it differs, Sync writes it with one
-// iptables-restore --noflush call and nothing else.
+// The listener ports are members of kernel sets, one per protocol (see
+// the set table in sets.go), which the listener guards match; a set
+// exists only while it has members. Sets are written with ipset restore
+// before iptables-restore, so that every set a rule names exists, and a
+// set that is no longer needed is destroyed after it, once no rule names
+// it.
 //
-// When full is true (the periodic resync), Sync reads uproxy's chains back
-// with iptables-save and writes only if they differ from the rendering, so
-// a resync of an unchanged kernel writes nothing; then it inserts any
-// missing jump rule at position 1 of its built-in chain (never a second
-// copy). The first Sync of a Syncer, and the first after a failed one,
-// always behaves as full; this is also how a new process adopts the rules
-// of a previous one.
+// When full is false and the rendering of r and the sets it asks for
+// equal the last successful write, Sync runs nothing at all. When they
+// differ, Sync runs one ipset restore with exactly the creates, adds and
+// deletes between the last write and r (RenderSetUpdate) if the sets
+// differ, one iptables-restore --noflush if the rendering differs, and one
+// ipset destroy per set no longer needed.
+//
+// When full is true (the periodic resync), Sync reads uproxy's chains
+// back with iptables-save and its sets with ipset save, and writes only
+// what differs from r, so a resync of an unchanged kernel writes nothing:
+// a set destroyed or emptied by hand is created or filled again, stray
+// members are deleted. Then it inserts any missing jump rule at position
+// 1 of its built-in chain (never a second copy). The first Sync of a
+// Syncer, and the first after a failed one, always behaves as full; this
+// is also how a new process adopts the rules and sets of a previous one.
 //
 // Sync returns an error, and changes nothing, when r has an invalid
 // intercept, node port, node port address, firewall or listener, two
 // intercepts or two firewalls for the same destination, protocol and
-// port, or two node ports for the same family, protocol and port.
+// port, or two node ports for the same family, protocol and port, or
+// when r has listeners of the family and ipset is not installed.
 func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := r.validate(); err != nil {
 		return Result{}, fmt.Errorf("redirect: %s: invalid rules: %w", s.family, err)
 	}
 	want := Render(s.family, r)
 	wantState := parseState(want)
-	res := Result{Rules: wantState.ruleCount()}
+	wantSets := wantSets(s.family, r)
+	res := Result{Rules: wantState.ruleCount(), SetMembers: wantSets.memberCount()}
+	if s.noIpset != nil && wantSets.wanted() {
+		return res, fmt.Errorf("redirect: %s: the listener guards need kernel sets, but %w", s.family, s.noIpset)
+	}
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	last := s.last
+	last, lastSets := s.last, s.lastSets
 	// Until this Sync succeeds, the kernel's state is unknown.
-	s.last = nil
+	s.last, s.lastSets = nil, nil
 
 	if last != nil && !full {
-		if bytes.Equal(want, last) {
-			s.last = last
+		if bytes.Equal(want, last) && wantSets.equal(lastSets) {
+			s.last, s.lastSets = last, lastSets
 			return res, nil
 		}
-		if err := s.restore(ctx, want); err != nil {
+		if err := s.write(ctx, &res, !bytes.Equal(want, last), want, lastSets, wantSets); err != nil {
 			return res, err
 		}
-		res.Wrote = true
-		s.last = want
+		s.last, s.lastSets = want, wantSets
 		return res, nil
 	}
 
@@ -250,14 +314,19 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err != nil {
 		return res, err
 	}
-	if !have.equal(wantState) {
-		if last != nil && !have.equal(parseState(last)) {
-			res.Repaired = true
-		}
-		if err := s.restore(ctx, want); err != nil {
-			return res, err
-		}
-		res.Wrote = true
+	haveSets, err := s.readSets(ctx)
+	if err != nil {
+		return res, err
+	}
+	rulesDiffer := !have.equal(wantState)
+	if rulesDiffer && last != nil && !have.equal(parseState(last)) {
+		res.Repaired = true
+	}
+	if !haveSets.equal(wantSets) && lastSets != nil && !haveSets.equal(lastSets) {
+		res.Repaired, res.SetsRepaired = true, true
+	}
+	if err := s.write(ctx, &res, rulesDiffer, want, haveSets, wantSets); err != nil {
+		return res, err
 	}
 	inserted, err := s.ensureJumps(ctx)
 	if err != nil {
@@ -266,8 +335,33 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if inserted && last != nil {
 		res.Repaired = true
 	}
-	s.last = want
+	s.last, s.lastSets = want, wantSets
 	return res, nil
+}
+
+// write changes the kernel from haveSets to wantSets and, when rules is
+// true, restores the rendering want, in the only order that works: sets
+// created and filled, rules restored, sets no rule names destroyed.
+func (s *Syncer) write(ctx context.Context, res *Result, rules bool, want []byte, haveSets, wantSets setState) error {
+	if update := renderSetUpdate(haveSets, wantSets); len(update) > 0 {
+		if _, err := s.exec.Run(ctx, ipsetCommand, []string{"restore"}, update); err != nil {
+			return fmt.Errorf("redirect: %s: writing sets (%s): %w", s.family, setNames(s.family), err)
+		}
+		res.WroteSets = true
+	}
+	if rules {
+		if err := s.restore(ctx, want); err != nil {
+			return err
+		}
+		res.Wrote = true
+	}
+	for _, name := range setsToDestroy(haveSets, wantSets) {
+		if err := destroySet(ctx, s.family, s.exec, "", name); err != nil {
+			return err
+		}
+		res.WroteSets = true
+	}
+	return nil
 }
 
 // read returns the state of uproxy's chains in the kernel, from one
@@ -282,6 +376,48 @@ func (s *Syncer) read(ctx context.Context) (state, error) {
 		text = append(text, out...)
 	}
 	return parseState(text), nil
+}
+
+// readSets returns the content of the family's sets in the kernel, from
+// one ipset save call per set. Without ipset, which Sync then needs only
+// when no set is wanted, it takes every set to be missing: none can have
+// been created.
+func (s *Syncer) readSets(ctx context.Context) (setState, error) {
+	st := setState{}
+	for _, set := range setsOf(s.family) {
+		if s.noIpset != nil {
+			st[set.name] = setContent{}
+			continue
+		}
+		out, err := s.exec.Run(ctx, ipsetCommand, []string{"save", set.name}, nil)
+		if isSetNotExist(err) {
+			st[set.name] = setContent{}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("redirect: %s: reading set %s: %w", s.family, set.name, err)
+		}
+		st[set.name] = parseSetSave(set.name, out)
+	}
+	return st, nil
+}
+
+// destroySet destroys the set name with ipset destroy. A set that does not
+// exist counts as success; one that a rule still names cannot be
+// destroyed. op prefixes the error.
+func destroySet(ctx context.Context, f Family, x Exec, op, name string) error {
+	_, err := x.Run(ctx, ipsetCommand, []string{"destroy", name}, nil)
+	if err == nil || isSetNotExist(err) {
+		return nil
+	}
+	return fmt.Errorf("redirect: %s: %sdestroying set %s: %w", f, op, name, err)
+}
+
+// isSetNotExist reports whether err is ipset's error for a set that does
+// not exist. ipset has one exit status for every error, so this looks for
+// its message, which the Exec's error carries.
+func isSetNotExist(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "The set with the given name does not exist")
 }
 
 // restore feeds input to iptables-restore --noflush.
@@ -331,14 +467,19 @@ func (s *Syncer) ensureJumps(ctx context.Context) (bool, error) {
 // Cleanup removes everything uproxy created in cfg's family: every jump
 // rule from a built-in chain to one of uproxy's chains (duplicates
 // included), then the chains themselves, in every table of the chain
-// table. It touches nothing else.
-// Rules and chains that are already gone count as success, so Cleanup is
-// idempotent. It must not run while a Syncer of the same family syncs.
+// table, then the family's sets of the set table (the kernel destroys a
+// set only once no rule names it). It touches nothing else, not even the
+// other family's sets.
+// Rules, chains and sets that are already gone count as success, so
+// Cleanup is idempotent. When cfg.Exec is nil and ipset is not installed,
+// Cleanup leaves the sets alone. It must not run while a Syncer of the
+// same family syncs.
 func Cleanup(ctx context.Context, cfg Config) error {
-	cfg, err := resolve(cfg)
+	rc, err := resolve(cfg)
 	if err != nil {
 		return err
 	}
+	cfg = rc.Config
 	for _, c := range chains {
 		for _, from := range c.from {
 			if err := deleteJumps(ctx, cfg, c, from); err != nil {
@@ -366,7 +507,20 @@ func Cleanup(ctx context.Context, cfg Config) error {
 		}
 		b.WriteString("COMMIT\n")
 	}
-	return restore(ctx, cfg.Family, cfg.Exec, strconv.Itoa(waitSeconds(cfg.Wait)), "cleanup: deleting", b.Bytes())
+	if err := restore(ctx, cfg.Family, cfg.Exec, strconv.Itoa(waitSeconds(cfg.Wait)), "cleanup: deleting", b.Bytes()); err != nil {
+		return err
+	}
+	if rc.noIpset != nil {
+		return nil
+	}
+	// The rules naming the sets are gone with the chains; the kernel
+	// refuses to destroy a set that a rule still names.
+	for _, set := range setsOf(cfg.Family) {
+		if err := destroySet(ctx, cfg.Family, cfg.Exec, "cleanup: ", set.name); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // deleteJumps deletes every jump from table/from to c.

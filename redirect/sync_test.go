@@ -4,9 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -15,10 +19,10 @@ import (
 	"github.com/google/go-cmp/cmp"
 )
 
-// fakeKernel is a fake nat and filter table behind both Exec
-// (iptables-save and iptables-restore) and JumpRules, so tests see every
-// command a Syncer runs and the state it leaves. It is safe for concurrent
-// use.
+// fakeKernel is a fake nat and filter table and a fake set of ipsets
+// behind both Exec (iptables-save, iptables-restore and ipset) and
+// JumpRules, so tests see every command a Syncer runs and the state it
+// leaves. It is safe for concurrent use.
 type fakeKernel struct {
 	family Family
 
@@ -33,10 +37,30 @@ type fakeKernel struct {
 	calls []string
 	// restored records the stdin of every iptables-restore call.
 	restored []string
+	// sets are the ipsets, by name.
+	sets map[string]*fakeSet
+	// setRestored records the stdin of every ipset restore call.
+	setRestored []string
 	// failRestore, failSave and failExists, when set, make the next such
-	// call fail with the error.
-	failRestore, failSave, failExists error
+	// call fail with the error; failIpset the next ipset call with
+	// failIpsetOp ("restore", "save" or "destroy") as its first argument.
+	failRestore, failSave, failExists, failIpset error
+	failIpsetOp                                  string
 }
+
+// fakeSet is an ipset of the fake kernel.
+type fakeSet struct {
+	// header is the type and options.
+	header  string
+	members map[uint16]bool
+}
+
+// ipset's error messages, as OSExec's errors carry them.
+const (
+	errSetMissing = "ipset v7.17: The set with the given name does not exist"
+	errSetInUse   = "ipset v7.17: Set cannot be destroyed: it is in use by a kernel component"
+	errSetExists  = "ipset v7.17: Error in line %d: Set cannot be created: set with the same name already exists"
+)
 
 var (
 	_ Exec      = (*fakeKernel)(nil)
@@ -78,6 +102,8 @@ func newFakeKernel(f Family) *fakeKernel {
 	}
 	k.rules["nat"]["OUTPUT"] = []string{unrelated}
 	k.rules["filter"]["INPUT"] = []string{unrelatedFilter}
+	// Someone else's set, which uproxy must leave alone.
+	k.sets = map[string]*fakeSet{"someone-else": {header: "hash:ip family inet hashsize 1024 maxelem 65536", members: map[uint16]bool{}}}
 	return k
 }
 
@@ -103,8 +129,134 @@ func (k *fakeKernel) Run(ctx context.Context, name string, args []string, stdin 
 			return nil, err
 		}
 		return nil, k.restoreLocked(string(stdin))
+	case "ipset":
+		if err := k.failIpset; err != nil && len(args) > 0 && args[0] == k.failIpsetOp {
+			k.failIpset = nil
+			if args[0] == "restore" {
+				k.setRestored = append(k.setRestored, string(stdin))
+			}
+			return nil, err
+		}
+		return k.ipsetLocked(args, stdin)
 	}
 	return nil, fmt.Errorf("fake: unexpected command %s", name)
+}
+
+// ipsetLocked runs ipset restore, save NAME or destroy NAME.
+func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
+	fail := func(format string, a ...any) error {
+		return fmt.Errorf("ipset %s: %w: %s", strings.Join(args, " "), errExit, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case len(args) == 1 && args[0] == "restore":
+		k.setRestored = append(k.setRestored, string(stdin))
+		// Not transactional: the lines before a failing one stay applied.
+		for n, line := range strings.Split(strings.TrimSuffix(string(stdin), "\n"), "\n") {
+			f := strings.Fields(line)
+			if len(f) < 2 {
+				return nil, fail("Error in line %d: syntax error", n+1)
+			}
+			exist := f[len(f)-1] == "-exist"
+			if exist {
+				f = f[:len(f)-1]
+			}
+			set := k.sets[f[1]]
+			switch f[0] {
+			case "create":
+				header := strings.Join(f[2:], " ")
+				if set != nil && (!exist || set.header != header) {
+					return nil, fail(errSetExists, n+1)
+				}
+				if set == nil {
+					k.sets[f[1]] = &fakeSet{header: header, members: map[uint16]bool{}}
+				}
+			case "add", "del":
+				if set == nil {
+					return nil, fail("Error in line %d: The set with the given name does not exist", n+1)
+				}
+				p, err := strconv.ParseUint(f[2], 10, 16)
+				if err != nil {
+					return nil, fail("Error in line %d: Syntax error: %v", n+1, err)
+				}
+				if f[0] == "add" {
+					if set.members[uint16(p)] && !exist {
+						return nil, fail("Error in line %d: Element cannot be added to the set: it's already added", n+1)
+					}
+					set.members[uint16(p)] = true
+				} else {
+					if !set.members[uint16(p)] && !exist {
+						return nil, fail("Error in line %d: Element cannot be deleted from the set: it's not added", n+1)
+					}
+					delete(set.members, uint16(p))
+				}
+			case "destroy":
+				if err := k.destroySetLocked(f[1]); err != "" {
+					return nil, fail("Error in line %d: %s", n+1, strings.TrimPrefix(err, "ipset v7.17: "))
+				}
+			default:
+				return nil, fail("Error in line %d: unknown command %s", n+1, f[0])
+			}
+		}
+		return nil, nil
+	case len(args) == 2 && args[0] == "save":
+		set := k.sets[args[1]]
+		if set == nil {
+			return nil, fail(errSetMissing)
+		}
+		return []byte(saveSet(args[1], set)), nil
+	case len(args) == 2 && args[0] == "destroy":
+		if err := k.destroySetLocked(args[1]); err != "" {
+			return nil, fail("%s", err)
+		}
+		return nil, nil
+	}
+	return nil, fmt.Errorf("fake: unexpected ipset args %q", args)
+}
+
+// saveSet prints set like ipset save NAME.
+func saveSet(name string, set *fakeSet) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "create %s %s\n", name, set.header)
+	for _, p := range slices.Sorted(maps.Keys(set.members)) {
+		fmt.Fprintf(&b, "add %s %d\n", name, p)
+	}
+	return b.String()
+}
+
+// destroySetLocked destroys the set name, or returns ipset's error.
+func (k *fakeKernel) destroySetLocked(name string) string {
+	if k.sets[name] == nil {
+		return errSetMissing
+	}
+	for _, t := range k.rules {
+		for _, rs := range t {
+			for _, r := range rs {
+				if strings.Contains(r, " --match-set "+name+" ") {
+					return errSetInUse
+				}
+			}
+		}
+	}
+	delete(k.sets, name)
+	return ""
+}
+
+// saveSets returns every set, sorted by name, as ipset save prints them.
+func (k *fakeKernel) saveSets() string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var b strings.Builder
+	for _, name := range slices.Sorted(maps.Keys(k.sets)) {
+		b.WriteString(saveSet(name, k.sets[name]))
+	}
+	return b.String()
+}
+
+// editSets changes the sets behind the Syncer's back.
+func (k *fakeKernel) editSets(f func(sets map[string]*fakeSet)) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	f(k.sets)
 }
 
 // saveLocked prints table like iptables-save -t table.
@@ -177,6 +329,9 @@ func (k *fakeKernel) restoreLocked(input string) error {
 			}
 			if i := slices.Index(f, "-j"); i >= 0 && strings.HasPrefix(f[i+1], "UPROXY-") && !slices.Contains(order[table], f[i+1]) {
 				return fail("no chain " + f[i+1])
+			}
+			if i := slices.Index(f, "--match-set"); i >= 0 && k.sets[f[i+1]] == nil {
+				return fail("Set " + f[i+1] + " doesn't exist.")
 			}
 			rules[table][f[1]] = append(rules[table][f[1]], line)
 		case f[0] == "-X":
@@ -358,7 +513,11 @@ func wantSave(f Family, r Rules) string {
 var (
 	callsSave   = []string{"iptables-save -t nat", "iptables-save -t filter"}
 	callRestore = "iptables-restore --noflush -w 5"
-	callsJumps  = []string{"Exists nat PREROUTING", "Exists nat OUTPUT", "Exists filter INPUT", "Exists filter FORWARD", "Exists filter OUTPUT"}
+	// callsRead is a full read: rules, then sets.
+	callsRead      = concat(callsSave, "ipset save uproxy-listeners-tcp4", "ipset save uproxy-listeners-udp4")
+	callSetRestore = "ipset restore"
+	callsDestroy   = []string{"ipset destroy uproxy-listeners-tcp4", "ipset destroy uproxy-listeners-udp4"}
+	callsJumps     = []string{"Exists nat PREROUTING", "Exists nat OUTPUT", "Exists filter INPUT", "Exists filter FORWARD", "Exists filter OUTPUT"}
 	// callsInsertJumps are the calls that find no jump and insert them all.
 	callsInsertJumps = []string{
 		"Exists nat PREROUTING", "Insert nat PREROUTING 1", "Exists nat OUTPUT", "Insert nat OUTPUT 1",
@@ -392,11 +551,15 @@ func TestSyncFirstWritesAndInsertsJumps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 8}); res != want {
+	if want := (Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
-	if diff := cmp.Diff(concat(callsSave, callRestore, callsInsertJumps), k.takeCalls()); diff != "" {
+	// The sets first: the rules name them.
+	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumps), k.takeCalls()); diff != "" {
 		t.Errorf("first Sync calls (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]string{string(RenderSetUpdate(IPv4, Rules{}, rulesA))}, k.setRestored); diff != "" {
+		t.Errorf("ipset restore input (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff([]string{string(Render(IPv4, rulesA))}, k.restored); diff != "" {
 		t.Errorf("restore input (-want +got):\n%s", diff)
@@ -404,6 +567,25 @@ func TestSyncFirstWritesAndInsertsJumps(t *testing.T) {
 	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
 		t.Errorf("kernel after first Sync (-want +got):\n%s", diff)
 	}
+	if diff := cmp.Diff(wantSetsSave(IPv4, rulesA), k.saveSets()); diff != "" {
+		t.Errorf("sets after first Sync (-want +got):\n%s", diff)
+	}
+}
+
+// wantSetsSave is what the fake kernel's sets should be after syncing r
+// for f: someone else's and the wanted ones.
+func wantSetsSave(f Family, r Rules) string {
+	k := newFakeKernel(f)
+	for name, c := range wantSets(f, r) {
+		if c.exists {
+			set := &fakeSet{header: c.header, members: map[uint16]bool{}}
+			for _, p := range c.members {
+				set.members[p] = true
+			}
+			k.sets[name] = set
+		}
+	}
+	return k.saveSets()
 }
 
 // reversed returns r with every list in reverse order.
@@ -440,7 +622,7 @@ func TestSyncUnchangedRunsNothing(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := (Result{Rules: 8}); res != want {
+		if want := (Result{Rules: 8, SetMembers: 2}); res != want {
 			t.Errorf("unchanged Sync = %+v, want %+v", res, want)
 		}
 		if calls := k.takeCalls(); len(calls) != 0 {
@@ -457,19 +639,23 @@ func TestSyncChangedWritesOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	k.takeCalls()
-	// rulesB empties UPROXY-NODEPORTS and UPROXY-FIREWALL.
+	// rulesB empties UPROXY-NODEPORTS and UPROXY-FIREWALL, and needs no
+	// set: they are destroyed once no rule names them.
 	res, err := s.Sync(ctx, rulesB, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 2, WroteSets: true}); res != want {
 		t.Errorf("changed Sync = %+v, want %+v", res, want)
 	}
-	if diff := cmp.Diff([]string{callRestore}, k.takeCalls()); diff != "" {
+	if diff := cmp.Diff(concat(callRestore, callsDestroy), k.takeCalls()); diff != "" {
 		t.Errorf("changed Sync calls (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(wantSave(IPv4, rulesB), k.save()); diff != "" {
 		t.Errorf("kernel (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSetsSave(IPv4, rulesB), k.saveSets()); diff != "" {
+		t.Errorf("sets (-want +got):\n%s", diff)
 	}
 	if _, err := s.Sync(ctx, rulesB, false); err != nil {
 		t.Fatal(err)
@@ -491,10 +677,10 @@ func TestSyncFullUnchangedWritesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 8}); res != want {
+	if want := (Result{Rules: 8, SetMembers: 2}); res != want {
 		t.Errorf("full Sync = %+v, want %+v", res, want)
 	}
-	if diff := cmp.Diff(concat(callsSave, callsJumps), k.takeCalls()); diff != "" {
+	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
 		t.Errorf("full Sync calls (-want +got):\n%s", diff)
 	}
 }
@@ -574,10 +760,10 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Wrote: true, Rules: 8, Repaired: true}); res != want {
+			if want := (Result{Wrote: true, Rules: 8, Repaired: true, SetMembers: 2}); res != want {
 				t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 			}
-			if diff := cmp.Diff(concat(callsSave, callRestore, tt.jumpCalls), k.takeCalls()); diff != "" {
+			if diff := cmp.Diff(concat(callsRead, callRestore, tt.jumpCalls), k.takeCalls()); diff != "" {
 				t.Errorf("full Sync calls (-want +got):\n%s", diff)
 			}
 			if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
@@ -611,7 +797,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Rules: 8, Repaired: true}); res != want {
+			if want := (Result{Rules: 8, Repaired: true, SetMembers: 2}); res != want {
 				t.Errorf("full Sync = %+v, want %+v", res, want)
 			}
 			var want []string
@@ -621,7 +807,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 					want = append(want, "Insert "+tt.table+" "+tt.chain+" 1")
 				}
 			}
-			if diff := cmp.Diff(concat(callsSave, want), k.takeCalls()); diff != "" {
+			if diff := cmp.Diff(concat(callsRead, want), k.takeCalls()); diff != "" {
 				t.Errorf("full Sync calls (-want +got):\n%s", diff)
 			}
 			if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
@@ -644,7 +830,7 @@ func TestSyncFullWithNewRulesIsNotDrift(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 2, WroteSets: true}); res != want {
 		t.Errorf("full Sync with new rules = %+v, want %+v", res, want)
 	}
 }
@@ -678,16 +864,17 @@ func TestSyncRestoreFailure(t *testing.T) {
 	}
 
 	// The failed write is not remembered: the same rules are written again,
-	// after a read-back as the first Sync does.
+	// after a read-back as the first Sync does, and the sets no longer
+	// needed destroyed after them.
 	k.takeCalls()
 	res, err = s.Sync(ctx, rulesB, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 2, WroteSets: true}); res != want {
 		t.Errorf("Sync after failure = %+v, want %+v", res, want)
 	}
-	if diff := cmp.Diff(concat(callsSave, callRestore, callsJumps), k.takeCalls()); diff != "" {
+	if diff := cmp.Diff(concat(callsRead, callRestore, callsDestroy, callsJumps), k.takeCalls()); diff != "" {
 		t.Errorf("Sync after failure calls (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(wantSave(IPv4, rulesB), k.save()); diff != "" {
@@ -733,7 +920,7 @@ func TestSyncReadAndJumpFailures(t *testing.T) {
 	if _, err := s.Sync(ctx, rulesA, false); err != nil {
 		t.Fatal(err)
 	}
-	if diff := cmp.Diff(concat(callsSave, callsInsertJumps), k.takeCalls()); diff != "" {
+	if diff := cmp.Diff(concat(callsRead, callsInsertJumps), k.takeCalls()); diff != "" {
 		t.Errorf("Sync after failures calls (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
@@ -793,7 +980,7 @@ func TestSyncInsertsOnlyMissingJumps(t *testing.T) {
 	if _, err := s.Sync(ctx, rulesA, false); err != nil {
 		t.Fatal(err)
 	}
-	want := concat(callsSave, callRestore, "Exists nat PREROUTING", "Exists nat OUTPUT", "Insert nat OUTPUT 1",
+	want := concat(callsRead, callSetRestore, callRestore, "Exists nat PREROUTING", "Exists nat OUTPUT", "Insert nat OUTPUT 1",
 		"Exists filter INPUT", "Insert filter INPUT 1", "Exists filter FORWARD", "Exists filter OUTPUT", "Insert filter OUTPUT 1")
 	if diff := cmp.Diff(want, k.takeCalls()); diff != "" {
 		t.Errorf("Sync calls (-want +got):\n%s", diff)
@@ -816,10 +1003,10 @@ func TestSyncAdoptsPreviousProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 8}); res != want {
+	if want := (Result{Rules: 8, SetMembers: 2}); res != want {
 		t.Errorf("adopting Sync = %+v, want %+v", res, want)
 	}
-	if diff := cmp.Diff(concat(callsSave, callsJumps), k.takeCalls()); diff != "" {
+	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
 		t.Errorf("adopting Sync calls (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
@@ -854,18 +1041,25 @@ func TestSyncIPv6(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 2, WroteSets: true, SetMembers: 1}); res != want {
 		t.Errorf("Sync = %+v, want %+v", res, want)
 	}
 	calls := k.takeCalls()
-	if want := []string{"ip6tables-save -t nat", "ip6tables-save -t filter", "ip6tables-restore --noflush -w 5"}; !slices.Equal(calls[:3], want) {
+	if want := []string{"ip6tables-save -t nat", "ip6tables-save -t filter", "ipset save uproxy-listeners-tcp6", "ipset save uproxy-listeners-udp6",
+		"ipset restore", "ip6tables-restore --noflush -w 5"}; !slices.Equal(calls[:6], want) {
 		t.Errorf("IPv6 Sync calls %q, want %q first", calls, want)
 	}
 	if diff := cmp.Diff([]string{string(Render(IPv6, rulesA))}, k.restored); diff != "" {
 		t.Errorf("restore input (-want +got):\n%s", diff)
 	}
+	if diff := cmp.Diff([]string{"create uproxy-listeners-tcp6 bitmap:port range 0-65535 -exist\nadd uproxy-listeners-tcp6 40003 -exist\n"}, k.setRestored); diff != "" {
+		t.Errorf("ipset restore input (-want +got):\n%s", diff)
+	}
 	if diff := cmp.Diff(wantSave(IPv6, rulesA), k.save()); diff != "" {
 		t.Errorf("kernel (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSetsSave(IPv6, rulesA), k.saveSets()); diff != "" {
+		t.Errorf("sets (-want +got):\n%s", diff)
 	}
 }
 
@@ -911,9 +1105,12 @@ func TestCleanup(t *testing.T) {
 	if err := Cleanup(ctx, cfg); err != nil {
 		t.Fatal(err)
 	}
-	want := newFakeKernel(IPv4).save()
+	want, wantSets := newFakeKernel(IPv4).save(), newFakeKernel(IPv4).saveSets()
 	if diff := cmp.Diff(want, k.save()); diff != "" {
 		t.Errorf("kernel after Cleanup (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSets, k.saveSets()); diff != "" {
+		t.Errorf("sets after Cleanup (-want +got):\n%s", diff)
 	}
 	// UPROXY-SERVICES jumps to UPROXY-NODEPORTS: both are flushed before
 	// either is deleted.
@@ -929,6 +1126,8 @@ func TestCleanup(t *testing.T) {
 		"Exists filter FORWARD", "Delete filter FORWARD", "Exists filter FORWARD",
 		"Exists filter OUTPUT", "Delete filter OUTPUT", "Exists filter OUTPUT",
 		callRestore,
+		// Once no rule names them.
+		"ipset destroy uproxy-listeners-tcp4", "ipset destroy uproxy-listeners-udp4",
 	}
 	if diff := cmp.Diff(wantCalls, k.takeCalls()); diff != "" {
 		t.Errorf("Cleanup calls (-want +got):\n%s", diff)
@@ -940,6 +1139,9 @@ func TestCleanup(t *testing.T) {
 	}
 	if diff := cmp.Diff(want, k.save()); diff != "" {
 		t.Errorf("kernel after second Cleanup (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSets, k.saveSets()); diff != "" {
+		t.Errorf("sets after second Cleanup (-want +got):\n%s", diff)
 	}
 }
 
@@ -1007,5 +1209,407 @@ func TestCompareVersion(t *testing.T) {
 		if got := compareVersion(tt.v, minVersion); got != tt.want {
 			t.Errorf("compareVersion(%v, %v) = %d, want %d", tt.v, minVersion, got, tt.want)
 		}
+	}
+}
+
+// listeners returns rules with a TCP listener of f on each port of tcp and
+// a UDP one on each port of udp, plus rulesB's intercepts.
+func listeners(f Family, tcp, udp []uint16) Rules {
+	r := Rules{Intercepts: rulesB.Intercepts}
+	for _, p := range tcp {
+		r.Listeners = append(r.Listeners, Listener{f, TCP, p})
+	}
+	for _, p := range udp {
+		r.Listeners = append(r.Listeners, Listener{f, UDP, p})
+	}
+	return r
+}
+
+// TestSyncListenersIncremental checks that a change of listeners runs
+// exactly the ipset adds and deletes, and iptables-restore only when a
+// protocol gains its first or loses its last listener, in the order that
+// keeps every named set in existence.
+func TestSyncListenersIncremental(t *testing.T) {
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	s := newFakeSyncer(t, k)
+	step := func(name string, r Rules, want Result, wantCalls []string, wantSetInput ...string) {
+		t.Helper()
+		k.mu.Lock()
+		k.setRestored = nil
+		k.mu.Unlock()
+		res, err := s.Sync(ctx, r, false)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if res != want {
+			t.Errorf("%s: Sync = %+v, want %+v", name, res, want)
+		}
+		if diff := cmp.Diff(wantCalls, k.takeCalls()); diff != "" {
+			t.Errorf("%s: calls (-want +got):\n%s", name, diff)
+		}
+		if diff := cmp.Diff(wantSetInput, k.setRestored); diff != "" {
+			t.Errorf("%s: ipset restore input (-want +got):\n%s", name, diff)
+		}
+		if diff := cmp.Diff(wantSave(IPv4, r), k.save()); diff != "" {
+			t.Errorf("%s: kernel (-want +got):\n%s", name, diff)
+		}
+		if diff := cmp.Diff(wantSetsSave(IPv4, r), k.saveSets()); diff != "" {
+			t.Errorf("%s: sets (-want +got):\n%s", name, diff)
+		}
+	}
+	const tcp, udp = "uproxy-listeners-tcp4", "uproxy-listeners-udp4"
+
+	step("first", listeners(IPv4, []uint16{40001, 40002, 40003}, nil),
+		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 3},
+		concat(callsRead, callSetRestore, callRestore, callsInsertJumps),
+		"create "+tcp+" bitmap:port range 0-65535 -exist\nadd "+tcp+" 40001 -exist\nadd "+tcp+" 40002 -exist\nadd "+tcp+" 40003 -exist\n")
+	step("unchanged", listeners(IPv4, []uint16{40003, 40002, 40001, 40001}, nil),
+		Result{Rules: 3, SetMembers: 3}, nil)
+	step("one added, one removed", listeners(IPv4, []uint16{40001, 40003, 40004}, nil),
+		Result{Rules: 3, WroteSets: true, SetMembers: 3},
+		[]string{callSetRestore},
+		"del "+tcp+" 40002 -exist\nadd "+tcp+" 40004 -exist\n")
+	step("unchanged again", listeners(IPv4, []uint16{40001, 40003, 40004}, nil),
+		Result{Rules: 3, SetMembers: 3}, nil)
+	// The UDP set is created and filled before the rule that names it.
+	step("first UDP listener", listeners(IPv4, []uint16{40001, 40003, 40004}, []uint16{40005}),
+		Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 4},
+		[]string{callSetRestore, callRestore},
+		"create "+udp+" bitmap:port range 0-65535 -exist\nadd "+udp+" 40005 -exist\n")
+	step("changes in both sets", listeners(IPv4, []uint16{40001}, []uint16{40005, 40006}),
+		Result{Rules: 4, WroteSets: true, SetMembers: 3},
+		[]string{callSetRestore},
+		"del "+tcp+" 40003 -exist\ndel "+tcp+" 40004 -exist\nadd "+udp+" 40006 -exist\n")
+	// The UDP set is destroyed after the rule that names it is gone.
+	step("last UDP listener gone", listeners(IPv4, []uint16{40001, 40002}, nil),
+		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2},
+		[]string{callSetRestore, callRestore, "ipset destroy " + udp},
+		"add "+tcp+" 40002 -exist\n")
+	step("no listeners", rulesB,
+		Result{Wrote: true, Rules: 2, WroteSets: true},
+		[]string{callRestore, "ipset destroy " + tcp})
+	step("no listeners, unchanged", rulesB, Result{Rules: 2}, nil)
+	// A full Sync without listeners still looks for sets to destroy.
+	res, err := s.Sync(ctx, rulesB, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (Result{Rules: 2}); res != want {
+		t.Errorf("full Sync without listeners = %+v, want %+v", res, want)
+	}
+	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
+		t.Errorf("full Sync without listeners calls (-want +got):\n%s", diff)
+	}
+}
+
+// TestSyncFullRepairsSetDrift checks that a full Sync finds a set that
+// someone destroyed, flushed or changed, repairs it, and says so.
+func TestSyncFullRepairsSetDrift(t *testing.T) {
+	const tcp = "uproxy-listeners-tcp4"
+	r := listeners(IPv4, []uint16{40001, 40002}, []uint16{40005})
+	tests := []struct {
+		name  string
+		drift func(k *fakeKernel)
+		// wantSetInput is the ipset restore input; rules reports that
+		// the chains needed an iptables-restore too.
+		wantSetInput string
+		rules        bool
+	}{
+		{"set flushed", func(k *fakeKernel) {
+			k.editSets(func(sets map[string]*fakeSet) { clear(sets[tcp].members) })
+		}, "add " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", false},
+		{"member deleted and member added", func(k *fakeKernel) {
+			k.editSets(func(sets map[string]*fakeSet) {
+				delete(sets[tcp].members, 40002)
+				sets[tcp].members[22] = true
+			})
+		}, "del " + tcp + " 22 -exist\nadd " + tcp + " 40002 -exist\n", false},
+		// A set that a rule names cannot be destroyed: whoever destroyed
+		// it flushed the chain first. The set is created again before
+		// the rules are restored, or iptables-restore would fail.
+		{"chain flushed and set destroyed", func(k *fakeKernel) {
+			k.edit("filter", func(order []string, rules map[string][]string) []string {
+				rules[firewallChain] = nil
+				return order
+			})
+			k.editSets(func(sets map[string]*fakeSet) { delete(sets, tcp) })
+		}, "create " + tcp + " bitmap:port range 0-65535 -exist\nadd " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", true},
+		{"set replaced by one of another type", func(k *fakeKernel) {
+			k.edit("filter", func(order []string, rules map[string][]string) []string {
+				rules[firewallChain] = nil
+				return order
+			})
+			k.editSets(func(sets map[string]*fakeSet) {
+				sets[tcp] = &fakeSet{header: "bitmap:port range 1-1024", members: map[uint16]bool{22: true}}
+			})
+		}, "destroy " + tcp + "\ncreate " + tcp + " bitmap:port range 0-65535 -exist\nadd " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			k := newFakeKernel(IPv4)
+			s := newFakeSyncer(t, k)
+			if _, err := s.Sync(ctx, r, false); err != nil {
+				t.Fatal(err)
+			}
+			tt.drift(k)
+			k.takeCalls()
+			k.setRestored = nil
+			res, err := s.Sync(ctx, r, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := Result{Wrote: tt.rules, Rules: 4, Repaired: true, WroteSets: true, SetMembers: 3, SetsRepaired: true}
+			if res != want {
+				t.Errorf("full Sync after drift = %+v, want %+v", res, want)
+			}
+			wantCalls := concat(callsRead, callSetRestore)
+			if tt.rules {
+				wantCalls = append(wantCalls, callRestore)
+			}
+			if diff := cmp.Diff(concat(wantCalls, callsJumps), k.takeCalls()); diff != "" {
+				t.Errorf("full Sync calls (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff([]string{tt.wantSetInput}, k.setRestored); diff != "" {
+				t.Errorf("ipset restore input (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(wantSave(IPv4, r), k.save()); diff != "" {
+				t.Errorf("kernel after repair (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(wantSetsSave(IPv4, r), k.saveSets()); diff != "" {
+				t.Errorf("sets after repair (-want +got):\n%s", diff)
+			}
+			// Repaired: the next full Sync finds nothing to do.
+			if res, err := s.Sync(ctx, r, true); err != nil || res != (Result{Rules: 4, SetMembers: 3}) {
+				t.Errorf("full Sync after repair = %+v, %v", res, err)
+			}
+		})
+	}
+}
+
+// TestSyncAdoptsStaleSets checks that a new Syncer destroys the sets that
+// a previous process left and its rules do not need, after its rules stop
+// naming them, and fills those it needs without recreating them.
+func TestSyncAdoptsStaleSets(t *testing.T) {
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	if _, err := newFakeSyncer(t, k).Sync(ctx, listeners(IPv4, []uint16{40001}, []uint16{40002}), false); err != nil {
+		t.Fatal(err)
+	}
+	k.takeCalls()
+	k.setRestored = nil
+	r := listeners(IPv4, []uint16{40001, 40003}, nil)
+	res, err := newFakeSyncer(t, k).Sync(ctx, r, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2}); res != want {
+		t.Errorf("adopting Sync = %+v, want %+v", res, want)
+	}
+	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, "ipset destroy uproxy-listeners-udp4", callsJumps), k.takeCalls()); diff != "" {
+		t.Errorf("adopting Sync calls (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]string{"add uproxy-listeners-tcp4 40003 -exist\n"}, k.setRestored); diff != "" {
+		t.Errorf("ipset restore input (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSetsSave(IPv4, r), k.saveSets()); diff != "" {
+		t.Errorf("sets (-want +got):\n%s", diff)
+	}
+}
+
+// TestSyncSetFailures checks that a failed ipset call fails the Sync with
+// an error that says what failed, is not remembered as applied, and that
+// the next Sync reads the kernel back and finishes the job.
+func TestSyncSetFailures(t *testing.T) {
+	ctx := context.Background()
+	r1 := listeners(IPv4, []uint16{40001, 40002}, nil)
+	r2 := listeners(IPv4, []uint16{40001, 40003}, []uint16{40004})
+
+	t.Run("restore", func(t *testing.T) {
+		k := newFakeKernel(IPv4)
+		s := newFakeSyncer(t, k)
+		if _, err := s.Sync(ctx, r1, false); err != nil {
+			t.Fatal(err)
+		}
+		k.takeCalls()
+		k.failIpset, k.failIpsetOp = fmt.Errorf("ipset restore: %w: ipset v7.17: Error in line 1: Kernel error", errExit), "restore"
+		res, err := s.Sync(ctx, r2, false)
+		if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "IPv4: writing sets (uproxy-listeners-tcp4,uproxy-listeners-udp4)") ||
+			!strings.Contains(err.Error(), "Kernel error") {
+			t.Errorf("Sync with a failing ipset restore: %v", err)
+		}
+		if res.WroteSets || res.Wrote {
+			t.Errorf("failed Sync = %+v, want nothing written", res)
+		}
+		// The rules that would name the new set were not restored.
+		if diff := cmp.Diff([]string{callSetRestore}, k.takeCalls()); diff != "" {
+			t.Errorf("failed Sync calls (-want +got):\n%s", diff)
+		}
+		if diff := cmp.Diff(wantSave(IPv4, r1), k.save()); diff != "" {
+			t.Errorf("kernel after failure (-want +got):\n%s", diff)
+		}
+		// Not remembered: the same Rules again read the kernel back.
+		res, err = s.Sync(ctx, r2, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := (Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 3}); res != want {
+			t.Errorf("Sync after failure = %+v, want %+v", res, want)
+		}
+		if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsJumps), k.takeCalls()); diff != "" {
+			t.Errorf("Sync after failure calls (-want +got):\n%s", diff)
+		}
+		if diff := cmp.Diff(wantSetsSave(IPv4, r2), k.saveSets()); diff != "" {
+			t.Errorf("sets (-want +got):\n%s", diff)
+		}
+	})
+
+	t.Run("first restore", func(t *testing.T) {
+		k := newFakeKernel(IPv4)
+		s := newFakeSyncer(t, k)
+		k.failIpset, k.failIpsetOp = fmt.Errorf("ipset restore: %w: boom", errExit), "restore"
+		if _, err := s.Sync(ctx, r1, false); !errors.Is(err, errExit) {
+			t.Fatalf("first Sync error = %v, want one wrapping %v", err, errExit)
+		}
+		if diff := cmp.Diff(concat(callsRead, callSetRestore), k.takeCalls()); diff != "" {
+			t.Errorf("failed first Sync calls (-want +got):\n%s", diff)
+		}
+		if res, err := s.Sync(ctx, r1, false); err != nil || !res.Wrote || !res.WroteSets {
+			t.Fatalf("retry = %+v, %v; want a write", res, err)
+		}
+		if diff := cmp.Diff(wantSetsSave(IPv4, r1), k.saveSets()); diff != "" {
+			t.Errorf("sets (-want +got):\n%s", diff)
+		}
+	})
+
+	t.Run("save", func(t *testing.T) {
+		k := newFakeKernel(IPv4)
+		s := newFakeSyncer(t, k)
+		k.failIpset, k.failIpsetOp = fmt.Errorf("ipset save: %w: ipset v7.17: Kernel error received: Operation not permitted", errExit), "save"
+		_, err := s.Sync(ctx, r1, false)
+		if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "IPv4: reading set uproxy-listeners-tcp4") {
+			t.Errorf("Sync with a failing ipset save: %v", err)
+		}
+		if diff := cmp.Diff(concat(callsSave, "ipset save uproxy-listeners-tcp4"), k.takeCalls()); diff != "" {
+			t.Errorf("calls (-want +got):\n%s", diff)
+		}
+	})
+
+	t.Run("destroy", func(t *testing.T) {
+		k := newFakeKernel(IPv4)
+		s := newFakeSyncer(t, k)
+		if _, err := s.Sync(ctx, r2, false); err != nil {
+			t.Fatal(err)
+		}
+		// Someone else's rule names uproxy's UDP set.
+		foreign := "-A INPUT -p udp -m set --match-set uproxy-listeners-udp4 dst -j ACCEPT"
+		k.edit("filter", func(order []string, rules map[string][]string) []string {
+			rules["INPUT"] = append(rules["INPUT"], foreign)
+			return order
+		})
+		k.takeCalls()
+		_, err := s.Sync(ctx, r1, false)
+		if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "IPv4: destroying set uproxy-listeners-udp4") || !strings.Contains(err.Error(), "in use") {
+			t.Errorf("Sync with a failing ipset destroy: %v", err)
+		}
+		if diff := cmp.Diff([]string{callSetRestore, callRestore, "ipset destroy uproxy-listeners-udp4"}, k.takeCalls()); diff != "" {
+			t.Errorf("calls (-want +got):\n%s", diff)
+		}
+		// Not remembered: the next Sync reads back and tries again.
+		k.edit("filter", func(order []string, rules map[string][]string) []string {
+			rules["INPUT"] = slices.DeleteFunc(rules["INPUT"], func(r string) bool { return r == foreign })
+			return order
+		})
+		res, err := s.Sync(ctx, r1, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := (Result{Rules: 3, WroteSets: true, SetMembers: 2}); res != want {
+			t.Errorf("Sync after failure = %+v, want %+v", res, want)
+		}
+		if diff := cmp.Diff(concat(callsRead, "ipset destroy uproxy-listeners-udp4", callsJumps), k.takeCalls()); diff != "" {
+			t.Errorf("Sync after failure calls (-want +got):\n%s", diff)
+		}
+		if diff := cmp.Diff(wantSetsSave(IPv4, r1), k.saveSets()); diff != "" {
+			t.Errorf("sets (-want +got):\n%s", diff)
+		}
+	})
+}
+
+// TestSyncWithoutIpset checks that without ipset a Syncer syncs rules
+// without listeners, refuses rules with listeners of its family naming
+// ipset, and that Cleanup leaves sets alone.
+func TestSyncWithoutIpset(t *testing.T) {
+	dir := t.TempDir()
+	for _, name := range []string{"iptables-save", "iptables-restore"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Setenv("PATH", dir)
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	s, err := New(Config{Jumps: k})
+	if err != nil {
+		t.Fatalf("New without ipset: %v", err)
+	}
+	s.exec = k // the fake kernel behind the real tools' names
+	_, err = s.Sync(ctx, rulesA, false)
+	if !errors.Is(err, exec.ErrNotFound) || !strings.Contains(err.Error(), "IPv4: the listener guards need kernel sets, but ipset is not installed") {
+		t.Errorf("Sync with listeners without ipset: %v", err)
+	}
+	if calls := k.takeCalls(); len(calls) != 0 {
+		t.Errorf("Sync with listeners without ipset ran %q", calls)
+	}
+	// Listeners of the other family only: fine.
+	r := rulesB
+	r.Listeners = []Listener{{IPv6, TCP, 40001}}
+	res, err := s.Sync(ctx, r, false)
+	if err != nil {
+		t.Fatalf("Sync without listeners without ipset: %v", err)
+	}
+	if want := (Result{Wrote: true, Rules: 2}); res != want {
+		t.Errorf("Sync = %+v, want %+v", res, want)
+	}
+	if diff := cmp.Diff(concat(callsSave, callRestore, callsInsertJumps), k.takeCalls()); diff != "" {
+		t.Errorf("calls (-want +got):\n%s", diff)
+	}
+	if err := Cleanup(ctx, Config{Jumps: k}); err != nil {
+		t.Errorf("Cleanup without ipset: %v", err)
+	}
+}
+
+// TestCleanupSetErrors checks that Cleanup fails, naming the set, when a
+// set of uproxy's cannot be destroyed, and leaves the other family's sets
+// alone.
+func TestCleanupSetErrors(t *testing.T) {
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	if _, err := newFakeSyncer(t, k).Sync(ctx, rulesA, false); err != nil {
+		t.Fatal(err)
+	}
+	k.editSets(func(sets map[string]*fakeSet) {
+		sets["uproxy-listeners-tcp6"] = &fakeSet{header: setType, members: map[uint16]bool{41001: true}}
+	})
+	foreign := "-A INPUT -p tcp -m set --match-set uproxy-listeners-tcp4 dst -j ACCEPT"
+	k.edit("filter", func(order []string, rules map[string][]string) []string {
+		rules["INPUT"] = append(rules["INPUT"], foreign)
+		return order
+	})
+	err := Cleanup(ctx, Config{Exec: k, Jumps: k})
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "IPv4: cleanup: destroying set uproxy-listeners-tcp4") || !strings.Contains(err.Error(), "in use") {
+		t.Errorf("Cleanup with a set in use = %v", err)
+	}
+	k.edit("filter", func(order []string, rules map[string][]string) []string {
+		rules["INPUT"] = slices.DeleteFunc(rules["INPUT"], func(r string) bool { return r == foreign })
+		return order
+	})
+	if err := Cleanup(ctx, Config{Exec: k, Jumps: k}); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := k.saveSets(), "create someone-else hash:ip family inet hashsize 1024 maxelem 65536\n"+
+		"create uproxy-listeners-tcp6 bitmap:port range 0-65535\nadd uproxy-listeners-tcp6 41001\n"; got != want {
+		t.Errorf("sets after IPv4 Cleanup = %q, want %q", got, want)
 	}
 }

@@ -56,7 +56,7 @@ var nodeAddr = map[Family]netip.Addr{
 // (namespaces deleted, processes killed) when t ends, failed or not.
 func newTrafficLab(t *testing.T, pods int) *trafficLab {
 	t.Helper()
-	lab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "socat", "ss")
+	lab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "ipset", "socat", "ss")
 	l, err := lab.New(lab.Options{Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
@@ -342,9 +342,10 @@ func TestTrafficFirewall(t *testing.T) {
 
 // TestTrafficListenerGuard checks that a listener cannot be reached
 // directly from a pod, while the same pod and the node itself reach it
-// through the service address; that the guard leaves alone traffic to the
-// same port number elsewhere; and that Cleanup removes everything from
-// both tables and nothing else.
+// through the service address; that the guard, one rule matching the
+// listener set, leaves alone traffic to the same port number elsewhere
+// and to ports outside the set; and that Cleanup removes everything from
+// both tables and the sets, and nothing else.
 func TestTrafficListenerGuard(t *testing.T) {
 	for _, f := range []Family{IPv4, IPv6} {
 		t.Run(f.String(), func(t *testing.T) {
@@ -365,7 +366,11 @@ func TestTrafficListenerGuard(t *testing.T) {
 				Intercepts: []Intercept{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
 				Listeners:  []Listener{{f, TCP, listener}},
 			})
-			guard := fmt.Sprintf("--dport %d -m addrtype", listener)
+			set := map[Family]string{IPv4: listenersTCP4, IPv6: listenersTCP6}[f]
+			guard := fmt.Sprintf("-p tcp -m set --match-set %s dst -m addrtype", set)
+			if got := tl.exec(node, "ipset", "save", set); got != fmt.Sprintf("create %s %s\nadd %s %d\n", set, setType, set, listener) {
+				t.Errorf("ipset save %s in the node:\n%s", set, got)
+			}
 
 			tl.expect("listener directly from a pod", client, TCP, direct, timedOut)
 			if n := tl.packets(f, "filter", guard); n == 0 {
@@ -382,6 +387,24 @@ func TestTrafficListenerGuard(t *testing.T) {
 			tl.expect("another pod on the listener's port number", client, TCP, ap(podAddr(other, f), listener), "pod")
 			tl.expect("the node to a pod on the listener's port number", node, TCP, ap(podAddr(other, f), listener), "pod")
 
+			// A port of the node outside the set is not guarded; a port
+			// added to the set by an incremental Sync is, at once.
+			second := uint16(40002)
+			tl.serve(node, f, TCP, second, "second")
+			tl.expect("a port outside the listener set", client, TCP, ap(nodeAddr[f], second), "second")
+			res, err := tl.sync[f].Sync(context.Background(), Rules{
+				Intercepts: []Intercept{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
+				Listeners:  []Listener{{f, TCP, listener}, {f, TCP, second}},
+			}, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := (Result{Rules: 2, WroteSets: true, SetMembers: 2}); res != want {
+				t.Errorf("adding a listener: Sync = %+v, want %+v (the set only)", res, want)
+			}
+			tl.expect("a port added to the listener set", client, TCP, ap(nodeAddr[f], second), timedOut)
+			tl.expect("service from a pod, after the change", client, TCP, vip, "hi")
+
 			for range 2 { // idempotent
 				if err := Cleanup(context.Background(), tl.cfg[f]); err != nil {
 					t.Fatal(err)
@@ -395,6 +418,9 @@ func TestTrafficListenerGuard(t *testing.T) {
 				if !strings.Contains(saved, `--comment "not ours"`) {
 					t.Errorf("Cleanup removed someone else's rule from %s:\n%s", table, saved)
 				}
+			}
+			if sets := tl.exec(node, "ipset", "list", "-n"); sets != "" {
+				t.Errorf("Cleanup left sets: %q", sets)
 			}
 			tl.expect("listener directly after Cleanup", client, TCP, direct, "hi")
 			if got := tl.dial(client, TCP, vip); got == "hi" {
