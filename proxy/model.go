@@ -34,7 +34,7 @@ const (
 	AnnotationPreserveSourceIP = "uproxy.io/preserve-source-ip"
 	// AnnotationProxyProtocol, "v1" or "v2", sends a PROXY protocol header
 	// with the client's address to the backend at the start of every TCP
-	// connection (and, for v2, of every UDP datagram).
+	// connection. UDP ports of the service are proxied without it.
 	AnnotationProxyProtocol = "uproxy.io/proxy-protocol"
 )
 
