@@ -2,14 +2,18 @@ package kube
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"sync"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
@@ -85,20 +89,34 @@ func Generate(ctx context.Context, cfg *rest.Config, spec GenerateSpec) ([]Gener
 		wg.Go(func() { // exits when jobs is closed or on the first error
 			for i := range jobs {
 				name := fmt.Sprintf("%s-%05d", prefix, i)
-				svc, err := client.CoreV1().Services(ns).Create(ctx, &v1.Service{
-					ObjectMeta: metav1.ObjectMeta{Name: name},
-					Spec: v1.ServiceSpec{
-						Selector: map[string]string{"app": name},
-						Ports:    []v1.ServicePort{{Name: "http", Port: port, TargetPort: intstr.FromInt32(target)}},
-					},
-				}, metav1.CreateOptions{})
-				if err == nil {
-					_, err = client.DiscoveryV1().EndpointSlices(ns).Create(ctx, &discovery.EndpointSlice{
-						ObjectMeta:  metav1.ObjectMeta{Name: name + "-1", Labels: map[string]string{discovery.LabelServiceName: name}},
-						AddressType: discovery.AddressTypeIPv4,
-						Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To(target), Protocol: ptr.To(v1.ProtocolTCP)}},
-						Endpoints:   eps,
+				var svc *v1.Service
+				err := retry(ctx, func() error {
+					var err error
+					svc, err = client.CoreV1().Services(ns).Create(ctx, &v1.Service{
+						ObjectMeta: metav1.ObjectMeta{Name: name},
+						Spec: v1.ServiceSpec{
+							Selector: map[string]string{"app": name},
+							Ports:    []v1.ServicePort{{Name: "http", Port: port, TargetPort: intstr.FromInt32(target)}},
+						},
 					}, metav1.CreateOptions{})
+					if apierrors.IsAlreadyExists(err) { // an earlier try got through
+						svc, err = client.CoreV1().Services(ns).Get(ctx, name, metav1.GetOptions{})
+					}
+					return err
+				})
+				if err == nil {
+					err = retry(ctx, func() error {
+						_, err := client.DiscoveryV1().EndpointSlices(ns).Create(ctx, &discovery.EndpointSlice{
+							ObjectMeta:  metav1.ObjectMeta{Name: name + "-1", Labels: map[string]string{discovery.LabelServiceName: name}},
+							AddressType: discovery.AddressTypeIPv4,
+							Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To(target), Protocol: ptr.To(v1.ProtocolTCP)}},
+							Endpoints:   eps,
+						}, metav1.CreateOptions{})
+						if apierrors.IsAlreadyExists(err) {
+							return nil
+						}
+						return err
+					})
 				}
 				if err != nil {
 					errs <- fmt.Errorf("creating %s/%s: %w", ns, name, err)
@@ -133,4 +151,30 @@ feed:
 		return nil, err
 	}
 	return out, nil
+}
+
+// retry runs fn until it succeeds, fails with an error that retrying
+// cannot fix, or fails 8 times. An apiserver flooded with creates on two
+// cores answers some with timeouts, 429s or 5xx, or drops the connection;
+// those are retried with a growing pause.
+func retry(ctx context.Context, fn func() error) error {
+	var err error
+	pause := 50 * time.Millisecond
+	for range 8 {
+		if err = fn(); err == nil {
+			return nil
+		}
+		if !(apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsTooManyRequests(err) ||
+			apierrors.IsInternalError(err) || apierrors.IsServiceUnavailable(err) || utilnet.IsConnectionReset(err) ||
+			utilnet.IsProbableEOF(err) || errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, 2*time.Second)
+	}
+	return err
 }
