@@ -2,6 +2,7 @@ package redirect
 
 import (
 	"context"
+	"maps"
 	"os/exec"
 	"regexp"
 	"slices"
@@ -64,12 +65,13 @@ func (c *countingExec) take() map[string]int {
 
 var counters = regexp.MustCompile(`\[\d+:\d+\]`)
 
-// savedTables returns iptables-save -t nat and -t filter for f, one after
-// the other, without comments and with the chain counters zeroed.
+// savedTables returns iptables-save -t nat, -t mangle and -t filter for
+// f, one after the other, without comments and with the chain counters
+// zeroed.
 func savedTables(t *testing.T, f Family) string {
 	t.Helper()
 	var lines []string
-	for _, table := range []string{"nat", "filter"} {
+	for _, table := range []string{"nat", "mangle", "filter"} {
 		for line := range strings.Lines(nsCommand(t, f.command("-save"), "-t", table)) {
 			if !strings.HasPrefix(line, "#") {
 				lines = append(lines, counters.ReplaceAllString(line, "[0:0]"))
@@ -117,11 +119,13 @@ var kernelRules = Rules{
 }
 
 // unrelatedDest is where the pre-existing rule in nat OUTPUT that uproxy
-// must leave alone points; unrelatedSource is the source of the one in
-// filter INPUT.
+// must leave alone points, unrelatedMangleDest where the one in mangle
+// PREROUTING does; unrelatedSource is the source of the one in filter
+// INPUT.
 var (
-	unrelatedDest   = map[Family]string{IPv4: "10.244.0.0/16", IPv6: "2001:db8:244::/64"}
-	unrelatedSource = map[Family]string{IPv4: "192.0.2.0/24", IPv6: "2001:db8:2::/64"}
+	unrelatedDest       = map[Family]string{IPv4: "10.244.0.0/16", IPv6: "2001:db8:244::/64"}
+	unrelatedMangleDest = map[Family]string{IPv4: "203.0.113.0/24", IPv6: "2001:db8:3::/64"}
+	unrelatedSource     = map[Family]string{IPv4: "192.0.2.0/24", IPv6: "2001:db8:2::/64"}
 )
 
 // kernelWant is what savedTables returns after syncing r for f, or before
@@ -140,6 +144,21 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	if synced {
 		for _, c := range []string{"UPROXY-NODEPORTS", "UPROXY-SERVICES"} {
 			for _, l := range st[chainKey{"nat", c}].rules {
+				b.WriteString(l + "\n")
+			}
+		}
+	}
+	b.WriteString("COMMIT\n")
+	b.WriteString("*mangle\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n")
+	if synced {
+		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
+		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+	}
+	b.WriteString("-A PREROUTING -d " + unrelatedMangleDest[f] + ` -m comment --comment "someone else" -j RETURN` + "\n")
+	if synced {
+		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
+		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-OUTPUT"} {
+			for _, l := range st[chainKey{"mangle", c}].rules {
 				b.WriteString(l + "\n")
 			}
 		}
@@ -205,7 +224,7 @@ func testKernelSync(t *testing.T, f Family) {
 	check := func(step string, r Rules, synced bool) {
 		t.Helper()
 		if diff := cmp.Diff(kernelWant(f, r, synced), savedTables(t, f)); diff != "" {
-			t.Fatalf("%s: nat and filter tables (-want +got):\n%s", step, diff)
+			t.Fatalf("%s: nat, mangle and filter tables (-want +got):\n%s", step, diff)
 		}
 		if !synced {
 			r = Rules{}
@@ -231,6 +250,7 @@ func testKernelSync(t *testing.T, f Family) {
 	members := wantSets(f, kernelRules).memberCount()
 
 	ipt("-t", "nat", "-A", "OUTPUT", "-d", unrelatedDest[f], "-m", "comment", "--comment", "someone else", "-j", "RETURN")
+	ipt("-t", "mangle", "-A", "PREROUTING", "-d", unrelatedMangleDest[f], "-m", "comment", "--comment", "someone else", "-j", "RETURN")
 	ipt("-t", "filter", "-A", "INPUT", "-s", unrelatedSource[f], "-m", "comment", "--comment", "someone else", "-j", "ACCEPT")
 	check("before", Rules{}, false)
 	if err := Cleanup(ctx, Config{Family: f}); err != nil {
@@ -246,14 +266,14 @@ func testKernelSync(t *testing.T, f Family) {
 	// Two ipset saves that find nothing, one ipset restore that creates
 	// and fills both sets.
 	sync("first Sync", s, x, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members},
-		map[string]int{save: 2, "ipset": 3, restore: 1})
+		map[string]int{save: 3, "ipset": 3, restore: 1})
 	check("first Sync", kernelRules, true)
 
 	sync("unchanged Sync", s, x, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{})
 	// Nothing to write proves that the rendering is exactly what
 	// iptables-save prints back, quoted comments and set matches
 	// included, and the set contents what ipset save prints.
-	sync("unchanged full Sync", s, x, kernelRules, true, Result{Rules: n, SetMembers: members}, map[string]int{save: 2, "ipset": 2})
+	sync("unchanged full Sync", s, x, kernelRules, true, Result{Rules: n, SetMembers: members}, map[string]int{save: 3, "ipset": 2})
 
 	// Odd comments, and node-port addresses: /0 prints without -d, a
 	// prefix with host bits set prints masked.
@@ -279,7 +299,7 @@ func testKernelSync(t *testing.T, f Family) {
 	// No listeners: the rules stop naming the sets, which are destroyed.
 	sync("changed Sync", s, x, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
 	check("changed Sync", comments, true)
-	sync("full Sync of odd comments", s, x, comments, true, Result{Rules: m}, map[string]int{save: 2, "ipset": 2})
+	sync("full Sync of odd comments", s, x, comments, true, Result{Rules: m}, map[string]int{save: 3, "ipset": 2})
 	sync("back", s, x, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members}, map[string]int{"ipset": 1, restore: 1})
 	check("back", kernelRules, true)
 
@@ -288,29 +308,29 @@ func testKernelSync(t *testing.T, f Family) {
 	moved.Listeners = append(slices.Clone(kernelRules.Listeners[1:]), Listener{f, TCP, 40009}, Listener{f, UDP, 40010})
 	sync("listeners changed", s, x, moved, false, Result{Rules: n, WroteSets: true, SetMembers: wantSets(f, moved).memberCount()}, map[string]int{"ipset": 1})
 	check("listeners changed", moved, true)
-	sync("listeners changed back", s, x, kernelRules, true, Result{Rules: n, WroteSets: true, SetMembers: members}, map[string]int{save: 2, "ipset": 3})
+	sync("listeners changed back", s, x, kernelRules, true, Result{Rules: n, WroteSets: true, SetMembers: members}, map[string]int{save: 3, "ipset": 3})
 	check("listeners changed back", kernelRules, true)
 
 	ipt("-t", "nat", "-D", "UPROXY-SERVICES", "2")
-	sync("repair a deleted rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
+	sync("repair a deleted rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": 2, restore: 1})
 	check("repair a deleted rule", kernelRules, true)
 
 	ipt("-t", "nat", "-A", "UPROXY-SERVICES", "-j", "RETURN")
-	sync("repair an added rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
+	sync("repair an added rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": 2, restore: 1})
 	check("repair an added rule", kernelRules, true)
 
 	ipt("-t", "nat", "-F", "UPROXY-NODEPORTS")
-	sync("repair a flushed node-port chain", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
+	sync("repair a flushed node-port chain", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": 2, restore: 1})
 	check("repair a flushed node-port chain", kernelRules, true)
 
 	ipt("-t", "filter", "-D", "UPROXY-FIREWALL", "1")
-	sync("repair a deleted filter rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2, restore: 1})
+	sync("repair a deleted filter rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": 2, restore: 1})
 	check("repair a deleted filter rule", kernelRules, true)
 
 	tcpSet := setsOf(f)[0].name
 	nsCommand(t, "ipset", "flush", tcpSet)
 	sync("repair a flushed set", s, x, kernelRules, true, Result{Rules: n, Repaired: true, WroteSets: true, SetMembers: members, SetsRepaired: true},
-		map[string]int{save: 2, "ipset": 3})
+		map[string]int{save: 3, "ipset": 3})
 	check("repair a flushed set", kernelRules, true)
 
 	jump := []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"}
@@ -326,6 +346,10 @@ func testKernelSync(t *testing.T, f Family) {
 	}
 	ipt("-t", "filter", "-F", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
+	ipt("-t", "mangle", "-D", "PREROUTING", "-m", "comment", "--comment", "uproxy tproxy", "-j", "UPROXY-TPROXY")
+	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", "UPROXY-TPROXY-OUTPUT")
+	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
+	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-OUTPUT")
 	// Only now, with no rule naming them, can the sets be destroyed.
 	for _, set := range setsOf(f) {
 		nsCommand(t, "ipset", "destroy", set.name)
@@ -335,11 +359,11 @@ func testKernelSync(t *testing.T, f Family) {
 	// fail on a rule naming a missing set.
 	sync("repair deleted chains and sets", s, x, kernelRules, true,
 		Result{Wrote: true, Rules: n, Repaired: true, WroteSets: true, SetMembers: members, SetsRepaired: true},
-		map[string]int{save: 2, "ipset": 3, restore: 1})
+		map[string]int{save: 3, "ipset": 3, restore: 1})
 	check("repair deleted chains and sets", kernelRules, true)
 
 	ipt(append([]string{"-t", "filter", "-D", "FORWARD"}, fwJump...)...)
-	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 2, "ipset": 2})
+	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": 2})
 	check("repair a deleted filter jump", kernelRules, true)
 
 	// A restarted process adopts the rules as they are.
@@ -348,18 +372,52 @@ func testKernelSync(t *testing.T, f Family) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("restarted, same rules", s2, x2, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{save: 2, "ipset": 2})
+	sync("restarted, same rules", s2, x2, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{save: 3, "ipset": 2})
 	check("restarted, same rules", kernelRules, true)
 	x3 := &countingExec{calls: map[string]int{}}
 	s3, err := New(Config{Family: f, Exec: x3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("restarted, new rules", s3, x3, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{save: 2, "ipset": 4, restore: 1})
+	sync("restarted, new rules", s3, x3, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{save: 3, "ipset": 4, restore: 1})
 	check("restarted, new rules", comments, true)
 	sync("restarted, listeners again", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members}, map[string]int{"ipset": 1, restore: 1})
 	check("restarted, listeners again", kernelRules, true)
 
+	// Tproxy mode, as uproxy runs it: no listener sets (the listeners
+	// are on loopback). The chains and jumps are the same, so switching
+	// modes is one iptables-restore: the nat chains empty, the mangle
+	// ones filled.
+	tp := tproxied(kernelRules, Routing{})
+	tp.Listeners = nil
+	k := parseState(Render(f, tp)).ruleCount()
+	sync("tproxy mode", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
+	check("tproxy mode", tp, true)
+	if st := parseState(Render(f, tp)); len(st[chainKey{"nat", servicesChain}].rules) != 0 || len(st[chainKey{"mangle", tproxyChain}].rules) == 0 {
+		t.Fatalf("tproxy mode renders %+v", st)
+	}
+	// Nothing to write: TPROXY, MARK, socket, addrtype and comment
+	// are rendered exactly as iptables-save prints them.
+	sync("tproxy mode, unchanged full Sync", s3, x3, tp, true, Result{Rules: k}, map[string]int{save: 3, "ipset": 2})
+	ipt("-t", "mangle", "-D", tproxyChain, "1")
+	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true}, map[string]int{save: 3, "ipset": 2, restore: 1})
+	check("tproxy mode, repair a deleted rule", tp, true)
+	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain)
+	ipt("-t", "mangle", "-F", tproxyOutputChain)
+	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true},
+		map[string]int{save: 3, "ipset": 2, restore: 1})
+	check("tproxy mode, repair a deleted jump and a flushed chain", tp, true)
+	tpComments := tproxied(comments, Routing{Mark: 0x10, Mask: 0xf0})
+	kc := parseState(Render(f, tpComments)).ruleCount()
+	sync("tproxy mode, odd comments, node-port addresses and mark", s3, x3, tpComments, false, Result{Wrote: true, Rules: kc}, map[string]int{restore: 1})
+	check("tproxy mode, odd comments, node-port addresses and mark", tpComments, true)
+	sync("tproxy mode, odd comments, unchanged full Sync", s3, x3, tpComments, true, Result{Rules: kc}, map[string]int{save: 3, "ipset": 2})
+	sync("back to redirect mode", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members}, map[string]int{"ipset": 1, restore: 1})
+	check("back to redirect mode", kernelRules, true)
+	sync("tproxy mode again", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
+	check("tproxy mode again", tp, true)
+
+	// Cleanup from tproxy mode: the mangle chains and jumps go too.
 	if err := Cleanup(ctx, Config{Family: f}); err != nil {
 		t.Fatalf("Cleanup: %v", err)
 	}
@@ -453,13 +511,13 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	const n = 5000
 	r := manyListeners(f, n)
 	sync("5,000 listeners", r, false, Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: n + 1},
-		map[string]int{save: 2, "ipset": 3, restore: 1})
+		map[string]int{save: 3, "ipset": 3, restore: 1})
 	many := savedTables(t, f)
 	if got := setEntries(t, tcpSet); got != n {
 		t.Errorf("ipset list %s: %d entries, want %d", tcpSet, got, n)
 	}
 	sync("unchanged", r, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{})
-	sync("unchanged full", r, true, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 2, "ipset": 2})
+	sync("unchanged full", r, true, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 3, "ipset": 2})
 
 	// One listener per protocol: the same rules, 4,999 deletes.
 	sync("one listener per protocol", manyListeners(f, 1), false, Result{Rules: 3, WroteSets: true, SetMembers: 2}, map[string]int{"ipset": 1})
@@ -477,11 +535,11 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	// Drift of the set alone: no iptables-restore needed.
 	nsCommand(t, "ipset", "flush", tcpSet)
 	sync("set flushed", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetsRepaired: true},
-		map[string]int{save: 2, "ipset": 3})
+		map[string]int{save: 3, "ipset": 3})
 	nsCommand(t, "ipset", "del", tcpSet, "30000")
 	nsCommand(t, "ipset", "add", tcpSet, "22")
 	sync("member deleted, stray member added", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetsRepaired: true},
-		map[string]int{save: 2, "ipset": 3})
+		map[string]int{save: 3, "ipset": 3})
 
 	// The kernel refuses to destroy a set that a rule names.
 	if out, err := exec.Command("ipset", "destroy", tcpSet).CombinedOutput(); err == nil || !strings.Contains(string(out), "in use") {
@@ -491,7 +549,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	nsCommand(t, "ipset", "destroy", tcpSet)
 	sync("chain flushed, set destroyed", moved, true,
 		Result{Wrote: true, Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetsRepaired: true},
-		map[string]int{save: 2, "ipset": 3, restore: 1})
+		map[string]int{save: 3, "ipset": 3, restore: 1})
 	if got := setEntries(t, tcpSet); got != n {
 		t.Errorf("ipset list %s after repair: %d entries, want %d", tcpSet, got, n)
 	}
@@ -501,7 +559,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 		t.Fatal(err)
 	}
 	s = s2
-	sync("restarted", moved, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 2, "ipset": 2})
+	sync("restarted", moved, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 3, "ipset": 2})
 
 	for i := range 2 {
 		if err := Cleanup(ctx, Config{Family: f, Exec: x}); err != nil {
@@ -566,4 +624,67 @@ func TestKernelFamiliesShareNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkSets(t, "both cleaned up", IPv6, Rules{})
+}
+
+// TestKernelTProxyRoundTrip checks, for the rules of the tproxy golden
+// files, that what Render writes is what iptables-save prints back: after
+// a first Sync, a full Sync finds nothing to write.
+func TestKernelTProxyRoundTrip(t *testing.T) {
+	nodePorts := Rules{
+		NodePorts: []NodePort{
+			np("default/web:http", IPv4, TCP, 30080, 40001), np("kube-system/dns:dns", IPv4, UDP, 30053, 40002),
+			np("default/web:http", IPv6, TCP, 30080, 41001), np("default/web:quic", IPv6, UDP, 30443, 41002),
+		},
+	}
+	withAddrs := nodePorts
+	withAddrs.NodePortAddresses = pfx("192.168.1.7/24", "2001:db8::/64", "10.0.0.0/8", "fd00::/8")
+	withAll := nodePorts
+	withAll.NodePortAddresses = pfx("0.0.0.0/0", "::/0")
+	cases := map[string]Rules{
+		"empty":                    {},
+		"all":                      all,
+		"mixed":                    mixed,
+		"firewall":                 firewalled,
+		"firewall_v6":              firewalled6,
+		"nodeports":                nodePorts,
+		"nodeport_addresses":       withAddrs,
+		"nodeport_addresses_all":   withAll,
+		"kernelRules, no listener": {Intercepts: kernelRules.Intercepts, NodePorts: kernelRules.NodePorts, Firewalls: kernelRules.Firewalls},
+	}
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
+				return
+			}
+			ctx := context.Background()
+			for _, name := range slices.Sorted(maps.Keys(cases)) {
+				routings := []Routing{{}}
+				if name == "all" {
+					routings = append(routings, Routing{Mark: 0x10, Mask: 0xf0})
+				}
+				for _, rt := range routings {
+					r := tproxied(cases[name], rt)
+					s, err := New(Config{Family: f})
+					if err != nil {
+						t.Fatal(err)
+					}
+					if _, err := s.Sync(ctx, r, true); err != nil {
+						t.Fatalf("%s, mark %s: %v", name, rt.MarkString(), err)
+					}
+					res, err := s.Sync(ctx, r, true)
+					if err != nil {
+						t.Fatalf("%s, mark %s: %v", name, rt.MarkString(), err)
+					}
+					if res.Wrote || res.Repaired {
+						saved := nsCommand(t, f.command("-save"), "-t", "mangle")
+						t.Errorf("%s, mark %s: full Sync of an unchanged kernel = %+v; rendered:\n%s\niptables-save:\n%s",
+							name, rt.MarkString(), res, Render(f, r), saved)
+					}
+					if err := Cleanup(ctx, Config{Family: f}); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+		})
+	}
 }

@@ -10,6 +10,13 @@
 // addresses. The listener finds out which service a connection was for
 // with OriginalDst.
 //
+// In tproxy mode (Rules.TProxy), the nat chains stay empty: in the mangle
+// table, UPROXY-TPROXY (jumped to from PREROUTING) hands the same traffic
+// by TPROXY to listeners on the loopback address with its destination
+// unchanged, and UPROXY-TPROXY-OUTPUT (from OUTPUT) sends the node's own
+// through lo to meet it; see tproxy.go. That mode also needs the policy
+// routing of Routing, which the caller installs and removes.
+//
 // In the filter table, the chain UPROXY-FIREWALL, jumped to from INPUT,
 // FORWARD and OUTPUT, drops what a LoadBalancer's source ranges exclude
 // and every packet that reaches a listener port without having been
@@ -295,8 +302,8 @@ func normPrefix(p netip.Prefix) (netip.Prefix, error) {
 // Rules is everything uproxy wants in the kernel. One Rules value may mix
 // families; each Render or Syncer keeps the parts of its own family.
 //
-// Later kinds of rules (TPROXY, say) become new fields here, rendered into
-// chains of the chain table in render.go.
+// Later kinds of rules become new fields here, rendered into chains of the
+// chain table in render.go, as TProxy was.
 type Rules struct {
 	// Intercepts may be in any order and mix IPv4 and IPv6 destinations.
 	// They cover every exact destination of a service: ClusterIPs,
@@ -319,6 +326,10 @@ type Rules struct {
 	// go into kernel sets, not rules: any number of them costs one rule
 	// per protocol.
 	Listeners []Listener
+	// TProxy, when not nil, selects tproxy mode: intercepts and node ports
+	// reach their listeners through TPROXY in the mangle table, with their
+	// destination unchanged, instead of REDIRECT in nat; see tproxy.go.
+	TProxy *TProxy
 }
 
 // validate reports every invalid or conflicting part of r, or nil.
@@ -373,6 +384,11 @@ func (r Rules) validate() error {
 	for n, l := range r.Listeners {
 		if err := l.validate(); err != nil {
 			errs = append(errs, fmt.Errorf("listener %d: %w", n, err))
+		}
+	}
+	if r.TProxy != nil {
+		if err := r.TProxy.validate(); err != nil {
+			errs = append(errs, fmt.Errorf("tproxy: %w", err))
 		}
 	}
 	return errors.Join(errs...)

@@ -29,9 +29,11 @@ type chainSpec struct {
 
 // The names of uproxy's chains.
 const (
-	servicesChain  = "UPROXY-SERVICES"
-	nodePortsChain = "UPROXY-NODEPORTS"
-	firewallChain  = "UPROXY-FIREWALL"
+	servicesChain     = "UPROXY-SERVICES"
+	nodePortsChain    = "UPROXY-NODEPORTS"
+	firewallChain     = "UPROXY-FIREWALL"
+	tproxyChain       = "UPROXY-TPROXY"
+	tproxyOutputChain = "UPROXY-TPROXY-OUTPUT"
 )
 
 // chains is every chain uproxy creates, in every table. Render, Sync and
@@ -51,6 +53,20 @@ var chains = []chainSpec{
 		table: "nat",
 		name:  nodePortsChain,
 		rules: nodePortRules,
+	},
+	{
+		table:       "mangle",
+		name:        tproxyChain,
+		from:        []string{"PREROUTING"},
+		jumpComment: "uproxy tproxy",
+		rules:       tproxyRules,
+	},
+	{
+		table:       "mangle",
+		name:        tproxyOutputChain,
+		from:        []string{"OUTPUT"},
+		jumpComment: "uproxy tproxy node traffic",
+		rules:       tproxyOutputRules,
 	},
 	{
 		// The filter hooks run after nat's (NF_IP_PRI_FILTER 0 after
@@ -98,16 +114,17 @@ func chainNames(table string) string {
 // own chains hold exactly what r asks for family f, and touches nothing
 // else.
 //
-// For each table (nat, then filter) it declares each of uproxy's chains
-// (":NAME - [0:0]", which creates the chain or, under --noflush, flushes
-// it), adds the rules and commits. The rules are in the exact form
+// For each table (nat, mangle, then filter) it declares each of uproxy's
+// chains (":NAME - [0:0]", which creates the chain or, under --noflush,
+// flushes it), adds the rules and commits. The rules are in the exact form
 // iptables-save prints them back, so a Syncer can compare the kernel's
 // state with the rendering line by line. Render keeps only the parts of r
 // of family f, skips invalid ones (Syncer.Sync rejects those before
 // rendering; an invalid prefix in a Firewall's Allow lets nobody more in)
 // and sorts what it keeps, so its output depends only on the sets of
-// intercepts, node ports, addresses, firewalls and listeners. It is a
-// pure function.
+// intercepts, node ports, addresses, firewalls and listeners, and on
+// r.TProxy, which moves the interception from nat to mangle (see
+// tproxy.go). It is a pure function.
 //
 // The listener guards do not list the listener ports: they match
 // uproxy's sets (see RenderSetUpdate), which must exist before this input
@@ -147,6 +164,9 @@ func Render(f Family, r Rules) []byte {
 // own (RTN_LOCAL), which loopback addresses are. Otherwise there is one
 // jump per prefix of f, and none when no prefix is of f.
 func serviceRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy != nil {
+		return nil
+	}
 	var is []Intercept
 	for _, i := range r.Intercepts {
 		if i.validate() == nil && familyOf(i.Dest.Unmap()) == f {
@@ -237,6 +257,9 @@ func prefixMatch(flag string, p netip.Prefix) string {
 // nodePortRules renders UPROXY-NODEPORTS: one REDIRECT per node port of f.
 // The destination was checked by the jump from UPROXY-SERVICES.
 func nodePortRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy != nil {
+		return nil
+	}
 	var ns []NodePort
 	for _, n := range r.NodePorts {
 		if n.validate() == nil && n.Family == f {
@@ -287,6 +310,9 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 func firewallRules(c chainSpec, f Family, r Rules) []string {
 	var ws []Firewall
 	for _, w := range r.Firewalls {
+		if r.TProxy != nil {
+			break // TPROXY keeps the destination: the drops are in UPROXY-TPROXY
+		}
 		if w.validateDest() == nil && familyOf(w.Dest.Unmap()) == f {
 			ws = append(ws, w)
 		}

@@ -79,6 +79,45 @@ var mixed = Rules{Intercepts: []Intercept{
 	svc("mapped/v4:x", TCP, "::ffff:10.96.0.3", 8080, 40005),
 }}
 
+// tproxied returns r in tproxy mode with routing rt.
+func tproxied(r Rules, rt Routing) Rules {
+	r.TProxy = &TProxy{Routing: rt}
+	return r
+}
+
+// firewalled is the rules of the golden file firewall: intercepts of
+// a LoadBalancer IP guarded for TCP and UDP, a guard allowing everyone,
+// one allowing only the other family, and one without an intercept.
+var firewalled = Rules{
+	Intercepts: []Intercept{
+		svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
+		svc("default/lb:dns", UDP, "10.96.200.1", 53, 40002),
+		svc("default/open:http", TCP, "10.96.200.2", 80, 40003),
+		svc("default/v6only:http", TCP, "10.96.200.3", 80, 40004),
+		svc("default/lb:http", TCP, "10.96.0.10", 80, 40001),
+	},
+	Firewalls: []Firewall{
+		fw("default/lb:http", TCP, "10.96.200.1", 80, "2001:db8::/32", "192.0.2.77/24", "10.244.0.10/32", "10.244.0.10/32", "::ffff:198.51.100.0/120"),
+		fw("default/lb:dns", UDP, "10.96.200.1", 53, "10.244.0.0/16"),
+		fw("default/open:http", TCP, "10.96.200.2", 80, "0.0.0.0/0"),
+		fw("default/v6only:http", TCP, "10.96.200.3", 80, "2001:db8::/32"),
+		fw("default/gone:http", TCP, "10.96.200.4", 80, "10.244.0.0/16"),
+	},
+}
+
+// firewalled6 is the rules of the golden file firewall_v6.
+var firewalled6 = Rules{
+	Intercepts: []Intercept{
+		svc("default/lb:http", TCP, "2001:db8:96::c8:1", 80, 41001),
+		svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
+	},
+	Firewalls: []Firewall{
+		fw("default/lb:http", TCP, "2001:db8:96::c8:1", 80, "2001:db8:244::a/128", "10.0.0.0/8", "2001:db8:1::1/48"),
+		fw("default/lb:http", TCP, "10.96.200.1", 80, "10.0.0.0/8"),
+		fw("default/gone:http", UDP, "2001:db8:96::c8:2", 53),
+	},
+}
+
 func TestRenderGolden(t *testing.T) {
 	tests := []struct {
 		name   string
@@ -163,32 +202,8 @@ func TestRenderGolden(t *testing.T) {
 		// is skipped), host bits cleared, a /0 without -s; a firewall
 		// with no allowed prefix of the family redirects nothing; one
 		// without an intercept only drops.
-		{"firewall", IPv4, Rules{
-			Intercepts: []Intercept{
-				svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
-				svc("default/lb:dns", UDP, "10.96.200.1", 53, 40002),
-				svc("default/open:http", TCP, "10.96.200.2", 80, 40003),
-				svc("default/v6only:http", TCP, "10.96.200.3", 80, 40004),
-				svc("default/lb:http", TCP, "10.96.0.10", 80, 40001),
-			},
-			Firewalls: []Firewall{
-				fw("default/lb:http", TCP, "10.96.200.1", 80, "2001:db8::/32", "192.0.2.77/24", "10.244.0.10/32", "10.244.0.10/32", "::ffff:198.51.100.0/120"),
-				fw("default/lb:dns", UDP, "10.96.200.1", 53, "10.244.0.0/16"),
-				fw("default/open:http", TCP, "10.96.200.2", 80, "0.0.0.0/0"),
-				fw("default/v6only:http", TCP, "10.96.200.3", 80, "2001:db8::/32"),
-				fw("default/gone:http", TCP, "10.96.200.4", 80, "10.244.0.0/16"),
-			},
-		}},
-		{"firewall_v6", IPv6, Rules{
-			Intercepts: []Intercept{
-				svc("default/lb:http", TCP, "2001:db8:96::c8:1", 80, 41001),
-				svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
-			},
-			Firewalls: []Firewall{
-				fw("default/lb:http", TCP, "2001:db8:96::c8:1", 80, "2001:db8:244::a/128", "10.0.0.0/8", "2001:db8:1::1/48"),
-				fw("default/lb:http", TCP, "10.96.200.1", 80, "10.0.0.0/8"),
-			},
-		}},
+		{"firewall", IPv4, firewalled},
+		{"firewall_v6", IPv6, firewalled6},
 		{"listeners", IPv4, Rules{Listeners: []Listener{
 			{IPv4, TCP, 40002}, {IPv4, UDP, 40002}, {IPv4, TCP, 40001}, {IPv4, TCP, 40001}, {IPv6, TCP, 41001},
 		}}},
@@ -221,6 +236,75 @@ func TestRenderGolden(t *testing.T) {
 			},
 			Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 0}, {IPv4, "sctp", 40002}, {Family(7), TCP, 40003}},
 		}},
+
+		// Tproxy mode: the nat chains and UPROXY-FIREWALL's firewall
+		// rules are empty (the listener guards stay); UPROXY-TPROXY has
+		// a TPROXY to the loopback listener per intercept, or per
+		// allowed prefix followed by the firewall's DROP, then the node
+		// ports (on every local address but loopback, or on those in
+		// NodePortAddresses), then the marks of the transparent sockets'
+		// packets; UPROXY-TPROXY-OUTPUT marks the node's packets to
+		// every intercepted or guarded destination.
+		{"tproxy_empty", IPv4, tproxied(Rules{}, Routing{})},
+		{"tproxy_empty_v6", IPv6, tproxied(Rules{}, Routing{})},
+		{"tproxy_all_v4", IPv4, tproxied(all, Routing{})},
+		{"tproxy_all_v6", IPv6, tproxied(all, Routing{})},
+		{"tproxy_mixed_v4", IPv4, tproxied(mixed, Routing{})},
+		{"tproxy_mixed_v6", IPv6, tproxied(mixed, Routing{})},
+		// A firewall with only the other family's prefixes, or without
+		// an intercept, only drops; a /0 TPROXYs without -s.
+		{"tproxy_firewall", IPv4, tproxied(firewalled, Routing{})},
+		{"tproxy_firewall_v6", IPv6, tproxied(firewalled6, Routing{})},
+		{"tproxy_nodeports", IPv4, tproxied(Rules{NodePorts: []NodePort{
+			np("default/web:http", IPv4, TCP, 30080, 40001),
+			np("kube-system/dns:dns", IPv4, UDP, 30053, 40002),
+			np("default/web:http", IPv6, TCP, 30080, 41001),
+		}}, Routing{})},
+		{"tproxy_nodeports_v6", IPv6, tproxied(Rules{NodePorts: []NodePort{
+			np("default/web:http", IPv4, TCP, 30080, 40001),
+			np("default/web:http", IPv6, TCP, 30080, 41001),
+			np("default/web:quic", IPv6, UDP, 30443, 41002),
+		}}, Routing{})},
+		// One rule per node port and prefix of the family; a /0 has no -d.
+		{"tproxy_nodeport_addresses", IPv4, tproxied(Rules{
+			NodePorts: []NodePort{
+				np("default/web:http", IPv4, TCP, 30080, 40001),
+				np("kube-system/dns:dns", IPv4, UDP, 30053, 40002),
+			},
+			NodePortAddresses: pfx("192.168.1.7/24", "2001:db8::/64", "10.0.0.0/8", "::ffff:172.16.0.0/108", "192.168.1.0/24"),
+		}, Routing{})},
+		{"tproxy_nodeport_addresses_v6", IPv6, tproxied(Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("10.0.0.0/8", "2001:db8:1::1/64", "fd00::/8"),
+		}, Routing{})},
+		{"tproxy_nodeport_addresses_all", IPv4, tproxied(Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv4, TCP, 30080, 40001)},
+			NodePortAddresses: pfx("0.0.0.0/0"),
+		}, Routing{})},
+		{"tproxy_nodeport_addresses_all_v6", IPv6, tproxied(Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("::/0", "10.0.0.0/8"),
+		}, Routing{})},
+		{"tproxy_nodeport_addresses_other_family", IPv6, tproxied(Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses: pfx("10.0.0.0/8"),
+		}, Routing{})},
+		// Another mark and mask, in both targets.
+		{"tproxy_mark", IPv4, tproxied(Rules{
+			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+		}, Routing{Mark: 0x10, Mask: 0xf0, Table: 200})},
+		{"tproxy_invalid_skipped", IPv4, tproxied(Rules{
+			Intercepts: []Intercept{
+				svc("ok", TCP, "10.96.0.1", 80, 40001),
+				svc("bad port", TCP, "10.96.0.1", 0, 40003),
+				{Comment: "no address", Protocol: TCP, Port: 83, ToPort: 40004},
+			},
+			NodePorts: []NodePort{np("ok", IPv4, TCP, 30080, 40001), np("bad listener", IPv4, TCP, 30083, 0)},
+			Firewalls: []Firewall{
+				{Comment: "ok", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80, Allow: []netip.Prefix{{}, netip.MustParsePrefix("10.244.0.0/24")}},
+				fw("bad port", TCP, "10.96.200.1", 0, "10.0.0.0/8"),
+			},
+		}, Routing{})},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -247,7 +331,7 @@ func TestRenderGolden(t *testing.T) {
 func TestRenderDeterministic(t *testing.T) {
 	withAddrs := all
 	withAddrs.NodePortAddresses = pfx("10.0.0.0/8", "2001:db8::/32", "192.168.0.0/16", "fd00::/8")
-	for _, r := range []Rules{mixed, all, withAddrs} {
+	for _, r := range []Rules{mixed, all, withAddrs, firewalled, tproxied(all, Routing{}), tproxied(withAddrs, Routing{}), tproxied(firewalled, Routing{})} {
 		for _, f := range []Family{IPv4, IPv6} {
 			a, b := Render(f, r), Render(f, reversed(r))
 			if diff := cmp.Diff(string(a), string(b)); diff != "" {
@@ -343,6 +427,11 @@ func TestRulesValidate(t *testing.T) {
 		{"listener port", Rules{Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 0}}}, "listener 1: port 0"},
 		{"listener protocol", Rules{Listeners: []Listener{{IPv6, "sctp", 1}}}, `listener 0: protocol "sctp"`},
 		{"listener family", Rules{Listeners: []Listener{{Family(9), TCP, 1}}}, "listener 0: unknown family Family(9)"},
+		{"tproxy", tproxied(all, Routing{}), ""},
+		{"tproxy mark and mask", tproxied(all, Routing{Mark: 0x10, Mask: 0xf0}), ""},
+		{"tproxy mask only", tproxied(all, Routing{Mask: 0xff0000}), ""},
+		{"tproxy mark outside mask", tproxied(all, Routing{Mark: 0x3, Mask: 0x1}), "tproxy: mark 0x3 has bits outside its mask 0x1"},
+		{"tproxy default mark outside mask", tproxied(all, Routing{Mask: 0xff}), "tproxy: mark 0x200000 has bits outside its mask 0xff"},
 		{"every error", Rules{
 			Intercepts: []Intercept{svc("x", TCP, "10.96.0.1", 0, 1)},
 			NodePorts:  []NodePort{np("y", IPv4, TCP, 0, 1)},
@@ -370,8 +459,10 @@ func TestParseStateOfRender(t *testing.T) {
 			`-A UPROXY-SERVICES -d 10.96.0.3/32 -p tcp -m comment --comment "mapped/v4:x" -m tcp --dport 8080 -j REDIRECT --to-ports 40005`,
 			`-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40002`,
 		}},
-		{"nat", "UPROXY-NODEPORTS"}:   {exists: true},
-		{"filter", "UPROXY-FIREWALL"}: {exists: true},
+		{"nat", "UPROXY-NODEPORTS"}:        {exists: true},
+		{"mangle", "UPROXY-TPROXY"}:        {exists: true},
+		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true},
+		{"filter", "UPROXY-FIREWALL"}:      {exists: true},
 	}
 	if diff := cmp.Diff(want, st, cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState(Render(...)) (-want +got):\n%s", diff)
@@ -386,11 +477,15 @@ func TestParseStateOfRender(t *testing.T) {
 func TestParseStateTables(t *testing.T) {
 	text := "*filter\n:INPUT ACCEPT [0:0]\n:UPROXY-FIREWALL - [0:0]\n:UPROXY-SERVICES - [0:0]\n" +
 		"-A INPUT -j UPROXY-FIREWALL\n-A UPROXY-FIREWALL -j DROP\n-A UPROXY-SERVICES -j ACCEPT\nCOMMIT\n" +
-		"*nat\n:UPROXY-NODEPORTS - [0:0]\n:UPROXY-FIREWALL - [0:0]\n-A UPROXY-NODEPORTS -j RETURN\n-A UPROXY-FIREWALL -j RETURN\nCOMMIT\n"
+		"*nat\n:UPROXY-NODEPORTS - [0:0]\n:UPROXY-FIREWALL - [0:0]\n-A UPROXY-NODEPORTS -j RETURN\n-A UPROXY-FIREWALL -j RETURN\nCOMMIT\n" +
+		"*mangle\n:PREROUTING ACCEPT [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-SERVICES - [0:0]\n-A PREROUTING -j UPROXY-TPROXY-OUTPUT\n" +
+		"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000\n-A UPROXY-SERVICES -j RETURN\nCOMMIT\n"
 	want := state{
-		{"nat", "UPROXY-SERVICES"}:    {},
-		{"nat", "UPROXY-NODEPORTS"}:   {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
-		{"filter", "UPROXY-FIREWALL"}: {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
+		{"nat", "UPROXY-SERVICES"}:         {},
+		{"nat", "UPROXY-NODEPORTS"}:        {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
+		{"mangle", "UPROXY-TPROXY"}:        {},
+		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
+		{"filter", "UPROXY-FIREWALL"}:      {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
 	}
 	if diff := cmp.Diff(want, parseState([]byte(text)), cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState (-want +got):\n%s", diff)
@@ -414,7 +509,7 @@ func TestChainTable(t *testing.T) {
 			t.Errorf("chain %s has no rules function", c.name)
 		}
 	}
-	if diff := cmp.Diff([]string{"nat", "filter"}, tables()); diff != "" {
+	if diff := cmp.Diff([]string{"nat", "mangle", "filter"}, tables()); diff != "" {
 		t.Errorf("tables() (-want +got):\n%s", diff)
 	}
 }

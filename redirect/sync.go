@@ -278,8 +278,13 @@ func New(cfg Config) (*Syncer, error) {
 // Sync returns an error, and changes nothing, when r has an invalid
 // intercept, node port, node port address, firewall or listener, two
 // intercepts or two firewalls for the same destination, protocol and
-// port, or two node ports for the same family, protocol and port, or
-// when r has listeners of the family and ipset is not installed.
+// port, or two node ports for the same family, protocol and port, a
+// TProxy whose mark has bits outside its mask, or when r has listeners
+// of the family and ipset is not installed.
+//
+// In tproxy mode (r.TProxy not nil), Sync writes the rules only: the
+// policy routing that delivers marked packets locally is the caller's to
+// install, with Routing.Ensure.
 func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := r.validate(); err != nil {
 		return Result{}, fmt.Errorf("redirect: %s: invalid rules: %w", s.family, err)
@@ -474,6 +479,13 @@ func (s *Syncer) ensureJumps(ctx context.Context) (bool, error) {
 // Cleanup is idempotent. When cfg.Exec is nil and ipset is not installed,
 // Cleanup leaves the sets alone. It must not run while a Syncer of the
 // same family syncs.
+//
+// Cleanup removes the mangle chains of tproxy mode and their jumps like
+// the others, but not tproxy mode's policy routing (the fwmark rule and
+// the route of its table), which Cleanup neither installs nor knows the
+// Routing of: a caller that ran in tproxy mode, or may have, also calls
+// Routing.Remove for the family, after Cleanup, so that no packet is
+// marked any more when the route that delivers marked packets goes.
 func Cleanup(ctx context.Context, cfg Config) error {
 	rc, err := resolve(cfg)
 	if err != nil {

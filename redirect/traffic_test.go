@@ -360,6 +360,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 			ipt := f.command("")
 			tl.exec(node, ipt, "-t", "filter", "-A", "INPUT", "-s", unrelatedSource[f], "-m", "comment", "--comment", "not ours", "-j", "ACCEPT")
 			tl.exec(node, ipt, "-t", "nat", "-A", "OUTPUT", "-d", unrelatedDest[f], "-m", "comment", "--comment", "not ours", "-j", "RETURN")
+			tl.exec(node, ipt, "-t", "mangle", "-A", "PREROUTING", "-d", unrelatedMangleDest[f], "-m", "comment", "--comment", "not ours", "-j", "RETURN")
 
 			tl.expect("listener directly, before any rule", client, TCP, direct, "hi")
 			tl.apply(f, Rules{
@@ -410,7 +411,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			for _, table := range []string{"nat", "filter"} {
+			for _, table := range []string{"nat", "mangle", "filter"} {
 				saved := tl.exec(node, f.command("-save"), "-t", table)
 				if strings.Contains(saved, "UPROXY") || strings.Contains(saved, "uproxy") {
 					t.Errorf("Cleanup left rules in %s:\n%s", table, saved)

@@ -1,0 +1,233 @@
+package redirect
+
+import (
+	"cmp"
+	"fmt"
+	"net/netip"
+	"slices"
+)
+
+// TProxy configures tproxy mode.
+//
+// In PREROUTING (mangle), UPROXY-TPROXY hands each intercepted destination
+// and node port by TPROXY to its listener on the loopback address (127.0.0.1
+// or ::1), with the packet's destination unchanged and the routing mark
+// set, so the policy routing of Routing delivers it locally. A listener
+// sees the original destination as its connection's local address
+// (getsockname), or, for UDP, in each datagram's IP_ORIGDSTADDR. Being on
+// loopback, the listeners cannot be reached directly from pods.
+//
+// A Firewall's allowed source prefixes get one TPROXY rule each, and
+// every other packet to its destination is dropped right after them: the
+// destination stays the same, so the filter table could not tell the
+// handed-over packets from the others, and UPROXY-FIREWALL holds no
+// firewall rule in tproxy mode.
+//
+// Then packets that belong to the proxy's transparent sockets (replies to
+// connections dialled from a client's own address) get the mark too, and
+// reach them instead of being routed on to the client.
+//
+// In OUTPUT (mangle), UPROXY-TPROXY-OUTPUT marks the node's own packets to
+// intercepted and guarded destinations, which reroutes them through lo
+// (mangle OUTPUT re-routes a packet whose mark changed), so they come back
+// in through PREROUTING and meet TPROXY, or a firewall's DROP, there:
+// TPROXY works only in PREROUTING.
+//
+// Tproxy mode needs the policy routing of Routing for each family
+// (Routing.Ensure); the caller installs it before the first Sync and
+// removes it (Routing.Remove) after Cleanup.
+//
+// TPROXY does not work for packets that reach the node through a Linux
+// bridge while br_netfilter hands bridged traffic to iptables
+// (net.bridge.bridge-nf-call-iptables or -ip6tables set to 1, as kubeadm
+// requires): br_netfilter runs PREROUTING while the frame is still on the
+// bridge, the IP layer then drops the socket TPROXY chose (skb_orphan in
+// ip_rcv), and br_netfilter keeps PREROUTING from running again, so the
+// stack finds no socket for the packet, which keeps its destination, and
+// the connection fails (seen up to Linux 6.18). Such nodes (a bridge CNI) need those sysctls at 0 in tproxy
+// mode; pods on routed veths, clients routed to the node on a plain
+// interface, and the node's own traffic are not affected. The marks,
+// including the transparent sockets' replies, work either way.
+type TProxy struct {
+	// Routing gives the mark; its zero value is DefaultRouting.
+	Routing Routing
+}
+
+// validate reports why t cannot be rendered, or nil.
+func (t *TProxy) validate() error {
+	if m, mask := t.Routing.mark(), t.Routing.mask(); m&^mask != 0 {
+		// MARK --set-xmark and TPROXY --tproxy-mark would flip the bits
+		// outside the mask, and the policy rule would test only those
+		// inside.
+		return fmt.Errorf("mark 0x%x has bits outside its mask 0x%x", m, mask)
+	}
+	return nil
+}
+
+// loopbackOf returns the loopback address of f, where the tproxy-mode
+// listeners are.
+func loopbackOf(f Family) netip.Addr {
+	if f == IPv6 {
+		return netip.IPv6Loopback()
+	}
+	return netip.MustParseAddr("127.0.0.1")
+}
+
+// loopbackPrefixOf returns the loopback prefix of f, which is no node-port
+// address by default.
+func loopbackPrefixOf(f Family) netip.Prefix {
+	if f == IPv6 {
+		return netip.MustParsePrefix("::1/128")
+	}
+	return netip.MustParsePrefix("127.0.0.0/8")
+}
+
+// target returns the TPROXY target to the listener port of f, with its
+// options in the order iptables-save prints them.
+func (t *TProxy) target(f Family, port uint16) string {
+	return fmt.Sprintf("-j TPROXY --on-port %d --on-ip %s --tproxy-mark %s", port, loopbackOf(f), t.Routing.MarkString())
+}
+
+// markTarget returns the MARK target that sets the routing mark, as
+// iptables-save prints it (--set-xmark, whatever form set it).
+func (t *TProxy) markTarget() string {
+	return "-j MARK --set-xmark " + t.Routing.MarkString()
+}
+
+// destMatch returns the matches of a destination, protocol and port, as
+// iptables-save prints them, without leading space.
+func destMatch(f Family, dest netip.Addr, p Protocol, comment string, port uint16) string {
+	return fmt.Sprintf("-d %s/%d -p %s -m comment --comment %s -m %s --dport %d",
+		dest.Unmap(), f.hostBits(), p, quoteComment(comment), p, port)
+}
+
+// tproxyEntry is an intercept or a firewall of UPROXY-TPROXY, for sorting
+// them together by destination, protocol and port.
+type tproxyEntry struct {
+	key interceptKey
+	// firewall is true for a firewall's DROP, which follows the
+	// intercept's TPROXY rules of the same key.
+	firewall bool
+	toPort   uint16
+	comment  string
+}
+
+func (a tproxyEntry) compare(b tproxyEntry) int {
+	fw := func(e tproxyEntry) int {
+		if e.firewall {
+			return 1
+		}
+		return 0
+	}
+	return cmp.Or(
+		a.key.dest.Compare(b.key.dest),
+		cmp.Compare(a.key.proto, b.key.proto),
+		cmp.Compare(a.key.port, b.key.port),
+		cmp.Compare(fw(a), fw(b)),
+		cmp.Compare(a.toPort, b.toPort),
+		cmp.Compare(a.comment, b.comment),
+	)
+}
+
+// tproxyEntries returns the valid intercepts and firewalls of f in r,
+// sorted.
+func tproxyEntries(f Family, r Rules) []tproxyEntry {
+	var es []tproxyEntry
+	for _, i := range r.Intercepts {
+		if i.validate() == nil && familyOf(i.Dest.Unmap()) == f {
+			es = append(es, tproxyEntry{key: i.key(), toPort: i.ToPort, comment: i.Comment})
+		}
+	}
+	for _, w := range r.Firewalls {
+		if w.validateDest() == nil && familyOf(w.Dest.Unmap()) == f {
+			es = append(es, tproxyEntry{key: w.key(), firewall: true, comment: w.Comment})
+		}
+	}
+	slices.SortFunc(es, tproxyEntry.compare)
+	return es
+}
+
+// tproxyRules renders UPROXY-TPROXY (see TProxy): for each destination,
+// protocol and port in order, the TPROXY rule of its intercept, or one
+// per allowed source prefix of f when a firewall guards it, then the
+// firewall's DROP; then the node ports, on every local address but
+// loopback or on those in NodePortAddresses (none when no prefix is of
+// f), as in redirect mode; then the marks of the transparent sockets'
+// packets.
+func tproxyRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy == nil {
+		return nil
+	}
+	t := r.TProxy
+	allowed := firewallAllows(f, r)
+	var rules []string
+	for _, e := range tproxyEntries(f, r) {
+		match := destMatch(f, e.key.dest, e.key.proto, e.comment, e.key.port)
+		if e.firewall {
+			rules = append(rules, fmt.Sprintf("-A %s %s -j DROP", c.name, match))
+			continue
+		}
+		sources, guarded := allowed[e.key]
+		if !guarded {
+			rules = append(rules, fmt.Sprintf("-A %s %s %s", c.name, match, t.target(f, e.toPort)))
+			continue
+		}
+		for _, p := range sources {
+			rules = append(rules, fmt.Sprintf("-A %s%s %s %s", c.name, prefixMatch("-s", p), match, t.target(f, e.toPort)))
+		}
+	}
+	// Duplicate firewalls, which Sync rejects, drop once.
+	rules = slices.Compact(rules)
+
+	var ns []NodePort
+	for _, n := range r.NodePorts {
+		if n.validate() == nil && n.Family == f {
+			ns = append(ns, n)
+		}
+	}
+	slices.SortFunc(ns, func(a, b NodePort) int {
+		return cmp.Or(cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Port, b.Port), cmp.Compare(a.ToPort, b.ToPort), cmp.Compare(a.Comment, b.Comment))
+	})
+	// dsts are the destination matches of the node ports, each with a
+	// leading space, or empty for a /0, which iptables-save leaves out.
+	var dsts []string
+	if len(r.NodePortAddresses) == 0 {
+		dsts = []string{" ! -d " + loopbackPrefixOf(f).String()}
+	} else {
+		for _, p := range prefixesOf(f, r.NodePortAddresses) {
+			dsts = append(dsts, prefixMatch("-d", p))
+		}
+	}
+	for _, n := range ns {
+		for _, d := range dsts {
+			rules = append(rules, fmt.Sprintf("-A %s%s -p %s -m addrtype --dst-type LOCAL -m comment --comment %s -m %s --dport %d %s",
+				c.name, d, n.Protocol, quoteComment(n.Comment), n.Protocol, n.Port, t.target(f, n.ToPort)))
+		}
+	}
+	for _, proto := range []Protocol{TCP, UDP} {
+		rules = append(rules, fmt.Sprintf("-A %s -p %s -m socket --transparent %s", c.name, proto, t.markTarget()))
+	}
+	return rules
+}
+
+// tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see TProxy): one MARK per
+// destination, protocol and port of f that an intercept or a firewall
+// names, with the intercept's comment. Node ports need no rule: the
+// node's packets to its own addresses go through lo and PREROUTING
+// anyway.
+func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy == nil {
+		return nil
+	}
+	var rules []string
+	var prev tproxyEntry
+	for n, e := range tproxyEntries(f, r) {
+		// The first entry of a key is its intercept's, if it has one.
+		if n > 0 && e.key == prev.key {
+			continue
+		}
+		prev = e
+		rules = append(rules, fmt.Sprintf("-A %s %s %s", c.name, destMatch(f, e.key.dest, e.key.proto, e.comment, e.key.port), r.TProxy.markTarget()))
+	}
+	return rules
+}
