@@ -99,6 +99,9 @@ type Config struct {
 	// will apply, from the source's goroutine; it must not block. Nil
 	// means nothing is. The health server uses it to time pending syncs.
 	OnChange func()
+	// Metrics receives the proxier's Prometheus metrics (see NewMetrics);
+	// nil means none are kept.
+	Metrics *Metrics
 	// Logger receives the proxier's logs; nil means none.
 	Logger *zap.Logger
 	// Clock is the time source for sync and ejection timing; nil means the
@@ -158,6 +161,7 @@ type Proxier struct {
 	zone       atomic.Pointer[string]
 	forceFull  atomic.Bool
 	localAddrs atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
+	status     atomic.Pointer[statusView]   // rebuilt after every sync
 
 	flows flowTable // UDP flows, created with the first UDP listener
 
@@ -303,10 +307,13 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		}
 	}
 	ch := p.tracker.Take(full, programmed)
+	p.cfg.Metrics.countChanges(ch.ServiceChanges, ch.SliceChanges)
 	zone := p.currentZone()
 	for _, st := range ch.Services {
 		p.applyService(ctx, st, zone)
 	}
+	p.retainMetrics()
+	p.buildStatusView()
 	p.syncServiceHealth()
 	wrote := false
 	if p.cfg.Rules != nil && (full || p.rulesDirty) {
@@ -320,6 +327,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	p.rulesDirty = false
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
+	p.cfg.Metrics.observeSync(start, end, ch.TriggerTimes)
 	if p.cfg.OnSync != nil {
 		p.cfg.OnSync()
 	}
@@ -332,6 +340,21 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		zap.Bool("rulesSynced", wrote),
 		zap.Duration("duration", end.Sub(start)))
 	return nil
+}
+
+// retainMetrics deletes the metric children of service ports and backends
+// that no listener serves any more.
+func (p *Proxier) retainMetrics() {
+	if p.cfg.Metrics == nil {
+		return
+	}
+	live := map[metricLabels]bool{}
+	for _, ls := range p.services {
+		for _, l := range ls {
+			l.snap.Load().metrics.addLabels(live)
+		}
+	}
+	p.cfg.Metrics.retain(live)
 }
 
 func (p *Proxier) counts() (services, endpoints int) {
@@ -464,6 +487,8 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 	}
 	s.cluster, s.local = build(cluster), build(local)
 	s.clusterBackends, s.localBackends = cluster, local
+	s.affinity = l.affinity
+	s.metrics = p.cfg.Metrics.forPort(sp, s.backends)
 	return s
 }
 
@@ -578,6 +603,12 @@ type snapshot struct {
 	// empty set picks nothing.
 	cluster, local                 balancer.Balancer
 	clusterBackends, localBackends []*balancer.Backend
+	// metrics are the metric children of the service port and of each
+	// backend; nil when metrics are disabled.
+	metrics *portMetrics
+	// affinity is the ClientIP affinity table the balancers wrap; nil
+	// without session affinity. Read by Explain (Lookup has no effects).
+	affinity *balancer.AffinityTable
 }
 
 // route returns the balancer for a connection that was originally sent to

@@ -110,12 +110,14 @@ func tcpProgress(c *net.TCPConn) uint64 {
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	defer p.endSession(s)
 	snap := l.snap.Load()
+	pm := snap.metrics
 	var dst netip.AddrPort
 	if p.cfg.OriginalDst != nil {
 		var err error
 		if dst, err = p.cfg.OriginalDst(c); err != nil {
 			p.connLog.Warn("dropping connection without an original destination (not redirected)",
 				zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			pm.refusedDestination()
 			s.abort()
 			return
 		}
@@ -125,6 +127,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	if bal == nil {
 		p.connLog.Warn("dropping connection not addressed to this listener's service",
 			zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst))
+		pm.refusedDestination()
 		s.abort()
 		return
 	}
@@ -132,7 +135,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
 		from = client.Addr()
 	}
-	b, bc, err := p.dialBackend(bal, snap.sp.Name, client.Addr(), from)
+	b, bc, err := p.dialBackend(snap, bal, client.Addr(), from)
 	if err != nil {
 		p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 		s.abort()
@@ -154,7 +157,9 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		bc.Close()
 		return
 	}
-	s.pipe(p.cfg.IdleTimeout)
+	pm.connStart()
+	defer pm.connEnd()
+	s.pipe(p.cfg.IdleTimeout, pm)
 }
 
 func remoteAddr(c net.Conn) netip.AddrPort {
@@ -170,23 +175,39 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 // Each failure ejects the backend for a while, so the balancers steer the
 // next picks (this connection's and everyone else's) away from it. On
 // success the backend has been Acquired; the caller Releases it.
-func (p *Proxier) dialBackend(bal balancer.Balancer, name ServicePortName, client, from netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
-	var errs []error
+func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, from netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
+	pm := snap.metrics
+	var (
+		errs []error
+		last *backendMetrics
+	)
 	for range p.cfg.dialAttempts() {
 		b := bal.Pick(client)
 		if b == nil {
-			return nil, nil, fmt.Errorf("%s: %w", name, errNoEndpoints)
+			if last == nil {
+				pm.noEndpoint()
+			} else {
+				last.failed()
+			}
+			return nil, nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
 		}
+		bm := pm.backend(b)
+		bm.picked()
 		b.Acquire()
+		start := pm.dialStart()
 		c, err := p.dialOnce(b.Addr, from)
+		pm.dialDone(start, err)
 		if err == nil {
 			p.health.success(b)
+			bm.connected()
 			return b, c, nil
 		}
 		b.Release()
 		p.health.failure(b)
+		last = bm
 		errs = append(errs, fmt.Errorf("dial %s: %w", b.Addr, err))
 	}
+	last.failed()
 	return nil, nil, errors.Join(errs...)
 }
 
@@ -222,13 +243,17 @@ func (p *Proxier) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, 
 // pipe copies both directions until both have ended, then closes both
 // connections. It owns one extra goroutine, which exits when its copy
 // ends (at EOF, on error, or when abort closes its sockets).
-func (s *session) pipe(idle time.Duration) (up, down int64) {
+//
+// Each direction's byte count goes to pm (nil: nowhere) when it ends.
+func (s *session) pipe(idle time.Duration, pm *portMetrics) (up, down int64) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		up = s.copyHalf(s.backend, s.client, idle)
+		pm.up(up)
 	}()
 	down = s.copyHalf(s.client, s.backend, idle)
+	pm.down(down)
 	<-done
 	s.client.Close()
 	s.backend.Close()

@@ -4,6 +4,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"time"
 
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
@@ -34,6 +35,13 @@ type Tracker struct {
 	dirty                        map[types.NamespacedName]bool
 	servicesSynced, slicesSynced bool
 	serviceChanges, sliceChanges int
+	// triggers holds, per service, the last-change-trigger-time of each
+	// slice change recorded since the last Take (network programming
+	// latency); start is when the tracker was created: older trigger
+	// times belong to changes made before uproxy ran, as kube-proxy
+	// reasons.
+	triggers map[types.NamespacedName][]time.Time
+	start    time.Time
 }
 
 // NewTracker returns an empty tracker.
@@ -45,6 +53,8 @@ func NewTracker(log *zap.Logger, notify func()) *Tracker {
 		slices:      map[types.NamespacedName]*discovery.EndpointSlice{},
 		slicesBySvc: map[types.NamespacedName]map[types.NamespacedName]bool{},
 		dirty:       map[types.NamespacedName]bool{},
+		triggers:    map[types.NamespacedName][]time.Time{},
+		start:       time.Now(),
 	}
 }
 
@@ -142,6 +152,9 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 		}
 		t.slicesBySvc[svc][key] = true
 		t.dirty[svc] = true
+		if tt := triggerTime(s); !tt.IsZero() && tt.After(t.start) {
+			t.triggers[svc] = append(t.triggers[svc], tt)
+		}
 	}
 	t.sliceChanges++
 	return true
@@ -179,6 +192,21 @@ func (t *Tracker) unindex(key types.NamespacedName, s *discovery.EndpointSlice) 
 		delete(t.slicesBySvc, svc)
 	}
 	t.dirty[svc] = true
+}
+
+// triggerTime returns the slice's endpoints.kubernetes.io/last-change-trigger-time
+// annotation: when the change it carries was triggered (a pod or service
+// changed); zero when absent or malformed.
+func triggerTime(s *discovery.EndpointSlice) time.Time {
+	v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]
+	if !ok {
+		return time.Time{}
+	}
+	t, err := time.Parse(time.RFC3339Nano, v)
+	if err != nil {
+		return time.Time{}
+	}
+	return t
 }
 
 func sliceService(s *discovery.EndpointSlice) types.NamespacedName {
@@ -267,6 +295,10 @@ type Changes struct {
 	// ServiceChanges and SliceChanges count the recorded events since the
 	// last Take.
 	ServiceChanges, SliceChanges int
+	// TriggerTimes are the last-change-trigger-time annotations of the
+	// slice changes recorded since the last Take, per service: when each
+	// change was triggered, for the network programming latency.
+	TriggerTimes map[types.NamespacedName][]time.Time
 }
 
 // Take returns the services that changed since the last Take and clears
@@ -288,6 +320,10 @@ func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
 	}
 	c := Changes{ServiceChanges: t.serviceChanges, SliceChanges: t.sliceChanges}
 	t.serviceChanges, t.sliceChanges = 0, 0
+	if len(t.triggers) > 0 {
+		c.TriggerTimes = t.triggers
+		t.triggers = map[types.NamespacedName][]time.Time{}
+	}
 	keys := slices.SortedFunc(maps.Keys(names), func(a, b types.NamespacedName) int {
 		if a.Namespace != b.Namespace {
 			if a.Namespace < b.Namespace {

@@ -44,11 +44,13 @@ type udpFlow struct {
 	dst    netip.AddrPort
 	sock   udpSocket
 	closed atomic.Bool
+	pm     *portMetrics // the metrics of the flow's service port; nil if none
 }
 
 func (f *udpFlow) close() {
 	if f.closed.CompareAndSwap(false, true) {
 		f.conn.Close()
+		f.pm.flowClosed()
 	}
 }
 
@@ -60,6 +62,9 @@ func (f *udpFlow) close() {
 type flowTable struct {
 	once sync.Once
 	lru  *expirable.LRU[flowKey, *udpFlow]
+	// created publishes lru to readers that must not create it (UDPFlows,
+	// from any goroutine).
+	created atomic.Pointer[expirable.LRU[flowKey, *udpFlow]]
 }
 
 func (p *Proxier) flowTable() *expirable.LRU[flowKey, *udpFlow] {
@@ -74,16 +79,17 @@ func (p *Proxier) flowTable() *expirable.LRU[flowKey, *udpFlow] {
 		// The callback runs with the LRU's lock held: it only closes the
 		// flow's socket, which ends the flow's reply goroutine.
 		p.flows.lru = expirable.NewLRU(size, func(_ flowKey, f *udpFlow) { f.close() }, ttl)
+		p.flows.created.Store(p.flows.lru)
 	})
 	return p.flows.lru
 }
 
-// UDPFlows returns the number of live UDP flows.
+// UDPFlows returns the number of live UDP flows. Safe for concurrent use.
 func (p *Proxier) UDPFlows() int {
-	if p.flows.lru == nil {
-		return 0
+	if lru := p.flows.created.Load(); lru != nil {
+		return lru.Len()
 	}
-	return p.flows.lru.Len()
+	return 0
 }
 
 func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDPConn, error) {
@@ -220,6 +226,7 @@ func (p *Proxier) udpLoop(l *listener) {
 				p.udpFailed(f, err)
 				continue
 			}
+			f.pm.up(int64(n))
 			flows.Add(f.key, f) // refresh the flow's timeout
 			break
 		}
@@ -233,10 +240,12 @@ func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client, dst netip.Addr
 	flows := p.flowTable()
 	key := flowKey{l, client}
 	snap := l.snap.Load()
+	pm := snap.metrics
 	// Only tproxy mode knows which of the service's addresses a datagram
 	// was sent to; in redirect mode it counts as cluster-IP traffic.
 	bal := snap.route(dst, p.cfg.Transparent, client.Addr(), p.internalClient)
 	if bal == nil {
+		pm.refusedDestination()
 		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.sp.Name, dst)
 	}
 	set := snap.cluster
@@ -251,18 +260,26 @@ func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client, dst netip.Addr
 	}
 	b := bal.Pick(client.Addr())
 	if b == nil {
+		pm.noEndpoint()
 		return nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
 	}
+	bm := pm.backend(b)
+	bm.picked()
 	var from netip.Addr
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
 		from = client.Addr()
 	}
+	start := pm.dialStart()
 	conn, err := p.dialUDP(b.Addr, from)
+	pm.dialDone(start, err)
 	if err != nil {
 		p.health.failure(b)
+		bm.failed()
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
-	f := &udpFlow{key: key, backend: b, conn: conn, dst: dst, sock: sock}
+	bm.connected()
+	f := &udpFlow{key: key, backend: b, conn: conn, dst: dst, sock: sock, pm: pm}
+	pm.flowOpened()
 	b.Acquire()
 	flows.Add(key, f)
 	p.wg.Add(1)
@@ -335,6 +352,9 @@ func (p *Proxier) udpReplies(f *udpFlow) {
 		n, err := f.conn.Read(*bp)
 		if err == nil {
 			err = f.sock.write((*bp)[:n], f.key.client, f.dst)
+			if err == nil {
+				f.pm.down(int64(n))
+			}
 			if err != nil {
 				p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
 				err = nil

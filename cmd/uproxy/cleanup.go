@@ -15,8 +15,9 @@ func newCleanupCommand(lf *logFlags) *cobra.Command {
 	return &cobra.Command{
 		Use:   "cleanup",
 		Short: "Remove every rule and chain uproxy created, and nothing else",
-		Long: `cleanup deletes uproxy's jump rules from the built-in chains and uproxy's own
-chains, for IPv4 and (when ip6tables is installed) IPv6. Running it when nothing is
+		Long: `cleanup deletes uproxy's jump rules from the built-in chains, uproxy's own
+chains and kernel sets, and tproxy mode's policy rule and route, for IPv4 and
+(when ip6tables is installed) IPv6. Running it when nothing is
 installed succeeds. Stop uproxy first: a running instance puts its rules back.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -52,6 +53,10 @@ func cleanup(ctx context.Context) error {
 			continue
 		}
 		if err := redirect.Cleanup(ctx, redirect.Config{Family: f}); err != nil {
+			errs = append(errs, err)
+		}
+		// tproxy mode's policy routing; absent in redirect mode, which is fine.
+		if err := redirect.DefaultRouting.Remove(f); err != nil {
 			errs = append(errs, err)
 		}
 	}

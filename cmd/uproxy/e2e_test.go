@@ -125,6 +125,18 @@ func (c *cluster) start(rules int, args ...string) {
 	c.waitRules("uproxy to install its rules", func(s string) bool { return strings.Count(s, "-j REDIRECT") == rules })
 }
 
+// waitSynced waits until uproxy has completed a sync.
+func (c *cluster) waitSynced() {
+	c.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(c.up.Output(), "\tsynced\t") {
+		if time.Now().After(deadline) || c.up.Exited() {
+			c.t.Fatalf("uproxy did not sync:\n%s", c.up.Output())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func (c *cluster) natRules() string {
 	c.t.Helper()
 	out, err := c.lab.Exec(context.Background(), c.lab.Node, "iptables-save", "-t", "nat")

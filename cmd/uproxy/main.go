@@ -33,6 +33,6 @@ endpoint picked by the Service's balancer, copying with splice(2).`,
 		SilenceErrors: true,
 	}
 	lf.register(root.PersistentFlags())
-	root.AddCommand(newRunCommand(&lf), newCleanupCommand(&lf), newVersionCommand())
+	root.AddCommand(newRunCommand(&lf), newCleanupCommand(&lf), newStatusCommand(), newExplainCommand(), newVersionCommand())
 	return root
 }

@@ -22,6 +22,8 @@ import (
 type kernelRules struct {
 	v4, v6            *redirect.Syncer // v6 is nil when ip6tables is unavailable
 	nodePortAddresses []netip.Prefix
+	tproxy            bool // TPROXY in mangle instead of REDIRECT in nat
+	routed            [2]bool
 	log               *zap.Logger
 	warned            bool
 }
@@ -48,15 +50,33 @@ func (k *kernelRules) init(cfg redirect.Config) error {
 
 func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) error {
 	rules := toRedirectRules(in, k.nodePortAddresses)
+	if k.tproxy {
+		rules.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
+		rules.Listeners = nil // on loopback: unreachable from outside without a guard
+	}
 	hasV6 := slices.ContainsFunc(in, func(i proxy.Intercept) bool { return i.VIP.Is6() })
 	var errs []error
-	for _, s := range []*redirect.Syncer{k.v4, k.v6} {
+	for f, s := range []*redirect.Syncer{k.v4, k.v6} {
+		family := redirect.Family(f)
 		if s == nil {
 			if hasV6 && !k.warned {
 				k.log.Error("IPv6 services present but ip6tables is unavailable; their IPv6 addresses are not proxied")
 				k.warned = true
 			}
 			continue
+		}
+		if k.tproxy && (full || !k.routed[f]) {
+			// TPROXY needs the policy routing that delivers marked packets
+			// locally; check it, and repair it, as often as the rules.
+			repaired, err := redirect.DefaultRouting.Ensure(family)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			if repaired && k.routed[f] {
+				k.log.Warn("TPROXY policy routing had been removed; repaired", zap.Stringer("family", family))
+			}
+			k.routed[f] = true
 		}
 		res, err := s.Sync(ctx, rules, full)
 		if err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -15,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -70,7 +73,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated. Empty means every local address except loopback.")
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics and /debug/pprof server. Empty disables it.")
-	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table).")
+	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table; backends see the node's address) or tproxy (TPROXY in the mangle table with policy routing; listeners on loopback, and services that ask for it are dialled from the client's own address).")
 	fs.StringVar(&o.portRange, "proxy-port-range", "", "Local ports for the listeners: begin-end, begin+offset or a single port. Empty means kernel-assigned ports.")
 	fs.StringVar(&o.balancer, "balancer", string(balancer.RoundRobin), fmt.Sprintf("Default balancer for services without the %s annotation: one of %v.", proxy.AnnotationBalancer, balancer.Kinds))
 	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "The longest time between two full syncs: rules deleted or changed by someone else are repaired within this period.")
@@ -93,8 +96,8 @@ func (o *runOptions) validate() error {
 	if o.config != "" && (o.kubeconfig != "" || o.master != "") {
 		errs = append(errs, errors.New("--config and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
 	}
-	if o.mode != "redirect" {
-		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect)", o.mode))
+	if o.mode != "redirect" && o.mode != "tproxy" {
+		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect or tproxy)", o.mode))
 	}
 	var err error
 	if o.ports, err = proxy.ParsePortRange(o.portRange); err != nil {
@@ -236,10 +239,26 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		ProxyHealth: health,
 	})
 	defer svcHealth.Close()
-	rules := &kernelRules{log: log.Named("rules"), nodePortAddresses: o.nodePortCIDRs}
+	tproxy := o.mode == "tproxy"
+	rules := &kernelRules{log: log.Named("rules"), nodePortAddresses: o.nodePortCIDRs, tproxy: tproxy}
+	originalDst := redirect.OriginalDst
+	if tproxy {
+		// TPROXY leaves the destination alone: it is the local address.
+		originalDst = func(c *net.TCPConn) (netip.AddrPort, error) {
+			ap, err := netip.ParseAddrPort(c.LocalAddr().String())
+			return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), err
+		}
+	}
+	// A registry of our own: the Go runtime's and the process's collectors
+	// and the proxier's, nothing that a library registered globally.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics := proxy.NewMetrics(reg)
 	p := proxy.NewProxier(proxy.Config{
+		Metrics:       metrics,
 		Rules:         rules,
-		OriginalDst:   redirect.OriginalDst,
+		OriginalDst:   originalDst,
+		Transparent:   tproxy,
 		PortRange:     o.ports,
 		Defaults:      proxy.ServiceDefaults{Balancer: o.balancerKind},
 		Sync:          proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
@@ -278,6 +297,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
 	}
+	if tproxy {
+		warnBridgeNetfilter(log)
+	}
 
 	// Goroutines owned here: the sync loop, the source, and the two
 	// servers. All return when ctx is done; wg waits for them before the
@@ -301,7 +323,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveMetrics(ctx, o.metricsBindAddress); err != nil {
+		if err := serveMetrics(ctx, o.metricsBindAddress, reg, p, tproxy); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
@@ -332,14 +354,22 @@ type fileWatch struct{ fs *proxy.FileSource }
 
 func (f fileWatch) Run(ctx context.Context) error { return f.fs.Watch(ctx) }
 
-// serveMetrics serves Prometheus metrics and pprof on addr until ctx is
-// done. An empty addr disables it.
-func serveMetrics(ctx context.Context, addr string) error {
+// serveMetrics serves the Prometheus metrics of reg, pprof, and p's
+// /status and /explain (for `uproxy status` and `uproxy explain`) on addr
+// until ctx is done. An empty addr disables it.
+func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, p *proxy.Proxier, tproxy bool) error {
 	if addr == "" {
 		return nil
 	}
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.Handler())
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(p.Status())
+	})
+	mux.Handle("GET /explain", explainHandler(p, tproxy))
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
@@ -355,4 +385,18 @@ func serveMetrics(ctx context.Context, addr string) error {
 		return err
 	}
 	return nil
+}
+
+// warnBridgeNetfilter warns when br_netfilter hands bridged frames to
+// iptables: TPROXY's socket assignment made during that bridge-level
+// PREROUTING pass is dropped by ip_rcv, and br_netfilter keeps PREROUTING
+// from running again, so clients attached through a Linux bridge are not
+// intercepted in tproxy mode (openwrt/packages#18850).
+func warnBridgeNetfilter(log *zap.Logger) {
+	for _, f := range []string{"/proc/sys/net/bridge/bridge-nf-call-iptables", "/proc/sys/net/bridge/bridge-nf-call-ip6tables"} {
+		if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == "1" {
+			log.Warn("tproxy mode: clients behind a Linux bridge will not be intercepted while br_netfilter passes bridged frames to iptables; set it to 0 (routed CNIs are unaffected)",
+				zap.String("sysctl", strings.TrimPrefix(f, "/proc/sys/")))
+		}
+	}
 }

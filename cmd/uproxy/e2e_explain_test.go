@@ -1,0 +1,76 @@
+package main
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/uproxy/uproxy/proxy"
+)
+
+func TestE2EExplain(t *testing.T) {
+	c := newCluster(t, 3)
+	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("sh.yaml", service("sh", "10.96.0.11", 80, map[string]string{"uproxy.io/balancer": "source-hash"}, false, c.pods...))
+	c.write("aff.yaml", service("aff", "10.96.0.12", 80, nil, true, c.pods...))
+	c.write("empty.yaml", service("empty", "10.96.0.13", 80, nil, false))
+	c.start(4, "--metrics-bind-address", metricsAddr)
+	c.waitSynced()
+	from := c.client.IP.String()
+	explain := func(args ...string) proxy.Explanation {
+		t.Helper()
+		var ex proxy.Explanation
+		out := c.uproxyCmd(append([]string{"explain", "--address", metricsAddr, "-o", "json"}, args...)...)
+		if err := json.Unmarshal([]byte(out), &ex); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		return ex
+	}
+	// The pick explain predicts is the one the client gets.
+	for _, svc := range []struct{ name, vip string }{{"source-hash", "10.96.0.11"}, {"affinity", "10.96.0.12"}} {
+		r := c.get(c.client.NS, "http://"+svc.vip+"/", 5)
+		if r.Errors > 0 || len(r.Counts) != 1 {
+			t.Fatalf("%s: %v", svc.name, r)
+		}
+		var pod string
+		for name := range r.Counts {
+			pod = name
+		}
+		want := c.lab.Pod(pod).IP.String() + ":8080"
+		ex := explain(svc.vip+":80", "--from", from)
+		if !ex.Caught || ex.Backend != want {
+			t.Errorf("%s: explain picks %q, the client got %s (%s)\n%+v", svc.name, ex.Backend, pod, want, ex)
+		}
+		if len(ex.KernelRules) != 1 || !strings.Contains(ex.KernelRules[0], "-d "+svc.vip+"/32") || !strings.Contains(ex.KernelRules[0], "-j REDIRECT") {
+			t.Errorf("%s: kernel rules %q", svc.name, ex.KernelRules)
+		}
+		if route := ex.Routes[want]; !strings.Contains(route, c.lab.Pod(pod).IP.String()) || !strings.Contains(route, "dev") {
+			t.Errorf("%s: route to %s: %q", svc.name, want, route)
+		}
+	}
+	ex := explain("10.96.0.10:80")
+	if !ex.Caught || ex.Backend != "" || len(ex.Candidates) != 3 || !strings.Contains(ex.Pick, "next in turn") ||
+		!strings.Contains(ex.OriginalDestination, "SO_ORIGINAL_DST") || len(ex.Routes) != 3 {
+		t.Errorf("round-robin: %+v", ex)
+	}
+	for arg, want := range map[string]string{
+		"10.96.0.13:80":     "no ready endpoints",
+		"10.96.0.10:8080":   "port mismatch",
+		"10.96.0.10:80/udp": "port mismatch",
+		"10.96.99.99:80":    "no such service",
+	} {
+		if ex := explain(arg); !strings.Contains(ex.Reason, want) {
+			t.Errorf("%s: reason %q, want %q", arg, ex.Reason, want)
+		}
+	}
+	text := c.uproxyCmd("explain", "--address", metricsAddr, "10.96.0.11:80", "--from", from)
+	for _, want := range []string{"kernel rules:", "-j REDIRECT --to-ports", "listener:", "SO_ORIGINAL_DST", "source-hash", "endpoint:", "route to"} {
+		if !strings.Contains(text, want) {
+			t.Errorf("text output lacks %q:\n%s", want, text)
+		}
+	}
+	t.Logf("uproxy explain 10.96.0.11:80 --from %s:\n%s", from, text)
+	if text := c.uproxyCmd("explain", "--address", metricsAddr, "10.96.99.99:80"); !strings.Contains(text, "NOT CAUGHT: no such service") {
+		t.Errorf("text output for an unknown address:\n%s", text)
+	}
+}

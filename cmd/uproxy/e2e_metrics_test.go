@@ -1,0 +1,137 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+const metricsAddr = "127.0.0.1:10249"
+
+// scrapeMetrics curls uproxy's /metrics inside the node namespace and
+// parses the exposition.
+func (c *cluster) scrapeMetrics() map[string]*dto.MetricFamily {
+	c.t.Helper()
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "curl", "-sS", "--max-time", "5", "http://"+metricsAddr+"/metrics")
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	mfs, err := p.TextToMetricFamilies(strings.NewReader(out))
+	if err != nil {
+		c.t.Fatalf("parsing /metrics: %v\n%s", err, out)
+	}
+	return mfs
+}
+
+// sample sums the samples of mf whose labels include want (histograms:
+// their counts).
+func sample(mf *dto.MetricFamily, want map[string]string) (sum float64, series int) {
+	if mf == nil {
+		return 0, 0
+	}
+next:
+	for _, m := range mf.GetMetric() {
+		have := map[string]string{}
+		for _, lp := range m.GetLabel() {
+			have[lp.GetName()] = lp.GetValue()
+		}
+		for k, v := range want {
+			if have[k] != v {
+				continue next
+			}
+		}
+		series++
+		switch mf.GetType() {
+		case dto.MetricType_COUNTER:
+			sum += m.GetCounter().GetValue()
+		case dto.MetricType_GAUGE:
+			sum += m.GetGauge().GetValue()
+		case dto.MetricType_HISTOGRAM:
+			sum += float64(m.GetHistogram().GetSampleCount())
+		}
+	}
+	return sum, series
+}
+
+func TestE2EMetrics(t *testing.T) {
+	c := newCluster(t, 2)
+	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.start(1, "--metrics-bind-address", metricsAddr)
+	c.waitSynced()
+	if r := c.get(c.client.NS, "http://10.96.0.10/", 10); r.Errors > 0 {
+		t.Fatalf("requests failed: %v", r)
+	}
+	// An endpoint change triggered now, as the EndpointSlice controller
+	// would annotate it: uproxy observes its network programming latency.
+	c.write("api.yaml", strings.Replace(service("api", "10.96.0.20", 80, nil, false, c.pods[0]),
+		"  name: api-x\n", fmt.Sprintf("  name: api-x\n  annotations: {endpoints.kubernetes.io/last-change-trigger-time: %q}\n", time.Now().UTC().Format(time.RFC3339Nano)), 1))
+	c.waitRules("api's rule", func(s string) bool { return strings.Contains(s, "10.96.0.20/32") })
+
+	var mfs map[string]*dto.MetricFamily
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mfs = c.scrapeMetrics()
+		ok, _ := sample(mfs["uproxy_connections_total"], map[string]string{"service": "default/web", "port": "http", "result": "ok"})
+		prog, _ := sample(mfs["kubeproxy_network_programming_duration_seconds"], nil)
+		if ok == 10 && prog >= 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("connections ok = %v (want 10), network programming observations = %v (want >= 1)", ok, prog)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for name, typ := range map[string]dto.MetricType{
+		"kubeproxy_sync_proxy_rules_duration_seconds":       dto.MetricType_HISTOGRAM,
+		"kubeproxy_sync_proxy_rules_last_timestamp_seconds": dto.MetricType_GAUGE,
+		"kubeproxy_network_programming_duration_seconds":    dto.MetricType_HISTOGRAM,
+		"kubeproxy_sync_proxy_rules_endpoint_changes_total": dto.MetricType_COUNTER,
+		"kubeproxy_sync_proxy_rules_service_changes_total":  dto.MetricType_COUNTER,
+		"uproxy_connections_total":                          dto.MetricType_COUNTER,
+		"uproxy_active_connections":                         dto.MetricType_GAUGE,
+		"uproxy_bytes_total":                                dto.MetricType_COUNTER,
+		"uproxy_dial_duration_seconds":                      dto.MetricType_HISTOGRAM,
+		"uproxy_dial_errors_total":                          dto.MetricType_COUNTER,
+		"uproxy_udp_flows_active":                           dto.MetricType_GAUGE,
+		"uproxy_balancer_picks_total":                       dto.MetricType_COUNTER,
+		"go_goroutines":                                     dto.MetricType_GAUGE,
+		"process_open_fds":                                  dto.MetricType_GAUGE,
+	} {
+		mf := mfs[name]
+		if mf == nil {
+			t.Errorf("/metrics lacks %s", name)
+			continue
+		}
+		if mf.GetType() != typ {
+			t.Errorf("%s is a %v, want a %v", name, mf.GetType(), typ)
+		}
+	}
+	if v, _ := sample(mfs["kubeproxy_sync_proxy_rules_last_timestamp_seconds"], nil); time.Since(time.Unix(int64(v), 0)) > time.Minute {
+		t.Errorf("last sync timestamp %v is not recent", v)
+	}
+	for _, p := range c.pods {
+		if v, _ := sample(mfs["uproxy_balancer_picks_total"], map[string]string{"service": "default/web", "backend": p.IP.String() + ":8080"}); v != 5 {
+			t.Errorf("picks of %s = %v, want 5 (round-robin over two)", p.IP, v)
+		}
+	}
+	if v, _ := sample(mfs["uproxy_bytes_total"], map[string]string{"service": "default/web", "direction": "upstream"}); v == 0 {
+		t.Error("no upstream bytes counted")
+	}
+	// No client addresses in any label.
+	for name, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if strings.Contains(lp.GetValue(), c.client.IP.String()) {
+					t.Errorf("%s has the client's address in label %s", name, lp.GetName())
+				}
+			}
+		}
+	}
+}

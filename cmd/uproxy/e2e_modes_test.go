@@ -1,0 +1,142 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestE2EModes runs every combination the modes must serve: redirect and
+// tproxy mode; TCP and UDP; clients on the node itself, in a pod routed
+// through the node, and on an external host reaching a node port and an
+// external IP. In tproxy mode, services that ask for it show backends the
+// client's own address; in redirect mode backends see the node's.
+func TestE2EModes(t *testing.T) {
+	for _, mode := range []string{"redirect", "tproxy"} {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t, 2)
+			ext, err := c.lab.AddExternal("ext")
+			if err != nil {
+				t.Fatal(err)
+			}
+			pod, err := c.lab.AddRoutedPod("rpod")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var eps strings.Builder
+			for _, p := range c.pods {
+				if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
+					t.Fatal(err)
+				}
+				fmt.Fprintf(&eps, "- addresses: [%q]\n", p.IP)
+			}
+			svc := func(name, ip string, preserve bool) string {
+				ann := ""
+				if preserve {
+					ann = "\n  annotations: {uproxy.io/preserve-source-ip: \"true\"}"
+				}
+				return fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata:
+  name: %[1]s%[3]s
+spec:
+  type: NodePort
+  clusterIP: %[2]s
+  externalIPs: [10.96.200.%[4]s]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, nodePort: 3%[4]s80}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 3%[4]s53}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %[1]s-1, labels: {kubernetes.io/service-name: %[1]s}}
+addressType: IPv4
+ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]
+endpoints:
+%[5]s`, name, ip, ann, ip[len(ip)-2:], eps.String())
+			}
+			c.write("kept.yaml", svc("kept", "10.96.0.11", true))
+			c.write("plain.yaml", svc("plain", "10.96.0.12", false))
+			if mode == "tproxy" {
+				// TPROXY's socket assignment does not survive br_netfilter's
+				// PREROUTING pass for frames that enter through a bridge (see
+				// README, tproxy mode): clients behind a bridge need
+				// bridge-nf-call-iptables off, as on a routed CNI.
+				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
+					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
+				}
+			}
+			c.start(0, "--mode", mode, "--cluster-cidr", "10.244.0.0/16")
+			c.waitSynced()
+
+			node := "10.244.0.1"
+			clients := []struct {
+				name, ns, sees string // sees: the source a preserving backend sees
+				addrs          func(svc string) (tcp, udp []string)
+			}{
+				{"node", c.lab.Node, node, func(s string) ([]string, []string) {
+					return []string{"http://10.96.0." + s + "/"}, []string{"10.96.0." + s + ":53"}
+				}},
+				{"pod", pod.NS, pod.IP.String(), func(s string) ([]string, []string) {
+					return []string{"http://10.96.0." + s + "/", "http://10.244.0.1:3" + s + "80/"}, []string{"10.96.0." + s + ":53"}
+				}},
+				{"external", ext.NS, ext.IP.String(), func(s string) ([]string, []string) {
+					return []string{"http://192.0.2.1:3" + s + "80/", "http://10.96.200." + s + "/"}, []string{"192.0.2.1:3" + s + "53", "10.96.200." + s + ":53"}
+				}},
+			}
+			for _, cl := range clients {
+				for _, s := range []struct {
+					name, suffix string
+					preserve     bool
+				}{{"kept", "11", true}, {"plain", "12", false}} {
+					want := node
+					if mode == "tproxy" && s.preserve {
+						want = cl.sees
+					}
+					// In redirect mode the backends see the node's address on
+					// the bridge, whatever the client.
+					tcp, udp := cl.addrs(s.suffix)
+					for _, url := range tcp {
+						r := c.get(cl.ns, url, 4)
+						if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+							t.Errorf("%s → %s (%s): spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
+								cl.name, url, s.name, r.Counts, r.Peers, r.Errors, r.FirstError, want)
+						}
+					}
+					for _, addr := range udp {
+						r := c.query(cl.ns, addr, 4)
+						if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+							t.Errorf("%s → udp %s (%s): spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
+								cl.name, addr, s.name, r.Counts, r.Peers, r.Errors, r.FirstError, want)
+						}
+					}
+				}
+			}
+			// uproxy cleanup removes everything of both modes: rules, sets,
+			// and tproxy's policy routing.
+			if err := c.up.Signal(syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.up.Wait(10 * time.Second); err != nil {
+				t.Errorf("uproxy did not stop cleanly: %v", err)
+			}
+			if out, err := c.lab.Exec(t.Context(), c.lab.Node, c.uproxy, "cleanup"); err != nil {
+				t.Errorf("cleanup: %v\n%s", err, out)
+			}
+			for _, cmd := range [][]string{{"iptables-save"}, {"ip6tables-save"}, {"ip", "rule"}, {"ip", "-6", "rule"}, {"ipset", "list", "-n"}} {
+				out, err := c.lab.Exec(t.Context(), c.lab.Node, cmd...)
+				if err != nil || strings.Contains(strings.ToLower(out), "uproxy") || strings.Contains(out, "lookup 117") {
+					t.Errorf("after cleanup, %v shows: %v\n%s", cmd, err, out)
+				}
+			}
+			if t.Failed() {
+				for _, cmd := range [][]string{{"iptables-save", "-c", "-t", "mangle"}, {"ip", "rule"}, {"ip", "route", "show", "table", "117"}, {"ip", "addr"}} {
+					out, _ := c.lab.Exec(t.Context(), c.lab.Node, cmd...)
+					t.Logf("%v:\n%s", cmd, out)
+				}
+			}
+		})
+	}
+}

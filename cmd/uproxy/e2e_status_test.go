@@ -1,0 +1,80 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/proxy"
+)
+
+// uproxyCmd runs the uproxy binary with args in the node namespace.
+func (c *cluster) uproxyCmd(args ...string) string {
+	c.t.Helper()
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, append([]string{c.uproxy}, args...)...)
+	if err != nil {
+		c.t.Fatalf("uproxy %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+func TestE2EStatus(t *testing.T) {
+	c := newCluster(t, 3)
+	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("sh.yaml", service("sh", "10.96.0.11", 80, map[string]string{"uproxy.io/balancer": "source-hash"}, true, c.pods[1]))
+	c.start(2, "--metrics-bind-address", metricsAddr, "--endpoint-dial-timeout", "300ms")
+	c.waitSynced()
+	// web-0's server dies: its connections are refused, and it is ejected.
+	if err := c.servers[0].Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	c.servers[0].Wait(5 * time.Second)
+	if r := c.get(c.client.NS, "http://10.96.0.10/", 6); r.Errors > 0 {
+		t.Fatalf("requests failed: %v", r)
+	}
+
+	var st proxy.Status
+	if err := json.Unmarshal([]byte(c.uproxyCmd("status", "--address", metricsAddr, "-o", "json")), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode != "redirect" || st.LastSync.IsZero() || len(st.Ports) != 2 {
+		t.Fatalf("status: %+v", st)
+	}
+	sh, web := st.Ports[0], st.Ports[1]
+	rule := regexp.MustCompile(`-d 10\.96\.0\.10/32 .*--to-ports (\d+)`).FindStringSubmatch(c.natRules())
+	if rule == nil || fmt.Sprint(web.ListenPort) != rule[1] {
+		t.Errorf("web's listener port %d is not the rule's (%v)", web.ListenPort, rule)
+	}
+	if web.Service != "default/web" || web.Port != "http" || web.Protocol != "TCP" || web.Family != "IPv4" ||
+		web.Balancer != "round-robin" || web.Affinity != "None" || strings.Join(web.Addresses, ",") != "ClusterIP 10.96.0.10:80" {
+		t.Errorf("web: %+v", web)
+	}
+	if sh.Balancer != "source-hash" || sh.Affinity != "ClientIP" || sh.AffinityTimeoutSeconds != 10800 || len(sh.Endpoints) != 1 {
+		t.Errorf("sh: %+v", sh)
+	}
+	if len(web.Endpoints) != 3 {
+		t.Fatalf("web endpoints: %+v", web.Endpoints)
+	}
+	for _, e := range web.Endpoints {
+		dead := e.Address == c.pods[0].IP.String()+":8080"
+		if !e.Ready || e.Ejected != dead || (e.RecentDialErrors > 0) != dead || e.Active != 0 {
+			t.Errorf("endpoint %+v (dead: %v)", e, dead)
+		}
+	}
+
+	table := c.uproxyCmd("status", "--address", metricsAddr)
+	for _, want := range []string{"SERVICE", "LISTENER", "default/web", "ClusterIP 10.96.0.10:80", "source-hash", "ClientIP (10800s)", c.pods[0].IP.String() + ":8080", "RECENT DIAL ERRORS"} {
+		if !strings.Contains(table, want) {
+			t.Errorf("table lacks %q:\n%s", want, table)
+		}
+	}
+	if y := c.uproxyCmd("status", "--address", metricsAddr, "-o", "yaml"); !strings.Contains(y, "listenPort: "+fmt.Sprint(web.ListenPort)) {
+		t.Errorf("yaml output:\n%s", y)
+	}
+	t.Logf("uproxy status:\n%s", table)
+}

@@ -1,0 +1,276 @@
+package proxy
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// Explanation says what happens to a connection (or datagram) to one
+// destination from one client: which listener catches it, how the
+// listener learns where it was going, and which endpoint it would reach.
+// The command fills KernelRules and Routes from the node's kernel.
+type Explanation struct {
+	Destination string `json:"destination"` // "10.96.0.10:80/TCP"
+	Client      string `json:"client,omitempty"`
+	// Caught is true when a listener takes the traffic; Reason says why
+	// not otherwise, or why no endpoint would be reached.
+	Caught bool   `json:"caught"`
+	Reason string `json:"reason,omitempty"`
+	// KernelRules are the node's iptables-save lines that intercept (or
+	// drop) the traffic.
+	KernelRules []string `json:"kernelRules,omitempty"`
+	Service     string   `json:"service,omitempty"`
+	Port        string   `json:"port,omitempty"`
+	// Kind is the kind of service address: ClusterIP, ExternalIP,
+	// LoadBalancerIP or NodePort.
+	Kind     string `json:"kind,omitempty"`
+	Listener string `json:"listener,omitempty"`
+	Mode     string `json:"mode,omitempty"`
+	// OriginalDestination says how the listener recovers the address the
+	// client sent to.
+	OriginalDestination string `json:"originalDestination,omitempty"`
+	// EndpointSet is the traffic policy's choice: cluster or local
+	// endpoints, and why.
+	EndpointSet string `json:"endpointSet,omitempty"`
+	Balancer    string `json:"balancer,omitempty"`
+	Affinity    string `json:"affinity,omitempty"`
+	// Pick says how the endpoint is chosen for this client; Backend is
+	// the endpoint when it is determined (affinity, source hash, a single
+	// candidate, least connections without ties).
+	Pick       string   `json:"pick,omitempty"`
+	Backend    string   `json:"backend,omitempty"`
+	Candidates []string `json:"candidates,omitempty"`
+	// Routes maps endpoint addresses to the node's `ip route get` for them.
+	Routes map[string]string `json:"routes,omitempty"`
+}
+
+// Explain explains traffic to dst over proto from client (invalid: not
+// given) with the state of the last sync. It has no side effects: it
+// picks nothing and refreshes no affinity. Safe for concurrent use.
+func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Addr) Explanation {
+	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
+	client = client.Unmap()
+	ex := Explanation{Destination: fmt.Sprintf("%s/%s", dst, proto)}
+	if client.IsValid() {
+		ex.Client = client.String()
+	}
+	v := p.status.Load()
+	if v == nil {
+		ex.Reason = "uproxy has not synced yet"
+		return ex
+	}
+	local := p.isLocalAddr(dst.Addr())
+	var (
+		sp     *statusPort
+		caught Intercept
+		others []string // ports served at dst's address
+	)
+	for i := range v.ports {
+		for _, in := range v.ports[i].intercepts {
+			var addrMatch bool
+			if in.Kind == NodePort {
+				addrMatch = local && in.VIP.Is4() == dst.Addr().Is4()
+			} else {
+				addrMatch = in.VIP == dst.Addr()
+			}
+			if !addrMatch {
+				continue
+			}
+			if in.Port == dst.Port() && in.Protocol == proto {
+				if sp == nil {
+					sp, caught = &v.ports[i], in
+				}
+				continue
+			}
+			if in.Kind != NodePort {
+				others = append(others, fmt.Sprintf("%d/%s (%s)", in.Port, in.Protocol, in.Service))
+			}
+		}
+	}
+	if sp == nil {
+		switch {
+		case len(others) > 0:
+			slices.Sort(others)
+			ex.Reason = fmt.Sprintf("port mismatch: no service port %d/%s at %s; it serves %s", dst.Port(), proto, dst.Addr(), strings.Join(slices.Compact(others), ", "))
+		case local:
+			ex.Reason = fmt.Sprintf("no such service: %s is a node address, and no service has node port %d/%s", dst.Addr(), dst.Port(), proto)
+		default:
+			ex.Reason = fmt.Sprintf("no such service: no service has the address %s", dst.Addr())
+		}
+		return ex
+	}
+	s := sp.snap
+	ex.Service, ex.Port, ex.Kind = sp.info.Service, sp.info.Port, caught.Kind.String()
+	ex.Mode = p.mode()
+	ex.Balancer, ex.Affinity = sp.info.Balancer, sp.info.Affinity
+	if sp.info.AffinityTimeoutSeconds > 0 {
+		ex.Affinity += fmt.Sprintf(" (%ds)", sp.info.AffinityTimeoutSeconds)
+	}
+	host := "0.0.0.0"
+	if sp.info.Family == "IPv6" {
+		host = "[::]"
+	}
+	udp := proto == v1.ProtocolUDP
+	known := !udp || p.cfg.Transparent
+	switch {
+	case p.cfg.Transparent:
+		host = "127.0.0.1"
+		if sp.info.Family == "IPv6" {
+			host = "[::1]"
+		}
+		ex.OriginalDestination = "getsockname: TPROXY delivers the connection unchanged, its local address is the original destination"
+		if udp {
+			ex.OriginalDestination = "IP_RECVORIGDSTADDR: each datagram carries its original destination"
+		}
+	case udp:
+		ex.OriginalDestination = "not recoverable: REDIRECT rewrote the destination of the datagrams, so they count as cluster-IP traffic (replies leave from the redirected address, which conntrack maps back)"
+	default:
+		ex.OriginalDestination = "SO_ORIGINAL_DST: read from the REDIRECT's conntrack entry, and checked against the service's addresses"
+	}
+	ex.Listener = fmt.Sprintf("%s:%d (%s)", host, sp.info.ListenPort, strings.ToLower(string(proto)))
+
+	if len(caught.SourceRanges) > 0 {
+		if !client.IsValid() {
+			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges %v apply: give --from to check the client", caught.SourceRanges)
+		} else if !slices.ContainsFunc(caught.SourceRanges, func(r netip.Prefix) bool { return r.Contains(client) }) {
+			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges reject the client: %s is not in %v (UPROXY-FIREWALL drops it)", client, caught.SourceRanges)
+			return ex
+		}
+	}
+	ex.Caught = true
+
+	internal := p.internalClient
+	if !client.IsValid() {
+		internal = func(netip.Addr) bool { return true }
+	}
+	// The traffic policies, as snapshot.route applies them.
+	useLocal := s.sp.ExternalPolicyLocal && !internal(client)
+	if !known || caught.Kind == ClusterIP {
+		useLocal = s.sp.InternalPolicyLocal
+	}
+	backends := s.clusterBackends
+	switch {
+	case useLocal && s.sp.InternalPolicyLocal && (caught.Kind == ClusterIP || !known):
+		ex.EndpointSet = "local: internalTrafficPolicy Local"
+		backends = s.localBackends
+	case useLocal:
+		ex.EndpointSet = "local: externalTrafficPolicy Local, and the client is outside the cluster"
+		backends = s.localBackends
+	case caught.Kind != ClusterIP && known && s.sp.ExternalPolicyLocal:
+		ex.EndpointSet = "cluster: externalTrafficPolicy Local, but the client is a pod or the node (kube-proxy's short circuit)"
+		if !client.IsValid() {
+			ex.EndpointSet = "cluster if the client is a pod or the node, else local (externalTrafficPolicy Local; give --from)"
+		}
+	default:
+		ex.EndpointSet = "cluster"
+	}
+	if s.sets.TopologyMode != "" && !useLocal {
+		ex.EndpointSet += ", filtered by topology (" + s.sets.TopologyMode + ")"
+	}
+	if len(backends) == 0 {
+		notReady := 0
+		for _, e := range s.endpoints {
+			if !e.Ready {
+				notReady++
+			}
+		}
+		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the connection is refused", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReady)
+		return ex
+	}
+	healthy := slices.ContainsFunc(backends, func(b *balancer.Backend) bool { return !b.Ejected() })
+	usable := func(b *balancer.Backend) bool { return !healthy || !b.Ejected() }
+	for _, b := range backends {
+		c := fmt.Sprintf("%s (%d active", b.Addr, b.Active())
+		if b.Ejected() {
+			c += ", ejected"
+		}
+		if sp.info.Balancer == string(balancer.WeightedRoundRobin) || sp.info.Balancer == string(balancer.WeightedLeastConn) {
+			c += fmt.Sprintf(", weight %d", max(b.Weight, 1))
+		}
+		ex.Candidates = append(ex.Candidates, c+")")
+	}
+	if s.affinity != nil && client.IsValid() {
+		if addr, expires, ok := s.affinity.Lookup(client); ok {
+			if i := slices.IndexFunc(backends, func(b *balancer.Backend) bool { return b.Addr == addr }); i >= 0 && usable(backends[i]) {
+				ex.Backend = addr.String()
+				ex.Pick = fmt.Sprintf("ClientIP affinity: the client's recorded endpoint, until %s (refreshed by each new connection)", expires.UTC().Format(time.RFC3339))
+				return ex
+			}
+		}
+	}
+	then := ""
+	if s.affinity != nil {
+		then = "; then recorded for ClientIP affinity"
+	}
+	switch balancer.Kind(sp.info.Balancer) {
+	case balancer.SourceHash:
+		if !client.IsValid() {
+			ex.Pick = "by the client's address (Maglev hash): give --from"
+			break
+		}
+		// A balancer of our own: the same set gives the same table.
+		if b := balancer.New(balancer.SourceHash, slices.Clone(backends)).Pick(client); b != nil {
+			ex.Backend = b.Addr.String()
+		}
+		ex.Pick = "source hash (Maglev) of the client's address" + then
+	case balancer.LeastConn, balancer.WeightedLeastConn:
+		var best []*balancer.Backend
+		var bestLoad float64
+		for _, b := range backends {
+			if !usable(b) {
+				continue
+			}
+			load := float64(b.Active()) / float64(max(b.Weight, 1))
+			if balancer.Kind(sp.info.Balancer) == balancer.LeastConn {
+				load = float64(b.Active())
+			}
+			switch {
+			case len(best) == 0 || load < bestLoad:
+				best, bestLoad = []*balancer.Backend{b}, load
+			case load == bestLoad:
+				best = append(best, b)
+			}
+		}
+		ex.Pick = "the fewest active connections"
+		if balancer.Kind(sp.info.Balancer) == balancer.WeightedLeastConn {
+			ex.Pick += " per unit of weight"
+		}
+		if len(best) == 1 {
+			ex.Backend = best[0].Addr.String()
+		} else {
+			ex.Pick += fmt.Sprintf("; %d tie, next in turn among them", len(best))
+		}
+		ex.Pick += then
+	default:
+		ex.Pick = "next in turn among the candidates" + then
+		if sp.info.Balancer == string(balancer.WeightedRoundRobin) {
+			ex.Pick = "next in turn, in proportion to the weights" + then
+		}
+	}
+	if ex.Backend == "" {
+		if n := slices.IndexFunc(backends, usable); n >= 0 && len(backends) == 1 {
+			ex.Backend = backends[n].Addr.String()
+		}
+	}
+	return ex
+}
+
+// isLocalAddr reports whether ip is one of the node's addresses (as of the
+// last sync) or loopback.
+func (p *Proxier) isLocalAddr(ip netip.Addr) bool {
+	if ip.IsLoopback() {
+		return true
+	}
+	if addrs := p.localAddrs.Load(); addrs != nil {
+		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
+		return found
+	}
+	return false
+}

@@ -1,0 +1,83 @@
+package proxy
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+)
+
+func TestExplain(t *testing.T) {
+	a, b := nameBackend(t, "a"), nameBackend(t, "b")
+	p, rules := startProxier(t, Config{})
+	sh := svc("sh", "10.96.0.11", "http:80")
+	sh.Annotations = map[string]string{AnnotationBalancer: "source-hash"}
+	aff := svc("aff", "10.96.0.12", "http:80")
+	aff.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+	lb := svc("lb", "10.96.0.13", "http:80")
+	lb.Spec.Type = v1.ServiceTypeLoadBalancer
+	lb.Spec.Ports[0].NodePort = 30080
+	lb.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/24"}
+	lb.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "10.96.200.1"}}
+	slices := slicesFor("web", "http", a, b)
+	slices = append(slices, slicesFor("sh", "http", a, b)...)
+	slices = append(slices, slicesFor("aff", "http", a, b)...)
+	slices = append(slices, slicesFor("lb", "http", a)...)
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80"), sh, aff, lb, svc("empty", "10.96.0.20", "http:80")}, slices)
+	rules.port(t, "default/empty:http")
+	// A connection from 127.0.0.1 records its affinity.
+	affPort := rules.port(t, "default/aff:http")
+	first, err := get(t, affPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	backendOf := map[string]string{"a": a.addr.String(), "b": b.addr.String()}
+	waitUntil(t, "a sync", func() bool { return p.Status().Ports != nil })
+	client := netip.MustParseAddr("127.0.0.1")
+
+	explain := func(dst string, proto v1.Protocol, from netip.Addr) Explanation {
+		t.Helper()
+		ex := p.Explain(netip.MustParseAddrPort(dst), proto, from)
+		t.Logf("%s: %+v", dst, ex)
+		return ex
+	}
+	if ex := explain("10.96.0.10:80", v1.ProtocolTCP, client); !ex.Caught || ex.Service != "default/web" || ex.Backend != "" ||
+		!strings.Contains(ex.Pick, "next in turn") || len(ex.Candidates) != 2 || !strings.Contains(ex.OriginalDestination, "SO_ORIGINAL_DST") {
+		t.Errorf("round-robin: %+v", ex)
+	}
+	ex1, ex2 := explain("10.96.0.11:80", v1.ProtocolTCP, client), explain("10.96.0.11:80", v1.ProtocolTCP, client)
+	if ex1.Backend == "" || ex1.Backend != ex2.Backend {
+		t.Errorf("source hash: %q then %q", ex1.Backend, ex2.Backend)
+	}
+	if ex := explain("10.96.0.12:80", v1.ProtocolTCP, client); ex.Backend != backendOf[first] || !strings.Contains(ex.Pick, "ClientIP affinity") {
+		t.Errorf("affinity: %+v; the connection went to %s", ex, first)
+	}
+	if ex := explain("10.96.0.12:80", v1.ProtocolTCP, netip.MustParseAddr("10.1.1.1")); ex.Backend != "" || !strings.Contains(ex.Pick, "recorded for ClientIP affinity") {
+		t.Errorf("affinity, new client: %+v", ex)
+	}
+	for _, c := range []struct{ dst, from, want string }{
+		{"10.96.0.20:80", "", "no ready endpoints"},
+		{"10.96.0.10:81", "", "port mismatch"},
+		{"10.96.9.9:80", "", "no such service"},
+		{"10.96.200.1:80", "203.0.113.1", "loadBalancerSourceRanges reject the client"},
+	} {
+		var from netip.Addr
+		if c.from != "" {
+			from = netip.MustParseAddr(c.from)
+		}
+		if ex := explain(c.dst, v1.ProtocolTCP, from); !strings.Contains(ex.Reason, c.want) {
+			t.Errorf("%s from %q: reason %q, want %q", c.dst, c.from, ex.Reason, c.want)
+		}
+	}
+	if ex := explain("10.96.0.10:80", v1.ProtocolUDP, client); ex.Caught || !strings.Contains(ex.Reason, "port mismatch") {
+		t.Errorf("UDP to a TCP port: %+v", ex)
+	}
+	if ex := explain("10.96.200.1:80", v1.ProtocolTCP, netip.MustParseAddr("192.0.2.7")); !ex.Caught || ex.Kind != "LoadBalancerIP" || ex.Backend != a.addr.String() {
+		t.Errorf("allowed source: %+v", ex)
+	}
+	// Explaining picked nothing: the affinity table still has one client.
+	if ex := explain("10.96.0.12:80", v1.ProtocolTCP, netip.MustParseAddr("10.1.1.1")); ex.Backend != "" {
+		t.Errorf("explain recorded an affinity: %+v", ex)
+	}
+}

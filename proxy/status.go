@@ -1,0 +1,190 @@
+package proxy
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// Status is what a running Proxier serves: every service port it
+// listens for, with its endpoints and their live counters.
+type Status struct {
+	// Mode is "redirect" or "tproxy".
+	Mode string `json:"mode"`
+	// LastSync is when the last successful sync ended; zero if none.
+	LastSync time.Time `json:"lastSync"`
+	// ActiveConnections counts the proxied TCP connections in progress.
+	ActiveConnections int `json:"activeConnections"`
+	// UDPFlows counts the live UDP flows.
+	UDPFlows int               `json:"udpFlows"`
+	Ports    []ServicePortInfo `json:"ports"`
+}
+
+// ServicePortInfo is one listener: a service port in one address family.
+type ServicePortInfo struct {
+	// Service is "namespace/name"; Port the port's name.
+	Service  string `json:"service"`
+	Port     string `json:"port"`
+	Protocol string `json:"protocol"`
+	Family   string `json:"family"` // IPv4 or IPv6
+	// Addresses are the destinations the kernel sends to the listener:
+	// "ClusterIP 10.96.0.10:80", "NodePort :30080", ...
+	Addresses  []string `json:"addresses"`
+	ListenPort uint16   `json:"listenPort"`
+	// Mode is how traffic reaches the listener: redirect or tproxy.
+	Mode     string `json:"mode"`
+	Balancer string `json:"balancer"`
+	// Affinity is "None" or "ClientIP"; AffinityTimeoutSeconds its timeout.
+	Affinity               string `json:"affinity"`
+	AffinityTimeoutSeconds int    `json:"affinityTimeoutSeconds,omitempty"`
+	// InternalTrafficPolicy and ExternalTrafficPolicy are Cluster or Local.
+	InternalTrafficPolicy string         `json:"internalTrafficPolicy"`
+	ExternalTrafficPolicy string         `json:"externalTrafficPolicy,omitempty"`
+	TopologyMode          string         `json:"topologyMode,omitempty"`
+	Endpoints             []EndpointInfo `json:"endpoints"`
+}
+
+// EndpointInfo is one endpoint of a service port, with the live counters
+// of its backend.
+type EndpointInfo struct {
+	Address     string `json:"address"`
+	Ready       bool   `json:"ready"`
+	Serving     bool   `json:"serving"`
+	Terminating bool   `json:"terminating"`
+	NodeName    string `json:"nodeName,omitempty"`
+	Zone        string `json:"zone,omitempty"`
+	// Cluster and Local say whether the endpoint is in the set that
+	// cluster traffic, and local traffic, is balanced over.
+	Cluster bool `json:"cluster"`
+	Local   bool `json:"local"`
+	Weight  int  `json:"weight,omitempty"`
+	// Active counts the connections in progress to it (and its UDP flows).
+	Active int64 `json:"activeConnections"`
+	// Ejected: it refused or timed out a recent connection, and balancers
+	// skip it until its ejection ends.
+	Ejected bool `json:"ejected"`
+	// RecentDialErrors counts its consecutive failed connection attempts
+	// (reset by a success or when it is re-admitted and succeeds).
+	RecentDialErrors int `json:"recentDialErrors"`
+}
+
+// statusView is the immutable part of a Status, rebuilt by the sync
+// goroutine after each sync; the live counters are read from the
+// Backends when Status is called.
+type statusView struct {
+	ports []statusPort
+}
+
+type statusPort struct {
+	info       ServicePortInfo // without Endpoints
+	snap       *snapshot
+	intercepts []Intercept
+}
+
+// buildStatusView captures every listener's snapshot. Sync goroutine only.
+func (p *Proxier) buildStatusView() {
+	var v statusView
+	for _, ls := range p.services {
+		for _, l := range ls {
+			s := l.snap.Load()
+			sp := s.sp
+			info := ServicePortInfo{
+				Service:               sp.Name.NamespacedName.String(),
+				Port:                  sp.Name.Port,
+				Protocol:              string(sp.Name.Protocol),
+				Family:                "IPv4",
+				ListenPort:            l.port,
+				Mode:                  p.mode(),
+				Balancer:              string(sp.Balancer),
+				Affinity:              "None",
+				InternalTrafficPolicy: "Cluster",
+				TopologyMode:          s.sets.TopologyMode,
+			}
+			if l.key.v6 {
+				info.Family = "IPv6"
+			}
+			if sp.AffinityTimeout > 0 {
+				info.Affinity = "ClientIP"
+				info.AffinityTimeoutSeconds = int(sp.AffinityTimeout / time.Second)
+			}
+			if sp.InternalPolicyLocal {
+				info.InternalTrafficPolicy = "Local"
+			}
+			if sp.ExternallyAccessible() {
+				info.ExternalTrafficPolicy = "Cluster"
+				if sp.ExternalPolicyLocal {
+					info.ExternalTrafficPolicy = "Local"
+				}
+			}
+			intercepts := l.intercepts(s)
+			for _, i := range intercepts {
+				a := i.Kind.String() + " " + netip.AddrPortFrom(i.VIP, i.Port).String()
+				if i.Kind == NodePort {
+					a = i.Kind.String() + " :" + strconv.Itoa(int(i.Port))
+				}
+				info.Addresses = append(info.Addresses, a)
+			}
+			v.ports = append(v.ports, statusPort{info: info, snap: s, intercepts: intercepts})
+		}
+	}
+	slices.SortFunc(v.ports, func(a, b statusPort) int {
+		return cmp.Or(cmp.Compare(a.info.Service, b.info.Service), cmp.Compare(a.info.Port, b.info.Port),
+			cmp.Compare(a.info.Protocol, b.info.Protocol), cmp.Compare(a.info.Family, b.info.Family))
+	})
+	p.status.Store(&v)
+}
+
+func (p *Proxier) mode() string {
+	if p.cfg.Transparent {
+		return "tproxy"
+	}
+	return "redirect"
+}
+
+// Status returns the proxier's state as of its last sync, with live
+// connection counts and ejections. Safe for concurrent use: it reads an
+// immutable view that each sync replaces, and atomic counters.
+func (p *Proxier) Status() Status {
+	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows()}
+	v := p.status.Load()
+	if v == nil {
+		return st
+	}
+	for _, sp := range v.ports {
+		info := sp.info
+		info.Addresses = slices.Clone(info.Addresses)
+		s := sp.snap
+		info.Endpoints = make([]EndpointInfo, 0, len(s.endpoints))
+		for _, e := range s.endpoints {
+			ei := EndpointInfo{
+				Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving, Terminating: e.Terminating,
+				NodeName: e.NodeName, Zone: e.Zone,
+			}
+			if b := s.backend(e.Addr); b != nil {
+				ei.Cluster = slices.Contains(s.clusterBackends, b)
+				ei.Local = slices.Contains(s.localBackends, b)
+				ei.Weight = b.Weight
+				ei.Active = b.Active()
+				ei.Ejected = b.Ejected()
+				ei.RecentDialErrors = p.health.failures(b)
+			}
+			info.Endpoints = append(info.Endpoints, ei)
+		}
+		st.Ports = append(st.Ports, info)
+	}
+	return st
+}
+
+// failures returns b's consecutive failures. Safe for concurrent use.
+func (h *health) failures(b *balancer.Backend) int {
+	if h.failing.Load() == 0 {
+		return 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.fails[b]
+}

@@ -1,0 +1,69 @@
+package proxy
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+)
+
+func TestStatus(t *testing.T) {
+	a, b := nameBackend(t, "a"), nameBackend(t, "b")
+	refused := nameBackend(t, "refused")
+	refused.ln.Close()
+	p, rules := startProxier(t, Config{EjectBase: time.Minute})
+	if st := p.Status(); len(st.Ports) != 0 || st.Mode != "redirect" {
+		t.Errorf("before the first sync: %+v", st)
+	}
+	web := svc("web", "10.96.0.10", "http:80")
+	web.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", refused, a, b))
+	port := rules.port(t, "default/web:http")
+
+	// Status is read while syncs replace the view.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				_ = p.Status()
+			}
+		}
+	})
+	for range 3 {
+		if _, err := get(t, port); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.Tracker().Replace([]*v1.Service{web, svc("other", "10.96.0.11", "dns:53/UDP")}, slicesFor("web", "http", refused, a, b))
+	waitUntil(t, "two ports in the status", func() bool { return len(p.Status().Ports) == 2 })
+	close(stop)
+	wg.Wait()
+
+	st := p.Status()
+	other, w := st.Ports[0], st.Ports[1]
+	if other.Service != "default/other" || other.Protocol != "UDP" || len(other.Endpoints) != 0 {
+		t.Errorf("other: %+v", other)
+	}
+	if w.Service != "default/web" || w.Port != "http" || w.Family != "IPv4" || int(w.ListenPort) != port ||
+		w.Balancer != "round-robin" || w.Affinity != "ClientIP" || w.AffinityTimeoutSeconds != 10800 ||
+		len(w.Addresses) != 1 || w.Addresses[0] != "ClusterIP 10.96.0.10:80" || w.Mode != "redirect" {
+		t.Errorf("web: %+v", w)
+	}
+	if len(w.Endpoints) != 3 {
+		t.Fatalf("web endpoints: %+v", w.Endpoints)
+	}
+	for _, e := range w.Endpoints {
+		if !e.Ready || !e.Cluster || e.Active != 0 {
+			t.Errorf("endpoint %+v", e)
+		}
+		failed := e.Address == refused.addr.String()
+		if e.Ejected != failed || (e.RecentDialErrors > 0) != failed {
+			t.Errorf("endpoint %s: ejected %v, %d recent dial errors; want the refused one only", e.Address, e.Ejected, e.RecentDialErrors)
+		}
+	}
+}
