@@ -601,3 +601,23 @@ func TestProxyProtocolHeader(t *testing.T) {
 		})
 	}
 }
+
+// TestEndpointChangesDoNotTouchRules checks that a change of endpoints
+// only swaps the balancer: the kernel rules are not rewritten.
+func TestEndpointChangesDoNotTouchRules(t *testing.T) {
+	a, b := nameBackend(t, "a"), nameBackend(t, "b")
+	p, rules := startProxier(t, Config{})
+	web := svc("web", "10.96.0.10", "http:80")
+	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", a))
+	port := rules.port(t, "default/web:http")
+	rules.mu.Lock()
+	before := rules.calls
+	rules.mu.Unlock()
+	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", b))
+	waitUntil(t, "traffic moves to b", func() bool { name, err := get(t, port); return err == nil && name == "b" })
+	rules.mu.Lock()
+	defer rules.mu.Unlock()
+	if rules.calls != before {
+		t.Errorf("an endpoint-only change called the rule syncer %d times", rules.calls-before)
+	}
+}
