@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"sync"
+	"syscall"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -155,8 +156,9 @@ feed:
 
 // retry runs fn until it succeeds, fails with an error that retrying
 // cannot fix, or fails 8 times. An apiserver flooded with creates on two
-// cores answers some with timeouts, 429s or 5xx, or drops the connection;
-// those are retried with a growing pause.
+// cores answers some with timeouts, 429s or 5xx, or drops the connection,
+// and a burst of new connections can overflow the socket's backlog
+// (EAGAIN); those are retried with a growing pause.
 func retry(ctx context.Context, fn func() error) error {
 	var err error
 	pause := 50 * time.Millisecond
@@ -166,7 +168,7 @@ func retry(ctx context.Context, fn func() error) error {
 		}
 		if !(apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsTooManyRequests(err) ||
 			apierrors.IsInternalError(err) || apierrors.IsServiceUnavailable(err) || utilnet.IsConnectionReset(err) ||
-			utilnet.IsProbableEOF(err) || errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil) {
+			utilnet.IsProbableEOF(err) || errors.Is(err, syscall.EAGAIN) || errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil) {
 			return err
 		}
 		select {
