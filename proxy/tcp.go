@@ -214,30 +214,38 @@ func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, fro
 // dialOnce connects to addr, from the address from when it is valid
 // (tproxy mode, preserving the client's address).
 func (p *Proxier) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
+	return dialAs[*net.TCPConn](p.dial("tcp", addr, from))
+}
+
+// dial connects to addr over network ("tcp" or "udp") within the dial
+// timeout: from the address from when it is valid, else with the
+// configured or default dialer.
+func (p *Proxier) dial(network string, addr netip.AddrPort, from netip.Addr) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
 	defer cancel()
-	var (
-		c   net.Conn
-		err error
-	)
 	switch {
 	case from.IsValid():
-		c, err = transparentDialer(from, false).DialContext(ctx, "tcp", addr.String())
+		return transparentDialer(from, network == "udp").DialContext(ctx, network, addr.String())
 	case p.cfg.Dial != nil:
-		c, err = p.cfg.Dial(ctx, "tcp", addr.String())
-	default:
-		var d net.Dialer
-		c, err = d.DialContext(ctx, "tcp", addr.String())
+		return p.cfg.Dial(ctx, network, addr.String())
 	}
+	var d net.Dialer
+	return d.DialContext(ctx, network, addr.String())
+}
+
+// dialAs returns c as the concrete type the data path needs (a bare
+// *net.TCPConn splices; a wrapper would not), closing anything else.
+func dialAs[T net.Conn](c net.Conn, err error) (T, error) {
+	var zero T
 	if err != nil {
-		return nil, err
+		return zero, err
 	}
-	tc, ok := c.(*net.TCPConn)
+	t, ok := c.(T)
 	if !ok {
 		c.Close()
-		return nil, fmt.Errorf("dialer returned %T, not *net.TCPConn", c)
+		return zero, fmt.Errorf("dialer returned %T, not %T", c, zero)
 	}
-	return tc, nil
+	return t, nil
 }
 
 // pipe copies both directions until both have ended, then closes both

@@ -303,30 +303,7 @@ func (p *Proxier) udpFailed(f *udpFlow, err error) {
 }
 
 func (p *Proxier) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
-	defer cancel()
-	var (
-		c   net.Conn
-		err error
-	)
-	switch {
-	case from.IsValid():
-		c, err = transparentDialer(from, true).DialContext(ctx, "udp", addr.String())
-	case p.cfg.Dial != nil:
-		c, err = p.cfg.Dial(ctx, "udp", addr.String())
-	default:
-		var d net.Dialer
-		c, err = d.DialContext(ctx, "udp", addr.String())
-	}
-	if err != nil {
-		return nil, err
-	}
-	uc, ok := c.(*net.UDPConn)
-	if !ok {
-		c.Close()
-		return nil, fmt.Errorf("dialer returned %T, not *net.UDPConn", c)
-	}
-	return uc, nil
+	return dialAs[*net.UDPConn](p.dial("udp", addr, from))
 }
 
 // replyBuffers recycles reply buffers: a flow holds one only while it
