@@ -6,7 +6,7 @@ GO        ?= go
 BIN       := bin
 # Debian packages the tests need (the e2e tests build namespaces, install
 # iptables rules in them, and run a real etcd and kube-apiserver).
-TEST_PKGS := iptables iproute2 ipset curl socat etcd-server
+TEST_PKGS := iptables iproute2 ipset curl socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
 DEMO_PKGS := iptables iproute2 curl
 GOTESTFLAGS ?=
 
@@ -59,3 +59,22 @@ fmt:
 
 clean:
 	rm -rf $(BIN)
+
+# The benchmarks (bench/, see `go run ./bench --help`) need, beyond the
+# tests' packages, the proxies they compare and perf for the CPU profiles.
+BENCH_PKGS := $(TEST_PKGS) linux-perf
+BENCHFLAGS ?=
+
+.PHONY: bench bench-smoke
+
+# bench: every part (datapath, controlplane, gobench), then the report:
+# bench/results/DATE-HOST.md and its charts. About half an hour.
+bench:
+	$(call apt-ensure,$(BENCH_PKGS))
+	$(GO) run ./bench all $(BENCHFLAGS)
+
+# bench-smoke: the same with tiny durations and counts, into a temporary
+# folder: checks that the harness works end to end, in about a minute.
+bench-smoke:
+	$(call apt-ensure,$(BENCH_PKGS))
+	$(GO) run ./bench all --smoke $(BENCHFLAGS)

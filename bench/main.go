@@ -20,6 +20,8 @@ func main() {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand(), newUDPServeCommand(), newUDPQueryCommand())
+	root.AddCommand(newBackendCommand(), newLoadCommand())
+	root.AddCommand(newPartCommands()...)
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)

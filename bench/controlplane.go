@@ -1,0 +1,548 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+
+	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/bench/lab"
+)
+
+// cpMetrics are the control-plane figures, in report order.
+var cpMetrics = []Metric{
+	{"program_s", "Time from proxy start until every service is programmed and the last one answers", "s", false},
+	{"change_ms", "Time from one endpoint change until traffic follows it", "ms", false},
+	{"rules", "Kernel rules (lines of iptables-save, plus ipset save if any; nft list ruleset for nftables)", "lines", false},
+	{"rss_mib", "Proxy RSS once everything is programmed", "MiB", false},
+}
+
+// ControlPlaneResults is the controlplane part's output (controlplane.json).
+type ControlPlaneResults struct {
+	Meta    RunMeta   `json:"meta"`
+	Proxies []Subject `json:"proxies"`
+	Metrics []Metric  `json:"metrics"`
+	Scales  []int     `json:"scales"`
+	// Endpoints per service; Changes timed per proxy, scale and run.
+	Endpoints int `json:"endpoints"`
+	Changes   int `json:"changes"`
+	// Figures maps a metric, a proxy and a scale (decimal) to its series.
+	// change_ms holds every change of every run; the others one value per
+	// run.
+	Figures map[string]map[string]map[string]*Series `json:"figures"`
+	// GenerateSeconds maps a scale to the time the API server took to
+	// create its objects.
+	GenerateSeconds map[string]float64 `json:"generateSeconds"`
+	// Notes on how the runs went (a proxy measured once, say).
+	Notes []string `json:"notes,omitempty"`
+}
+
+func (r *ControlPlaneResults) series(metric, proxy string, scale int) *Series {
+	m := r.Figures[metric]
+	if m == nil {
+		m = map[string]map[string]*Series{}
+		r.Figures[metric] = m
+	}
+	p := m[proxy]
+	if p == nil {
+		p = map[string]*Series{}
+		m[proxy] = p
+	}
+	key := strconv.Itoa(scale)
+	s := p[key]
+	if s == nil {
+		s = &Series{}
+		p[key] = s
+	}
+	return s
+}
+
+func (r *ControlPlaneResults) setNA(proxy string, scale int, reason string, metrics ...string) {
+	if len(metrics) == 0 {
+		for _, m := range r.Metrics {
+			metrics = append(metrics, m.ID)
+		}
+	}
+	for _, m := range metrics {
+		if s := r.series(m, proxy, scale); len(s.Values) == 0 && s.NA == "" {
+			s.NA = reason
+		}
+	}
+}
+
+// scaleSet is one scale's objects, as the proxies see them.
+type scaleSet struct {
+	gen       []kube.Generated
+	endpoints []netip.Addr // every service's endpoints
+	changes   []netip.Addr // the last service's endpoint, change after change
+	targets   string       // file of every service's VIP:port, for the sweep
+}
+
+func (s *scaleSet) last() kube.Generated { return s.gen[len(s.gen)-1] }
+
+func (s *scaleSet) dnatPorts() []dnatPort {
+	ports := make([]dnatPort, len(s.gen))
+	for i, g := range s.gen {
+		ports[i] = dnatPort{Name: "default/" + g.Name + ":http", ClusterIP: g.ClusterIP, Port: g.Port, Protocol: "tcp", Endpoints: withPort(s.endpoints, rrTarget)}
+	}
+	return ports
+}
+
+func withPort(addrs []netip.Addr, port uint16) []netip.AddrPort {
+	out := make([]netip.AddrPort, len(addrs))
+	for i, a := range addrs {
+		out[i] = netip.AddrPortFrom(a, port)
+	}
+	return out
+}
+
+// cpProxy is one way of programming the node from the API server's
+// services.
+type cpProxy struct {
+	Subject
+	// na says why the proxy cannot run here, or nil.
+	na func(e *env, k *kubeEnv) error
+	// start begins programming every service of s in t and returns the
+	// proxy process (nil when the harness programs the kernel itself).
+	start func(ctx context.Context, e *env, t *topo, k *kubeEnv, s *scaleSet) (*lab.Proc, error)
+	// change moves the last service to the single endpoint to, from the
+	// endpoints from.
+	change func(ctx context.Context, t *topo, k *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr) error
+	// rules counts the kernel's rule lines in t's node.
+	rules func(ctx context.Context, t *topo) (int, error)
+}
+
+var cpProxies = []cpProxy{
+	{
+		Subject: Subject{"dnat", "kernel DNAT (iptables-restore)", "The harness renders kube-proxy's iptables-mode rules for every service and loads them with one iptables-restore; an endpoint change is one iptables-restore --noflush of the service's chains. The floor of what programming iptables costs, without a control loop."},
+		na: func(*env, *kubeEnv) error {
+			if _, err := exec.LookPath("iptables-restore"); err != nil {
+				return na("iptables-restore is not installed (Debian package iptables)")
+			}
+			return nil
+		},
+		start: func(ctx context.Context, _ *env, t *topo, _ *kubeEnv, s *scaleSet) (*lab.Proc, error) {
+			return nil, restore(ctx, t.lab, t.lab.Node, renderDNAT(s.dnatPorts(), clusterCIDR), false)
+		},
+		change: func(ctx context.Context, t *topo, _ *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr) error {
+			p := s.dnatPorts()[len(s.gen)-1]
+			p.Endpoints = withPort([]netip.Addr{to}, rrTarget)
+			return restore(ctx, t.lab, t.lab.Node, renderDNATChange(p, withPort(from, rrTarget), clusterCIDR), true)
+		},
+		rules: iptablesRules,
+	},
+	{
+		Subject: Subject{"uproxy", "uproxy redirect", "uproxy run --kubeconfig … --hostname-override … --cluster-cidr 10.244.0.0/16, defaults otherwise (--iptables-min-sync-period 1s)."},
+		na: func(e *env, k *kubeEnv) error {
+			if e.uproxyErr != nil {
+				return fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
+			}
+			return kubeProxyNA(k, "iptables")
+		},
+		start: func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+			return t.lab.Start(t.lab.Node, "uproxy", e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
+				"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR)
+		},
+		change: apiChange,
+		rules:  iptablesRules,
+	},
+	{
+		Subject: Subject{"kp-iptables", "kube-proxy iptables", "kube-proxy --proxy-mode iptables, defaults otherwise (--iptables-min-sync-period 1s)."},
+		na:      func(_ *env, k *kubeEnv) error { return kubeProxyNA(k, "iptables") },
+		start:   startKubeProxy("iptables"),
+		change:  apiChange,
+		rules:   iptablesRules,
+	},
+	{
+		Subject: Subject{"kp-nftables", "kube-proxy nftables", "kube-proxy --proxy-mode nftables, defaults otherwise."},
+		na:      func(_ *env, k *kubeEnv) error { return kubeProxyNA(k, "nftables") },
+		start:   startKubeProxy("nftables"),
+		change:  apiChange,
+		rules: func(ctx context.Context, t *topo) (int, error) {
+			return countLines(ctx, t.lab, t.lab.Node, "nft", "list", "ruleset")
+		},
+	},
+}
+
+func startKubeProxy(mode string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+	return func(ctx context.Context, _ *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+		return t.lab.Start(t.lab.Node, "kube-proxy", kubeProxyArgs(k.kubeProxy, k.cp.Kubeconfig, mode)...)
+	}
+}
+
+// iptablesRules counts the lines of iptables-save, plus those of ipset
+// save when ipset is installed (rules may match sets).
+func iptablesRules(ctx context.Context, t *topo) (int, error) {
+	n, err := countLines(ctx, t.lab, t.lab.Node, "iptables-save")
+	if err != nil {
+		return 0, err
+	}
+	if _, err := exec.LookPath("ipset"); err == nil {
+		m, err := countLines(ctx, t.lab, t.lab.Node, "ipset", "save")
+		if err != nil {
+			return 0, err
+		}
+		n += m
+	}
+	return n, nil
+}
+
+// apiChange replaces the last service's EndpointSlice's endpoints.
+func apiChange(ctx context.Context, _ *topo, k *kubeEnv, s *scaleSet, _ []netip.Addr, to netip.Addr) error {
+	return setEndpoints(ctx, k, s.last().Name, []netip.Addr{to})
+}
+
+func setEndpoints(ctx context.Context, k *kubeEnv, service string, addrs []netip.Addr) error {
+	slices := k.cp.Client.DiscoveryV1().EndpointSlices("default")
+	sl, err := slices.Get(ctx, service+"-1", metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("getting %s's EndpointSlice: %w", service, err)
+	}
+	sl.Endpoints = nil
+	for _, a := range addrs {
+		sl.Endpoints = append(sl.Endpoints, discovery.Endpoint{Addresses: []string{a.String()}, Conditions: discovery.EndpointConditions{Ready: ptr.To(true)}})
+	}
+	if _, err := slices.Update(ctx, sl, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("updating %s's EndpointSlice: %w", service, err)
+	}
+	return nil
+}
+
+func runControlPlane(ctx context.Context, e *env) error {
+	cfg := e.cfg
+	scales := slices.Clone(cfg.Scales)
+	slices.Sort(scales)
+	scales = slices.Compact(scales)
+	res := &ControlPlaneResults{
+		Meta:            newRunMeta(e, fmt.Sprintf("%d runs, scales %v, %d endpoints per service, %d changes", cfg.Runs, scales, cfg.Endpoints, cfg.Changes)),
+		Metrics:         cpMetrics,
+		Scales:          scales,
+		Endpoints:       cfg.Endpoints,
+		Changes:         cfg.Changes,
+		Figures:         map[string]map[string]map[string]*Series{},
+		GenerateSeconds: map[string]float64{},
+	}
+	for _, p := range cpProxies {
+		res.Proxies = append(res.Proxies, p.Subject)
+	}
+	save := func() error {
+		res.Meta.finish()
+		return writeJSON(cfg, "controlplane.json", res)
+	}
+	// One API server for every scale: each scale adds services to the
+	// previous one's (the scales are nested, 1,000 ⊂ 5,000 ⊂ 10,000), which
+	// saves creating them again.
+	k := e.kube(ctx)
+	if k.err != nil {
+		e.logf("no control plane (%v): only the kernel DNAT row can run", k.err)
+	}
+	s := &scaleSet{}
+	for i := range cfg.Endpoints {
+		s.endpoints = append(s.endpoints, netip.AddrFrom4([4]byte{10, 244, 0, byte(100 + i)}))
+	}
+	for i := range cfg.Changes {
+		s.changes = append(s.changes, netip.AddrFrom4([4]byte{10, 244, 0, byte(150 + i)}))
+	}
+	dir, err := os.MkdirTemp("", "bench-scale-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	s.targets = filepath.Join(dir, "targets")
+	timedOut := map[string]*timeoutError{}
+	for si, n := range scales {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		where := fmt.Sprintf("[scale %d/%d: %d×%d]", si+1, len(scales), n, cfg.Endpoints)
+		if err := growScale(ctx, e, res, k, s, si, n, where); err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			// The next scales would have holes: stop here.
+			res.Meta.Errors = append(res.Meta.Errors, fmt.Sprintf("scale %d: %v", n, err))
+			e.logf("%s FAILED: %v", where, err)
+			break
+		}
+		measureScale(ctx, e, res, k, s, n, where, timedOut)
+		if err := save(); err != nil {
+			return err
+		}
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	for _, p := range cpProxies {
+		for _, n := range scales {
+			for _, m := range res.Metrics {
+				if s := res.series(m.ID, p.ID, n); !s.filled() {
+					s.NA = "error: every run failed (see the errors below)"
+				}
+			}
+		}
+	}
+	return save()
+}
+
+// growScale creates services until s has n of them: in the API server, or,
+// without one, as addresses for the kernel DNAT row alone.
+func growScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kubeEnv, s *scaleSet, si, n int, where string) error {
+	more := n - len(s.gen)
+	start := time.Now()
+	if k.err == nil {
+		gen, err := kube.Generate(ctx, patientDialer(k.cp.RESTConfig), kube.GenerateSpec{
+			Services: more, Endpoints: s.endpoints, Prefix: fmt.Sprintf("scale%d", si)})
+		if err != nil {
+			return fmt.Errorf("creating the services: %w", err)
+		}
+		s.gen = append(s.gen, gen...)
+		res.GenerateSeconds[strconv.Itoa(n)] = time.Since(start).Seconds()
+		e.logf("%s created %d more services × %d endpoints in the API server in %v", where, more, e.cfg.Endpoints, time.Since(start).Round(100*time.Millisecond))
+	} else {
+		base := netip.MustParseAddr("10.96.0.100")
+		for range len(s.gen) {
+			base = base.Next()
+		}
+		for i := range more {
+			s.gen = append(s.gen, kube.Generated{Name: fmt.Sprintf("scale%d-%05d", si, i), ClusterIP: base, Port: rrPort})
+			base = base.Next()
+		}
+	}
+	var targets strings.Builder
+	for _, g := range s.gen {
+		fmt.Fprintf(&targets, "%s\n", addrPort(g.ClusterIP, g.Port))
+	}
+	return os.WriteFile(s.targets, []byte(targets.String()), 0o644)
+}
+
+// timeoutError is a proxy that did not program every service within
+// the time allowed. It is a result, not a failure: the proxy's runs at this
+// and larger scales are skipped.
+type timeoutError struct {
+	timeout  time.Duration
+	services int
+}
+
+func (t *timeoutError) Error() string {
+	return fmt.Sprintf("did not program %s services within %v (--program-timeout)", thousands(int64(t.services)), t.timeout)
+}
+
+// measureScale measures every proxy over the services of s, cfg.Runs
+// times (interleaved). Failures are recorded in res; a proxy that timed
+// out is recorded in timedOut and not run again.
+func measureScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kubeEnv, s *scaleSet, n int, where string, timedOut map[string]*timeoutError) {
+	slow := map[string]bool{}
+	for run := 1; run <= e.cfg.Runs; run++ {
+		for _, p := range cpProxies {
+			if ctx.Err() != nil {
+				return
+			}
+			if slow[p.ID] {
+				continue
+			}
+			at := fmt.Sprintf("%s run %d %s", where, run, p.ID)
+			if t := timedOut[p.ID]; t != nil {
+				reason := "over " + t.timeout.String() + ": " + t.Error()
+				if t.services != n {
+					reason = "not run: it " + t.Error()
+				}
+				res.setNA(p.ID, n, reason)
+				continue
+			}
+			if err := p.na(e, k); err != nil {
+				reason := err.Error()
+				if ne, ok := errNA(err); ok {
+					reason = ne.reason
+				} else {
+					reason = "error: " + reason
+				}
+				res.setNA(p.ID, n, reason)
+				e.logf("%s: n/a: %s", at, reason)
+				continue
+			}
+			if err := measureProgramming(ctx, e, res, p, k, s, n, at); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				var t *timeoutError
+				if errors.As(err, &t) {
+					timedOut[p.ID] = t
+					res.setNA(p.ID, n, "over "+t.timeout.String()+": "+t.Error())
+					e.logf("%s: %v; not run again", at, err)
+					continue
+				}
+				res.Meta.Errors = append(res.Meta.Errors, fmt.Sprintf("scale %d run %d %s: %v", n, run, p.ID, err))
+				e.logf("%s: FAILED: %v", at, err)
+				continue
+			}
+			if v := res.series("program_s", p.ID, n).Values; run < e.cfg.Runs && len(v) > 0 && v[len(v)-1] > e.cfg.SlowRun.Seconds() {
+				slow[p.ID] = true
+				note := fmt.Sprintf("%s at %s services: measured once, since programming took %.0f s (over --slow-run %v)", p.Title, thousands(int64(n)), v[len(v)-1], e.cfg.SlowRun)
+				res.Notes = append(res.Notes, note)
+				e.logf("%s: %s", at, note)
+			}
+		}
+	}
+}
+
+// measureProgramming starts proxy p in a fresh lab over the scale's
+// services and measures it.
+func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p cpProxy, k *kubeEnv, s *scaleSet, n int, at string) (err error) {
+	cfg := e.cfg
+	t, err := newTopo(ctx, e, 1, append(append([]netip.Addr(nil), s.endpoints...), s.changes...))
+	if err != nil {
+		return fmt.Errorf("building the lab: %w", err)
+	}
+	defer t.close()
+	// Unprogrammed service addresses fail at once (instead of timing out),
+	// so the probes poll fast.
+	if _, err := t.lab.Exec(ctx, t.lab.Node, "ip", "route", "replace", "unreachable", "10.96.0.0/16"); err != nil {
+		return err
+	}
+	if k.err == nil {
+		if err := k.connect(ctx, t.lab); err != nil {
+			return err
+		}
+	}
+	last := addrPort(s.last().ClusterIP, s.last().Port)
+	probeArgs := []string{e.loadBin, "load", "probe", "--target", last, "--timeout", cfg.ProgramTimeout.String(), "--interval", "10ms", "--attempt-timeout", "500ms"}
+	pr, err := t.lab.Start(t.client.NS, "probe-last", probeArgs...)
+	if err != nil {
+		return err
+	}
+	defer stopProc(pr, time.Second)
+	time.Sleep(200 * time.Millisecond) // the probe is polling
+	t0 := time.Now()
+	proc, err := p.start(ctx, e, t, k, s)
+	if err != nil {
+		return fmt.Errorf("starting: %w", err)
+	}
+	defer stopProc(proc, 5*time.Second)
+	var lastOK ProbeResult
+	if err := pr.Wait(cfg.ProgramTimeout + 10*time.Second); err != nil || decodeLine(pr.Output(), &lastOK) != nil || !lastOK.OK {
+		if proc != nil && proc.Exited() {
+			return fmt.Errorf("%s exited: %s", proc.Name, tail(proc.Output(), 10))
+		}
+		if lastOK.Attempts > 0 && !lastOK.OK {
+			return &timeoutError{timeout: cfg.ProgramTimeout, services: n}
+		}
+		return fmt.Errorf("the last service did not answer within %v (%v): %s", cfg.ProgramTimeout, err, tail(pr.Output(), 2))
+	}
+	// Then every service must answer (each is retried until it does).
+	sw, err := t.lab.Exec(ctx, t.client.NS, e.loadBin, "load", "sweep", "--targets-file", s.targets, "--timeout", cfg.ProgramTimeout.String())
+	var swr SweepResult
+	if jerr := decodeLine(sw, &swr); err != nil || jerr != nil || !swr.OK {
+		return fmt.Errorf("not every service answers: %v %v %s", err, jerr, tail(sw, 2))
+	}
+	done := time.Unix(0, lastOK.AtUnixNano)
+	if swr.Unprogrammed > 0 {
+		done = time.Unix(0, max(lastOK.AtUnixNano, swr.DoneUnixNano))
+	}
+	programmed := done.Sub(t0).Seconds()
+	res.series("program_s", p.ID, n).add(programmed)
+	e.logf("%s: the last service answered %.2fs after the start; then all %d answered in a %.1fs sweep (%d not yet programmed, %d retried)",
+		at, time.Unix(0, lastOK.AtUnixNano).Sub(t0).Seconds(), swr.Answered, swr.Seconds, swr.Unprogrammed, swr.Retried)
+
+	rules, err := p.rules(ctx, t)
+	if err != nil {
+		return fmt.Errorf("counting rules: %w", err)
+	}
+	res.series("rules", p.ID, n).add(float64(rules))
+	if proc != nil {
+		kib, err := rssKiB(proc.Cmd.Process.Pid)
+		if err != nil {
+			return err
+		}
+		res.series("rss_mib", p.ID, n).add(float64(kib) / 1024)
+		e.logf("%s: %d rule lines, RSS %.0f MiB", at, rules, float64(kib)/1024)
+	} else {
+		res.setNA(p.ID, n, "no process: the rules live in the kernel", "rss_mib")
+		e.logf("%s: %d rule lines", at, rules)
+	}
+
+	// Endpoint changes of the last service.
+	from := s.endpoints
+	defer func() {
+		// Put the original endpoints back for the next proxy.
+		if k.err == nil && p.ID != "dnat" {
+			if rerr := setEndpoints(ctx, k, s.last().Name, s.endpoints); rerr != nil && err == nil {
+				err = rerr
+			}
+		}
+	}()
+	for i, to := range s.changes {
+		ms, err := timeChange(ctx, e, t, p, k, s, from, to, last)
+		if err != nil {
+			return fmt.Errorf("endpoint change %d: %w", i+1, err)
+		}
+		res.series("change_ms", p.ID, n).add(ms)
+		e.logf("%s: endpoint change %d/%d followed in %.0f ms", at, i+1, len(s.changes), ms)
+		from = []netip.Addr{to}
+		if i < len(s.changes)-1 {
+			time.Sleep(1200 * time.Millisecond) // past the proxies' minimum sync period
+		}
+	}
+	return nil
+}
+
+// timeChange moves the last service to endpoint to and returns how long
+// it took, in milliseconds, until a new connection reached to.
+func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr, target string) (float64, error) {
+	pr, err := t.lab.Start(t.client.NS, "probe-change", e.loadBin, "load", "probe", "--target", target, "--want", to.String(),
+		"--timeout", "60s", "--interval", "5ms", "--attempt-timeout", "500ms")
+	if err != nil {
+		return 0, err
+	}
+	defer stopProc(pr, time.Second)
+	time.Sleep(300 * time.Millisecond) // the probe sees the old endpoints
+	if pr.Exited() {
+		return 0, fmt.Errorf("the probe ended before the change: %s", tail(pr.Output(), 2))
+	}
+	t0 := time.Now()
+	if err := p.change(ctx, t, k, s, from, to); err != nil {
+		return 0, err
+	}
+	var r ProbeResult
+	if err := pr.Wait(70 * time.Second); err != nil || decodeLine(pr.Output(), &r) != nil || !r.OK {
+		return 0, fmt.Errorf("traffic did not follow (%v): %s", err, tail(pr.Output(), 2))
+	}
+	return float64(time.Unix(0, r.AtUnixNano).Sub(t0)) / float64(time.Millisecond), nil
+}
+
+// patientDialer returns a copy of cfg whose connections are retried while
+// the API server's socket relay has a full accept queue: a new client's
+// first concurrent requests each dial (before HTTP/2 takes over), and the
+// relay's listen backlog is short.
+func patientDialer(cfg *rest.Config) *rest.Config {
+	cfg = rest.CopyConfig(cfg)
+	dial := cfg.Dial
+	cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		for try := 0; ; try++ {
+			c, err := dial(ctx, network, addr)
+			if err == nil || !errors.Is(err, syscall.EAGAIN) || try == 50 {
+				return c, err
+			}
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(time.Duration(10+try*10) * time.Millisecond):
+			}
+		}
+	}
+	return cfg
+}

@@ -1,0 +1,380 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// dataMetrics are the data-path figures, in report order.
+var dataMetrics = []Metric{
+	{"bulk_gbps", "Bulk single-stream TCP throughput", "Gbit/s", true},
+	{"rr_rps", "Keep-alive request/response rate", "req/s", true},
+	{"rr_p50_us", "Keep-alive request/response latency, p50", "µs", false},
+	{"rr_p99_us", "Keep-alive request/response latency, p99", "µs", false},
+	{"short_cps", "Short-connection rate (connect, one request, close)", "conn/s", true},
+	{"udp_rps", "UDP request/response rate", "req/s", true},
+	{"udp_p99_us", "UDP request/response latency, p99", "µs", false},
+	{"idle_kib", "Memory per idle connection", "KiB/conn", false},
+	{"idle_fds", "File descriptors per idle connection", "fd/conn", false},
+}
+
+// DataPathResults is the datapath part's output (datapath.json).
+type DataPathResults struct {
+	Meta    RunMeta   `json:"meta"`
+	Paths   []Subject `json:"paths"`
+	Metrics []Metric  `json:"metrics"`
+	// Figures maps a metric id and a path id to its series.
+	Figures map[string]map[string]*Series `json:"figures"`
+	// Profiles maps a path id to where its CPU went during the keep-alive
+	// workload.
+	Profiles map[string]*Profile `json:"profiles"`
+	// ProfileNA says why there are no perf profiles, if so.
+	ProfileNA string `json:"profileNA,omitempty"`
+	// PerfCounters says whether perf's hardware counters work here.
+	PerfCounters string `json:"perfCounters,omitempty"`
+	// Errors per workload that still produced a figure (UDP losses,
+	// failed connections), for the report's notes.
+	Notes []string `json:"notes,omitempty"`
+	// Settings of the workloads.
+	Duration  string `json:"duration"`
+	Conns     int    `json:"conns"`
+	IdleConns int    `json:"idleConns"`
+	// IdleNote says why IdleConns is lower than asked, if it is.
+	IdleNote string `json:"idleNote,omitempty"`
+}
+
+func (r *DataPathResults) series(metric, path string) *Series {
+	m := r.Figures[metric]
+	if m == nil {
+		m = map[string]*Series{}
+		r.Figures[metric] = m
+	}
+	s := m[path]
+	if s == nil {
+		s = &Series{}
+		m[path] = s
+	}
+	return s
+}
+
+// setNA marks every figure of path that has no value yet as n/a.
+func (r *DataPathResults) setNA(path, reason string, metrics ...string) {
+	if len(metrics) == 0 {
+		for _, m := range r.Metrics {
+			metrics = append(metrics, m.ID)
+		}
+	}
+	for _, m := range metrics {
+		if s := r.series(m, path); len(s.Values) == 0 && s.NA == "" {
+			s.NA = reason
+		}
+	}
+}
+
+func runDataPath(ctx context.Context, e *env) error {
+	cfg := e.cfg
+	var paths []dataPath
+	for _, p := range dataPaths {
+		if len(cfg.Paths) == 0 || contains(cfg.Paths, p.ID) {
+			paths = append(paths, p)
+		}
+	}
+	res := &DataPathResults{
+		Meta:      newRunMeta(e, fmt.Sprintf("%d runs, %v per workload, %d connections, %d idle connections", cfg.Runs, cfg.Duration, cfg.Conns, cfg.IdleConns)),
+		Metrics:   dataMetrics,
+		Figures:   map[string]map[string]*Series{},
+		Profiles:  map[string]*Profile{},
+		Duration:  cfg.Duration.String(),
+		Conns:     cfg.Conns,
+		IdleConns: cfg.IdleConns,
+		IdleNote:  cfg.IdleNote,
+	}
+	for _, p := range paths {
+		res.Paths = append(res.Paths, p.Subject)
+	}
+	var k *kubeEnv
+	for _, p := range paths {
+		if strings.HasPrefix(p.ID, "kp-") {
+			if k = e.kube(ctx); k.err != nil {
+				e.logf("no control plane, so no kube-proxy: %v", k.err)
+			}
+			defer func() {
+				if err := k.deleteBenchService(ctx); err != nil {
+					e.logf("%v", err)
+				}
+			}()
+			break
+		}
+	}
+	if !cfg.NoProfile {
+		if res.ProfileNA = perfAvailable(ctx); res.ProfileNA == "" {
+			res.PerfCounters = perfCounters(ctx)
+		}
+	}
+	// Runs are interleaved (every path in run 1, then in run 2, …), so that
+	// a change in the machine's load spreads over every path alike.
+	step, steps := 0, cfg.Runs*len(paths)
+	for run := 1; run <= cfg.Runs; run++ {
+		for _, p := range paths {
+			step++
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			where := fmt.Sprintf("[%d/%d] run %d %s", step, steps, run, p.ID)
+			start := time.Now()
+			err := measurePath(ctx, e, res, p, k, run, where)
+			e.logf("%s: %v", where, time.Since(start).Round(100*time.Millisecond))
+			if err != nil {
+				if n, ok := errNA(err); ok {
+					res.setNA(p.ID, n.reason)
+					e.logf("%s: n/a: %s", where, n.reason)
+					continue
+				}
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				msg := fmt.Sprintf("run %d %s: %v", run, p.ID, err)
+				res.Meta.Errors = append(res.Meta.Errors, msg)
+				e.logf("%s: FAILED: %v", where, err)
+			}
+		}
+	}
+	// A path that failed in every run has no figure: say so.
+	for _, p := range paths {
+		for _, m := range res.Metrics {
+			if s := res.series(m.ID, p.ID); !s.filled() {
+				s.NA = "error: every run failed (see the errors below)"
+			}
+		}
+	}
+	res.Meta.finish()
+	return writeJSON(cfg, "datapath.json", res)
+}
+
+func contains(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// measurePath sets p up in a fresh lab, runs every workload through it
+// once, and tears it down.
+func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) error {
+	cfg := e.cfg
+	t, err := newTopo(ctx, e, 2, nil)
+	if err != nil {
+		return fmt.Errorf("building the lab: %w", err)
+	}
+	defer t.close()
+	r, err := p.setup(ctx, e, t, k)
+	if err != nil {
+		return err
+	}
+	defer stopProc(r.proc, 5*time.Second)
+	readyTimeout := 30 * time.Second
+	if r.proc != nil && r.comm == "kube-proxy" {
+		readyTimeout = 90 * time.Second
+	}
+	start := time.Now()
+	if err := waitReady(ctx, e, t, r, readyTimeout); err != nil {
+		return err
+	}
+	e.logf("%s: ready in %v", where, time.Since(start).Round(time.Millisecond))
+	d := cfg.Duration.String()
+	warm := (cfg.Duration / 5).String()
+	conns := strconv.Itoa(cfg.Conns)
+	note := func(workload string, lr LoadResult) {
+		if lr.Errors > 0 {
+			res.Notes = append(res.Notes, fmt.Sprintf("run %d, %s, %s: %d errors (first: %s)", run, p.ID, workload, lr.Errors, lr.FirstError))
+		}
+	}
+	targets := func(ts []string) []string {
+		var out []string
+		for _, t := range ts {
+			out = append(out, "--target", t)
+		}
+		return out
+	}
+
+	// Bulk.
+	lr, err := t.load(ctx, e, "bulk", append(targets(r.bulk), "--duration", d)...)
+	if err != nil || lr.Bytes == 0 {
+		return fmt.Errorf("bulk: %v %s", err, lr.FirstError)
+	}
+	res.series("bulk_gbps", p.ID).add(lr.Gbps)
+	note("bulk", lr)
+	e.logf("%s bulk: %.2f Gbit/s", where, lr.Gbps)
+
+	// Keep-alive request/response.
+	lr, err = t.load(ctx, e, "rr", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
+	if err != nil || lr.Ops == 0 {
+		return fmt.Errorf("keep-alive: %v %s", err, lr.FirstError)
+	}
+	res.series("rr_rps", p.ID).add(lr.Rate)
+	res.series("rr_p50_us", p.ID).add(lr.P50us)
+	res.series("rr_p99_us", p.ID).add(lr.P99us)
+	note("keep-alive", lr)
+	e.logf("%s keep-alive: %.0f req/s, p50 %.0fµs, p99 %.0fµs", where, lr.Rate, lr.P50us, lr.P99us)
+
+	// Short connections.
+	lr, err = t.load(ctx, e, "short", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
+	if err != nil || lr.Ops == 0 {
+		return fmt.Errorf("short connections: %v %s", err, lr.FirstError)
+	}
+	res.series("short_cps", p.ID).add(lr.Rate)
+	note("short", lr)
+	e.logf("%s short connections: %.0f conn/s", where, lr.Rate)
+
+	// UDP.
+	switch {
+	case len(r.udp) == 0:
+		res.setNA(p.ID, r.udpNA, "udp_rps", "udp_p99_us")
+		e.logf("%s udp: n/a: %s", where, r.udpNA)
+	default:
+		if _, err := t.probe(ctx, e, r.udp[0], true, "", 3*time.Second); err != nil {
+			if !strings.HasPrefix(p.ID, "uproxy") {
+				return fmt.Errorf("udp: the service does not answer: %w", err)
+			}
+			reason := "not implemented (a UDP service through uproxy does not answer)"
+			res.setNA(p.ID, reason, "udp_rps", "udp_p99_us")
+			e.logf("%s udp: n/a: %s", where, reason)
+			break
+		}
+		lr, err = t.load(ctx, e, "udp", append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns)...)
+		if err != nil || lr.Ops == 0 {
+			return fmt.Errorf("udp: %v %s", err, lr.FirstError)
+		}
+		res.series("udp_rps", p.ID).add(lr.Rate)
+		res.series("udp_p99_us", p.ID).add(lr.P99us)
+		note("udp", lr)
+		e.logf("%s udp: %.0f req/s, p99 %.0fµs", where, lr.Rate, lr.P99us)
+	}
+
+	// Idle connections: memory per connection of the proxy process.
+	switch {
+	case r.userspace:
+		idle, err := idleConnections(ctx, e, t, r)
+		if err != nil {
+			return fmt.Errorf("idle connections: %w\n%s output:\n%s", err, r.proc.Name, tail(r.proc.Output(), 10))
+		}
+		res.series("idle_kib", p.ID).add(idle.kib)
+		res.series("idle_fds", p.ID).add(idle.fds)
+		e.logf("%s idle: %.1f KiB and %.1f descriptors per connection (%d connections)", where, idle.kib, idle.fds, idle.established)
+		if idle.established < cfg.IdleConns {
+			note := fmt.Sprintf("run %d, %s, idle: %d of %d connections established, and the figures are per established connection; then connections failed, and the load stopped (first error: %s)",
+				run, p.ID, idle.established, cfg.IdleConns, idle.firstError)
+			if line := lastMatching(r.proc.Output(), "too many open files"); line != "" {
+				note += fmt.Sprintf("; %s ran out of file descriptors (its limit is %d)", r.comm, e.noFile)
+			}
+			res.Notes = append(res.Notes, note)
+			e.logf("%s idle: %s", where, note)
+		}
+	case p.ID == "dnat":
+		if size, err := conntrackObjSize(); err == nil {
+			res.series("idle_kib", p.ID).add(float64(size) / 1024)
+			e.logf("%s idle: kernel only: one conntrack entry of %d bytes per connection", where, size)
+		} else {
+			res.setNA(p.ID, "no proxy process; the kernel's conntrack entry size is unknown: "+err.Error(), "idle_kib")
+		}
+		res.setNA(p.ID, "no process carries the connections", "idle_fds")
+	default:
+		res.setNA(p.ID, "no process carries the connections (the kernel does: see the DNAT row)", "idle_kib", "idle_fds")
+	}
+
+	// Smoke mode profiles one kernel path and uproxy: enough to check that
+	// perf and pprof work.
+	if run == 1 && !cfg.NoProfile && (!cfg.Smoke || p.ID == "dnat" || p.ID == "uproxy") {
+		prof := profilePath(ctx, e, t, r, res.ProfileNA, append(targets(r.rr), "--conns", conns))
+		res.Profiles[p.ID] = prof
+		e.logf("%s profile: %s", where, prof.summary())
+	}
+	return nil
+}
+
+// idleResult is what idle connections cost the proxy process.
+type idleResult struct {
+	established int
+	firstError  string
+	// kib and fds are the growth of the proxy's RSS and open descriptors,
+	// per established connection.
+	kib, fds float64
+}
+
+// idleConnections opens the idle connections through r and measures the
+// proxy process's growth per connection. Connections that fail (a proxy
+// out of descriptors, say) are left out; under 1% established is an error.
+func idleConnections(ctx context.Context, e *env, t *topo, r *pathRun) (idleResult, error) {
+	var res idleResult
+	pid := r.proc.Cmd.Process.Pid
+	before, err := rssKiB(pid)
+	if err != nil {
+		return res, err
+	}
+	fdsBefore := openFiles(pid)
+	args := []string{e.loadBin, "load", "idle", "--conns", strconv.Itoa(e.cfg.IdleConns), "--hold", "3m"}
+	for _, tg := range r.rr {
+		args = append(args, "--target", tg)
+	}
+	p, err := t.lab.Start(t.client.NS, "idle-load", args...)
+	if err != nil {
+		return res, err
+	}
+	defer stopProc(p, 10*time.Second)
+	var lr LoadResult
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		if err := decodeLine(p.Output(), &lr); err == nil {
+			break
+		}
+		if p.Exited() || time.Now().After(deadline) || ctx.Err() != nil {
+			return res, fmt.Errorf("the idle load did not report: %s", tail(p.Output(), 5))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	res.established, res.firstError = lr.Established, lr.FirstError
+	if lr.Established < max(1, e.cfg.IdleConns/100) {
+		return res, fmt.Errorf("only %d of %d connections established (first error: %s)", lr.Established, e.cfg.IdleConns, lr.FirstError)
+	}
+	time.Sleep(500 * time.Millisecond) // let the proxy settle
+	after, err := rssKiB(pid)
+	if err != nil {
+		return res, err
+	}
+	res.kib = float64(after-before) / float64(lr.Established)
+	res.fds = float64(openFiles(pid)-fdsBefore) / float64(lr.Established)
+	return res, nil
+}
+
+// openFiles counts the open descriptors of pid and its descendants.
+func openFiles(pid int) int {
+	n := 0
+	for _, p := range append([]int{pid}, descendants(pid)...) {
+		if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p)); err == nil {
+			n += len(ents)
+		}
+	}
+	return n
+}
+
+// conntrackObjSize returns the size of a conntrack entry (the
+// nf_conntrack slab's object size).
+func conntrackObjSize() (int, error) {
+	b, err := os.ReadFile("/proc/slabinfo")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && f[0] == "nf_conntrack" {
+			return strconv.Atoi(f[3])
+		}
+	}
+	return 0, fmt.Errorf("no nf_conntrack slab in /proc/slabinfo")
+}

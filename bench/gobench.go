@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// goBenchPackages are the packages whose benchmarks cover the hot paths.
+var goBenchPackages = []string{"./balancer/", "./redirect/", "./proxy/"}
+
+// hotPaths are the hot paths the issue asks benchmarks for: a benchmark
+// covers one when its package matches and its name matches the pattern.
+var hotPaths = []struct {
+	What, Package string
+	Name          *regexp.Regexp
+	Owner         string
+}{
+	{"balancer Pick", "./balancer/", regexp.MustCompile(`^BenchmarkPick`), "balancer"},
+	{"flow table lookup", "", regexp.MustCompile(`(?i)flow|lookup|conntrack|session`), "proxy (UDP flows) or redirect"},
+	{"rule rendering for 10k services", "./redirect/", regexp.MustCompile(`(?i)render`), "redirect"},
+}
+
+// GoBenchResults is the gobench part's output (gobench.json).
+type GoBenchResults struct {
+	Meta       RunMeta        `json:"meta"`
+	Command    string         `json:"command"`
+	Packages   []GoBenchPkg   `json:"packages"`
+	Benchmarks []GoBenchEntry `json:"benchmarks"`
+	// HotPaths maps each hot path to the benchmarks that cover it, or to
+	// an empty list when none does.
+	HotPaths []HotPath `json:"hotPaths"`
+}
+
+// GoBenchPkg is one package's run.
+type GoBenchPkg struct {
+	Package string `json:"package"`
+	// NA says why the package's benchmarks did not run (a build failure).
+	NA     string `json:"na,omitempty"`
+	Output string `json:"output"`
+}
+
+// GoBenchEntry is one benchmark, over every count.
+type GoBenchEntry struct {
+	Package     string `json:"package"`
+	Name        string `json:"name"`
+	NsPerOp     Series `json:"nsPerOp"`
+	BytesPerOp  Series `json:"bytesPerOp"`
+	AllocsPerOp Series `json:"allocsPerOp"`
+}
+
+// HotPath is whether a hot path has a benchmark.
+type HotPath struct {
+	What       string   `json:"what"`
+	Owner      string   `json:"owner"`
+	Benchmarks []string `json:"benchmarks"`
+}
+
+var benchLine = regexp.MustCompile(`^(Benchmark\S+?)(?:-\d+)?\s+\d+\s+([\d.]+) ns/op(?:\s+([\d.]+) B/op)?(?:\s+([\d.]+) allocs/op)?`)
+
+func runGoBench(ctx context.Context, e *env) error {
+	cfg := e.cfg
+	benchtime := "1s"
+	if cfg.Smoke {
+		benchtime = "100x"
+	}
+	args := []string{"test", "-run", "^$", "-bench", ".", "-benchmem", "-count", strconv.Itoa(cfg.Runs), "-benchtime", benchtime}
+	res := &GoBenchResults{
+		Meta:    newRunMeta(e, fmt.Sprintf("go %s", strings.Join(args, " "))),
+		Command: "go " + strings.Join(args, " ") + " " + strings.Join(goBenchPackages, " "),
+	}
+	for _, pkg := range goBenchPackages {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		start := time.Now()
+		cmd := exec.CommandContext(ctx, "go", append(args, pkg)...)
+		cmd.Dir = cfg.Root
+		out, err := cmd.CombinedOutput()
+		p := GoBenchPkg{Package: pkg, Output: string(out)}
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			p.NA = fmt.Sprintf("go test failed (%v): %s", err, tail(string(out), 5))
+			e.logf("gobench %s: n/a: %s", pkg, p.NA)
+			res.Packages = append(res.Packages, p)
+			continue
+		}
+		found := map[string]*GoBenchEntry{}
+		var order []string
+		for _, line := range strings.Split(string(out), "\n") {
+			m := benchLine.FindStringSubmatch(line)
+			if m == nil {
+				continue
+			}
+			be := found[m[1]]
+			if be == nil {
+				be = &GoBenchEntry{Package: pkg, Name: m[1]}
+				found[m[1]] = be
+				order = append(order, m[1])
+			}
+			for _, f := range []struct {
+				s *Series
+				v string
+			}{{&be.NsPerOp, m[2]}, {&be.BytesPerOp, m[3]}, {&be.AllocsPerOp, m[4]}} {
+				if v, err := strconv.ParseFloat(f.v, 64); err == nil {
+					f.s.add(v)
+				}
+			}
+		}
+		for _, name := range order {
+			res.Benchmarks = append(res.Benchmarks, *found[name])
+		}
+		res.Packages = append(res.Packages, p)
+		e.logf("gobench %s: %d benchmarks in %v", pkg, len(order), time.Since(start).Round(100*time.Millisecond))
+	}
+	for _, h := range hotPaths {
+		hp := HotPath{What: h.What, Owner: h.Owner, Benchmarks: []string{}}
+		for _, b := range res.Benchmarks {
+			if (h.Package == "" || b.Package == h.Package) && h.Name.MatchString(b.Name) {
+				hp.Benchmarks = append(hp.Benchmarks, strings.TrimPrefix(b.Package, "./")+b.Name)
+			}
+		}
+		if len(hp.Benchmarks) == 0 {
+			e.logf("gobench: no benchmark covers %s (to be added in %s)", h.What, h.Owner)
+		}
+		res.HotPaths = append(res.HotPaths, hp)
+	}
+	res.Meta.finish()
+	return writeJSON(cfg, "gobench.json", res)
+}

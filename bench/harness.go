@@ -1,0 +1,450 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	"github.com/uproxy/uproxy/bench/kube"
+)
+
+// Config configures the benchmark parts (datapath, controlplane, gobench,
+// report and all). Every zero value means the default that its comment
+// gives; smoke mode has its own, tiny, defaults.
+type Config struct {
+	// Out is the results folder: the report is Out/<Stem>.md, and its
+	// charts and raw data are in Out/<Stem>/. Empty means bench/results in
+	// the module root, or a new temporary folder in smoke mode.
+	Out string
+	// Stem names the report; empty means <YYYY-MM-DD>-<host name>.
+	Stem string
+	// Smoke shrinks every duration and count so that the whole harness
+	// runs in seconds. Its figures mean nothing; it checks that every part
+	// works end to end.
+	Smoke bool
+	// Runs is how many times each measurement is repeated (the report
+	// gives min, median and max); zero means 3, or 1 in smoke mode.
+	Runs int
+	// Duration is the length of each timed data-path workload, warm-up
+	// included; zero means 5s, or 300ms in smoke mode.
+	Duration time.Duration
+	// Paths selects data paths by id (see dataPaths); empty means all.
+	Paths []string
+	// Conns is the keep-alive workload's connection count, and the UDP
+	// workload's socket count; zero means 32.
+	Conns int
+	// IdleConns is the idle-connection workload's count; zero means
+	// 10,000, or 200 in smoke mode.
+	IdleConns int
+	// Scales are the control plane's service counts; empty means 1000,
+	// 5000 and 10000, or 50 in smoke mode.
+	Scales []int
+	// Endpoints is the number of endpoints of every generated service;
+	// zero means 10, or 3 in smoke mode.
+	Endpoints int
+	// Changes is how many endpoint changes are timed per proxy, scale and
+	// run; zero means 5, or 1 in smoke mode.
+	Changes int
+	// ProgramTimeout bounds the wait for a proxy to program every service;
+	// zero means 5 minutes, or 2 minutes in smoke mode.
+	ProgramTimeout time.Duration
+	// SlowRun: a proxy that takes longer than this to program a scale's
+	// services is measured once at that scale, not Runs times, to keep the
+	// whole run within the hour; zero means 1 minute.
+	SlowRun time.Duration
+	// NoProfile skips the CPU profiles (perf, pprof).
+	NoProfile bool
+	// Root is the uproxy module root; empty means the one above the
+	// working directory (kube.ModuleRoot).
+	Root string
+	// Log receives one progress line per measurement; nil means stderr.
+	Log io.Writer
+	// Verbose also logs every process the labs start.
+	Verbose bool
+
+	// IdleNote, set by the harness, says why IdleConns was lowered.
+	IdleNote string
+}
+
+// withDefaults returns c with every zero field set to its default.
+func (c Config) withDefaults() (Config, error) {
+	pick := func(v, full, smoke int) int {
+		if v != 0 {
+			return v
+		}
+		if c.Smoke {
+			return smoke
+		}
+		return full
+	}
+	c.Runs = pick(c.Runs, 3, 1)
+	c.Conns = pick(c.Conns, 32, 32)
+	c.IdleConns = pick(c.IdleConns, 10000, 200)
+	c.Endpoints = pick(c.Endpoints, 10, 3)
+	c.Changes = pick(c.Changes, 5, 1)
+	if c.Duration == 0 {
+		c.Duration = 5 * time.Second
+		if c.Smoke {
+			c.Duration = 300 * time.Millisecond
+		}
+	}
+	if c.SlowRun == 0 {
+		c.SlowRun = time.Minute
+	}
+	if c.ProgramTimeout == 0 {
+		c.ProgramTimeout = 5 * time.Minute
+		if c.Smoke {
+			c.ProgramTimeout = 2 * time.Minute
+		}
+	}
+	if len(c.Scales) == 0 {
+		c.Scales = []int{1000, 5000, 10000}
+		if c.Smoke {
+			c.Scales = []int{50}
+		}
+	}
+	if c.Log == nil {
+		c.Log = os.Stderr
+	}
+	var err error
+	if c.Root == "" {
+		if c.Root, err = kube.ModuleRoot(); err != nil {
+			return c, err
+		}
+	}
+	if c.Stem == "" {
+		host, err := os.Hostname()
+		if err != nil {
+			return c, fmt.Errorf("host name for the report's name: %w", err)
+		}
+		host, _, _ = strings.Cut(host, ".")
+		c.Stem = time.Now().Format("2006-01-02") + "-" + host
+	}
+	if c.Out == "" {
+		if c.Smoke {
+			if c.Out, err = os.MkdirTemp("", "uproxy-bench-smoke-"); err != nil {
+				return c, fmt.Errorf("smoke results folder: %w", err)
+			}
+		} else {
+			c.Out = filepath.Join(c.Root, "bench", "results")
+		}
+	}
+	for _, s := range c.Scales {
+		if s < 1 {
+			return c, fmt.Errorf("scale %d: want at least one service", s)
+		}
+	}
+	if c.Endpoints > 40 {
+		return c, fmt.Errorf("%d endpoints per service: at most 40 (addresses 10.244.0.100-139)", c.Endpoints)
+	}
+	if c.Changes > 50 {
+		return c, fmt.Errorf("%d endpoint changes: at most 50 (addresses 10.244.0.150-199)", c.Changes)
+	}
+	for _, p := range c.Paths {
+		if pathByID(p) == nil {
+			return c, fmt.Errorf("unknown data path %q (have %s)", p, strings.Join(pathIDs(), ", "))
+		}
+	}
+	return c, nil
+}
+
+// dataDir is the folder of the raw results and charts.
+func (c Config) dataDir() string { return filepath.Join(c.Out, c.Stem) }
+
+// reportPath is the Markdown report's path.
+func (c Config) reportPath() string { return filepath.Join(c.Out, c.Stem+".md") }
+
+// registerConfigFlags binds c's fields to flags.
+func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
+	fs.StringVar(&c.Out, "out", "", "Results folder (the report is OUT/STEM.md, charts and raw data in OUT/STEM/). Default bench/results, or a new temporary folder with --smoke.")
+	fs.StringVar(&c.Stem, "stem", "", "Report name. Default YYYY-MM-DD-HOST.")
+	fs.BoolVar(&c.Smoke, "smoke", false, "Tiny durations and counts: check that the harness works end to end in seconds (the figures mean nothing).")
+	fs.IntVar(&c.Runs, "runs", 0, "Repetitions of every measurement (min, median and max are reported). Default 3 (1 with --smoke).")
+	fs.DurationVar(&c.Duration, "duration", 0, "Length of each timed data-path workload, warm-up included. Default 5s (300ms with --smoke).")
+	fs.StringSliceVar(&c.Paths, "paths", nil, "Data paths to measure, by id: "+strings.Join(pathIDs(), ",")+". Default all.")
+	fs.IntVar(&c.Conns, "conns", 0, "Connections of the keep-alive workload, sockets of the UDP one. Default 32.")
+	fs.IntVar(&c.IdleConns, "idle-conns", 0, "Concurrent idle connections for the memory workload. Default 10000 (200 with --smoke).")
+	fs.IntSliceVar(&c.Scales, "scales", nil, "Control plane: service counts. Default 1000,5000,10000 (50 with --smoke).")
+	fs.IntVar(&c.Endpoints, "endpoints", 0, "Control plane: endpoints per service. Default 10 (3 with --smoke).")
+	fs.IntVar(&c.Changes, "changes", 0, "Control plane: endpoint changes timed per proxy, scale and run. Default 5 (1 with --smoke).")
+	fs.DurationVar(&c.ProgramTimeout, "program-timeout", 0, "Control plane: longest wait for a proxy to program every service (it is not run again at larger scales). Default 5m (2m with --smoke).")
+	fs.DurationVar(&c.SlowRun, "slow-run", 0, "Control plane: a proxy slower than this to program a scale is measured once there, not --runs times. Default 1m.")
+	fs.BoolVar(&c.NoProfile, "no-profile", false, "Skip the CPU profiles (perf and pprof).")
+	fs.BoolVarP(&c.Verbose, "verbose", "v", false, "Also log every process the labs start.")
+}
+
+// part is one benchmark part: it measures and writes its JSON results.
+type part struct {
+	name  string
+	short string
+	run   func(ctx context.Context, e *env) error
+}
+
+var parts = []part{
+	{"datapath", "Every workload through every data path (network namespaces)", runDataPath},
+	{"controlplane", "Services × endpoints in a real API server: programming time, endpoint change latency, rules, RSS", runControlPlane},
+	{"gobench", "go test -bench for the hot paths (balancer, redirect, proxy)", runGoBench},
+}
+
+// newPartCommands returns one command per part, plus report and all.
+func newPartCommands() []*cobra.Command {
+	var cmds []*cobra.Command
+	for _, p := range parts {
+		var c Config
+		cmd := &cobra.Command{
+			Use:   p.name,
+			Short: p.short,
+			Args:  cobra.NoArgs,
+			RunE: func(cmd *cobra.Command, _ []string) error {
+				return runParts(cmd.Context(), c, []part{p}, false)
+			},
+		}
+		registerConfigFlags(cmd.Flags(), &c)
+		cmds = append(cmds, cmd)
+	}
+	var rc Config
+	report := &cobra.Command{
+		Use:   "report",
+		Short: "Assemble OUT/STEM.md and its PNG charts from the parts' results",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := rc.withDefaults()
+			if err != nil {
+				return err
+			}
+			sum, err := writeReport(cfg)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cfg.Log, "bench: report: %s (%d charts); %d figures, %d n/a\n", cfg.reportPath(), sum.charts, sum.figures, sum.na)
+			return errors.Join(sum.errs...)
+		},
+	}
+	registerConfigFlags(report.Flags(), &rc)
+	var ac Config
+	all := &cobra.Command{
+		Use:   "all",
+		Short: "Run every part, then the report (make bench; --smoke for make bench-smoke)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return runParts(cmd.Context(), ac, parts, true)
+		},
+	}
+	registerConfigFlags(all.Flags(), &ac)
+	return append(cmds, report, all)
+}
+
+// runParts runs the parts in order, then (if report) the report. A part
+// that fails does not stop the next ones; the error is returned at the
+// end, after the report, which says what failed.
+func runParts(ctx context.Context, c Config, ps []part, report bool) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	cfg, err := c.withDefaults()
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	fmt.Fprintf(cfg.Log, "bench: results in %s (report %s)\n", cfg.dataDir(), cfg.reportPath())
+	e, err := newEnv(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	var errs []error
+	for _, p := range ps {
+		if ctx.Err() != nil {
+			break
+		}
+		pstart := time.Now()
+		e.logf("== %s", p.name)
+		if err := p.run(ctx, e); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", p.name, err))
+			e.logf("== %s FAILED after %v: %v", p.name, time.Since(pstart).Round(time.Second), err)
+			continue
+		}
+		e.logf("== %s done in %v", p.name, time.Since(pstart).Round(time.Second))
+	}
+	if ctx.Err() != nil {
+		return fmt.Errorf("interrupted: %w", ctx.Err())
+	}
+	if report {
+		sum, err := writeReport(cfg)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("report: %w", err))
+		} else {
+			e.logf("report: %s (%d charts); %d figures, %d n/a", cfg.reportPath(), sum.charts, sum.figures, sum.na)
+			errs = append(errs, sum.errs...)
+		}
+	}
+	e.logf("total %v", time.Since(start).Round(time.Second))
+	return errors.Join(errs...)
+}
+
+// env is what the parts share: the configuration, the binaries and the
+// progress log.
+type env struct {
+	cfg    Config
+	binDir string
+	// loadBin and backendBin are this tool under two names, so that
+	// profiles tell the load generator from the backends.
+	loadBin, backendBin string
+	// uproxyBin is built from the working tree; uproxyErr says why not.
+	uproxyBin string
+	uproxyErr error
+	// noFile is the open-files limit of every process we start.
+	noFile uint64
+	mu     sync.Mutex
+
+	kubeOnce sync.Once
+	kubeEnv  *kubeEnv
+}
+
+// kube returns the control plane that the parts share, starting it on
+// first use; its err says why there is none. close stops it.
+func (e *env) kube(ctx context.Context) *kubeEnv {
+	e.kubeOnce.Do(func() { e.kubeEnv = startKube(ctx, e) })
+	return e.kubeEnv
+}
+
+func newEnv(ctx context.Context, cfg Config) (*env, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("the benchmarks need root: they build network namespaces (run as root, or use sudo)")
+	}
+	if err := os.MkdirAll(cfg.dataDir(), 0o755); err != nil {
+		return nil, fmt.Errorf("results folder: %w", err)
+	}
+	noFile, err := raiseNoFile()
+	if err != nil {
+		return nil, err
+	}
+	// A proxy holds two descriptors per connection (client and backend
+	// sides): the idle workload must fit in the limit.
+	if fit := (int(noFile) - 150) / 2 / 100 * 100; cfg.IdleConns > fit {
+		cfg.IdleNote = fmt.Sprintf("%s idle connections instead of %s: the hard limit on open files per process is %s here and cannot be raised (no CAP_SYS_RESOURCE), and a proxy holds two descriptors per connection",
+			thousands(int64(fit)), thousands(int64(cfg.IdleConns)), thousands(int64(noFile)))
+		cfg.IdleConns = fit
+	}
+	dir, err := os.MkdirTemp("", "uproxy-bench-bin-")
+	if err != nil {
+		return nil, err
+	}
+	e := &env{cfg: cfg, binDir: dir, noFile: noFile}
+	if cfg.IdleNote != "" {
+		e.logf("%s", cfg.IdleNote)
+	}
+	start := time.Now()
+	self := filepath.Join(dir, "ubench")
+	if err := goBuild(ctx, cfg.Root, self, "./bench"); err != nil {
+		e.close()
+		return nil, err
+	}
+	e.loadBin, e.backendBin = filepath.Join(dir, "ubench-load"), filepath.Join(dir, "ubench-backend")
+	for _, l := range []string{e.loadBin, e.backendBin} {
+		if err := os.Link(self, l); err != nil {
+			e.close()
+			return nil, fmt.Errorf("linking %s: %w", l, err)
+		}
+	}
+	e.uproxyBin = filepath.Join(dir, "uproxy")
+	if e.uproxyErr = goBuild(ctx, cfg.Root, e.uproxyBin, "./cmd/uproxy"); e.uproxyErr != nil {
+		e.logf("uproxy does not build; its rows will say so: %v", e.uproxyErr)
+	}
+	e.logf("built the load generator, backends and uproxy in %v", time.Since(start).Round(100*time.Millisecond))
+	return e, nil
+}
+
+// raiseNoFile raises the open-files limit, which every process we start
+// inherits, as far as it goes (2^18; root may raise the hard limit where it
+// has CAP_SYS_RESOURCE), and returns it. Go restores the original soft
+// limit in its children only when nobody called Setrlimit.
+func raiseNoFile() (uint64, error) {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return 0, fmt.Errorf("reading the open-files limit: %w", err)
+	}
+	want := syscall.Rlimit{Cur: 1 << 18, Max: 1 << 18}
+	if lim.Max < want.Max && syscall.Setrlimit(syscall.RLIMIT_NOFILE, &want) == nil {
+		return want.Max, nil
+	}
+	lim.Cur = lim.Max
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return 0, fmt.Errorf("raising the open-files limit to %d: %w", lim.Max, err)
+	}
+	return lim.Max, nil
+}
+
+func goBuild(ctx context.Context, root, out, pkg string) error {
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, pkg)
+	cmd.Dir = root
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go build %s: %w: %s", pkg, err, strings.TrimSpace(string(b)))
+	}
+	return nil
+}
+
+func (e *env) close() {
+	if e.kubeEnv != nil {
+		e.kubeEnv.close()
+	}
+	os.RemoveAll(e.binDir)
+}
+
+// logf writes one progress line.
+func (e *env) logf(format string, args ...any) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	fmt.Fprintf(e.cfg.Log, "bench: "+format+"\n", args...)
+}
+
+// labLogf is the labs' process log: silent unless verbose.
+func (e *env) labLogf() func(string, ...any) {
+	if !e.cfg.Verbose {
+		return nil
+	}
+	return func(format string, args ...any) { e.logf("  lab: "+format, args...) }
+}
+
+// writeJSON writes a part's results into the data folder.
+func writeJSON(cfg Config, name string, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(cfg.dataDir(), name)
+	if err := os.WriteFile(path+".tmp", append(b, '\n'), 0o644); err != nil {
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	return os.Rename(path+".tmp", path)
+}
+
+// readJSON reads a part's results; ok is false if the part has not run.
+func readJSON(cfg Config, name string, v any) (ok bool, err error) {
+	b, err := os.ReadFile(filepath.Join(cfg.dataDir(), name))
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return false, fmt.Errorf("%s: %w", name, err)
+	}
+	return true, nil
+}

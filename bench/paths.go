@@ -1,0 +1,394 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/uproxy/uproxy/bench/lab"
+)
+
+// dataPath is one way for the client's traffic to reach the backends.
+type dataPath struct {
+	Subject
+	// setup builds the path in t and returns how to use it, or an
+	// *naError when it cannot be measured here.
+	setup func(ctx context.Context, e *env, t *topo, k *kubeEnv) (*pathRun, error)
+}
+
+// pathRun is a data path set up in one lab.
+type pathRun struct {
+	// Targets of the TCP request/response, bulk and UDP workloads.
+	rr, bulk, udp []string
+	// udpNA says why there is no UDP figure, when udp is empty.
+	udpNA string
+	// proc is the proxy process (or kube-proxy, which only programs the
+	// kernel); nil when the harness programs the kernel itself.
+	proc *lab.Proc
+	// userspace is true when proc carries the connections.
+	userspace bool
+	// comm is the proxy's process name, for perf; empty for kernel paths.
+	comm string
+	// pprof is true when the proxy serves /debug/pprof on
+	// 127.0.0.1:10249 in the node namespace (uproxy).
+	pprof bool
+	// binary is the proxy's executable, for pprof's symbols.
+	binary string
+	// exitNA, if set, tells from the output of a proc that exited at once
+	// that the path cannot be measured (an *naError), or returns nil.
+	exitNA func(output string) error
+}
+
+// waitReady waits until the service answers from the client pod, failing
+// early if the proxy process exits.
+func waitReady(ctx context.Context, e *env, t *topo, r *pathRun, timeout time.Duration) error {
+	pr, err := t.lab.Start(t.client.NS, "probe-ready", e.loadBin, "load", "probe", "--target", r.rr[0], "--timeout", timeout.String())
+	if err != nil {
+		return err
+	}
+	defer stopProc(pr, time.Second)
+	for {
+		if r.proc != nil && r.proc.Exited() {
+			out := r.proc.Output()
+			if r.exitNA != nil {
+				if err := r.exitNA(out); err != nil {
+					return err
+				}
+			}
+			return fmt.Errorf("%s exited (%v):\n%s", r.proc.Name, r.proc.Wait(0), tail(out, 10))
+		}
+		if pr.Exited() {
+			var res ProbeResult
+			if err := decodeLine(pr.Output(), &res); err != nil || !res.OK {
+				msg := fmt.Sprintf("the service does not answer: %s", tail(pr.Output(), 2))
+				if r.proc != nil {
+					msg += "\n" + r.proc.Name + " output:\n" + tail(r.proc.Output(), 10)
+				}
+				return errors.New(msg)
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+var dataPaths = []dataPath{
+	{Subject{"direct", "direct to the pod", "The client connects to the backend pods' own addresses (round-robin over them); no service address, no NAT. The ceiling."}, setupDirect},
+	{Subject{"dnat", "kernel DNAT (iptables rules)", "The harness installs kube-proxy's iptables-mode rule shapes in the node: KUBE-SERVICES → KUBE-SVC (statistic random) → KUBE-SEP (DNAT). The baseline of every ratio."}, setupDNAT},
+	{Subject{"kp-iptables", "kube-proxy iptables", "The real kube-proxy (--proxy-mode iptables, defaults otherwise) against the real API server; the Service and EndpointSlice live there."}, setupKubeProxy("iptables")},
+	{Subject{"kp-nftables", "kube-proxy nftables", "The real kube-proxy (--proxy-mode nftables, defaults otherwise) against the real API server."}, setupKubeProxy("nftables")},
+	{Subject{"haproxy", "HAProxy", "HAProxy in the node (mode tcp, option splice-auto, balance roundrobin, maxpipes 16), reached through an iptables REDIRECT from the VIP to its port: the same rule shape as uproxy's."}, setupHAProxy},
+	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx},
+	{Subject{"uproxy", "uproxy redirect", "uproxy run --config <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
+	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --config <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
+}
+
+func pathByID(id string) *dataPath {
+	for i := range dataPaths {
+		if dataPaths[i].ID == id {
+			return &dataPaths[i]
+		}
+	}
+	return nil
+}
+
+func pathIDs() []string {
+	var ids []string
+	for _, p := range dataPaths {
+		ids = append(ids, p.ID)
+	}
+	return ids
+}
+
+func backendTargets(t *topo, port uint16) []string {
+	var out []string
+	for _, p := range t.backends {
+		out = append(out, addrPort(p.IP, port))
+	}
+	return out
+}
+
+func backendEndpoints(t *topo, port uint16) []netip.AddrPort {
+	var out []netip.AddrPort
+	for _, p := range t.backends {
+		out = append(out, netip.AddrPortFrom(p.IP, port))
+	}
+	return out
+}
+
+// vipRun is the pathRun of a path that serves the benchmark service's VIP.
+func vipRun() *pathRun {
+	return &pathRun{rr: []string{vip(rrPort)}, bulk: []string{vip(bulkPort)}, udp: []string{vip(udpPort)}}
+}
+
+func setupDirect(_ context.Context, _ *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	return &pathRun{
+		rr:   backendTargets(t, rrTarget),
+		bulk: backendTargets(t, bulkTarget)[:1],
+		udp:  backendTargets(t, udpTarget),
+	}, nil
+}
+
+// benchDNATPorts are the benchmark service's ports for the DNAT path.
+func benchDNATPorts(t *topo) []dnatPort {
+	v := netip.MustParseAddr(benchVIP)
+	return []dnatPort{
+		{Name: "default/bench:rr", ClusterIP: v, Port: rrPort, Protocol: "tcp", Endpoints: backendEndpoints(t, rrTarget)},
+		{Name: "default/bench:bulk", ClusterIP: v, Port: bulkPort, Protocol: "tcp", Endpoints: backendEndpoints(t, bulkTarget)},
+		{Name: "default/bench:udp", ClusterIP: v, Port: udpPort, Protocol: "udp", Endpoints: backendEndpoints(t, udpTarget)},
+	}
+}
+
+func setupDNAT(ctx context.Context, _ *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	if _, err := exec.LookPath("iptables-restore"); err != nil {
+		return nil, na("iptables-restore is not installed (Debian package iptables)")
+	}
+	if err := restore(ctx, t.lab, t.lab.Node, renderDNAT(benchDNATPorts(t), clusterCIDR), false); err != nil {
+		return nil, err
+	}
+	return vipRun(), nil
+}
+
+// redirectToLocal installs REDIRECT rules from the benchmark service's
+// ports to local ports (tcp rr, tcp bulk, udp; udp 0 means none).
+func redirectToLocal(ctx context.Context, t *topo, rr, bulk, udp uint16) error {
+	v := netip.MustParseAddr(benchVIP)
+	ports := []redirectPort{{v, rrPort, "tcp", rr}, {v, bulkPort, "tcp", bulk}}
+	if udp != 0 {
+		ports = append(ports, redirectPort{v, udpPort, "udp", udp})
+	}
+	return restore(ctx, t.lab, t.lab.Node, renderRedirect(ports), false)
+}
+
+// Local ports of HAProxy and nginx in the node namespace.
+const (
+	localRR   = 18080
+	localBulk = 15001
+	localUDP  = 10053
+)
+
+func setupHAProxy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	bin, err := exec.LookPath("haproxy")
+	if err != nil {
+		return nil, na("haproxy is not installed (Debian package haproxy)")
+	}
+	dir, err := os.MkdirTemp("", "bench-haproxy-")
+	if err != nil {
+		return nil, err
+	}
+	var b strings.Builder
+	// HAProxy reserves two descriptors per connection and two per pipe:
+	// few pipes (splice needs them only while a transfer is under way),
+	// and as many connections as the open-files limit then allows.
+	fmt.Fprintf(&b, `global
+    maxconn %d
+    maxpipes %d
+defaults
+    mode tcp
+    option splice-auto
+    balance roundrobin
+    timeout connect 2s
+    timeout client 10m
+    timeout server 10m
+`, (e.noFile-2*haproxyPipes-100)/2, haproxyPipes)
+	for _, s := range []struct {
+		name        string
+		local, port uint16
+	}{{"rr", localRR, rrTarget}, {"bulk", localBulk, bulkTarget}} {
+		fmt.Fprintf(&b, "frontend %s\n    bind 0.0.0.0:%d\n    default_backend %s-pods\nbackend %s-pods\n", s.name, s.local, s.name, s.name)
+		for i, ep := range backendTargets(t, s.port) {
+			fmt.Fprintf(&b, "    server be%d %s\n", i, ep)
+		}
+	}
+	cfg := filepath.Join(dir, "haproxy.cfg")
+	if err := os.WriteFile(cfg, []byte(b.String()), 0o644); err != nil {
+		return nil, err
+	}
+	// -db: stay in the foreground, as one process (its threads use every core).
+	p, err := t.lab.Start(t.lab.Node, "haproxy", bin, "-db", "-f", cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := redirectToLocal(ctx, t, localRR, localBulk, 0); err != nil {
+		return nil, err
+	}
+	r := vipRun()
+	r.udp, r.udpNA = nil, "HAProxy does not proxy UDP"
+	r.proc, r.userspace, r.comm, r.binary = p, true, "haproxy", bin
+	return r, nil
+}
+
+// haproxyPipes is HAProxy's maxpipes.
+const haproxyPipes = 16
+
+// nginxStreamModule is Debian's stream module (libnginx-mod-stream).
+const nginxStreamModule = "/usr/lib/nginx/modules/ngx_stream_module.so"
+
+func setupNginx(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		return nil, na("nginx is not installed (Debian packages nginx-light and libnginx-mod-stream)")
+	}
+	if _, err := os.Stat(nginxStreamModule); err != nil {
+		return nil, na("nginx's stream module is not installed (Debian package libnginx-mod-stream)")
+	}
+	dir, err := os.MkdirTemp("", "bench-nginx-")
+	if err != nil {
+		return nil, err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, `load_module %s;
+daemon off;
+master_process on;
+worker_processes auto;
+worker_rlimit_nofile %d;
+user root;
+pid %s/nginx.pid;
+error_log %s/error.log warn;
+events { worker_connections %d; }
+stream {
+`, nginxStreamModule, e.noFile, dir, dir, e.noFile-100)
+	for _, s := range []struct {
+		name        string
+		local, port uint16
+		udp         bool
+	}{{"rr", localRR, rrTarget, false}, {"bulk", localBulk, bulkTarget, false}, {"udp", localUDP, udpTarget, true}} {
+		fmt.Fprintf(&b, "    upstream %s {\n", s.name)
+		for _, ep := range backendTargets(t, s.port) {
+			fmt.Fprintf(&b, "        server %s;\n", ep)
+		}
+		b.WriteString("    }\n")
+		if s.udp {
+			fmt.Fprintf(&b, "    server { listen %d udp; proxy_pass %s; proxy_responses 1; proxy_timeout 2s; }\n", s.local, s.name)
+		} else {
+			fmt.Fprintf(&b, "    server { listen %d; proxy_pass %s; proxy_connect_timeout 2s; proxy_timeout 10m; proxy_half_close on; }\n", s.local, s.name)
+		}
+	}
+	b.WriteString("}\n")
+	cfg := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(cfg, []byte(b.String()), 0o644); err != nil {
+		return nil, err
+	}
+	p, err := t.lab.Start(t.lab.Node, "nginx", bin, "-c", cfg, "-p", dir, "-e", filepath.Join(dir, "error.log"))
+	if err != nil {
+		return nil, err
+	}
+	if err := redirectToLocal(ctx, t, localRR, localBulk, localUDP); err != nil {
+		return nil, err
+	}
+	r := vipRun()
+	r.proc, r.userspace, r.comm, r.binary = p, true, "nginx", bin
+	return r, nil
+}
+
+// benchManifests is the benchmark service as uproxy's manifests.
+func benchManifests(t *topo) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `apiVersion: v1
+kind: Service
+metadata:
+  name: bench
+  namespace: default
+spec:
+  clusterIP: %s
+  ports:
+  - {name: rr, port: %d, targetPort: %d, protocol: TCP}
+  - {name: bulk, port: %d, targetPort: %d, protocol: TCP}
+  - {name: udp, port: %d, targetPort: %d, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: bench-1
+  namespace: default
+  labels:
+    kubernetes.io/service-name: bench
+addressType: IPv4
+ports:
+- {name: rr, port: %d, protocol: TCP}
+- {name: bulk, port: %d, protocol: TCP}
+- {name: udp, port: %d, protocol: UDP}
+endpoints:
+`, benchVIP, rrPort, rrTarget, bulkPort, bulkTarget, udpPort, udpTarget, rrTarget, bulkTarget, udpTarget)
+	for _, p := range t.backends {
+		fmt.Fprintf(&b, "- addresses: [%q]\n  conditions: {ready: true}\n", p.IP)
+	}
+	return b.String()
+}
+
+// setupUproxy runs uproxy in the given mode over manifests of the
+// benchmark service. A mode that uproxy does not support is "n/a: not
+// implemented", so that the row fills in by itself once it is.
+func setupUproxy(mode string) func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	return func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+		if e.uproxyErr != nil {
+			return nil, fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
+		}
+		dir, err := os.MkdirTemp("", "bench-uproxy-")
+		if err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "bench.yaml"), []byte(benchManifests(t)), 0o644); err != nil {
+			return nil, err
+		}
+		args := []string{e.uproxyBin, "run", "--config", dir}
+		if mode != "redirect" {
+			args = append(args, "--mode="+mode)
+		}
+		p, err := t.lab.Start(t.lab.Node, "uproxy", args...)
+		if err != nil {
+			return nil, err
+		}
+		r := vipRun()
+		r.proc, r.userspace, r.comm, r.pprof, r.binary = p, true, "uproxy", true, e.uproxyBin
+		// A mode that uproxy does not know makes it exit at once, saying so.
+		r.exitNA = func(out string) error {
+			if strings.Contains(out, "is not supported") {
+				return na("not implemented (`uproxy run --mode=%s`: %s)", mode, firstLine(lastMatching(out, "not supported")))
+			}
+			return nil
+		}
+		return r, nil
+	}
+}
+
+// lastMatching returns the last line of s that contains sub.
+func lastMatching(s, sub string) string {
+	lines := strings.Split(s, "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if strings.Contains(lines[i], sub) {
+			return lines[i]
+		}
+	}
+	return ""
+}
+
+// stopProc stops a proxy we started (SIGTERM, then SIGKILL), by its pid.
+func stopProc(p *lab.Proc, grace time.Duration) {
+	if p == nil || p.Exited() {
+		return
+	}
+	_ = p.Signal(syscall.SIGTERM)
+	if p.Wait(grace) != nil && !p.Exited() {
+		_ = p.Cmd.Process.Kill()
+		_ = p.Wait(5 * time.Second)
+	}
+}
+
+// errNA returns the naError in err, if any.
+func errNA(err error) (*naError, bool) {
+	var n *naError
+	ok := errors.As(err, &n)
+	return n, ok
+}

@@ -1,0 +1,767 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// reportSummary is what writeReport tells its caller.
+type reportSummary struct {
+	charts, figures, na int
+	// errs are the parts' failures and any figure with neither a value nor
+	// a reason: the harness is broken if there is one.
+	errs []error
+}
+
+// writeReport assembles the Markdown report and its charts from the parts'
+// JSON results in cfg.dataDir().
+func writeReport(cfg Config) (reportSummary, error) {
+	var sum reportSummary
+	var dp DataPathResults
+	var cp ControlPlaneResults
+	var gb GoBenchResults
+	haveDP, err := readJSON(cfg, "datapath.json", &dp)
+	if err != nil {
+		return sum, err
+	}
+	haveCP, err := readJSON(cfg, "controlplane.json", &cp)
+	if err != nil {
+		return sum, err
+	}
+	haveGB, err := readJSON(cfg, "gobench.json", &gb)
+	if err != nil {
+		return sum, err
+	}
+	if !haveDP && !haveCP && !haveGB {
+		return sum, fmt.Errorf("no results in %s: run a part first (datapath, controlplane, gobench)", cfg.dataDir())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	machine := describeMachine(ctx, cfg.Root)
+
+	var b strings.Builder
+	w := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
+	w("# uproxy benchmarks: %s\n\n", cfg.Stem)
+	commit := "unknown"
+	for _, m := range []*RunMeta{&dp.Meta, &cp.Meta, &gb.Meta} {
+		if m.Commit != "" {
+			commit = m.Commit
+			break
+		}
+	}
+	w("Made by `go run ./bench all` (`make bench`) on %s, from uproxy commit %s. Raw results: [`%s/`](%s/).\n\n",
+		machine.Host, commit, cfg.Stem, cfg.Stem)
+	if dp.Meta.Smoke || cp.Meta.Smoke || gb.Meta.Smoke {
+		w("**Smoke run**: tiny durations and counts, to check that the harness works. These figures mean nothing.\n\n")
+	}
+	w("Every figure is the median of its runs, with its ratio to the kernel DNAT path (or, for the control plane, to the harness's own\n" +
+		"iptables-restore of the same rules) measured in the same run: the machine is shared, so absolute figures are noisy,\n" +
+		"ratios less so. The detailed tables give min, median and max.\n\n")
+
+	// Summary.
+	w("## Summary\n\n")
+	if haveDP {
+		writeDataSummary(&b, &dp)
+	}
+	if haveCP {
+		writeCPSummary(&b, &cp)
+	}
+	if haveGB {
+		w("Go benchmarks: %d benchmarks in %d packages; hot paths without a benchmark: %s (see [Go benchmarks](#go-benchmarks)).\n\n",
+			len(gb.Benchmarks), len(gb.Packages), missingHotPaths(&gb))
+	}
+
+	writeMachine(&b, machine)
+	if haveDP {
+		writeMethod(&b, &dp, &cp, haveCP)
+		n, err := writeDataDetails(&b, cfg, &dp)
+		sum.charts += n
+		if err != nil {
+			return sum, err
+		}
+	}
+	if haveCP {
+		n, err := writeCPDetails(&b, cfg, &cp)
+		sum.charts += n
+		if err != nil {
+			return sum, err
+		}
+	}
+	if haveGB {
+		writeGoBench(&b, &gb)
+	}
+	if haveDP {
+		writeProfiles(&b, &dp)
+	}
+	writeNA(&b, &dp, &cp, &gb, haveDP, haveCP, haveGB)
+
+	// Figures and reasons, and the harness's own failures.
+	for _, part := range []struct {
+		name string
+		have bool
+		meta *RunMeta
+	}{{"datapath", haveDP, &dp.Meta}, {"controlplane", haveCP, &cp.Meta}, {"gobench", haveGB, &gb.Meta}} {
+		if !part.have {
+			continue
+		}
+		for _, e := range part.meta.Errors {
+			sum.errs = append(sum.errs, fmt.Errorf("%s: %s", part.name, e))
+		}
+	}
+	if haveDP {
+		for _, m := range dp.Metrics {
+			for _, p := range dp.Paths {
+				s := dp.Figures[m.ID][p.ID]
+				switch {
+				case s != nil && len(s.Values) > 0:
+					sum.figures++
+				case s.filled():
+					sum.na++
+				default:
+					sum.errs = append(sum.errs, fmt.Errorf("datapath: %s of %s has neither a figure nor a reason", m.ID, p.ID))
+				}
+			}
+		}
+	}
+	if haveCP {
+		for _, m := range cp.Metrics {
+			for _, p := range cp.Proxies {
+				for _, n := range cp.Scales {
+					s := cp.Figures[m.ID][p.ID][strconv.Itoa(n)]
+					switch {
+					case s != nil && len(s.Values) > 0:
+						sum.figures++
+					case s.filled():
+						sum.na++
+					default:
+						sum.errs = append(sum.errs, fmt.Errorf("controlplane: %s of %s at %d services has neither a figure nor a reason", m.ID, p.ID, n))
+					}
+				}
+			}
+		}
+	}
+	if haveGB {
+		for _, p := range gb.Packages {
+			if p.NA != "" {
+				sum.na++
+			}
+		}
+		sum.figures += len(gb.Benchmarks)
+	}
+	if err := os.WriteFile(cfg.reportPath(), []byte(b.String()), 0o644); err != nil {
+		return sum, fmt.Errorf("writing the report: %w", err)
+	}
+	return sum, nil
+}
+
+// fmtNum formats a figure with about three significant digits.
+func fmtNum(v float64) string {
+	switch a := math.Abs(v); {
+	case math.IsNaN(v):
+		return "–"
+	case a >= 10000:
+		return thousands(int64(math.Round(v)))
+	case a >= 100:
+		return strconv.FormatFloat(v, 'f', 0, 64)
+	case a >= 10:
+		return strconv.FormatFloat(v, 'f', 1, 64)
+	case a >= 1:
+		return strconv.FormatFloat(v, 'f', 2, 64)
+	default:
+		return strconv.FormatFloat(v, 'f', 3, 64)
+	}
+}
+
+func thousands(n int64) string {
+	s := strconv.FormatInt(n, 10)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var out []string
+	for len(s) > 3 {
+		out = append([]string{s[len(s)-3:]}, out...)
+		s = s[:len(s)-3]
+	}
+	out = append([]string{s}, out...)
+	r := strings.Join(out, ",")
+	if neg {
+		r = "-" + r
+	}
+	return r
+}
+
+// ratio formats v relative to base.
+func ratio(v, base float64) string {
+	if math.IsNaN(v) || math.IsNaN(base) || base == 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f×", v/base)
+}
+
+func median(s *Series) float64 {
+	if s == nil || len(s.Values) == 0 {
+		return math.NaN()
+	}
+	_, m, _ := s.stats()
+	return m
+}
+
+func writeDataSummary(b *strings.Builder, dp *DataPathResults) {
+	fmt.Fprintf(b, "### Data paths\n\nMedian of %d runs; in parentheses, the ratio to kernel DNAT. %d connections for keep-alive, short connections and UDP; %s idle connections for memory.\n\n",
+		dp.Meta.Runs, dp.Conns, thousands(int64(dp.IdleConns)))
+	if dp.IdleNote != "" {
+		fmt.Fprintf(b, "Note: %s.\n\n", dp.IdleNote)
+	}
+	b.WriteString("| data path |")
+	for _, m := range dp.Metrics {
+		fmt.Fprintf(b, " %s |", shortTitle(m))
+	}
+	b.WriteString("\n|---|")
+	for range dp.Metrics {
+		b.WriteString("---:|")
+	}
+	b.WriteString("\n")
+	for _, p := range dp.Paths {
+		fmt.Fprintf(b, "| %s |", p.Title)
+		for _, m := range dp.Metrics {
+			s := dp.Figures[m.ID][p.ID]
+			if s == nil || len(s.Values) == 0 {
+				b.WriteString(" n/a |")
+				continue
+			}
+			med := median(s)
+			if p.ID == "dnat" {
+				fmt.Fprintf(b, " %s |", fmtNum(med))
+				continue
+			}
+			fmt.Fprintf(b, " %s (%s) |", fmtNum(med), ratio(med, median(dp.Figures[m.ID]["dnat"])))
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("\nWhy a cell is n/a: [Not measured](#not-measured). Memory and descriptors per idle connection are the proxy process's growth (RSS, open files)\ndivided by the connections; for kernel DNAT the memory is the size of the one conntrack entry the kernel keeps per connection (its\nslab object size), since no process carries the connection.\n\n")
+}
+
+// shortTitle is a metric's summary-table header.
+func shortTitle(m Metric) string {
+	names := map[string]string{
+		"bulk_gbps":  "bulk",
+		"rr_rps":     "keep-alive",
+		"rr_p50_us":  "keep-alive p50",
+		"rr_p99_us":  "keep-alive p99",
+		"short_cps":  "short conns",
+		"udp_rps":    "UDP",
+		"udp_p99_us": "UDP p99",
+		"idle_kib":   "memory/conn",
+		"idle_fds":   "fds/conn",
+	}
+	n := names[m.ID]
+	if n == "" {
+		n = m.ID
+	}
+	return n + " (" + m.Unit + ")"
+}
+
+func cpMetricSummary(cp *ControlPlaneResults, metric, proxy string, n int) (string, float64) {
+	s := cp.Figures[metric][proxy][strconv.Itoa(n)]
+	if s == nil || len(s.Values) == 0 {
+		return "n/a", math.NaN()
+	}
+	if metric == "change_ms" {
+		return fmtNum(s.quantile(0.5)) + " / " + fmtNum(s.quantile(0.99)), s.quantile(0.5)
+	}
+	m := median(s)
+	return fmtNum(m), m
+}
+
+func writeCPSummary(b *strings.Builder, cp *ControlPlaneResults) {
+	fmt.Fprintf(b, "### Control plane\n\nServices × %d endpoints in a real kube-apiserver; median of %d runs (endpoint changes: p50 / p99 of %d changes per run);\nin parentheses, the ratio to kernel DNAT (the harness loading the same rules with iptables-restore).\n\n",
+		cp.Endpoints, cp.Meta.Runs, cp.Changes)
+	b.WriteString("| proxy | services | programmed (s) | endpoint change p50 / p99 (ms) | rule lines | RSS (MiB) |\n|---|---:|---:|---:|---:|---:|\n")
+	for _, n := range cp.Scales {
+		for _, p := range cp.Proxies {
+			fmt.Fprintf(b, "| %s | %s |", p.Title, thousands(int64(n)))
+			for _, m := range []string{"program_s", "change_ms", "rules", "rss_mib"} {
+				cell, v := cpMetricSummary(cp, m, p.ID, n)
+				_, base := cpMetricSummary(cp, m, "dnat", n)
+				if p.ID == "dnat" || cell == "n/a" || math.IsNaN(base) {
+					fmt.Fprintf(b, " %s |", cell)
+				} else {
+					fmt.Fprintf(b, " %s (%s) |", cell, ratio(v, base))
+				}
+			}
+			b.WriteString("\n")
+		}
+	}
+	b.WriteString("\n")
+}
+
+func missingHotPaths(gb *GoBenchResults) string {
+	var miss []string
+	for _, h := range gb.HotPaths {
+		if len(h.Benchmarks) == 0 {
+			miss = append(miss, h.What)
+		}
+	}
+	if len(miss) == 0 {
+		return "none"
+	}
+	return strings.Join(miss, ", ")
+}
+
+func writeMachine(b *strings.Builder, m Machine) {
+	fmt.Fprintf(b, "## The machine\n\n| | |\n|---|---|\n| host | %s |\n| CPU | %s |\n| cores | %d |\n| memory | %s |\n| kernel | %s |\n| OS | %s |\n| load average when the report was written | %s |\n",
+		m.Host, m.CPU, m.Cores, m.Memory, m.Kernel, m.OS, m.LoadAvg)
+	for _, t := range m.Tools {
+		fmt.Fprintf(b, "| %s | %s |\n", t[0], strings.ReplaceAll(t[1], "|", "/"))
+	}
+	b.WriteString("\nThe machine is shared with other work (tests of other changes may run at the same time), and has 2 cores for\nthe load generator, the backends and the proxy together: compare paths by their ratios, not across reports.\n\n")
+}
+
+func writeMethod(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, haveCP bool) {
+	fmt.Fprintf(b, `## How it was measured
+
+Every measurement runs in network namespaces that the harness creates and deletes (bench/lab): a **node**
+namespace with a bridge (10.244.0.1/24), **backend pods** on the bridge (10.244.0.10, .11), and a **client pod**
+on a routed veth of its own (10.244.1.2, gateway 10.244.1.1), so that every packet between client and backends is
+routed by the node in both directions, as with a routed CNI. Each data path gets a fresh lab in every run. The
+service is 10.96.0.10: port 80 (request/response), 5001 (bulk) and 53/udp (echo), over the two backends.
+
+**Load generators and backends**: the project's own, in Go (bench/load.go, bench/backend.go), run as
+`+"`bench load …`"+` in the client pod and `+"`bench backend`"+` in each backend pod. wrk and iperf3 are not used: one
+generator covers every workload (UDP and idle connections too) with the same latency histogram (log-linear, 3%%
+buckets), and iperf3's control connection would not survive a balancer that sends it to another backend.
+
+| workload | what the client does |
+|---|---|
+| bulk | one TCP connection sends 256 KiB writes for %s; the sink answers with the byte count; Gbit/s = bytes / time to that answer |
+| keep-alive | %d connections, each sends a 64-byte request as soon as the 128-byte answer to the previous one arrived; first fifth of %s is warm-up |
+| short connections | %d workers, each: connect, one request, the server answers and closes, close |
+| UDP | %d sockets, each sends a 64-byte datagram as soon as the previous one is echoed (200 ms timeout counts as a loss) |
+| idle connections | %s connections, each makes one request then stays open; memory = (proxy RSS after − before) / connections; nginx counts master and workers |
+
+Runs are interleaved (every path in run 1, then every path in run 2, …), %d runs.
+
+| data path | how |
+|---|---|
+`, dp.Duration, dp.Conns, dp.Duration, dp.Conns, dp.Conns, thousands(int64(dp.IdleConns)), dp.Meta.Runs)
+	for _, p := range dp.Paths {
+		fmt.Fprintf(b, "| %s | %s |\n", p.Title, p.How)
+	}
+	b.WriteString("\nkube-proxy runs with its defaults except `--conntrack-max-per-core=0 --conntrack-min=0 --conntrack-tcp-timeout-established=0\n--conntrack-tcp-timeout-close-wait=0 --oom-score-adj=0` (the conntrack table size is shared by the whole machine: it must not change it),\nand `--cluster-cidr=10.244.0.0/16`, against a real etcd and kube-apiserver in a lab of their own (bench/kube).\n\n")
+	if haveCP {
+		fmt.Fprintf(b, "**Control plane**: for each scale, a fresh API server gets N Services (ClusterIP, port 80) each with one EndpointSlice of %d\nendpoints (addresses on one backend pod). Then, per run and proxy, in a fresh lab: a probe polls the **last** service from the\nclient pod, the proxy starts, and the time until the last service answers is taken; a sweep then checks that every service\nanswers (retrying those that do not, in which case the time is when the last of them answered). Then the last service's\nendpoints are replaced by one new endpoint, %d times, 1.2 s apart; each time, a probe (a new connection every 5 ms) times\nthe change from the API write until a connection reaches the new endpoint.\n\n",
+			cp.Endpoints, cp.Changes)
+		for _, p := range cp.Proxies {
+			fmt.Fprintf(b, "- **%s**: %s\n", p.Title, p.How)
+		}
+		b.WriteString("\n")
+	}
+}
+
+func writeDataDetails(b *strings.Builder, cfg Config, dp *DataPathResults) (int, error) {
+	b.WriteString("## Data path results\n\n")
+	charts := 0
+	for _, m := range dp.Metrics {
+		better := "lower is better"
+		if m.Higher {
+			better = "higher is better"
+		}
+		fmt.Fprintf(b, "### %s\n\n%s, %s.\n\n", m.Title, m.Unit, better)
+		file, err := barChart(cfg.dataDir(), m.ID, m.Title, m.Unit, dp.Paths, func(id string) *Series { return dp.Figures[m.ID][id] })
+		if err != nil {
+			return charts, err
+		}
+		if file != "" {
+			charts++
+			fmt.Fprintf(b, "![%s](%s/%s)\n\n", m.Title, cfg.Stem, file)
+		}
+		b.WriteString("| data path | min | median | max | × kernel DNAT |\n|---|---:|---:|---:|---:|\n")
+		base := median(dp.Figures[m.ID]["dnat"])
+		for _, p := range dp.Paths {
+			s := dp.Figures[m.ID][p.ID]
+			if s == nil || len(s.Values) == 0 {
+				reason := ""
+				if s != nil {
+					reason = s.NA
+				}
+				fmt.Fprintf(b, "| %s | n/a: %s | | | |\n", p.Title, mdEscape(reason))
+				continue
+			}
+			lo, med, hi := s.stats()
+			fmt.Fprintf(b, "| %s | %s | %s | %s | %s |\n", p.Title, fmtNum(lo), fmtNum(med), fmtNum(hi), ratio(med, base))
+		}
+		b.WriteString("\n")
+	}
+	if len(dp.Notes) > 0 {
+		b.WriteString("Notes on the runs (errors that the load generators saw; the figures above count only what succeeded):\n\n")
+		for _, n := range dp.Notes {
+			fmt.Fprintf(b, "- %s\n", mdEscape(n))
+		}
+		b.WriteString("\n")
+	}
+	return charts, nil
+}
+
+func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (int, error) {
+	b.WriteString("## Control plane results\n\n")
+	charts := 0
+	if len(cp.GenerateSeconds) > 0 {
+		b.WriteString("Creating the objects in the API server (not part of any figure):")
+		for _, n := range cp.Scales {
+			if s, ok := cp.GenerateSeconds[strconv.Itoa(n)]; ok {
+				fmt.Fprintf(b, " %s services in %.1f s;", thousands(int64(n)), s)
+			}
+		}
+		b.WriteString("\n\n")
+	}
+	for _, n := range cp.Notes {
+		fmt.Fprintf(b, "- %s\n", mdEscape(n))
+	}
+	if len(cp.Notes) > 0 {
+		b.WriteString("\n")
+	}
+	for _, m := range cp.Metrics {
+		fmt.Fprintf(b, "### %s\n\n%s, lower is better.", m.Title, m.Unit)
+		if m.ID == "change_ms" {
+			b.WriteString(" Every change of every run; p50, p99 and max.")
+		} else {
+			b.WriteString(" Min, median and max of the runs.")
+		}
+		b.WriteString("\n\n")
+		value := func(proxy string, n int) (float64, bool) {
+			s := cp.Figures[m.ID][proxy][strconv.Itoa(n)]
+			if s == nil || len(s.Values) == 0 {
+				return 0, false
+			}
+			if m.ID == "change_ms" {
+				return s.quantile(0.5), true
+			}
+			return median(s), true
+		}
+		title := m.Title
+		if m.ID == "change_ms" {
+			title += " (p50)"
+		}
+		file, err := scaleChart(cfg.dataDir(), "cp_"+m.ID, title, m.Unit, cp.Scales, cp.Proxies, value)
+		if err != nil {
+			return charts, err
+		}
+		if file != "" {
+			charts++
+			fmt.Fprintf(b, "![%s](%s/%s)\n\n", m.Title, cfg.Stem, file)
+		}
+		b.WriteString("| proxy | services | ")
+		if m.ID == "change_ms" {
+			b.WriteString("p50 | p99 | max | changes | × kernel DNAT (p50) |\n|---|---:|---:|---:|---:|---:|---:|\n")
+		} else {
+			b.WriteString("min | median | max | × kernel DNAT |\n|---|---:|---:|---:|---:|---:|\n")
+		}
+		for _, n := range cp.Scales {
+			for _, p := range cp.Proxies {
+				s := cp.Figures[m.ID][p.ID][strconv.Itoa(n)]
+				if s == nil || len(s.Values) == 0 {
+					reason := ""
+					if s != nil {
+						reason = s.NA
+					}
+					fmt.Fprintf(b, "| %s | %s | n/a: %s | | | |", p.Title, thousands(int64(n)), mdEscape(reason))
+					if m.ID == "change_ms" {
+						b.WriteString(" |")
+					}
+					b.WriteString("\n")
+					continue
+				}
+				base, _ := value("dnat", n)
+				if _, ok := value("dnat", n); !ok {
+					base = math.NaN()
+				}
+				if m.ID == "change_ms" {
+					fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %d | %s |\n", p.Title, thousands(int64(n)),
+						fmtNum(s.quantile(0.5)), fmtNum(s.quantile(0.99)), fmtNum(s.quantile(1)), len(s.Values), ratio(s.quantile(0.5), base))
+					continue
+				}
+				lo, med, hi := s.stats()
+				fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s |\n", p.Title, thousands(int64(n)), fmtNum(lo), fmtNum(med), fmtNum(hi), ratio(med, base))
+			}
+		}
+		b.WriteString("\n")
+	}
+	return charts, nil
+}
+
+func writeGoBench(b *strings.Builder, gb *GoBenchResults) {
+	fmt.Fprintf(b, "## Go benchmarks\n\n`%s`, in the module root. Min, median and max of the counts. These have no kernel counterpart, so no ratio.\n\n", gb.Command)
+	b.WriteString("| hot path | benchmarks |\n|---|---|\n")
+	for _, h := range gb.HotPaths {
+		if len(h.Benchmarks) == 0 {
+			fmt.Fprintf(b, "| %s | **missing**: to be added in %s |\n", h.What, h.Owner)
+			continue
+		}
+		fmt.Fprintf(b, "| %s | %d: %s |\n", h.What, len(h.Benchmarks), mdEscape(strings.Join(shorten(h.Benchmarks, 4), ", ")))
+	}
+	b.WriteString("\n")
+	for _, p := range gb.Packages {
+		if p.NA != "" {
+			fmt.Fprintf(b, "- `%s`: n/a: %s\n", p.Package, mdEscape(p.NA))
+		}
+	}
+	if len(gb.Benchmarks) > 0 {
+		b.WriteString("\n| benchmark | ns/op min | median | max | B/op | allocs/op |\n|---|---:|---:|---:|---:|---:|\n")
+		for _, be := range gb.Benchmarks {
+			lo, med, hi := be.NsPerOp.stats()
+			fmt.Fprintf(b, "| %s%s | %s | %s | %s | %s | %s |\n", strings.TrimPrefix(be.Package, "./"), mdEscape(be.Name),
+				fmtNum(lo), fmtNum(med), fmtNum(hi), fmtNum(median(&be.BytesPerOp)), fmtNum(median(&be.AllocsPerOp)))
+		}
+	}
+	b.WriteString("\n")
+}
+
+func shorten(list []string, n int) []string {
+	if len(list) <= n {
+		return list
+	}
+	return append(slices.Clone(list[:n]), fmt.Sprintf("and %d more", len(list)-n))
+}
+
+func writeProfiles(b *strings.Builder, dp *DataPathResults) {
+	b.WriteString("## Where the CPU goes\n\n")
+	if dp.ProfileNA != "" {
+		fmt.Fprintf(b, "perf could not sample here: %s.\n\n", mdEscape(dp.ProfileNA))
+	}
+	if len(dp.Profiles) == 0 {
+		b.WriteString("No profiles were taken (--no-profile).\n\n")
+		return
+	}
+	b.WriteString(`During one extra keep-alive run per data path (its figures are not kept), ` + "`perf record -e cpu-clock -a`" + ` sampled every
+CPU of the machine; the samples are grouped by process (the load generator and the backends are the same program under two
+names, so that they can be told apart). The event is the software CPU clock, which works everywhere; hardware counters
+(cycles, instructions): `)
+	b.WriteString(dp.PerfCounters)
+	b.WriteString(`. CPU per request is the group's share of the machine's cores divided by the request rate of that
+run ("other processes" is work on the machine that is not the benchmark's). For uproxy, its own CPU profile (pprof, from
+/debug/pprof on its metrics address) shows which Go functions and system calls the time is spent in.
+
+| data path | req/s while profiled |`)
+	order := []string{whoLoad, whoBackend, whoProxy, whoSoftirq, whoOther, whoIdle}
+	for _, who := range order {
+		fmt.Fprintf(b, " %s |", who)
+	}
+	b.WriteString("\n|---|---:|")
+	for range order {
+		b.WriteString("---:|")
+	}
+	b.WriteString("\n")
+	for _, p := range dp.Paths {
+		pr := dp.Profiles[p.ID]
+		if pr == nil || len(pr.Shares) == 0 {
+			continue
+		}
+		fmt.Fprintf(b, "| %s | %s |", p.Title, fmtNum(pr.Rate))
+		for _, who := range order {
+			var sh *Share
+			for i := range pr.Shares {
+				if strings.HasPrefix(pr.Shares[i].Who, who) {
+					sh = &pr.Shares[i]
+				}
+			}
+			if sh == nil {
+				b.WriteString(" – |")
+				continue
+			}
+			cell := fmt.Sprintf("%.0f%% (kernel %.0f%%)", sh.Percent, sh.Kernel)
+			if who != whoIdle && who != whoOther && pr.Rate > 0 {
+				cell += fmt.Sprintf(", %s µs/req", fmtNum(sh.Percent/100*float64(pr.Cores)*1e6/pr.Rate))
+			}
+			fmt.Fprintf(b, " %s |", cell)
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("\n")
+	b.WriteString(analysis(dp))
+	for _, p := range dp.Paths {
+		pr := dp.Profiles[p.ID]
+		if pr == nil {
+			continue
+		}
+		fmt.Fprintf(b, "### %s\n\n", p.Title)
+		for _, n := range pr.NA {
+			fmt.Fprintf(b, "- n/a: %s\n", mdEscape(n))
+		}
+		if len(pr.NA) > 0 {
+			b.WriteString("\n")
+		}
+		if pr.TopSymbols != "" {
+			fmt.Fprintf(b, "Hottest functions of the benchmark's processes (%% of all samples):\n\n```\n%s\n```\n\n", pr.TopSymbols)
+		}
+		if pr.ProxySymbols != "" {
+			fmt.Fprintf(b, "Hottest functions in the proxy process:\n\n```\n%s\n```\n\n", pr.ProxySymbols)
+		}
+		if pr.Pprof != "" {
+			fmt.Fprintf(b, "uproxy's own CPU profile (`go tool pprof -top`):\n\n```\n%s\n```\n\n", pr.Pprof)
+		}
+	}
+}
+
+// analysis writes a few sentences on where each path spends its CPU,
+// from the profiles' figures.
+func analysis(dp *DataPathResults) string {
+	var b strings.Builder
+	cost := func(pr *Profile, who string) (float64, float64, bool) {
+		for _, s := range pr.Shares {
+			if strings.HasPrefix(s.Who, who) && pr.Rate > 0 {
+				return s.Percent / 100 * float64(pr.Cores) * 1e6 / pr.Rate, s.Kernel / math.Max(s.Percent, 1e-9), true
+			}
+		}
+		return 0, 0, false
+	}
+	total := func(pr *Profile) float64 {
+		var t float64
+		for _, s := range pr.Shares {
+			if s.Who != whoIdle && s.Who != whoOther {
+				t += s.Percent
+			}
+		}
+		if pr.Rate == 0 {
+			return math.NaN()
+		}
+		return t / 100 * float64(pr.Cores) * 1e6 / pr.Rate
+	}
+	base := math.NaN()
+	if pr := dp.Profiles["dnat"]; pr != nil && len(pr.Shares) > 0 {
+		base = total(pr)
+	}
+	b.WriteString("**Reading the profiles.**\n\n")
+	for _, p := range dp.Paths {
+		pr := dp.Profiles[p.ID]
+		if pr == nil || len(pr.Shares) == 0 {
+			continue
+		}
+		t := total(pr)
+		fmt.Fprintf(&b, "- **%s**: %s µs of CPU per request in all (%s kernel DNAT)", p.Title, fmtNum(t), ratio(t, base))
+		if c, k, ok := cost(pr, whoProxy); ok && c > 0.05 {
+			fmt.Fprintf(&b, "; the proxy process itself %s µs, %.0f%% of it in the kernel", fmtNum(c), 100*k)
+		}
+		lc, _, _ := cost(pr, whoLoad)
+		bc, _, _ := cost(pr, whoBackend)
+		sc, _, _ := cost(pr, whoSoftirq)
+		fmt.Fprintf(&b, "; the client %s µs and the backends %s µs", fmtNum(lc), fmtNum(bc))
+		if sc >= 0.05 {
+			fmt.Fprintf(&b, ", softirq threads %s µs", fmtNum(sc))
+		}
+		if sym := firstSymbols(pr.ProxySymbols, 3); sym != "" {
+			fmt.Fprintf(&b, "; the proxy's hottest functions: %s", sym)
+		} else if sym := firstSymbols(pr.TopSymbols, 3); sym != "" {
+			fmt.Fprintf(&b, "; the hottest functions: %s", sym)
+		}
+		b.WriteString(".\n")
+	}
+	b.WriteString(`
+A userspace proxy adds two sockets and two trips through the scheduler per request on top of the kernel path: its cost
+shows as the proxy's own time, most of it in the kernel (socket reads and writes, or splice, and epoll), and as more
+kernel time in the client and backends, whose packets now cross two TCP connections. The kernel paths' cost is netfilter
+(conntrack lookups, the nat chains, nft_do_chain or ipt_do_table) in the softirq of whichever process sends a packet.
+`)
+	if hasSymbol(dp, "pvm_irq_enable") {
+		b.WriteString(`Samples in ` + "`pvm_irq_enable`" + ` are time this virtual machine's kernel spent with interrupts disabled (the sampling
+interrupt is delivered when they are enabled again), mostly network softirq work; perf cannot see inside it here.
+`)
+	}
+	b.WriteString("\n")
+	return b.String()
+}
+
+// hasSymbol reports whether any profile's listing names sym.
+func hasSymbol(dp *DataPathResults, sym string) bool {
+	for _, p := range dp.Profiles {
+		if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
+			return true
+		}
+	}
+	return false
+}
+
+// firstSymbols returns the function names of the first n lines of perf's
+// symbol listing.
+func firstSymbols(listing string, n int) string {
+	var out []string
+	for _, l := range strings.Split(listing, "\n") {
+		f := strings.Fields(l)
+		if len(f) == 0 {
+			continue
+		}
+		out = append(out, "`"+f[len(f)-1]+"`")
+		if len(out) == n {
+			break
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
+func writeNA(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, gb *GoBenchResults, haveDP, haveCP, haveGB bool) {
+	b.WriteString("## Not measured\n\nEvery figure that could not be measured here, and why.\n\n")
+	seen := map[string]bool{}
+	any := false
+	add := func(line string) {
+		if !seen[line] {
+			seen[line] = true
+			any = true
+			fmt.Fprintf(b, "- %s\n", mdEscape(line))
+		}
+	}
+	if haveDP {
+		for _, p := range dp.Paths {
+			for _, m := range dp.Metrics {
+				if s := dp.Figures[m.ID][p.ID]; s != nil && len(s.Values) == 0 && s.NA != "" {
+					add(fmt.Sprintf("%s, %s: %s", p.Title, shortTitle(m), s.NA))
+				}
+			}
+		}
+		if dp.ProfileNA != "" {
+			add("CPU profiles (perf): " + dp.ProfileNA)
+		}
+	}
+	if haveCP {
+		for _, p := range cp.Proxies {
+			for _, m := range cp.Metrics {
+				for _, n := range cp.Scales {
+					if s := cp.Figures[m.ID][p.ID][strconv.Itoa(n)]; s != nil && len(s.Values) == 0 && s.NA != "" {
+						add(fmt.Sprintf("control plane, %s, %s: %s", p.Title, m.ID, s.NA))
+					}
+				}
+			}
+		}
+	}
+	if haveGB {
+		for _, h := range gb.HotPaths {
+			if len(h.Benchmarks) == 0 {
+				add(fmt.Sprintf("Go benchmark of the %s: none exists yet (to be added in %s)", h.What, h.Owner))
+			}
+		}
+	}
+	if !any {
+		b.WriteString("Nothing: every figure was measured.\n")
+	}
+	b.WriteString("\n")
+	var errs []string
+	for _, m := range []*RunMeta{&dp.Meta, &cp.Meta, &gb.Meta} {
+		errs = append(errs, m.Errors...)
+	}
+	if len(errs) > 0 {
+		b.WriteString("## Errors\n\nThese measurements failed (not a known limitation: a bug in a proxy or in the harness):\n\n")
+		for _, e := range errs {
+			fmt.Fprintf(b, "- %s\n", mdEscape(firstLine(e)))
+		}
+		b.WriteString("\n")
+	}
+}
+
+// mdEscape keeps text from breaking a Markdown table.
+func mdEscape(s string) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	return strings.ReplaceAll(s, "|", "\\|")
+}
