@@ -21,12 +21,14 @@ func barChart(dir, name, title, unit string, subjects []Subject, series func(id 
 	var labels []string
 	var meds plotter.Values
 	var spread errPoints
+	top := 0.0
 	for _, s := range subjects {
 		sr := series(s.ID)
 		if sr == nil || len(sr.Values) == 0 {
 			continue
 		}
 		lo, med, hi := sr.stats()
+		top = math.Max(top, hi)
 		labels = append(labels, s.ID)
 		meds = append(meds, med)
 		spread.XYs = append(spread.XYs, plotter.XY{X: float64(len(meds) - 1), Y: med})
@@ -53,6 +55,8 @@ func barChart(dir, name, title, unit string, subjects []Subject, series func(id 
 	eb.LineStyle.Width = vg.Points(1.2)
 	p.Add(eb)
 	p.NominalX(labels...)
+	p.X.Min, p.X.Max = -0.6, float64(len(meds))-0.4
+	p.Y.Max = 1.08 * top
 	p.X.Tick.Label.Rotation = math.Pi / 6
 	p.X.Tick.Label.XAlign = draw.XRight
 	p.X.Tick.Label.YAlign = draw.YCenter
@@ -81,11 +85,13 @@ func scaleChart(dir, name, title, unit string, scales []int, proxies []Subject, 
 	p.Legend.Top = true
 	p.Legend.Left = true
 	drawn := 0
+	top := 0.0
 	for i, px := range proxies {
 		var xys plotter.XYs
 		for _, n := range scales {
 			if v, ok := series(px.ID, n); ok {
 				xys = append(xys, plotter.XY{X: float64(n), Y: v})
+				top = math.Max(top, v)
 			}
 		}
 		if len(xys) == 0 {
@@ -111,6 +117,7 @@ func scaleChart(dir, name, title, unit string, scales []int, proxies []Subject, 
 		ticks = append(ticks, plot.Tick{Value: float64(n), Label: strconv.Itoa(n)})
 	}
 	p.X.Tick.Marker = plot.ConstantTicks(ticks)
+	p.Y.Max = 1.4 * top // room for the legend
 	if len(scales) == 1 {
 		p.X.Min, p.X.Max = 0, float64(2*scales[0])
 	}

@@ -410,8 +410,12 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	}
 	defer t.close()
 	// Unprogrammed service addresses fail at once (instead of timing out),
-	// so the probes poll fast.
+	// so the probes poll fast: no route, and no rate limit on the ICMP
+	// errors that say so (in this namespace only).
 	if _, err := t.lab.Exec(ctx, t.lab.Node, "ip", "route", "replace", "unreachable", "10.96.0.0/16"); err != nil {
+		return err
+	}
+	if _, err := t.lab.Exec(ctx, t.lab.Node, "sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv4.icmp_msgs_per_sec=100000", "net.ipv4.icmp_msgs_burst=100000"); err != nil {
 		return err
 	}
 	if k.err == nil {
@@ -434,14 +438,17 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	}
 	defer stopProc(proc, 5*time.Second)
 	var lastOK ProbeResult
-	if err := pr.Wait(cfg.ProgramTimeout + 10*time.Second); err != nil || decodeLine(pr.Output(), &lastOK) != nil || !lastOK.OK {
-		if proc != nil && proc.Exited() {
+	werr := waitProc(ctx, pr, cfg.ProgramTimeout+10*time.Second)
+	if derr := decodeLine(pr.Output(), &lastOK); werr != nil || derr != nil || !lastOK.OK {
+		switch {
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case proc != nil && proc.Exited():
 			return fmt.Errorf("%s exited: %s", proc.Name, tail(proc.Output(), 10))
-		}
-		if lastOK.Attempts > 0 && !lastOK.OK {
+		case derr == nil && !lastOK.OK:
 			return &timeoutError{timeout: cfg.ProgramTimeout, services: n}
 		}
-		return fmt.Errorf("the last service did not answer within %v (%v): %s", cfg.ProgramTimeout, err, tail(pr.Output(), 2))
+		return fmt.Errorf("the last service did not answer within %v (%v): %s", cfg.ProgramTimeout, werr, tail(pr.Output(), 2))
 	}
 	// Then every service must answer (each is retried until it does).
 	sw, err := t.lab.Exec(ctx, t.client.NS, e.loadBin, "load", "sweep", "--targets-file", s.targets, "--timeout", cfg.ProgramTimeout.String())
@@ -518,7 +525,10 @@ func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *
 		return 0, err
 	}
 	var r ProbeResult
-	if err := pr.Wait(70 * time.Second); err != nil || decodeLine(pr.Output(), &r) != nil || !r.OK {
+	if err := waitProc(ctx, pr, 70*time.Second); err != nil || decodeLine(pr.Output(), &r) != nil || !r.OK {
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
 		return 0, fmt.Errorf("traffic did not follow (%v): %s", err, tail(pr.Output(), 2))
 	}
 	return float64(time.Unix(0, r.AtUnixNano).Sub(t0)) / float64(time.Millisecond), nil

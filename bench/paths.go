@@ -62,7 +62,7 @@ func waitReady(ctx context.Context, e *env, t *topo, r *pathRun, timeout time.Du
 					return err
 				}
 			}
-			return fmt.Errorf("%s exited (%v):\n%s", r.proc.Name, r.proc.Wait(0), tail(out, 10))
+			return fmt.Errorf("%s exited (%v):\n%s", r.proc.Name, r.proc.Wait(time.Second), tail(out, 10))
 		}
 		if pr.Exited() {
 			var res ProbeResult
@@ -183,10 +183,7 @@ func setupHAProxy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, e
 	if err != nil {
 		return nil, na("haproxy is not installed (Debian package haproxy)")
 	}
-	dir, err := os.MkdirTemp("", "bench-haproxy-")
-	if err != nil {
-		return nil, err
-	}
+	dir := t.dir
 	var b strings.Builder
 	// HAProxy reserves two descriptors per connection and two per pipe:
 	// few pipes (splice needs them only while a transfer is under way),
@@ -243,10 +240,7 @@ func setupNginx(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, err
 	if _, err := os.Stat(nginxStreamModule); err != nil {
 		return nil, na("nginx's stream module is not installed (Debian package libnginx-mod-stream)")
 	}
-	dir, err := os.MkdirTemp("", "bench-nginx-")
-	if err != nil {
-		return nil, err
-	}
+	dir := t.dir
 	var b strings.Builder
 	fmt.Fprintf(&b, `load_module %s;
 daemon off;
@@ -335,10 +329,7 @@ func setupUproxy(mode string) func(ctx context.Context, e *env, t *topo, _ *kube
 		if e.uproxyErr != nil {
 			return nil, fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
 		}
-		dir, err := os.MkdirTemp("", "bench-uproxy-")
-		if err != nil {
-			return nil, err
-		}
+		dir := t.dir
 		if err := os.WriteFile(filepath.Join(dir, "bench.yaml"), []byte(benchManifests(t)), 0o644); err != nil {
 			return nil, err
 		}
@@ -372,6 +363,23 @@ func lastMatching(s, sub string) string {
 		}
 	}
 	return ""
+}
+
+// waitProc waits for p to end, up to timeout or until ctx is done, and
+// returns its error.
+func waitProc(ctx context.Context, p *lab.Proc, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for !p.Exited() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s still running after %v", p.Name, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return p.Wait(time.Second) // it has ended: this returns at once
 }
 
 // stopProc stops a proxy we started (SIGTERM, then SIGKILL), by its pid.

@@ -269,6 +269,16 @@ func shortTitle(m Metric) string {
 func cpMetricSummary(cp *ControlPlaneResults, metric, proxy string, n int) (string, float64) {
 	s := cp.Figures[metric][proxy][strconv.Itoa(n)]
 	if s == nil || len(s.Values) == 0 {
+		// A proxy that timed out: say so where its time would be.
+		if s != nil && metric == "program_s" {
+			if over, ok := strings.CutPrefix(s.NA, "over "); ok {
+				limit, _, _ := strings.Cut(over, ":")
+				return "> " + limit + " (timed out)", math.NaN()
+			}
+			if strings.HasPrefix(s.NA, "not run: ") {
+				return "not run (timed out at fewer)", math.NaN()
+			}
+		}
 		return "n/a", math.NaN()
 	}
 	if metric == "change_ms" {
@@ -288,7 +298,7 @@ func writeCPSummary(b *strings.Builder, cp *ControlPlaneResults) {
 			for _, m := range []string{"program_s", "change_ms", "rules", "rss_mib"} {
 				cell, v := cpMetricSummary(cp, m, p.ID, n)
 				_, base := cpMetricSummary(cp, m, "dnat", n)
-				if p.ID == "dnat" || cell == "n/a" || math.IsNaN(base) {
+				if p.ID == "dnat" || math.IsNaN(v) || math.IsNaN(base) {
 					fmt.Fprintf(b, " %s |", cell)
 				} else {
 					fmt.Fprintf(b, " %s (%s) |", cell, ratio(v, base))
@@ -685,15 +695,17 @@ func hasSymbol(dp *DataPathResults, sym string) bool {
 	return false
 }
 
-// firstSymbols returns the function names of the first n lines of perf's
-// symbol listing.
+// firstSymbols returns the first n distinct function names of perf's
+// symbol listing, leaving out pvm_irq_enable (see the report's note).
 func firstSymbols(listing string, n int) string {
 	var out []string
+	seen := map[string]bool{"pvm_irq_enable": true}
 	for _, l := range strings.Split(listing, "\n") {
 		f := strings.Fields(l)
-		if len(f) == 0 {
+		if len(f) == 0 || seen[f[len(f)-1]] {
 			continue
 		}
+		seen[f[len(f)-1]] = true
 		out = append(out, "`"+f[len(f)-1]+"`")
 		if len(out) == n {
 			break
@@ -727,11 +739,20 @@ func writeNA(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, g
 	}
 	if haveCP {
 		for _, p := range cp.Proxies {
-			for _, m := range cp.Metrics {
-				for _, n := range cp.Scales {
+			for _, n := range cp.Scales {
+				// One line per reason, naming the figures it holds for.
+				var reasons []string
+				which := map[string][]string{}
+				for _, m := range cp.Metrics {
 					if s := cp.Figures[m.ID][p.ID][strconv.Itoa(n)]; s != nil && len(s.Values) == 0 && s.NA != "" {
-						add(fmt.Sprintf("control plane, %s, %s: %s", p.Title, m.ID, s.NA))
+						if which[s.NA] == nil {
+							reasons = append(reasons, s.NA)
+						}
+						which[s.NA] = append(which[s.NA], m.ID)
 					}
+				}
+				for _, r := range reasons {
+					add(fmt.Sprintf("control plane, %s at %s services (%s): %s", p.Title, thousands(int64(n)), strings.Join(which[r], ", "), r))
 				}
 			}
 		}

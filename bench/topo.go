@@ -37,6 +37,8 @@ type topo struct {
 	lab      *lab.Lab
 	backends []*lab.Pod
 	client   *lab.Pod
+	// dir holds the proxies' configuration files; close removes it.
+	dir string
 }
 
 // newTopo builds a lab with n backend pods (be-0… at 10.244.0.10…, each
@@ -51,9 +53,12 @@ func newTopo(ctx context.Context, e *env, n int, extra []netip.Addr) (_ *topo, e
 	t := &topo{lab: l}
 	defer func() {
 		if err != nil {
-			l.Close()
+			t.close()
 		}
 	}()
+	if t.dir, err = os.MkdirTemp("", "bench-lab-"); err != nil {
+		return nil, err
+	}
 	// Conntrack entries of closed connections would linger for two
 	// minutes, and the conntrack table is shared by every namespace on the
 	// machine: the short-connection workloads would fill it. Our node's
@@ -90,7 +95,12 @@ func newTopo(ctx context.Context, e *env, n int, extra []netip.Addr) (_ *topo, e
 	return t, nil
 }
 
-func (t *topo) close() { t.lab.Close() }
+func (t *topo) close() {
+	t.lab.Close()
+	if t.dir != "" {
+		os.RemoveAll(t.dir)
+	}
+}
 
 func addrPort(a netip.Addr, port uint16) string { return netip.AddrPortFrom(a, port).String() }
 
