@@ -102,17 +102,7 @@ func (l *Lab) addNS(name string) error {
 	l.mu.Lock()
 	l.nss = append(l.nss, name)
 	l.mu.Unlock()
-	// Links created in (or moved into) the namespace take its default
-	// IPv6 settings. Without duplicate address detection their link-local
-	// addresses are usable at once; while one is tentative, the kernel
-	// sends neighbour solicitations from the unspecified address (RFC 4861
-	// 7.2.2) and the first packets to a neighbour can be lost, which made
-	// IPv6 connections in a fresh lab take a SYN retransmission (1s) or two.
-	if err := Run("ip", "netns", "exec", name, "sysctl", "-qw",
-		"net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"); err != nil {
-		return err
-	}
-	return Run("ip", "-n", name, "link", "set", "lo", "up")
+	return initNetns(name)
 }
 
 func (l *Lab) run(cmds ...[]string) error {

@@ -118,10 +118,25 @@ func NewNetns(t testing.TB, prefix string) string {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { DeleteNetns(ns) })
-	if err := Run("ip", "-n", ns, "link", "set", "lo", "up"); err != nil {
+	if err := initNetns(ns); err != nil {
 		t.Fatal(err)
 	}
 	return ns
+}
+
+// initNetns brings a new namespace's lo up and turns off IPv6 duplicate
+// address detection for the links that will be created in (or moved
+// into) it, since they take its default settings. While a link-local
+// address is tentative the kernel solicits neighbours from the unspecified
+// address (RFC 4861 7.2.2) and the first packets to a neighbour can be
+// lost: IPv6 connections in a fresh namespace then took a SYN
+// retransmission (1s) or two.
+func initNetns(ns string) error {
+	if err := Run("ip", "netns", "exec", ns, "sysctl", "-qw",
+		"net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"); err != nil {
+		return err
+	}
+	return Run("ip", "-n", ns, "link", "set", "lo", "up")
 }
 
 // DeleteNetns deletes ns, first killing any process still inside it that
