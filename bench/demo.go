@@ -65,7 +65,7 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 		return err
 	}
 	defer func() {
-		step("6. Tearing down")
+		step("8. Tearing down")
 		l.Close()
 		say("removed every namespace and process the demo created; the host was never touched")
 	}()
@@ -142,11 +142,36 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 		}
 		say("  %-26s %s", s.what+":", spread(res.Counts))
 	}
+	step("6. uproxy explain: one packet from the client pod to 10.96.0.10:80, step by step")
+	say("  $ uproxy explain 10.96.0.10:80 --from %s   (in the node namespace)", client.IP)
+	explain, err := l.Exec(ctx, l.Node, uproxyBin, "explain", "10.96.0.10:80", "--from", client.IP.String())
+	if err != nil {
+		return fmt.Errorf("uproxy explain: %w", err)
+	}
+	say("%s", indent(explain))
+
+	step("7. uproxy status: what the running instance serves")
+	say("  $ uproxy status")
+	status, err := l.Exec(ctx, l.Node, uproxyBin, "status")
+	if err != nil {
+		return fmt.Errorf("uproxy status: %w", err)
+	}
+	say("%s", indent(status))
+
 	if pause {
 		say("\nThe lab is up: try  ip netns exec %s curl http://10.96.0.10/  — Ctrl-C to tear down.", client.NS)
 		<-ctx.Done()
 	}
 	return nil
+}
+
+// indent indents every line of s by two spaces.
+func indent(s string) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	for i, l := range lines {
+		lines[i] = "  " + l
+	}
+	return strings.Join(lines, "\n")
 }
 
 // get runs `bench get` inside ns and decodes its answer.
