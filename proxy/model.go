@@ -204,5 +204,15 @@ type ServiceHealthSyncer interface {
 // resyncs and after a failure: the syncer should then verify the kernel's
 // state instead of trusting what it wrote last.
 type RuleSyncer interface {
-	SyncRules(ctx context.Context, intercepts []Intercept, full bool) error
+	SyncRules(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error)
+}
+
+// RuleStats is what one SyncRules call did, for the sync's log line.
+type RuleStats struct {
+	// Rules is the number of kernel rules the intercepts render to.
+	Rules int
+	// Written is the number of rules written to the kernel by this call:
+	// zero when the kernel already held them, Rules when they were
+	// (re)written.
+	Written int
 }

@@ -315,14 +315,16 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	p.retainMetrics()
 	p.buildStatusView()
 	p.syncServiceHealth()
-	wrote := false
+	var rules RuleStats
+	synced := false
 	if p.cfg.Rules != nil && (full || p.rulesDirty) {
-		if err := p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
+		var err error
+		if rules, err = p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
 			p.rulesDirty = true
 			p.log.Error("syncing rules failed; will retry with a full resync", zap.Error(err))
 			return fmt.Errorf("syncing rules: %w", err)
 		}
-		wrote = p.rulesDirty || full
+		synced = true
 	}
 	p.rulesDirty = false
 	end := p.cfg.clock().Now()
@@ -332,12 +334,20 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		p.cfg.OnSync()
 	}
 	nsvc, neps := p.counts()
+	// Endpoint-only changes leave the rules alone: the line then says
+	// rulesWritten 0 without claiming a rule count it did not check.
+	ruleFields := []zap.Field{zap.Skip(), zap.Skip()}
+	if synced {
+		ruleFields = []zap.Field{zap.Int("rules", rules.Rules), zap.Int("rulesWritten", rules.Written)}
+	} else {
+		ruleFields[1] = zap.Int("rulesWritten", 0)
+	}
 	p.log.Info("synced",
 		zap.Bool("full", full),
 		zap.Int("servicesChanged", len(ch.Services)),
 		zap.Int("services", nsvc),
 		zap.Int("endpoints", neps),
-		zap.Bool("rulesSynced", wrote),
+		ruleFields[0], ruleFields[1],
 		zap.Duration("duration", end.Sub(start)))
 	return nil
 }

@@ -30,15 +30,15 @@ type recordingRules struct {
 	fail  error
 }
 
-func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, _ bool) error {
+func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, _ bool) (RuleStats, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.calls++
 	if r.fail != nil {
-		return r.fail
+		return RuleStats{}, r.fail
 	}
 	r.last = in
-	return nil
+	return RuleStats{Rules: len(in), Written: len(in)}, nil
 }
 
 // port returns the listener port of the intercept for service name (as

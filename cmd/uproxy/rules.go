@@ -48,7 +48,8 @@ func (k *kernelRules) init(cfg redirect.Config) error {
 	return nil
 }
 
-func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) error {
+func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
+	var stats proxy.RuleStats
 	rules := toRedirectRules(in, k.nodePortAddresses)
 	if k.tproxy {
 		rules.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
@@ -83,13 +84,17 @@ func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full 
 			errs = append(errs, err)
 			continue
 		}
+		stats.Rules += res.Rules
+		if res.Wrote {
+			stats.Written += res.Rules
+		}
 		if res.Repaired {
 			k.log.Warn("iptables rules had drifted (changed or deleted by someone else); repaired", zap.Int("rules", res.Rules))
 		} else if res.Wrote {
 			k.log.Debug("iptables rules written", zap.Int("rules", res.Rules))
 		}
 	}
-	return errors.Join(errs...)
+	return stats, errors.Join(errs...)
 }
 
 // toRedirectRules translates the proxier's intercepts into the redirect
