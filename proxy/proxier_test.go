@@ -43,7 +43,7 @@ func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, _ bool) (R
 
 // port returns the listener port of the intercept for service name (as
 // "default/web:http") once it exists.
-func (r *recordingRules) port(t *testing.T, name string) int {
+func (r *recordingRules) port(t testing.TB, name string) int {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
@@ -74,7 +74,7 @@ func (r *recordingRules) has(name string) bool {
 
 // startProxier runs a Proxier until the test ends, then shuts it down and
 // checks that no session is left.
-func startProxier(t *testing.T, cfg Config) (*Proxier, *recordingRules) {
+func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 	t.Helper()
 	rules := &recordingRules{}
 	cfg.Rules = rules

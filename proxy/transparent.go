@@ -2,14 +2,11 @@ package proxy
 
 import (
 	"context"
-	"encoding/binary"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"sync"
 	"syscall"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -74,9 +71,7 @@ func transparentDialer(from netip.Addr, udp bool) *net.Dialer {
 // transparent sockets bound to that destination, so the client sees them
 // come from the service's address and port.
 type tproxySocket struct {
-	pc  *net.UDPConn
-	v6  bool
-	oob []byte // control messages of the datagram being read (one reader)
+	*listenSocket // reads, with IP_ORIGDSTADDR
 
 	mu      sync.Mutex
 	replies map[netip.AddrPort]*net.UDPConn
@@ -84,45 +79,6 @@ type tproxySocket struct {
 }
 
 var _ udpSocket = (*tproxySocket)(nil)
-
-func (t *tproxySocket) read(b []byte) (int, netip.AddrPort, netip.AddrPort, error) {
-	n, oobn, _, src, err := t.pc.ReadMsgUDPAddrPort(b, t.oob)
-	if err != nil {
-		return 0, netip.AddrPort{}, netip.AddrPort{}, err
-	}
-	dst, err := origDstFromControl(t.oob[:oobn])
-	if err != nil {
-		return 0, netip.AddrPort{}, netip.AddrPort{}, err
-	}
-	return n, netip.AddrPortFrom(src.Addr().Unmap(), src.Port()), dst, nil
-}
-
-// origDstFromControl finds IP_ORIGDSTADDR or IPV6_ORIGDSTADDR in a
-// datagram's control messages.
-func origDstFromControl(oob []byte) (netip.AddrPort, error) {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("parsing control messages: %w", err)
-	}
-	for _, m := range msgs {
-		switch {
-		case m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet4:
-			sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&m.Data[0]))
-			return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port)), nil
-		case m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet6:
-			sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&m.Data[0]))
-			return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), ntohs(sa.Port)), nil
-		}
-	}
-	return netip.AddrPort{}, errors.New("datagram without its original destination (not delivered by TPROXY)")
-}
-
-// ntohs converts a port from the network byte order a sockaddr holds.
-func ntohs(p uint16) uint16 {
-	var b [2]byte
-	binary.NativeEndian.PutUint16(b[:], p)
-	return binary.BigEndian.Uint16(b[:])
-}
 
 func (t *tproxySocket) write(b []byte, client, dst netip.AddrPort) error {
 	c, err := t.replySocket(dst)

@@ -13,9 +13,6 @@ import (
 
 	"github.com/hashicorp/golang-lru/v2/expirable"
 	"go.uber.org/zap"
-	"golang.org/x/net/ipv4"
-	"golang.org/x/net/ipv6"
-	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/balancer"
 )
@@ -45,7 +42,38 @@ type udpFlow struct {
 	sock   udpSocket
 	closed atomic.Bool
 	pm     *portMetrics // the metrics of the flow's service port; nil if none
+	// refreshed is when the flow's timeout was last pushed back in the
+	// table (monotonic nanoseconds from flowClock): see touch.
+	refreshed atomic.Int64
 }
+
+// touchInterval bounds how often a flow's traffic pushes its timeout back
+// in the table. The expirable LRU's Add takes the table's lock and moves
+// the entry between expiry buckets: doing it for every datagram, from the
+// listener's loop and every flow's reply goroutine, made the table a point
+// of contention (BenchmarkUDPFlowLookup). A flow then lives between
+// --udp-timeout and --udp-timeout plus this after its last datagram.
+const touchInterval = 250 * time.Millisecond
+
+// touch pushes the flow's timeout back, at most once per touchInterval,
+// if the flow is still the table's entry for its key.
+func (f *udpFlow) touch(p *Proxier) {
+	now := flowClock()
+	last := f.refreshed.Load()
+	if now-last < int64(touchInterval) || !f.refreshed.CompareAndSwap(last, now) {
+		return
+	}
+	flows := p.flowTable()
+	if cur, ok := flows.Peek(f.key); ok && cur == f {
+		flows.Add(f.key, f)
+	}
+}
+
+// flowStart anchors flowClock.
+var flowStart = time.Now()
+
+// flowClock is a monotonic clock in nanoseconds, for touch.
+func flowClock() int64 { return int64(time.Since(flowStart)) }
 
 func (f *udpFlow) close() {
 	if f.closed.CompareAndSwap(false, true) {
@@ -104,85 +132,15 @@ func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDP
 	return pc.(*net.UDPConn), nil
 }
 
-// udpSocket reads datagrams with the address they were sent to, and
-// writes replies that appear to come from it, for one listener. read is
-// called by one goroutine only; write by any.
-type udpSocket interface {
-	read(b []byte) (n int, client, dst netip.AddrPort, err error)
-	write(b []byte, client, dst netip.AddrPort) error
-	close()
-}
-
-// udp4 and udp6 are redirect-mode sockets: dst is the local address the
-// datagram was redirected to (IP_PKTINFO), and replies are sent from it.
-type udp4 struct{ pc *ipv4.PacketConn }
-
-func (u udp4) read(b []byte) (int, netip.AddrPort, netip.AddrPort, error) {
-	n, cm, src, err := u.pc.ReadFrom(b)
-	if err != nil {
-		return 0, netip.AddrPort{}, netip.AddrPort{}, err
-	}
-	var local netip.Addr
-	if cm != nil {
-		local, _ = netip.AddrFromSlice(cm.Dst)
-	}
-	return n, udpAddrPort(src), netip.AddrPortFrom(local.Unmap(), 0), nil
-}
-
-func (u udp4) write(b []byte, client, dst netip.AddrPort) error {
-	var cm *ipv4.ControlMessage
-	if dst.Addr().IsValid() {
-		cm = &ipv4.ControlMessage{Src: dst.Addr().AsSlice()}
-	}
-	_, err := u.pc.WriteTo(b, cm, net.UDPAddrFromAddrPort(client))
-	return err
-}
-
-func (udp4) close() {}
-
-type udp6 struct{ pc *ipv6.PacketConn }
-
-func (u udp6) read(b []byte) (int, netip.AddrPort, netip.AddrPort, error) {
-	n, cm, src, err := u.pc.ReadFrom(b)
-	if err != nil {
-		return 0, netip.AddrPort{}, netip.AddrPort{}, err
-	}
-	var local netip.Addr
-	if cm != nil {
-		local, _ = netip.AddrFromSlice(cm.Dst)
-	}
-	return n, udpAddrPort(src), netip.AddrPortFrom(local, 0), nil
-}
-
-func (u udp6) write(b []byte, client, dst netip.AddrPort) error {
-	var cm *ipv6.ControlMessage
-	if dst.Addr().IsValid() {
-		cm = &ipv6.ControlMessage{Src: dst.Addr().AsSlice()}
-	}
-	_, err := u.pc.WriteTo(b, cm, net.UDPAddrFromAddrPort(client))
-	return err
-}
-
-func (udp6) close() {}
-
-func udpAddrPort(a net.Addr) netip.AddrPort {
-	if u, ok := a.(*net.UDPAddr); ok {
-		ap := u.AddrPort()
-		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-	}
-	return netip.AddrPort{}
-}
-
 func (p *Proxier) udpSocket(l *listener) (udpSocket, error) {
 	if p.cfg.Transparent {
-		return &tproxySocket{pc: l.pc, v6: l.key.v6, oob: make([]byte, 128)}, nil
+		ls, err := newListenSocket(l.pc, l.key.v6, false, p.cfg.udpReadBatch())
+		if err != nil {
+			return nil, err
+		}
+		return &tproxySocket{listenSocket: ls}, nil
 	}
-	if l.key.v6 {
-		pc := ipv6.NewPacketConn(l.pc)
-		return udp6{pc}, pc.SetControlMessage(ipv6.FlagDst, true)
-	}
-	pc := ipv4.NewPacketConn(l.pc)
-	return udp4{pc}, pc.SetControlMessage(ipv4.FlagDst, true)
+	return newListenSocket(l.pc, l.key.v6, true, p.cfg.udpReadBatch())
 }
 
 // udpLoop reads the listener's datagrams until it is closed, and forwards
@@ -191,45 +149,60 @@ func (p *Proxier) udpSocket(l *listener) (udpSocket, error) {
 func (p *Proxier) udpLoop(l *listener) {
 	defer p.wg.Done()
 	sock, err := p.udpSocket(l)
-	if sock != nil {
-		defer sock.close()
-	}
 	if err != nil {
+		if sock == nil {
+			p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			return
+		}
 		p.log.Error("UDP listener cannot see destination addresses; replies may come from the wrong address",
 			zap.Stringer("servicePort", l.key.name), zap.Error(err))
 	}
-	flows := p.flowTable()
-	buf := make([]byte, maxDatagram)
+	defer sock.close()
+	p.flowTable() // created before the first flow
+	batch := make([]datagram, p.cfg.udpReadBatch())
 	var delay time.Duration
 	for {
-		n, client, dst, err := sock.read(buf)
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				p.removeFlows(l)
-				return
-			}
+		n, err := sock.readBatch(batch)
+		switch {
+		case errors.Is(err, net.ErrClosed):
+			p.removeFlows(l)
+			return
+		case errors.Is(err, errNoDestination):
+			p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.key.name))
+			continue
+		case err != nil:
 			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
 			p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			time.Sleep(delay)
 			continue
 		}
 		delay = 0
-		// A backend that answered with ICMP port unreachable makes the send
-		// fail: eject it and try the next one, at most DialAttempts times.
-		for range p.cfg.dialAttempts() {
-			f, err := p.udpFlowFor(l, sock, client, dst)
-			if err != nil {
-				p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", l.key.name), zap.Error(err))
-				break
-			}
-			if _, err := f.conn.Write(buf[:n]); err != nil {
-				p.udpFailed(f, err)
-				continue
-			}
-			f.pm.up(int64(n))
-			flows.Add(f.key, f) // refresh the flow's timeout
-			break
+		for i := range batch[:n] {
+			p.forwardDatagram(l, sock, &batch[i])
+			listenBuffers.put(batch[i].buf)
+			batch[i] = datagram{}
 		}
+	}
+}
+
+// forwardDatagram sends one client datagram to its flow's backend. A
+// backend that answered with ICMP port unreachable makes the send fail:
+// it is ejected and the next one tried, at most DialAttempts times.
+func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
+	payload := (*d.buf)[:d.n]
+	for range p.cfg.dialAttempts() {
+		f, err := p.udpFlowFor(l, sock, d.client, d.dst)
+		if err != nil {
+			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			return
+		}
+		if _, err := f.conn.Write(payload); err != nil {
+			p.udpFailed(f, err)
+			continue
+		}
+		f.pm.up(int64(d.n))
+		f.touch(p)
+		return
 	}
 }
 
@@ -279,6 +252,7 @@ func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client, dst netip.Addr
 	}
 	bm.connected()
 	f := &udpFlow{key: key, backend: b, conn: conn, dst: dst, sock: sock, pm: pm}
+	f.refreshed.Store(flowClock())
 	pm.flowOpened()
 	b.Acquire()
 	flows.Add(key, f)
@@ -308,7 +282,7 @@ func (p *Proxier) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, e
 
 // replyBuffers recycles reply buffers: a flow holds one only while it
 // relays a datagram, not while it waits, so idle flows cost no buffer.
-var replyBuffers = sync.Pool{New: func() any { b := make([]byte, maxDatagram); return &b }}
+var replyBuffers bufferPool
 
 // udpReplies relays the backend's datagrams to the client until the
 // flow's socket is closed (expiry, eviction, replacement, shutdown).
@@ -321,46 +295,20 @@ func (p *Proxier) udpReplies(f *udpFlow) {
 		return
 	}
 	for {
-		if err := waitReadable(rc); err != nil {
-			p.udpFailed(f, err)
-			return
-		}
-		bp := replyBuffers.Get().(*[]byte)
-		n, err := f.conn.Read(*bp)
-		if err == nil {
-			err = f.sock.write((*bp)[:n], f.key.client, f.dst)
-			if err == nil {
-				f.pm.down(int64(n))
-			}
-			if err != nil {
-				p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
-				err = nil
-			}
-		}
-		replyBuffers.Put(bp)
+		bp, n, err := readDatagram(rc, &replyBuffers)
 		if err != nil {
 			p.udpFailed(f, err)
 			return
 		}
-		if cur, ok := p.flowTable().Peek(f.key); ok && cur == f {
-			p.flowTable().Add(f.key, f) // replies keep the flow alive too
+		err = f.sock.write((*bp)[:n], f.key.client, f.dst)
+		replyBuffers.put(bp)
+		if err != nil {
+			p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
+		} else {
+			f.pm.down(int64(n))
 		}
+		f.touch(p)
 	}
-}
-
-// waitReadable blocks, in the netpoller, until a datagram is queued on the
-// socket, without taking it: MSG_PEEK with an empty buffer. It returns the
-// socket's pending error (ECONNREFUSED after an ICMP port unreachable).
-func waitReadable(rc syscall.RawConn) error {
-	var serr error
-	err := rc.Read(func(fd uintptr) bool {
-		_, _, serr = unix.Recvfrom(int(fd), nil, unix.MSG_PEEK|unix.MSG_TRUNC|unix.MSG_DONTWAIT)
-		return serr != unix.EAGAIN
-	})
-	if err != nil {
-		return err
-	}
-	return serr
 }
 
 // removeFlows drops every flow of a closed listener.

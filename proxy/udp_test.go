@@ -17,7 +17,7 @@ import (
 
 // udpBackend answers every datagram with "name:" and the datagram's
 // length, or echoes it when echo is set.
-func udpBackend(t *testing.T, name string, echo bool) netip.AddrPort {
+func udpBackend(t testing.TB, name string, echo bool) netip.AddrPort {
 	t.Helper()
 	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
 	if err != nil {
@@ -84,7 +84,7 @@ func exchange(t *testing.T, c *net.UDPConn, msg []byte) string {
 	return string(buf[:n])
 }
 
-func dialUDP(t *testing.T, port int) *net.UDPConn {
+func dialUDP(t testing.TB, port int) *net.UDPConn {
 	t.Helper()
 	c, err := net.DialUDP("udp4", nil, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port})
 	if err != nil {
@@ -138,27 +138,73 @@ func TestUDPFlows(t *testing.T) {
 	waitUntil(t, "flows expire", func() bool { return p.UDPFlows() == 0 })
 }
 
+// TestUDPRepliesComeFromTheServiceAddress checks, for both families, that
+// replies leave from the address the client sent to (IP_PKTINFO,
+// IPV6_PKTINFO), whatever address the kernel would otherwise pick, and
+// that a batch of datagrams queued at once is read and answered whole.
 func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
-	echo := udpBackend(t, "", true)
-	p, rules := startProxier(t, Config{})
-	p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
-	port := rules.port(t, "default/dns:dns")
-	// Without the kernel's REDIRECT, "the service address" is the address
-	// the client sent to: an unconnected socket shows the reply's source.
-	c, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	to := &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port}
-	if _, err := c.WriteTo([]byte("q"), to); err != nil {
-		t.Fatal(err)
-	}
-	c.SetReadDeadline(time.Now().Add(3 * time.Second))
-	buf := make([]byte, 10)
-	n, from, err := c.ReadFrom(buf)
-	if err != nil || string(buf[:n]) != "q" || from.String() != to.String() {
-		t.Fatalf("reply %q from %v (%v); want \"q\" from %v", buf[:n], from, err, to)
+	for _, tt := range []struct {
+		name, network, loopback, vip string
+	}{
+		{"IPv4", "udp4", "127.0.0.1", "10.96.0.10"},
+		{"IPv6", "udp6", "::1", "2001:db8:96::10"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			pc, err := net.ListenPacket(tt.network, net.JoinHostPort(tt.loopback, "0"))
+			if err != nil {
+				t.Skipf("no %s loopback: %v", tt.name, err)
+			}
+			go func() { // ends when pc is closed
+				buf := make([]byte, 65535)
+				for {
+					n, from, err := pc.ReadFrom(buf)
+					if err != nil {
+						return
+					}
+					pc.WriteTo(buf[:n], from)
+				}
+			}()
+			t.Cleanup(func() { pc.Close() })
+			echo := netip.MustParseAddrPort(pc.LocalAddr().String())
+			p, rules := startProxier(t, Config{})
+			sl := udpSlice("dns", "dns", echo)
+			if echo.Addr().Is6() {
+				sl.AddressType = discovery.AddressTypeIPv6
+			}
+			p.Tracker().Replace([]*v1.Service{svc("dns", tt.vip, "dns:53/UDP")}, []*discovery.EndpointSlice{sl})
+			port := rules.port(t, "default/dns:dns")
+			// Without the kernel's REDIRECT, "the service address" is the
+			// address the client sent to: an unconnected socket shows the
+			// reply's source.
+			c, err := net.ListenPacket(tt.network, net.JoinHostPort(tt.loopback, "0"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			to := &net.UDPAddr{IP: net.ParseIP(tt.loopback), Port: port}
+			const queued = 20
+			for i := range queued {
+				if _, err := c.WriteTo([]byte(fmt.Sprint(i)), to); err != nil {
+					t.Fatal(err)
+				}
+			}
+			got := map[string]bool{}
+			buf := make([]byte, 10)
+			for range queued {
+				c.SetReadDeadline(time.Now().Add(3 * time.Second))
+				n, from, err := c.ReadFrom(buf)
+				if err != nil {
+					t.Fatalf("%d of %d replies: %v", len(got), queued, err)
+				}
+				if from.String() != to.String() {
+					t.Errorf("reply %q from %v, want from %v", buf[:n], from, to)
+				}
+				got[string(buf[:n])] = true
+			}
+			if len(got) != queued {
+				t.Errorf("%d distinct replies, want %d", len(got), queued)
+			}
+		})
 	}
 }
 

@@ -1,0 +1,333 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// udpSocket reads a listener's datagrams with the address each was sent
+// to, and writes replies that appear to come from it. readBatch is called
+// by one goroutine only; write by any.
+type udpSocket interface {
+	// readBatch blocks until at least one datagram is queued, then reads
+	// up to len(out) of them (fewer while the socket has no backlog; see
+	// listenSocket). The caller returns each out[i].buf to listenBuffers.
+	readBatch(out []datagram) (int, error)
+	write(b []byte, client, dst netip.AddrPort) error
+	close()
+}
+
+// datagram is one datagram read from a listener.
+type datagram struct {
+	buf         *[]byte // from listenBuffers; the payload is (*buf)[:n]
+	n           int
+	client, dst netip.AddrPort
+}
+
+// listenBuffers recycles the listeners' datagram buffers: a listener
+// holds buffers only while it reads and forwards, never while it waits,
+// so a thousand idle UDP services cost no 64 KiB each.
+var listenBuffers bufferPool
+
+// cmsgSpace is room for the one control message a listener asks for: an
+// in6_pktinfo (20 bytes) or a sockaddr_in6 (28), with its header.
+var cmsgSpace = unix.CmsgSpace(unix.SizeofSockaddrInet6)
+
+// maxReadBatch is the largest batch a listener reads with one recvmmsg.
+const maxReadBatch = 16
+
+// listenSocket is a UDP listener's socket, of either family, that learns
+// each datagram's destination from a control message: IP_PKTINFO or
+// IPV6_PKTINFO in redirect mode (the local address REDIRECT rewrote the
+// destination to), IP_ORIGDSTADDR or IPV6_ORIGDSTADDR in tproxy mode (the
+// service's own address and port; see tproxySocket for the replies).
+//
+// It reads with recvmmsg(2), in batches that adapt to the backlog: one
+// datagram at a time while each read finds one, doubling (up to the
+// configured batch) while reads fill the batch, halving when they do not.
+// recvmmsg is called directly rather than through x/net's ReadBatch,
+// which needs its buffers before it waits: this way the buffers are taken
+// from listenBuffers only once datagrams are queued.
+type listenSocket struct {
+	pc       *net.UDPConn
+	rc       syscall.RawConn
+	v6       bool
+	maxBatch int
+	batch    int // current batch size, 1..maxBatch
+
+	// recvmmsg's arguments, reused by the one reader.
+	hdrs  []unix.Mmsghdr
+	iovs  []unix.Iovec
+	names []unix.RawSockaddrInet6 // big enough for either family
+	oob   []byte                  // cmsgSpace per message
+}
+
+// newListenSocket asks the kernel for each datagram's destination address
+// (IP_PKTINFO, IPV6_RECVPKTINFO). tproxy-mode listeners ask for the
+// original destination when they are opened (transparentListenConfig).
+func newListenSocket(pc *net.UDPConn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
+	maxBatch = min(max(maxBatch, 1), maxReadBatch)
+	s := &listenSocket{
+		pc: pc, v6: v6, maxBatch: maxBatch, batch: 1,
+		hdrs:  make([]unix.Mmsghdr, maxBatch),
+		iovs:  make([]unix.Iovec, maxBatch),
+		names: make([]unix.RawSockaddrInet6, maxBatch),
+		oob:   make([]byte, maxBatch*cmsgSpace),
+	}
+	rc, err := pc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	s.rc = rc
+	if !pktinfo {
+		return s, nil
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		if v6 {
+			serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO, 1)
+		} else {
+			serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_PKTINFO, 1)
+		}
+	}); err != nil {
+		return s, err
+	}
+	if serr != nil {
+		return s, fmt.Errorf("asking for datagrams' destination addresses: %w", serr)
+	}
+	return s, nil
+}
+
+var _ udpSocket = (*listenSocket)(nil)
+
+func (s *listenSocket) readBatch(out []datagram) (int, error) {
+	var n int
+	var serr error
+	err := s.rc.Read(func(fd uintptr) bool {
+		k := min(s.batch, len(out))
+		for i := range k {
+			bp := listenBuffers.get()
+			out[i].buf = bp
+			s.iovs[i].Base = &(*bp)[0]
+			s.iovs[i].SetLen(len(*bp))
+			h := &s.hdrs[i]
+			*h = unix.Mmsghdr{}
+			h.Hdr.Name = (*byte)(unsafe.Pointer(&s.names[i]))
+			h.Hdr.Namelen = unix.SizeofSockaddrInet6
+			h.Hdr.Iov = &s.iovs[i]
+			h.Hdr.SetIovlen(1)
+			h.Hdr.Control = &s.oob[i*cmsgSpace]
+			h.Hdr.SetControllen(cmsgSpace)
+		}
+		var r uintptr
+		var errno syscall.Errno
+		for {
+			r, _, errno = unix.Syscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.hdrs[0])), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
+			if errno != unix.EINTR {
+				break
+			}
+		}
+		n = int(r)
+		if errno != 0 {
+			n = 0
+		}
+		for i := n; i < k; i++ {
+			listenBuffers.put(out[i].buf)
+			out[i].buf = nil
+		}
+		if errno == unix.EAGAIN {
+			return false // wait in the netpoller, holding no buffer
+		}
+		if errno != 0 {
+			serr = errno
+		}
+		// Adapt the batch to the backlog this read found.
+		switch {
+		case n == k && k < s.maxBatch:
+			s.batch = min(2*k, s.maxBatch)
+		case n < k:
+			s.batch = max(k/2, 1)
+		}
+		return true
+	})
+	if err == nil {
+		err = serr
+	}
+	if err != nil {
+		return 0, err
+	}
+	m := 0
+	for i := range n {
+		h := &s.hdrs[i]
+		dst, derr := destFromControl(s.oob[i*cmsgSpace : i*cmsgSpace+int(h.Hdr.Controllen)])
+		client := sockaddrAddrPort(&s.names[i])
+		if derr != nil || !client.IsValid() {
+			listenBuffers.put(out[i].buf) // not delivered by our rules: dropped
+			continue
+		}
+		out[m] = datagram{buf: out[i].buf, n: int(h.Len), client: client, dst: dst}
+		m++
+	}
+	for i := m; i < n; i++ {
+		out[i] = datagram{}
+	}
+	if m == 0 {
+		return 0, errNoDestination
+	}
+	return m, nil
+}
+
+// errNoDestination: no datagram of a read carried its destination.
+var errNoDestination = errors.New("datagram without its destination address")
+
+// sockaddrAddrPort decodes the sockaddr_in or sockaddr_in6 recvmmsg
+// wrote.
+func sockaddrAddrPort(sa *unix.RawSockaddrInet6) netip.AddrPort {
+	switch sa.Family {
+	case unix.AF_INET:
+		sa4 := (*unix.RawSockaddrInet4)(unsafe.Pointer(sa))
+		return netip.AddrPortFrom(netip.AddrFrom4(sa4.Addr), ntohs(sa4.Port))
+	case unix.AF_INET6:
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), ntohs(sa.Port))
+	}
+	return netip.AddrPort{}
+}
+
+// write sends a reply from dst's address (IP_PKTINFO's ipi_spec_dst, or
+// IPV6_PKTINFO's ipi6_addr: ip(7), ipv6(7)), so that conntrack maps it
+// back to the service's address the client sent to. An invalid dst sends
+// from whatever address the kernel picks.
+func (s *listenSocket) write(b []byte, client, dst netip.AddrPort) error {
+	var buf [64]byte
+	var oob []byte
+	if a := dst.Addr(); a.IsValid() {
+		oob = pktinfo(buf[:0], a, s.v6)
+	}
+	if !s.v6 {
+		client = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
+	} else if client.Addr().Is4() {
+		client = netip.AddrPortFrom(netip.AddrFrom16(client.Addr().As16()), client.Port())
+	}
+	_, _, err := s.pc.WriteMsgUDPAddrPort(b, oob, client)
+	return err
+}
+
+func (*listenSocket) close() {}
+
+// pktinfo appends an IP_PKTINFO or IPV6_PKTINFO control message that sets
+// a datagram's source address to src.
+func pktinfo(b []byte, src netip.Addr, v6 bool) []byte {
+	if v6 {
+		var pi unix.Inet6Pktinfo
+		pi.Addr = src.As16()
+		return appendCmsg(b, unix.IPPROTO_IPV6, unix.IPV6_PKTINFO, unsafe.Slice((*byte)(unsafe.Pointer(&pi)), unix.SizeofInet6Pktinfo))
+	}
+	var pi unix.Inet4Pktinfo
+	pi.Spec_dst = src.Unmap().As4()
+	return appendCmsg(b, unix.IPPROTO_IP, unix.IP_PKTINFO, unsafe.Slice((*byte)(unsafe.Pointer(&pi)), unix.SizeofInet4Pktinfo))
+}
+
+func appendCmsg(b []byte, level, typ int, data []byte) []byte {
+	start := len(b)
+	b = append(b, make([]byte, unix.CmsgSpace(len(data)))...)
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[start]))
+	h.Level, h.Type = int32(level), int32(typ)
+	h.SetLen(unix.CmsgLen(len(data)))
+	copy(b[start+unix.CmsgLen(0):], data)
+	return b
+}
+
+// destFromControl finds a datagram's destination in its control messages:
+// IP_ORIGDSTADDR or IPV6_ORIGDSTADDR (address and port), or IP_PKTINFO or
+// IPV6_PKTINFO (address only, port 0). It walks the buffer in place:
+// unix.ParseSocketControlMessage would allocate for every datagram.
+func destFromControl(oob []byte) (netip.AddrPort, error) {
+	for len(oob) >= unix.CmsgLen(0) {
+		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+		l := int(h.Len)
+		if l < unix.CmsgLen(0) || l > len(oob) {
+			return netip.AddrPort{}, errors.New("malformed control message")
+		}
+		data := oob[unix.CmsgLen(0):l]
+		switch {
+		case h.Level == unix.SOL_IP && h.Type == unix.IP_ORIGDSTADDR && len(data) >= unix.SizeofSockaddrInet4:
+			sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port)), nil
+		case h.Level == unix.SOL_IPV6 && h.Type == unix.IPV6_ORIGDSTADDR && len(data) >= unix.SizeofSockaddrInet6:
+			sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), ntohs(sa.Port)), nil
+		case h.Level == unix.IPPROTO_IP && h.Type == unix.IP_PKTINFO && len(data) >= unix.SizeofInet4Pktinfo:
+			pi := (*unix.Inet4Pktinfo)(unsafe.Pointer(&data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom4(pi.Addr), 0), nil
+		case h.Level == unix.IPPROTO_IPV6 && h.Type == unix.IPV6_PKTINFO && len(data) >= unix.SizeofInet6Pktinfo:
+			pi := (*unix.Inet6Pktinfo)(unsafe.Pointer(&data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom16(pi.Addr).Unmap(), 0), nil
+		}
+		oob = oob[min(unix.CmsgSpace(l-unix.CmsgLen(0)), len(oob)):]
+	}
+	return netip.AddrPort{}, errNoDestination
+}
+
+// ntohs converts a port from the network byte order a sockaddr holds.
+func ntohs(p uint16) uint16 {
+	var b [2]byte
+	binary.NativeEndian.PutUint16(b[:], p)
+	return binary.BigEndian.Uint16(b[:])
+}
+
+// readDatagram reads one datagram from a connected socket into a buffer
+// taken from pool only once one is queued, so that a waiting reader holds
+// no buffer: one read(2) per datagram (the socket is non-blocking), and
+// the netpoller's wait when none is queued. The caller returns the buffer
+// to pool. err is the socket's pending error (ECONNREFUSED after an ICMP
+// port unreachable: udp(7)) or net.ErrClosed.
+func readDatagram(rc syscall.RawConn, pool *bufferPool) (bp *[]byte, n int, err error) {
+	var serr error
+	rerr := rc.Read(func(fd uintptr) bool {
+		bp = pool.get()
+		for {
+			n, serr = unix.Read(int(fd), *bp)
+			if serr != unix.EINTR {
+				break
+			}
+		}
+		if serr == unix.EAGAIN {
+			pool.put(bp)
+			bp = nil
+			return false
+		}
+		return true
+	})
+	switch {
+	case rerr != nil:
+		if bp != nil {
+			pool.put(bp)
+		}
+		return nil, 0, rerr
+	case serr != nil:
+		pool.put(bp)
+		return nil, 0, serr
+	}
+	return bp, n, nil
+}
+
+// bufferPool recycles datagram buffers of the largest size.
+type bufferPool struct{ p sync.Pool }
+
+func (b *bufferPool) get() *[]byte {
+	if v, ok := b.p.Get().(*[]byte); ok {
+		return v
+	}
+	buf := make([]byte, maxDatagram)
+	return &buf
+}
+
+func (b *bufferPool) put(bp *[]byte) { b.p.Put(bp) }
