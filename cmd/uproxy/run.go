@@ -213,6 +213,7 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 // run wires the proxier to its source, the kernel and the health servers,
 // and runs until ctx is done; then it drains.
 func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
+	logNoFile(log)
 	// Check the manifests or the API server's configuration before touching
 	// the kernel: a typo must stop us with the cause named.
 	var client kubernetes.Interface

@@ -1,0 +1,53 @@
+package main
+
+import (
+	"fmt"
+	"syscall"
+
+	"go.uber.org/zap"
+)
+
+// wantNoFile is the open-files limit uproxy asks for: each proxied TCP
+// connection holds two descriptors (client and backend), each UDP flow
+// one, and a node may carry hundreds of thousands of connections.
+const wantNoFile = 1 << 20
+
+// raiseNoFile raises RLIMIT_NOFILE as far as it goes: the hard limit to
+// wantNoFile where the process may (CAP_SYS_RESOURCE), and the soft limit
+// to the hard one. The Go runtime already raises the soft limit at start
+// (since Go 1.19), but not the hard one; kube-proxy's userspace mode
+// panicked when accept ran out of descriptors. It returns the resulting
+// soft limit.
+func raiseNoFile(setrlimit func(int, *syscall.Rlimit) error, getrlimit func(int, *syscall.Rlimit) error) (uint64, error) {
+	var lim syscall.Rlimit
+	if err := getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return 0, fmt.Errorf("reading RLIMIT_NOFILE: %w", err)
+	}
+	if lim.Max < wantNoFile {
+		want := syscall.Rlimit{Cur: wantNoFile, Max: wantNoFile}
+		if setrlimit(syscall.RLIMIT_NOFILE, &want) == nil {
+			return want.Cur, nil
+		}
+	}
+	if lim.Cur < lim.Max {
+		lim.Cur = lim.Max
+		if err := setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+			return 0, fmt.Errorf("raising RLIMIT_NOFILE to %d: %w", lim.Max, err)
+		}
+	}
+	return lim.Cur, nil
+}
+
+// logNoFile raises the limit and says what it is, warning when it holds
+// fewer than 10,000 proxied connections.
+func logNoFile(log *zap.Logger) {
+	n, err := raiseNoFile(syscall.Setrlimit, syscall.Getrlimit)
+	switch {
+	case err != nil:
+		log.Warn("could not raise the open-files limit", zap.Error(err))
+	case n < 20000:
+		log.Warn("the open-files limit holds fewer than 10,000 proxied connections (2 descriptors each); raise the hard limit (LimitNOFILE, ulimit -Hn)", zap.Uint64("limit", n))
+	default:
+		log.Info("open-files limit", zap.Uint64("limit", n))
+	}
+}
