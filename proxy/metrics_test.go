@@ -11,10 +11,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/balancer"
+
+	"github.com/uproxy/uproxy/internal/promtest"
 )
 
 // scrape gathers reg and returns the sum of the samples of metric name
@@ -27,37 +28,11 @@ func scrape(t *testing.T, reg *prometheus.Registry, name string, want map[string
 		t.Fatal(err)
 	}
 	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			have := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				have[lp.GetName()] = lp.GetValue()
-			}
-			for k, v := range want {
-				if have[k] != v {
-					continue next
-				}
-			}
-			series++
-			sum += value(mf.GetType(), m)
+		if mf.GetName() == name {
+			return promtest.Sum(mf, want)
 		}
 	}
 	return sum, series
-}
-
-func value(typ dto.MetricType, m *dto.Metric) float64 {
-	switch typ {
-	case dto.MetricType_COUNTER:
-		return m.GetCounter().GetValue()
-	case dto.MetricType_GAUGE:
-		return m.GetGauge().GetValue()
-	case dto.MetricType_HISTOGRAM:
-		return float64(m.GetHistogram().GetSampleCount())
-	}
-	return 0
 }
 
 func TestMetricsCountConnectionsAndSyncs(t *testing.T) {

@@ -10,6 +10,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/uproxy/uproxy/internal/promtest"
 )
 
 const metricsAddr = "127.0.0.1:10249"
@@ -30,36 +32,6 @@ func (c *cluster) scrapeMetrics() map[string]*dto.MetricFamily {
 	return mfs
 }
 
-// sample sums the samples of mf whose labels include want (histograms:
-// their counts).
-func sample(mf *dto.MetricFamily, want map[string]string) (sum float64, series int) {
-	if mf == nil {
-		return 0, 0
-	}
-next:
-	for _, m := range mf.GetMetric() {
-		have := map[string]string{}
-		for _, lp := range m.GetLabel() {
-			have[lp.GetName()] = lp.GetValue()
-		}
-		for k, v := range want {
-			if have[k] != v {
-				continue next
-			}
-		}
-		series++
-		switch mf.GetType() {
-		case dto.MetricType_COUNTER:
-			sum += m.GetCounter().GetValue()
-		case dto.MetricType_GAUGE:
-			sum += m.GetGauge().GetValue()
-		case dto.MetricType_HISTOGRAM:
-			sum += float64(m.GetHistogram().GetSampleCount())
-		}
-	}
-	return sum, series
-}
-
 func TestE2EMetrics(t *testing.T) {
 	c := newCluster(t, 2)
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
@@ -78,8 +50,8 @@ func TestE2EMetrics(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		mfs = c.scrapeMetrics()
-		ok, _ := sample(mfs["uproxy_connections_total"], map[string]string{"service": "default/web", "port": "http", "result": "ok"})
-		prog, _ := sample(mfs["kubeproxy_network_programming_duration_seconds"], nil)
+		ok, _ := promtest.Sum(mfs["uproxy_connections_total"], map[string]string{"service": "default/web", "port": "http", "result": "ok"})
+		prog, _ := promtest.Sum(mfs["kubeproxy_network_programming_duration_seconds"], nil)
 		if ok == 10 && prog >= 1 {
 			break
 		}
@@ -113,15 +85,15 @@ func TestE2EMetrics(t *testing.T) {
 			t.Errorf("%s is a %v, want a %v", name, mf.GetType(), typ)
 		}
 	}
-	if v, _ := sample(mfs["kubeproxy_sync_proxy_rules_last_timestamp_seconds"], nil); time.Since(time.Unix(int64(v), 0)) > time.Minute {
+	if v, _ := promtest.Sum(mfs["kubeproxy_sync_proxy_rules_last_timestamp_seconds"], nil); time.Since(time.Unix(int64(v), 0)) > time.Minute {
 		t.Errorf("last sync timestamp %v is not recent", v)
 	}
 	for _, p := range c.pods {
-		if v, _ := sample(mfs["uproxy_balancer_picks_total"], map[string]string{"service": "default/web", "backend": p.IP.String() + ":8080"}); v != 5 {
+		if v, _ := promtest.Sum(mfs["uproxy_balancer_picks_total"], map[string]string{"service": "default/web", "backend": p.IP.String() + ":8080"}); v != 5 {
 			t.Errorf("picks of %s = %v, want 5 (round-robin over two)", p.IP, v)
 		}
 	}
-	if v, _ := sample(mfs["uproxy_bytes_total"], map[string]string{"service": "default/web", "direction": "upstream"}); v == 0 {
+	if v, _ := promtest.Sum(mfs["uproxy_bytes_total"], map[string]string{"service": "default/web", "direction": "upstream"}); v == 0 {
 		t.Error("no upstream bytes counted")
 	}
 	// No client addresses in any label.
