@@ -10,18 +10,31 @@ TEST_PKGS := iptables iproute2 ipset curl socat etcd-server nftables haproxy ngi
 DEMO_PKGS := iptables iproute2 curl
 GOTESTFLAGS ?=
 
-.PHONY: all build test test-short kube-binaries demo deps-test deps-demo vet fmt clean
+.PHONY: all build test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN)/uproxy ./cmd/uproxy
 
-# make test: vet, then every test with the race detector. Root-only tests
-# skip (saying why) when not run as root; CI runs as root.
+# make test: vet, then every test with the race detector, then the fuzz
+# targets for a bounded time. Root-only tests skip (saying why) when not run
+# as root; CI runs as root.
 test: deps-test kube-binaries
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
+	$(MAKE) fuzz
+
+# fuzz: each fuzz target of proxy/fuzz_test.go for FUZZTIME (go test fuzzes
+# one target per run). Every go test also runs their seeds; a failing input
+# is written to proxy/testdata/fuzz/TARGET/, where it becomes a seed too. The
+# first run builds the dependencies with coverage instrumentation (minutes).
+FUZZTIME ?= 10s
+fuzz:
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeManifests$$' -fuzztime $(FUZZTIME) ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzConvert$$' -fuzztime $(FUZZTIME) ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzAnnotations$$' -fuzztime $(FUZZTIME) ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(FUZZTIME) ./proxy/
 
 # kube-binaries: the real kube-apiserver, kube-proxy and kubectl that the
 # API-server tests and the benchmarks run, built once from bench/tools into

@@ -160,7 +160,9 @@ func ValidateSlice(s *discovery.EndpointSlice) error {
 			if err != nil || ip.Zone() != "" {
 				return fmt.Errorf("endpoints[%d].addresses[%d]: %q is not an IP address", i, j, a)
 			}
-			if ip.Is4() != (s.AddressType == discovery.AddressTypeIPv4) {
+			// Unmapped, as PortEndpoints uses it: an IPv4-mapped IPv6
+			// address is an IPv4 endpoint.
+			if ip.Unmap().Is4() != (s.AddressType == discovery.AddressTypeIPv4) {
 				return fmt.Errorf("endpoints[%d].addresses[%d]: %s does not match addressType %s", i, j, a, s.AddressType)
 			}
 		}
@@ -294,6 +296,11 @@ func ParseWeights(s string) (map[netip.Addr]int, error) {
 			return nil, fmt.Errorf("%q: want IP=weight", item)
 		}
 		ip, err := netip.ParseAddr(strings.TrimSpace(ipStr))
+		if err == nil && ip.Zone() != "" {
+			// Endpoint addresses have no zone (ValidateSlice), so a
+			// weight for a zoned address would never apply.
+			err = errors.New("an endpoint address has no zone")
+		}
 		if err != nil {
 			return nil, fmt.Errorf("%q: bad IP: %w", item, err)
 		}

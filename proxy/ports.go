@@ -49,7 +49,7 @@ func ParsePortRange(s string) (PortRange, error) {
 			return PortRange{}, err
 		}
 		off, err := strconv.Atoi(strings.TrimSpace(b))
-		if err != nil || off < 0 || lo+off > 65535 {
+		if err != nil || off < 0 || off > 65535-lo { // not lo+off: it can overflow
 			return PortRange{}, fmt.Errorf("invalid port range %q: offset must keep the range within 65535", s)
 		}
 		return PortRange{Base: uint16(lo), Size: off + 1}, nil
