@@ -48,6 +48,11 @@ type Config struct {
 	Listen func(ctx context.Context, network, address string) (net.Listener, error)
 	// ListenUDP opens a UDP listener; nil means net.ListenConfig.ListenPacket.
 	ListenUDP func(ctx context.Context, network, address string) (*net.UDPConn, error)
+	// Inherited holds the listening sockets handed over by the process
+	// this one replaces (see handoff.go): a listener adopts the socket of
+	// its key instead of binding a new one. Nil means every listener is
+	// bound anew.
+	Inherited *Inherited
 	// Dial connects to a backend; nil means net.Dialer.DialContext.
 	Dial func(ctx context.Context, network, address string) (net.Conn, error)
 	// UDPTimeout is how long a UDP flow lives without traffic in either
@@ -340,6 +345,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	p.rulesDirty = false
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
+	p.cfg.Inherited.synced(p.log)
 	p.cfg.Metrics.observeSync(start, end, ch.TriggerTimes)
 	if p.cfg.OnSync != nil {
 		p.cfg.OnSync()
@@ -715,7 +721,7 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	network := k.network()
 	l := &listener{key: k}
 	udp := k.name.Protocol == v1.ProtocolUDP
-	port, err := p.ports.allocate(network, func(port uint16) (uint16, error) {
+	port, err := p.adoptOrAllocate(l, host, func(port uint16) (uint16, error) {
 		addr := net.JoinHostPort(host, strconv.Itoa(int(port)))
 		var local net.Addr
 		if udp {
@@ -743,6 +749,9 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	}
 	l.port = port
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
+	if p.startAdopted(l) {
+		return l, nil
+	}
 	p.wg.Add(1)
 	if udp {
 		go p.udpLoop(l)
@@ -821,6 +830,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 			p.closeListener(l)
 		}
 	}
+	p.cfg.Inherited.stop(p.log)
 	done := make(chan struct{})
 	go func() { p.wg.Wait(); close(done) }() // exits when every session has ended (forced below)
 	select {

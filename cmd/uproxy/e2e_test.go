@@ -117,7 +117,11 @@ func (c *cluster) write(name, content string) {
 // installed n REDIRECT rules.
 func (c *cluster) start(rules int, args ...string) {
 	c.t.Helper()
-	argv := append([]string{c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms"}, args...)
+	// Each cluster gets an upgrade socket of its own: the default path is
+	// one per host, and tests of other labs run at the same time (args may
+	// still name another; the last one wins).
+	sock := filepath.Join(c.dir, "..", filepath.Base(c.dir)+"-upgrade.sock")
+	argv := append([]string{c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms", "--upgrade-socket", sock}, args...)
 	var err error
 	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
 		c.t.Fatal(err)

@@ -55,6 +55,8 @@ type runOptions struct {
 	udpTimeout         time.Duration
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
+	upgradeSocket      string
+	lingerAfterUpgrade bool
 
 	// Parsed by validate.
 	ports         proxy.PortRange
@@ -85,6 +87,8 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
+	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
+	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
 
 // validate checks the options once and parses what needs parsing.
@@ -227,17 +231,26 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return fmt.Errorf("API client: %w", err)
 		}
 	}
+	// Take the sockets over from a running uproxy (hitless upgrade; see
+	// upgrade.go), or get ready to hand ours over later.
+	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
+	if err := up.start(); err != nil {
+		return err
+	}
+	defer up.close()
 
 	health := healthcheck.NewProxyHealth(healthcheck.ProxyHealthConfig{
 		Addr:          o.healthzBindAddress,
 		HealthTimeout: 2 * o.syncPeriod,
 		IPFamilies:    []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol},
 		Logger:        log.Named("healthz"),
+		Listen:        up.servers.listen("healthz"),
 	})
 	svcHealth := healthcheck.NewServiceHealth(healthcheck.ServiceHealthConfig{
 		Addresses:   o.nodePortCIDRs,
 		Logger:      log.Named("healthcheck"),
 		ProxyHealth: health,
+		Listen:      up.servers.listen("healthcheck"),
 	})
 	defer svcHealth.Close()
 	tproxy := o.mode == "tproxy"
@@ -255,6 +268,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
+	synced := make(chan struct{})
+	firstSync := sync.OnceFunc(func() { close(synced) })
 	p := proxy.NewProxier(proxy.Config{
 		Metrics:       metrics,
 		Rules:         rules,
@@ -270,8 +285,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		NodeName:      o.nodeName,
 		ClusterCIDRs:  o.clusterCIDRs,
 		ServiceHealth: svcHealth,
-		OnSync:        health.Updated,
+		OnSync:        func() { health.Updated(); firstSync() },
 		OnChange:      health.QueuedUpdate,
+		Inherited:     up.inherited(),
 		Logger:        log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }
@@ -302,17 +318,33 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		warnBridgeNetfilter(log)
 	}
 
-	// Goroutines owned here: the sync loop, the source, and the two
-	// servers. All return when ctx is done; wg waits for them before the
-	// drain. A server that cannot listen stops uproxy: a health check that
-	// silently does not exist is worse than a clear failure.
+	// Goroutines owned here: the sync loop, the source, the two servers
+	// and the upgrade server. All return when ctx is done; wg waits for
+	// them before the drain. A server that cannot listen stops uproxy: a
+	// health check that silently does not exist is worse than a clear
+	// failure.
+	signals := ctx
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	var wg sync.WaitGroup
 	// As kube-proxy's sync loop does at its start: healthy until an update
 	// stays pending for longer than the health timeout.
 	health.Updated()
-	wg.Go(func() { p.Run(ctx) })
+	if o.healthzBindAddress != "" {
+		up.servers.expect("healthz")
+	}
+	if o.metricsBindAddress != "" {
+		up.servers.expect("metrics")
+	}
+	syncLoop := newPausableRun(p)
+	wg.Go(func() { syncLoop.run(ctx) })
+	var handedOver *handover // set when a successor has taken the sockets over
+	wg.Go(func() {
+		if h := up.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}); h != nil {
+			handedOver = h
+			cancel(errHandedOver)
+		}
+	})
 	wg.Go(func() {
 		if err := src.Run(ctx); err != nil {
 			cancel(fmt.Errorf("source: %w", err))
@@ -324,7 +356,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveMetrics(ctx, o.metricsBindAddress, reg, p, tproxy); err != nil {
+		if err := serveMetrics(ctx, o.metricsBindAddress, reg, p, tproxy, up.servers.listen("metrics")); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
@@ -338,6 +370,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	failure := context.Cause(ctx)
 	if errors.Is(failure, context.Canceled) {
 		failure = nil // a signal, not a failure
+	}
+	if handedOver != nil {
+		return drainHandedOver(signals, o, p, svcHealth, handedOver, log)
 	}
 
 	log.Info("stopping: draining connections", zap.Int("active", p.ActiveConnections()), zap.Duration("timeout", o.drainTimeout))
@@ -358,7 +393,7 @@ func (f fileWatch) Run(ctx context.Context) error { return f.fs.Watch(ctx) }
 // serveMetrics serves the Prometheus metrics of reg, pprof, and p's
 // /status and /explain (for `uproxy status` and `uproxy explain`) on addr
 // until ctx is done. An empty addr disables it.
-func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, p *proxy.Proxier, tproxy bool) error {
+func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, p *proxy.Proxier, tproxy bool, listen healthcheck.ListenFunc) error {
 	if addr == "" {
 		return nil
 	}
@@ -376,7 +411,7 @@ func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, p 
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	ln, err := net.Listen("tcp", addr)
+	ln, err := listen("tcp", addr)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,1006 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/healthcheck"
+)
+
+// Hitless upgrade: a new `uproxy run` takes the listening sockets over
+// from the running one, as HAProxy's -x and Envoy's hot restart do, so
+// that no connection attempt is refused while the binary changes.
+//
+// Every running uproxy listens on --upgrade-socket, a SOCK_SEQPACKET unix
+// socket (mode 0600). A starting uproxy that finds a live socket there
+// speaks this protocol with the process behind it; each message is one
+// packet holding one JSON object (upgradeMessage), and descriptors travel
+// as SCM_RIGHTS on the packet that lists them:
+//
+//	new → old  hello    {"type":"hello","version":1,"pid":…,"netns":"dev:ino","mode":"redirect"}
+//	old → new  offer    {"type":"offer","version":1,"pid":…,"netns":…,"mode":…,"count":N}
+//	old → new  sockets  {"type":"sockets","version":1,"sockets":[{"kind":…,"key":…,"port":…},…]}
+//	                    + SCM_RIGHTS, one descriptor per entry, in order; at most 64 a
+//	                    packet, repeated until N sockets have been sent
+//	new → old  ready    {"type":"ready","version":1}
+//
+// Kinds: "listener" (a service port's listener, keyed by
+// proxy.HandoffSocket.Key: its network and service port), "server" (the
+// healthz, metrics and health-check node port servers, keyed by role,
+// network and address) and "upgrade" (this very socket, keyed by path).
+//
+// On hello the old process stops its sync loop, so that its set of
+// listeners stays what it exported, but it goes on accepting on every
+// socket. The new process adopts the sockets by key: the listeners when
+// its first sync opens them, which therefore writes no rule (the ports
+// are the same), the servers when they start. It accepts only once that
+// sync has succeeded; then it closes the inherited sockets nobody claimed
+// (services it does not have) and sends ready. On ready the old process
+// closes its own descriptors, which stops it accepting without ending the
+// sockets (the new process holds duplicates; Go's Close never calls
+// shutdown(2)), drains its established connections for up to
+// --drain-timeout and exits. Connections arriving at any moment are
+// either accepted by one of the two processes or wait in the socket's
+// queue, which one of them serves: none is refused.
+//
+// If the new process goes away before ready, the old one sees the
+// connection end, starts its sync loop again and carries on. The new
+// process serves the upgrade socket it inherited from then on, so the
+// path never changes hands through a gap.
+//
+// An offer may carry an "error" instead of sockets: "another upgrade is
+// in progress" (the old process is handing over, or is itself still
+// waiting for its own first sync after an upgrade) makes the new process
+// exit with an error, to be started again later; "not serving yet" (a
+// cold start whose first sync has not completed: nothing worth keeping)
+// and a failed export make it ask for a release, below.
+//
+// Version skew: the hello, offer, release and released messages and their
+// "type" and "version" fields never change; "version" says how to read the
+// rest. A new process whose version or mode differs from the offer's
+// starts cold: it sends
+//
+//	new → old  release   {"type":"release","version":1}
+//	old → new  released  {"type":"released","version":1}
+//
+// and the old process closes every socket before it answers, drains and
+// exits; the new one then binds its own sockets (new listener ports, so
+// its first sync rewrites the rules; fixed ports that the old process
+// still held would fail to bind, which is logged).
+//
+// The processes must share the network namespace: a socket belongs to
+// the namespace it was created in. The hello and offer carry the
+// namespace's identity (device and inode of /proc/self/ns/net), and the
+// old process refuses a hello from another one with an "error" offer; the
+// new one then starts cold and leaves the upgrade socket to its owner.
+// A socket file with no process behind it (connection refused) is stale:
+// it is removed and the start goes on as usual.
+
+const (
+	// upgradeProtocolVersion is the version of the handover messages.
+	upgradeProtocolVersion = 1
+	// upgradeHandshakeTimeout bounds each step of the handshake (not the
+	// wait for ready, which lasts the new process's first sync).
+	upgradeHandshakeTimeout = 10 * time.Second
+	// upgradeReleaseTimeout bounds the wait for released: the old process
+	// stops its servers, source and sync loop first.
+	upgradeReleaseTimeout = 30 * time.Second
+	// upgradeFDsPerMessage is how many descriptors a packet carries, well
+	// below the kernel's SCM_MAX_FD (253).
+	upgradeFDsPerMessage = 64
+	// upgradeMaxMessage bounds a packet's JSON.
+	upgradeMaxMessage = 1 << 16
+)
+
+// Socket kinds in upgradeSocket.Kind.
+const (
+	kindListener = "listener"
+	kindServer   = "server"
+	kindUpgrade  = "upgrade"
+)
+
+// errHandedOver is the cause of the run context's end when a successor
+// has taken the sockets over.
+var errHandedOver = errors.New("handed over to a new process")
+
+// upgradeMessage is one packet of the handover protocol.
+type upgradeMessage struct {
+	Type    string          `json:"type"`
+	Version int             `json:"version"`
+	PID     int             `json:"pid,omitempty"`
+	Netns   string          `json:"netns,omitempty"`
+	Mode    string          `json:"mode,omitempty"`
+	Count   int             `json:"count,omitempty"`
+	Error   string          `json:"error,omitempty"`
+	Sockets []upgradeSocket `json:"sockets,omitempty"`
+}
+
+// upgradeSocket describes one descriptor of a sockets message.
+type upgradeSocket struct {
+	Kind string `json:"kind"`
+	Key  string `json:"key"`
+	Port uint16 `json:"port,omitempty"`
+}
+
+// sendUpgradeMessage sends m with files' descriptors. The files must be
+// ones whose Fd leaves the socket's mode alone (proxy.SocketFile's).
+func sendUpgradeMessage(c *net.UnixConn, m upgradeMessage, files []*os.File) error {
+	m.Version = upgradeProtocolVersion
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	var oob []byte
+	if len(files) > 0 {
+		fds := make([]int, len(files))
+		for i, f := range files {
+			fds[i] = int(f.Fd())
+		}
+		oob = unix.UnixRights(fds...)
+	}
+	if _, _, err := c.WriteMsgUnix(b, oob, nil); err != nil {
+		return fmt.Errorf("sending %s: %w", m.Type, err)
+	}
+	return nil
+}
+
+// recvUpgradeMessage reads one message and the descriptors it carries,
+// which the caller closes (also when an error is returned).
+func recvUpgradeMessage(c *net.UnixConn) (upgradeMessage, []*os.File, error) {
+	var m upgradeMessage
+	buf := make([]byte, upgradeMaxMessage)
+	oob := make([]byte, unix.CmsgSpace(4*upgradeFDsPerMessage))
+	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return m, nil, err
+	}
+	var files []*os.File
+	if oobn > 0 {
+		cmsgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+		if err != nil {
+			return m, nil, fmt.Errorf("control message: %w", err)
+		}
+		for i := range cmsgs {
+			fds, err := unix.ParseUnixRights(&cmsgs[i])
+			if err != nil {
+				continue
+			}
+			for _, fd := range fds {
+				files = append(files, os.NewFile(uintptr(fd), "inherited socket"))
+			}
+		}
+	}
+	if flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
+		return m, files, errors.New("message truncated")
+	}
+	if n == 0 {
+		return m, files, io.EOF // the peer closed the connection
+	}
+	if err := json.Unmarshal(buf[:n], &m); err != nil {
+		return m, files, fmt.Errorf("decoding a message: %w", err)
+	}
+	return m, files, nil
+}
+
+func closeFiles(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
+}
+
+// netnsID identifies this process's network namespace.
+func netnsID() (string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat("/proc/self/ns/net", &st); err != nil {
+		return "", fmt.Errorf("identifying the network namespace: %w", err)
+	}
+	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
+}
+
+// upgrader is this process's side of the hitless upgrade: taking the
+// sockets over from a predecessor when it starts, and handing them to a
+// successor later. The run goroutine calls start, inherited, close and
+// the handover's methods; serve runs on a goroutine of its own.
+type upgrader struct {
+	path  string // empty: disabled
+	mode  string
+	netns string
+	log   *zap.Logger
+
+	servers   *serverSockets
+	listeners []proxy.HandoffSocket // inherited; passed on by inherited()
+
+	ln      *net.UnixListener // the upgrade socket; nil when there is none
+	lnFile  fileID            // the socket file we own
+	predPID int
+
+	mu      sync.Mutex
+	pred    *net.UnixConn // the predecessor, until it is told we are ready
+	ready   bool          // the first sync is done: we can hand over
+	handing bool          // a handover is in progress, or done
+	gone    bool          // handed over: the path is the successor's
+}
+
+func newUpgrader(path, mode string, log *zap.Logger) *upgrader {
+	return &upgrader{path: path, mode: mode, log: log, servers: newServerSockets(log)}
+}
+
+// start takes the sockets over from the process behind the upgrade
+// socket, if there is one and it is compatible, and otherwise gets the
+// upgrade socket ready for a successor. It fails only when a predecessor
+// answers but the handover breaks off, or does not answer at all: a cold
+// start would then fight it over the rules.
+func (u *upgrader) start() error {
+	if u.path == "" {
+		return nil
+	}
+	var err error
+	if u.netns, err = netnsID(); err != nil {
+		u.log.Warn("hitless upgrades disabled", zap.Error(err))
+		u.path = ""
+		return nil
+	}
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: u.path, Net: "unixpacket"})
+	switch {
+	case err == nil:
+		return u.takeOver(c)
+	case errors.Is(err, fs.ErrNotExist):
+	case errors.Is(err, syscall.ECONNREFUSED):
+		// A socket file nobody listens on: its process died without
+		// removing it.
+		u.log.Info("removing a stale upgrade socket", zap.String("path", u.path))
+		if err := os.Remove(u.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			u.log.Warn("cannot remove the stale upgrade socket; hitless upgrades of this process are disabled", zap.Error(err))
+			u.path = ""
+			return nil
+		}
+	default:
+		u.log.Warn("cannot connect to the upgrade socket; starting cold, and hitless upgrades of this process are disabled",
+			zap.String("path", u.path), zap.Error(err))
+		u.path = ""
+		return nil
+	}
+	u.bind()
+	return nil
+}
+
+// takeOver runs the new process's side of the handshake up to the
+// sockets' arrival.
+func (u *upgrader) takeOver(c *net.UnixConn) (err error) {
+	defer func() {
+		if err != nil {
+			c.Close() // the predecessor carries on
+		}
+	}()
+	c.SetDeadline(time.Now().Add(upgradeHandshakeTimeout))
+	if err := sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}, nil); err != nil {
+		return fmt.Errorf("hitless upgrade through %s: %w", u.path, err)
+	}
+	offer, files, err := recvUpgradeMessage(c)
+	closeFiles(files)
+	if err == nil && offer.Type != "offer" {
+		err = fmt.Errorf("got %q, want an offer", offer.Type)
+	}
+	if err != nil {
+		return fmt.Errorf("hitless upgrade: the process behind %s does not answer (is another upgrade in progress?): %w", u.path, err)
+	}
+	log := u.log.With(zap.Int("predecessor", offer.PID))
+	if offer.Netns != u.netns {
+		// Not ours to take over, nor to remove.
+		log.Warn("the process behind the upgrade socket serves another network namespace: starting cold, and hitless upgrades of this process are disabled",
+			zap.String("path", u.path), zap.String("reason", offer.Error))
+		c.Close()
+		u.path = ""
+		return nil
+	}
+	if offer.Error == offerBusy {
+		return fmt.Errorf("hitless upgrade: the running uproxy (pid %d) is in another upgrade; start again when it is over", offer.PID)
+	}
+	if offer.Version != upgradeProtocolVersion || offer.Mode != u.mode || offer.Error != "" {
+		u.release(c, log, offer)
+		return nil
+	}
+	for received := 0; received < offer.Count; {
+		m, files, err := recvUpgradeMessage(c)
+		if err == nil && (m.Type != "sockets" || len(files) == 0 || len(m.Sockets) != len(files)) {
+			err = fmt.Errorf("got %q with %d entries and %d descriptors, want sockets", m.Type, len(m.Sockets), len(files))
+		}
+		if err != nil {
+			closeFiles(files)
+			u.closeInherited()
+			return fmt.Errorf("hitless upgrade: receiving the sockets from pid %d: %w", offer.PID, err)
+		}
+		for i, s := range m.Sockets {
+			u.keep(s, files[i])
+		}
+		received += len(files)
+	}
+	c.SetDeadline(time.Time{})
+	u.pred, u.predPID = c, offer.PID
+	if u.ln == nil {
+		log.Warn("the predecessor did not hand its upgrade socket over: hitless upgrades of this process are disabled")
+	}
+	log.Info("took the sockets over; the predecessor serves until our first sync",
+		zap.Int("listeners", len(u.listeners)), zap.Int("servers", u.servers.inheritedCount()))
+	return nil
+}
+
+// keep files an inherited socket by kind; it owns f.
+func (u *upgrader) keep(s upgradeSocket, f *os.File) {
+	switch s.Kind {
+	case kindListener:
+		u.listeners = append(u.listeners, proxy.HandoffSocket{Key: s.Key, Port: s.Port, File: f})
+	case kindServer:
+		u.servers.inherit(s.Key, f)
+	case kindUpgrade:
+		ln, err := net.FileListener(f)
+		f.Close()
+		ul, ok := ln.(*net.UnixListener)
+		if err != nil || !ok || s.Key != u.path {
+			if ln != nil {
+				ln.Close()
+			}
+			u.log.Warn("cannot adopt the inherited upgrade socket; binding a new one", zap.String("key", s.Key), zap.Error(err))
+			return
+		}
+		ul.SetUnlinkOnClose(false)
+		u.ln, u.lnFile = ul, pathID(u.path)
+	default:
+		u.log.Warn("ignoring an inherited socket of an unknown kind", zap.String("kind", s.Kind), zap.String("key", s.Key))
+		f.Close()
+	}
+}
+
+// release asks an incompatible predecessor to close its sockets, then
+// takes the upgrade socket's path over for a cold start.
+func (u *upgrader) release(c *net.UnixConn, log *zap.Logger, offer upgradeMessage) {
+	defer c.Close()
+	log.Warn("cannot take the running uproxy's sockets over (another upgrade protocol version, another mode, or it failed to export them): asking it to release them and starting cold (new listener ports; fixed ports it still holds fail to bind)",
+		zap.Int("theirVersion", offer.Version), zap.Int("ourVersion", upgradeProtocolVersion),
+		zap.String("theirMode", offer.Mode), zap.String("ourMode", u.mode), zap.String("theirError", offer.Error))
+	c.SetDeadline(time.Now().Add(upgradeReleaseTimeout))
+	err := sendUpgradeMessage(c, upgradeMessage{Type: "release"}, nil)
+	if err == nil {
+		var m upgradeMessage
+		var files []*os.File
+		m, files, err = recvUpgradeMessage(c)
+		closeFiles(files)
+		if err == nil && m.Type != "released" {
+			err = fmt.Errorf("got %q, want released", m.Type)
+		}
+	}
+	if err != nil {
+		log.Warn("the running uproxy did not confirm that it released its sockets", zap.Error(err))
+	}
+	if err := os.Remove(u.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		log.Warn("cannot remove the old upgrade socket; hitless upgrades of this process are disabled", zap.Error(err))
+		u.path = ""
+		return
+	}
+	u.bind()
+}
+
+// bind creates the upgrade socket. Failing is not fatal: the process
+// runs, without hitless upgrades.
+func (u *upgrader) bind() {
+	if err := os.MkdirAll(filepath.Dir(u.path), 0o700); err != nil {
+		u.log.Warn("cannot create the upgrade socket's folder; hitless upgrades of this process are disabled", zap.Error(err))
+		return
+	}
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: u.path, Net: "unixpacket"})
+	if err != nil {
+		u.log.Warn("cannot listen on the upgrade socket; hitless upgrades of this process are disabled", zap.Error(err))
+		return
+	}
+	// We remove the file ourselves, and only while it is still ours: after
+	// a handover or a release it belongs to the successor.
+	ln.SetUnlinkOnClose(false)
+	if err := os.Chmod(u.path, 0o600); err != nil {
+		u.log.Warn("cannot restrict the upgrade socket's mode", zap.Error(err))
+	}
+	u.ln, u.lnFile = ln, pathID(u.path)
+}
+
+// fileID tells a file from another one created at the same path later:
+// tmpfs (/run) reuses the inode numbers of removed files, so the inode
+// alone does not.
+type fileID struct {
+	ino   uint64
+	ctime unix.Timespec
+}
+
+// pathID identifies the file at path; zero if there is none.
+func pathID(path string) fileID {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return fileID{}
+	}
+	return fileID{st.Ino, st.Ctim}
+}
+
+// inherited returns the listeners to adopt, for proxy.Config.Inherited;
+// nil after a cold start. The proxier owns them from then on.
+func (u *upgrader) inherited() *proxy.Inherited {
+	if u.pred == nil {
+		return nil
+	}
+	in := proxy.NewInherited(u.listeners)
+	u.listeners = nil
+	return in
+}
+
+// closeInherited closes what was inherited and not passed on.
+func (u *upgrader) closeInherited() {
+	proxy.CloseHandoffSockets(u.listeners)
+	u.listeners = nil
+	u.servers.closeInherited()
+}
+
+// close ends the upgrader when run returns: a predecessor not yet told
+// we are ready carries on; the upgrade socket is closed, and its file
+// removed unless a successor owns it now.
+func (u *upgrader) close() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.pred != nil {
+		u.pred.Close()
+		u.pred = nil
+	}
+	u.closeInherited()
+	if u.ln != nil {
+		u.ln.Close()
+		if !u.gone && u.lnFile != (fileID{}) && pathID(u.path) == u.lnFile {
+			os.Remove(u.path)
+		}
+		u.ln = nil
+	}
+}
+
+// upgradeHooks connect the upgrade server to the proxier.
+type upgradeHooks struct {
+	sync   *pausableRun
+	export func() ([]proxy.HandoffSocket, error)
+}
+
+// handover is a finished handshake with a successor.
+type handover struct {
+	pid  int
+	conn *net.UnixConn // for released; nil after ready
+}
+
+// done tells a successor that asked for a release that every socket is
+// closed.
+func (h *handover) done(log *zap.Logger) {
+	if h.conn == nil {
+		return
+	}
+	if err := sendUpgradeMessage(h.conn, upgradeMessage{Type: "released"}, nil); err != nil {
+		log.Warn("cannot confirm the release to the new process", zap.Error(err))
+	}
+	h.conn.Close()
+}
+
+// serve serves successors on the upgrade socket, and once the first sync
+// is done tells the predecessor we are ready. It returns when ctx is
+// done, or when a successor has taken the sockets over (or asked for a
+// release), which it returns. It runs on its own goroutine, owned by run;
+// the goroutines it starts (one per connection, one for the first sync)
+// end before it returns.
+func (u *upgrader) serve(ctx context.Context, synced <-chan struct{}, h upgradeHooks) *handover {
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { u.afterFirstSync(ctx, synced) })
+	if u.ln == nil {
+		<-ctx.Done()
+		return nil
+	}
+	ln := u.ln
+	result := make(chan *handover, 1)
+	wg.Go(func() { <-ctx.Done(); ln.Close() })
+	var delay time.Duration
+	for {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				break
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			u.log.Warn("accepting on the upgrade socket failed; backing off", zap.Duration("delay", delay), zap.Error(err))
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		// Each connection on its own, so that a process of another
+		// namespace (sharing the path) is answered at once even while a
+		// handover waits for its successor's first sync.
+		wg.Go(func() {
+			if ho := u.handle(ctx, c, h); ho != nil {
+				result <- ho // at most one: handle hands over once
+				stop()
+			}
+		})
+	}
+	stop()
+	wg.Wait()
+	select {
+	case ho := <-result:
+		return ho
+	default:
+		return nil
+	}
+}
+
+// afterFirstSync waits for the first successful sync, closes the
+// inherited server sockets nothing claimed, and tells the predecessor we
+// are ready.
+func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}) {
+	select {
+	case <-ctx.Done():
+		return
+	case <-synced:
+	}
+	if !u.servers.settled(ctx) {
+		return
+	}
+	u.servers.closeInherited()
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.pred != nil {
+		if err := sendUpgradeMessage(u.pred, upgradeMessage{Type: "ready"}, nil); err != nil {
+			u.log.Warn("cannot tell the predecessor we are ready; it stops when its connection ends", zap.Error(err))
+		}
+		u.pred.Close()
+		u.pred = nil
+		u.log.Info("serving; the predecessor stops accepting and drains", zap.Int("predecessor", u.predPID))
+	}
+	u.ready = true
+}
+
+// Errors of an offer that the new process handles differently.
+const (
+	offerBusy     = "another upgrade is in progress"
+	offerNotReady = "not serving yet: its first sync has not completed"
+	offerForeign  = "another network namespace"
+)
+
+// handle runs the old process's side of one handshake; it returns the
+// handover if the successor took the sockets over or asked for a release.
+func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) *handover {
+	keep := false
+	defer func() {
+		if !keep {
+			c.Close()
+		}
+	}()
+	// A signal meanwhile ends the handshake: we stop as usual, and the
+	// successor keeps whatever it already holds.
+	stopClose := context.AfterFunc(ctx, func() { c.Close() })
+	defer stopClose()
+	c.SetDeadline(time.Now().Add(upgradeHandshakeTimeout))
+	hello, files, err := recvUpgradeMessage(c)
+	closeFiles(files)
+	if err == nil && hello.Type != "hello" {
+		err = fmt.Errorf("got %q, want hello", hello.Type)
+	}
+	if err != nil {
+		u.log.Warn("bad handshake on the upgrade socket", zap.Error(err))
+		return nil
+	}
+	log := u.log.With(zap.Int("successor", hello.PID))
+	offer := upgradeMessage{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}
+	refuse := func(why string) *handover {
+		offer.Error = why
+		if err := sendUpgradeMessage(c, offer, nil); err != nil {
+			log.Warn("answering on the upgrade socket failed", zap.Error(err))
+		}
+		return nil
+	}
+	if hello.Netns != u.netns {
+		log.Info("refusing a handover to a process in another network namespace", zap.String("theirs", hello.Netns), zap.String("ours", u.netns))
+		return refuse(offerForeign)
+	}
+	u.mu.Lock()
+	state := ""
+	switch {
+	case u.handing || u.pred != nil:
+		state = offerBusy
+	case !u.ready:
+		state = offerNotReady
+	default:
+		u.handing = true
+	}
+	u.mu.Unlock()
+	switch state {
+	case offerBusy:
+		log.Warn("refusing a handover: another upgrade is in progress")
+		return refuse(offerBusy)
+	case offerNotReady:
+		// Nothing worth keeping yet: the new process asks us to release
+		// and starts cold.
+		refuse(offerNotReady)
+		return u.awaitRelease(c, log, hello.PID, &keep)
+	}
+	handedOver := false
+	defer func() {
+		if !handedOver {
+			u.mu.Lock()
+			u.handing = false
+			u.mu.Unlock()
+		}
+	}()
+	if !h.sync.pause(ctx) {
+		return nil
+	}
+	defer func() {
+		if handedOver {
+			return
+		}
+		if ctx.Err() != nil {
+			// We stop meanwhile: the successor, if it lives on, holds the
+			// upgrade socket, so its path stays (gone, if set, stays set).
+			return
+		}
+		log.Info("the new process went away before it was ready; carrying on")
+		u.mu.Lock()
+		u.gone = false
+		u.mu.Unlock()
+		h.sync.resume(ctx)
+	}()
+	var socks []upgradeSocket
+	var out []*os.File
+	defer func() { closeFiles(out) }() // ours: the successor got duplicates
+	if hello.Version == upgradeProtocolVersion && hello.Mode == u.mode {
+		if socks, out, err = u.export(h); err != nil {
+			log.Error("cannot export the sockets; the new process starts cold", zap.Error(err))
+			offer.Error = err.Error()
+		}
+		offer.Count = len(out)
+	}
+	if err := sendUpgradeMessage(c, offer, nil); err != nil {
+		log.Warn("handover failed", zap.Error(err))
+		return nil
+	}
+	for i := 0; i < len(out); i += upgradeFDsPerMessage {
+		j := min(i+upgradeFDsPerMessage, len(out))
+		if err := sendUpgradeMessage(c, upgradeMessage{Type: "sockets", Sockets: socks[i:j]}, out[i:j]); err != nil {
+			log.Warn("handover failed", zap.Error(err))
+			return nil
+		}
+	}
+	if len(out) > 0 {
+		log.Info("sockets handed to a new process; serving until it is ready", zap.Int("sockets", len(out)))
+		u.mu.Lock()
+		u.gone = true // should we stop before it is ready, the path is its own
+		u.mu.Unlock()
+	}
+	// The successor's first sync may take a while (an API server's
+	// initial lists): no deadline, but the connection ends if it dies.
+	c.SetDeadline(time.Time{})
+	m, files, err := recvUpgradeMessage(c)
+	closeFiles(files)
+	switch {
+	case err != nil:
+		log.Info("handover aborted", zap.Error(err))
+		return nil
+	case m.Type == "ready":
+		handedOver = true
+		log.Info("the new process is ready: handing over")
+		u.mu.Lock()
+		u.handOver()
+		u.mu.Unlock()
+		return &handover{pid: hello.PID}
+	case m.Type == "release":
+		handedOver, keep = true, true
+		log.Info("the new process starts cold: releasing every socket")
+		u.mu.Lock()
+		u.handOver()
+		u.mu.Unlock()
+		return &handover{pid: hello.PID, conn: c}
+	default:
+		log.Warn("unexpected message on the upgrade socket", zap.String("type", m.Type))
+		return nil
+	}
+}
+
+// awaitRelease waits, after an offer it cannot follow with sockets, for
+// the new process to ask for a release.
+func (u *upgrader) awaitRelease(c *net.UnixConn, log *zap.Logger, pid int, keep *bool) *handover {
+	m, files, err := recvUpgradeMessage(c)
+	closeFiles(files)
+	if err != nil || m.Type != "release" {
+		return nil
+	}
+	log.Info("a new process starts cold: releasing every socket")
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.handing {
+		return nil
+	}
+	u.handing = true
+	*keep = true
+	u.handOver()
+	return &handover{pid: pid, conn: c}
+}
+
+// handOver closes our descriptor of the upgrade socket, whose path is the
+// successor's now. u.mu is held.
+func (u *upgrader) handOver() {
+	u.gone = true
+	u.ln.Close()
+	u.ln = nil
+}
+
+// export duplicates every socket to hand over: the proxier's listeners,
+// the servers' and the upgrade socket itself.
+func (u *upgrader) export(h upgradeHooks) ([]upgradeSocket, []*os.File, error) {
+	listeners, err := h.export()
+	if err != nil {
+		return nil, nil, err
+	}
+	var socks []upgradeSocket
+	var files []*os.File
+	for _, l := range listeners {
+		socks = append(socks, upgradeSocket{Kind: kindListener, Key: l.Key, Port: l.Port})
+		files = append(files, l.File)
+	}
+	ss, sf, err := u.servers.export()
+	if err != nil {
+		closeFiles(files)
+		return nil, nil, err
+	}
+	socks, files = append(socks, ss...), append(files, sf...)
+	if f, err := proxy.SocketFile(u.ln, u.path); err == nil {
+		socks = append(socks, upgradeSocket{Kind: kindUpgrade, Key: u.path})
+		files = append(files, f)
+	} else {
+		u.log.Warn("cannot export the upgrade socket; the new process binds its own", zap.Error(err))
+	}
+	return socks, files, nil
+}
+
+// serverSockets are the HTTP servers' listening sockets (healthz, metrics,
+// health-check node ports): those inherited from a predecessor, which the
+// servers adopt when they listen on the same address, and those open, to
+// hand to a successor. Safe for concurrent use.
+type serverSockets struct {
+	log       *zap.Logger
+	mu        sync.Mutex
+	inherited map[string]*os.File
+	open      map[*serverListener]bool
+	expected  map[string]chan struct{} // by role: closed once it has listened
+}
+
+func newServerSockets(log *zap.Logger) *serverSockets {
+	return &serverSockets{log: log, inherited: map[string]*os.File{}, open: map[*serverListener]bool{}, expected: map[string]chan struct{}{}}
+}
+
+// expect announces that the server called role will listen, before it
+// starts: settled waits for it.
+func (s *serverSockets) expect(role string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.expected[role] = make(chan struct{})
+}
+
+// settled waits until every expected server has listened (or failed to),
+// so that the inherited sockets left are the unclaimed ones; false if ctx
+// ended first.
+func (s *serverSockets) settled(ctx context.Context) bool {
+	s.mu.Lock()
+	var waits []chan struct{}
+	for _, ch := range s.expected {
+		waits = append(waits, ch)
+	}
+	s.mu.Unlock()
+	for _, ch := range waits {
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return false
+		}
+	}
+	return true
+}
+
+func (s *serverSockets) inherit(key string, f *os.File) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if old := s.inherited[key]; old != nil {
+		old.Close()
+	}
+	s.inherited[key] = f
+}
+
+func (s *serverSockets) inheritedCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.inherited)
+}
+
+// closeInherited closes the inherited sockets no server has claimed.
+func (s *serverSockets) closeInherited() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for key, f := range s.inherited {
+		s.log.Info("closing an inherited server socket nothing listens on any more", zap.String("key", key))
+		f.Close()
+		delete(s.inherited, key)
+	}
+}
+
+// listen returns the Listen function of the server called role: it adopts
+// the inherited socket of the same role, network and address, or binds.
+func (s *serverSockets) listen(role string) healthcheck.ListenFunc {
+	return func(network, addr string) (net.Listener, error) {
+		key := role + " " + network + " " + addr
+		s.mu.Lock()
+		f := s.inherited[key]
+		delete(s.inherited, key)
+		if ch := s.expected[role]; ch != nil {
+			close(ch)
+			delete(s.expected, role)
+		}
+		s.mu.Unlock()
+		var ln net.Listener
+		if f != nil {
+			var err error
+			ln, err = net.FileListener(f)
+			f.Close()
+			if err != nil {
+				s.log.Warn("cannot adopt an inherited server socket; binding a new one", zap.String("key", key), zap.Error(err))
+				ln = nil
+			}
+		}
+		if ln == nil {
+			var err error
+			if ln, err = net.Listen(network, addr); err != nil {
+				return nil, err
+			}
+		}
+		sl := &serverListener{Listener: ln, key: key, s: s}
+		s.mu.Lock()
+		s.open[sl] = true
+		s.mu.Unlock()
+		return sl, nil
+	}
+}
+
+// export duplicates the open server sockets.
+func (s *serverSockets) export() ([]upgradeSocket, []*os.File, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var socks []upgradeSocket
+	var files []*os.File
+	for l := range s.open {
+		sc, ok := l.Listener.(syscall.Conn)
+		if !ok {
+			continue
+		}
+		f, err := proxy.SocketFile(sc, l.key)
+		if err != nil {
+			closeFiles(files)
+			return nil, nil, fmt.Errorf("exporting %s: %w", l.key, err)
+		}
+		socks = append(socks, upgradeSocket{Kind: kindServer, Key: l.key})
+		files = append(files, f)
+	}
+	return socks, files, nil
+}
+
+// serverListener is a server's listener, known to serverSockets until it
+// is closed.
+type serverListener struct {
+	net.Listener
+	key  string
+	s    *serverSockets
+	once sync.Once
+}
+
+func (l *serverListener) Close() error {
+	l.once.Do(func() {
+		l.s.mu.Lock()
+		delete(l.s.open, l)
+		l.s.mu.Unlock()
+	})
+	return l.Listener.Close()
+}
+
+// pausableRun runs the proxier's sync loop, and lets the upgrade server
+// stop it while it exports the listeners (the sync goroutine owns them)
+// and start it again if the handover fails.
+type pausableRun struct {
+	p       *proxy.Proxier
+	pauses  chan chan struct{}
+	resumes chan struct{}
+}
+
+func newPausableRun(p *proxy.Proxier) *pausableRun {
+	return &pausableRun{p: p, pauses: make(chan chan struct{}), resumes: make(chan struct{})}
+}
+
+// run syncs until ctx is done. It owns the goroutine that runs p.Run,
+// which it ends on pause and on ctx's end.
+func (r *pausableRun) run(ctx context.Context) {
+	for {
+		rctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { r.p.Run(rctx); close(done) }() // ends with cancel, below
+		var ack chan struct{}
+		select {
+		case <-ctx.Done():
+		case ack = <-r.pauses:
+		}
+		cancel()
+		<-done
+		if ack == nil {
+			return
+		}
+		close(ack)
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.resumes:
+			r.p.Resync()
+		}
+	}
+}
+
+// pause stops the sync loop and returns once no sync runs; false if ctx
+// ended first.
+func (r *pausableRun) pause(ctx context.Context) bool {
+	ack := make(chan struct{})
+	select {
+	case r.pauses <- ack:
+		<-ack
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// resume starts the sync loop again after pause.
+func (r *pausableRun) resume(ctx context.Context) {
+	select {
+	case r.resumes <- struct{}{}:
+	case <-ctx.Done():
+	}
+}
+
+// drainHandedOver ends a process whose sockets a successor has taken
+// over: it stops accepting (the sockets live on in the successor),
+// confirms a release, drains its connections for up to --drain-timeout,
+// and returns; with --linger-after-upgrade it first waits for a signal.
+// The rules are the successor's.
+func drainHandedOver(signals context.Context, o *runOptions, p *proxy.Proxier, svcHealth *healthcheck.ServiceHealth, h *handover, log *zap.Logger) error {
+	svcHealth.Close() // the other servers closed when run's context ended
+	p.StopListening()
+	h.done(log)
+	log.Info("handed over: draining connections", zap.Int("successor", h.pid), zap.Int("active", p.ActiveConnections()), zap.Duration("timeout", o.drainTimeout))
+	dctx, cancel := context.WithTimeout(context.Background(), o.drainTimeout)
+	defer cancel()
+	if err := p.Drain(dctx); err != nil {
+		log.Warn("drain incomplete", zap.Error(err))
+	}
+	log.Info("stopped; the new process serves", zap.Int("successor", h.pid))
+	if o.lingerAfterUpgrade {
+		log.Info("waiting for SIGTERM (--linger-after-upgrade)")
+		<-signals.Done()
+	}
+	return nil
+}

@@ -1,0 +1,412 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+)
+
+// Handing listeners over from one process to the next (hitless upgrade).
+//
+// The old process exports a duplicate of every listener's socket
+// (ExportListeners), keyed by what the listener serves; the new process
+// adopts them (Config.Inherited) instead of binding new sockets, so it
+// serves the very same ports, the kernel's rules need no change, and
+// connections that arrive meanwhile wait in the sockets' shared queues
+// rather than being refused. Moving the descriptors between the processes
+// (SCM_RIGHTS over a unix socket) is the caller's business.
+//
+// A socket lives as long as any process holds a descriptor of it: closing
+// the old process's copies (StopListening) only stops that process from
+// accepting; neither net.TCPListener.Close nor net.UDPConn.Close calls
+// shutdown(2), which would end the socket for both.
+
+// HandoffSocket is one listener's socket on its way from one process to
+// the next.
+type HandoffSocket struct {
+	// Key names the listener stably across processes: its network and its
+	// service port, as "tcp4 default/web:http". It is what the new process
+	// adopts the socket by.
+	Key string
+	// Port is the socket's local port, for logs; the adopter reads the
+	// port from the socket itself.
+	Port uint16
+	// File is a duplicate of the socket's descriptor, owned by whoever
+	// holds the HandoffSocket: they close it. (Never call Fd on a File
+	// that package net's File methods made: it makes the socket blocking
+	// for every process that shares it. SocketFile makes safe ones.)
+	File *os.File
+}
+
+// handoffKey is the key of k's listener in HandoffSocket.Key.
+func (k portKey) handoffKey() string { return k.network() + " " + k.name.String() }
+
+// ExportListeners returns a duplicate of every listener's socket, keyed
+// for Inherited and sorted by key. The listeners go on serving: call
+// StopListening once the next process has taken over. The caller closes
+// the Files. Call it only while Run is not running: the sync goroutine
+// owns the listeners.
+func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
+	var out []HandoffSocket
+	for _, ls := range p.services {
+		for _, l := range ls {
+			f, err := l.file()
+			if err != nil {
+				CloseHandoffSockets(out)
+				return nil, fmt.Errorf("exporting the %s listener of %s: %w", l.key.network(), l.key.name, err)
+			}
+			out = append(out, HandoffSocket{Key: l.key.handoffKey(), Port: l.port, File: f})
+		}
+	}
+	slices.SortFunc(out, func(a, b HandoffSocket) int { return strings.Compare(a.Key, b.Key) })
+	return out, nil
+}
+
+// file duplicates l's socket descriptor.
+func (l *listener) file() (*os.File, error) {
+	var c syscall.Conn
+	if l.pc != nil {
+		c = l.pc
+	} else if sc, ok := l.ln.(syscall.Conn); ok {
+		c = sc
+	} else {
+		return nil, fmt.Errorf("%T has no socket descriptor", l.ln)
+	}
+	return SocketFile(c, l.key.handoffKey())
+}
+
+// SocketFile returns a duplicate of c's socket descriptor, close-on-exec,
+// as a File named name. Unlike the File methods of package net's types,
+// whose Fd method puts the socket into blocking mode, for every process
+// sharing it, the duplicate's Fd leaves the socket's mode alone.
+func SocketFile(c syscall.Conn, name string) (*os.File, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	nfd := -1
+	var derr error
+	if err := rc.Control(func(fd uintptr) {
+		nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+	}); err != nil {
+		return nil, err
+	}
+	if derr != nil {
+		return nil, fmt.Errorf("duplicating the socket descriptor: %w", derr)
+	}
+	return os.NewFile(uintptr(nfd), name), nil
+}
+
+// CloseHandoffSockets closes the Files of socks.
+func CloseHandoffSockets(socks []HandoffSocket) {
+	for _, s := range socks {
+		if s.File != nil {
+			s.File.Close()
+		}
+	}
+}
+
+// StopListening closes this process's descriptors of every listener,
+// after another process has taken the sockets over (or asked for their
+// ports): the accept and read loops end, established connections and UDP
+// flows go on until Drain. Unlike Shutdown it does not refuse connections
+// that an accept loop took from the shared queue just before its
+// descriptor was closed: those were accepted, and are served. Call it
+// only while Run is not running; then call Drain, not Shutdown.
+func (p *Proxier) StopListening() {
+	for name, ls := range p.services {
+		for k, l := range ls {
+			p.closeListener(l)
+			delete(ls, k)
+		}
+		delete(p.services, name)
+	}
+	p.cfg.Inherited.stop(p.log)
+}
+
+// Drain waits, after StopListening, for the established connections to
+// finish until ctx is done, then closes the rest, as Shutdown does. It
+// leaves the kernel rules to the process that took the sockets over.
+func (p *Proxier) Drain(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { p.wg.Wait(); close(done) }() // exits when every loop and session has ended (forced below)
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+	}
+	p.sessMu.Lock()
+	p.closing = true // from here on an accept loop still running refuses
+	n := len(p.sessions)
+	for s := range p.sessions {
+		s.abort()
+	}
+	p.sessMu.Unlock()
+	<-done
+	return fmt.Errorf("drain timeout: closed %d connections", n)
+}
+
+// Resync asks for a full sync as soon as Run runs: for a process that
+// stopped Run to export its listeners and, the handover having failed,
+// runs it again.
+func (p *Proxier) Resync() {
+	p.forceFull.Store(true)
+	p.runner.Run()
+}
+
+// Inherited holds the sockets a Proxier received from the process it
+// replaces (see ExportListeners). One Inherited serves one Proxier.
+//
+// When the Proxier opens a listener whose key has a socket here, it adopts
+// that socket instead of binding a new one, provided the socket is what it
+// would have bound (protocol, family, address, a port within PortRange).
+// An adopted listener starts accepting only at the end of the first
+// successful sync, when its service's state is in place: connections
+// arriving before that wait in the socket's queue, which the previous
+// process goes on serving until it is told the new one is ready. The same
+// sync closes the sockets that no listener adopted: services the new
+// process does not have (any more). Shutdown or StopListening before that
+// sync closes them too.
+type Inherited struct {
+	mu      sync.Mutex
+	sockets map[string]HandoffSocket // not adopted yet
+	adopted map[*listener]bool       // waiting for ready
+	done    bool                     // first sync over (or stopped): nothing more is adopted
+	ready   chan struct{}            // closed at the end of the first successful sync
+	stopped chan struct{}            // closed when the Proxier stops before that
+}
+
+// NewInherited takes ownership of socks: each is adopted by a listener, or
+// closed.
+func NewInherited(socks []HandoffSocket) *Inherited {
+	in := &Inherited{
+		sockets: map[string]HandoffSocket{},
+		adopted: map[*listener]bool{},
+		ready:   make(chan struct{}),
+		stopped: make(chan struct{}),
+	}
+	for _, s := range socks {
+		if old, dup := in.sockets[s.Key]; dup {
+			old.File.Close()
+		}
+		in.sockets[s.Key] = s
+	}
+	return in
+}
+
+// Len returns how many sockets are still waiting to be adopted.
+func (in *Inherited) Len() int {
+	if in == nil {
+		return 0
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return len(in.sockets)
+}
+
+// take removes and returns the socket of key, if it is still adoptable.
+func (in *Inherited) take(key string) (HandoffSocket, bool) {
+	if in == nil {
+		return HandoffSocket{}, false
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	s, ok := in.sockets[key]
+	if !ok || in.done {
+		return HandoffSocket{}, false
+	}
+	delete(in.sockets, key)
+	return s, true
+}
+
+// synced ends adoption at the end of the first successful sync: the
+// adopted listeners start, the rest is closed.
+func (in *Inherited) synced(log *zap.Logger) {
+	if adopted, ok := in.finish(log); ok {
+		log.Info("inherited listeners adopted", zap.Int("adopted", adopted))
+		close(in.ready)
+	}
+}
+
+// stop ends adoption without starting the adopted listeners, whose
+// sockets their owner closes.
+func (in *Inherited) stop(log *zap.Logger) {
+	if _, ok := in.finish(log); ok {
+		close(in.stopped)
+	}
+}
+
+// finish closes the sockets nobody adopted and returns how many were;
+// false if already finished.
+func (in *Inherited) finish(log *zap.Logger) (adopted int, ok bool) {
+	if in == nil {
+		return 0, false
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.done {
+		return 0, false
+	}
+	in.done = true
+	adopted = len(in.adopted)
+	for key, s := range in.sockets {
+		log.Info("closing an inherited socket that no service claims", zap.String("listener", key), zap.Uint16("port", s.Port))
+		s.File.Close()
+		delete(in.sockets, key)
+	}
+	in.adopted = nil
+	return adopted, true
+}
+
+// adoptOrAllocate gives l the inherited socket of its key, if there is a
+// fitting one, and returns its port; otherwise it allocates a port and
+// binds with try, as openListener always did. host is the address
+// openListener would bind.
+func (p *Proxier) adoptOrAllocate(l *listener, host string, try func(port uint16) (uint16, error)) (uint16, error) {
+	network := l.key.network()
+	if s, ok := p.cfg.Inherited.take(l.key.handoffKey()); ok {
+		port, err := p.adopt(l, host, s)
+		if err == nil {
+			return port, nil
+		}
+		p.log.Warn("cannot adopt the inherited socket; binding a new one, so its rules change",
+			zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Error(err))
+	}
+	return p.ports.allocate(network, try)
+}
+
+// adopt makes s l's socket after checking it is the socket openListener
+// would have bound on host. It consumes s.File either way.
+func (p *Proxier) adopt(l *listener, host string, s HandoffSocket) (uint16, error) {
+	defer s.File.Close() // the listener holds its own duplicate
+	udp := l.key.name.Protocol == v1.ProtocolUDP
+	var local net.Addr
+	if udp {
+		pc, err := net.FilePacketConn(s.File)
+		if err != nil {
+			return 0, err
+		}
+		uc, ok := pc.(*net.UDPConn)
+		if !ok {
+			pc.Close()
+			return 0, fmt.Errorf("not a UDP socket but %T", pc)
+		}
+		l.pc, local = uc, uc.LocalAddr()
+	} else {
+		ln, err := net.FileListener(s.File)
+		if err != nil {
+			return 0, err
+		}
+		tl, ok := ln.(*net.TCPListener)
+		if !ok {
+			ln.Close()
+			return 0, fmt.Errorf("not a TCP listener but %T", ln)
+		}
+		l.ln, local = tl, tl.Addr()
+	}
+	port, err := p.checkAdopted(l, host, local)
+	if err != nil {
+		l.close()
+		l.ln, l.pc = nil, nil
+		return 0, err
+	}
+	p.ports.reserve(l.key.network(), port)
+	p.cfg.Inherited.mu.Lock()
+	p.cfg.Inherited.adopted[l] = true
+	p.cfg.Inherited.mu.Unlock()
+	p.log.Info("adopted an inherited socket", zap.Stringer("servicePort", l.key.name), zap.String("network", l.key.network()), zap.Uint16("port", port))
+	return port, nil
+}
+
+// checkAdopted checks that an adopted socket is bound where openListener
+// would bind it, within the port range, and for TCP listening.
+func (p *Proxier) checkAdopted(l *listener, host string, local net.Addr) (uint16, error) {
+	ap, err := netip.ParseAddrPort(local.String())
+	if err != nil {
+		return 0, fmt.Errorf("socket address %s: %w", local, err)
+	}
+	if want := netip.MustParseAddr(host); ap.Addr() != want {
+		return 0, fmt.Errorf("socket bound to %s, not %s (another mode or family)", local, host)
+	}
+	if r := p.cfg.PortRange; r.Size > 0 && (ap.Port() < r.Base || int(ap.Port()) >= int(r.Base)+r.Size) {
+		return 0, fmt.Errorf("socket port %d is outside --proxy-port-range %s", ap.Port(), r)
+	}
+	if l.ln != nil {
+		rc, err := l.ln.(*net.TCPListener).SyscallConn()
+		if err != nil {
+			return 0, err
+		}
+		var listening int
+		var serr error
+		if err := rc.Control(func(fd uintptr) {
+			listening, serr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+		}); err != nil {
+			return 0, err
+		}
+		if serr != nil {
+			return 0, fmt.Errorf("SO_ACCEPTCONN: %w", serr)
+		}
+		if listening == 0 {
+			return 0, errors.New("TCP socket is not listening")
+		}
+	}
+	return ap.Port(), nil
+}
+
+// startAdopted starts an adopted listener's accept or read loop once the
+// first sync is over, and reports whether l was adopted; openListener
+// starts the others at once. The goroutine belongs to the listener, like
+// its loop, which it becomes; it exits without a loop if the Proxier
+// stops before that sync.
+func (p *Proxier) startAdopted(l *listener) bool {
+	in := p.cfg.Inherited
+	if in == nil {
+		return false
+	}
+	in.mu.Lock()
+	adopted := in.adopted[l]
+	in.mu.Unlock()
+	if !adopted {
+		return false
+	}
+	p.wg.Add(1)
+	go func() {
+		select {
+		case <-in.ready:
+		case <-in.stopped:
+			p.wg.Done()
+			return
+		}
+		if l.key.name.Protocol == v1.ProtocolUDP {
+			p.udpLoop(l)
+		} else {
+			p.acceptLoop(l)
+		}
+	}()
+	return true
+}
+
+// reserve marks port as used by an adopted socket.
+func (a *portAllocator) reserve(network string, port uint16) {
+	if a.r.Size == 0 {
+		return
+	}
+	if a.used == nil {
+		a.used = map[string]map[uint16]bool{}
+	}
+	if a.used[network] == nil {
+		a.used[network] = map[uint16]bool{}
+	}
+	a.used[network][port] = true
+}
