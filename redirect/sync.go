@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/coreos/go-iptables/iptables"
+	"k8s.io/utils/clock"
 )
 
 // Exec runs a command. It is how the Syncer calls iptables-restore,
@@ -88,10 +89,26 @@ type Config struct {
 	// in whole seconds (rounded up); zero means 5s. It must not be
 	// negative.
 	Wait time.Duration
+	// LockAttempts is how many times in all an iptables command is run
+	// while it fails because another process holds the xtables lock
+	// (iptables gave up after Wait: see ErrXtablesLocked); zero means 5.
+	// Each attempt waits up to Wait for the lock itself. It must not be
+	// negative.
+	LockAttempts int
+	// LockBackoff is the pause before the second attempt, doubled before
+	// each further one (100ms, 200ms, 400ms, 800ms by default); zero means
+	// 100ms. It must not be negative.
+	LockBackoff time.Duration
+	// Clock times the pauses between attempts; nil means the real clock.
+	Clock clock.Clock
 }
 
-// defaultWait is the xtables lock wait when Config.Wait is zero.
-const defaultWait = 5 * time.Second
+// Defaults of the Config fields whose zero value means a default.
+const (
+	defaultWait         = 5 * time.Second
+	defaultLockAttempts = 5
+	defaultLockBackoff  = 100 * time.Millisecond
+)
 
 // minVersion is the oldest iptables uproxy runs with: iptables-restore
 // gained --wait in 1.6.2 (plain iptables had -w since 1.4.20 and -C since
@@ -122,6 +139,7 @@ func resolve(cfg Config) (resolved, error) {
 			res.noIpset = fmt.Errorf("%s is not installed (Debian package ipset): %w", ipsetCommand, err)
 		}
 	}
+	res.Exec = lockRetryExec{Exec: cfg.Exec, retry: cfg.lockRetry()}
 	return res, nil
 }
 
@@ -135,6 +153,18 @@ func resolveConfig(cfg Config) (Config, error) {
 	}
 	if cfg.Wait == 0 {
 		cfg.Wait = defaultWait
+	}
+	if cfg.LockAttempts < 0 || cfg.LockBackoff < 0 {
+		return cfg, fmt.Errorf("redirect: negative xtables lock retries (%d attempts, %s backoff)", cfg.LockAttempts, cfg.LockBackoff)
+	}
+	if cfg.LockAttempts == 0 {
+		cfg.LockAttempts = defaultLockAttempts
+	}
+	if cfg.LockBackoff == 0 {
+		cfg.LockBackoff = defaultLockBackoff
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
 	}
 	if cfg.Exec == nil {
 		for _, name := range []string{cfg.Family.command("-save"), cfg.Family.command("-restore")} {
@@ -191,8 +221,9 @@ func waitSeconds(d time.Duration) int {
 // sets of its own (see the set table in sets.go).
 type Syncer struct {
 	family Family
-	exec   Exec
+	exec   Exec // retries xtables lock failures (lockRetryExec)
 	jumps  JumpRules
+	retry  lockRetry // for jumps
 	wait   string
 	// noIpset, when not nil, says why ipset cannot be run.
 	noIpset error
@@ -244,6 +275,7 @@ func New(cfg Config) (*Syncer, error) {
 		family:  rc.Family,
 		exec:    rc.Exec,
 		jumps:   rc.Jumps,
+		retry:   rc.lockRetry(),
 		wait:    strconv.Itoa(waitSeconds(rc.Wait)),
 		noIpset: rc.noIpset,
 	}, nil
@@ -453,14 +485,18 @@ func (s *Syncer) ensureJumps(ctx context.Context) (bool, error) {
 			if err := ctx.Err(); err != nil {
 				return inserted, fmt.Errorf("redirect: %s: jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 			}
-			ok, err := s.jumps.Exists(c.table, from, c.jumpSpec()...)
+			var ok bool
+			err := s.retry.do(ctx, func() (err error) {
+				ok, err = s.jumps.Exists(c.table, from, c.jumpSpec()...)
+				return err
+			})
 			if err != nil {
 				return inserted, fmt.Errorf("redirect: %s: checking jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 			}
 			if ok {
 				continue
 			}
-			if err := s.jumps.Insert(c.table, from, 1, c.jumpSpec()...); err != nil {
+			if err := s.retry.do(ctx, func() error { return s.jumps.Insert(c.table, from, 1, c.jumpSpec()...) }); err != nil {
 				return inserted, fmt.Errorf("redirect: %s: inserting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 			}
 			inserted = true
@@ -541,7 +577,11 @@ func deleteJumps(ctx context.Context, cfg Config, c chainSpec, from string) erro
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("redirect: %s: cleanup: jump from %s/%s to %s: %w", cfg.Family, c.table, from, c.name, err)
 		}
-		ok, err := cfg.Jumps.Exists(c.table, from, c.jumpSpec()...)
+		var ok bool
+		err := cfg.lockRetry().do(ctx, func() (err error) {
+			ok, err = cfg.Jumps.Exists(c.table, from, c.jumpSpec()...)
+			return err
+		})
 		if isNotExist(err) {
 			// The target chain is gone, so no jump to it can exist.
 			return nil
@@ -552,7 +592,7 @@ func deleteJumps(ctx context.Context, cfg Config, c chainSpec, from string) erro
 		if !ok {
 			return nil
 		}
-		if err := cfg.Jumps.Delete(c.table, from, c.jumpSpec()...); isNotExist(err) {
+		if err := cfg.lockRetry().do(ctx, func() error { return cfg.Jumps.Delete(c.table, from, c.jumpSpec()...) }); isNotExist(err) {
 			return nil // deleted meanwhile by someone else
 		} else if err != nil {
 			return fmt.Errorf("redirect: %s: cleanup: deleting jump from %s/%s to %s: %w", cfg.Family, c.table, from, c.name, err)
@@ -564,4 +604,97 @@ func deleteJumps(ctx context.Context, cfg Config, c chainSpec, from string) erro
 func isNotExist(err error) bool {
 	var ne interface{ IsNotExist() bool }
 	return errors.As(err, &ne) && ne.IsNotExist()
+}
+
+// ErrXtablesLocked is wrapped by the errors of iptables commands that still
+// failed, after every attempt (Config.LockAttempts), because another
+// process held the xtables lock. The error also wraps the last attempt's,
+// which carries iptables' stderr.
+var ErrXtablesLocked = errors.New("another process holds the xtables lock")
+
+// lockBusyStatus is iptables' exit status when it cannot take the xtables
+// lock: RESOURCE_PROBLEM (xtables_lock_or_exit in iptables' xshared.c).
+const lockBusyStatus = 4
+
+// isXtablesLocked reports whether err is an iptables command's failure to
+// take the xtables lock in time: exit status 4 with iptables' message
+// "Another app is currently holding the xtables lock" (legacy iptables
+// 1.8 prints it with -w, "Stopped waiting after Ns.", and without,
+// "Perhaps you want to use the -w option?"). The status alone is not
+// enough, iptables uses it for other resource problems too; nor is the
+// message: older versions print it every few seconds while they wait,
+// and may then fail for another reason. iptables-nft takes no lock, so it
+// never fails this way.
+func isXtablesLocked(err error) bool {
+	if err == nil {
+		return false
+	}
+	// go-iptables' *iptables.Error reports its status with ExitStatus
+	// (which it may override); OSExec's errors wrap an *exec.ExitError.
+	var status interface{ ExitStatus() int }
+	var exit interface{ ExitCode() int }
+	code := -1
+	switch {
+	case errors.As(err, &status):
+		code = status.ExitStatus()
+	case errors.As(err, &exit):
+		code = exit.ExitCode()
+	}
+	return code == lockBusyStatus && strings.Contains(err.Error(), "holding the xtables lock")
+}
+
+// lockRetry runs an iptables operation again, with exponential backoff,
+// while it fails because another process holds the xtables lock: kubelet,
+// a CNI plugin or a firewall daemon may hold it for longer than iptables'
+// own -w wait (a large iptables-restore can take seconds).
+type lockRetry struct {
+	attempts int
+	backoff  time.Duration
+	clock    clock.Clock
+}
+
+// lockRetry returns the retry policy of a resolved Config.
+func (c Config) lockRetry() lockRetry {
+	return lockRetry{attempts: c.LockAttempts, backoff: c.LockBackoff, clock: c.Clock}
+}
+
+// do runs op until it succeeds, fails for another reason than the xtables
+// lock, or has run r.attempts times; then it returns op's error, wrapped
+// with ErrXtablesLocked when the lock was the cause. It stops waiting when
+// ctx is done.
+func (r lockRetry) do(ctx context.Context, op func() error) error {
+	start := r.clock.Now()
+	delay := r.backoff
+	for attempt := 1; ; attempt++ {
+		err := op()
+		if !isXtablesLocked(err) {
+			return err
+		}
+		if attempt >= r.attempts {
+			return fmt.Errorf("%w: gave up after %d attempts in %s: %w", ErrXtablesLocked, attempt, r.clock.Since(start).Round(time.Millisecond), err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: stopped retrying after %d attempts: %w: %w", ErrXtablesLocked, attempt, ctx.Err(), err)
+		case <-r.clock.After(delay):
+		}
+		delay *= 2
+	}
+}
+
+// lockRetryExec is an Exec whose commands are run again while they fail
+// because another process holds the xtables lock (see lockRetry).
+type lockRetryExec struct {
+	Exec
+	retry lockRetry
+}
+
+// Run implements Exec.
+func (x lockRetryExec) Run(ctx context.Context, name string, args []string, stdin []byte) ([]byte, error) {
+	var out []byte
+	err := x.retry.do(ctx, func() (err error) {
+		out, err = x.Exec.Run(ctx, name, args, stdin)
+		return err
+	})
+	return out, err
 }
