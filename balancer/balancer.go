@@ -62,6 +62,28 @@ func (b *Backend) weight() int64 {
 // Release exactly once when it ends.
 func (b *Backend) Acquire() { b.active.Add(1) }
 
+// TryAcquire records that a connection to b has started, as Acquire does,
+// if fewer than limit connections to b are in progress, and reports
+// whether it did. A limit of zero or less means no limit. The check and
+// the increment are one atomic step, so callers racing for b's last slot
+// never take it past limit. The caller must Release exactly once when a
+// connection it acquired ends.
+func (b *Backend) TryAcquire(limit int64) bool {
+	if limit <= 0 {
+		b.active.Add(1)
+		return true
+	}
+	for {
+		n := b.active.Load()
+		if n >= limit {
+			return false
+		}
+		if b.active.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
 // Release records that a connection to b has ended.
 func (b *Backend) Release() { b.active.Add(-1) }
 

@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -269,6 +270,48 @@ func parseProxyProtocol(ann map[string]string) (int, error) {
 	}
 }
 
+// maxConnectionLimit is the largest connection limit the annotations take.
+const maxConnectionLimit = math.MaxInt32
+
+// connectionLimits parses the uproxy.io/max-connections and
+// uproxy.io/max-connections-per-endpoint annotations: a positive integer
+// each, absent meaning no limit. It returns the limits (zero for an absent
+// or invalid one) and an error for each invalid one.
+//
+// Unlike the other annotations, an invalid limit does not reject the
+// Service: a limit only protects the backends, and rejecting the object
+// would take a new service down (or freeze an old one at its last valid
+// version) over a typo in it. The limit is ignored instead, and
+// ServiceWarnings reports why.
+func connectionLimits(ann map[string]string) (total, perEndpoint int, errs []error) {
+	parse := func(name string) int {
+		v, ok := ann[name]
+		if !ok {
+			return 0
+		}
+		n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		if err != nil || n < 1 || n > maxConnectionLimit {
+			errs = append(errs, fmt.Errorf("annotation %s: %q is not an integer in 1-%d; ignored, the service has no such limit", name, v, maxConnectionLimit))
+			return 0
+		}
+		return int(n)
+	}
+	total = parse(AnnotationMaxConnections)
+	perEndpoint = parse(AnnotationMaxConnectionsPerEndpoint)
+	return total, perEndpoint, errs
+}
+
+// ServiceWarnings returns the problems of a valid Service (see
+// ValidateService) that uproxy works around rather than rejecting the
+// Service for: the annotations it ignores, and why. Nil means none.
+func ServiceWarnings(svc *v1.Service) []error {
+	if skipReason(svc) != "" {
+		return nil
+	}
+	_, _, errs := connectionLimits(svc.Annotations)
+	return errs
+}
+
 func parseBalancer(ann map[string]string) (balancer.Kind, error) {
 	v, ok := ann[AnnotationBalancer]
 	if !ok {
@@ -367,6 +410,7 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 	ranges, _ := sourceRanges(svc)
 	preserve, _ := parsePreserveSourceIP(svc.Annotations)
 	proxyProto, _ := parseProxyProtocol(svc.Annotations)
+	maxConns, maxPerEndpoint, _ := connectionLimits(svc.Annotations)
 	internalLocal := svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal
 	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
 	for _, p := range svc.Spec.Ports {
@@ -388,6 +432,7 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 		sp.ExternalPolicyLocal = svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && sp.ExternallyAccessible()
 		sp.PreserveSourceIP = preserve || sp.ExternalPolicyLocal
 		sp.ProxyProtocol = proxyProto
+		sp.MaxConnections, sp.MaxConnectionsPerEndpoint = maxConns, maxPerEndpoint
 		if sp.ExternalPolicyLocal && svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.HealthCheckNodePort = uint16(svc.Spec.HealthCheckNodePort)
 		}

@@ -20,6 +20,8 @@ const (
 	resultDialError          = "dial_error"          // every attempt failed; backend is the last one tried
 	resultNoEndpoints        = "no_endpoints"        // nothing to pick from
 	resultRefusedDestination = "refused_destination" // not addressed to the listener's service
+	resultLimit              = "limit"               // the service port was at uproxy.io/max-connections
+	resultEndpointLimit      = "endpoint_limit"      // every endpoint was at uproxy.io/max-connections-per-endpoint
 )
 
 // Reasons of uproxy_dial_errors_total.
@@ -103,7 +105,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		connections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "uproxy_connections_total",
-			Help: "Connections (TCP) and flows (UDP) handled, by service port, backend and result (ok, dial_error, no_endpoints, refused_destination).",
+			Help: "Connections (TCP) and flows (UDP) handled, by service port, backend and result (ok, dial_error, no_endpoints, refused_destination, limit, endpoint_limit).",
 		}, []string{"service", "port", "backend", "result"}),
 		active: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "uproxy_active_connections",
@@ -181,6 +183,7 @@ type portMetrics struct {
 	active               prometheus.Gauge
 	upstream, downstream prometheus.Counter
 	noEndpoints, refused prometheus.Counter
+	limit, endpointLimit prometheus.Counter
 	dialDuration         prometheus.Histogram
 	dialErrors           *[numDialReasons]prometheus.Counter
 	udpFlows             prometheus.Gauge
@@ -209,16 +212,18 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *portMe
 	}
 	svc, port := sp.Name.NamespacedName.String(), portLabel(sp)
 	pm := &portMetrics{
-		labels:       metricLabels{service: svc, port: port},
-		active:       m.active.WithLabelValues(svc, port),
-		upstream:     m.bytes.WithLabelValues(svc, port, "upstream"),
-		downstream:   m.bytes.WithLabelValues(svc, port, "downstream"),
-		noEndpoints:  m.connections.WithLabelValues(svc, port, "", resultNoEndpoints),
-		refused:      m.connections.WithLabelValues(svc, port, "", resultRefusedDestination),
-		dialDuration: m.dialDuration,
-		dialErrors:   &m.dialErrors,
-		udpFlows:     m.udpFlows,
-		backends:     make(map[*balancer.Backend]*backendMetrics, len(backends)),
+		labels:        metricLabels{service: svc, port: port},
+		active:        m.active.WithLabelValues(svc, port),
+		upstream:      m.bytes.WithLabelValues(svc, port, "upstream"),
+		downstream:    m.bytes.WithLabelValues(svc, port, "downstream"),
+		noEndpoints:   m.connections.WithLabelValues(svc, port, "", resultNoEndpoints),
+		refused:       m.connections.WithLabelValues(svc, port, "", resultRefusedDestination),
+		limit:         m.connections.WithLabelValues(svc, port, "", resultLimit),
+		endpointLimit: m.connections.WithLabelValues(svc, port, "", resultEndpointLimit),
+		dialDuration:  m.dialDuration,
+		dialErrors:    &m.dialErrors,
+		udpFlows:      m.udpFlows,
+		backends:      make(map[*balancer.Backend]*backendMetrics, len(backends)),
 	}
 	for _, b := range backends {
 		addr := b.Addr.String()
@@ -253,6 +258,8 @@ func (m *Metrics) retain(live map[metricLabels]bool) {
 			m.bytes.DeleteLabelValues(l.service, l.port, "downstream")
 			m.connections.DeleteLabelValues(l.service, l.port, "", resultNoEndpoints)
 			m.connections.DeleteLabelValues(l.service, l.port, "", resultRefusedDestination)
+			m.connections.DeleteLabelValues(l.service, l.port, "", resultLimit)
+			m.connections.DeleteLabelValues(l.service, l.port, "", resultEndpointLimit)
 			continue
 		}
 		m.connections.DeleteLabelValues(l.service, l.port, l.backend, resultOK)
@@ -294,6 +301,22 @@ func (pm *portMetrics) refusedDestination() {
 func (pm *portMetrics) noEndpoint() {
 	if pm != nil {
 		pm.noEndpoints.Inc()
+	}
+}
+
+// limited counts a TCP connection refused at the service port's
+// connection limit.
+func (pm *portMetrics) limited() {
+	if pm != nil {
+		pm.limit.Inc()
+	}
+}
+
+// endpointsFull counts a TCP connection refused because every endpoint
+// was at the per-endpoint connection limit.
+func (pm *portMetrics) endpointsFull() {
+	if pm != nil {
+		pm.endpointLimit.Inc()
 	}
 }
 

@@ -36,6 +36,16 @@ const (
 	// with the client's address to the backend at the start of every TCP
 	// connection. UDP ports of the service are proxied without it.
 	AnnotationProxyProtocol = "uproxy.io/proxy-protocol"
+	// AnnotationMaxConnections, a positive integer, bounds the TCP
+	// connections that each port of the service proxies at once, over both
+	// IP families. A connection past it is reset before any endpoint is
+	// dialled. UDP flows are not limited.
+	AnnotationMaxConnections = "uproxy.io/max-connections"
+	// AnnotationMaxConnectionsPerEndpoint, a positive integer, bounds the
+	// TCP connections that each port of the service proxies at once to any
+	// one endpoint. A full endpoint is skipped; when every endpoint is
+	// full, the connection is reset.
+	AnnotationMaxConnectionsPerEndpoint = "uproxy.io/max-connections-per-endpoint"
 )
 
 // Labels uproxy honours, with the meaning kube-proxy gives them.
@@ -114,6 +124,12 @@ type ServicePort struct {
 	// ProxyProtocol is the PROXY protocol version sent to the backend: 0
 	// (none), 1 or 2.
 	ProxyProtocol int
+	// MaxConnections bounds the TCP connections proxied at once for this
+	// port, its listeners of both families together; zero means no limit.
+	MaxConnections int
+	// MaxConnectionsPerEndpoint bounds the TCP connections proxied at once
+	// to any one endpoint of this port; zero means no limit.
+	MaxConnectionsPerEndpoint int
 }
 
 // ExternallyAccessible reports whether the port takes traffic from outside

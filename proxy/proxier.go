@@ -172,6 +172,8 @@ type Proxier struct {
 	ports      portAllocator
 	services   map[types.NamespacedName]map[portKey]*listener
 	rulesDirty bool
+	slots      map[ServicePortName]*connSlots       // per service port, shared by its listeners
+	warned     map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
 
 	lastSync   atomic.Int64 // unix nanos of the last successful sync
 	zone       atomic.Pointer[string]
@@ -408,12 +410,16 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 			want[k], vips[k] = sp, ip
 		}
 	}
+	p.warnIgnored(st)
 	have := p.services[st.Name]
 	for k, l := range have {
 		if want[k] == nil {
 			p.closeListener(l)
 			delete(have, k)
 			p.rulesDirty = true
+			if want[portKey{name: k.name, v6: !k.v6}] == nil {
+				delete(p.slots, k.name) // the port is gone in both families
+			}
 		}
 	}
 	failed := false
@@ -450,7 +456,7 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
 func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot) *snapshot {
-	s := &snapshot{sp: sp, vip: netip.AddrPortFrom(vip, sp.Port), nodePort: sp.NodePort}
+	s := &snapshot{sp: sp, vip: netip.AddrPortFrom(vip, sp.Port), nodePort: sp.NodePort, slots: p.portSlots(sp.Name)}
 	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
 		if ip.Is6() == l.key.v6 {
 			s.external = append(s.external, ip)
@@ -636,6 +642,10 @@ type snapshot struct {
 	// affinity is the ClientIP affinity table the balancers wrap; nil
 	// without session affinity. Read by Explain (Lookup has no effects).
 	affinity *balancer.AffinityTable
+	// slots counts the service port's TCP connections against
+	// sp.MaxConnections; shared with the port's other listener and with
+	// the snapshots before and after this one.
+	slots *connSlots
 }
 
 // route returns the balancer for a connection that was originally sent to

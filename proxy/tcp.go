@@ -110,6 +110,14 @@ func tcpProgress(c *net.TCPConn) uint64 {
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	defer p.endSession(s)
 	snap := l.snap.Load()
+	if snap == nil {
+		// The listener is open but its first snapshot not stored yet. Only
+		// a port that someone already sends traffic to can see this: a
+		// restarted uproxy taking back its --proxy-port-range port while
+		// the previous process's rules still point at it.
+		s.abort()
+		return
+	}
 	pm := snap.metrics
 	var dst netip.AddrPort
 	if p.cfg.OriginalDst != nil {
@@ -131,6 +139,17 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		s.abort()
 		return
 	}
+	// Over the limit, the connection is reset before any backend is dialled:
+	// abort's linger 0 makes the close send RST, so the client fails at
+	// once instead of waiting on a connection nobody serves.
+	if !snap.slots.acquire(snap.sp.MaxConnections) {
+		p.connLog.Warn("refusing connection: the service port is at its connection limit",
+			zap.Stringer("servicePort", l.key.name), zap.Int("maxConnections", snap.sp.MaxConnections))
+		pm.limited()
+		s.abort()
+		return
+	}
+	defer snap.slots.release()
 	var from netip.Addr
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
 		from = client.Addr()
@@ -173,10 +192,13 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 // dialBackend picks a backend and connects to it, moving on to another
 // backend when a dial is refused or times out, at most DialAttempts times.
 // Each failure ejects the backend for a while, so the balancers steer the
-// next picks (this connection's and everyone else's) away from it. On
+// next picks (this connection's and everyone else's) away from it. A
+// backend at the per-endpoint connection limit is not dialled: the least
+// busy one with room is, and when none has room the connection fails. On
 // success the backend has been Acquired; the caller Releases it.
 func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, from netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
 	pm := snap.metrics
+	limit := int64(snap.sp.MaxConnectionsPerEndpoint)
 	var (
 		errs []error
 		last *backendMetrics
@@ -191,9 +213,18 @@ func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, fro
 			}
 			return nil, nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
 		}
+		if !b.TryAcquire(limit) {
+			if b = snap.spare(bal, limit); b == nil {
+				if last == nil {
+					pm.endpointsFull()
+				} else {
+					last.failed()
+				}
+				return nil, nil, errors.Join(append(errs, fmt.Errorf("%s: %w (%d)", snap.sp.Name, errEndpointsFull, limit))...)
+			}
+		}
 		bm := pm.backend(b)
 		bm.picked()
-		b.Acquire()
 		start := pm.dialStart()
 		c, err := p.dialOnce(b.Addr, from)
 		pm.dialDone(start, err)
