@@ -283,6 +283,16 @@ func (p *Proxier) adoptOrAllocate(l *listener, host string, try func(port uint16
 		p.log.Warn("cannot adopt the inherited socket; binding a new one, so its rules change",
 			zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Error(err))
 	}
+	if p.cfg.PreviousPort != nil {
+		if want := p.cfg.PreviousPort(l.key.name, network); want != 0 {
+			port, err := p.ports.allocatePreferred(network, want, try)
+			if err == nil && port != want {
+				p.log.Info("the previous instance's listener port is taken; its rules change",
+					zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Uint16("previous", want))
+			}
+			return port, err
+		}
+	}
 	return p.ports.allocate(network, try)
 }
 

@@ -83,6 +83,30 @@ type portAllocator struct {
 
 // allocate calls try with candidate ports until it succeeds, and returns
 // the port it succeeded with. With a zero range it calls try(0) once.
+// allocatePreferred tries want first, when it is in the range (any port
+// is, with no range) and not in use, then falls back to allocate.
+func (a *portAllocator) allocatePreferred(network string, want uint16, try func(port uint16) (uint16, error)) (uint16, error) {
+	if a.r.Size == 0 {
+		if got, err := try(want); err == nil {
+			return got, nil
+		}
+		return try(0)
+	}
+	if want >= a.r.Base && int(want-a.r.Base) < a.r.Size && !a.used[network][want] {
+		if got, err := try(want); err == nil {
+			if a.used == nil {
+				a.used = map[string]map[uint16]bool{}
+			}
+			if a.used[network] == nil {
+				a.used[network] = map[uint16]bool{}
+			}
+			a.used[network][got] = true
+			return got, nil
+		}
+	}
+	return a.allocate(network, try)
+}
+
 func (a *portAllocator) allocate(network string, try func(port uint16) (uint16, error)) (uint16, error) {
 	if a.r.Size == 0 {
 		return try(0)

@@ -53,6 +53,13 @@ type Config struct {
 	// its key instead of binding a new one. Nil means every listener is
 	// bound anew.
 	Inherited *Inherited
+	// PreviousPort returns the listener port that the rules a previous
+	// instance left in the kernel send a service port's traffic to (for a
+	// network: "tcp4", "udp6", …), or 0. A listener binds that port again
+	// where it can, so that after a crash the rules left behind work as
+	// soon as the listener is open, before the first sync rewrites them.
+	// Nil means none.
+	PreviousPort func(name ServicePortName, network string) uint16
 	// Dial connects to a backend; nil means net.Dialer.DialContext.
 	Dial func(ctx context.Context, network, address string) (net.Conn, error)
 	// UDPTimeout is how long a UDP flow lives without traffic in either

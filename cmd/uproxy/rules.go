@@ -150,3 +150,31 @@ func toRedirectRules(in []proxy.Intercept, nodePortAddresses []netip.Prefix) red
 	})
 	return r
 }
+
+// previousPorts reads the listener ports that the rules of a previous
+// uproxy (killed, so it could not hand its sockets over) send each service
+// port to, so the new listeners can bind them again: those rules then
+// work as soon as a listener is open, before the first sync. Families
+// whose rules cannot be read contribute nothing.
+func previousPorts(ctx context.Context, tproxy bool, log *zap.Logger) func(proxy.ServicePortName, string) uint16 {
+	ports := map[string]uint16{} // by network and comment: "tcp4 default/web:http"
+	for _, f := range []redirect.Family{redirect.IPv4, redirect.IPv6} {
+		saved, err := redirect.SavedRules(ctx, f, tproxy)
+		if err != nil {
+			log.Debug("no previous rules to read", zap.Stringer("family", f), zap.Error(err))
+			continue
+		}
+		suffix := map[redirect.Family]string{redirect.IPv4: "4", redirect.IPv6: "6"}[f]
+		for k, port := range redirect.PreviousListenerPorts(saved) {
+			proto := map[redirect.Protocol]string{redirect.TCP: "tcp", redirect.UDP: "udp"}[k.Protocol]
+			ports[proto+suffix+" "+k.Comment] = port
+		}
+	}
+	if len(ports) == 0 {
+		return nil
+	}
+	log.Info("found the rules of a previous instance; rebinding its listener ports where possible", zap.Int("listeners", len(ports)))
+	return func(name proxy.ServicePortName, network string) uint16 {
+		return ports[network+" "+name.String()]
+	}
+}

@@ -288,6 +288,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		OnSync:        func() { health.Updated(); firstSync() },
 		OnChange:      health.QueuedUpdate,
 		Inherited:     up.inherited(),
+		PreviousPort:  previousPorts(ctx, tproxy, log.Named("proxy")),
 		Logger:        log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }

@@ -1,0 +1,48 @@
+package redirect
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestPreviousListenerPorts(t *testing.T) {
+	vip := netip.MustParseAddr("10.96.0.10")
+	r := Rules{
+		Intercepts: []Intercept{
+			{Comment: "default/web:http", Protocol: TCP, Dest: vip, Port: 80, ToPort: 35513},
+			{Comment: "default/web:http", Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.10"), Port: 80, ToPort: 35513},
+			{Comment: "default/dns:dns", Protocol: UDP, Dest: netip.MustParseAddr("10.96.0.53"), Port: 53, ToPort: 41000},
+			{Comment: "default/sticky", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.12"), Port: 8000, ToPort: 38901},
+		},
+		NodePorts: []NodePort{{Comment: "default/web:http", Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 35513}},
+	}
+	want := map[PreviousListener]uint16{
+		{"default/web:http", TCP}: 35513,
+		{"default/dns:dns", UDP}:  41000,
+		{"default/sticky", TCP}:   38901,
+	}
+	for _, tt := range []struct {
+		name string
+		r    Rules
+	}{
+		{"redirect", r},
+		{"tproxy", func() Rules { r := r; r.TProxy = &TProxy{}; return r }()},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if diff := cmp.Diff(want, PreviousListenerPorts(Render(IPv4, tt.r))); diff != "" {
+				t.Errorf("(-want +got):\n%s", diff)
+			}
+		})
+	}
+	// Rules of one service port that disagree name no port for it.
+	conflicting := []byte(`-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 1000
+-A UPROXY-SERVICES -d 10.96.0.11/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 2000
+-A UPROXY-SERVICES -d 10.96.0.11/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 3000
+-A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m comment --comment "default/kubernetes:https" -j KUBE-SVC-X
+`)
+	if got := PreviousListenerPorts(conflicting); len(got) != 0 {
+		t.Errorf("conflicting rules: %v, want nothing", got)
+	}
+}
