@@ -23,9 +23,8 @@ import (
 var errNoEndpoints = errors.New("no usable endpoints")
 
 // session is one proxied TCP connection. Its conns are plain *net.TCPConn
-// values, never wrapped: net.TCPConn.ReadFrom splices only when both sides
-// are bare TCPConns, and a wrapper would silently fall back to copying
-// through userspace buffers.
+// values, never wrapped: the data path (copyHalf) splices between the bare
+// sockets through their RawConns.
 type session struct {
 	client *net.TCPConn
 
@@ -33,6 +32,8 @@ type session struct {
 	backend  *net.TCPConn // nil until dialled
 	aborted  bool
 	progress [2]uint64 // TCP_INFO progress counters seen at the last idle check
+
+	ended atomic.Int32 // directions whose copy has ended (copyHalf)
 }
 
 // setBackend attaches the dialled backend; false if the session was
@@ -244,8 +245,28 @@ func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, fro
 
 // dialOnce connects to addr, from the address from when it is valid
 // (tproxy mode, preserving the client's address).
+//
+// The dial runs in a goroutine of its own, which exits when it returns:
+// net.Dialer's call chain is deep, and would grow the caller's stack to
+// 8 KiB, which the session's goroutine would then keep, idle, for the life
+// of the connection (the runtime shrinks a stack only while a quarter of
+// it or less is in use, and serveTCP's own frame is 1 KiB).
 func (p *Proxier) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
-	return dialAs[*net.TCPConn](p.dial("tcp", addr, from))
+	ch := make(chan dialed, 1)
+	go func() { ch <- p.dialTCP(addr, from) }() // exits once the dial returns
+	r := <-ch
+	return r.c, r.err
+}
+
+// dialed is a dial's outcome.
+type dialed struct {
+	c   *net.TCPConn
+	err error
+}
+
+func (p *Proxier) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
+	c, err := dialAs[*net.TCPConn](p.dial("tcp", addr, from))
+	return dialed{c, err}
 }
 
 // dial connects to addr over network ("tcp" or "udp") within the dial
@@ -285,6 +306,8 @@ func dialAs[T net.Conn](c net.Conn, err error) (T, error) {
 //
 // Each direction's byte count goes to pm (nil: nowhere) when it ends.
 func (s *session) pipe(idle time.Duration, pm *portMetrics) (up, down int64) {
+	tcpPipes.enter()
+	defer tcpPipes.leave()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -301,28 +324,58 @@ func (s *session) pipe(idle time.Duration, pm *portMetrics) (up, down int64) {
 
 // copyHalf copies src to dst until src's EOF, which it passes on with
 // CloseWrite (the other direction may still be sending: HTTP clients that
-// half-close, for one). Any error aborts the whole session.
+// half-close, for one). Any error aborts the whole session. It returns the
+// bytes written to dst.
 //
-// dst.ReadFrom(src) splices, through a kernel pipe, when both are bare
-// *net.TCPConn. With an idle timeout the read deadline interrupts the
-// splice once per period; a read deadline only interrupts the wait for
-// data to enter the pipe, never the pump out of it, so no byte is lost when
-// the copy resumes.
+// Bulk transfers go through a kernel pipe with splice(2) (spliceOnce),
+// small messages through a pooled userspace buffer (copyMessages), as the
+// traffic so far suggests (halfState.move). Either is taken only while
+// there is something to move: an idle direction holds no pipe and no
+// buffer, only its goroutine. With an idle timeout, src's read deadline
+// interrupts the wait for data once per period; it only ever interrupts
+// that wait, never a write to dst, so no byte is lost when the copy
+// resumes. A period in which bytes moved, or in which either socket made
+// progress (stillActive), starts another period.
 func (s *session) copyHalf(dst, src *net.TCPConn, idle time.Duration) int64 {
-	var total int64
+	srcRC, err := src.SyscallConn()
+	if err != nil {
+		s.abort()
+		return 0
+	}
+	dstRC, err := dst.SyscallConn()
+	if err != nil {
+		s.abort()
+		return 0
+	}
+	var (
+		h             halfState
+		total, period int64
+	)
+	if idle > 0 {
+		_ = src.SetReadDeadline(time.Now().Add(idle))
+	}
 	for {
-		if idle > 0 {
-			_ = src.SetReadDeadline(time.Now().Add(idle))
-		}
-		n, err := dst.ReadFrom(src)
-		total += n
-		if err == nil {
-			_ = dst.CloseWrite()
+		n, eof, err := h.move(dstRC, srcRC)
+		total += int64(n)
+		period += int64(n)
+		switch {
+		case eof:
+			// Pass the EOF on, unless the other direction has ended
+			// already: then pipe closes both sockets at once, and close
+			// sends the FIN (neither has unread data left) without the
+			// extra shutdown call.
+			if s.ended.Add(1) == 1 {
+				_ = dst.CloseWrite()
+			}
 			return total
-		}
-		if idle > 0 && isTimeout(err) && (n > 0 || s.stillActive()) {
+		case err == nil:
+			continue
+		case idle > 0 && isTimeout(err) && (period > 0 || s.stillActive()):
+			period = 0
+			_ = src.SetReadDeadline(time.Now().Add(idle))
 			continue
 		}
+		s.ended.Add(1)
 		s.abort()
 		return total
 	}
