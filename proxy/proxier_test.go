@@ -304,12 +304,14 @@ func TestProxyIdleTimeout(t *testing.T) {
 	}
 
 	// A quiet one is closed after one to two periods (plus scheduling).
+	// The clock starts before the dial: the proxy's starts when it
+	// accepts, which a slow test goroutine may see long after.
+	start := time.Now()
 	quiet, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer quiet.Close()
-	start := time.Now()
 	quiet.SetDeadline(time.Now().Add(5 * time.Second))
 	_, err = quiet.Read(buf)
 	if elapsed := time.Since(start); err == nil || elapsed < idle || elapsed > 4*idle {
