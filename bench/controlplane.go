@@ -446,6 +446,9 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 		case proc != nil && proc.Exited():
 			return fmt.Errorf("%s exited: %s", proc.Name, tail(proc.Output(), 10))
 		case derr == nil && !lastOK.OK:
+			if proc != nil {
+				timedOutDiagnosis(e, res, p, proc, n, at)
+			}
 			return &timeoutError{timeout: cfg.ProgramTimeout, services: n}
 		}
 		return fmt.Errorf("the last service did not answer within %v (%v): %s", cfg.ProgramTimeout, werr, tail(pr.Output(), 2))
@@ -555,4 +558,118 @@ func patientDialer(cfg *rest.Config) *rest.Config {
 		}
 	}
 	return cfg
+}
+
+// timedOutDiagnosis records why proxy p (process proc) may not have
+// programmed n services in time: its output goes to a file in the data
+// folder, and what it was still running (kube-proxy's iptables-restore, say)
+// becomes a note in the report.
+func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *lab.Proc, n int, at string) {
+	name := fmt.Sprintf("cp-%s-%d.log", p.ID, n)
+	if err := keepOutput(filepath.Join(e.cfg.dataDir(), name), proc.Output()); err != nil {
+		e.logf("%s: %v; its last lines:\n%s", at, err, tail(proc.Output(), 10))
+	} else {
+		e.logf("%s: %s's output is in %s; its last lines:\n%s", at, proc.Name, name, tail(proc.Output(), 10))
+	}
+	busy, err := runningChildren("/proc", proc.Cmd.Process.Pid)
+	if err != nil {
+		e.logf("%s: what %s was running: %v", at, proc.Name, err)
+		return
+	}
+	if len(busy) == 0 {
+		return
+	}
+	note := fmt.Sprintf("%s at %s services: when the %v ran out, %s was still running %s; its log is %s",
+		p.Title, thousands(int64(n)), e.cfg.ProgramTimeout, proc.Name, strings.Join(busy, ", "), name)
+	res.Notes = append(res.Notes, note)
+	e.logf("%s: %s", at, note)
+}
+
+// maxKeptOutput bounds the output keepOutput writes: the last bytes are
+// the ones that say what went wrong.
+const maxKeptOutput = 1 << 20
+
+// keepOutput writes a process's output to path, at most its last
+// maxKeptOutput bytes.
+func keepOutput(path, output string) error {
+	if len(output) > maxKeptOutput {
+		output = output[len(output)-maxKeptOutput:]
+	}
+	if err := os.WriteFile(path, []byte(output), 0o644); err != nil {
+		return fmt.Errorf("keeping the output: %w", err)
+	}
+	return nil
+}
+
+// userHZ is the unit of /proc/PID/stat's start time: USER_HZ, 100 ticks a
+// second on every architecture that Go supports on Linux (proc(5), "divide
+// by sysconf(_SC_CLK_TCK)").
+const userHZ = 100
+
+// runningChildren returns the child processes of pid that are running, read
+// from procfs (normally /proc), each as its command line and how long it
+// has run: "iptables-restore -w 5 --noflush --counters (for 4m50s)". A
+// child of any of pid's threads counts (a Go program forks from any).
+func runningChildren(procfs string, pid int) ([]string, error) {
+	tasks, err := filepath.Glob(filepath.Join(procfs, strconv.Itoa(pid), "task", "*", "children"))
+	if err != nil {
+		return nil, fmt.Errorf("listing the threads of %d: %w", pid, err)
+	}
+	b, err := os.ReadFile(filepath.Join(procfs, "uptime"))
+	if err != nil {
+		return nil, fmt.Errorf("reading the uptime: %w", err)
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return nil, fmt.Errorf("%s/uptime is empty", procfs)
+	}
+	uptime, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return nil, fmt.Errorf("%s/uptime: %w", procfs, err)
+	}
+	var out []string
+	for _, task := range tasks {
+		b, err := os.ReadFile(task)
+		if err != nil {
+			continue // the thread has ended
+		}
+		for _, child := range strings.Fields(string(b)) {
+			cmdline, started, err := procInfo(procfs, child)
+			if err != nil {
+				continue // the child has ended
+			}
+			ran := time.Duration((uptime - started) * float64(time.Second)).Round(time.Second)
+			out = append(out, fmt.Sprintf("%s (for %v)", cmdline, max(ran, 0)))
+		}
+	}
+	return out, nil
+}
+
+// procInfo returns process pid's command line and when it started, in
+// seconds since boot.
+func procInfo(procfs, pid string) (cmdline string, started float64, err error) {
+	b, err := os.ReadFile(filepath.Join(procfs, pid, "cmdline"))
+	if err != nil {
+		return "", 0, err
+	}
+	cmdline = strings.Join(strings.FieldsFunc(string(b), func(r rune) bool { return r == 0 }), " ")
+	stat, err := os.ReadFile(filepath.Join(procfs, pid, "stat"))
+	if err != nil {
+		return "", 0, err
+	}
+	// The command name, in parentheses, may hold spaces: the fields that
+	// follow it start at field 3 (state); the start time is field 22.
+	i := strings.LastIndexByte(string(stat), ')')
+	if i < 0 {
+		return "", 0, fmt.Errorf("%s/%s/stat: no command name", procfs, pid)
+	}
+	fields := strings.Fields(string(stat[i+1:]))
+	if len(fields) < 20 {
+		return "", 0, fmt.Errorf("%s/%s/stat: %d fields after the command name, want at least 20", procfs, pid, len(fields))
+	}
+	ticks, err := strconv.ParseUint(fields[19], 10, 64)
+	if err != nil {
+		return "", 0, fmt.Errorf("%s/%s/stat: start time: %w", procfs, pid, err)
+	}
+	return cmdline, float64(ticks) / userHZ, nil
 }

@@ -1,0 +1,171 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+// fakeProc is a process in a fake /proc tree.
+type fakeProc struct {
+	pid, cmdline, stat string
+}
+
+func TestRunningChildren(t *testing.T) {
+	restore := fakeProc{"201", "iptables-restore\x00-w\x005\x00--noflush\x00--counters\x00",
+		"201 (iptables-restor) R 100 201 100 0 -1 4194304 1 0 0 0 300 20 0 0 20 0 1 0 90000 21260 5000 ..."}
+	// A command name with a space and a parenthesis, and no arguments.
+	odd := fakeProc{"202", "", "202 (a b) c) S 100 202 100 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 119950 0 0"}
+	tests := []struct {
+		name     string
+		uptime   string
+		children map[string]string // task → its children file
+		procs    []fakeProc
+		want     []string
+	}{
+		{
+			name:     "one child of the main thread",
+			uptime:   "1200.00 2000.00\n",
+			children: map[string]string{"100": "201 "},
+			procs:    []fakeProc{restore},
+			want:     []string{"iptables-restore -w 5 --noflush --counters (for 5m0s)"},
+		},
+		{
+			name:     "children of other threads; one has ended",
+			uptime:   "1200.49 2000.00\n",
+			children: map[string]string{"100": "", "104": "201 203", "105": "202"},
+			procs:    []fakeProc{restore, odd},
+			want:     []string{"iptables-restore -w 5 --noflush --counters (for 5m0s)", " (for 1s)"},
+		},
+		{
+			name:     "no children",
+			uptime:   "1200.00 2000.00\n",
+			children: map[string]string{"100": ""},
+			want:     nil,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			root := t.TempDir()
+			write := func(path, s string) {
+				t.Helper()
+				path = filepath.Join(root, path)
+				if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(path, []byte(s), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			write("uptime", tt.uptime)
+			for task, children := range tt.children {
+				write(filepath.Join("100", "task", task, "children"), children)
+			}
+			for _, p := range tt.procs {
+				write(filepath.Join(p.pid, "cmdline"), p.cmdline)
+				write(filepath.Join(p.pid, "stat"), p.stat)
+			}
+			got, err := runningChildren(root, 100)
+			if err != nil {
+				t.Fatalf("runningChildren: %v", err)
+			}
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("runningChildren (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestRunningChildrenErrors(t *testing.T) {
+	tests := []struct {
+		name   string
+		uptime string // empty: no uptime file
+		want   string
+	}{
+		{"no uptime", "", "reading the uptime"},
+		{"empty uptime", "\n", "uptime is empty"},
+		{"bad uptime", "soon 1.0\n", "uptime: strconv.ParseFloat"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			root := t.TempDir()
+			if tt.uptime != "" {
+				if err := os.WriteFile(filepath.Join(root, "uptime"), []byte(tt.uptime), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			_, err := runningChildren(root, 100)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("runningChildren: error %v, want one containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestRunningChildrenReal finds a child of this very process in the real
+// /proc.
+func TestRunningChildrenReal(t *testing.T) {
+	if _, err := os.Stat("/proc/self/task"); err != nil {
+		t.Skip("skipping: no /proc")
+	}
+	cmd := execSleep(t)
+	got, err := runningChildren("/proc", os.Getpid())
+	if err != nil {
+		t.Fatalf("runningChildren: %v", err)
+	}
+	want := "sleep 30 (for "
+	for _, c := range got {
+		if strings.HasPrefix(c, want) {
+			return
+		}
+	}
+	t.Errorf("runningChildren = %q, want an entry starting with %q (child pid %d)", got, want, cmd.Process.Pid)
+}
+
+func TestKeepOutput(t *testing.T) {
+	long := strings.Repeat("x", maxKeptOutput) + "the end\n"
+	tests := []struct {
+		name, output, want string
+	}{
+		{"short", "I1129 started\nE1129 failed\n", "I1129 started\nE1129 failed\n"},
+		{"empty", "", ""},
+		{"longer than the limit: the end is kept", long, long[len(long)-maxKeptOutput:]},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "cp-kp-iptables-5000.log")
+			if err := keepOutput(path, tt.output); err != nil {
+				t.Fatalf("keepOutput: %v", err)
+			}
+			got, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(got) != tt.want {
+				t.Errorf("kept %d bytes ending %q, want %d ending %q", len(got), tail(string(got), 1), len(tt.want), tail(tt.want, 1))
+			}
+		})
+	}
+	if err := keepOutput(filepath.Join(t.TempDir(), "no", "such", "folder", "x.log"), "x"); err == nil {
+		t.Error("keepOutput into a missing folder: no error")
+	}
+}
+
+// execSleep starts `sleep 30` as a child of the test process; the test's
+// cleanup kills it (by its pid) and waits for it.
+func execSleep(t *testing.T) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command("sleep", "30")
+	if err := cmd.Start(); err != nil {
+		t.Skipf("skipping: cannot start sleep: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return cmd
+}
