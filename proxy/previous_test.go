@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"fmt"
+	"math/rand/v2"
 	"net"
 	"testing"
 
@@ -12,13 +14,18 @@ import (
 // sync), and falls back to another port when that one is taken.
 func TestListenersRebindPreviousPorts(t *testing.T) {
 	be := nameBackend(t, "a")
-	free := func() int { // a port nobody holds now
-		l, err := net.Listen("tcp4", "0.0.0.0:0")
-		if err != nil {
-			t.Fatal(err)
+	// A port nobody holds now, below the ephemeral range (which other
+	// tests' connections take at any moment).
+	free := func() int {
+		for range 50 {
+			port := 30000 + rand.IntN(2000)
+			if l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port)); err == nil {
+				l.Close()
+				return port
+			}
 		}
-		defer l.Close()
-		return l.Addr().(*net.TCPAddr).Port
+		t.Fatal("no free port")
+		return 0
 	}
 	wantA := free()
 	busy, err := net.Listen("tcp4", "0.0.0.0:0")

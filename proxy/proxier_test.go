@@ -20,6 +20,7 @@ import (
 	proxyproto "github.com/pires/go-proxyproto"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"math/rand/v2"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
@@ -540,16 +541,35 @@ func countFDs(t *testing.T) int {
 
 func TestListenerPortsComeFromTheRange(t *testing.T) {
 	be := nameBackend(t, "a")
-	// Take a port inside the range so the allocator has to skip it.
-	busy, err := net.Listen("tcp4", "0.0.0.0:0")
-	if err != nil {
-		t.Fatal(err)
+	// Take a port inside the range so the allocator has to skip it. The
+	// range lies below the ephemeral ports (ip_local_port_range), which
+	// other tests' connections take at any moment.
+	var busy net.Listener
+	var base int
+	for try := 0; busy == nil; try++ {
+		if try == 50 {
+			t.Fatal("no three free consecutive ports below the ephemeral range")
+		}
+		base = 20000 + rand.IntN(10000)
+		l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", base))
+		if err != nil {
+			continue
+		}
+		free := true
+		for _, p := range []int{base + 1, base + 2} {
+			if f, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", p)); err != nil {
+				free = false
+			} else {
+				f.Close()
+			}
+		}
+		if !free {
+			l.Close()
+			continue
+		}
+		busy = l
 	}
 	defer busy.Close()
-	base := busy.Addr().(*net.TCPAddr).Port
-	if base > 65530 {
-		t.Skip("ephemeral port too close to the top of the range")
-	}
 	p, rules := startProxier(t, Config{PortRange: PortRange{Base: uint16(base), Size: 3}})
 	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
 		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
