@@ -6,9 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
-	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -26,60 +23,6 @@ import (
 // the calling thread, and the transparent sockets, which belong to the
 // namespace they are created in) runs on an OS thread switched into it
 // with setns, which inNetns checks before running anything there.
-
-// inNetns runs fn on an OS thread switched into the network namespace ns,
-// a name under /run/netns, and switches the thread back afterwards. It
-// checks that the thread is in ns before it runs fn, so fn never runs in
-// the process's own namespace. Sockets that fn creates belong to ns for
-// good, and can be used from any goroutine afterwards; fn must not start
-// goroutines that expect to be in ns, nor call t.Fatal.
-func inNetns(ns string, fn func() error) error {
-	target, err := os.Open(filepath.Join("/run/netns", ns))
-	if err != nil {
-		return err
-	}
-	defer target.Close()
-	var want unix.Stat_t
-	if err := unix.Fstat(int(target.Fd()), &want); err != nil {
-		return err
-	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		home, err := os.Open("/proc/thread-self/ns/net")
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer home.Close()
-		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("setns to %s: %w", ns, err)
-			return
-		}
-		// From here on, should anything fail, the goroutine ends with
-		// its thread still locked, and the runtime ends the thread: no
-		// other goroutine ever runs in ns.
-		var got unix.Stat_t
-		if err := unix.Stat("/proc/thread-self/ns/net", &got); err != nil {
-			errc <- err
-			return
-		}
-		if got.Dev != want.Dev || got.Ino != want.Ino {
-			errc <- fmt.Errorf("setns to %s: the thread is in another namespace", ns)
-			return
-		}
-		ferr := fn()
-		if err := unix.Setns(int(home.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns back from %s: %w", ns, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
-}
 
 // setTransparent sets IP_TRANSPARENT or IPV6_TRANSPARENT on c, and, when
 // origDst is true, asks for each datagram's original destination.
@@ -225,7 +168,7 @@ func newTProxyLab(t *testing.T, f Family, pods int, bridgeNetfilter bool) *tprox
 // node runs fn in the node namespace, failing the test if it fails.
 func (tl *tproxyLab) node(fn func() error) {
 	tl.t.Helper()
-	if err := inNetns(tl.lab.Node, fn); err != nil {
+	if err := lab.DoInNetns(tl.lab.Node, fn); err != nil {
 		tl.t.Fatal(err)
 	}
 }
@@ -289,7 +232,7 @@ func (tl *tproxyLab) listenUDP() {
 			}
 			// The reply socket is bound to an address that is not the
 			// node's: it must be created in the node's namespace.
-			_ = inNetns(tl.lab.Node, func() error {
+			_ = lab.DoInNetns(tl.lab.Node, func() error {
 				lc := transparentConfig(tl.f, false)
 				c, err := lc.ListenPacket(context.Background(), network(UDP, tl.f), dst.String())
 				if err != nil {
@@ -329,7 +272,7 @@ func (tl *tproxyLab) expectNotHandedOver(what, ns string, dest netip.AddrPort) {
 func (tl *tproxyLab) expectUDP(what, ns string, dest netip.AddrPort, want string) {
 	tl.t.Helper()
 	var c *net.UDPConn
-	if err := inNetns(ns, func() (err error) {
+	if err := lab.DoInNetns(ns, func() (err error) {
 		c, err = net.DialUDP(network(UDP, tl.f), nil, net.UDPAddrFromAddrPort(dest))
 		return err
 	}); err != nil {
@@ -502,7 +445,7 @@ func TestTrafficTProxyTransparentDial(t *testing.T) {
 			client := podAddr(tl.external, f)
 			dial := func() (string, error) {
 				var c net.Conn
-				if err := inNetns(tl.lab.Node, func() (err error) {
+				if err := lab.DoInNetns(tl.lab.Node, func() (err error) {
 					d := net.Dialer{
 						Timeout:   2 * time.Second,
 						LocalAddr: &net.TCPAddr{IP: client.AsSlice()},

@@ -13,9 +13,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // envNetns is set, in a re-executed test process, to the namespace it runs in.
@@ -158,4 +162,52 @@ func Run(name string, args ...string) error {
 		return fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, bytes.TrimSpace(out))
 	}
 	return nil
+}
+
+// DoInNetns runs fn on an OS thread switched into the network namespace ns
+// (a name under /run/netns), and switches the thread back afterwards; the
+// sockets fn creates belong to ns for good. It checks that the thread is
+// in ns before running fn, so fn never runs in the caller's own namespace. fn must not start
+// goroutines that expect to be in ns.
+func DoInNetns(ns string, fn func() error) error {
+	target, err := os.Open(filepath.Join("/run/netns", ns))
+	if err != nil {
+		return err
+	}
+	defer target.Close()
+	var want unix.Stat_t
+	if err := unix.Fstat(int(target.Fd()), &want); err != nil {
+		return err
+	}
+	errc := make(chan error, 1)
+	go func() { // ends after fn; its thread dies with it if it cannot switch back
+		runtime.LockOSThread()
+		home, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		defer home.Close()
+		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("setns to %s: %w", ns, err)
+			return
+		}
+		// From here on the thread stays locked unless it is back home: if
+		// anything fails, the runtime ends the thread with the goroutine.
+		var got unix.Stat_t
+		if err := unix.Stat("/proc/thread-self/ns/net", &got); err != nil || got.Dev != want.Dev || got.Ino != want.Ino {
+			errc <- fmt.Errorf("setns to %s: the thread is elsewhere (%v)", ns, err)
+			return
+		}
+		ferr := fn()
+		if err := unix.Setns(int(home.Fd()), unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("setns back from %s: %w", ns, err)
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- ferr
+	}()
+	return <-errc
 }

@@ -26,9 +26,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
-	"path/filepath"
 	"regexp"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -38,60 +36,8 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/uproxy/uproxy/bench/lab"
 )
-
-// inNetnsThread runs fn on an OS thread switched into the network
-// namespace ns (a name under /run/netns), then switches the thread back
-// home. Sockets that fn creates belong to ns for good and may be used
-// from any goroutine afterwards. fn must not call t.Fatal, nor start
-// goroutines that expect to be in ns.
-//
-// The thread must go back: were it left in ns, the runtime would end it
-// with its goroutine, except the main thread, which it parks for good;
-// the test process would then be listed by `ip netns pids` and killed
-// with the namespace.
-func inNetnsThread(ns string, fn func() error) error {
-	target, err := os.Open(filepath.Join("/run/netns", ns))
-	if err != nil {
-		return err
-	}
-	defer target.Close()
-	var want unix.Stat_t
-	if err := unix.Fstat(int(target.Fd()), &want); err != nil {
-		return err
-	}
-	errc := make(chan error, 1)
-	go func() { // ends after fn; its thread ends with it if it cannot go back
-		runtime.LockOSThread()
-		home, err := os.Open("/proc/thread-self/ns/net")
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer home.Close()
-		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("setns to %s: %w", ns, err)
-			return
-		}
-		// From here on the thread stays locked unless it is back home.
-		var got unix.Stat_t
-		if err := unix.Stat("/proc/thread-self/ns/net", &got); err != nil || got.Dev != want.Dev || got.Ino != want.Ino {
-			errc <- fmt.Errorf("setns to %s: the thread is elsewhere (%v)", ns, err)
-			return
-		}
-		ferr := fn()
-		if err := unix.Setns(int(home.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns back from %s: %w", ns, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
-}
 
 // The reliability tests' backends speak a request/response protocol: the
 // client sends a 4-byte big-endian length and that many bytes, at most
@@ -157,7 +103,7 @@ func startEcho(t *testing.T, name, ns string, port int) *echoServer {
 // loop, which ends when the listener is closed (kill).
 func (s *echoServer) listen() error {
 	var ln net.Listener
-	err := inNetnsThread(s.ns, func() error {
+	err := lab.DoInNetns(s.ns, func() error {
 		var err error
 		ln, err = net.Listen("tcp4", s.addr)
 		return err
@@ -466,7 +412,7 @@ func withoutPorts(rules []string) []string {
 // request succeeds or the deadline passes, and returns when it succeeded.
 func firstSuccess(ns, addr string, deadline time.Time) (time.Time, error) {
 	var ok time.Time
-	err := inNetnsThread(ns, func() error {
+	err := lab.DoInNetns(ns, func() error {
 		var last error
 		for time.Now().Before(deadline) {
 			if last = getOnce(addr); last == nil {
@@ -769,7 +715,7 @@ func holdConnections(t *testing.T, ns, addr string, n int) []*net.TCPConn {
 	var wg sync.WaitGroup
 	for w := range openers {
 		wg.Go(func() {
-			err := inNetnsThread(ns, func() error {
+			err := lab.DoInNetns(ns, func() error {
 				for i := w; i < n; i += openers {
 					c, err := dialVIP(addr, 10*time.Second)
 					if err != nil {
@@ -811,7 +757,7 @@ func sequential(t *testing.T, ns, addr string, workers, perWorker int, seedBase 
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {
-			err := inNetnsThread(ns, func() error {
+			err := lab.DoInNetns(ns, func() error {
 				for i := range perWorker {
 					seed := seedBase + uint64(w*perWorker+i)
 					c, err := dialVIP(addr, 10*time.Second)

@@ -13,7 +13,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -21,7 +20,6 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
-	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/bench/lab"
 )
@@ -366,7 +364,7 @@ type stream struct {
 func startStream(t *testing.T, ns, addr string) *stream {
 	t.Helper()
 	var c net.Conn
-	if err := inNetns(ns, func() (err error) {
+	if err := lab.DoInNetns(ns, func() (err error) {
 		c, err = net.DialTimeout("tcp4", addr, 5*time.Second)
 		return err
 	}); err != nil {
@@ -429,7 +427,7 @@ func (s *stream) finish(t *testing.T) (sent, received digest) {
 func echoInNetns(t *testing.T, ns, addr string) {
 	t.Helper()
 	var ln net.Listener
-	if err := inNetns(ns, func() (err error) {
+	if err := lab.DoInNetns(ns, func() (err error) {
 		ln, err = net.Listen("tcp4", addr)
 		return err
 	}); err != nil {
@@ -451,51 +449,4 @@ func echoInNetns(t *testing.T, ns, addr string) {
 		}
 	})
 	t.Cleanup(func() { ln.Close(); wg.Wait() })
-}
-
-// inNetns runs fn on an OS thread switched into the network namespace ns
-// (a name under /run/netns), and switches the thread back afterwards; the
-// sockets fn creates belong to ns for good. It checks that the thread is
-// in ns before running fn, so fn never runs in the test's own namespace.
-func inNetns(ns string, fn func() error) error {
-	target, err := os.Open(filepath.Join("/run/netns", ns))
-	if err != nil {
-		return err
-	}
-	defer target.Close()
-	var want unix.Stat_t
-	if err := unix.Fstat(int(target.Fd()), &want); err != nil {
-		return err
-	}
-	errc := make(chan error, 1)
-	go func() { // ends after fn; its thread dies with it if it cannot switch back
-		runtime.LockOSThread()
-		home, err := os.Open("/proc/thread-self/ns/net")
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer home.Close()
-		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("setns to %s: %w", ns, err)
-			return
-		}
-		// From here on the thread stays locked unless it is back home: if
-		// anything fails, the runtime ends the thread with the goroutine.
-		var got unix.Stat_t
-		if err := unix.Stat("/proc/thread-self/ns/net", &got); err != nil || got.Dev != want.Dev || got.Ino != want.Ino {
-			errc <- fmt.Errorf("setns to %s: the thread is elsewhere (%v)", ns, err)
-			return
-		}
-		ferr := fn()
-		if err := unix.Setns(int(home.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns back from %s: %w", ns, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
 }
