@@ -32,26 +32,11 @@ import (
 // EndpointSlice fields, annotations, flags), not merely that it does not
 // panic.
 
-// manifestSeeds are manifests in every form DecodeManifests documents, and
-// the mistakes its tests expect it to reject.
+// manifestSeeds are manifests in forms and with mistakes beyond those of
+// decodeCases and decodeErrorCases, which seed the fuzzer too.
 var manifestSeeds = []string{
-	webYAML,
 	strings.ReplaceAll(webYAML, "\n", "\r\n"),
-	`{"apiVersion":"v1","kind":"Service","metadata":{"name":"db","namespace":"data"},"spec":{"clusterIP":"10.96.0.11","ports":[{"port":5432}]}}`,
-	`{"apiVersion":"v1","kind":"Service","metadata":{"name":"a"},"spec":{"clusterIP":"10.96.0.12","ports":[{"port":1}]}}
-{"apiVersion":"v1","kind":"Service","metadata":{"name":"b"},"spec":{"clusterIP":"10.96.0.13","ports":[{"port":1}]}}`,
 	`{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-v6","labels":{"kubernetes.io/service-name":"web"}},"addressType":"IPv6","ports":[{"name":"http","port":8080,"protocol":"TCP"}],"endpoints":[{"addresses":["2001:db8::11"],"conditions":{"ready":false,"serving":true,"terminating":true},"zone":"a","hints":{"forZones":[{"name":"a"}]}}]}`,
-	`apiVersion: v1
-kind: List
-items:
-- apiVersion: v1
-  kind: Service
-  metadata: {name: a}
-  spec: {clusterIP: 10.96.0.12, ports: [{port: 1}]}
-- apiVersion: example.com/v1
-  kind: Widget
-  metadata: {name: w}
-`,
 	`{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Service","metadata":{"name":"n"},"spec":{"clusterIP":"10.96.0.14","ports":[{"port":53,"protocol":"UDP"}]}}]}]}`,
 	`apiVersion: v1
 kind: Service
@@ -78,12 +63,6 @@ status:
 	"---\n---\n",
 	"# only a comment\n",
 	"apiVersion: v1\nkind: Endpoints\nmetadata: {name: old}\n",
-	// Malformed: TestDecodeManifestsErrors's inputs.
-	webYAML[:strings.Index(webYAML, "---")] + "---\nkind: Service\n  bad: [indent\n",
-	"apiVersion: v1\nmetadata: {name: x}\n",
-	"apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: eighty}]}\n",
-	`{"apiVersion":"v1","kind":"Service"`,
-	`[{"kind":"Service"}]`,
 	`{"apiVersion":"v1","kind":"List","items":[null]}`,
 	"{}\nnull\n",
 	"apiVersion: v1\nkind: Service\nmetadata: {name: x, creationTimestamp: \"2024-01-02T03:04:05.678+02:00\"}\n",
@@ -96,6 +75,12 @@ status:
 func FuzzDecodeManifests(f *testing.F) {
 	for _, s := range manifestSeeds {
 		f.Add([]byte(s))
+	}
+	for _, tt := range decodeCases {
+		f.Add([]byte(tt.in))
+	}
+	for _, tt := range decodeErrorCases {
+		f.Add([]byte(tt.in))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		const file = "fuzz.yaml"

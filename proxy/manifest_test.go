@@ -51,19 +51,20 @@ spec:
     spec: {containers: [{name: web, image: nginx}]}
 `
 
-func TestDecodeManifests(t *testing.T) {
-	tests := []struct {
-		name                          string
-		in                            string
-		wantSvcs, wantSlices, ignored []string
-	}{
-		{"multi-document YAML", webYAML, []string{"default/web"}, []string{"default/web-abc"}, []string{"1"}},
-		{"JSON object", `{"apiVersion":"v1","kind":"Service","metadata":{"name":"db","namespace":"data"},"spec":{"clusterIP":"10.96.0.11","ports":[{"port":5432}]}}`,
-			[]string{"data/db"}, nil, []string{"0"}},
-		{"JSON stream", `{"apiVersion":"v1","kind":"Service","metadata":{"name":"a"},"spec":{"clusterIP":"10.96.0.12","ports":[{"port":1}]}}
+// decodeCases are valid manifests in each form DecodeManifests reads
+// (FuzzDecodeManifests seeds from them too).
+var decodeCases = []struct {
+	name                          string
+	in                            string
+	wantSvcs, wantSlices, ignored []string
+}{
+	{"multi-document YAML", webYAML, []string{"default/web"}, []string{"default/web-abc"}, []string{"1"}},
+	{"JSON object", `{"apiVersion":"v1","kind":"Service","metadata":{"name":"db","namespace":"data"},"spec":{"clusterIP":"10.96.0.11","ports":[{"port":5432}]}}`,
+		[]string{"data/db"}, nil, []string{"0"}},
+	{"JSON stream", `{"apiVersion":"v1","kind":"Service","metadata":{"name":"a"},"spec":{"clusterIP":"10.96.0.12","ports":[{"port":1}]}}
 {"apiVersion":"v1","kind":"Service","metadata":{"name":"b"},"spec":{"clusterIP":"10.96.0.13","ports":[{"port":1}]}}`,
-			[]string{"default/a", "default/b"}, nil, []string{"0"}},
-		{"List", `apiVersion: v1
+		[]string{"default/a", "default/b"}, nil, []string{"0"}},
+	{"List", `apiVersion: v1
 kind: List
 items:
 - apiVersion: v1
@@ -74,8 +75,10 @@ items:
   kind: Widget
   metadata: {name: w}
 `, []string{"default/a"}, nil, []string{"1"}},
-	}
-	for _, tt := range tests {
+}
+
+func TestDecodeManifests(t *testing.T) {
+	for _, tt := range decodeCases {
 		t.Run(tt.name, func(t *testing.T) {
 			objs, err := DecodeManifests("x.yaml", strings.NewReader(tt.in))
 			if err != nil {
@@ -99,17 +102,20 @@ items:
 
 func itoa(n int) string { return string(rune('0' + n)) }
 
+// decodeErrorCases are malformed manifests and the error each must give
+// (FuzzDecodeManifests seeds from them too).
+var decodeErrorCases = []struct {
+	name, in, want string
+}{
+	{"bad YAML in second document", webYAML[:strings.Index(webYAML, "---")] + "---\nkind: Service\n  bad: [indent\n", "in.yaml: document 1:"},
+	{"missing kind", "apiVersion: v1\nmetadata: {name: x}\n", "in.yaml: document 0: Object 'Kind' is missing"},
+	{"wrong field type", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: eighty}]}\n", "in.yaml: document 0:"},
+	{"truncated JSON", `{"apiVersion":"v1","kind":"Service"`, "in.yaml: document 0: invalid JSON"},
+	{"JSON array", `[{"kind":"Service"}]`, "a JSON array is not a Kubernetes object"},
+}
+
 func TestDecodeManifestsErrors(t *testing.T) {
-	tests := []struct {
-		name, in, want string
-	}{
-		{"bad YAML in second document", webYAML[:strings.Index(webYAML, "---")] + "---\nkind: Service\n  bad: [indent\n", "in.yaml: document 1:"},
-		{"missing kind", "apiVersion: v1\nmetadata: {name: x}\n", "in.yaml: document 0: Object 'Kind' is missing"},
-		{"wrong field type", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: eighty}]}\n", "in.yaml: document 0:"},
-		{"truncated JSON", `{"apiVersion":"v1","kind":"Service"`, "in.yaml: document 0: invalid JSON"},
-		{"JSON array", `[{"kind":"Service"}]`, "a JSON array is not a Kubernetes object"},
-	}
-	for _, tt := range tests {
+	for _, tt := range decodeErrorCases {
 		t.Run(tt.name, func(t *testing.T) {
 			_, err := DecodeManifests("in.yaml", strings.NewReader(tt.in))
 			var me *ManifestError
