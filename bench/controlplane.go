@@ -156,7 +156,8 @@ var cpProxies = []cpProxy{
 		},
 		start: func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
 			return t.lab.Start(t.lab.Node, "uproxy", e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
-				"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR)
+				"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR,
+				"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock"))
 		},
 		change: apiChange,
 		rules:  iptablesRules,

@@ -59,6 +59,15 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 		return fmt.Errorf("%w (run make build first)", err)
 	}
 
+	// The demo's uproxy gets an upgrade socket of its own, so that it never
+	// meets a uproxy serving the host. Removed after the lab (defers run
+	// last first).
+	sockDir, err := os.MkdirTemp("", "uproxy-demo-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(sockDir)
+
 	step("1. A node and four pods, each in its own network namespace")
 	l, err := lab.New(lab.Options{})
 	if err != nil {
@@ -87,7 +96,8 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	say("node namespace: %s (bridge 10.244.0.1/24)", l.Node)
 
 	step("2. uproxy starts with the manifests in " + manifests)
-	up, err := l.Start(l.Node, "uproxy", uproxyBin, "run", "--config", manifests, "--iptables-min-sync-period", "100ms")
+	up, err := l.Start(l.Node, "uproxy", uproxyBin, "run", "--config", manifests, "--iptables-min-sync-period", "100ms",
+		"--upgrade-socket", filepath.Join(sockDir, "upgrade.sock"))
 	if err != nil {
 		return err
 	}

@@ -333,7 +333,8 @@ func setupUproxy(mode string) func(ctx context.Context, e *env, t *topo, _ *kube
 		if err := os.WriteFile(filepath.Join(dir, "bench.yaml"), []byte(benchManifests(t)), 0o644); err != nil {
 			return nil, err
 		}
-		args := []string{e.uproxyBin, "run", "--config", dir}
+		// The socket is the lab's own, not the host's default.
+		args := []string{e.uproxyBin, "run", "--config", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock")}
 		if mode != "redirect" {
 			args = append(args, "--mode="+mode)
 		}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -41,7 +42,8 @@ func TestE2EScale(t *testing.T) {
 	start = time.Now()
 	var err2 error
 	if c.up, err2 = c.lab.Start(c.lab.Node, "uproxy", c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig,
-		"--hostname-override", "node-a", "--iptables-min-sync-period", "1s"); err2 != nil {
+		"--hostname-override", "node-a", "--iptables-min-sync-period", "1s",
+		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock")); err2 != nil {
 		t.Fatal(err2)
 	}
 	deadline := time.Now().Add(3 * time.Minute)

@@ -150,11 +150,22 @@ func (c *cluster) natRules() string {
 	return out
 }
 
+// waitRules waits up to 10s until cond holds for the node's nat table.
 func (c *cluster) waitRules(what string, cond func(string) bool) {
 	c.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	c.waitRulesWithin(what, 10*time.Second, cond)
+}
+
+// waitRulesWithin is waitRules with its own limit.
+func (c *cluster) waitRulesWithin(what string, limit time.Duration, cond func(string) bool) {
+	c.t.Helper()
+	start := time.Now()
+	deadline := start.Add(limit)
 	for time.Now().Before(deadline) {
 		if cond(c.natRules()) {
+			if limit > 10*time.Second {
+				c.t.Logf("%s: took %v", what, time.Since(start).Round(time.Millisecond))
+			}
 			return
 		}
 		if c.up != nil && c.up.Exited() {
