@@ -59,15 +59,24 @@ func (k portKey) handoffKey() string { return k.network() + " " + k.name.String(
 // owns the listeners.
 func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
 	var out []HandoffSocket
+	var all []*listener
 	for _, ls := range p.services {
 		for _, l := range ls {
-			f, err := l.file()
-			if err != nil {
-				CloseHandoffSockets(out)
-				return nil, fmt.Errorf("exporting the %s listener of %s: %w", l.key.network(), l.key.name, err)
+			if l.host == nil { // a hosted service port has no socket: its host is exported
+				all = append(all, l)
 			}
-			out = append(out, HandoffSocket{Key: l.key.handoffKey(), Port: l.port, File: f})
 		}
+	}
+	for _, sh := range p.shared {
+		all = append(all, sh)
+	}
+	for _, l := range all {
+		f, err := l.file()
+		if err != nil {
+			CloseHandoffSockets(out)
+			return nil, fmt.Errorf("exporting the %s listener of %s: %w", l.key.network(), l.key.name, err)
+		}
+		out = append(out, HandoffSocket{Key: l.key.handoffKey(), Port: l.port, File: f})
 	}
 	slices.SortFunc(out, func(a, b HandoffSocket) int { return strings.Compare(a.Key, b.Key) })
 	return out, nil
@@ -132,6 +141,7 @@ func (p *Proxier) StopListening() {
 		}
 		delete(p.services, name)
 	}
+	p.closeShared()
 	p.cfg.Inherited.stop(p.log)
 }
 

@@ -72,8 +72,12 @@ type ServicePortName struct {
 	Protocol v1.Protocol
 }
 
-// String returns "namespace/name:port", or "namespace/name" for an unnamed port.
+// String returns "namespace/name:port", or "namespace/name" for an unnamed
+// port; a shared listener's name is "shared TCP listener".
 func (n ServicePortName) String() string {
+	if n.IsShared() {
+		return sharedString(n)
+	}
 	if n.Port == "" {
 		return n.NamespacedName.String()
 	}

@@ -73,6 +73,15 @@ type Config struct {
 	// recvmmsg(2) when datagrams queue up; zero means 8, one reads them
 	// one at a time. BenchmarkUDPRequestResponse measures the difference.
 	UDPReadBatch int
+	// SharedListeners lists the protocols whose service ports share one
+	// listener per family (--listener=shared; see shared.go): the
+	// listener finds each connection's service from its original
+	// destination, OriginalDst for TCP (which must then be set) and a
+	// datagram's destination for UDP. UDP is shared only when Transparent
+	// is set (see sharedFor); listed without it, UDP service ports keep
+	// their own listeners. Empty means a listener per service port and
+	// family.
+	SharedListeners []v1.Protocol
 	// PortRange limits listener ports; zero means kernel-assigned.
 	PortRange PortRange
 	// Defaults are the settings a Service can override by annotation.
@@ -178,6 +187,7 @@ type Proxier struct {
 	// Owned by the sync goroutine.
 	ports      portAllocator
 	services   map[types.NamespacedName]map[portKey]*listener
+	shared     map[portKey]*listener // the shared listeners, by family and protocol
 	rulesDirty bool
 	slots      map[ServicePortName]*connSlots       // per service port, shared by its listeners
 	warned     map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
@@ -337,6 +347,9 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	for _, st := range ch.Services {
 		p.applyService(ctx, st, zone)
 	}
+	if full || p.rulesDirty {
+		p.rebuildRoutes()
+	}
 	p.retainMetrics()
 	p.buildStatusView()
 	p.syncServiceHealth()
@@ -434,7 +447,11 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 		l := have[k]
 		if l == nil {
 			var err error
-			if l, err = p.openListener(ctx, k); err != nil {
+			open := p.openListener
+			if p.cfg.sharedFor(k.name.Protocol) {
+				open = p.hostOn
+			}
+			if l, err = open(ctx, k); err != nil {
 				p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
 				failed = true
 				continue
@@ -591,7 +608,12 @@ func (p *Proxier) Intercepts() []Intercept {
 		if a.Protocol != b.Protocol {
 			return strings.Compare(string(a.Protocol), string(b.Protocol))
 		}
-		return int(a.Kind) - int(b.Kind)
+		if a.Kind != b.Kind {
+			return int(a.Kind) - int(b.Kind)
+		}
+		// Two services claiming one destination: the first wins in the
+		// rules, and in a shared listener's routes (servicePortLess).
+		return strings.Compare(a.Service.String(), b.Service.String())
 	})
 	return out
 }
@@ -697,13 +719,22 @@ func (s *snapshot) backend(addr netip.AddrPort) *balancer.Backend {
 	return nil
 }
 
-// listener is one service port's socket in one family.
+// listener is one service port's socket in one family, or, in the shared
+// layout, either a service port hosted by a shared listener (host set, no
+// socket of its own) or a shared listener itself (routes set, no
+// snapshot).
 type listener struct {
 	key  portKey
 	ln   net.Listener // TCP
 	pc   *net.UDPConn // UDP
 	port uint16
 	snap atomic.Pointer[snapshot]
+	// host is the shared listener that receives this service port's
+	// traffic; nil when the listener has its own socket.
+	host *listener
+	// routes is a shared listener's route table; nil on every other
+	// listener.
+	routes atomic.Pointer[routeTable]
 
 	// Owned by the sync goroutine.
 	affinity        *balancer.AffinityTable
@@ -796,7 +827,17 @@ func (p *Proxier) listenConfig() net.ListenConfig {
 }
 
 // closeListener stops accepting for l. Its established connections go on.
+// A hosted service port only leaves its shared listener: the next route
+// table no longer has it, and its UDP flows end now, as a closed socket's
+// would.
 func (p *Proxier) closeListener(l *listener) {
+	if l.host != nil {
+		if l.key.name.Protocol == v1.ProtocolUDP {
+			p.removeFlows(l)
+		}
+		p.log.Info("removed service port from the shared listener", zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.port))
+		return
+	}
 	l.close()
 	p.ports.release(l.key.network(), l.port)
 	p.log.Info("closed listener", zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.port))
@@ -847,6 +888,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 			p.closeListener(l)
 		}
 	}
+	p.closeShared()
 	p.cfg.Inherited.stop(p.log)
 	done := make(chan struct{})
 	go func() { p.wg.Wait(); close(done) }() // exits when every session has ended (forced below)

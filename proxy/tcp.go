@@ -110,6 +110,23 @@ func tcpProgress(c *net.TCPConn) uint64 {
 // destination, pick and dial a backend, then splice both directions.
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	defer p.endSession(s)
+	var dst netip.AddrPort
+	known := p.cfg.OriginalDst != nil
+	if l.key.name.IsShared() {
+		// A shared listener: the original destination says which service
+		// port the connection is for (shared.go).
+		var err error
+		if known {
+			dst, err = p.cfg.OriginalDst(c)
+		}
+		svc := l.route(dst)
+		if svc == nil || err != nil {
+			p.sharedRefused(l, dst, err)
+			s.abort()
+			return
+		}
+		l = svc
+	}
 	snap := l.snap.Load()
 	if snap == nil {
 		// The listener is open but its first snapshot not stored yet. Only
@@ -120,8 +137,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		return
 	}
 	pm := snap.metrics
-	var dst netip.AddrPort
-	if p.cfg.OriginalDst != nil {
+	if known && !dst.IsValid() {
 		var err error
 		if dst, err = p.cfg.OriginalDst(c); err != nil {
 			p.connLog.Warn("dropping connection without an original destination (not redirected)",
@@ -132,7 +148,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		}
 	}
 	client := remoteAddr(c)
-	bal := snap.route(dst, p.cfg.OriginalDst != nil, client.Addr(), p.internalClient)
+	bal := snap.route(dst, known, client.Addr(), p.internalClient)
 	if bal == nil {
 		p.connLog.Warn("dropping connection not addressed to this listener's service",
 			zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst))

@@ -189,6 +189,16 @@ func (p *Proxier) udpLoop(l *listener) {
 // backend that answered with ICMP port unreachable makes the send fail:
 // it is ejected and the next one tried, at most DialAttempts times.
 func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
+	if l.key.name.IsShared() {
+		// Only tproxy mode shares UDP listeners (sharedFor): the
+		// datagram's destination is the service's own address.
+		svc := l.route(d.dst)
+		if svc == nil {
+			p.sharedRefused(l, d.dst, nil)
+			return
+		}
+		l = svc
+	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
 		f, err := p.udpFlowFor(l, sock, d.client, d.dst)

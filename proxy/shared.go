@@ -1,0 +1,180 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+
+	"go.uber.org/zap"
+	v1 "k8s.io/api/core/v1"
+)
+
+// The shared listener layout (Config.SharedListeners, --listener=shared).
+//
+// A listener per service port costs a socket, a goroutine and a kernel
+// rule per service port and family, and at 10,000 services the rules are
+// what takes time to program. In the shared layout one socket per family
+// and protocol (a "shared listener") receives the traffic of every service
+// port of that protocol; the kernel sends it there through one rule per
+// protocol that matches a set of every VIP:port (see the redirect
+// package), so the rule count stays constant as services grow. The
+// service ports keep their own listener values, which hold their
+// snapshots, affinity tables and UDP flows as before but no socket: they
+// are "hosted" by the shared listener, whose route table maps each
+// original destination to its service port's listener.
+
+// sharedName is the name a shared listener goes by in the logs, in its
+// handoff key and for Config.PreviousPort: no Service, the port name
+// "shared", and the protocol.
+func sharedName(proto v1.Protocol) ServicePortName {
+	return ServicePortName{Port: SharedPortName, Protocol: proto}
+}
+
+// SharedPortName is the port name of a shared listener's ServicePortName,
+// which has no namespace and no name: PreviousPort sees it for the shared
+// listeners.
+const SharedPortName = "shared"
+
+// IsShared reports whether n names a shared listener rather than the port
+// of a Service.
+func (n ServicePortName) IsShared() bool {
+	return n.Namespace == "" && n.Name == "" && n.Port == SharedPortName
+}
+
+// sharedFor reports whether the service ports of proto are hosted by a
+// shared listener. UDP is shared only in tproxy mode: REDIRECT rewrites a
+// datagram's destination, no socket option recovers it for UDP (the
+// kernel's getorigdst serves TCP and SCTP sockets only), and two
+// conntrack entries of one client socket to two services would have the
+// same reply tuple towards the shared port, so the second could not be
+// confirmed and its datagrams would be dropped (nf_conntrack_confirm).
+func (c *Config) sharedFor(proto v1.Protocol) bool {
+	if proto == v1.ProtocolUDP && !c.Transparent {
+		return false
+	}
+	return slices.Contains(c.SharedListeners, proto)
+}
+
+// routeKey is an original destination as a shared listener's route table
+// keys it: an address and port, or, for a node port, only the port (the
+// kernel sends a node port there whichever local address it was sent to).
+type routeKey struct {
+	addr netip.Addr // unmapped; the zero Addr for a node port
+	port uint16
+}
+
+// routeTable maps the original destinations of a shared listener's
+// traffic to the service port listeners they belong to. Immutable once
+// stored; replaced whole after each sync that changed a destination.
+type routeTable map[routeKey]*listener
+
+// lookup returns the listener of dst: an exact address and port first,
+// then a node port; nil when dst is no service's.
+func (t routeTable) lookup(dst netip.AddrPort) *listener {
+	if l := t[routeKey{dst.Addr().Unmap(), dst.Port()}]; l != nil {
+		return l
+	}
+	return t[routeKey{port: dst.Port()}]
+}
+
+// hostOn returns a listener for k hosted by the shared listener of k's
+// network, opening that first if need be.
+func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
+	sk := portKey{name: sharedName(k.name.Protocol), v6: k.v6}
+	sh := p.shared[sk]
+	if sh == nil {
+		var err error
+		if sh, err = p.openListener(ctx, sk); err != nil {
+			return nil, err
+		}
+		// An empty table until the first sync routes anything: traffic
+		// that arrives before then (rules a previous instance left) is
+		// refused, not misrouted.
+		sh.routes.Store(&routeTable{})
+		if p.shared == nil {
+			p.shared = map[portKey]*listener{}
+		}
+		p.shared[sk] = sh
+	}
+	return &listener{key: k, port: sh.port, host: sh}, nil
+}
+
+// rebuildRoutes stores a new route table in every shared listener, from
+// the intercepts of the listeners they host. Called by the sync goroutine
+// before the rules are written, so a new destination is routed before the
+// kernel sends it anything.
+func (p *Proxier) rebuildRoutes() {
+	if len(p.shared) == 0 {
+		return
+	}
+	tables := make(map[*listener]routeTable, len(p.shared))
+	for _, sh := range p.shared {
+		tables[sh] = routeTable{}
+	}
+	for _, ls := range p.services {
+		for _, l := range ls {
+			if l.host == nil {
+				continue
+			}
+			t := tables[l.host]
+			for _, i := range l.intercepts(l.snap.Load()) {
+				k := routeKey{addr: i.VIP.Unmap(), port: i.Port}
+				if i.Kind == NodePort {
+					k.addr = netip.Addr{}
+				}
+				if prev := t[k]; prev != nil && prev != l {
+					// Two services claim one external address and port;
+					// the rules send it to the first in the proxier's
+					// order (cmd's toRedirectRules), and so does this.
+					if servicePortLess(prev.key.name, l.key.name) {
+						continue
+					}
+				}
+				t[k] = l
+			}
+		}
+	}
+	for sh, t := range tables {
+		sh.routes.Store(&t)
+	}
+}
+
+// servicePortLess orders service port names as strings, the tie-break of
+// two services claiming one destination.
+func servicePortLess(a, b ServicePortName) bool { return a.String() < b.String() }
+
+// route returns the service port listener of a connection or datagram
+// that a shared listener sh received for dst, or nil.
+func (sh *listener) route(dst netip.AddrPort) *listener {
+	t := sh.routes.Load()
+	if t == nil {
+		return nil
+	}
+	return t.lookup(dst)
+}
+
+// closeShared closes every shared listener (Shutdown, StopListening).
+func (p *Proxier) closeShared() {
+	for k, sh := range p.shared {
+		p.closeListener(sh)
+		delete(p.shared, k)
+	}
+}
+
+// sharedRefused logs a connection or datagram that a shared listener
+// received for a destination no service has.
+func (p *Proxier) sharedRefused(sh *listener, dst netip.AddrPort, err error) {
+	if err != nil {
+		p.connLog.Warn("dropping traffic without an original destination (not redirected)",
+			zap.Stringer("listener", sh.key.name), zap.String("network", sh.key.network()), zap.Error(err))
+		return
+	}
+	p.connLog.Warn("dropping traffic for a destination no service has",
+		zap.Stringer("listener", sh.key.name), zap.String("network", sh.key.network()), zap.Stringer("originalDst", dst))
+}
+
+// String of a shared listener's name.
+func sharedString(n ServicePortName) string {
+	return fmt.Sprintf("shared %s listener", n.Protocol)
+}

@@ -1,0 +1,152 @@
+package proxy
+
+import (
+	"net"
+	"net/netip"
+	"sync"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	v1 "k8s.io/api/core/v1"
+)
+
+// TestSharedListenerRoutesByOriginalDestination runs three services on
+// one shared TCP listener: each connection goes to the service its
+// original destination names (cluster IP, external IP or node port), a
+// destination no service has is refused, and services come and go
+// without the listener moving.
+func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
+	a, b, c := nameBackend(t, "a"), nameBackend(t, "b"), nameBackend(t, "c")
+	var mu sync.Mutex
+	var dst netip.AddrPort
+	setDst := func(s string) {
+		mu.Lock()
+		defer mu.Unlock()
+		dst = netip.MustParseAddrPort(s)
+	}
+	p, rules := startProxier(t, Config{
+		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
+		OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			return dst, nil
+		},
+	})
+	web := svc("web", "10.96.0.10", "http:80")
+	web.Spec.ExternalIPs = []string{"192.0.2.10"}
+	api := svc("api", "10.96.0.11", "http:80")
+	np := svc("np", "10.96.0.12", "http:8080")
+	np.Spec.Type = v1.ServiceTypeNodePort
+	np.Spec.Ports[0].NodePort = 30080
+	dns := svc("dns", "10.96.0.53", "dns:53/UDP")
+	slices := append(append(slicesFor("web", "http", a), slicesFor("api", "http", b)...), slicesFor("np", "http", c)...)
+	p.Tracker().Replace([]*v1.Service{web, api, np, dns}, slices)
+
+	port := rules.port(t, "default/web:http")
+	waitUntil(t, "every intercept", func() bool { return rules.has("default/np:http") && rules.has("default/api:http") })
+	rules.mu.Lock()
+	ports := map[string]uint16{}
+	for _, i := range rules.last {
+		ports[i.Service.String()+" "+i.Kind.String()] = i.ListenPort
+	}
+	rules.mu.Unlock()
+	udp := ports["default/dns:dns ClusterIP"]
+	if udp == 0 || udp == uint16(port) {
+		t.Errorf("the UDP service's listener port is %d (the TCP one is %d): in redirect mode UDP keeps listeners of its own", udp, port)
+	}
+	want := map[string]uint16{
+		"default/web:http ClusterIP":  uint16(port),
+		"default/web:http ExternalIP": uint16(port),
+		"default/api:http ClusterIP":  uint16(port),
+		"default/np:http ClusterIP":   uint16(port),
+		"default/np:http NodePort":    uint16(port),
+		"default/dns:dns ClusterIP":   udp,
+	}
+	if diff := cmp.Diff(want, ports); diff != "" {
+		t.Errorf("listener ports of the intercepts (-want +got):\n%s", diff)
+	}
+
+	for _, tc := range []struct{ dst, want string }{
+		{"10.96.0.10:80", "a"},
+		{"192.0.2.10:80", "a"},
+		{"10.96.0.11:80", "b"},
+		{"10.96.0.12:8080", "c"},
+		{"10.244.0.1:30080", "c"}, // a node port, on any local address
+		{"10.96.0.99:80", ""},     // no service's
+		{"10.96.0.10:81", ""},     // a service's address, another port
+	} {
+		setDst(tc.dst)
+		got, err := get(t, port)
+		if tc.want == "" {
+			if err == nil {
+				t.Errorf("original destination %s: proxied to %q, want refused", tc.dst, got)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Errorf("original destination %s: got %q, %v; want %q", tc.dst, got, err, tc.want)
+		}
+	}
+
+	// api goes away: its address is refused, the others still served on
+	// the same port.
+	p.Tracker().Replace([]*v1.Service{web, np, dns}, append(slicesFor("web", "http", a), slicesFor("np", "http", c)...))
+	waitUntil(t, "api gone", func() bool { return !rules.has("default/api:http") })
+	setDst("10.96.0.11:80")
+	if got, err := get(t, port); err == nil {
+		t.Errorf("a deleted service's address was proxied to %q", got)
+	}
+	setDst("10.96.0.10:80")
+	if got, err := get(t, port); err != nil || got != "a" {
+		t.Errorf("after another service left: got %q, %v", got, err)
+	}
+	if got := rules.port(t, "default/web:http"); got != port {
+		t.Errorf("the shared listener moved from %d to %d", port, got)
+	}
+}
+
+// TestSharedListenerHandsOverOneSocketPerProtocol checks that the shared
+// layout exports the shared listeners, not the service ports they host,
+// and that a successor adopts them: the port stays.
+func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
+	be := nameBackend(t, "a")
+	cfg := Config{
+		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
+		OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+			return netip.MustParseAddrPort("10.96.0.10:80"), nil
+		},
+	}
+	svcs := []*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("api", "10.96.0.11", "http:80")}
+	sl := slicesFor("web", "http", be)
+
+	// ExportListeners wants the sync goroutine stopped: this Proxier is
+	// synced by hand instead of running.
+	q := NewProxier(cfg)
+	q.Tracker().Replace(svcs, sl)
+	if err := q.sync(t.Context(), true); err != nil {
+		t.Fatal(err)
+	}
+	socks, err := q.ExportListeners()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, s := range socks {
+		keys = append(keys, s.Key)
+	}
+	if diff := cmp.Diff([]string{"tcp4 shared TCP listener"}, keys); diff != "" {
+		t.Errorf("exported sockets (-want +got):\n%s", diff)
+	}
+	in := NewInherited(socks)
+	q.StopListening()
+
+	cfg.Inherited = in
+	r, rules2 := startProxier(t, cfg)
+	r.Tracker().Replace(svcs, sl)
+	if got := rules2.port(t, "default/web:http"); got != int(socks[0].Port) {
+		t.Errorf("the successor's shared listener is on %d, want the inherited %d", got, socks[0].Port)
+	}
+	if got, err := get(t, int(socks[0].Port)); err != nil || got != "a" {
+		t.Errorf("through the adopted socket: %q, %v", got, err)
+	}
+}
