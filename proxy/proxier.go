@@ -76,12 +76,17 @@ type Config struct {
 	// SharedListeners lists the protocols whose service ports share one
 	// listener per family (--listener=shared; see shared.go): the
 	// listener finds each connection's service from its original
-	// destination, OriginalDst for TCP (which must then be set) and a
-	// datagram's destination for UDP. UDP is shared only when Transparent
-	// is set (see sharedFor); listed without it, UDP service ports keep
-	// their own listeners. Empty means a listener per service port and
-	// family.
+	// destination, OriginalDst for TCP (which must then be set), and for
+	// UDP a datagram's destination in tproxy mode or UDPOriginalDst in
+	// redirect mode; without either, UDP service ports keep their own
+	// listeners. Empty means a listener per service port and family.
 	SharedListeners []v1.Protocol
+	// UDPOriginalDst returns where a datagram that the kernel redirected
+	// from client to the local address local was originally sent (in
+	// redirect mode, conntrack's entry for the flow). It is asked once per
+	// UDP flow of a shared listener. Nil means UDP is shared only in
+	// tproxy mode.
+	UDPOriginalDst func(client, local netip.AddrPort) (netip.AddrPort, error)
 	// PortRange limits listener ports; zero means kernel-assigned.
 	PortRange PortRange
 	// Defaults are the settings a Service can override by annotation.

@@ -43,14 +43,11 @@ func (n ServicePortName) IsShared() bool {
 }
 
 // sharedFor reports whether the service ports of proto are hosted by a
-// shared listener. UDP is shared only in tproxy mode: REDIRECT rewrites a
-// datagram's destination, no socket option recovers it for UDP (the
-// kernel's getorigdst serves TCP and SCTP sockets only), and two
-// conntrack entries of one client socket to two services would have the
-// same reply tuple towards the shared port, so the second could not be
-// confirmed and its datagrams would be dropped (nf_conntrack_confirm).
+// shared listener. In redirect mode UDP needs UDPOriginalDst: REDIRECT
+// rewrites a datagram's destination, and no socket option recovers it
+// for UDP (the kernel's getorigdst serves TCP and SCTP sockets only).
 func (c *Config) sharedFor(proto v1.Protocol) bool {
-	if proto == v1.ProtocolUDP && !c.Transparent {
+	if proto == v1.ProtocolUDP && !c.Transparent && c.UDPOriginalDst == nil {
 		return false
 	}
 	return slices.Contains(c.SharedListeners, proto)

@@ -1,10 +1,12 @@
 package proxy
 
 import (
+	"errors"
 	"net"
 	"net/netip"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	v1 "k8s.io/api/core/v1"
@@ -148,5 +150,73 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	}
 	if got, err := get(t, int(socks[0].Port)); err != nil || got != "a" {
 		t.Errorf("through the adopted socket: %q, %v", got, err)
+	}
+}
+
+// TestSharedUDPListenerAsksOncePerFlow runs two UDP services on one
+// shared listener in redirect mode, where UDPOriginalDst (conntrack, in
+// uproxy) names each flow's service: each client reaches the service its
+// original destination names, the lookup runs once per flow and not per
+// datagram, and a destination no service has is dropped.
+func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
+	a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
+	var mu sync.Mutex
+	dsts := map[uint16]netip.AddrPort{} // by client port
+	lookups := map[uint16]int{}
+	p, rules := startProxier(t, Config{
+		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
+		OriginalDst:     func(*net.TCPConn) (netip.AddrPort, error) { return netip.AddrPort{}, errors.New("no TCP here") },
+		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			lookups[client.Port()]++
+			d, ok := dsts[client.Port()]
+			if !ok {
+				return d, errors.New("no conntrack entry")
+			}
+			return d, nil
+		},
+	})
+	p.Tracker().Replace(
+		[]*v1.Service{svc("dns-a", "10.96.0.53", "dns:53/UDP"), svc("dns-b", "10.96.0.54", "dns:53/UDP")},
+		append(udpSlices("dns-a", a), udpSlices("dns-b", b)...))
+	port := rules.port(t, "default/dns-a:dns")
+	if got := rules.port(t, "default/dns-b:dns"); got != port {
+		t.Fatalf("dns-b on port %d, dns-a on %d: want one shared listener", got, port)
+	}
+	client := func(dst string) (*net.UDPConn, uint16) {
+		c := dialUDP(t, port)
+		cp := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
+		mu.Lock()
+		if dst != "" {
+			dsts[cp] = netip.MustParseAddrPort(dst)
+		}
+		mu.Unlock()
+		return c, cp
+	}
+	ca, pa := client("10.96.0.53:53")
+	cb, pb := client("10.96.0.54:53")
+	for range 3 {
+		if got := exchange(t, ca, []byte("q")); got != "a:1" {
+			t.Errorf("client of dns-a got %q", got)
+		}
+		if got := exchange(t, cb, []byte("qq")); got != "b:2" {
+			t.Errorf("client of dns-b got %q", got)
+		}
+	}
+	mu.Lock()
+	if diff := cmp.Diff(map[uint16]int{pa: 1, pb: 1}, lookups); diff != "" {
+		t.Errorf("original destination lookups by client port (-want +got):\n%s", diff)
+	}
+	mu.Unlock()
+
+	cx, _ := client("") // conntrack knows nothing of it
+	cx.Write([]byte("lost"))
+	cx.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if n, err := cx.Read(make([]byte, 100)); err == nil {
+		t.Errorf("a datagram without an original destination got a %d-byte reply", n)
+	}
+	if p.UDPFlows() != 2 {
+		t.Errorf("%d flows, want 2", p.UDPFlows())
 	}
 }

@@ -21,16 +21,32 @@ import (
 // UDP header (IPv4 further subtracts its 20-byte header, to 65,507).
 const maxDatagram = 65535 - 8
 
-// flowKey identifies a UDP flow: one client of one listener.
+// flowKey identifies a UDP flow: one client of one listener, to one
+// destination. The listener is the one whose socket received the
+// datagrams (a shared listener in the shared layout). The destination is
+// where they arrived: a service's own address in tproxy mode, so that
+// one client socket talking to two services through a shared listener
+// has two flows; the local address in redirect mode, where conntrack
+// already keeps such flows apart by giving the second one another source
+// port (nf_nat's unique-tuple search, since their reply tuples towards
+// the one listener port would otherwise be the same).
 type flowKey struct {
 	l      *listener
 	client netip.AddrPort
+	dst    netip.AddrPort
 }
 
 // udpFlow is one client's association with one backend: a connected UDP
 // socket towards the backend, and a goroutine that relays its replies.
 type udpFlow struct {
-	key     flowKey
+	key flowKey
+	// svc is the service port's listener: key.l itself, or the one a
+	// shared listener routed the flow to.
+	svc *listener
+	// orig is the original destination the flow was routed by: dst in
+	// tproxy mode, conntrack's answer for a shared listener in redirect
+	// mode, unknown otherwise.
+	orig    netip.AddrPort
 	backend *balancer.Backend
 	conn    *net.UDPConn // connected to backend
 	// dst is where the client's datagrams arrived: in redirect mode the
@@ -189,21 +205,32 @@ func (p *Proxier) udpLoop(l *listener) {
 // backend that answered with ICMP port unreachable makes the send fail:
 // it is ejected and the next one tried, at most DialAttempts times.
 func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
+	key := flowKey{l, d.client, d.dst}
+	svc, orig := l, netip.AddrPort{}
+	if p.cfg.Transparent {
+		orig = d.dst
+	}
 	if l.key.name.IsShared() {
-		// Only tproxy mode shares UDP listeners (sharedFor): the
-		// datagram's destination is the service's own address.
-		svc := l.route(d.dst)
-		if svc == nil {
-			p.sharedRefused(l, d.dst, nil)
-			return
+		// The flow remembers its service; only its first datagram asks
+		// which, and in redirect mode that means asking conntrack.
+		if f, ok := p.flowTable().Peek(key); ok {
+			svc, orig = f.svc, f.orig
+		} else {
+			var err error
+			if !p.cfg.Transparent {
+				orig, err = p.cfg.UDPOriginalDst(d.client, d.dst)
+			}
+			if svc = l.route(orig); svc == nil || err != nil {
+				p.sharedRefused(l, orig, err)
+				return
+			}
 		}
-		l = svc
 	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
-		f, err := p.udpFlowFor(l, sock, d.client, d.dst)
+		f, err := p.udpFlowFor(svc, key, sock, orig)
 		if err != nil {
-			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
 			return
 		}
 		if _, err := f.conn.Write(payload); err != nil {
@@ -216,20 +243,25 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 	}
 }
 
-// udpFlowFor returns the live flow of client on l, or creates one. A flow
-// whose backend is no longer usable (removed, no longer ready, ejected) is
-// replaced, so no client stays blackholed behind a dead endpoint.
-func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client, dst netip.AddrPort) (*udpFlow, error) {
+// udpFlowFor returns the live flow of key, for service port l, or creates
+// one. orig is the datagram's original destination when known (tproxy
+// mode, or a shared listener's conntrack lookup). A flow whose backend is
+// no longer usable (removed, no longer ready, ejected) is replaced, so no
+// client stays blackholed behind a dead endpoint.
+func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig netip.AddrPort) (*udpFlow, error) {
 	flows := p.flowTable()
-	key := flowKey{l, client}
+	client := key.client
 	snap := l.snap.Load()
+	if snap == nil {
+		return nil, fmt.Errorf("%s: not synced yet", l.key.name)
+	}
 	pm := snap.metrics
-	// Only tproxy mode knows which of the service's addresses a datagram
-	// was sent to; in redirect mode it counts as cluster-IP traffic.
-	bal := snap.route(dst, p.cfg.Transparent, client.Addr(), p.internalClient)
+	// Without an original destination (a listener of its own in redirect
+	// mode) a datagram counts as cluster-IP traffic.
+	bal := snap.route(orig, orig.IsValid(), client.Addr(), p.internalClient)
 	if bal == nil {
 		pm.refusedDestination()
-		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.sp.Name, dst)
+		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.sp.Name, orig)
 	}
 	set := snap.cluster
 	if bal == snap.local {
@@ -261,7 +293,7 @@ func (p *Proxier) udpFlowFor(l *listener, sock udpSocket, client, dst netip.Addr
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
 	bm.connected()
-	f := &udpFlow{key: key, backend: b, conn: conn, dst: dst, sock: sock, pm: pm}
+	f := &udpFlow{key: key, svc: l, orig: orig, backend: b, conn: conn, dst: key.dst, sock: sock, pm: pm}
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
 	b.Acquire()
@@ -321,11 +353,12 @@ func (p *Proxier) udpReplies(f *udpFlow) {
 	}
 }
 
-// removeFlows drops every flow of a closed listener.
+// removeFlows drops every flow of a closed listener: those its socket
+// received, and those a shared listener routed to it.
 func (p *Proxier) removeFlows(l *listener) {
 	flows := p.flowTable()
 	for _, k := range flows.Keys() {
-		if k.l == l {
+		if f, ok := flows.Peek(k); k.l == l || ok && f.svc == l {
 			flows.Remove(k)
 		}
 	}

@@ -23,7 +23,7 @@ func BenchmarkUDPFlowLookup(b *testing.B) {
 	l := &listener{}
 	keys := make([]flowKey, flows)
 	for i := range keys {
-		keys[i] = flowKey{l, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, byte(i >> 8), byte(i)}), 40000)}
+		keys[i] = flowKey{l, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, byte(i >> 8), byte(i)}), 40000), netip.MustParseAddrPort("10.244.0.1:40001")}
 		lru.Add(keys[i], &udpFlow{key: keys[i]})
 	}
 	var next atomic.Uint32
