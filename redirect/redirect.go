@@ -17,6 +17,18 @@
 // through lo to meet it; see tproxy.go. That mode also needs the policy
 // routing of Routing, which the caller installs and removes.
 //
+// In the shared layout (Rules.Shared), for a proxy with one listener per
+// family and protocol, the rules do not name the services: every service
+// address and port of a family is a member of one kernel set
+// (uproxy-services4 or uproxy-services6, hash:ip,port), every node port
+// of a bitmap:port set per family and protocol (uproxy-nodeports-tcp4
+// ...), and UPROXY-SERVICES holds one REDIRECT per protocol that matches
+// the service set, UPROXY-NODEPORTS one per protocol that matches the
+// node-port set (tproxy mode: one TPROXY each in UPROXY-TPROXY, one MARK
+// per protocol in UPROXY-TPROXY-OUTPUT). A new service is one ipset add,
+// and no rule is rewritten. Intercepts that a Firewall guards keep a
+// rule per allowed source prefix, before the set's rule; see shared.go.
+//
 // In the filter table, the chain UPROXY-FIREWALL, jumped to from INPUT,
 // FORWARD and OUTPUT, drops what a LoadBalancer's source ranges exclude
 // and every packet that reaches a listener port without having been
@@ -25,7 +37,8 @@
 // rule per protocol however many listeners there are.
 //
 // Render turns the wanted Rules into iptables-restore --noflush input, a
-// pure function, and RenderSetUpdate the changes of the sets into ipset
+// pure function, and RenderSetUpdate the changes of the sets (listener
+// ports, and the shared layout's services and node ports) into ipset
 // restore input. A Syncer writes only what differs from the last
 // successful write, and on a full (periodic) sync reads the kernel back
 // with iptables-save and ipset save and repairs drift. Cleanup removes
@@ -330,6 +343,24 @@ type Rules struct {
 	// reach their listeners through TPROXY in the mangle table, with their
 	// destination unchanged, instead of REDIRECT in nat; see tproxy.go.
 	TProxy *TProxy
+	// Shared, when true, selects the shared layout, for a proxy with one
+	// listener per family and protocol; see shared.go. Intercepts are
+	// not rendered as rules: each becomes a member of its family's
+	// hash:ip,port set ("uproxy-services4" or "uproxy-services6", members
+	// as ipset save prints them, e.g. "10.96.0.10,tcp:80" and
+	// "2001:db8::10,udp:53"), and NodePorts become members of a
+	// bitmap:port set per family and protocol ("uproxy-nodeports-tcp4",
+	// "uproxy-nodeports-udp4", "uproxy-nodeports-tcp6",
+	// "uproxy-nodeports-udp6"). Each family and protocol gets one rule
+	// per set, in nat (REDIRECT) or, with TProxy, in mangle (TPROXY), that
+	// sends what the set matches to the single ToPort all of them share,
+	// so the number of rules does not grow with the services. An
+	// Intercept that a Firewall guards keeps its rules of the
+	// per-service layout instead (one per allowed source prefix, before
+	// the set's rule). All Intercepts and NodePorts of one family and
+	// protocol must have the same ToPort. False is the per-service
+	// layout: a rule per intercept and node port.
+	Shared bool
 }
 
 // validate reports every invalid or conflicting part of r, or nil.
@@ -390,6 +421,9 @@ func (r Rules) validate() error {
 		if err := r.TProxy.validate(); err != nil {
 			errs = append(errs, fmt.Errorf("tproxy: %w", err))
 		}
+	}
+	if r.Shared {
+		errs = append(errs, r.validateShared()...)
 	}
 	return errors.Join(errs...)
 }

@@ -124,12 +124,13 @@ func chainNames(table string) string {
 // and sorts what it keeps, so its output depends only on the sets of
 // intercepts, node ports, addresses, firewalls and listeners, and on
 // r.TProxy, which moves the interception from nat to mangle (see
-// tproxy.go). It is a pure function.
+// tproxy.go), and r.Shared, which moves the intercepts and node ports
+// into sets (see shared.go). It is a pure function.
 //
-// The listener guards do not list the listener ports: they match
-// uproxy's sets (see RenderSetUpdate), which must exist before this input
-// is restored, since iptables-restore refuses a rule that names a
-// missing set.
+// The listener guards do not list the listener ports, nor do the shared
+// layout's rules list the services: they match uproxy's sets (see
+// RenderSetUpdate), which must exist before this input is restored,
+// since iptables-restore refuses a rule that names a missing set.
 func Render(f Family, r Rules) []byte {
 	var b bytes.Buffer
 	for _, t := range tables() {
@@ -157,6 +158,14 @@ func Render(f Family, r Rules) []byte {
 // prefix of f; then the jumps to UPROXY-NODEPORTS, last, so that an
 // intercept of one of the node's own addresses wins over a node port.
 //
+// In the shared layout, only the guarded intercepts have rules of their
+// own; the others are members of f's service set, and one REDIRECT per
+// protocol that has members, after the guarded intercepts' rules and
+// before the jumps, matches the set. A guarded intercept's source that
+// is not allowed matches none of its rules and, being out of the set,
+// not the set's rule either: its packet keeps its destination, which
+// UPROXY-FIREWALL drops, as in the per-service layout.
+//
 // The jumps are rendered only when r has node ports of f, so rules
 // without node ports render no jump. With no NodePortAddresses, one jump
 // takes every local address except loopback: "-m addrtype --dst-type
@@ -167,11 +176,16 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 	if r.TProxy != nil {
 		return nil
 	}
+	allowed := firewallAllows(f, r)
 	var is []Intercept
 	for _, i := range r.Intercepts {
-		if i.validate() == nil && familyOf(i.Dest.Unmap()) == f {
-			is = append(is, i)
+		if i.validate() != nil || familyOf(i.Dest.Unmap()) != f {
+			continue
 		}
+		if _, guarded := allowed[i.key()]; r.Shared && !guarded {
+			continue // a member of the service set
+		}
+		is = append(is, i)
 	}
 	slices.SortFunc(is, func(a, b Intercept) int {
 		return cmp.Or(
@@ -182,7 +196,6 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 			cmp.Compare(a.Comment, b.Comment),
 		)
 	})
-	allowed := firewallAllows(f, r)
 	rules := make([]string, 0, len(is))
 	for _, i := range is {
 		redirect := fmt.Sprintf("-d %s/%d -p %s -m comment --comment %s -m %s --dport %d -j REDIRECT --to-ports %d",
@@ -196,6 +209,7 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 			rules = append(rules, fmt.Sprintf("-A %s%s %s", c.name, prefixMatch("-s", p), redirect))
 		}
 	}
+	rules = append(rules, sharedServiceRules(c.name, f, r, redirectTarget)...)
 	if !slices.ContainsFunc(r.NodePorts, func(n NodePort) bool { return n.validate() == nil && n.Family == f }) {
 		return rules
 	}
@@ -231,6 +245,10 @@ func firewallAllows(f Family, r Rules) map[interceptKey][]netip.Prefix {
 	return all
 }
 
+// redirectTarget returns the REDIRECT target to the listener port, as
+// iptables-save prints it.
+func redirectTarget(port uint16) string { return fmt.Sprintf("-j REDIRECT --to-ports %d", port) }
+
 // prefixesOf returns the valid prefixes of family f in ps, normalized by
 // normPrefix, sorted and without duplicates. The result is never nil.
 func prefixesOf(f Family, ps []netip.Prefix) []netip.Prefix {
@@ -254,11 +272,21 @@ func prefixMatch(flag string, p netip.Prefix) string {
 	return fmt.Sprintf(" %s %s", flag, p)
 }
 
-// nodePortRules renders UPROXY-NODEPORTS: one REDIRECT per node port of f.
-// The destination was checked by the jump from UPROXY-SERVICES.
+// nodePortRules renders UPROXY-NODEPORTS: one REDIRECT per node port of f,
+// or, in the shared layout, one per protocol that has node ports of f,
+// matching the protocol's node-port set. The destination was checked by
+// the jump from UPROXY-SERVICES.
 func nodePortRules(c chainSpec, f Family, r Rules) []string {
 	if r.TProxy != nil {
 		return nil
+	}
+	if r.Shared {
+		var rules []string
+		for _, t := range sharedNodePortTargets(f, r) {
+			rules = append(rules, fmt.Sprintf("-A %s -p %s %s -m comment --comment %s %s",
+				c.name, t.proto, nodePortSetMatch(f, t.proto), quoteComment(sharedNodePortComment(t.proto)), redirectTarget(t.toPort)))
+		}
+		return rules
 	}
 	var ns []NodePort
 	for _, n := range r.NodePorts {
@@ -332,7 +360,7 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 	}
 	rules = slices.Compact(rules)
 	for _, s := range setsOf(f) {
-		if len(s.members(r)) > 0 {
+		if s.kind == listenerSet && len(s.members(r)) > 0 {
 			rules = append(rules, fmt.Sprintf("-A %s -p %s -m set --match-set %s dst -m addrtype --dst-type LOCAL -m conntrack ! --ctstate DNAT -j DROP",
 				c.name, s.proto, s.name))
 		}

@@ -3,6 +3,7 @@ package redirect
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"testing"
 )
 
@@ -43,6 +44,56 @@ func BenchmarkRender10k(b *testing.B) {
 		size = len(Render(IPv4, r))
 	}
 	b.ReportMetric(float64(size), "bytes/op")
+}
+
+// sharedScaleRules is scaleRules(n) in the shared layout: every intercept
+// and node port goes to the one TCP listener.
+func sharedScaleRules(n int) Rules {
+	r := scaleRules(n)
+	r.Shared = true
+	r.Intercepts = slices.Clone(r.Intercepts)
+	r.NodePorts = slices.Clone(r.NodePorts)
+	for i := range r.Intercepts {
+		r.Intercepts[i].ToPort = 20000
+	}
+	for i := range r.NodePorts {
+		r.NodePorts[i].ToPort = 20000
+	}
+	r.Listeners = []Listener{{Family: IPv4, Protocol: TCP, Port: 20000}}
+	return r
+}
+
+// BenchmarkRenderShared10k renders the iptables-restore input for 10,000
+// services in the shared layout: a handful of rules (the set's, the node
+// ports', the load balancers' source ranges), whatever the number of
+// services. Every Sync renders it, and its set content (see
+// BenchmarkRenderSetUpdateShared10k).
+func BenchmarkRenderShared10k(b *testing.B) {
+	r := sharedScaleRules(10000)
+	if err := r.validate(); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	var size int
+	for b.Loop() {
+		size = len(Render(IPv4, r))
+	}
+	b.ReportMetric(float64(size), "bytes/op")
+	b.ReportMetric(float64(parseState(Render(IPv4, r)).ruleCount()), "rules")
+}
+
+// BenchmarkRenderSetUpdateShared10k renders the ipset restore input that
+// creates the sets of 10,000 services in the shared layout: the members a
+// first Sync writes, and the set content every Sync computes.
+func BenchmarkRenderSetUpdateShared10k(b *testing.B) {
+	r := sharedScaleRules(10000)
+	b.ReportAllocs()
+	var size int
+	for b.Loop() {
+		size = len(RenderSetUpdate(IPv4, Rules{}, r))
+	}
+	b.ReportMetric(float64(size), "bytes/op")
+	b.ReportMetric(float64(wantSets(IPv4, r).memberCount()), "members")
 }
 
 // BenchmarkParseState10k parses iptables-save's view of 10,000 services'

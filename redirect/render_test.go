@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -542,6 +541,15 @@ func TestNormPrefix(t *testing.T) {
 	}
 }
 
+// ports returns the members of a bitmap:port set for the ports.
+func ports(ps ...uint16) []setMember {
+	ms := make([]setMember, len(ps))
+	for i, p := range ps {
+		ms[i] = portMember(p)
+	}
+	return ms
+}
+
 // listenerRules returns rules with only the listeners.
 func listenerRules(ls ...Listener) Rules { return Rules{Listeners: ls} }
 
@@ -636,14 +644,14 @@ func applySetUpdate(t *testing.T, st setState, input []byte, destroy []string) s
 			if !c.exists {
 				t.Fatalf("%q: no set", line)
 			}
-			p, err := strconv.ParseUint(f[2], 10, 16)
-			if err != nil {
-				t.Fatal(err)
+			m, ok := parseMember(f[2])
+			if !ok {
+				t.Fatalf("%q: not a member", line)
 			}
-			c.members = slices.DeleteFunc(c.members, func(m uint16) bool { return m == uint16(p) })
+			c.members = slices.DeleteFunc(c.members, func(o setMember) bool { return o == m })
 			if f[0] == "add" {
-				c.members = append(c.members, uint16(p))
-				slices.Sort(c.members)
+				c.members = append(c.members, m)
+				slices.SortFunc(c.members, setMember.compare)
 			}
 		default:
 			t.Fatalf("unexpected line %q", line)
@@ -672,7 +680,7 @@ func TestRenderSetUpdateDrift(t *testing.T) {
 		{"missing", setContent{}, "create uproxy-listeners-tcp4 bitmap:port range 0-65535 -exist\n" +
 			"add uproxy-listeners-tcp4 40001 -exist\nadd uproxy-listeners-tcp4 40002 -exist\n"},
 		{"flushed", setContent{exists: true, header: setType}, "add uproxy-listeners-tcp4 40001 -exist\nadd uproxy-listeners-tcp4 40002 -exist\n"},
-		{"stray and missing member", setContent{exists: true, header: setType, members: []uint16{22, 40002}},
+		{"stray and missing member", setContent{exists: true, header: setType, members: ports(22, 40002)},
 			"del uproxy-listeners-tcp4 22 -exist\nadd uproxy-listeners-tcp4 40001 -exist\n"},
 		{"other type", setContent{exists: true, header: "hash:ip family inet hashsize 1024 maxelem 65536", members: full.members},
 			"destroy uproxy-listeners-tcp4\ncreate uproxy-listeners-tcp4 bitmap:port range 0-65535 -exist\n" +
@@ -682,7 +690,7 @@ func TestRenderSetUpdateDrift(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			have := setState{listenersTCP4: tt.tcp, listenersUDP4: want[listenersUDP4]}
-			if got := string(renderSetUpdate(have, want)); got != tt.want {
+			if got := string(renderSetUpdate(have, want).input); got != tt.want {
 				t.Errorf("renderSetUpdate = %q, want %q", got, tt.want)
 			}
 			if got, wantEq := have.equal(want), tt.want == ""; got != wantEq {
@@ -693,7 +701,7 @@ func TestRenderSetUpdateDrift(t *testing.T) {
 	// Sets no longer wanted are destroyed, not updated.
 	have := wantSets(IPv4, all)
 	none := wantSets(IPv4, Rules{})
-	if got := renderSetUpdate(have, none); len(got) != 0 {
+	if got := renderSetUpdate(have, none).input; len(got) != 0 {
 		t.Errorf("update to no sets = %q, want nothing", got)
 	}
 	if diff := cmp.Diff([]string{listenersTCP4, listenersUDP4}, setsToDestroy(have, none)); diff != "" {
@@ -713,7 +721,7 @@ func TestParseSetSave(t *testing.T) {
 		name string
 		want setContent
 	}{
-		{listenersTCP4, setContent{exists: true, header: setType, members: []uint16{40001, 40002}}},
+		{listenersTCP4, setContent{exists: true, header: setType, members: ports(40001, 40002)}},
 		{listenersUDP4, setContent{exists: true, header: "hash:ip family inet"}},
 		{listenersTCP6, setContent{}},
 		{"uproxy-listeners", setContent{}},
@@ -725,10 +733,16 @@ func TestParseSetSave(t *testing.T) {
 }
 
 // TestSetTable checks the set table's invariants: unique names that the
-// kernel takes, and one set per family and protocol.
+// kernel takes; per family, a listener and a node-port set per protocol
+// and one service set, whose members carry their protocol; and that
+// setOf finds each.
 func TestSetTable(t *testing.T) {
 	seen := map[string]bool{}
-	perFamily := map[Family][]Protocol{}
+	type kindKey struct {
+		family Family
+		kind   setKind
+	}
+	perKind := map[kindKey][]Protocol{}
 	for _, s := range sets {
 		if seen[s.name] {
 			t.Errorf("set %s is listed twice", s.name)
@@ -737,14 +751,25 @@ func TestSetTable(t *testing.T) {
 		if len(s.name) > 31 || s.name == "" || strings.ContainsAny(s.name, " \t\n") {
 			t.Errorf("set name %q is not a valid ipset name", s.name)
 		}
-		if !s.family.valid() || (s.proto != TCP && s.proto != UDP) {
+		wantProto := s.proto == TCP || s.proto == UDP
+		if s.kind == serviceSet {
+			wantProto = s.proto == ""
+		}
+		if !s.family.valid() || !wantProto {
 			t.Errorf("set %s: family %s, protocol %q", s.name, s.family, s.proto)
 		}
-		perFamily[s.family] = append(perFamily[s.family], s.proto)
+		perKind[kindKey{s.family, s.kind}] = append(perKind[kindKey{s.family, s.kind}], s.proto)
+		if got := setOf(s.kind, s.family, s.proto); got != s {
+			t.Errorf("setOf(%d, %s, %q) = %+v, want %+v", s.kind, s.family, s.proto, got, s)
+		}
 	}
-	want := map[Family][]Protocol{IPv4: {TCP, UDP}, IPv6: {TCP, UDP}}
-	if diff := cmp.Diff(want, perFamily); diff != "" {
-		t.Errorf("protocols per family (-want +got):\n%s", diff)
+	want := map[kindKey][]Protocol{
+		{IPv4, listenerSet}: {TCP, UDP}, {IPv6, listenerSet}: {TCP, UDP},
+		{IPv4, serviceSet}: {""}, {IPv6, serviceSet}: {""},
+		{IPv4, nodePortSet}: {TCP, UDP}, {IPv6, nodePortSet}: {TCP, UDP},
+	}
+	if diff := cmp.Diff(want, perKind); diff != "" {
+		t.Errorf("protocols per family and kind (-want +got):\n%s", diff)
 	}
 }
 

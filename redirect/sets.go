@@ -2,19 +2,35 @@ package redirect
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
 )
 
+// setKind says what a set of the set table holds.
+type setKind int
+
+// The kinds of sets.
+const (
+	// listenerSet holds the ports of r.Listeners of the set's family and
+	// protocol; UPROXY-FIREWALL guards them all with one rule that
+	// matches the set (see firewallRules).
+	listenerSet setKind = iota
+	// serviceSet holds, in the shared layout (Rules.Shared), the
+	// address, protocol and port of every intercept of the set's family
+	// that no Firewall guards; one rule per protocol sends what it
+	// matches to the protocol's shared listener (see shared.go).
+	serviceSet
+	// nodePortSet holds, in the shared layout, the ports of the node
+	// ports of the set's family and protocol; one rule sends what it
+	// matches to the protocol's shared listener.
+	nodePortSet
+)
+
 // setSpec describes one kernel set (ipset) that uproxy owns.
-//
-// Every set of the table holds listener ports: the members of the set of
-// a family and protocol are the ports of r.Listeners of that family and
-// protocol, and UPROXY-FIREWALL guards them all with one rule that
-// matches the set (see firewallRules). A later kind of set would add a
-// field saying what it holds.
 type setSpec struct {
 	// name is the set's name, at most 31 bytes (the kernel's
 	// IPSET_MAXNAMELEN less the terminating NUL).
@@ -22,12 +38,17 @@ type setSpec struct {
 	// family is the family whose Syncer and Cleanup own the set: only
 	// that family's rules reference it, only they write or destroy it.
 	family Family
-	// proto is the protocol of the packets the set's rule matches.
+	// proto is the protocol of the packets the set's rule matches, or
+	// empty for a service set, whose members carry their protocol and
+	// which the rules of both protocols match.
 	proto Protocol
+	// kind says what the set holds.
+	kind setKind
 }
 
-// setType is the type and options of every set of the set table, as
-// ipset save prints them after the name in a set's create line.
+// setType is the type and options of every bitmap:port set of the set
+// table (listener and node-port sets), as ipset save prints them after
+// the name in a set's create line.
 //
 // A bitmap:port set holds bare port numbers and has no family of its
 // own (NFPROTO_UNSPEC), so the set match of iptables and ip6tables alike
@@ -37,12 +58,40 @@ type setSpec struct {
 // costs the same for any number of listeners, and the set takes 8 KiB.
 const setType = "bitmap:port range 0-65535"
 
+// serviceSetMax is the most members a service set holds (ipset's
+// maxelem; the default, 65536, is less than the service addresses and
+// ports of a large cluster). A hash set allocates per member, not up to
+// this bound.
+const serviceSetMax = 1 << 20
+
+// serviceSetType returns the type and options of the service set of f, as
+// ipset save prints them after the name, less the options that the
+// kernel chooses and changes as the set grows (see normHeader).
+//
+// A hash:ip,port set of family inet or inet6 matches, with "dst,dst", a
+// packet's destination address together with its protocol and
+// destination port: one hash lookup for any number of services, where
+// the per-service layout walks one rule per service port.
+func serviceSetType(f Family) string {
+	family := "inet"
+	if f == IPv6 {
+		family = "inet6"
+	}
+	return fmt.Sprintf("hash:ip,port family %s maxelem %d", family, serviceSetMax)
+}
+
 // The names of uproxy's sets.
 const (
 	listenersTCP4 = "uproxy-listeners-tcp4"
 	listenersUDP4 = "uproxy-listeners-udp4"
 	listenersTCP6 = "uproxy-listeners-tcp6"
 	listenersUDP6 = "uproxy-listeners-udp6"
+	services4     = "uproxy-services4"
+	services6     = "uproxy-services6"
+	nodePortsTCP4 = "uproxy-nodeports-tcp4"
+	nodePortsUDP4 = "uproxy-nodeports-udp4"
+	nodePortsTCP6 = "uproxy-nodeports-tcp6"
+	nodePortsUDP6 = "uproxy-nodeports-udp6"
 )
 
 // sets is every set uproxy creates. Render, Sync and Cleanup all walk it:
@@ -54,12 +103,18 @@ const (
 // (and delete them) or need to know them; and Cleanup of one family
 // could not destroy a set that the other family's rule still references.
 // With a set per family and protocol, each Syncer owns its sets outright,
-// as it owns its chains.
+// as it owns its chains. (A hash:ip,port set has a family anyway.)
 var sets = []setSpec{
-	{name: listenersTCP4, family: IPv4, proto: TCP},
-	{name: listenersUDP4, family: IPv4, proto: UDP},
-	{name: listenersTCP6, family: IPv6, proto: TCP},
-	{name: listenersUDP6, family: IPv6, proto: UDP},
+	{name: listenersTCP4, family: IPv4, proto: TCP, kind: listenerSet},
+	{name: listenersUDP4, family: IPv4, proto: UDP, kind: listenerSet},
+	{name: listenersTCP6, family: IPv6, proto: TCP, kind: listenerSet},
+	{name: listenersUDP6, family: IPv6, proto: UDP, kind: listenerSet},
+	{name: services4, family: IPv4, kind: serviceSet},
+	{name: nodePortsTCP4, family: IPv4, proto: TCP, kind: nodePortSet},
+	{name: nodePortsUDP4, family: IPv4, proto: UDP, kind: nodePortSet},
+	{name: services6, family: IPv6, kind: serviceSet},
+	{name: nodePortsTCP6, family: IPv6, proto: TCP, kind: nodePortSet},
+	{name: nodePortsUDP6, family: IPv6, proto: UDP, kind: nodePortSet},
 }
 
 // setsOf returns the sets of family f, in table order.
@@ -73,26 +128,117 @@ func setsOf(f Family) []setSpec {
 	return out
 }
 
-// setNames returns the names of the sets of f, for error messages.
-func setNames(f Family) string {
-	var names []string
-	for _, s := range setsOf(f) {
-		names = append(names, s.name)
-	}
-	return strings.Join(names, ",")
-}
-
-// members returns the ports of the valid listeners of s's family and
-// protocol in r, ascending and without duplicates.
-func (s setSpec) members(r Rules) []uint16 {
-	var ports []uint16
-	for _, l := range r.Listeners {
-		if l.validate() == nil && l.Family == s.family && l.Protocol == s.proto {
-			ports = append(ports, l.Port)
+// setOf returns the set of kind k, family f and protocol p (empty for a
+// service set). It panics when the set table has none: that is a bug.
+func setOf(k setKind, f Family, p Protocol) setSpec {
+	for _, s := range sets {
+		if s.kind == k && s.family == f && s.proto == p {
+			return s
 		}
 	}
-	slices.Sort(ports)
-	return slices.Compact(ports)
+	panic(fmt.Sprintf("redirect: no set of kind %d for %s %q", k, f, p))
+}
+
+// header returns the type and options s is created with, as ipset save
+// prints them (less what normHeader drops).
+func (s setSpec) header() string {
+	if s.kind == serviceSet {
+		return serviceSetType(s.family)
+	}
+	return setType
+}
+
+// setMember is one member of a set: a port, for a bitmap:port set, or an
+// address, protocol and port, for a hash:ip,port set.
+type setMember struct {
+	// addr is the address of a hash:ip,port member (unmapped), invalid
+	// for a port.
+	addr netip.Addr
+	// proto is the protocol of a hash:ip,port member, empty for a port.
+	proto Protocol
+	port  uint16
+}
+
+// String returns m as ipset save prints it and ipset restore takes it:
+// "40001", or "10.96.0.10,tcp:80" and "2001:db8::10,udp:53".
+func (m setMember) String() string { return string(m.appendTo(nil)) }
+
+// appendTo appends m as String returns it to b.
+func (m setMember) appendTo(b []byte) []byte {
+	if m.addr.IsValid() {
+		b = m.addr.AppendTo(b)
+		b = append(b, ',')
+		b = append(b, m.proto...)
+		b = append(b, ':')
+	}
+	return strconv.AppendUint(b, uint64(m.port), 10)
+}
+
+// Equal reports whether m and o are the same member.
+func (m setMember) Equal(o setMember) bool { return m == o }
+
+// compare orders members by address, protocol and port: bare ports
+// ascending, as ipset save prints a bitmap:port set, and hash:ip,port
+// members in a deterministic order (ipset save prints those in hash
+// order).
+func (m setMember) compare(o setMember) int {
+	return cmp.Or(m.addr.Compare(o.addr), cmp.Compare(m.proto, o.proto), cmp.Compare(m.port, o.port))
+}
+
+// parseMember parses a member as ipset save prints it; ok is false for
+// anything else (another set type's members).
+func parseMember(s string) (m setMember, ok bool) {
+	addr, protoPort, isHash := strings.Cut(s, ",")
+	if !isHash {
+		p, err := strconv.ParseUint(s, 10, 16)
+		return setMember{port: uint16(p)}, err == nil
+	}
+	proto, port, found := strings.Cut(protoPort, ":")
+	a, err := netip.ParseAddr(addr)
+	if !found || err != nil || a.Zone() != "" || (Protocol(proto) != TCP && Protocol(proto) != UDP) {
+		return m, false
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		return m, false
+	}
+	return setMember{addr: a.Unmap(), proto: Protocol(proto), port: uint16(p)}, true
+}
+
+// portMember returns the member of a bitmap:port set for port.
+func portMember(port uint16) setMember { return setMember{port: port} }
+
+// sortMembers sorts ms and removes duplicates.
+func sortMembers(ms []setMember) []setMember {
+	slices.SortFunc(ms, setMember.compare)
+	return slices.Compact(ms)
+}
+
+// members returns what s holds for r: sorted by setMember.compare,
+// without duplicates. Only valid parts of r of s's family count, and the
+// service and node-port sets have members only in the shared layout.
+func (s setSpec) members(r Rules) []setMember {
+	var ms []setMember
+	switch s.kind {
+	case listenerSet:
+		for _, l := range r.Listeners {
+			if l.validate() == nil && l.Family == s.family && l.Protocol == s.proto {
+				ms = append(ms, portMember(l.Port))
+			}
+		}
+	case serviceSet:
+		ms = make([]setMember, 0, len(r.Intercepts))
+		for i := range sharedIntercepts(s.family, r) {
+			ms = append(ms, setMember{addr: i.Dest.Unmap(), proto: i.Protocol, port: i.Port})
+		}
+	case nodePortSet:
+		for n := range sharedNodePorts(s.family, r) {
+			if n.Protocol == s.proto {
+				ms = append(ms, portMember(n.Port))
+			}
+		}
+	}
+	return sortMembers(ms)
 }
 
 // setContent is what one of uproxy's sets holds.
@@ -100,10 +246,12 @@ type setContent struct {
 	// exists reports whether the set exists.
 	exists bool
 	// header is the set's type and options as ipset save prints them
-	// after the name in the create line; setType for uproxy's own.
+	// after the name in the create line, less what normHeader drops;
+	// setSpec.header for uproxy's own.
 	header string
-	// members are the set's ports, ascending and without duplicates.
-	members []uint16
+	// members are the set's members, sorted by setMember.compare,
+	// without duplicates.
+	members []setMember
 }
 
 // setState is the content of every set of one family, by name. A set of
@@ -112,12 +260,13 @@ type setState map[string]setContent
 
 // wantSets returns the sets of family f that r asks for: a set exists,
 // holding its members, when it has any, and does not exist otherwise, so
-// that rules without listeners need no set (and no ipset).
+// that rules without listeners or the shared layout need no set (and no
+// ipset).
 func wantSets(f Family, r Rules) setState {
 	st := setState{}
 	for _, s := range setsOf(f) {
 		if m := s.members(r); len(m) > 0 {
-			st[s.name] = setContent{exists: true, header: setType, members: m}
+			st[s.name] = setContent{exists: true, header: s.header(), members: m}
 		} else {
 			st[s.name] = setContent{}
 		}
@@ -125,14 +274,15 @@ func wantSets(f Family, r Rules) setState {
 	return st
 }
 
-// wanted reports whether st has a set that exists.
-func (st setState) wanted() bool {
-	for _, c := range st {
-		if c.exists {
-			return true
+// wanted returns the kinds of the sets of st that exist.
+func (st setState) wanted() map[setKind]bool {
+	kinds := map[setKind]bool{}
+	for _, s := range sets {
+		if st[s.name].exists {
+			kinds[s.kind] = true
 		}
 	}
-	return false
+	return kinds
 }
 
 // equal reports whether st and o hold the same sets with the same members.
@@ -158,18 +308,31 @@ func (st setState) memberCount() int {
 // RenderSetUpdate returns the ipset restore input that turns uproxy's sets
 // of family f from what old asks for into what r asks for, or nothing
 // when they are the same. It is a pure function, like Render, and sees
-// only the valid listeners of f in old and r.
+// only the valid listeners of f in old and r and, in the shared layout,
+// their valid intercepts and node ports of f.
 //
 // A set that r needs and old did not is created ("create NAME
-// bitmap:port range 0-65535 -exist") before its members are added; a set
-// that both need gets "del NAME PORT -exist" for each port that only old
-// has, then "add NAME PORT -exist" for each that only r has, in set-table
-// order and ascending port order. A set that r no longer needs is not
-// destroyed here: Render's rules stop referencing it only when
-// iptables-restore has run, so a Syncer destroys it with ipset destroy
-// after that.
+// bitmap:port range 0-65535 -exist", or "create NAME hash:ip,port family
+// inet maxelem 1048576 -exist" for a service set) before its members are
+// added; a set that both need gets "del NAME MEMBER -exist" for each
+// member that only old has, then "add NAME MEMBER -exist" for each that
+// only r has, in set-table order and member order (ascending ports; for
+// a service set, by address, protocol and port). A set that r no longer
+// needs is not destroyed here: Render's rules stop referencing it only
+// when iptables-restore has run, so a Syncer destroys it with ipset
+// destroy after that.
 func RenderSetUpdate(f Family, old, r Rules) []byte {
-	return renderSetUpdate(wantSets(f, old), wantSets(f, r))
+	return renderSetUpdate(wantSets(f, old), wantSets(f, r)).input
+}
+
+// setUpdate is the ipset restore input that turns some sets into others.
+type setUpdate struct {
+	// input is the ipset restore input, empty when nothing changes.
+	input []byte
+	// sets are the names of the sets input changes, in set-table order.
+	sets []string
+	// members is the number of members input adds or deletes.
+	members int
 }
 
 // renderSetUpdate returns the ipset restore input that turns the sets in
@@ -177,13 +340,16 @@ func RenderSetUpdate(f Family, old, r Rules) []byte {
 // the caller destroys after the rules referencing them are gone. A set
 // that exists with another type or options than want's is destroyed and
 // created anew (which fails while a rule references it).
-func renderSetUpdate(have, want setState) []byte {
+func renderSetUpdate(have, want setState) setUpdate {
+	var u setUpdate
 	var b bytes.Buffer
+	var buf [64]byte // one member
 	for _, s := range sets {
 		w, ok := want[s.name]
 		if !ok || !w.exists {
 			continue
 		}
+		start := b.Len()
 		h := have[s.name]
 		if h.exists && h.header != w.header {
 			fmt.Fprintf(&b, "destroy %s\n", s.name)
@@ -192,14 +358,27 @@ func renderSetUpdate(have, want setState) []byte {
 		if !h.exists {
 			fmt.Fprintf(&b, "create %s %s -exist\n", s.name, w.header)
 		}
-		for _, p := range minus(h.members, w.members) {
-			fmt.Fprintf(&b, "del %s %d -exist\n", s.name, p)
+		line := func(op string, m setMember) {
+			b.WriteString(op)
+			b.WriteByte(' ')
+			b.WriteString(s.name)
+			b.WriteByte(' ')
+			b.Write(m.appendTo(buf[:0]))
+			b.WriteString(" -exist\n")
+			u.members++
 		}
-		for _, p := range minus(w.members, h.members) {
-			fmt.Fprintf(&b, "add %s %d -exist\n", s.name, p)
+		for _, m := range minus(h.members, w.members) {
+			line("del", m)
+		}
+		for _, m := range minus(w.members, h.members) {
+			line("add", m)
+		}
+		if b.Len() > start {
+			u.sets = append(u.sets, s.name)
 		}
 	}
-	return b.Bytes()
+	u.input = b.Bytes()
+	return u
 }
 
 // setsToDestroy returns the names of the sets that exist in have but not
@@ -214,12 +393,16 @@ func setsToDestroy(have, want setState) []string {
 	return names
 }
 
-// minus returns the elements of a that b lacks; both are ascending.
-func minus(a, b []uint16) []uint16 {
-	var out []uint16
+// minus returns the elements of a that b lacks; both are sorted by
+// setMember.compare. The result may share a's storage.
+func minus(a, b []setMember) []setMember {
+	if len(b) == 0 {
+		return a // a set created or filled anew: every member
+	}
+	var out []setMember
 	j := 0
 	for _, x := range a {
-		for j < len(b) && b[j] < x {
+		for j < len(b) && b[j].compare(x) < 0 {
 			j++
 		}
 		if j == len(b) || b[j] != x {
@@ -229,9 +412,31 @@ func minus(a, b []uint16) []uint16 {
 	return out
 }
 
+// kernelChosen are the create options that ipset save prints but the
+// kernel chooses: a hash set's hashsize grows with its members, and
+// bucketsize and initval (ipset 7.x, Linux 5.11 on) are picked at
+// creation. normHeader drops them, so that a set is compared by what
+// uproxy asks for.
+var kernelChosen = []string{"hashsize", "bucketsize", "initval"}
+
+// normHeader returns the type and options of a create line of ipset save
+// without the options in kernelChosen and their values.
+func normHeader(fields []string) string {
+	var out []string
+	for i := 0; i < len(fields); i++ {
+		if i > 0 && slices.Contains(kernelChosen, fields[i]) && i+1 < len(fields) {
+			i++
+			continue
+		}
+		out = append(out, fields[i])
+	}
+	return strings.Join(out, " ")
+}
+
 // parseSetSave returns the content of set name from the output of ipset
 // save (one set or all of them). Lines of other sets, and members that
-// are not ports, are ignored.
+// are neither ports nor "address,protocol:port" of TCP or UDP (or carry
+// options, such as a timeout), are ignored.
 func parseSetSave(name string, text []byte) setContent {
 	var c setContent
 	for line := range strings.Lines(string(text)) {
@@ -242,16 +447,15 @@ func parseSetSave(name string, text []byte) setContent {
 		switch f[0] {
 		case "create":
 			c.exists = true
-			c.header = strings.Join(f[2:], " ")
+			c.header = normHeader(f[2:])
 		case "add":
 			if len(f) == 3 {
-				if p, err := strconv.ParseUint(f[2], 10, 16); err == nil {
-					c.members = append(c.members, uint16(p))
+				if m, ok := parseMember(f[2]); ok {
+					c.members = append(c.members, m)
 				}
 			}
 		}
 	}
-	slices.Sort(c.members)
-	c.members = slices.Compact(c.members)
+	c.members = sortMembers(c.members)
 	return c
 }

@@ -78,8 +78,10 @@ type Config struct {
 	// Exec runs iptables-save, iptables-restore and ipset; nil means
 	// OSExec, and New and Cleanup then check that the iptables tools are
 	// installed, and whether ipset is. ipset is needed only for
-	// Listeners: without it, a Sync whose rules have listeners of Family
-	// fails with an error naming ipset, and Cleanup skips the sets.
+	// Listeners and the shared layout: without it, a Sync whose rules
+	// have listeners of Family, or are Shared and have intercepts or node
+	// ports of Family, fails with an error naming ipset, and Cleanup
+	// skips the sets.
 	Exec Exec
 	// Jumps manages the jump rules from the built-in chains; nil means a
 	// go-iptables handle for Family, whose creation checks that iptables
@@ -254,8 +256,16 @@ type Result struct {
 	// destroy of a set that no rule needs any more.
 	WroteSets bool
 	// SetMembers is the number of members r puts in uproxy's sets of the
-	// family: its distinct listener ports of each protocol.
+	// family: its distinct listener ports of each protocol and, in the
+	// shared layout, its service addresses and ports (those no firewall
+	// guards) and its node ports.
 	SetMembers int
+	// SetMembersWritten is the number of set members Sync added or
+	// deleted (the add and del lines of its ipset restore): 1 for a Sync
+	// that adds one service port in the shared layout, the whole of
+	// SetMembers for one that creates the sets. Members of a destroyed
+	// set are not counted.
+	SetMembersWritten int
 	// SetsRepaired reports that the drift Repaired reports was, at least
 	// in part, in uproxy's sets: a set destroyed, flushed or recreated,
 	// or a member deleted or added, by someone else.
@@ -285,11 +295,16 @@ func New(cfg Config) (*Syncer, error) {
 // family) in uproxy's chains and sets, with the jump rules to the chains.
 //
 // The listener ports are members of kernel sets, one per protocol (see
-// the set table in sets.go), which the listener guards match; a set
-// exists only while it has members. Sets are written with ipset restore
-// before iptables-restore, so that every set a rule names exists, and a
-// set that is no longer needed is destroyed after it, once no rule names
-// it.
+// the set table in sets.go), which the listener guards match, and so, in
+// the shared layout (r.Shared), are the service addresses and ports and
+// the node ports, which the shared rules match; a set exists only while
+// it has members. Sets are written with ipset restore before
+// iptables-restore, so that every set a rule names exists, and a set
+// that is no longer needed is destroyed after it, once no rule names it.
+// In the shared layout, a change of services alone is an ipset restore
+// of exactly the members added and deleted, and no iptables-restore:
+// the rules change only when a protocol gains its first or loses its
+// last member.
 //
 // When full is false and the rendering of r and the sets it asks for
 // equal the last successful write, Sync runs nothing at all. When they
@@ -311,8 +326,10 @@ func New(cfg Config) (*Syncer, error) {
 // intercept, node port, node port address, firewall or listener, two
 // intercepts or two firewalls for the same destination, protocol and
 // port, or two node ports for the same family, protocol and port, a
-// TProxy whose mark has bits outside its mask, or when r has listeners
-// of the family and ipset is not installed.
+// TProxy whose mark has bits outside its mask, in the shared layout
+// intercepts or node ports of one family and protocol with different
+// listener ports, or when r needs sets of the family (listeners, or
+// the shared layout's members) and ipset is not installed.
 //
 // In tproxy mode (r.TProxy not nil), Sync writes the rules only: the
 // policy routing that delivers marked packets locally is the caller's to
@@ -325,8 +342,21 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	wantState := parseState(want)
 	wantSets := wantSets(s.family, r)
 	res := Result{Rules: wantState.ruleCount(), SetMembers: wantSets.memberCount()}
-	if s.noIpset != nil && wantSets.wanted() {
-		return res, fmt.Errorf("redirect: %s: the listener guards need kernel sets, but %w", s.family, s.noIpset)
+	if s.noIpset != nil {
+		kinds := wantSets.wanted()
+		shared := kinds[serviceSet] || kinds[nodePortSet]
+		var needs string
+		switch {
+		case kinds[listenerSet] && shared:
+			needs = "the listener guards and the shared layout need"
+		case kinds[listenerSet]:
+			needs = "the listener guards need"
+		case shared:
+			needs = "the shared layout needs"
+		}
+		if needs != "" {
+			return res, fmt.Errorf("redirect: %s: %s kernel sets, but %w", s.family, needs, s.noIpset)
+		}
 	}
 
 	s.mu.Lock()
@@ -380,11 +410,12 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 // true, restores the rendering want, in the only order that works: sets
 // created and filled, rules restored, sets no rule names destroyed.
 func (s *Syncer) write(ctx context.Context, res *Result, rules bool, want []byte, haveSets, wantSets setState) error {
-	if update := renderSetUpdate(haveSets, wantSets); len(update) > 0 {
-		if _, err := s.exec.Run(ctx, ipsetCommand, []string{"restore"}, update); err != nil {
-			return fmt.Errorf("redirect: %s: writing sets (%s): %w", s.family, setNames(s.family), err)
+	if update := renderSetUpdate(haveSets, wantSets); len(update.input) > 0 {
+		if _, err := s.exec.Run(ctx, ipsetCommand, []string{"restore"}, update.input); err != nil {
+			return fmt.Errorf("redirect: %s: writing sets (%s): %w", s.family, strings.Join(update.sets, ","), err)
 		}
 		res.WroteSets = true
+		res.SetMembersWritten = update.members
 	}
 	if rules {
 		if err := s.restore(ctx, want); err != nil {

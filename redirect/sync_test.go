@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -52,7 +51,7 @@ type fakeKernel struct {
 type fakeSet struct {
 	// header is the type and options.
 	header  string
-	members map[uint16]bool
+	members map[setMember]bool
 }
 
 // ipset's error messages, as OSExec's errors carry them.
@@ -106,7 +105,7 @@ func newFakeKernel(f Family) *fakeKernel {
 	k.rules["mangle"]["PREROUTING"] = []string{unrelatedMangle}
 	k.rules["filter"]["INPUT"] = []string{unrelatedFilter}
 	// Someone else's set, which uproxy must leave alone.
-	k.sets = map[string]*fakeSet{"someone-else": {header: "hash:ip family inet hashsize 1024 maxelem 65536", members: map[uint16]bool{}}}
+	k.sets = map[string]*fakeSet{"someone-else": {header: "hash:ip family inet hashsize 1024 maxelem 65536", members: map[setMember]bool{}}}
 	return k
 }
 
@@ -166,31 +165,31 @@ func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
 			set := k.sets[f[1]]
 			switch f[0] {
 			case "create":
-				header := strings.Join(f[2:], " ")
+				header := kernelHeader(strings.Join(f[2:], " "))
 				if set != nil && (!exist || set.header != header) {
 					return nil, fail(errSetExists, n+1)
 				}
 				if set == nil {
-					k.sets[f[1]] = &fakeSet{header: header, members: map[uint16]bool{}}
+					k.sets[f[1]] = &fakeSet{header: header, members: map[setMember]bool{}}
 				}
 			case "add", "del":
 				if set == nil {
 					return nil, fail("Error in line %d: The set with the given name does not exist", n+1)
 				}
-				p, err := strconv.ParseUint(f[2], 10, 16)
-				if err != nil {
-					return nil, fail("Error in line %d: Syntax error: %v", n+1, err)
+				m, ok := parseMember(f[2])
+				if !ok || (m.addr.IsValid() != strings.HasPrefix(set.header, "hash:ip,port ")) {
+					return nil, fail("Error in line %d: Syntax error: cannot parse %s", n+1, f[2])
 				}
 				if f[0] == "add" {
-					if set.members[uint16(p)] && !exist {
+					if set.members[m] && !exist {
 						return nil, fail("Error in line %d: Element cannot be added to the set: it's already added", n+1)
 					}
-					set.members[uint16(p)] = true
+					set.members[m] = true
 				} else {
-					if !set.members[uint16(p)] && !exist {
+					if !set.members[m] && !exist {
 						return nil, fail("Error in line %d: Element cannot be deleted from the set: it's not added", n+1)
 					}
-					delete(set.members, uint16(p))
+					delete(set.members, m)
 				}
 			case "destroy":
 				if err := k.destroySetLocked(f[1]); err != "" {
@@ -216,12 +215,24 @@ func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
 	return nil, fmt.Errorf("fake: unexpected ipset args %q", args)
 }
 
+// kernelHeader returns the header of a set created with header as ipset
+// save prints it: for a hash type, with the hashsize, bucketsize and
+// initval that the kernel picked.
+func kernelHeader(header string) string {
+	typ, opts, _ := strings.Cut(header, " ")
+	if !strings.HasPrefix(typ, "hash:") || strings.Contains(header, " hashsize ") {
+		return header
+	}
+	family, rest, _ := strings.Cut(strings.TrimPrefix(opts, "family "), " ")
+	return strings.TrimSpace(fmt.Sprintf("%s family %s hashsize 1024 %s bucketsize 12 initval 0x6b1e5c3a", typ, family, rest))
+}
+
 // saveSet prints set like ipset save NAME.
 func saveSet(name string, set *fakeSet) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "create %s %s\n", name, set.header)
-	for _, p := range slices.Sorted(maps.Keys(set.members)) {
-		fmt.Fprintf(&b, "add %s %d\n", name, p)
+	for _, m := range slices.SortedFunc(maps.Keys(set.members), setMember.compare) {
+		fmt.Fprintf(&b, "add %s %s\n", name, m)
 	}
 	return b.String()
 }
@@ -533,7 +544,8 @@ var (
 	callsSave   = []string{"iptables-save -t nat", "iptables-save -t mangle", "iptables-save -t filter"}
 	callRestore = "iptables-restore --noflush -w 5"
 	// callsRead is a full read: rules, then sets.
-	callsRead      = concat(callsSave, "ipset save uproxy-listeners-tcp4", "ipset save uproxy-listeners-udp4")
+	callsRead = concat(callsSave, "ipset save uproxy-listeners-tcp4", "ipset save uproxy-listeners-udp4",
+		"ipset save uproxy-services4", "ipset save uproxy-nodeports-tcp4", "ipset save uproxy-nodeports-udp4")
 	callSetRestore = "ipset restore"
 	callsDestroy   = []string{"ipset destroy uproxy-listeners-tcp4", "ipset destroy uproxy-listeners-udp4"}
 	callsJumps     = []string{"Exists nat PREROUTING", "Exists nat OUTPUT", "Exists mangle PREROUTING", "Exists mangle OUTPUT",
@@ -572,7 +584,7 @@ func TestSyncFirstWritesAndInsertsJumps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	// The sets first: the rules name them.
@@ -599,9 +611,9 @@ func wantSetsSave(f Family, r Rules) string {
 	k := newFakeKernel(f)
 	for name, c := range wantSets(f, r) {
 		if c.exists {
-			set := &fakeSet{header: c.header, members: map[uint16]bool{}}
-			for _, p := range c.members {
-				set.members[p] = true
+			set := &fakeSet{header: kernelHeader(c.header), members: map[setMember]bool{}}
+			for _, m := range c.members {
+				set.members[m] = true
 			}
 			k.sets[name] = set
 		}
@@ -618,6 +630,7 @@ func reversed(r Rules) Rules {
 		Firewalls:         slices.Clone(r.Firewalls),
 		Listeners:         slices.Clone(r.Listeners),
 		TProxy:            r.TProxy,
+		Shared:            r.Shared,
 	}
 	slices.Reverse(r.Intercepts)
 	slices.Reverse(r.NodePorts)
@@ -1090,12 +1103,13 @@ func TestSyncIPv6(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 2, WroteSets: true, SetMembers: 1}); res != want {
+	if want := (Result{Wrote: true, Rules: 2, WroteSets: true, SetMembers: 1, SetMembersWritten: 1}); res != want {
 		t.Errorf("Sync = %+v, want %+v", res, want)
 	}
 	calls := k.takeCalls()
 	if want := []string{"ip6tables-save -t nat", "ip6tables-save -t mangle", "ip6tables-save -t filter", "ipset save uproxy-listeners-tcp6", "ipset save uproxy-listeners-udp6",
-		"ipset restore", "ip6tables-restore --noflush -w 5"}; !slices.Equal(calls[:7], want) {
+		"ipset save uproxy-services6", "ipset save uproxy-nodeports-tcp6", "ipset save uproxy-nodeports-udp6",
+		"ipset restore", "ip6tables-restore --noflush -w 5"}; !slices.Equal(calls[:10], want) {
 		t.Errorf("IPv6 Sync calls %q, want %q first", calls, want)
 	}
 	if diff := cmp.Diff([]string{string(Render(IPv6, rulesA))}, k.restored); diff != "" {
@@ -1184,6 +1198,7 @@ func TestCleanup(t *testing.T) {
 		callRestore,
 		// Once no rule names them.
 		"ipset destroy uproxy-listeners-tcp4", "ipset destroy uproxy-listeners-udp4",
+		"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "ipset destroy uproxy-nodeports-udp4",
 	}
 	if diff := cmp.Diff(wantCalls, k.takeCalls()); diff != "" {
 		t.Errorf("Cleanup calls (-want +got):\n%s", diff)
@@ -1334,29 +1349,29 @@ func TestSyncListenersIncremental(t *testing.T) {
 	const tcp, udp = "uproxy-listeners-tcp4", "uproxy-listeners-udp4"
 
 	step("first", listeners(IPv4, []uint16{40001, 40002, 40003}, nil),
-		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 3},
+		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 3, SetMembersWritten: 3},
 		concat(callsRead, callSetRestore, callRestore, callsInsertJumps),
 		"create "+tcp+" bitmap:port range 0-65535 -exist\nadd "+tcp+" 40001 -exist\nadd "+tcp+" 40002 -exist\nadd "+tcp+" 40003 -exist\n")
 	step("unchanged", listeners(IPv4, []uint16{40003, 40002, 40001, 40001}, nil),
 		Result{Rules: 3, SetMembers: 3}, nil)
 	step("one added, one removed", listeners(IPv4, []uint16{40001, 40003, 40004}, nil),
-		Result{Rules: 3, WroteSets: true, SetMembers: 3},
+		Result{Rules: 3, WroteSets: true, SetMembers: 3, SetMembersWritten: 2},
 		[]string{callSetRestore},
 		"del "+tcp+" 40002 -exist\nadd "+tcp+" 40004 -exist\n")
 	step("unchanged again", listeners(IPv4, []uint16{40001, 40003, 40004}, nil),
 		Result{Rules: 3, SetMembers: 3}, nil)
 	// The UDP set is created and filled before the rule that names it.
 	step("first UDP listener", listeners(IPv4, []uint16{40001, 40003, 40004}, []uint16{40005}),
-		Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 4},
+		Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 4, SetMembersWritten: 1},
 		[]string{callSetRestore, callRestore},
 		"create "+udp+" bitmap:port range 0-65535 -exist\nadd "+udp+" 40005 -exist\n")
 	step("changes in both sets", listeners(IPv4, []uint16{40001}, []uint16{40005, 40006}),
-		Result{Rules: 4, WroteSets: true, SetMembers: 3},
+		Result{Rules: 4, WroteSets: true, SetMembers: 3, SetMembersWritten: 3},
 		[]string{callSetRestore},
 		"del "+tcp+" 40003 -exist\ndel "+tcp+" 40004 -exist\nadd "+udp+" 40006 -exist\n")
 	// The UDP set is destroyed after the rule that names it is gone.
 	step("last UDP listener gone", listeners(IPv4, []uint16{40001, 40002}, nil),
-		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2},
+		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2, SetMembersWritten: 1},
 		[]string{callSetRestore, callRestore, "ipset destroy " + udp},
 		"add "+tcp+" 40002 -exist\n")
 	step("no listeners", rulesB,
@@ -1394,8 +1409,8 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 		}, "add " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", false},
 		{"member deleted and member added", func(k *fakeKernel) {
 			k.editSets(func(sets map[string]*fakeSet) {
-				delete(sets[tcp].members, 40002)
-				sets[tcp].members[22] = true
+				delete(sets[tcp].members, portMember(40002))
+				sets[tcp].members[portMember(22)] = true
 			})
 		}, "del " + tcp + " 22 -exist\nadd " + tcp + " 40002 -exist\n", false},
 		// A set that a rule names cannot be destroyed: whoever destroyed
@@ -1414,7 +1429,7 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) {
-				sets[tcp] = &fakeSet{header: "bitmap:port range 1-1024", members: map[uint16]bool{22: true}}
+				sets[tcp] = &fakeSet{header: "bitmap:port range 1-1024", members: map[setMember]bool{portMember(22): true}}
 			})
 		}, "destroy " + tcp + "\ncreate " + tcp + " bitmap:port range 0-65535 -exist\nadd " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", true},
 	}
@@ -1433,7 +1448,7 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := Result{Wrote: tt.rules, Rules: 4, Repaired: true, WroteSets: true, SetMembers: 3, SetsRepaired: true}
+			want := Result{Wrote: tt.rules, Rules: 4, Repaired: true, WroteSets: true, SetMembers: 3, SetMembersWritten: 2, SetsRepaired: true}
 			if res != want {
 				t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 			}
@@ -1477,7 +1492,7 @@ func TestSyncAdoptsStaleSets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2, SetMembersWritten: 1}); res != want {
 		t.Errorf("adopting Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, "ipset destroy uproxy-listeners-udp4", callsJumps), k.takeCalls()); diff != "" {
@@ -1527,7 +1542,7 @@ func TestSyncSetFailures(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := (Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 3}); res != want {
+		if want := (Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 3, SetMembersWritten: 3}); res != want {
 			t.Errorf("Sync after failure = %+v, want %+v", res, want)
 		}
 		if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1663,7 +1678,7 @@ func TestCleanupSetErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	k.editSets(func(sets map[string]*fakeSet) {
-		sets["uproxy-listeners-tcp6"] = &fakeSet{header: setType, members: map[uint16]bool{41001: true}}
+		sets["uproxy-listeners-tcp6"] = &fakeSet{header: setType, members: map[setMember]bool{portMember(41001): true}}
 	})
 	foreign := "-A INPUT -p tcp -m set --match-set uproxy-listeners-tcp4 dst -j ACCEPT"
 	k.edit("filter", func(order []string, rules map[string][]string) []string {
@@ -1704,7 +1719,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 11, WroteSets: true, SetMembers: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 11, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumps), k.takeCalls()); diff != "" {

@@ -130,13 +130,22 @@ func (a tproxyEntry) compare(b tproxyEntry) int {
 }
 
 // tproxyEntries returns the valid intercepts and firewalls of f in r,
-// sorted.
+// sorted. In the shared layout, the intercepts that no firewall guards
+// are left out: they are members of f's service set.
 func tproxyEntries(f Family, r Rules) []tproxyEntry {
+	var guarded map[interceptKey][]netip.Prefix
+	if r.Shared {
+		guarded = firewallAllows(f, r)
+	}
 	var es []tproxyEntry
 	for _, i := range r.Intercepts {
-		if i.validate() == nil && familyOf(i.Dest.Unmap()) == f {
-			es = append(es, tproxyEntry{key: i.key(), toPort: i.ToPort, comment: i.Comment})
+		if i.validate() != nil || familyOf(i.Dest.Unmap()) != f {
+			continue
 		}
+		if _, ok := guarded[i.key()]; r.Shared && !ok {
+			continue
+		}
+		es = append(es, tproxyEntry{key: i.key(), toPort: i.ToPort, comment: i.Comment})
 	}
 	for _, w := range r.Firewalls {
 		if w.validateDest() == nil && familyOf(w.Dest.Unmap()) == f {
@@ -154,6 +163,12 @@ func tproxyEntries(f Family, r Rules) []tproxyEntry {
 // loopback or on those in NodePortAddresses (none when no prefix is of
 // f), as in redirect mode; then the marks of the transparent sockets'
 // packets.
+//
+// In the shared layout, the intercepts that no firewall guards have no
+// rule of their own: after the guarded ones and the firewalls, one
+// TPROXY per protocol matches f's service set; and the node ports are
+// one TPROXY per protocol and node-port address, matching the
+// protocol's node-port set.
 func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	if r.TProxy == nil {
 		return nil
@@ -178,10 +193,11 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	}
 	// Duplicate firewalls, which Sync rejects, drop once.
 	rules = slices.Compact(rules)
+	rules = append(rules, sharedServiceRules(c.name, f, r, func(port uint16) string { return t.target(f, port) })...)
 
 	var ns []NodePort
 	for _, n := range r.NodePorts {
-		if n.validate() == nil && n.Family == f {
+		if !r.Shared && n.validate() == nil && n.Family == f { // shared: in the node-port sets
 			ns = append(ns, n)
 		}
 	}
@@ -198,6 +214,12 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 			dsts = append(dsts, prefixMatch("-d", p))
 		}
 	}
+	for _, st := range sharedNodePortTargets(f, r) {
+		for _, d := range dsts {
+			rules = append(rules, fmt.Sprintf("-A %s%s -p %s -m addrtype --dst-type LOCAL %s -m comment --comment %s %s",
+				c.name, d, st.proto, nodePortSetMatch(f, st.proto), quoteComment(sharedNodePortComment(st.proto)), t.target(f, st.toPort)))
+		}
+	}
 	for _, n := range ns {
 		for _, d := range dsts {
 			rules = append(rules, fmt.Sprintf("-A %s%s -p %s -m addrtype --dst-type LOCAL -m comment --comment %s -m %s --dport %d %s",
@@ -212,9 +234,10 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 
 // tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see TProxy): one MARK per
 // destination, protocol and port of f that an intercept or a firewall
-// names, with the intercept's comment. Node ports need no rule: the
-// node's packets to its own addresses go through lo and PREROUTING
-// anyway.
+// names, with the intercept's comment, or, in the shared layout, one per
+// firewall's destination, protocol and port and then one per protocol
+// that matches f's service set. Node ports need no rule: the node's
+// packets to its own addresses go through lo and PREROUTING anyway.
 func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
 	if r.TProxy == nil {
 		return nil
@@ -229,5 +252,5 @@ func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
 		prev = e
 		rules = append(rules, fmt.Sprintf("-A %s %s %s", c.name, destMatch(f, e.key.dest, e.key.proto, e.comment, e.key.port), r.TProxy.markTarget()))
 	}
-	return rules
+	return append(rules, sharedServiceRules(c.name, f, r, func(uint16) string { return r.TProxy.markTarget() })...)
 }

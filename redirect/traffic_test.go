@@ -400,7 +400,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Rules: 2, WroteSets: true, SetMembers: 2}); res != want {
+			if want := (Result{Rules: 2, WroteSets: true, SetMembers: 2, SetMembersWritten: 1}); res != want {
 				t.Errorf("adding a listener: Sync = %+v, want %+v (the set only)", res, want)
 			}
 			tl.expect("a port added to the listener set", client, TCP, ap(nodeAddr[f], second), timedOut)
