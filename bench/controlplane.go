@@ -154,11 +154,22 @@ var cpProxies = []cpProxy{
 			}
 			return kubeProxyNA(k, "iptables")
 		},
-		start: func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
-			return t.lab.Start(t.lab.Node, "uproxy", e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
-				"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR,
-				"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock"))
+		start:  startUproxy(),
+		change: apiChange,
+		rules:  iptablesRules,
+	},
+	{
+		Subject: Subject{"uproxy-shared", "uproxy redirect, shared listener", "As uproxy redirect, with --listener=shared: one listener per protocol, every service address in one ipset behind one rule per protocol."},
+		na: func(e *env, k *kubeEnv) error {
+			if e.uproxyErr != nil {
+				return fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
+			}
+			if _, err := exec.LookPath("ipset"); err != nil {
+				return na("ipset is not installed (Debian package ipset)")
+			}
+			return kubeProxyNA(k, "iptables")
 		},
+		start:  startUproxy("--listener=shared"),
 		change: apiChange,
 		rules:  iptablesRules,
 	},
@@ -178,6 +189,16 @@ var cpProxies = []cpProxy{
 			return countLines(ctx, t.lab, t.lab.Node, "nft", "list", "ruleset")
 		},
 	},
+}
+
+// startUproxy runs uproxy against the lab's API server with extra flags.
+func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+	return func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+		args := append([]string{e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
+			"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR,
+			"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock")}, extra...)
+		return t.lab.Start(t.lab.Node, "uproxy", args...)
+	}
 }
 
 func startKubeProxy(mode string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {

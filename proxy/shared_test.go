@@ -163,6 +163,7 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 	var mu sync.Mutex
 	dsts := map[uint16]netip.AddrPort{} // by client port
 	lookups := map[uint16]int{}
+	var locals []netip.AddrPort // the local addresses asked about
 	p, rules := startProxier(t, Config{
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
 		OriginalDst:     func(*net.TCPConn) (netip.AddrPort, error) { return netip.AddrPort{}, errors.New("no TCP here") },
@@ -170,6 +171,7 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 			mu.Lock()
 			defer mu.Unlock()
 			lookups[client.Port()]++
+			locals = append(locals, local)
 			d, ok := dsts[client.Port()]
 			if !ok {
 				return d, errors.New("no conntrack entry")
@@ -207,6 +209,13 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 	mu.Lock()
 	if diff := cmp.Diff(map[uint16]int{pa: 1, pb: 1}, lookups); diff != "" {
 		t.Errorf("original destination lookups by client port (-want +got):\n%s", diff)
+	}
+	// Conntrack's reply tuple starts at the listener's address and port.
+	want := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
+	for _, l := range locals {
+		if l != want {
+			t.Errorf("asked about local address %s, want %s", l, want)
+		}
 	}
 	mu.Unlock()
 

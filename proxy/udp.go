@@ -218,7 +218,10 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 		} else {
 			var err error
 			if !p.cfg.Transparent {
-				orig, err = p.cfg.UDPOriginalDst(d.client, d.dst)
+				// IP_PKTINFO gives the local address without the port:
+				// the listener's own.
+				local := netip.AddrPortFrom(d.dst.Addr(), l.port)
+				orig, err = p.cfg.UDPOriginalDst(d.client, local)
 			}
 			if svc = l.route(orig); svc == nil || err != nil {
 				p.sharedRefused(l, orig, err)

@@ -31,7 +31,7 @@ func PreviousListenerPorts(saved []byte) map[PreviousListener]uint16 {
 		if !strings.HasPrefix(s, "-A UPROXY-") {
 			continue
 		}
-		f := strings.Fields(s)
+		f := ruleFields(s)
 		var key PreviousListener
 		var port uint16
 		for i := 0; i+1 < len(f); i++ {
@@ -44,11 +44,7 @@ func PreviousListenerPorts(saved []byte) map[PreviousListener]uint16 {
 					key.Protocol = UDP
 				}
 			case "--comment":
-				c, err := strconv.Unquote(f[i+1])
-				if err != nil {
-					c = f[i+1]
-				}
-				key.Comment = c
+				key.Comment = f[i+1]
 			case "--to-ports", "--on-port":
 				if n, err := strconv.ParseUint(f[i+1], 10, 16); err == nil {
 					port = uint16(n)
@@ -83,4 +79,39 @@ func SavedRules(ctx context.Context, f Family, tproxy bool) ([]byte, error) {
 		return nil, fmt.Errorf("%s -t %s: %w: %s", f.command("-save"), table, err, strings.TrimSpace(stderr.String()))
 	}
 	return out, nil
+}
+
+// ruleFields splits a rule as iptables-save prints it into its words,
+// keeping a double-quoted word (a comment with spaces, such as the
+// shared layout's) whole and unquoted: iptables-save escapes '"' and '\'
+// inside it with a backslash.
+func ruleFields(s string) []string {
+	var out []string
+	for i := 0; i < len(s); {
+		for i < len(s) && s[i] == ' ' {
+			i++
+		}
+		if i == len(s) {
+			break
+		}
+		if s[i] != '"' {
+			j := strings.IndexByte(s[i:], ' ')
+			if j < 0 {
+				j = len(s) - i
+			}
+			out = append(out, s[i:i+j])
+			i += j
+			continue
+		}
+		var w strings.Builder
+		for i++; i < len(s) && s[i] != '"'; i++ {
+			if s[i] == '\\' && i+1 < len(s) {
+				i++
+			}
+			w.WriteByte(s[i])
+		}
+		out = append(out, w.String())
+		i++ // the closing quote
+	}
+	return out
 }

@@ -2,6 +2,7 @@ package redirect
 
 import (
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -26,12 +27,25 @@ func TestPreviousListenerPorts(t *testing.T) {
 	for _, tt := range []struct {
 		name string
 		r    Rules
+		want map[PreviousListener]uint16
 	}{
-		{"redirect", r},
-		{"tproxy", func() Rules { r := r; r.TProxy = &TProxy{}; return r }()},
+		{"redirect", r, want},
+		{"tproxy", func() Rules { r := r; r.TProxy = &TProxy{}; return r }(), want},
+		// The shared layout's rules name no service: their comments, with
+		// spaces, name the shared listener of each protocol.
+		{"shared", sharedOf(r, 40000, 40001), map[PreviousListener]uint16{
+			{SharedComment(TCP), TCP}:         40000,
+			{SharedComment(UDP), UDP}:         40001,
+			{sharedNodePortComment(TCP), TCP}: 40000,
+		}},
+		{"shared tproxy", func() Rules { r := sharedOf(r, 40000, 40001); r.TProxy = &TProxy{}; return r }(), map[PreviousListener]uint16{
+			{SharedComment(TCP), TCP}:         40000,
+			{SharedComment(UDP), UDP}:         40001,
+			{sharedNodePortComment(TCP), TCP}: 40000,
+		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			if diff := cmp.Diff(want, PreviousListenerPorts(Render(IPv4, tt.r))); diff != "" {
+			if diff := cmp.Diff(tt.want, PreviousListenerPorts(Render(IPv4, tt.r))); diff != "" {
 				t.Errorf("(-want +got):\n%s", diff)
 			}
 		})
@@ -44,5 +58,37 @@ func TestPreviousListenerPorts(t *testing.T) {
 `)
 	if got := PreviousListenerPorts(conflicting); len(got) != 0 {
 		t.Errorf("conflicting rules: %v, want nothing", got)
+	}
+}
+
+// sharedOf returns r in the shared layout, with every TCP intercept and
+// node port going to tcp and every UDP one to udp.
+func sharedOf(r Rules, tcp, udp uint16) Rules {
+	r.Shared = true
+	r.Intercepts = slices.Clone(r.Intercepts)
+	for i := range r.Intercepts {
+		r.Intercepts[i].ToPort = map[Protocol]uint16{TCP: tcp, UDP: udp}[r.Intercepts[i].Protocol]
+	}
+	r.NodePorts = slices.Clone(r.NodePorts)
+	for i := range r.NodePorts {
+		r.NodePorts[i].ToPort = map[Protocol]uint16{TCP: tcp, UDP: udp}[r.NodePorts[i].Protocol]
+	}
+	return r
+}
+
+func TestRuleFields(t *testing.T) {
+	for _, tt := range []struct {
+		in   string
+		want []string
+	}{
+		{`-A X -p tcp -j REDIRECT`, []string{"-A", "X", "-p", "tcp", "-j", "REDIRECT"}},
+		{`-A X --comment "a b" -j Y`, []string{"-A", "X", "--comment", "a b", "-j", "Y"}},
+		{`-A X --comment "say \"hi\" \\ ok"  -j Y`, []string{"-A", "X", "--comment", `say "hi" \ ok`, "-j", "Y"}},
+		{`-A X --comment "unterminated`, []string{"-A", "X", "--comment", "unterminated"}},
+		{`  `, nil},
+	} {
+		if diff := cmp.Diff(tt.want, ruleFields(tt.in)); diff != "" {
+			t.Errorf("ruleFields(%q) (-want +got):\n%s", tt.in, diff)
+		}
 	}
 }

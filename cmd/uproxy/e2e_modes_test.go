@@ -12,10 +12,17 @@ import (
 // tproxy mode; TCP and UDP; clients on the node itself, in a pod routed
 // through the node, and on an external host reaching a node port and an
 // external IP. In tproxy mode, services that ask for it show backends the
-// client's own address; in redirect mode backends see the node's.
+// client's own address; in redirect mode backends see the node's. Each
+// mode runs with a listener per service port and with shared listeners
+// (--listener=shared), where no rule names a service: the service
+// addresses are kernel set members.
 func TestE2EModes(t *testing.T) {
-	for _, mode := range []string{"redirect", "tproxy"} {
-		t.Run(mode, func(t *testing.T) {
+	for _, variant := range []string{"redirect", "tproxy", "redirect/shared", "tproxy/shared"} {
+		mode, layout, _ := strings.Cut(variant, "/")
+		if layout == "" {
+			layout = "per-service"
+		}
+		t.Run(variant, func(t *testing.T) {
 			c := newCluster(t, 2)
 			ext, err := c.lab.AddExternal("ext")
 			if err != nil {
@@ -68,8 +75,29 @@ endpoints:
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
 				}
 			}
-			c.start(0, "--mode", mode, "--cluster-cidr", "10.244.0.0/16")
+			c.start(0, "--mode", mode, "--listener", layout, "--cluster-cidr", "10.244.0.0/16")
 			c.waitSynced()
+			if layout == "shared" {
+				// Two services of two ports each: one rule per protocol,
+				// the addresses in the set (2 services × (cluster IP +
+				// external IP) × 2 protocols).
+				save, err := c.lab.Exec(t.Context(), c.lab.Node, "iptables-save")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if strings.Contains(save, "default/kept") || strings.Contains(save, "default/plain") {
+					t.Errorf("--listener=shared: a rule names a service:\n%s", save)
+				}
+				members, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "list", "uproxy-services4")
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, m := range []string{"10.96.0.11,tcp:80", "10.96.0.11,udp:53", "10.96.200.11,tcp:80", "10.96.0.12,udp:53", "10.96.200.12,udp:53"} {
+					if !strings.Contains(members, m+"\n") {
+						t.Errorf("the service set lacks %s:\n%s", m, members)
+					}
+				}
+			}
 
 			node := "10.244.0.1"
 			clients := []struct {

@@ -452,10 +452,19 @@ func getOnce(addr string) error {
 // succeeds within a second of the start, and that the new process adopted
 // the rules: the same rules and set members as before, each once, only
 // the listener port changed.
+//
+// With --listener=shared the one rule names the shared listener's port,
+// which the restarted process rebinds the same way.
 func TestE2ERelSIGKILLRestart(t *testing.T) {
+	for _, layout := range []string{"per-service", "shared"} {
+		t.Run(layout, func(t *testing.T) { testSIGKILLRestart(t, layout) })
+	}
+}
+
+func testSIGKILLRestart(t *testing.T, layout string) {
 	c := newCluster(t, 2)
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
-	argv := []string{c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr}
+	argv := []string{c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr, "--listener", layout}
 	c.start(1, argv[6:]...)
 	c.waitSynced()
 	if r := c.get(c.client.NS, "http://10.96.0.10/", 10); r.Errors > 0 || len(r.Counts) != 2 {
@@ -502,6 +511,11 @@ func TestE2ERelSIGKILLRestart(t *testing.T) {
 			}
 		}
 		newPort := c.status().Ports[0].ListenPort
+		if newPort != oldPort {
+			// Nothing else in the lab's namespace takes ports: the
+			// restarted process must have rebound the one the rules name.
+			t.Errorf("round %d: the listener moved from port %d to %d; the rules left behind named %d", round, oldPort, newPort, oldPort)
+		}
 		joined := strings.Join(got, "\n")
 		if !strings.Contains(joined, fmt.Sprintf("--to-ports %d", newPort)) || !strings.Contains(joined, fmt.Sprintf("add uproxy-listeners-tcp4 %d", newPort)) {
 			t.Errorf("round %d: the rules do not send the VIP to the new listener port %d:\n%s", round, newPort, joined)

@@ -23,6 +23,7 @@ type kernelRules struct {
 	v4, v6            *redirect.Syncer // v6 is nil when ip6tables is unavailable
 	nodePortAddresses []netip.Prefix
 	tproxy            bool // TPROXY in mangle instead of REDIRECT in nat
+	shared            bool // the shared listener layout: service addresses in kernel sets
 	routed            [2]bool
 	log               *zap.Logger
 	warned            bool
@@ -51,6 +52,7 @@ func (k *kernelRules) init(cfg redirect.Config) error {
 func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
 	var stats proxy.RuleStats
 	rules := toRedirectRules(in, k.nodePortAddresses)
+	rules.Shared = k.shared
 	if k.tproxy {
 		rules.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
 		rules.Listeners = nil // on loopback: unreachable from outside without a guard
@@ -175,6 +177,14 @@ func previousPorts(ctx context.Context, tproxy bool, log *zap.Logger) func(proxy
 	}
 	log.Info("found the rules of a previous instance; rebinding its listener ports where possible", zap.Int("listeners", len(ports)))
 	return func(name proxy.ServicePortName, network string) uint16 {
+		if name.IsShared() {
+			// The shared rules carry no service's name.
+			proto := redirect.TCP
+			if name.Protocol == v1.ProtocolUDP {
+				proto = redirect.UDP
+			}
+			return ports[network+" "+redirect.SharedComment(proto)]
+		}
 		return ports[network+" "+name.String()]
 	}
 }

@@ -44,6 +44,7 @@ type runOptions struct {
 	healthzBindAddress string
 	metricsBindAddress string
 	mode               string
+	listener           string
 	portRange          string
 	balancer           string
 	syncPeriod         time.Duration
@@ -76,6 +77,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics and /debug/pprof server. Empty disables it.")
 	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table; backends see the node's address) or tproxy (TPROXY in the mangle table with policy routing; listeners on loopback, and services that ask for it are dialled from the client's own address).")
+	fs.StringVar(&o.listener, "listener", "per-service", "How service ports map to listeners: per-service (a listener and a kernel rule per service port and family) or shared (one listener per family and protocol, every service address in a kernel set behind one rule per protocol, so the rule count stays constant as services grow; UDP shares a listener in tproxy mode only, since REDIRECT loses a datagram's destination).")
 	fs.StringVar(&o.portRange, "proxy-port-range", "", "Local ports for the listeners: begin-end, begin+offset or a single port. Empty means kernel-assigned ports.")
 	fs.StringVar(&o.balancer, "balancer", string(balancer.RoundRobin), fmt.Sprintf("Default balancer for services without the %s annotation: one of %v.", proxy.AnnotationBalancer, balancer.Kinds))
 	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "The longest time between two full syncs: rules deleted or changed by someone else are repaired within this period.")
@@ -102,6 +104,9 @@ func (o *runOptions) validate() error {
 	}
 	if o.mode != "redirect" && o.mode != "tproxy" {
 		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect or tproxy)", o.mode))
+	}
+	if o.listener != "per-service" && o.listener != "shared" {
+		errs = append(errs, fmt.Errorf("--listener: %q is not supported (want per-service or shared)", o.listener))
 	}
 	var err error
 	if o.ports, err = proxy.ParsePortRange(o.portRange); err != nil {
@@ -254,7 +259,27 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	})
 	defer svcHealth.Close()
 	tproxy := o.mode == "tproxy"
-	rules := &kernelRules{log: log.Named("rules"), nodePortAddresses: o.nodePortCIDRs, tproxy: tproxy}
+	shared := o.listener == "shared"
+	rules := &kernelRules{log: log.Named("rules"), nodePortAddresses: o.nodePortCIDRs, tproxy: tproxy, shared: shared}
+	var (
+		sharedProtocols []v1.Protocol
+		udpOriginalDst  func(client, local netip.AddrPort) (netip.AddrPort, error)
+	)
+	if shared {
+		sharedProtocols = []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP}
+		if !tproxy {
+			// REDIRECT rewrites a datagram's destination: a shared UDP
+			// listener asks conntrack for each new flow's.
+			ct, err := redirect.NewConntrackLookup()
+			if err != nil {
+				return fmt.Errorf("--listener=shared needs conntrack's netlink interface for UDP: %w", err)
+			}
+			defer ct.Close()
+			udpOriginalDst = func(client, local netip.AddrPort) (netip.AddrPort, error) {
+				return ct.OriginalDst(redirect.UDP, client, local)
+			}
+		}
+	}
 	originalDst := redirect.OriginalDst
 	if tproxy {
 		// TPROXY leaves the destination alone: it is the local address.
@@ -271,25 +296,27 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	synced := make(chan struct{})
 	firstSync := sync.OnceFunc(func() { close(synced) })
 	p := proxy.NewProxier(proxy.Config{
-		Metrics:       metrics,
-		Rules:         rules,
-		OriginalDst:   originalDst,
-		Transparent:   tproxy,
-		PortRange:     o.ports,
-		Defaults:      proxy.ServiceDefaults{Balancer: o.balancerKind},
-		Sync:          proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
-		DialTimeout:   o.dialTimeout,
-		DialAttempts:  o.dialAttempts,
-		IdleTimeout:   o.tcpIdleTimeout,
-		UDPTimeout:    o.udpTimeout,
-		NodeName:      o.nodeName,
-		ClusterCIDRs:  o.clusterCIDRs,
-		ServiceHealth: svcHealth,
-		OnSync:        func() { health.Updated(); firstSync() },
-		OnChange:      health.QueuedUpdate,
-		Inherited:     up.inherited(),
-		PreviousPort:  previousPorts(ctx, tproxy, log.Named("proxy")),
-		Logger:        log.Named("proxy"),
+		Metrics:         metrics,
+		Rules:           rules,
+		OriginalDst:     originalDst,
+		Transparent:     tproxy,
+		SharedListeners: sharedProtocols,
+		UDPOriginalDst:  udpOriginalDst,
+		PortRange:       o.ports,
+		Defaults:        proxy.ServiceDefaults{Balancer: o.balancerKind},
+		Sync:            proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
+		DialTimeout:     o.dialTimeout,
+		DialAttempts:    o.dialAttempts,
+		IdleTimeout:     o.tcpIdleTimeout,
+		UDPTimeout:      o.udpTimeout,
+		NodeName:        o.nodeName,
+		ClusterCIDRs:    o.clusterCIDRs,
+		ServiceHealth:   svcHealth,
+		OnSync:          func() { health.Updated(); firstSync() },
+		OnChange:        health.QueuedUpdate,
+		Inherited:       up.inherited(),
+		PreviousPort:    previousPorts(ctx, tproxy, log.Named("proxy")),
+		Logger:          log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }
 	if o.config != "" {
@@ -365,7 +392,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if source == "" {
 		source = "API server"
 	}
-	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.Int("pid", os.Getpid()))
+	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()
 	failure := context.Cause(ctx)
