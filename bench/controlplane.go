@@ -191,6 +191,27 @@ var cpProxies = []cpProxy{
 	},
 }
 
+// cpProxies returns the control-plane proxies that c selects (all by
+// default), in table order.
+func (c Config) cpProxies() []cpProxy {
+	var out []cpProxy
+	for _, p := range cpProxies {
+		if len(c.Proxies) == 0 || contains(c.Proxies, p.ID) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// cpProxyIDs lists the control-plane proxies' ids, for --proxies.
+func cpProxyIDs() []string {
+	var ids []string
+	for _, p := range cpProxies {
+		ids = append(ids, p.ID)
+	}
+	return ids
+}
+
 // startUproxy runs uproxy against the lab's API server with extra flags.
 func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
 	return func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
@@ -259,7 +280,7 @@ func runControlPlane(ctx context.Context, e *env) error {
 		Figures:         map[string]map[string]map[string]*Series{},
 		GenerateSeconds: map[string]float64{},
 	}
-	for _, p := range cpProxies {
+	for _, p := range e.cfg.cpProxies() {
 		res.Proxies = append(res.Proxies, p.Subject)
 	}
 	save := func() error {
@@ -309,7 +330,7 @@ func runControlPlane(ctx context.Context, e *env) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	for _, p := range cpProxies {
+	for _, p := range e.cfg.cpProxies() {
 		for _, n := range scales {
 			for _, m := range res.Metrics {
 				if s := res.series(m.ID, p.ID, n); !s.filled() {
@@ -370,7 +391,7 @@ func (t *timeoutError) Error() string {
 func measureScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kubeEnv, s *scaleSet, n int, where string, timedOut map[string]*timeoutError) {
 	slow := map[string]bool{}
 	for run := 1; run <= e.cfg.Runs; run++ {
-		for _, p := range cpProxies {
+		for _, p := range e.cfg.cpProxies() {
 			if ctx.Err() != nil {
 				return
 			}

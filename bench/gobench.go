@@ -23,6 +23,7 @@ var hotPaths = []struct {
 	{"balancer Pick", "./balancer/", regexp.MustCompile(`^BenchmarkPick`), "balancer"},
 	{"flow table lookup", "", regexp.MustCompile(`(?i)flow|lookup|conntrack|session`), "proxy (UDP flows) or redirect"},
 	{"rule rendering for 10k services", "./redirect/", regexp.MustCompile(`(?i)render`), "redirect"},
+	{"the sync after one endpoint change, among 10k services", "./proxy/", regexp.MustCompile(`^BenchmarkSyncEndpointChange`), "proxy"},
 }
 
 // GoBenchResults is the gobench part's output (gobench.json).

@@ -49,6 +49,9 @@ type Config struct {
 	// IdleConns is the idle-connection workload's count; zero means
 	// 10,000, or 200 in smoke mode.
 	IdleConns int
+	// Proxies selects control-plane proxies by id (see cpProxies); empty
+	// means all.
+	Proxies []string
 	// Scales are the control plane's service counts; empty means 1000,
 	// 5000 and 10000, or 50 in smoke mode.
 	Scales []int
@@ -177,6 +180,7 @@ func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
 	fs.StringSliceVar(&c.Paths, "paths", nil, "Data paths to measure, by id: "+strings.Join(pathIDs(), ",")+". Default all.")
 	fs.IntVar(&c.Conns, "conns", 0, "Connections of the keep-alive workload, sockets of the UDP one. Default 32.")
 	fs.IntVar(&c.IdleConns, "idle-conns", 0, "Concurrent idle connections for the memory workload. Default 10000 (200 with --smoke).")
+	fs.StringSliceVar(&c.Proxies, "proxies", nil, "Control plane: proxies to measure, by id: "+strings.Join(cpProxyIDs(), ",")+". Default all.")
 	fs.IntSliceVar(&c.Scales, "scales", nil, "Control plane: service counts. Default 1000,5000,10000 (50 with --smoke).")
 	fs.IntVar(&c.Endpoints, "endpoints", 0, "Control plane: endpoints per service. Default 10 (3 with --smoke).")
 	fs.IntVar(&c.Changes, "changes", 0, "Control plane: endpoint changes timed per proxy, scale and run. Default 5 (1 with --smoke).")

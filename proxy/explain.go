@@ -61,7 +61,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	if client.IsValid() {
 		ex.Client = client.String()
 	}
-	v := p.status.Load()
+	v := p.statusView()
 	if v == nil {
 		ex.Reason = "uproxy has not synced yet"
 		return ex

@@ -140,7 +140,9 @@ func (p *Proxier) StopListening() {
 			delete(ls, k)
 		}
 		delete(p.services, name)
+		p.statusPorts.Delete(name)
 	}
+	p.endpoints = 0
 	p.closeShared()
 	p.cfg.Inherited.stop(p.log)
 }

@@ -59,8 +59,9 @@ type Metrics struct {
 	udpFlows     prometheus.Gauge
 	picks        *prometheus.CounterVec // service, backend
 
-	// Owned by the sync goroutine: the label values whose children exist.
-	live map[metricLabels]bool
+	// Owned by the sync goroutine: the label values whose children exist,
+	// by service ("namespace/name").
+	live map[string]map[metricLabels]bool
 }
 
 // metricLabels names the children of one service port (backend empty) or
@@ -128,7 +129,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "uproxy_balancer_picks_total",
 			Help: "Backends picked by the balancers (including failover retries), by service and backend.",
 		}, []string{"service", "backend"}),
-		live: map[metricLabels]bool{},
+		live: map[string]map[metricLabels]bool{},
 	}
 	dialErrors := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_errors_total",
@@ -236,9 +237,11 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *portMe
 	return pm
 }
 
-// retain deletes the children of every service port and backend not in
-// live, and remembers live. Called by the sync goroutine after a sync.
-func (m *Metrics) retain(live map[metricLabels]bool) {
+// retainService deletes the children of every port and backend of
+// service that are not in live, and remembers live as the service's.
+// Called by the sync goroutine for each service it applied: a sync's
+// cost follows the services that changed, not the number of services.
+func (m *Metrics) retainService(service string, live map[metricLabels]bool) {
 	if m == nil {
 		return
 	}
@@ -248,7 +251,7 @@ func (m *Metrics) retain(live map[metricLabels]bool) {
 			picks[[2]string{l.service, l.backend}] = true
 		}
 	}
-	for l := range m.live {
+	for l := range m.live[service] {
 		if live[l] {
 			continue
 		}
@@ -268,7 +271,11 @@ func (m *Metrics) retain(live map[metricLabels]bool) {
 			m.picks.DeleteLabelValues(l.service, l.backend)
 		}
 	}
-	m.live = live
+	if len(live) == 0 {
+		delete(m.live, service)
+		return
+	}
+	m.live[service] = live
 }
 
 // addLabels adds the label values that pm's children use to live.

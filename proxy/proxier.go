@@ -193,15 +193,16 @@ type Proxier struct {
 	ports      portAllocator
 	services   map[types.NamespacedName]map[portKey]*listener
 	shared     map[portKey]*listener // the shared listeners, by family and protocol
+	endpoints  int                   // the endpoints of every listener (counts)
 	rulesDirty bool
 	slots      map[ServicePortName]*connSlots       // per service port, shared by its listeners
 	warned     map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
 
-	lastSync   atomic.Int64 // unix nanos of the last successful sync
-	zone       atomic.Pointer[string]
-	forceFull  atomic.Bool
-	localAddrs atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
-	status     atomic.Pointer[statusView]   // rebuilt after every sync
+	lastSync    atomic.Int64 // unix nanos of the last successful sync
+	zone        atomic.Pointer[string]
+	forceFull   atomic.Bool
+	localAddrs  atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
+	statusPorts sync.Map                     // types.NamespacedName → []statusPort, replaced per applied service
 
 	flows flowTable // UDP flows, created with the first UDP listener
 
@@ -355,8 +356,6 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if full || p.rulesDirty {
 		p.rebuildRoutes()
 	}
-	p.retainMetrics()
-	p.buildStatusView()
 	p.syncServiceHealth()
 	var rules RuleStats
 	synced := false
@@ -396,29 +395,33 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	return nil
 }
 
-// retainMetrics deletes the metric children of service ports and backends
-// that no listener serves any more.
-func (p *Proxier) retainMetrics() {
+// retainMetrics deletes the metric children of the ports and backends
+// of service name that none of its listeners serves any more.
+func (p *Proxier) retainMetrics(name types.NamespacedName) {
 	if p.cfg.Metrics == nil {
 		return
 	}
 	live := map[metricLabels]bool{}
-	for _, ls := range p.services {
-		for _, l := range ls {
-			l.snap.Load().metrics.addLabels(live)
-		}
+	for _, l := range p.services[name] {
+		l.snap.Load().metrics.addLabels(live)
 	}
-	p.cfg.Metrics.retain(live)
+	p.cfg.Metrics.retainService(name.String(), live)
 }
 
+// counts returns the number of services and of their endpoints (in
+// every listener). The endpoint count is kept up to date by applyService:
+// counting afresh cost a walk of every listener for each sync's log line.
 func (p *Proxier) counts() (services, endpoints int) {
-	for _, ls := range p.services {
-		services++
-		for _, l := range ls {
-			endpoints += len(l.snap.Load().endpoints)
-		}
+	return len(p.services), p.endpoints
+}
+
+// serviceEndpoints counts the endpoints of service name's listeners.
+func (p *Proxier) serviceEndpoints(name types.NamespacedName) int {
+	n := 0
+	for _, l := range p.services[name] {
+		n += len(l.snap.Load().endpoints)
 	}
-	return services, endpoints
+	return n
 }
 
 // applyService makes the listeners of one service match its objects.
@@ -436,6 +439,8 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 		}
 	}
 	p.warnIgnored(st)
+	p.endpoints -= p.serviceEndpoints(st.Name)
+	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
 	have := p.services[st.Name]
 	for k, l := range have {
 		if want[k] == nil {
@@ -477,6 +482,8 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 	if len(have) == 0 {
 		delete(p.services, st.Name)
 	}
+	p.retainMetrics(st.Name)
+	p.updateStatus(st.Name)
 	if failed {
 		p.tracker.Requeue(st.Name)
 	}

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/uproxy/uproxy/balancer"
 )
 
@@ -72,9 +74,8 @@ type EndpointInfo struct {
 	RecentDialErrors int `json:"recentDialErrors"`
 }
 
-// statusView is the immutable part of a Status, rebuilt by the sync
-// goroutine after each sync; the live counters are read from the
-// Backends when Status is called.
+// statusView is the immutable part of a Status; the live counters are
+// read from the Backends when Status is called.
 type statusView struct {
 	ports []statusPort
 }
@@ -85,57 +86,80 @@ type statusPort struct {
 	intercepts []Intercept
 }
 
-// buildStatusView captures every listener's snapshot. Sync goroutine only.
-func (p *Proxier) buildStatusView() {
-	var v statusView
-	for _, ls := range p.services {
-		for _, l := range ls {
-			s := l.snap.Load()
-			sp := s.sp
-			info := ServicePortInfo{
-				Service:               sp.Name.NamespacedName.String(),
-				Port:                  sp.Name.Port,
-				Protocol:              string(sp.Name.Protocol),
-				Family:                "IPv4",
-				ListenPort:            l.port,
-				Mode:                  p.mode(),
-				Balancer:              string(sp.Balancer),
-				Affinity:              "None",
-				InternalTrafficPolicy: "Cluster",
-				TopologyMode:          s.sets.TopologyMode,
-			}
-			if l.key.v6 {
-				info.Family = "IPv6"
-			}
-			if sp.AffinityTimeout > 0 {
-				info.Affinity = "ClientIP"
-				info.AffinityTimeoutSeconds = int(sp.AffinityTimeout / time.Second)
-			}
-			if sp.InternalPolicyLocal {
-				info.InternalTrafficPolicy = "Local"
-			}
-			if sp.ExternallyAccessible() {
-				info.ExternalTrafficPolicy = "Cluster"
-				if sp.ExternalPolicyLocal {
-					info.ExternalTrafficPolicy = "Local"
-				}
-			}
-			intercepts := l.intercepts(s)
-			for _, i := range intercepts {
-				a := i.Kind.String() + " " + netip.AddrPortFrom(i.VIP, i.Port).String()
-				if i.Kind == NodePort {
-					a = i.Kind.String() + " :" + strconv.Itoa(int(i.Port))
-				}
-				info.Addresses = append(info.Addresses, a)
-			}
-			v.ports = append(v.ports, statusPort{info: info, snap: s, intercepts: intercepts})
-		}
+// updateStatus replaces the status entries of service name with its
+// listeners' current snapshots, or removes them when it has none. The
+// sync goroutine calls it for each service it applies, so that a sync's
+// cost follows the services that changed: at 10,000 services, rebuilding
+// every entry took most of an endpoint change's sync
+// (BenchmarkSyncEndpointChange).
+func (p *Proxier) updateStatus(name types.NamespacedName) {
+	ls := p.services[name]
+	if len(ls) == 0 {
+		p.statusPorts.Delete(name)
+		return
 	}
+	ports := make([]statusPort, 0, len(ls))
+	for _, l := range ls {
+		s := l.snap.Load()
+		sp := s.sp
+		info := ServicePortInfo{
+			Service:               sp.Name.NamespacedName.String(),
+			Port:                  sp.Name.Port,
+			Protocol:              string(sp.Name.Protocol),
+			Family:                "IPv4",
+			ListenPort:            l.port,
+			Mode:                  p.mode(),
+			Balancer:              string(sp.Balancer),
+			Affinity:              "None",
+			InternalTrafficPolicy: "Cluster",
+			TopologyMode:          s.sets.TopologyMode,
+		}
+		if l.key.v6 {
+			info.Family = "IPv6"
+		}
+		if sp.AffinityTimeout > 0 {
+			info.Affinity = "ClientIP"
+			info.AffinityTimeoutSeconds = int(sp.AffinityTimeout / time.Second)
+		}
+		if sp.InternalPolicyLocal {
+			info.InternalTrafficPolicy = "Local"
+		}
+		if sp.ExternallyAccessible() {
+			info.ExternalTrafficPolicy = "Cluster"
+			if sp.ExternalPolicyLocal {
+				info.ExternalTrafficPolicy = "Local"
+			}
+		}
+		intercepts := l.intercepts(s)
+		for _, i := range intercepts {
+			a := i.Kind.String() + " " + netip.AddrPortFrom(i.VIP, i.Port).String()
+			if i.Kind == NodePort {
+				a = i.Kind.String() + " :" + strconv.Itoa(int(i.Port))
+			}
+			info.Addresses = append(info.Addresses, a)
+		}
+		ports = append(ports, statusPort{info: info, snap: s, intercepts: intercepts})
+	}
+	p.statusPorts.Store(name, ports)
+}
+
+// statusView collects every service's status entries, sorted. Safe for
+// concurrent use; each service's entries are those of one sync, and
+// nil means no sync has completed yet.
+func (p *Proxier) statusView() *statusView {
+	if p.LastSync().IsZero() {
+		return nil
+	}
+	var v statusView
+	p.statusPorts.Range(func(_, ports any) bool {
+		v.ports = append(v.ports, ports.([]statusPort)...)
+		return true
+	})
 	slices.SortFunc(v.ports, func(a, b statusPort) int {
 		return cmp.Or(cmp.Compare(a.info.Service, b.info.Service), cmp.Compare(a.info.Port, b.info.Port),
 			cmp.Compare(a.info.Protocol, b.info.Protocol), cmp.Compare(a.info.Family, b.info.Family))
 	})
-	p.status.Store(&v)
+	return &v
 }
 
 func (p *Proxier) mode() string {
@@ -146,11 +170,11 @@ func (p *Proxier) mode() string {
 }
 
 // Status returns the proxier's state as of its last sync, with live
-// connection counts and ejections. Safe for concurrent use: it reads an
-// immutable view that each sync replaces, and atomic counters.
+// connection counts and ejections. Safe for concurrent use: it reads the
+// immutable entries that syncs store, and atomic counters.
 func (p *Proxier) Status() Status {
 	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows()}
-	v := p.status.Load()
+	v := p.statusView()
 	if v == nil {
 		return st
 	}
