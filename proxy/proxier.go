@@ -227,6 +227,7 @@ func NewProxier(cfg Config) *Proxier {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 100)
 	}))
 	p.health = newHealth(cfg.clock(), cfg.EjectBase, cfg.EjectMax)
+	cfg.Metrics.setSource(p.walkMetrics)
 	p.runner = NewRunner(cfg.Sync, p.sync)
 	p.tracker = NewTracker(p.log, func() {
 		if cfg.OnChange != nil {
@@ -395,8 +396,21 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	return nil
 }
 
-// retainMetrics deletes the metric children of the ports and backends
-// of service name that none of its listeners serves any more.
+// walkMetrics yields the metrics of every service port's snapshots, as
+// the status entries hold them. Safe for concurrent use.
+func (p *Proxier) walkMetrics(yield func(*portMetrics) bool) {
+	p.statusPorts.Range(func(_, ports any) bool {
+		for _, sp := range ports.([]statusPort) {
+			if !yield(sp.snap.metrics) {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// retainMetrics drops the metric counters of the ports and backends of
+// service name that none of its listeners serves any more.
 func (p *Proxier) retainMetrics(name types.NamespacedName) {
 	if p.cfg.Metrics == nil {
 		return

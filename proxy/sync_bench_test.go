@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -19,25 +20,7 @@ import (
 func BenchmarkSyncEndpointChange(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
-			p := NewProxier(Config{
-				SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-				OriginalDst:     func(*net.TCPConn) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
-				Metrics:         NewMetrics(prometheus.NewRegistry()),
-				LocalAddrs:      func() ([]netip.Addr, error) { return nil, nil },
-				Rules:           &recordingRules{},
-			})
-			defer p.Shutdown(b.Context())
-			svcs := make([]*v1.Service, n)
-			sls := make([]*discovery.EndpointSlice, n)
-			for i := range n {
-				name := fmt.Sprintf("svc-%05d", i)
-				svcs[i] = svc(name, fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), "http:80")
-				var eps []ep
-				for j := range 10 {
-					eps = append(eps, ep{ip: fmt.Sprintf("10.244.%d.%d", i/25, (i%25)*10+j+1)})
-				}
-				sls[i] = slice(name+"-1", name, "http", 8080, eps...)
-			}
+			p, svcs, sls := benchProxier(b, n)
 			p.Tracker().Replace(svcs, sls)
 			if err := p.sync(b.Context(), true); err != nil {
 				b.Fatal(err)
@@ -57,4 +40,55 @@ func BenchmarkSyncEndpointChange(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkSyncAll times the first sync of n services of 10 endpoints
+// each, with metrics on: what a starting uproxy does once the informers
+// have listed everything, before the rules are written (recordingRules
+// stands in for the kernel).
+func BenchmarkSyncAll(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				b.StopTimer()
+				p, svcs, sls := benchProxier(b, n)
+				p.Tracker().Replace(svcs, sls)
+				b.StartTimer()
+				if err := p.sync(b.Context(), true); err != nil {
+					b.Fatal(err)
+				}
+				b.StopTimer()
+				p.Shutdown(b.Context())
+				b.StartTimer()
+			}
+		})
+	}
+}
+
+// benchProxier returns a Proxier with shared TCP listeners and metrics,
+// and n services of 10 endpoints each for its tracker.
+func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.EndpointSlice) {
+	p := NewProxier(Config{
+		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
+		OriginalDst:     func(*net.TCPConn) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
+		Metrics:         NewMetrics(prometheus.NewRegistry()),
+		LocalAddrs:      func() ([]netip.Addr, error) { return nil, nil },
+		Rules:           &recordingRules{},
+	})
+	b.Cleanup(func() { p.Shutdown(context.Background()) })
+	svcs := make([]*v1.Service, n)
+	sls := make([]*discovery.EndpointSlice, n)
+	for i := range n {
+		name := fmt.Sprintf("svc-%05d", i)
+		svcs[i] = svc(name, fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), "http:80")
+		var eps []ep
+		for j := range 10 {
+			// 10.244.0.0/16 holds 6,400 services' endpoints; later
+			// services reuse addresses, as valid as distinct ones here.
+			eps = append(eps, ep{ip: fmt.Sprintf("10.244.%d.%d", (i/25)%256, (i%25)*10+j+1)})
+		}
+		sls[i] = slice(name+"-1", name, "http", 8080, eps...)
+	}
+	return p, svcs, sls
 }
