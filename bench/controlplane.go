@@ -27,6 +27,7 @@ import (
 // cpMetrics are the control-plane figures, in report order.
 var cpMetrics = []Metric{
 	{"program_s", "Time from proxy start until every service is programmed and the last one answers", "s", false},
+	{"after_lists_s", "uproxy only: time from the informers' initial lists to the end of the first sync (rules written), from uproxy's log", "s", false},
 	{"change_ms", "Time from one endpoint change until traffic follows it", "ms", false},
 	{"rules", "Kernel rules (lines of iptables-save, plus ipset save if any; nft list ruleset for nftables)", "lines", false},
 	{"rss_mib", "Proxy RSS once everything is programmed", "MiB", false},
@@ -511,6 +512,17 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	e.logf("%s: the last service answered %.2fs after the start; then all %d answered in a %.1fs sweep (%d not yet programmed, %d retried)",
 		at, time.Unix(0, lastOK.AtUnixNano).Sub(t0).Seconds(), swr.Answered, swr.Seconds, swr.Unprogrammed, swr.Retried)
 
+	if proc != nil && strings.HasPrefix(p.ID, "uproxy") {
+		s, err := afterLists(proc.Output())
+		if err != nil {
+			return fmt.Errorf("reading uproxy's log: %w", err)
+		}
+		res.series("after_lists_s", p.ID, n).add(s)
+		e.logf("%s: the first sync ended %.2fs after the initial lists arrived", at, s)
+	} else {
+		res.setNA(p.ID, n, "only uproxy logs when its initial lists arrive", "after_lists_s")
+	}
+
 	rules, err := p.rules(ctx, t)
 	if err != nil {
 		return fmt.Errorf("counting rules: %w", err)
@@ -715,4 +727,33 @@ func procInfo(procfs, pid string) (cmdline string, started float64, err error) {
 		return "", 0, fmt.Errorf("%s/%s/stat: start time: %w", procfs, pid, err)
 	}
 	return cmdline, float64(ticks) / userHZ, nil
+}
+
+// afterLists returns, from uproxy's log, the seconds from "initial lists
+// received" to the end of the first sync that followed ("synced"): how
+// long uproxy took to program everything once the informers had listed
+// it. Each log line starts with its ISO 8601 timestamp.
+func afterLists(log string) (float64, error) {
+	var lists time.Time
+	for line := range strings.Lines(log) {
+		ts, rest, ok := strings.Cut(line, "\t")
+		if !ok {
+			continue
+		}
+		switch {
+		case lists.IsZero() && strings.Contains(rest, "\tinitial lists received"):
+			t, err := time.Parse(time.RFC3339Nano, ts)
+			if err != nil {
+				return 0, fmt.Errorf("timestamp %q: %w", ts, err)
+			}
+			lists = t
+		case !lists.IsZero() && strings.Contains(rest, "\tsynced\t"):
+			t, err := time.Parse(time.RFC3339Nano, ts)
+			if err != nil {
+				return 0, fmt.Errorf("timestamp %q: %w", ts, err)
+			}
+			return t.Sub(lists).Seconds(), nil
+		}
+	}
+	return 0, errors.New(`no "synced" line after "initial lists received"`)
 }

@@ -169,3 +169,19 @@ func execSleep(t *testing.T) *exec.Cmd {
 	})
 	return cmd
 }
+
+func TestAfterLists(t *testing.T) {
+	log := "2026-11-29T20:28:15.085Z\tINFO\tproxy\tproxy/proxier.go:322\twaiting for the initial lists of Services and EndpointSlices before syncing\n" +
+		"2026-11-29T20:28:15.151Z\tINFO\tkube\tproxy/kubesource.go:121\tinitial lists received\n" +
+		"2026-11-29T20:28:15.188Z\tINFO\tproxy\tproxy/proxier.go:768\tlistening\t{\"port\": 41411}\n" +
+		"2026-11-29T20:28:15.821Z\tINFO\tproxy\tproxy/proxier.go:371\tsynced\t{\"full\": true}\n" +
+		"2026-11-29T20:28:16.342Z\tINFO\tproxy\tproxy/proxier.go:371\tsynced\t{\"full\": false}\n"
+	got, err := afterLists(log)
+	if err != nil || got < 0.6699 || got > 0.6701 {
+		t.Errorf("afterLists = %v, %v; want 0.670", got, err)
+	}
+	// A sync logged before the lists arrived does not count.
+	if _, err := afterLists("2026-11-29T20:28:15.821Z\tINFO\tproxy\tx.go:1\tsynced\t{}\n"); err == nil {
+		t.Error("afterLists without the lists line: no error")
+	}
+}
