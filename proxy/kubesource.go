@@ -116,9 +116,11 @@ func (s *KubeSource) Run(ctx context.Context) error {
 	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
 		return fmt.Errorf("the initial lists did not arrive: %w", context.Cause(ctx))
 	}
+	// Logged before the tracker hears of it, so that the first sync's
+	// "synced" line always comes after this one.
+	log.Info("initial lists received")
 	s.Tracker.SetServicesSynced()
 	s.Tracker.SetSlicesSynced()
-	log.Info("initial lists received")
 	<-ctx.Done()
 	return nil
 }

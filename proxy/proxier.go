@@ -337,7 +337,7 @@ func (k portKey) network() string {
 func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if !p.tracker.Synced() {
 		p.log.Info("waiting for the initial lists of Services and EndpointSlices before syncing")
-		return nil
+		return ErrSyncSkipped
 	}
 	start := p.cfg.clock().Now()
 	full = p.forceFull.Swap(false) || full

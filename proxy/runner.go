@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"k8s.io/utils/clock"
@@ -43,8 +44,18 @@ func (c RunnerConfig) clock() clock.WithTickerAndDelayedExecution {
 }
 
 // SyncFunc applies recorded changes. full asks it to verify everything, not
-// only what changed. An error makes the Runner retry with full set.
+// only what changed. An error makes the Runner retry with full set, except
+// ErrSyncSkipped.
 type SyncFunc func(ctx context.Context, full bool) error
+
+// ErrSyncSkipped is what a SyncFunc returns when it did nothing because
+// its input is not complete yet (the initial lists have not all
+// arrived). The run does not count: the next request is served at once
+// instead of MinInterval after it, and the next run is still full.
+// Without this, the first real sync of a starting uproxy waited out
+// --iptables-min-sync-period (1s) behind an early request that found
+// nothing to do.
+var ErrSyncSkipped = errors.New("sync skipped: the initial state is not complete")
 
 // Runner calls a SyncFunc at a bounded frequency, the way kube-proxy's
 // BoundedFrequencyRunner does: Run requests a run soon, but never sooner
@@ -122,9 +133,15 @@ func (r *Runner) Loop(ctx context.Context) {
 		if !fire {
 			continue
 		}
+		prev := last
 		last = r.clock.Now()
 		pending = false
-		if err := r.fn(ctx, full); err != nil {
+		err := r.fn(ctx, full)
+		if errors.Is(err, ErrSyncSkipped) {
+			last = prev
+			continue
+		}
+		if err != nil {
 			full = true
 			if backoff == 0 {
 				backoff = minI

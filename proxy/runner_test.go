@@ -97,3 +97,45 @@ func TestRunnerBoundsFrequency(t *testing.T) {
 	step(time.Second)
 	expect(36*time.Second, false, false)
 }
+
+// TestRunnerSkippedRunDoesNotCount checks that a run whose SyncFunc
+// returns ErrSyncSkipped (the initial lists not complete) neither delays
+// the next request by MinInterval nor makes the next run incremental.
+func TestRunnerSkippedRunDoesNotCount(t *testing.T) {
+	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	clk := clocktesting.NewFakeClock(start)
+	calls := make(chan runCall, 10)
+	results := make(chan error, 10)
+	r := NewRunner(RunnerConfig{MinInterval: time.Second, MaxInterval: 30 * time.Second, Clock: clk}, func(ctx context.Context, full bool) error {
+		calls <- runCall{clk.Now(), full}
+		return <-results
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Loop(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	expect := func(full bool, result error) {
+		t.Helper()
+		results <- result
+		select {
+		case c := <-calls:
+			if c.at != start || c.full != full {
+				t.Fatalf("run at %v full=%v; want at once (%v), full=%v", c.at.Sub(start), c.full, 0, full)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("no run; want one at once")
+		}
+	}
+	r.Run()
+	expect(true, ErrSyncSkipped)
+	// The lists arrive at the same instant: served at once, still full.
+	r.Run()
+	expect(true, nil)
+	// A real run counts: the next request waits for MinInterval.
+	r.Run()
+	select {
+	case c := <-calls:
+		t.Fatalf("run at %v, within MinInterval of a real run", c.at.Sub(start))
+	case <-time.After(50 * time.Millisecond):
+	}
+}
