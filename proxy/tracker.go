@@ -65,8 +65,12 @@ func keyOf(ns, name string) types.NamespacedName {
 	return types.NamespacedName{Namespace: ns, Name: name}
 }
 
+// notify tells the consumer that a sync has something to apply: only
+// once both initial lists have arrived (setSynced notifies then). Until
+// that, the changes only accumulate: 10,000 objects arriving in the
+// initial lists would otherwise each ask for a sync that can do nothing.
 func (t *Tracker) notify() {
-	if t.Notify != nil {
+	if t.Notify != nil && t.Synced() {
 		t.Notify()
 	}
 }
