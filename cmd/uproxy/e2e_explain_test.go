@@ -74,3 +74,31 @@ func TestE2EExplain(t *testing.T) {
 		t.Errorf("text output for an unknown address:\n%s", text)
 	}
 }
+
+// TestE2EExplainShared checks that explain finds the rule that catches a
+// service in the shared layout, where the rule names a kernel set, not
+// the address: only a member of the set is caught by it.
+func TestE2EExplainShared(t *testing.T) {
+	c := newCluster(t, 2)
+	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.start(1, "--metrics-bind-address", metricsAddr, "--listener", "shared")
+	c.waitSynced()
+	explain := func(arg string) proxy.Explanation {
+		t.Helper()
+		var ex proxy.Explanation
+		out := c.uproxyCmd("explain", "--address", metricsAddr, "-o", "json", arg)
+		if err := json.Unmarshal([]byte(out), &ex); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		return ex
+	}
+	ex := explain("10.96.0.10:80")
+	if !ex.Caught || len(ex.KernelRules) != 1 || !strings.Contains(ex.KernelRules[0], "--match-set uproxy-services4 dst,dst") {
+		t.Errorf("a member of the service set: caught %v, kernel rules %q", ex.Caught, ex.KernelRules)
+	}
+	for _, arg := range []string{"10.96.0.10:81", "10.96.0.99:80", "10.96.0.10:80/udp"} {
+		if ex := explain(arg); ex.Caught || len(ex.KernelRules) != 0 {
+			t.Errorf("%s, not in the set: caught %v, kernel rules %q", arg, ex.Caught, ex.KernelRules)
+		}
+	}
+}

@@ -95,6 +95,23 @@ func kernelRulesFor(ctx context.Context, dst netip.AddrPort, proto v1.Protocol, 
 	}
 	p := strings.ToLower(string(proto))
 	dstMatch := "-d " + netip.PrefixFrom(dst.Addr(), bits).String() + " "
+	// In the shared layout (--listener=shared) a rule matches a set of
+	// destinations: it catches dst when dst is a member, which ipset test
+	// answers (exit status 0), once per set.
+	inSet := map[string]bool{}
+	member := func(set, dir string) bool {
+		m := strconv.Itoa(int(dst.Port())) // bitmap:port: "dst"
+		if dir == "dst,dst" {
+			m = dst.Addr().String() + "," + p + ":" + m // hash:ip,port
+		}
+		key := set + " " + m
+		if v, ok := inSet[key]; ok {
+			return v
+		}
+		v := exec.CommandContext(ctx, "ipset", "test", set, m).Run() == nil
+		inSet[key] = v
+		return v
+	}
 	var out []string
 	for _, table := range tables {
 		text, err := exec.CommandContext(ctx, save, "-t", table).Output()
@@ -103,9 +120,18 @@ func kernelRulesFor(ctx context.Context, dst netip.AddrPort, proto v1.Protocol, 
 			continue
 		}
 		for _, line := range strings.Split(string(text), "\n") {
-			if !strings.HasPrefix(line, "-A UPROXY") || !strings.Contains(line, "-p "+p+" ") ||
-				!strings.Contains(line, "--dport "+strconv.Itoa(int(dst.Port()))+" ") {
+			if !strings.HasPrefix(line, "-A UPROXY") || !strings.Contains(line, "-p "+p+" ") {
 				continue
+			}
+			if !strings.Contains(line, "--dport "+strconv.Itoa(int(dst.Port()))+" ") {
+				set, ok := flagValue(line, "--match-set")
+				if !ok || !strings.HasPrefix(set, "uproxy-services") && !strings.HasPrefix(set, "uproxy-nodeports") {
+					continue
+				}
+				f := strings.Fields(line[strings.Index(line, "--match-set "+set):])
+				if len(f) < 3 || !member(set, f[2]) {
+					continue
+				}
 			}
 			// Address rules name the address; node-port rules name none.
 			if !strings.Contains(line, dstMatch) && strings.Contains(line, "-d ") {
