@@ -513,9 +513,15 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 		at, time.Unix(0, lastOK.AtUnixNano).Sub(t0).Seconds(), swr.Answered, swr.Seconds, swr.Unprogrammed, swr.Retried)
 
 	if proc != nil && strings.HasPrefix(p.ID, "uproxy") {
+		// The rules are in place a moment before the sync logs that it
+		// has ended.
 		s, err := afterLists(proc.Output())
+		for wait := time.Now().Add(5 * time.Second); err != nil && time.Now().Before(wait); {
+			time.Sleep(20 * time.Millisecond)
+			s, err = afterLists(proc.Output())
+		}
 		if err != nil {
-			return fmt.Errorf("reading uproxy's log: %w", err)
+			return fmt.Errorf("reading uproxy's log: %w; its first lines:\n%s", err, head(proc.Output(), 8))
 		}
 		res.series("after_lists_s", p.ID, n).add(s)
 		e.logf("%s: the first sync ended %.2fs after the initial lists arrived", at, s)
@@ -756,4 +762,17 @@ func afterLists(log string) (float64, error) {
 		}
 	}
 	return 0, errors.New(`no "synced" line after "initial lists received"`)
+}
+
+// head returns the first n lines of s.
+func head(s string, n int) string {
+	var b strings.Builder
+	for line := range strings.Lines(s) {
+		if n == 0 {
+			break
+		}
+		b.WriteString(line)
+		n--
+	}
+	return b.String()
 }
