@@ -25,16 +25,22 @@ test: deps-test kube-binaries
 	$(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
 	$(MAKE) fuzz
 
-# fuzz: each fuzz target of proxy/fuzz_test.go for FUZZTIME (go test fuzzes
-# one target per run). Every go test also runs their seeds; a failing input
-# is written to proxy/testdata/fuzz/TARGET/, where it becomes a seed too. The
-# first run builds the dependencies with coverage instrumentation (minutes).
-FUZZTIME ?= 10s
+# fuzz: each fuzz target of proxy/fuzz_test.go (go test fuzzes one target
+# per run). Every go test also runs their seeds; a failing input is written
+# to proxy/testdata/fuzz/TARGET/, where it becomes a seed too. The first run
+# builds the dependencies with coverage instrumentation (minutes).
+#
+# The budgets are counts of inputs, about 10 seconds of fuzzing each here:
+# with a duration, Go 1.26's fuzz coordinator can report its own deadline
+# as a failure ("context deadline exceeded", no failing input;
+# go.dev/issue/75804, fixed in Go 1.27). FUZZTIME=5m sets a duration for
+# all of them instead; -timeout bounds a run that stalls.
+FUZZTIME ?=
 fuzz:
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeManifests$$' -fuzztime $(FUZZTIME) ./proxy/
-	$(GO) test -run '^$$' -fuzz '^FuzzConvert$$' -fuzztime $(FUZZTIME) ./proxy/
-	$(GO) test -run '^$$' -fuzz '^FuzzAnnotations$$' -fuzztime $(FUZZTIME) ./proxy/
-	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(FUZZTIME) ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeManifests$$' -fuzztime $(or $(FUZZTIME),1000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzConvert$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzAnnotations$$' -fuzztime $(or $(FUZZTIME),4000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/
 
 # kube-binaries: the real kube-apiserver, kube-proxy and kubectl that the
 # API-server tests and the benchmarks run, built once from bench/tools into
