@@ -447,8 +447,14 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 // several slices appear once; the first slice (by name) wins. Endpoints of
 // both families are returned; the caller splits them per listener family.
 func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoint {
-	var out []Endpoint
-	seen := map[netip.AddrPort]bool{}
+	// Sized once: appending grew the slice of 10 endpoints five times, a
+	// sixth of a 10,000-service sync's allocations (BenchmarkSyncAll).
+	n := 0
+	for _, s := range slices {
+		n += len(s.Endpoints)
+	}
+	out := make([]Endpoint, 0, n)
+	seen := make(map[netip.AddrPort]bool, n)
 	for _, s := range sortedSlices(slices) {
 		if s.AddressType != discovery.AddressTypeIPv4 && s.AddressType != discovery.AddressTypeIPv6 {
 			continue

@@ -512,10 +512,12 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 			s.external = append(s.external, ip)
 		}
 	}
-	for _, e := range PortEndpoints(sp, st.Slices) {
-		if e.Addr.Addr().Is6() == l.key.v6 {
-			s.endpoints = append(s.endpoints, e)
-		}
+	eps := PortEndpoints(sp, st.Slices)
+	otherFamily := func(e Endpoint) bool { return e.Addr.Addr().Is6() != l.key.v6 }
+	if !slices.ContainsFunc(eps, otherFamily) {
+		s.endpoints = eps // all of the listener's family: no copy (snapshots are immutable)
+	} else {
+		s.endpoints = slices.DeleteFunc(eps, otherFamily) // eps is this call's own
 	}
 	s.sets = CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
 

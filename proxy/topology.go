@@ -34,9 +34,16 @@ func CategorizeEndpoints(eps []Endpoint, sp *ServicePort, node, zone string) End
 	}
 	if sp.UsesClusterEndpoints() {
 		sets.TopologyMode = topologyMode(eps, node, zone)
-		for _, e := range eps {
-			if e.Ready && availableForTopology(e, sets.TopologyMode, node, zone) {
-				sets.Cluster = append(sets.Cluster, e)
+		if sets.TopologyMode == "" && !slices.ContainsFunc(eps, func(e Endpoint) bool { return !e.Ready }) {
+			// The common case, every endpoint ready and no topology: the
+			// cluster set is eps itself (both are read-only).
+			sets.Cluster = eps
+		} else {
+			sets.Cluster = make([]Endpoint, 0, len(eps))
+			for _, e := range eps {
+				if e.Ready && availableForTopology(e, sets.TopologyMode, node, zone) {
+					sets.Cluster = append(sets.Cluster, e)
+				}
 			}
 		}
 		if len(sets.Cluster) == 0 {
