@@ -207,15 +207,24 @@ func checkSets(t *testing.T, step string, f Family, r Rules, others ...string) {
 	}
 }
 
-func TestKernelSync(t *testing.T) {
+// inEachFamilyNetns runs test once per family, each as a subtest inside
+// a network namespace of its own (lab.RunInNetns) with the family's
+// iptables tools and ipset; it skips, saying why, where they are missing
+// or the test is not root.
+func inEachFamilyNetns(t *testing.T, test func(t *testing.T, f Family)) {
 	for _, f := range []Family{IPv4, IPv6} {
 		t.Run(f.String(), func(t *testing.T) {
-			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
-				return
+			if lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
+				test(t, f)
 			}
-			testKernelSync(t, f)
 		})
 	}
+}
+
+func TestKernelSync(t *testing.T) {
+	inEachFamilyNetns(t, func(t *testing.T, f Family) {
+		testKernelSync(t, f)
+	})
 }
 
 func testKernelSync(t *testing.T, f Family) {
@@ -472,14 +481,9 @@ func setEntries(t *testing.T, name string) int {
 // listeners is one ipset restore; that drift of the set is repaired; and
 // that Cleanup removes rules and sets, idempotently.
 func TestKernelManyListeners(t *testing.T) {
-	for _, f := range []Family{IPv4, IPv6} {
-		t.Run(f.String(), func(t *testing.T) {
-			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
-				return
-			}
-			testKernelManyListeners(t, f)
-		})
-	}
+	inEachFamilyNetns(t, func(t *testing.T, f Family) {
+		testKernelManyListeners(t, f)
+	})
 }
 
 func testKernelManyListeners(t *testing.T, f Family) {
@@ -659,40 +663,35 @@ func TestKernelTProxyRoundTrip(t *testing.T) {
 		"nodeport_addresses_all":   withAll,
 		"kernelRules, no listener": {Intercepts: kernelRules.Intercepts, NodePorts: kernelRules.NodePorts, Firewalls: kernelRules.Firewalls},
 	}
-	for _, f := range []Family{IPv4, IPv6} {
-		t.Run(f.String(), func(t *testing.T) {
-			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
-				return
+	inEachFamilyNetns(t, func(t *testing.T, f Family) {
+		ctx := context.Background()
+		for _, name := range slices.Sorted(maps.Keys(cases)) {
+			routings := []Routing{{}}
+			if name == "all" {
+				routings = append(routings, Routing{Mark: 0x10, Mask: 0xf0})
 			}
-			ctx := context.Background()
-			for _, name := range slices.Sorted(maps.Keys(cases)) {
-				routings := []Routing{{}}
-				if name == "all" {
-					routings = append(routings, Routing{Mark: 0x10, Mask: 0xf0})
+			for _, rt := range routings {
+				r := tproxied(cases[name], rt)
+				s, err := New(Config{Family: f})
+				if err != nil {
+					t.Fatal(err)
 				}
-				for _, rt := range routings {
-					r := tproxied(cases[name], rt)
-					s, err := New(Config{Family: f})
-					if err != nil {
-						t.Fatal(err)
-					}
-					if _, err := s.Sync(ctx, r, true); err != nil {
-						t.Fatalf("%s, mark %s: %v", name, rt.MarkString(), err)
-					}
-					res, err := s.Sync(ctx, r, true)
-					if err != nil {
-						t.Fatalf("%s, mark %s: %v", name, rt.MarkString(), err)
-					}
-					if res.Wrote || res.Repaired {
-						saved := nsCommand(t, f.command("-save"), "-t", "mangle")
-						t.Errorf("%s, mark %s: full Sync of an unchanged kernel = %+v; rendered:\n%s\niptables-save:\n%s",
-							name, rt.MarkString(), res, Render(f, r), saved)
-					}
-					if err := Cleanup(ctx, Config{Family: f}); err != nil {
-						t.Fatal(err)
-					}
+				if _, err := s.Sync(ctx, r, true); err != nil {
+					t.Fatalf("%s, mark %s: %v", name, rt.MarkString(), err)
+				}
+				res, err := s.Sync(ctx, r, true)
+				if err != nil {
+					t.Fatalf("%s, mark %s: %v", name, rt.MarkString(), err)
+				}
+				if res.Wrote || res.Repaired {
+					saved := nsCommand(t, f.command("-save"), "-t", "mangle")
+					t.Errorf("%s, mark %s: full Sync of an unchanged kernel = %+v; rendered:\n%s\niptables-save:\n%s",
+						name, rt.MarkString(), res, Render(f, r), saved)
+				}
+				if err := Cleanup(ctx, Config{Family: f}); err != nil {
+					t.Fatal(err)
 				}
 			}
-		})
-	}
+		}
+	})
 }

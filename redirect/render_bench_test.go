@@ -3,7 +3,6 @@ package redirect
 import (
 	"fmt"
 	"net/netip"
-	"slices"
 	"testing"
 )
 
@@ -49,16 +48,7 @@ func BenchmarkRender10k(b *testing.B) {
 // sharedScaleRules is scaleRules(n) in the shared layout: every intercept
 // and node port goes to the one TCP listener.
 func sharedScaleRules(n int) Rules {
-	r := scaleRules(n)
-	r.Shared = true
-	r.Intercepts = slices.Clone(r.Intercepts)
-	r.NodePorts = slices.Clone(r.NodePorts)
-	for i := range r.Intercepts {
-		r.Intercepts[i].ToPort = 20000
-	}
-	for i := range r.NodePorts {
-		r.NodePorts[i].ToPort = 20000
-	}
+	r := sharedOf(scaleRules(n), 20000, 20000)
 	r.Listeners = []Listener{{Family: IPv4, Protocol: TCP, Port: 20000}}
 	return r
 }

@@ -307,20 +307,7 @@ func TestRenderGolden(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got := Render(tt.family, tt.rules)
-			path := filepath.Join("testdata", tt.name+".golden")
-			if *update {
-				if err := os.WriteFile(path, got, 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatalf("%v (run go test ./redirect -update to create it)", err)
-			}
-			if diff := cmp.Diff(string(want), string(got)); diff != "" {
-				t.Errorf("Render(%s) differs from %s (-want +got):\n%s", tt.family, path, diff)
-			}
+			checkGolden(t, tt.name, Render(tt.family, tt.rules))
 		})
 	}
 }
@@ -592,19 +579,7 @@ func TestRenderSetUpdateGolden(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			got := RenderSetUpdate(tt.family, tt.old, tt.new)
-			path := filepath.Join("testdata", tt.name+".golden")
-			if *update {
-				if err := os.WriteFile(path, got, 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatalf("%v (run go test ./redirect -update to create it)", err)
-			}
-			if diff := cmp.Diff(string(want), string(got)); diff != "" {
-				t.Errorf("RenderSetUpdate(%s) differs from %s (-want +got):\n%s", tt.family, path, diff)
-			}
+			checkGolden(t, tt.name, got)
 			// Applying the update to the old sets, then destroying the
 			// sets no longer wanted, gives the new ones.
 			old, new := wantSets(tt.family, tt.old), wantSets(tt.family, tt.new)
@@ -788,5 +763,24 @@ func TestRenderListenerGuardIsConstant(t *testing.T) {
 		if n := wantSets(f, r).memberCount(); n != 5000 {
 			t.Errorf("%s: %d set members, want 5000", f, n)
 		}
+	}
+}
+
+// checkGolden compares got with testdata/NAME.golden, which -update
+// rewrites.
+func checkGolden(t *testing.T, name string, got []byte) {
+	t.Helper()
+	path := filepath.Join("testdata", name+".golden")
+	if *update {
+		if err := os.WriteFile(path, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (run go test ./redirect -update to create it)", err)
+	}
+	if diff := cmp.Diff(string(want), string(got)); diff != "" {
+		t.Errorf("differs from %s (-want +got):\n%s", path, diff)
 	}
 }

@@ -10,7 +10,6 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
-	"github.com/uproxy/uproxy/bench/lab"
 )
 
 // savedMembers returns the members of set name as ipset save prints them
@@ -34,14 +33,9 @@ func savedMembers(t *testing.T, name string) []string {
 // repairs a member deleted behind the Syncer's back; Cleanup leaves
 // nothing of uproxy's.
 func TestKernelShared(t *testing.T) {
-	for _, f := range []Family{IPv4, IPv6} {
-		t.Run(f.String(), func(t *testing.T) {
-			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
-				return
-			}
-			testKernelShared(t, f)
-		})
-	}
+	inEachFamilyNetns(t, func(t *testing.T, f Family) {
+		testKernelShared(t, f)
+	})
 }
 
 func testKernelShared(t *testing.T, f Family) {
@@ -242,36 +236,31 @@ func TestKernelSharedRoundTrip(t *testing.T) {
 		"tproxy node-port addresses":   tproxied(withAddrs, Routing{Mark: 0x10, Mask: 0xf0}),
 		"tproxy services, no listener": tproxied(Rules{Shared: true, Intercepts: sharedServices.Intercepts}, Routing{}),
 	}
-	for _, f := range []Family{IPv4, IPv6} {
-		t.Run(f.String(), func(t *testing.T) {
-			if !lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
-				return
+	inEachFamilyNetns(t, func(t *testing.T, f Family) {
+		ctx := context.Background()
+		for _, name := range slices.Sorted(maps.Keys(cases)) {
+			r := cases[name]
+			s, err := New(Config{Family: f})
+			if err != nil {
+				t.Fatal(err)
 			}
-			ctx := context.Background()
-			for _, name := range slices.Sorted(maps.Keys(cases)) {
-				r := cases[name]
-				s, err := New(Config{Family: f})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if res, err := s.Sync(ctx, r, true); err != nil || !res.Wrote {
-					t.Fatalf("%s: first Sync = %+v, %v", name, res, err)
-				}
-				res, err := s.Sync(ctx, r, true)
-				if err != nil {
-					t.Fatalf("%s: %v", name, err)
-				}
-				if res.Wrote || res.WroteSets || res.Repaired {
-					t.Errorf("%s: full Sync of an unchanged kernel = %+v; rendered:\n%s\niptables-save:\n%s\nipset save:\n%s",
-						name, res, Render(f, r), nsCommand(t, f.command("-save")), nsCommand(t, "ipset", "save"))
-				}
-				if err := Cleanup(ctx, Config{Family: f}); err != nil {
-					t.Fatal(err)
-				}
-				if names := nsCommand(t, "ipset", "list", "-n"); names != "" {
-					t.Errorf("%s: Cleanup left sets: %q", name, names)
-				}
+			if res, err := s.Sync(ctx, r, true); err != nil || !res.Wrote {
+				t.Fatalf("%s: first Sync = %+v, %v", name, res, err)
 			}
-		})
-	}
+			res, err := s.Sync(ctx, r, true)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if res.Wrote || res.WroteSets || res.Repaired {
+				t.Errorf("%s: full Sync of an unchanged kernel = %+v; rendered:\n%s\niptables-save:\n%s\nipset save:\n%s",
+					name, res, Render(f, r), nsCommand(t, f.command("-save")), nsCommand(t, "ipset", "save"))
+			}
+			if err := Cleanup(ctx, Config{Family: f}); err != nil {
+				t.Fatal(err)
+			}
+			if names := nsCommand(t, "ipset", "list", "-n"); names != "" {
+				t.Errorf("%s: Cleanup left sets: %q", name, names)
+			}
+		}
+	})
 }

@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -99,25 +97,6 @@ func withSharedFirewalls(r Rules) Rules {
 // sharedAll is the shared layout with every kind of rule of both
 // families.
 var sharedAll = withSharedFirewalls(withSharedNodePorts(sharedServices))
-
-// checkGolden compares got with testdata/NAME.golden, which -update
-// rewrites.
-func checkGolden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", name+".golden")
-	if *update {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test ./redirect -update to create it)", err)
-	}
-	if diff := cmp.Diff(string(want), string(got)); diff != "" {
-		t.Errorf("differs from %s (-want +got):\n%s", path, diff)
-	}
-}
 
 func TestRenderSharedGolden(t *testing.T) {
 	withAddrs := sharedAll
@@ -638,13 +617,7 @@ func TestSyncSharedInvalidRunsNothing(t *testing.T) {
 // TestSyncSharedWithoutIpset checks that without ipset the shared layout
 // fails, naming ipset, and runs nothing.
 func TestSyncSharedWithoutIpset(t *testing.T) {
-	dir := t.TempDir()
-	for _, name := range []string{"iptables-save", "iptables-restore"} {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Setenv("PATH", dir)
+	pathWithoutIpset(t)
 	k := newFakeKernel(IPv4)
 	s, err := New(Config{Jumps: k})
 	if err != nil {

@@ -1625,10 +1625,11 @@ func TestSyncSetFailures(t *testing.T) {
 	})
 }
 
-// TestSyncWithoutIpset checks that without ipset a Syncer syncs rules
-// without listeners, refuses rules with listeners of its family naming
-// ipset, and that Cleanup leaves sets alone.
-func TestSyncWithoutIpset(t *testing.T) {
+// pathWithoutIpset makes PATH, for the rest of the test, a folder that
+// holds iptables-save and iptables-restore (which do nothing) and no
+// ipset, so that New finds iptables usable and ipset missing.
+func pathWithoutIpset(t *testing.T) {
+	t.Helper()
 	dir := t.TempDir()
 	for _, name := range []string{"iptables-save", "iptables-restore"} {
 		if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
@@ -1636,6 +1637,13 @@ func TestSyncWithoutIpset(t *testing.T) {
 		}
 	}
 	t.Setenv("PATH", dir)
+}
+
+// TestSyncWithoutIpset checks that without ipset a Syncer syncs rules
+// without listeners, refuses rules with listeners of its family naming
+// ipset, and that Cleanup leaves sets alone.
+func TestSyncWithoutIpset(t *testing.T) {
+	pathWithoutIpset(t)
 	ctx := context.Background()
 	k := newFakeKernel(IPv4)
 	s, err := New(Config{Jumps: k})
