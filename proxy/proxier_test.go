@@ -96,6 +96,16 @@ func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 	return p, rules
 }
 
+// proxyWeb starts a Proxier with cfg that serves default/web:http
+// (10.96.0.10:80) from be, and returns it with the service's listener
+// port once the listener is open.
+func proxyWeb(t *testing.T, cfg Config, be *backend) (*Proxier, int) {
+	t.Helper()
+	p, rules := startProxier(t, cfg)
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	return p, rules.port(t, "default/web:http")
+}
+
 // backend is a TCP server on 127.0.0.1 that runs handle for each
 // connection, until the test ends.
 type backend struct {
@@ -260,9 +270,7 @@ func TestProxyPassesHalfClose(t *testing.T) {
 		n, _ := io.Copy(io.Discard, c)
 		fmt.Fprintf(c, "got %d bytes\n", n)
 	})
-	p, rules := startProxier(t, Config{})
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
+	_, port := proxyWeb(t, Config{}, be)
 	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)
@@ -282,9 +290,7 @@ func TestProxyPassesHalfClose(t *testing.T) {
 func TestProxyIdleTimeout(t *testing.T) {
 	be := echoBackend(t)
 	const idle = 200 * time.Millisecond
-	p, rules := startProxier(t, Config{IdleTimeout: idle})
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
+	_, port := proxyWeb(t, Config{IdleTimeout: idle}, be)
 
 	// A connection that talks every idle/4 stays open for many periods.
 	busy, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))

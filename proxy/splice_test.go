@@ -20,7 +20,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	v1 "k8s.io/api/core/v1"
 )
 
 // readSyscalls returns this process's count of read-family syscalls
@@ -81,10 +80,8 @@ func TestTCPPathSplices(t *testing.T) {
 		return n
 	}
 
-	p, rules := startProxier(t, Config{IdleTimeout: time.Hour}) // deadlines must not disable splice
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
-	receive(port) // warm up: pipes, goroutines
+	_, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be) // deadlines must not disable splice
+	receive(port)                                              // warm up: pipes, goroutines
 	before, copiedBefore := readSyscalls(t), copiedBytes.Load()
 	receive(port)
 	proxied, copied := readSyscalls(t)-before, copiedBytes.Load()-copiedBefore
@@ -150,9 +147,7 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 	// An echo through a userspace buffer: io.Copy on the bare conn would
 	// splice, and hold a pipe in the backend while it waits.
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, rules := startProxier(t, Config{IdleTimeout: time.Hour})
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
+	p, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
 
 	const n = 100
 	base := proxyFDs(t)
@@ -205,9 +200,7 @@ func TestSplicePathKeepsEveryByte(t *testing.T) {
 	be := echoBackend(t)
 	// A short idle timeout, so that deadlines fire in the middle of
 	// transfers and the copy has to resume without losing a byte.
-	p, rules := startProxier(t, Config{IdleTimeout: time.Second, Metrics: NewMetrics(reg)})
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
+	_, port := proxyWeb(t, Config{IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
 
 	const conns = 40
 	var (
@@ -330,9 +323,7 @@ func TestMessagesThenHalfClose(t *testing.T) {
 		io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
 		c.Write([]byte("bye"))
 	})
-	p, rules := startProxier(t, Config{IdleTimeout: time.Hour})
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
+	_, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
 	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)
@@ -391,9 +382,7 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 	defer release()
 	baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
 	func() {
-		p, rules := startProxier(t, Config{IdleTimeout: 300 * time.Millisecond})
-		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-		port := rules.port(t, "default/web:http")
+		p, port := proxyWeb(t, Config{IdleTimeout: 300 * time.Millisecond}, be)
 		payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 		// More than the kernel's socket buffers on both sides can hold.
 		flood := make([]byte, 32<<20)
