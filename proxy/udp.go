@@ -210,11 +210,13 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 	if p.cfg.Transparent {
 		orig = d.dst
 	}
+	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
+	cur, _ := p.flowTable().Peek(key)
 	if l.key.name.IsShared() {
 		// The flow remembers its service; only its first datagram asks
 		// which, and in redirect mode that means asking conntrack.
-		if f, ok := p.flowTable().Peek(key); ok {
-			svc, orig = f.svc, f.orig
+		if cur != nil {
+			svc, orig = cur.svc, cur.orig
 		} else {
 			var err error
 			if !p.cfg.Transparent {
@@ -231,13 +233,14 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
-		f, err := p.udpFlowFor(svc, key, sock, orig)
+		f, err := p.udpFlowFor(svc, key, sock, orig, cur)
 		if err != nil {
 			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
 			return
 		}
 		if _, err := f.conn.Write(payload); err != nil {
 			p.udpFailed(f, err)
+			cur = nil // removed from the table
 			continue
 		}
 		f.pm.up(int64(d.n))
@@ -246,12 +249,12 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 	}
 }
 
-// udpFlowFor returns the live flow of key, for service port l, or creates
-// one. orig is the datagram's original destination when known (tproxy
+// udpFlowFor returns cur, the table's flow of key (nil: none), if it is
+// still usable for service port l, or creates one. orig is the datagram's original destination when known (tproxy
 // mode, or a shared listener's conntrack lookup). A flow whose backend is
 // no longer usable (removed, no longer ready, ejected) is replaced, so no
 // client stays blackholed behind a dead endpoint.
-func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig netip.AddrPort) (*udpFlow, error) {
+func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
 	flows := p.flowTable()
 	client := key.client
 	snap := l.snap.Load()
@@ -270,7 +273,7 @@ func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig neti
 	if bal == snap.local {
 		set = snap.local
 	}
-	if f, ok := flows.Peek(key); ok {
+	if f := cur; f != nil {
 		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
 			return f, nil
 		}
