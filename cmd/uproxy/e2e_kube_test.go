@@ -212,9 +212,11 @@ func TestE2EKubernetes(t *testing.T) {
 	// capped at 30s, plus up to 100% jitter (tools/cache/reflector.go:
 	// defaultBackoffMax, defaultBackoffJitter); after a minute of failures
 	// (and the restarted server's RBAC cache answering "forbidden" until it
-	// has synced), the next attempt can be up to 60s away. kube-proxy
-	// shares this behaviour.
-	followWithin("after the API server returned", 75*time.Second, "web-2")
+	// has synced), the next attempt can be up to 60s away, and an attempt
+	// the restarted server still refuses costs another such wait: two
+	// waits and the relist bound it. kube-proxy shares this behaviour.
+	const resume = 150 * time.Second
+	followWithin("after the API server returned", resume, "web-2")
 
 	if err := client.CoreV1().Services("default").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
@@ -222,7 +224,7 @@ func TestE2EKubernetes(t *testing.T) {
 	// The Service informer's reflector backs off on its own schedule: the
 	// EndpointSlice watch having resumed says nothing about it, so a
 	// Service change gets the same window.
-	c.waitRulesWithin("the service's rule to go", 75*time.Second, func(s string) bool { return !strings.Contains(s, svc.Spec.ClusterIP+"/32") })
+	c.waitRulesWithin("the service's rule to go", resume, func(s string) bool { return !strings.Contains(s, svc.Spec.ClusterIP+"/32") })
 	if r := c.get(c.client.NS, url, 1, "--timeout", "1s"); r.Errors != 1 {
 		t.Errorf("deleted service still answers: %+v", r)
 	}
