@@ -92,6 +92,7 @@ var dataPaths = []dataPath{
 	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx},
 	{Subject{"uproxy", "uproxy redirect", "uproxy run --config <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
 	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --config <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
+	{Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --config <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, setupUproxy("redirect", "--event-loops=-1")},
 }
 
 func pathByID(id string) *dataPath {
@@ -324,7 +325,7 @@ endpoints:
 // setupUproxy runs uproxy in the given mode over manifests of the
 // benchmark service. A mode that uproxy does not support is "n/a: not
 // implemented", so that the row fills in by itself once it is.
-func setupUproxy(mode string) func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+func setupUproxy(mode string, extra ...string) func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
 	return func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
 		if e.uproxyErr != nil {
 			return nil, fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
@@ -338,6 +339,7 @@ func setupUproxy(mode string) func(ctx context.Context, e *env, t *topo, _ *kube
 		if mode != "redirect" {
 			args = append(args, "--mode="+mode)
 		}
+		args = append(args, extra...)
 		p, err := t.lab.Start(t.lab.Node, "uproxy", args...)
 		if err != nil {
 			return nil, err

@@ -153,6 +153,7 @@ func (p *Proxier) StopListening() {
 func (p *Proxier) Drain(ctx context.Context) error {
 	done := make(chan struct{})
 	go func() { p.wg.Wait(); close(done) }() // exits when every loop and session has ended (forced below)
+	defer p.loops.stop()
 	select {
 	case <-done:
 		return nil

@@ -98,6 +98,12 @@ type Config struct {
 	// DialAttempts is how many backends a connection tries before it is
 	// refused; zero means 3.
 	DialAttempts int
+	// EventLoops is the number of event loops that carry established TCP
+	// connections (loop.go). Zero means one per GOMAXPROCS; negative means
+	// none: each connection is carried by two goroutines of its own, one
+	// per direction (the data path before event loops, kept for
+	// comparison).
+	EventLoops int
 	// IdleTimeout closes a TCP connection after neither side has sent or
 	// received anything for about that long (between one and two periods).
 	// Zero means no idle timeout.
@@ -206,6 +212,7 @@ type Proxier struct {
 
 	flows flowTable // UDP flows, created with the first UDP listener
 
+	loops    loopGroup // the TCP data path's event loops, started on first use
 	sessMu   sync.Mutex
 	sessions map[*session]struct{}
 	closing  bool
@@ -221,6 +228,7 @@ func NewProxier(cfg Config) *Proxier {
 		services: map[types.NamespacedName]map[portKey]*listener{},
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
+		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout},
 	}
 	// At most 5 identical per-connection messages per second, then 1 in 100.
 	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
@@ -847,13 +855,6 @@ func (l *listener) close() {
 	}
 }
 
-func (p *Proxier) listenConfig() net.ListenConfig {
-	if p.cfg.Transparent {
-		return transparentListenConfig()
-	}
-	return net.ListenConfig{}
-}
-
 // closeListener stops accepting for l. Its established connections go on.
 // A hosted service port only leaves its shared listener: the next route
 // table no longer has it, and its UDP flows end now, as a closed socket's
@@ -920,6 +921,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.cfg.Inherited.stop(p.log)
 	done := make(chan struct{})
 	go func() { p.wg.Wait(); close(done) }() // exits when every session has ended (forced below)
+	defer p.loops.stop()
 	select {
 	case <-done:
 		return nil

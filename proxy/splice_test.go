@@ -49,78 +49,91 @@ func readSyscalls(t *testing.T) int64 {
 // in the process would be the proxy's own if it copied through userspace.
 // A control transfer through a userspace copy shows the measure works.
 func TestTCPPathSplices(t *testing.T) {
-	const size = 64 << 20
-	payload := filepath.Join(t.TempDir(), "payload")
-	if err := os.WriteFile(payload, make([]byte, size), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	be := startBackend(t, func(c net.Conn) {
-		f, err := os.Open(payload)
-		if err != nil {
-			return
+	eachDataPath(t, func(t *testing.T, loops int) {
+		const size = 64 << 20
+		payload := filepath.Join(t.TempDir(), "payload")
+		if err := os.WriteFile(payload, make([]byte, size), 0o600); err != nil {
+			t.Fatal(err)
 		}
-		defer f.Close()
-		c.(*net.TCPConn).ReadFrom(f) // sendfile
-	})
-	devnull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer devnull.Close()
-	receive := func(port int) int64 {
-		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+		be := startBackend(t, func(c net.Conn) {
+			f, err := os.Open(payload)
+			if err != nil {
+				return
+			}
+			defer f.Close()
+			c.(*net.TCPConn).ReadFrom(f) // sendfile
+		})
+		devnull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.Close()
-		n, err := devnull.ReadFrom(c) // splice
-		if err != nil || n != size {
-			t.Fatalf("received %d bytes, %v; want %d", n, err, size)
+		defer devnull.Close()
+		receive := func(port int) int64 {
+			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			n, err := devnull.ReadFrom(c) // splice
+			if err != nil || n != size {
+				t.Fatalf("received %d bytes, %v; want %d", n, err, size)
+			}
+			return n
 		}
-		return n
-	}
 
-	_, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be) // deadlines must not disable splice
-	receive(port)                                              // warm up: pipes, goroutines
-	before, copiedBefore := readSyscalls(t), copiedBytes.Load()
-	receive(port)
-	proxied, copied := readSyscalls(t)-before, copiedBytes.Load()-copiedBefore
-	// Messages go through a userspace buffer, with recvmsg once TCP_INQ is
-	// on, which syscr does not count: the data path counts those bytes.
-	if copied > size/16 {
-		t.Fatalf("the proxy copied %d of %d bytes through userspace buffers: it is not splicing", copied, size)
-	}
+		_, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
+		receive(port)                                                                 // warm up: pipes, goroutines
+		before, copiedBefore := readSyscalls(t), copiedBytes.Load()
+		receive(port)
+		proxied, copied := readSyscalls(t)-before, copiedBytes.Load()-copiedBefore
+		// Messages go through a userspace buffer, with recvmsg once TCP_INQ is
+		// on, which syscr does not count: the data path counts those bytes.
+		if copied > size/16 {
+			t.Fatalf("the proxy copied %d of %d bytes through userspace buffers: it is not splicing", copied, size)
+		}
 
-	// Control: the same transfer through a copy that hides ReadFrom/WriteTo,
-	// as any wrapper around the conns would.
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		c, err := ln.Accept()
+		// Control: the same transfer through a copy that hides ReadFrom/WriteTo,
+		// as any wrapper around the conns would.
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
 		if err != nil {
-			return
+			t.Fatal(err)
 		}
-		defer c.Close()
-		bc, err := net.Dial("tcp4", be.addr.String())
-		if err != nil {
-			return
-		}
-		defer bc.Close()
-		io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{bc})
-	}()
-	before = readSyscalls(t)
-	receive(ln.Addr().(*net.TCPAddr).Port)
-	control := readSyscalls(t) - before
+		defer ln.Close()
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			bc, err := net.Dial("tcp4", be.addr.String())
+			if err != nil {
+				return
+			}
+			defer bc.Close()
+			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{bc})
+		}()
+		before = readSyscalls(t)
+		receive(ln.Addr().(*net.TCPAddr).Port)
+		control := readSyscalls(t) - before
 
-	t.Logf("for 64 MiB: spliced proxy %d read syscalls and %d bytes through userspace buffers; userspace copy %d read syscalls", proxied, copied, control)
-	if control < 1000 {
-		t.Fatalf("the control copy made only %d reads; the measure is broken", control)
-	}
-	if proxied > control/20 {
-		t.Fatalf("the proxy made %d read syscalls for 64 MiB (a userspace copy made %d): it is not splicing", proxied, control)
+		t.Logf("for 64 MiB: spliced proxy %d read syscalls and %d bytes through userspace buffers; userspace copy %d read syscalls", proxied, copied, control)
+		if control < 1000 {
+			t.Fatalf("the control copy made only %d reads; the measure is broken", control)
+		}
+		if proxied > control/20 {
+			t.Fatalf("the proxy made %d read syscalls for 64 MiB (a userspace copy made %d): it is not splicing", proxied, control)
+		}
+	})
+}
+
+// eachDataPath runs f once per TCP data path: the event loops (the
+// default) and a goroutine per direction (Config.EventLoops < 0).
+func eachDataPath(t *testing.T, f func(t *testing.T, loops int)) {
+	for _, tt := range []struct {
+		name  string
+		loops int
+	}{{"loops", 0}, {"goroutines", -1}} {
+		t.Run(tt.name, func(t *testing.T) { f(t, tt.loops) })
 	}
 }
 
@@ -144,50 +157,59 @@ func proxyFDs(t *testing.T) int {
 // the proxy: no pipe. (net.TCPConn.ReadFrom held a pipe pair per direction
 // for as long as it waited: six descriptors per connection.)
 func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
-	// An echo through a userspace buffer: io.Copy on the bare conn would
-	// splice, and hold a pipe in the backend while it waits.
-	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
+	eachDataPath(t, func(t *testing.T, loops int) {
+		// An echo through a userspace buffer: io.Copy on the bare conn would
+		// splice, and hold a pipe in the backend while it waits.
+		be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+		p, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Hour}, be)
 
-	const n = 100
-	base := proxyFDs(t)
-	conns := make([]net.Conn, 0, n)
-	defer func() {
-		for _, c := range conns {
-			c.Close()
+		const n = 100
+		// The event loops' own descriptors (an epoll and an eventfd each)
+		// belong to no connection: start them before the count.
+		if loops >= 0 {
+			if _, err := p.loops.loopFor(); err != nil {
+				t.Fatal(err)
+			}
 		}
-	}()
-	buf := make([]byte, 5)
-	for i := range n {
-		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-		if err != nil {
-			t.Fatal(err)
+		base := proxyFDs(t)
+		conns := make([]net.Conn, 0, n)
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		buf := make([]byte, 5)
+		for i := range n {
+			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			conns = append(conns, c)
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			msg := fmt.Sprintf("%05d", i)
+			if _, err := c.Write([]byte(msg)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+				t.Fatalf("echo %d: %q, %v", i, buf, err)
+			}
 		}
-		conns = append(conns, c)
-		c.SetDeadline(time.Now().Add(5 * time.Second))
-		msg := fmt.Sprintf("%05d", i)
-		if _, err := c.Write([]byte(msg)); err != nil {
-			t.Fatal(err)
+		waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n })
+		// In this process each connection also has the client's socket and the
+		// backend's: two more descriptors that are not the proxy's.
+		var perConn float64
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			perConn = float64(proxyFDs(t)-base-2*n) / n
+			if perConn == 2 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
-		if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
-			t.Fatalf("echo %d: %q, %v", i, buf, err)
+		if perConn != 2 {
+			t.Fatalf("the proxy holds %.2f descriptors per idle connection; want 2 (client and backend sockets, no pipe)", perConn)
 		}
-	}
-	waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n })
-	// In this process each connection also has the client's socket and the
-	// backend's: two more descriptors that are not the proxy's.
-	var perConn float64
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		perConn = float64(proxyFDs(t)-base-2*n) / n
-		if perConn == 2 || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if perConn != 2 {
-		t.Fatalf("the proxy holds %.2f descriptors per idle connection; want 2 (client and backend sockets, no pipe)", perConn)
-	}
+	})
 }
 
 // TestSplicePathKeepsEveryByte sends random payloads of random sizes, in
@@ -196,78 +218,80 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 // half-close ends each one cleanly, and that the byte counters, which come
 // from the splice loop's counts, match what was sent.
 func TestSplicePathKeepsEveryByte(t *testing.T) {
-	reg := prometheus.NewRegistry()
-	be := echoBackend(t)
-	// A short idle timeout, so that deadlines fire in the middle of
-	// transfers and the copy has to resume without losing a byte.
-	_, port := proxyWeb(t, Config{IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
+	eachDataPath(t, func(t *testing.T, loops int) {
+		reg := prometheus.NewRegistry()
+		be := echoBackend(t)
+		// A short idle timeout, so that deadlines fire in the middle of
+		// transfers and the copy has to resume without losing a byte.
+		_, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
 
-	const conns = 40
-	var (
-		wg    sync.WaitGroup
-		total atomic.Int64
-		errs  = make(chan error, conns)
-	)
-	for i := range conns {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(i), 1))
-			size := rng.IntN(3 << 20)
-			if i%8 == 0 {
-				size = rng.IntN(200) // small messages too
-			}
-			payload := make([]byte, size)
-			for j := range payload {
-				payload[j] = byte(rng.Uint32())
-			}
-			total.Add(int64(size))
-			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-			if err != nil {
-				errs <- err
-				return
-			}
-			defer c.Close()
-			c.SetDeadline(time.Now().Add(60 * time.Second))
-			sent := make(chan error, 1)
-			go func() { // exits when the payload is written or the conn fails
-				rest := payload
-				for len(rest) > 0 {
-					k := min(len(rest), 1+rng.IntN(256<<10))
-					if _, err := c.Write(rest[:k]); err != nil {
-						sent <- err
-						return
-					}
-					rest = rest[k:]
-					if rng.IntN(16) == 0 {
-						time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
-					}
+		const conns = 40
+		var (
+			wg    sync.WaitGroup
+			total atomic.Int64
+			errs  = make(chan error, conns)
+		)
+		for i := range conns {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				rng := rand.New(rand.NewPCG(uint64(i), 1))
+				size := rng.IntN(3 << 20)
+				if i%8 == 0 {
+					size = rng.IntN(200) // small messages too
 				}
-				sent <- c.(*net.TCPConn).CloseWrite()
+				payload := make([]byte, size)
+				for j := range payload {
+					payload[j] = byte(rng.Uint32())
+				}
+				total.Add(int64(size))
+				c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+				if err != nil {
+					errs <- err
+					return
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(60 * time.Second))
+				sent := make(chan error, 1)
+				go func() { // exits when the payload is written or the conn fails
+					rest := payload
+					for len(rest) > 0 {
+						k := min(len(rest), 1+rng.IntN(256<<10))
+						if _, err := c.Write(rest[:k]); err != nil {
+							sent <- err
+							return
+						}
+						rest = rest[k:]
+						if rng.IntN(16) == 0 {
+							time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
+						}
+					}
+					sent <- c.(*net.TCPConn).CloseWrite()
+				}()
+				h := sha256.New()
+				n, err := io.Copy(h, c)
+				if werr := <-sent; werr != nil {
+					errs <- fmt.Errorf("connection %d: write: %w", i, werr)
+					return
+				}
+				if err != nil || n != int64(size) || !bytes.Equal(h.Sum(nil), sha256Sum(payload)) {
+					errs <- fmt.Errorf("connection %d: got %d bytes (%v), want %d, checksum match %v", i, n, err, size, bytes.Equal(h.Sum(nil), sha256Sum(payload)))
+				}
 			}()
-			h := sha256.New()
-			n, err := io.Copy(h, c)
-			if werr := <-sent; werr != nil {
-				errs <- fmt.Errorf("connection %d: write: %w", i, werr)
-				return
-			}
-			if err != nil || n != int64(size) || !bytes.Equal(h.Sum(nil), sha256Sum(payload)) {
-				errs <- fmt.Errorf("connection %d: got %d bytes (%v), want %d, checksum match %v", i, n, err, size, bytes.Equal(h.Sum(nil), sha256Sum(payload)))
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Error(err)
-	}
-	want := float64(total.Load())
-	for _, dir := range []string{"upstream", "downstream"} {
-		waitUntil(t, "the byte counters settle", func() bool {
-			got, _ := scrape(t, reg, "uproxy_bytes_total", map[string]string{"direction": dir})
-			return got == want
-		})
-	}
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Error(err)
+		}
+		want := float64(total.Load())
+		for _, dir := range []string{"upstream", "downstream"} {
+			waitUntil(t, "the byte counters settle", func() bool {
+				got, _ := scrape(t, reg, "uproxy_bytes_total", map[string]string{"direction": dir})
+				return got == want
+			})
+		}
+	})
 }
 
 func sha256Sum(b []byte) []byte {
@@ -317,39 +341,41 @@ func TestPipePoolBoundsAndTrims(t *testing.T) {
 // FIN: the FIN, which no later readiness event announces, must still be
 // passed on, in both directions.
 func TestMessagesThenHalfClose(t *testing.T) {
-	// The backend echoes each message, and after the client's EOF sends
-	// "bye" and its own FIN.
-	be := startBackend(t, func(c net.Conn) {
-		io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
-		c.Write([]byte("bye"))
-	})
-	_, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
-	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	buf := make([]byte, 8)
-	for i := range 2 * inqAfter {
-		msg := fmt.Sprintf("msg%05d", i)
-		if _, err := c.Write([]byte(msg)); err != nil {
+	eachDataPath(t, func(t *testing.T, loops int) {
+		// The backend echoes each message, and after the client's EOF sends
+		// "bye" and its own FIN.
+		be := startBackend(t, func(c net.Conn) {
+			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
+			c.Write([]byte("bye"))
+		})
+		_, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Hour}, be)
+		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
-			t.Fatalf("echo %d: %q, %v", i, buf, err)
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 8)
+		for i := range 2 * inqAfter {
+			msg := fmt.Sprintf("msg%05d", i)
+			if _, err := c.Write([]byte(msg)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+				t.Fatalf("echo %d: %q, %v", i, buf, err)
+			}
 		}
-	}
-	if _, err := c.Write([]byte("last")); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
-	got, err := io.ReadAll(c)
-	if err != nil || string(got) != "lastbye" {
-		t.Fatalf("after the half-close: %q, %v; want \"lastbye\" and EOF", got, err)
-	}
+		if _, err := c.Write([]byte("last")); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(c)
+		if err != nil || string(got) != "lastbye" {
+			t.Fatalf("after the half-close: %q, %v; want \"lastbye\" and EOF", got, err)
+		}
+	})
 }
 
 // TestSplicedSessionsLeakNothing runs bulk transfers, which splice through
@@ -360,83 +386,85 @@ func TestMessagesThenHalfClose(t *testing.T) {
 // goroutines than before. The backend copies through userspace: the
 // runtime's own splice pipes are closed only by the garbage collector.
 func TestSplicedSessionsLeakNothing(t *testing.T) {
-	stall := make(chan struct{})
-	be := startBackend(t, func(c net.Conn) {
-		var first [1]byte
-		if _, err := io.ReadFull(c, first[:]); err != nil {
-			return
-		}
-		if first[0] == 's' { // read some, then stop reading until the test ends
-			io.CopyN(io.Discard, c, 256<<10)
-			select {
-			case <-stall:
-			case <-time.After(10 * time.Second):
+	eachDataPath(t, func(t *testing.T, loops int) {
+		stall := make(chan struct{})
+		be := startBackend(t, func(c net.Conn) {
+			var first [1]byte
+			if _, err := io.ReadFull(c, first[:]); err != nil {
+				return
 			}
-			return
-		}
-		c.Write(first[:])
-		io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
-	})
-	var once sync.Once
-	release := func() { once.Do(func() { close(stall) }) }
-	defer release()
-	baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
-	func() {
-		p, port := proxyWeb(t, Config{IdleTimeout: 300 * time.Millisecond}, be)
-		payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
-		// More than the kernel's socket buffers on both sides can hold.
-		flood := make([]byte, 32<<20)
-		var wg sync.WaitGroup
-		for i := range 30 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-				if err != nil {
-					t.Error(err)
-					return
+			if first[0] == 's' { // read some, then stop reading until the test ends
+				io.CopyN(io.Discard, c, 256<<10)
+				select {
+				case <-stall:
+				case <-time.After(10 * time.Second):
 				}
-				defer c.Close()
-				c.SetDeadline(time.Now().Add(10 * time.Second))
-				switch i % 3 {
-				case 0: // clean: send, half-close, read the echo to EOF
-					go func() { c.Write(payload); c.(*net.TCPConn).CloseWrite() }()
-					if n, err := io.Copy(io.Discard, c); n != int64(len(payload)) {
-						t.Errorf("connection %d: echoed %d bytes, %v", i, n, err)
+				return
+			}
+			c.Write(first[:])
+			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
+		})
+		var once sync.Once
+		release := func() { once.Do(func() { close(stall) }) }
+		defer release()
+		baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
+		func() {
+			p, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: 300 * time.Millisecond}, be)
+			payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
+			// More than the kernel's socket buffers on both sides can hold.
+			flood := make([]byte, 32<<20)
+			var wg sync.WaitGroup
+			for i := range 30 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+					if err != nil {
+						t.Error(err)
+						return
 					}
-				case 1: // reset in the middle, with bytes in the proxy's pipe
-					// A small receive buffer stalls the proxy's pump
-					// into this socket, so the reset finds bytes in the
-					// pipe: that pipe must be closed, not reused.
-					c.(*net.TCPConn).SetReadBuffer(4 << 10)
-					go c.Write(payload) // fails at the reset, at the latest
-					io.CopyN(io.Discard, c, 64<<10)
-					c.(*net.TCPConn).SetLinger(0)
-				default: // the backend stops reading, with bytes in the proxy's
-					// pipe (the transfer splices by then): the idle timeout
-					// cuts it off, and that pipe must be closed
-					c.Write([]byte("s"))
-					c.Write(flood) // fills the buffers, then fails when cut off
-					io.Copy(io.Discard, c)
-				}
-			}()
+					defer c.Close()
+					c.SetDeadline(time.Now().Add(10 * time.Second))
+					switch i % 3 {
+					case 0: // clean: send, half-close, read the echo to EOF
+						go func() { c.Write(payload); c.(*net.TCPConn).CloseWrite() }()
+						if n, err := io.Copy(io.Discard, c); n != int64(len(payload)) {
+							t.Errorf("connection %d: echoed %d bytes, %v", i, n, err)
+						}
+					case 1: // reset in the middle, with bytes in the proxy's pipe
+						// A small receive buffer stalls the proxy's pump
+						// into this socket, so the reset finds bytes in the
+						// pipe: that pipe must be closed, not reused.
+						c.(*net.TCPConn).SetReadBuffer(4 << 10)
+						go c.Write(payload) // fails at the reset, at the latest
+						io.CopyN(io.Discard, c, 64<<10)
+						c.(*net.TCPConn).SetLinger(0)
+					default: // the backend stops reading, with bytes in the proxy's
+						// pipe (the transfer splices by then): the idle timeout
+						// cuts it off, and that pipe must be closed
+						c.Write([]byte("s"))
+						c.Write(flood) // fills the buffers, then fails when cut off
+						io.Copy(io.Discard, c)
+					}
+				}()
+			}
+			wg.Wait()
+			waitUntil(t, "sessions end", func() bool { return p.ActiveConnections() == 0 })
+			p.Shutdown(context.Background())
+		}()
+		release() // the stalled backends may go now
+		// The pool closes its free pipes a second after the last session.
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			g, fds := runtime.NumGoroutine(), countFDs(t)
+			if g <= baseG+2 && fds <= baseFD+2 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("after the sessions: %d goroutines (before: %d), %d descriptors (before: %d; free pipes in the pool now: %d)",
+					g, baseG, fds, baseFD, tcpPipes.idleFree())
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
-		wg.Wait()
-		waitUntil(t, "sessions end", func() bool { return p.ActiveConnections() == 0 })
-		p.Shutdown(context.Background())
-	}()
-	release() // the stalled backends may go now
-	// The pool closes its free pipes a second after the last session.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		g, fds := runtime.NumGoroutine(), countFDs(t)
-		if g <= baseG+2 && fds <= baseFD+2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after the sessions: %d goroutines (before: %d), %d descriptors (before: %d; free pipes in the pool now: %d)",
-				g, baseG, fds, baseFD, tcpPipes.idleFree())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	})
 }

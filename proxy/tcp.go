@@ -34,6 +34,55 @@ type session struct {
 	progress [2]uint64 // TCP_INFO progress counters seen at the last idle check
 
 	ended atomic.Int32 // directions whose copy has ended (copyHalf)
+
+	// loop carries the session once carry has handed its sockets over
+	// (ls is its state there); client and backend are closed then.
+	loop *eventLoop
+	ls   *loopSession
+}
+
+// errAborted: the session was aborted before its sockets could be handed
+// to an event loop.
+var errAborted = errors.New("session aborted")
+
+// carry hands the session's sockets to one of g's loops, which calls
+// finish once both are closed. On an error other than errAborted nothing
+// has changed, and the session can go on with pipe.
+func (s *session) carry(g *loopGroup, finish func(up, down int64)) error {
+	l, err := g.loopFor()
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.aborted {
+		return errAborted
+	}
+	cfd, err := dupFD(s.client)
+	if err != nil {
+		return err
+	}
+	bfd, err := dupFD(s.backend)
+	if err != nil {
+		unix.Close(cfd)
+		return err
+	}
+	ls := &loopSession{finish: finish}
+	ls.side[0].fd, ls.side[1].fd = cfd, bfd
+	// Posted under s.mu, so that an abort, which posts under it too, is
+	// queued after the session's registration.
+	if !l.post(func() { l.add(ls) }) {
+		unix.Close(cfd)
+		unix.Close(bfd)
+		return errLoopStopped
+	}
+	// Closing the originals takes them out of the runtime's poller; the
+	// duplicates are the sockets' only descriptors from here on.
+	s.client.Close()
+	s.backend.Close()
+	s.loop, s.ls = l, ls
+	tcpPipes.enter() // left in eventLoop.end
+	return nil
 }
 
 // setBackend attaches the dialled backend; false if the session was
@@ -58,6 +107,11 @@ func (s *session) abort() {
 		return
 	}
 	s.aborted = true
+	if s.loop != nil {
+		l, ls := s.loop, s.ls
+		l.post(func() { l.abort(ls) })
+		return
+	}
 	for _, c := range []*net.TCPConn{s.client, s.backend} {
 		if c != nil {
 			// Linger 0 makes close send RST, so the peer learns at once that
@@ -107,9 +161,50 @@ func tcpProgress(c *net.TCPConn) uint64 {
 }
 
 // serveTCP carries one accepted connection: check its original
-// destination, pick and dial a backend, then splice both directions.
+// destination, pick and dial a backend, then hand both sockets to an event
+// loop (or, without loops, splice both directions on goroutines of its
+// own).
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
-	defer p.endSession(s)
+	t := p.connectTCP(l, c, s)
+	if t == nil {
+		p.endSession(s)
+		return
+	}
+	pm := t.snap.metrics
+	pm.connStart()
+	finish := func(up, down int64) {
+		pm.up(up)
+		pm.down(down)
+		pm.connEnd()
+		t.backend.Release()
+		t.snap.slots.release()
+		p.endSession(s)
+	}
+	if p.loops.n > 0 {
+		if err := s.carry(&p.loops, finish); err == nil {
+			return
+		} else if !errors.Is(err, errAborted) {
+			p.connLog.Warn("no event loop for connection; copying on goroutines",
+				zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		} else {
+			finish(0, 0)
+			return
+		}
+	}
+	finish(s.pipe(p.cfg.IdleTimeout))
+}
+
+// connected is a session whose backend is connected.
+type connected struct {
+	snap    *snapshot
+	backend *balancer.Backend // Acquired
+}
+
+// connectTCP does everything before the data path: it finds the service
+// port, picks and dials a backend and sends the PROXY header. Nil means
+// the connection was refused and aborted, and everything taken released
+// but the session itself.
+func (p *Proxier) connectTCP(l *listener, c *net.TCPConn, s *session) *connected {
 	var dst netip.AddrPort
 	known := p.cfg.OriginalDst != nil
 	if l.key.name.IsShared() {
@@ -123,7 +218,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		if svc == nil || err != nil {
 			p.sharedRefused(l, dst, err)
 			s.abort()
-			return
+			return nil
 		}
 		l = svc
 	}
@@ -134,7 +229,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		// restarted uproxy taking back its --proxy-port-range port while
 		// the previous process's rules still point at it.
 		s.abort()
-		return
+		return nil
 	}
 	pm := snap.metrics
 	if known && !dst.IsValid() {
@@ -144,7 +239,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 				zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			pm.refusedDestination()
 			s.abort()
-			return
+			return nil
 		}
 	}
 	client := remoteAddr(c)
@@ -154,7 +249,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 			zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst))
 		pm.refusedDestination()
 		s.abort()
-		return
+		return nil
 	}
 	// Over the limit, the connection is reset before any backend is dialled:
 	// abort's linger 0 makes the close send RST, so the client fails at
@@ -164,9 +259,8 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 			zap.Stringer("servicePort", l.key.name), zap.Int("maxConnections", snap.sp.MaxConnections))
 		pm.limited()
 		s.abort()
-		return
+		return nil
 	}
-	defer snap.slots.release()
 	var from netip.Addr
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
 		from = client.Addr()
@@ -174,10 +268,10 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	b, bc, err := p.dialBackend(snap, bal, client.Addr(), from)
 	if err != nil {
 		p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		snap.slots.release()
 		s.abort()
-		return
+		return nil
 	}
-	defer b.Release()
 	if v := snap.sp.ProxyProtocol; v != 0 {
 		if !dst.IsValid() {
 			dst = snap.vip
@@ -185,17 +279,19 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 		if err := writeProxyHeader(bc, v, client, dst); err != nil {
 			p.connLog.Warn("sending the PROXY protocol header failed", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			bc.Close()
+			b.Release()
+			snap.slots.release()
 			s.abort()
-			return
+			return nil
 		}
 	}
 	if !s.setBackend(bc) {
 		bc.Close()
-		return
+		b.Release()
+		snap.slots.release()
+		return nil
 	}
-	pm.connStart()
-	defer pm.connEnd()
-	s.pipe(p.cfg.IdleTimeout, pm)
+	return &connected{snap: snap, backend: b}
 }
 
 func remoteAddr(c net.Conn) netip.AddrPort {
@@ -267,7 +363,14 @@ func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, fro
 // 8 KiB, which the session's goroutine would then keep, idle, for the life
 // of the connection (the runtime shrinks a stack only while a quarter of
 // it or less is in use, and serveTCP's own frame is 1 KiB).
+//
+// With event loops the session's goroutine exits once the sockets are
+// handed over, stack and all, so the dial runs on it directly.
 func (p *Proxier) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
+	if p.loops.n > 0 {
+		r := p.dialTCP(addr, from)
+		return r.c, r.err
+	}
 	ch := make(chan dialed, 1)
 	go func() { ch <- p.dialTCP(addr, from) }() // exits once the dial returns
 	r := <-ch
@@ -317,21 +420,18 @@ func dialAs[T net.Conn](c net.Conn, err error) (T, error) {
 }
 
 // pipe copies both directions until both have ended, then closes both
-// connections. It owns one extra goroutine, which exits when its copy
-// ends (at EOF, on error, or when abort closes its sockets).
-//
-// Each direction's byte count goes to pm (nil: nowhere) when it ends.
-func (s *session) pipe(idle time.Duration, pm *portMetrics) (up, down int64) {
+// connections, and returns the bytes copied each way. It owns one extra
+// goroutine, which exits when its copy ends (at EOF, on error, or when
+// abort closes its sockets). It is the data path without event loops.
+func (s *session) pipe(idle time.Duration) (up, down int64) {
 	tcpPipes.enter()
 	defer tcpPipes.leave()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		up = s.copyHalf(s.backend, s.client, idle)
-		pm.up(up)
 	}()
 	down = s.copyHalf(s.client, s.backend, idle)
-	pm.down(down)
 	<-done
 	s.client.Close()
 	s.backend.Close()
@@ -498,4 +598,52 @@ func writeProxyHeader(c *net.TCPConn, version int, client, dst netip.AddrPort) e
 	}
 	_, err := h.WriteTo(c)
 	return err
+}
+
+// listenConfig returns the ListenConfig of TCP and UDP listeners. TCP
+// keep-alive is set once on the listening socket, which every accepted
+// socket inherits (the kernel clones the listener's options), instead of
+// by four setsockopt calls per accepted connection: Go's defaults, 15s
+// idle, 15s between probes, 9 probes.
+func (p *Proxier) listenConfig() net.ListenConfig {
+	lc := net.ListenConfig{KeepAlive: -1}
+	if p.cfg.Transparent {
+		lc = transparentListenConfig()
+		lc.KeepAlive = -1
+	}
+	control := lc.Control
+	lc.Control = func(network, address string, c syscall.RawConn) error {
+		if control != nil {
+			if err := control(network, address, c); err != nil {
+				return err
+			}
+		}
+		if network[:3] != "tcp" {
+			return nil
+		}
+		return setKeepAlive(c)
+	}
+	return lc
+}
+
+// setKeepAlive turns TCP keep-alive on for c with Go's default timing.
+func setKeepAlive(c syscall.RawConn) error {
+	var serr error
+	err := c.Control(func(fd uintptr) {
+		for _, o := range []struct{ level, opt, v int }{
+			{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 15},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 9},
+		} {
+			if err := unix.SetsockoptInt(int(fd), o.level, o.opt, o.v); err != nil {
+				serr = fmt.Errorf("setsockopt %d/%d: %w", o.level, o.opt, err)
+				return
+			}
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return serr
 }

@@ -51,6 +51,7 @@ type runOptions struct {
 	minSyncPeriod      time.Duration
 	drainTimeout       time.Duration
 	tcpIdleTimeout     time.Duration
+	eventLoops         int
 	dialTimeout        time.Duration
 	dialAttempts       int
 	udpTimeout         time.Duration
@@ -84,6 +85,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "The shortest time between two syncs: changes arriving faster are applied together.")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 25*time.Second, "On SIGTERM or SIGINT, how long established connections may take to finish before they are closed.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", time.Hour, "Close a proxied TCP connection after it has been idle in both directions for this long (detected within twice the period). 0 disables.")
+	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying established TCP connections (epoll, with splice for bulk transfers). 0 means one per CPU the process may use (GOMAXPROCS); -1 means none: each connection is carried by two goroutines of its own, which costs a goroutine stack per direction of an idle connection.")
 	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
@@ -145,6 +147,9 @@ func (o *runOptions) validate() error {
 		if d.v < 0 || (d.v == 0 && !d.zero) {
 			errs = append(errs, fmt.Errorf("%s: %v must be positive", d.name, d.v))
 		}
+	}
+	if o.eventLoops < -1 {
+		errs = append(errs, fmt.Errorf("--event-loops: %d is neither a count nor -1 (none)", o.eventLoops))
 	}
 	if o.minSyncPeriod > o.syncPeriod && o.syncPeriod > 0 {
 		errs = append(errs, fmt.Errorf("--iptables-min-sync-period (%v) is longer than --iptables-sync-period (%v)", o.minSyncPeriod, o.syncPeriod))
@@ -308,6 +313,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		DialTimeout:     o.dialTimeout,
 		DialAttempts:    o.dialAttempts,
 		IdleTimeout:     o.tcpIdleTimeout,
+		EventLoops:      o.eventLoops,
 		UDPTimeout:      o.udpTimeout,
 		NodeName:        o.nodeName,
 		ClusterCIDRs:    o.clusterCIDRs,

@@ -1,0 +1,598 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The TCP data path's event loops. Once its backend is connected, a
+// session's two sockets leave Go's network poller and join one event
+// loop's own epoll instance, and the loop moves their bytes as they
+// become readable and writable, the way HAProxy and nginx do. Compared
+// with a goroutine per direction (session.pipe, kept for Config.EventLoops
+// < 0):
+//   - an idle connection holds no goroutine and no stack, only its two
+//     descriptors and a few hundred bytes of state (a goroutine per
+//     direction kept 8–10 KiB of stacks per idle connection);
+//   - a request wakes no goroutine: one epoll_wait returns the readiness
+//     of many sockets, which the loop serves in turn, with no trip through
+//     the scheduler, the runtime's poller or a futex.
+//
+// A session's sockets are dup(2)licated out of their *net.TCPConn, which
+// is then closed: Close takes the descriptor out of the runtime's epoll
+// (runtime_pollClose), which would otherwise wake for every event on it
+// too. The duplicate is the only descriptor of the socket from then on,
+// and closing it takes the socket out of the loop's epoll as well (epoll(7):
+// a file leaves every epoll set once all its descriptors are closed).
+
+// loopGroup starts event loops on first use and stops them on request.
+// Safe for concurrent use.
+type loopGroup struct {
+	// n is the number of loops; idle the idle timeout (zero: none).
+	n    int
+	idle time.Duration
+
+	mu    sync.Mutex
+	loops []*eventLoop
+	next  int
+}
+
+// loopFor returns the loop that takes the next session, starting the
+// loops if they are not running.
+func (g *loopGroup) loopFor() (*eventLoop, error) {
+	if g.n <= 0 {
+		return nil, errors.New("no event loops configured")
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.loops == nil {
+		loops := make([]*eventLoop, 0, g.n)
+		for range g.n {
+			l, err := newEventLoop(g.idle)
+			if err != nil {
+				for _, l := range loops {
+					l.stop()
+				}
+				return nil, err
+			}
+			loops = append(loops, l)
+		}
+		g.loops = loops
+	}
+	l := g.loops[g.next%len(g.loops)]
+	g.next++
+	return l, nil
+}
+
+// stop ends the loops, once no session is left on them; the next session
+// starts new ones.
+func (g *loopGroup) stop() {
+	g.mu.Lock()
+	loops := g.loops
+	g.loops = nil
+	g.mu.Unlock()
+	for _, l := range loops {
+		l.stop()
+	}
+}
+
+// eventLoop carries sessions on one epoll instance. Its goroutine (run)
+// owns the sessions, their descriptors and every field below mu's; other
+// goroutines reach it only through post. The goroutine exits after stop.
+type eventLoop struct {
+	epfd, wakefd int
+	idle         time.Duration
+	done         chan struct{} // closed when run returns
+
+	mu       sync.Mutex
+	tasks    []func()
+	stopping bool
+
+	// Owned by run's goroutine.
+	sides     []*loopSide // by descriptor number
+	sessions  map[*loopSession]struct{}
+	gen       int32
+	nextSweep time.Time
+	buf       [copyBufSize]byte
+}
+
+// newEventLoop creates the loop's epoll instance and starts its
+// goroutine.
+func newEventLoop(idle time.Duration) (*eventLoop, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("epoll_create1: %w", err)
+	}
+	wakefd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		unix.Close(epfd)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	// The wake-up descriptor is level-triggered and marked by generation
+	// 0, which no session side has.
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wakefd)}
+	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wakefd, &ev); err != nil {
+		unix.Close(epfd)
+		unix.Close(wakefd)
+		return nil, fmt.Errorf("epoll_ctl add eventfd: %w", err)
+	}
+	l := &eventLoop{
+		epfd: epfd, wakefd: wakefd, idle: idle,
+		done:     make(chan struct{}),
+		sessions: map[*loopSession]struct{}{},
+	}
+	if idle > 0 {
+		l.nextSweep = time.Now().Add(idle)
+	}
+	go l.run() // exits after stop
+	return l, nil
+}
+
+// post runs f on the loop's goroutine; false if the loop is stopping.
+func (l *eventLoop) post(f func()) bool {
+	l.mu.Lock()
+	if l.stopping {
+		l.mu.Unlock()
+		return false
+	}
+	l.tasks = append(l.tasks, f)
+	wake := len(l.tasks) == 1
+	l.mu.Unlock()
+	if wake {
+		l.wake()
+	}
+	return true
+}
+
+func (l *eventLoop) wake() {
+	one := [8]byte{1}
+	_, _ = unix.Write(l.wakefd, one[:])
+}
+
+// stop makes run abort whatever sessions are left, close the loop's
+// descriptors and return, and waits for it.
+func (l *eventLoop) stop() {
+	l.mu.Lock()
+	l.stopping = true
+	l.mu.Unlock()
+	l.wake()
+	<-l.done
+}
+
+// run is the loop's goroutine.
+func (l *eventLoop) run() {
+	defer close(l.done)
+	events := make([]unix.EpollEvent, 256)
+	for {
+		timeout := -1
+		if l.idle > 0 {
+			timeout = max(0, int(time.Until(l.nextSweep).Milliseconds())+1)
+		}
+		n, err := unix.EpollWait(l.epfd, events, timeout)
+		if err != nil {
+			if err == unix.EINTR {
+				continue
+			}
+			// Only a bad epoll descriptor or buffer fails epoll_wait:
+			// a bug, not a condition to carry on from.
+			panic(fmt.Sprintf("uproxy: epoll_wait on the TCP event loop: %v", err))
+		}
+		woken := false
+		for _, ev := range events[:n] {
+			if ev.Pad == 0 {
+				woken = true
+				continue
+			}
+			l.ready(ev)
+		}
+		if woken {
+			var b [8]byte
+			_, _ = unix.Read(l.wakefd, b[:])
+			if l.runTasks() {
+				return
+			}
+		}
+		if l.idle > 0 && !time.Now().Before(l.nextSweep) {
+			l.sweep()
+			l.nextSweep = time.Now().Add(l.idle)
+		}
+	}
+}
+
+// runTasks runs what post queued; true once the loop is stopping, after
+// it has aborted its sessions and closed its descriptors.
+func (l *eventLoop) runTasks() bool {
+	l.mu.Lock()
+	tasks, stopping := l.tasks, l.stopping
+	l.tasks = nil
+	l.mu.Unlock()
+	for _, f := range tasks {
+		f()
+	}
+	if !stopping {
+		return false
+	}
+	for ls := range l.sessions {
+		l.end(ls, true)
+	}
+	unix.Close(l.epfd)
+	unix.Close(l.wakefd)
+	return true
+}
+
+// loopSession is a session carried by an event loop: side 0 is the
+// client, side 1 the backend; direction d copies side d to side 1-d.
+type loopSession struct {
+	side   [2]loopSide
+	dir    [2]loopDir
+	closed bool
+	// moved: bytes moved since the last idle sweep. progress: the TCP_INFO
+	// counters of the two sockets at that sweep (see session.stillActive).
+	moved    bool
+	progress [2]uint64
+	// finish runs once, on the loop, after both sockets are closed, with
+	// the bytes each direction wrote.
+	finish func(up, down int64)
+}
+
+// loopSide is one of a session's sockets and what epoll last said of it
+// (edge-triggered: a flag stays set until a call finds EAGAIN).
+type loopSide struct {
+	ls                 *loopSession
+	fd                 int
+	gen                int32
+	readable, writable bool
+}
+
+// loopDir is one direction's state between events.
+type loopDir struct {
+	h       halfState
+	pipe    *kernelPipe // spliced bytes not yet written, if any
+	pending []byte      // copied bytes not yet written, if any
+	eof     bool        // the source has reached EOF
+	done    bool        // and the EOF has been passed on
+	total   int64       // bytes written to the destination
+	moved   bool        // since the source last had nothing to read
+}
+
+// add registers a session's sockets; on failure it ends the session.
+// Runs on the loop.
+func (l *eventLoop) add(ls *loopSession) {
+	l.sessions[ls] = struct{}{}
+	for i := range ls.side {
+		sd := &ls.side[i]
+		l.gen++
+		if l.gen <= 0 {
+			l.gen = 1
+		}
+		sd.ls, sd.gen, sd.writable = ls, l.gen, true
+		if sd.fd >= len(l.sides) {
+			grown := make([]*loopSide, max(sd.fd+1, 2*len(l.sides), 64))
+			copy(grown, l.sides)
+			l.sides = grown
+		}
+		l.sides[sd.fd] = sd
+		// Registering reports the socket's current readiness at once
+		// (ep_insert queues a file that is ready already), so bytes that
+		// came before the session got here are not missed.
+		ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(sd.fd), Pad: sd.gen}
+		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, sd.fd, &ev); err != nil {
+			l.end(ls, true)
+			return
+		}
+	}
+}
+
+// ready handles one epoll event.
+func (l *eventLoop) ready(ev unix.EpollEvent) {
+	fd := int(ev.Fd)
+	if fd < 0 || fd >= len(l.sides) {
+		return
+	}
+	sd := l.sides[fd]
+	if sd == nil || sd.gen != ev.Pad {
+		return // the side was closed earlier in this batch
+	}
+	if ev.Events&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		sd.readable = true
+	}
+	if ev.Events&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		sd.writable = true
+	}
+	ls := sd.ls
+	for d := range ls.dir {
+		if ls.closed {
+			return
+		}
+		if err := l.pump(ls, d); err != nil {
+			l.end(ls, true)
+			return
+		}
+	}
+}
+
+// pump moves direction d's bytes until its source has nothing more, its
+// destination is full, or its EOF has been passed on. An error means the
+// session must be aborted.
+//
+// Like session.copyHalf, a direction moves small messages through a
+// userspace buffer (the loop's own: it is emptied into the destination
+// before the next read) and bulk transfers with splice(2) through a pooled
+// pipe, held only while it has bytes in it.
+func (l *eventLoop) pump(ls *loopSession, d int) error {
+	dir, src, dst := &ls.dir[d], &ls.side[d], &ls.side[1-d]
+	for !dir.done {
+		if dir.pipe != nil || len(dir.pending) > 0 {
+			if !dst.writable {
+				return nil
+			}
+			if err := l.flush(dir, dst); err != nil {
+				return err
+			}
+			if dir.pipe != nil || len(dir.pending) > 0 {
+				dst.writable = false
+				return nil
+			}
+			continue
+		}
+		if dir.eof {
+			dir.done = true
+			if ls.dir[1-d].done {
+				// Both EOFs passed: close both at once, which sends the
+				// last FIN without a shutdown call of its own.
+				l.end(ls, false)
+				return nil
+			}
+			if err := unix.Shutdown(dst.fd, unix.SHUT_WR); err != nil && err != unix.ENOTCONN {
+				return fmt.Errorf("shutdown: %w", err)
+			}
+			return nil
+		}
+		if !src.readable || !dst.writable {
+			return nil
+		}
+		if err := l.read(ls, dir, src, dst); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// read takes what src has, into a pipe or the loop's buffer, and writes
+// as much of it as dst takes at once; the rest waits in dir.
+func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) error {
+	h := &dir.h
+	if h.splicing {
+		p, err := tcpPipes.get()
+		if err == nil {
+			n, err := spliceRetry(src.fd, p.w, maxSplice)
+			switch {
+			case err == unix.EAGAIN:
+				tcpPipes.put(p)
+				l.drained(dir, src)
+				return nil
+			case err != nil:
+				tcpPipes.put(p)
+				return fmt.Errorf("splice from socket: %w", err)
+			case n == 0:
+				tcpPipes.put(p)
+				dir.eof = true
+				return nil
+			}
+			p.data = n
+			dir.pipe = p
+			dir.moved, ls.moved = true, true
+			if n >= spliceAtLeast {
+				h.small = 0
+			} else if h.small++; h.small >= smallSplices {
+				h.splicing = false
+			}
+			return nil
+		}
+		if !errors.Is(err, errNoPipe) {
+			return err
+		}
+		// No pipe to be had: this read goes through the buffer.
+	}
+	var (
+		n, inq int
+		err    error
+	)
+	if h.inq {
+		n, inq, err = recvInq(src.fd, l.buf[:])
+	} else {
+		n, err = readRetry(src.fd, l.buf[:])
+		inq = 1 // unknown: read again
+	}
+	switch {
+	case err == unix.EAGAIN:
+		l.drained(dir, src)
+		return nil
+	case err != nil:
+		return fmt.Errorf("read from socket: %w", err)
+	case n == 0:
+		dir.eof = true
+		return nil
+	}
+	dir.moved, ls.moved = true, true
+	copiedBytes.Add(int64(n))
+	full := n == len(l.buf)
+	w, err := writeRetry(dst.fd, l.buf[:n])
+	if w > 0 {
+		dir.total += int64(w)
+	}
+	switch {
+	case err == unix.EAGAIN:
+		w = 0
+		dst.writable = false
+	case err != nil:
+		return fmt.Errorf("write to socket: %w", err)
+	}
+	if w < n {
+		dir.pending = append([]byte(nil), l.buf[w:n]...)
+	}
+	if full {
+		h.splicing = true // a bulk transfer: splice from here on
+	}
+	if inq == 0 {
+		// Nothing left and no FIN (recvInq): no need for the read that
+		// would say EAGAIN. Edge-triggered epoll reports the next bytes
+		// that arrive, even ones that came while this ran.
+		l.drained(dir, src)
+	}
+	return nil
+}
+
+// drained notes that src has nothing to read. The second time that
+// happens between messages, TCP_INQ is turned on for src, as in
+// copyMessages.
+func (l *eventLoop) drained(dir *loopDir, src *loopSide) {
+	src.readable = false
+	if !dir.moved {
+		return
+	}
+	dir.moved = false
+	h := &dir.h
+	if !h.inq {
+		if h.boundaries++; h.boundaries == inqAfter {
+			h.inq = unix.SetsockoptInt(src.fd, unix.SOL_TCP, unix.TCP_INQ, 1) == nil
+		}
+	}
+}
+
+// flush writes dir's waiting bytes to dst until they are gone or dst is
+// full.
+func (l *eventLoop) flush(dir *loopDir, dst *loopSide) error {
+	for len(dir.pending) > 0 {
+		w, err := writeRetry(dst.fd, dir.pending)
+		if w > 0 {
+			dir.total += int64(w)
+			dir.pending = dir.pending[w:]
+		}
+		if err == unix.EAGAIN {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("write to socket: %w", err)
+		}
+	}
+	dir.pending = nil
+	if p := dir.pipe; p != nil {
+		for p.data > 0 {
+			n, err := spliceRetry(p.r, dst.fd, p.data)
+			if n > 0 {
+				p.data -= n
+				dir.total += int64(n)
+				continue
+			}
+			if err == unix.EAGAIN {
+				return nil
+			}
+			if err == nil {
+				err = io.ErrUnexpectedEOF // the pipe is ours: it cannot be empty here
+			}
+			return fmt.Errorf("splice to socket: %w", err)
+		}
+		tcpPipes.put(p)
+		dir.pipe = nil
+	}
+	return nil
+}
+
+// end closes the session's sockets (abort: with a reset, as
+// session.abort does) and runs its finish. Runs on the loop; once only.
+func (l *eventLoop) end(ls *loopSession, abort bool) {
+	if ls.closed {
+		return
+	}
+	ls.closed = true
+	delete(l.sessions, ls)
+	for i := range ls.side {
+		sd := &ls.side[i]
+		if sd.fd < len(l.sides) && l.sides[sd.fd] == sd {
+			l.sides[sd.fd] = nil
+		}
+		if abort {
+			_ = unix.SetsockoptLinger(sd.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
+		}
+		_ = unix.Close(sd.fd)
+	}
+	for i := range ls.dir {
+		if p := ls.dir[i].pipe; p != nil {
+			tcpPipes.put(p) // closes it: it still holds bytes
+			ls.dir[i].pipe = nil
+		}
+	}
+	tcpPipes.leave()
+	ls.finish(ls.dir[0].total, ls.dir[1].total)
+}
+
+// abort ends ls with a reset, if it has not ended. Runs on the loop.
+func (l *eventLoop) abort(ls *loopSession) {
+	l.end(ls, true)
+}
+
+// sweep aborts the sessions that moved nothing, and whose sockets made no
+// progress either, since the previous sweep: idle for between one and two
+// periods.
+func (l *eventLoop) sweep() {
+	for ls := range l.sessions {
+		now := [2]uint64{fdProgress(ls.side[0].fd), fdProgress(ls.side[1].fd)}
+		active := ls.moved || now != ls.progress
+		ls.moved, ls.progress = false, now
+		if !active {
+			l.end(ls, true)
+		}
+	}
+}
+
+// fdProgress returns bytes received plus bytes acknowledged by the peer
+// (see tcpProgress).
+func fdProgress(fd int) uint64 {
+	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+	if err != nil {
+		return 0
+	}
+	return info.Bytes_received + info.Bytes_acked
+}
+
+// errLoopStopped: the loop stopped before it could take the session.
+var errLoopStopped = errors.New("event loop stopped")
+
+// dupFD returns a duplicate of c's descriptor.
+func dupFD(c *net.TCPConn) (int, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	nfd := -1
+	cerr := rc.Control(func(fd uintptr) {
+		nfd, err = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+	})
+	if cerr != nil {
+		return -1, cerr
+	}
+	if err != nil {
+		return -1, fmt.Errorf("dup: %w", err)
+	}
+	return nfd, nil
+}
+
+// eventLoops is the number of loops cfg asks for: zero means one per
+// GOMAXPROCS, negative none.
+func (c *Config) eventLoops() int {
+	switch {
+	case c.EventLoops < 0:
+		return 0
+	case c.EventLoops == 0:
+		return runtime.GOMAXPROCS(0)
+	}
+	return c.EventLoops
+}

@@ -1,0 +1,113 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"golang.org/x/sys/unix"
+)
+
+// TestAcceptedSocketsInheritKeepAlive checks that a listener's accepted
+// sockets carry TCP keep-alive, with Go's default timing, although it is
+// set only once, on the listening socket.
+func TestAcceptedSocketsInheritKeepAlive(t *testing.T) {
+	p := NewProxier(Config{})
+	ln, err := p.listen(context.Background(), "tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp4", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	a, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	rc, err := a.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]int{}
+	rc.Control(func(fd uintptr) {
+		for name, o := range map[string][2]int{
+			"SO_KEEPALIVE":  {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+			"TCP_KEEPIDLE":  {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
+			"TCP_KEEPINTVL": {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
+			"TCP_KEEPCNT":   {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
+		} {
+			v, err := unix.GetsockoptInt(int(fd), o[0], o[1])
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+			}
+			got[name] = v
+		}
+	})
+	want := map[string]int{"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 15, "TCP_KEEPCNT": 9}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("accepted socket's keep-alive options (-want +got):\n%s", diff)
+	}
+}
+
+// TestIdleConnectionsHoldNoGoroutine checks the event loops' point: once
+// proxied connections are established and idle, the proxy holds no
+// goroutine for them (with a goroutine per direction it held two each).
+func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
+	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+	p, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
+	const n = 200
+	// Before the count: a first connection starts the loops.
+	conns := make([]net.Conn, 0, n)
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	echo := func(i int) {
+		t.Helper()
+		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		msg := fmt.Sprintf("%05d", i)
+		buf := make([]byte, len(msg))
+		if _, err := c.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+			t.Fatalf("echo %d: %q, %v", i, buf, err)
+		}
+	}
+	echo(0)
+	waitUntil(t, "the first session is carried", func() bool { return p.ActiveConnections() == 1 })
+	// The test's own goroutines: the backend's handler per connection.
+	base := runtime.NumGoroutine()
+	for i := 1; i <= n; i++ {
+		echo(i)
+	}
+	waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n+1 })
+	var proxyG int
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		proxyG = runtime.NumGoroutine() - base - n // less one backend handler per connection
+		if proxyG <= 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if proxyG > 0 {
+		t.Fatalf("the proxy holds %d goroutines for %d idle connections; want none", proxyG, n)
+	}
+}
