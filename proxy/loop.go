@@ -5,10 +5,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"runtime"
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
 
@@ -35,9 +37,11 @@ import (
 // loopGroup starts event loops on first use and stops them on request.
 // Safe for concurrent use.
 type loopGroup struct {
-	// n is the number of loops; idle the idle timeout (zero: none).
-	n    int
-	idle time.Duration
+	// n is the number of loops; idle the idle timeout (zero: none);
+	// dialTimeout bounds one connection attempt to a backend.
+	n           int
+	idle        time.Duration
+	dialTimeout time.Duration
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -55,7 +59,7 @@ func (g *loopGroup) loopFor() (*eventLoop, error) {
 	if g.loops == nil {
 		loops := make([]*eventLoop, 0, g.n)
 		for range g.n {
-			l, err := newEventLoop(g.idle)
+			l, err := newEventLoop(g.idle, g.dialTimeout)
 			if err != nil {
 				for _, l := range loops {
 					l.stop()
@@ -89,6 +93,7 @@ func (g *loopGroup) stop() {
 type eventLoop struct {
 	epfd, wakefd int
 	idle         time.Duration
+	dialTimeout  time.Duration
 	done         chan struct{} // closed when run returns
 
 	mu       sync.Mutex
@@ -100,12 +105,16 @@ type eventLoop struct {
 	sessions  map[*loopSession]struct{}
 	gen       int32
 	nextSweep time.Time
-	buf       [copyBufSize]byte
+	// connecting: the sessions whose backend connection is in progress;
+	// nextDeadline is the earliest of their deadlines, or zero.
+	connecting   map[*loopSession]struct{}
+	nextDeadline time.Time
+	buf          [copyBufSize]byte
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
 // goroutine.
-func newEventLoop(idle time.Duration) (*eventLoop, error) {
+func newEventLoop(idle, dialTimeout time.Duration) (*eventLoop, error) {
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err != nil {
 		return nil, fmt.Errorf("epoll_create1: %w", err)
@@ -124,9 +133,10 @@ func newEventLoop(idle time.Duration) (*eventLoop, error) {
 		return nil, fmt.Errorf("epoll_ctl add eventfd: %w", err)
 	}
 	l := &eventLoop{
-		epfd: epfd, wakefd: wakefd, idle: idle,
-		done:     make(chan struct{}),
-		sessions: map[*loopSession]struct{}{},
+		epfd: epfd, wakefd: wakefd, idle: idle, dialTimeout: dialTimeout,
+		done:       make(chan struct{}),
+		sessions:   map[*loopSession]struct{}{},
+		connecting: map[*loopSession]struct{}{},
 	}
 	if idle > 0 {
 		l.nextSweep = time.Now().Add(idle)
@@ -171,11 +181,7 @@ func (l *eventLoop) run() {
 	defer close(l.done)
 	events := make([]unix.EpollEvent, 256)
 	for {
-		timeout := -1
-		if l.idle > 0 {
-			timeout = max(0, int(time.Until(l.nextSweep).Milliseconds())+1)
-		}
-		n, err := unix.EpollWait(l.epfd, events, timeout)
+		n, err := unix.EpollWait(l.epfd, events, l.timeout())
 		if err != nil {
 			if err == unix.EINTR {
 				continue
@@ -199,11 +205,34 @@ func (l *eventLoop) run() {
 				return
 			}
 		}
-		if l.idle > 0 && !time.Now().Before(l.nextSweep) {
+		if l.idle <= 0 && l.nextDeadline.IsZero() {
+			continue
+		}
+		now := time.Now()
+		if !l.nextDeadline.IsZero() && !now.Before(l.nextDeadline) {
+			l.expire(now)
+		}
+		if l.idle > 0 && !now.Before(l.nextSweep) {
 			l.sweep()
-			l.nextSweep = time.Now().Add(l.idle)
+			l.nextSweep = now.Add(l.idle)
 		}
 	}
+}
+
+// timeout is epoll_wait's: until the next idle sweep or connection
+// deadline, in milliseconds rounded up; -1 (none) without either.
+func (l *eventLoop) timeout() int {
+	var next time.Time
+	if l.idle > 0 {
+		next = l.nextSweep
+	}
+	if d := l.nextDeadline; !d.IsZero() && (next.IsZero() || d.Before(next)) {
+		next = d
+	}
+	if next.IsZero() {
+		return -1
+	}
+	return max(0, int((time.Until(next)+time.Millisecond-1)/time.Millisecond))
 }
 
 // runTasks runs what post queued; true once the loop is stopping, after
@@ -233,6 +262,11 @@ type loopSession struct {
 	side   [2]loopSide
 	dir    [2]loopDir
 	closed bool
+	// dial, when set, is how the loop connects the backend (connect);
+	// connecting while an attempt is in progress, until deadline.
+	dial       *tcpDial
+	connecting bool
+	deadline   time.Time
 	// moved: bytes moved since the last idle sweep. progress: the TCP_INFO
 	// counters of the two sockets at that sweep (see session.stillActive).
 	moved    bool
@@ -262,30 +296,121 @@ type loopDir struct {
 	moved   bool        // since the source last had nothing to read
 }
 
-// add registers a session's sockets; on failure it ends the session.
-// Runs on the loop.
+// add registers a session's sockets, or its client's and starts dialling
+// the backend; on failure it ends the session. Runs on the loop.
 func (l *eventLoop) add(ls *loopSession) {
 	l.sessions[ls] = struct{}{}
-	for i := range ls.side {
-		sd := &ls.side[i]
-		l.gen++
-		if l.gen <= 0 {
-			l.gen = 1
-		}
-		sd.ls, sd.gen, sd.writable = ls, l.gen, true
-		if sd.fd >= len(l.sides) {
-			grown := make([]*loopSide, max(sd.fd+1, 2*len(l.sides), 64))
-			copy(grown, l.sides)
-			l.sides = grown
-		}
-		l.sides[sd.fd] = sd
-		// Registering reports the socket's current readiness at once
-		// (ep_insert queues a file that is ready already), so bytes that
-		// came before the session got here are not missed.
-		ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(sd.fd), Pad: sd.gen}
-		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, sd.fd, &ev); err != nil {
+	if err := l.register(ls, 0); err != nil {
+		l.end(ls, true)
+		return
+	}
+	if ls.dial != nil {
+		l.connect(ls)
+		return
+	}
+	if err := l.register(ls, 1); err != nil {
+		l.end(ls, true)
+	}
+}
+
+// register adds side i of ls to the epoll set, for reading and writing,
+// edge-triggered. Registering reports the socket's current readiness at
+// once (ep_insert queues a file that is ready already), so bytes that came
+// before the session got here are not missed.
+func (l *eventLoop) register(ls *loopSession, i int) error {
+	sd := &ls.side[i]
+	l.gen++
+	if l.gen <= 0 {
+		l.gen = 1
+	}
+	sd.ls, sd.gen, sd.readable, sd.writable = ls, l.gen, false, !ls.connecting
+	if sd.fd >= len(l.sides) {
+		grown := make([]*loopSide, max(sd.fd+1, 2*len(l.sides), 64))
+		copy(grown, l.sides)
+		l.sides = grown
+	}
+	l.sides[sd.fd] = sd
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(sd.fd), Pad: sd.gen}
+	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, sd.fd, &ev); err != nil {
+		return fmt.Errorf("epoll_ctl add: %w", err)
+	}
+	return nil
+}
+
+// connect starts the next attempt at a backend for ls (tcpDial.next),
+// moving on at once past attempts that fail to start; when none is left
+// the session ends. The attempt completes in ready (connected), or fails
+// there or at its deadline (expire).
+func (l *eventLoop) connect(ls *loopSession) {
+	d := ls.dial
+	for {
+		addr, err := d.next()
+		if err != nil {
+			d.refused(err)
 			l.end(ls, true)
 			return
+		}
+		fd, err := rawConnect(addr, d.from)
+		if err != nil {
+			d.failed(err)
+			continue
+		}
+		ls.side[1].fd = fd
+		ls.connecting = true
+		if err := l.register(ls, 1); err != nil {
+			l.closeSide(&ls.side[1], false)
+			ls.connecting = false
+			d.failed(err)
+			continue
+		}
+		ls.deadline = time.Now().Add(l.dialTimeout)
+		l.connecting[ls] = struct{}{}
+		if l.nextDeadline.IsZero() || ls.deadline.Before(l.nextDeadline) {
+			l.nextDeadline = ls.deadline
+		}
+		return
+	}
+}
+
+// connectDone ends ls's connection attempt: with err nil the backend is
+// connected, and its PROXY header, if any, is the first thing to send it;
+// otherwise the next attempt starts. False if the session is over.
+func (l *eventLoop) connectDone(ls *loopSession, err error) bool {
+	ls.connecting = false
+	delete(l.connecting, ls)
+	d := ls.dial
+	if err != nil {
+		l.closeSide(&ls.side[1], false)
+		d.failed(err)
+		l.connect(ls)
+		return false
+	}
+	d.connected()
+	hdr, err := d.header()
+	if err != nil {
+		d.p.connLog.Warn("sending the PROXY protocol header failed", zap.Stringer("servicePort", d.name), zap.Error(err))
+		l.end(ls, true)
+		return false
+	}
+	if len(hdr) > 0 {
+		ls.dir[0].pending = hdr
+	}
+	ls.side[1].writable = true
+	return true
+}
+
+// expire fails the connection attempts past their deadline, and works
+// out the next deadline.
+func (l *eventLoop) expire(now time.Time) {
+	l.nextDeadline = time.Time{}
+	for ls := range l.connecting {
+		if !now.Before(ls.deadline) {
+			l.connectDone(ls, errConnectTimeout)
+		}
+	}
+	for ls := range l.connecting { // connectDone may have added some
+		if l.nextDeadline.IsZero() || ls.deadline.Before(l.nextDeadline) {
+			l.nextDeadline = ls.deadline
 		}
 	}
 }
@@ -307,6 +432,22 @@ func (l *eventLoop) ready(ev unix.EpollEvent) {
 		sd.writable = true
 	}
 	ls := sd.ls
+	if ls.connecting {
+		if sd != &ls.side[1] {
+			return // the client's bytes wait until the backend is connected
+		}
+		if ev.Events&(unix.EPOLLOUT|unix.EPOLLERR|unix.EPOLLHUP) == 0 {
+			return
+		}
+		soerr, err := unix.GetsockoptInt(sd.fd, unix.SOL_SOCKET, unix.SO_ERROR)
+		if err == nil && soerr != 0 {
+			err = os.NewSyscallError("connect", unix.Errno(soerr))
+		}
+		if !l.connectDone(ls, err) {
+			return
+		}
+		// The client may have sent its first bytes already.
+	}
 	for d := range ls.dir {
 		if ls.closed {
 			return
@@ -514,15 +655,9 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 	}
 	ls.closed = true
 	delete(l.sessions, ls)
+	delete(l.connecting, ls)
 	for i := range ls.side {
-		sd := &ls.side[i]
-		if sd.fd < len(l.sides) && l.sides[sd.fd] == sd {
-			l.sides[sd.fd] = nil
-		}
-		if abort {
-			_ = unix.SetsockoptLinger(sd.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
-		}
-		_ = unix.Close(sd.fd)
+		l.closeSide(&ls.side[i], abort)
 	}
 	for i := range ls.dir {
 		if p := ls.dir[i].pipe; p != nil {
@@ -532,6 +667,22 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 	}
 	tcpPipes.leave()
 	ls.finish(ls.dir[0].total, ls.dir[1].total)
+}
+
+// closeSide closes sd's socket, if it has one (abort: with a reset). Its
+// descriptor leaves the epoll set as it closes.
+func (l *eventLoop) closeSide(sd *loopSide, abort bool) {
+	if sd.fd < 0 {
+		return
+	}
+	if sd.fd < len(l.sides) && l.sides[sd.fd] == sd {
+		l.sides[sd.fd] = nil
+	}
+	if abort {
+		_ = unix.SetsockoptLinger(sd.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
+	}
+	_ = unix.Close(sd.fd)
+	sd.fd = -1
 }
 
 // abort ends ls with a reset, if it has not ended. Runs on the loop.
@@ -544,6 +695,9 @@ func (l *eventLoop) abort(ls *loopSession) {
 // periods.
 func (l *eventLoop) sweep() {
 	for ls := range l.sessions {
+		if ls.connecting {
+			continue // the dial timeout bounds it
+		}
 		now := [2]uint64{fdProgress(ls.side[0].fd), fdProgress(ls.side[1].fd)}
 		active := ls.moved || now != ls.progress
 		ls.moved, ls.progress = false, now

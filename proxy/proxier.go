@@ -228,7 +228,7 @@ func NewProxier(cfg Config) *Proxier {
 		services: map[types.NamespacedName]map[portKey]*listener{},
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
-		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout},
+		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()},
 	}
 	// At most 5 identical per-connection messages per second, then 1 in 100.
 	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
@@ -898,6 +898,10 @@ func (p *Proxier) acceptLoop(l *listener) {
 		s := p.newSession(tc)
 		if s == nil {
 			tc.Close()
+			continue
+		}
+		if p.loops.n > 0 && p.cfg.Dial == nil {
+			p.startTCP(l, tc, s) // the loop dials; this does not block
 			continue
 		}
 		go p.serveTCP(l, tc, s)

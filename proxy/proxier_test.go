@@ -246,21 +246,23 @@ func blackhole(t *testing.T) netip.AddrPort {
 }
 
 func TestProxyFailsOverRefusedAndBlackholedEndpoints(t *testing.T) {
-	good := nameBackend(t, "good")
-	refused := nameBackend(t, "refused")
-	refused.ln.Close()
-	hole := blackhole(t)
-	p, rules := startProxier(t, Config{DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute})
-	slices := slicesFor("web", "http", refused, good)
-	slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{ip: "127.0.0.1"}))
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
-	port := rules.port(t, "default/web:http")
-	for i := range 20 {
-		name, err := get(t, port)
-		if err != nil || name != "good" {
-			t.Fatalf("request %d = %q, %v; want good", i, name, err)
+	eachDataPath(t, func(t *testing.T, loops int) {
+		good := nameBackend(t, "good")
+		refused := nameBackend(t, "refused")
+		refused.ln.Close()
+		hole := blackhole(t)
+		p, rules := startProxier(t, Config{EventLoops: loops, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute})
+		slices := slicesFor("web", "http", refused, good)
+		slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{ip: "127.0.0.1"}))
+		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
+		port := rules.port(t, "default/web:http")
+		for i := range 20 {
+			name, err := get(t, port)
+			if err != nil || name != "good" {
+				t.Fatalf("request %d = %q, %v; want good", i, name, err)
+			}
 		}
-	}
+	})
 }
 
 func TestProxyPassesHalfClose(t *testing.T) {
@@ -598,6 +600,10 @@ func TestListenerPortsComeFromTheRange(t *testing.T) {
 }
 
 func TestProxyProtocolHeader(t *testing.T) {
+	eachDataPath(t, func(t *testing.T, loops int) { proxyProtocolHeader(t, loops) })
+}
+
+func proxyProtocolHeader(t *testing.T, loops int) {
 	for _, version := range []string{"v1", "v2"} {
 		t.Run(version, func(t *testing.T) {
 			// The backend reads the header and answers with what it says.
@@ -610,7 +616,7 @@ func TestProxyProtocolHeader(t *testing.T) {
 				}
 				fmt.Fprintf(c, "v%d %s %s\n", h.Version, h.SourceAddr, h.DestinationAddr)
 			})
-			p, rules := startProxier(t, Config{OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+			p, rules := startProxier(t, Config{EventLoops: loops, OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
 				return netip.MustParseAddrPort("10.96.0.10:80"), nil
 			}})
 			s := svc("web", "10.96.0.10", "http:80")

@@ -46,9 +46,11 @@ type session struct {
 var errAborted = errors.New("session aborted")
 
 // carry hands the session's sockets to one of g's loops, which calls
-// finish once both are closed. On an error other than errAborted nothing
-// has changed, and the session can go on with pipe.
-func (s *session) carry(g *loopGroup, finish func(up, down int64)) error {
+// finish once both are closed. With d, only the client's socket is
+// handed over, and the loop dials the backend as d says; without, the
+// backend is connected already. On an error other than errAborted
+// nothing has changed, and the session can go on without a loop.
+func (s *session) carry(g *loopGroup, d *tcpDial, finish func(up, down int64)) error {
 	l, err := g.loopFor()
 	if err != nil {
 		return err
@@ -58,28 +60,33 @@ func (s *session) carry(g *loopGroup, finish func(up, down int64)) error {
 	if s.aborted {
 		return errAborted
 	}
-	cfd, err := dupFD(s.client)
-	if err != nil {
+	ls := &loopSession{finish: finish, dial: d}
+	ls.side[0].fd, ls.side[1].fd = -1, -1
+	if ls.side[0].fd, err = dupFD(s.client); err != nil {
 		return err
 	}
-	bfd, err := dupFD(s.backend)
-	if err != nil {
-		unix.Close(cfd)
-		return err
+	if d == nil {
+		if ls.side[1].fd, err = dupFD(s.backend); err != nil {
+			unix.Close(ls.side[0].fd)
+			return err
+		}
 	}
-	ls := &loopSession{finish: finish}
-	ls.side[0].fd, ls.side[1].fd = cfd, bfd
 	// Posted under s.mu, so that an abort, which posts under it too, is
 	// queued after the session's registration.
 	if !l.post(func() { l.add(ls) }) {
-		unix.Close(cfd)
-		unix.Close(bfd)
+		for _, sd := range ls.side {
+			if sd.fd >= 0 {
+				unix.Close(sd.fd)
+			}
+		}
 		return errLoopStopped
 	}
 	// Closing the originals takes them out of the runtime's poller; the
 	// duplicates are the sockets' only descriptors from here on.
 	s.client.Close()
-	s.backend.Close()
+	if s.backend != nil {
+		s.backend.Close()
+	}
 	s.loop, s.ls = l, ls
 	tcpPipes.enter() // left in eventLoop.end
 	return nil
@@ -160,51 +167,95 @@ func tcpProgress(c *net.TCPConn) uint64 {
 	return v
 }
 
-// serveTCP carries one accepted connection: check its original
-// destination, pick and dial a backend, then hand both sockets to an event
-// loop (or, without loops, splice both directions on goroutines of its
-// own).
+// serveTCP carries one accepted connection on a goroutine of its own:
+// check its original destination, pick and dial a backend, then hand both
+// sockets to an event loop or, without loops, splice both directions on
+// goroutines of its own. With event loops and the default dialer,
+// acceptLoop calls startTCP instead, and the loop dials.
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
-	t := p.connectTCP(l, c, s)
-	if t == nil {
+	d := p.admitTCP(l, c, s)
+	if d == nil {
 		p.endSession(s)
 		return
 	}
-	pm := t.snap.metrics
-	pm.connStart()
+	p.connectTCP(s, d)
+}
+
+// connectTCP dials d's backend from the calling goroutine, sends the
+// PROXY header, and carries the session to its end.
+func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 	finish := func(up, down int64) {
-		pm.up(up)
-		pm.down(down)
-		pm.connEnd()
-		t.backend.Release()
-		t.snap.slots.release()
+		d.done(up, down)
 		p.endSession(s)
 	}
-	if p.loops.n > 0 {
-		if err := s.carry(&p.loops, finish); err == nil {
-			return
-		} else if !errors.Is(err, errAborted) {
-			p.connLog.Warn("no event loop for connection; copying on goroutines",
-				zap.Stringer("servicePort", l.key.name), zap.Error(err))
-		} else {
+	bc, err := p.dialBackend(d)
+	if err != nil {
+		d.refused(err)
+		s.abort()
+		finish(0, 0)
+		return
+	}
+	if hdr, err := d.header(); err != nil || len(hdr) > 0 {
+		if err == nil {
+			_, err = bc.Write(hdr)
+		}
+		if err != nil {
+			p.connLog.Warn("sending the PROXY protocol header failed", zap.Stringer("servicePort", d.name), zap.Error(err))
+			bc.Close()
+			s.abort()
 			finish(0, 0)
 			return
 		}
 	}
+	if !s.setBackend(bc) {
+		bc.Close()
+		finish(0, 0)
+		return
+	}
+	if p.loops.n > 0 {
+		err := s.carry(&p.loops, nil, finish)
+		switch {
+		case err == nil:
+			return
+		case errors.Is(err, errAborted):
+			finish(0, 0)
+			return
+		}
+		p.connLog.Warn("no event loop for connection; copying on goroutines",
+			zap.Stringer("servicePort", d.name), zap.Error(err))
+	}
 	finish(s.pipe(p.cfg.IdleTimeout))
 }
 
-// connected is a session whose backend is connected.
-type connected struct {
-	snap    *snapshot
-	backend *balancer.Backend // Acquired
+// startTCP starts an accepted connection without blocking, on acceptLoop's
+// goroutine: it checks the connection and hands it to an event loop,
+// which dials the backend (eventLoop.connect) and carries the session.
+func (p *Proxier) startTCP(l *listener, c *net.TCPConn, s *session) {
+	d := p.admitTCP(l, c, s)
+	if d == nil {
+		p.endSession(s)
+		return
+	}
+	err := s.carry(&p.loops, d, func(up, down int64) {
+		d.done(up, down)
+		p.endSession(s)
+	})
+	switch {
+	case err == nil:
+	case errors.Is(err, errAborted):
+		d.done(0, 0)
+		p.endSession(s)
+	default:
+		p.connLog.Warn("no event loop for connection; dialling on a goroutine",
+			zap.Stringer("servicePort", d.name), zap.Error(err))
+		go p.connectTCP(s, d) // ends with the session
+	}
 }
 
-// connectTCP does everything before the data path: it finds the service
-// port, picks and dials a backend and sends the PROXY header. Nil means
-// the connection was refused and aborted, and everything taken released
-// but the session itself.
-func (p *Proxier) connectTCP(l *listener, c *net.TCPConn, s *session) *connected {
+// admitTCP does what comes before dialling: it finds the connection's
+// service port and balancer, and takes a connection slot. Nil means the
+// connection was refused and aborted; only the session remains to end.
+func (p *Proxier) admitTCP(l *listener, c *net.TCPConn, s *session) *tcpDial {
 	var dst netip.AddrPort
 	known := p.cfg.OriginalDst != nil
 	if l.key.name.IsShared() {
@@ -261,37 +312,11 @@ func (p *Proxier) connectTCP(l *listener, c *net.TCPConn, s *session) *connected
 		s.abort()
 		return nil
 	}
-	var from netip.Addr
+	d := &tcpDial{p: p, name: l.key.name, snap: snap, bal: bal, client: client, dst: dst}
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
-		from = client.Addr()
+		d.from = client.Addr()
 	}
-	b, bc, err := p.dialBackend(snap, bal, client.Addr(), from)
-	if err != nil {
-		p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", l.key.name), zap.Error(err))
-		snap.slots.release()
-		s.abort()
-		return nil
-	}
-	if v := snap.sp.ProxyProtocol; v != 0 {
-		if !dst.IsValid() {
-			dst = snap.vip
-		}
-		if err := writeProxyHeader(bc, v, client, dst); err != nil {
-			p.connLog.Warn("sending the PROXY protocol header failed", zap.Stringer("servicePort", l.key.name), zap.Error(err))
-			bc.Close()
-			b.Release()
-			snap.slots.release()
-			s.abort()
-			return nil
-		}
-	}
-	if !s.setBackend(bc) {
-		bc.Close()
-		b.Release()
-		snap.slots.release()
-		return nil
-	}
-	return &connected{snap: snap, backend: b}
+	return d
 }
 
 func remoteAddr(c net.Conn) netip.AddrPort {
@@ -302,57 +327,21 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
-// dialBackend picks a backend and connects to it, moving on to another
-// backend when a dial is refused or times out, at most DialAttempts times.
-// Each failure ejects the backend for a while, so the balancers steer the
-// next picks (this connection's and everyone else's) away from it. A
-// backend at the per-endpoint connection limit is not dialled: the least
-// busy one with room is, and when none has room the connection fails. On
-// success the backend has been Acquired; the caller Releases it.
-func (p *Proxier) dialBackend(snap *snapshot, bal balancer.Balancer, client, from netip.Addr) (*balancer.Backend, *net.TCPConn, error) {
-	pm := snap.metrics
-	limit := int64(snap.sp.MaxConnectionsPerEndpoint)
-	var (
-		errs []error
-		last *backendMetrics
-	)
-	for range p.cfg.dialAttempts() {
-		b := bal.Pick(client)
-		if b == nil {
-			if last == nil {
-				pm.noEndpoint()
-			} else {
-				last.failed()
-			}
-			return nil, nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
+// dialBackend connects to d's backend from the calling goroutine, trying
+// backends as d's attempts allow (tcpDial.next).
+func (p *Proxier) dialBackend(d *tcpDial) (*net.TCPConn, error) {
+	for {
+		addr, err := d.next()
+		if err != nil {
+			return nil, err
 		}
-		if !b.TryAcquire(limit) {
-			if b = snap.spare(bal, limit); b == nil {
-				if last == nil {
-					pm.endpointsFull()
-				} else {
-					last.failed()
-				}
-				return nil, nil, errors.Join(append(errs, fmt.Errorf("%s: %w (%d)", snap.sp.Name, errEndpointsFull, limit))...)
-			}
-		}
-		bm := pm.backend(b)
-		bm.picked()
-		start := pm.dialStart()
-		c, err := p.dialOnce(b.Addr, from)
-		pm.dialDone(start, err)
+		c, err := p.dialOnce(addr, d.from)
 		if err == nil {
-			p.health.success(b)
-			bm.connected()
-			return b, c, nil
+			d.connected()
+			return c, nil
 		}
-		b.Release()
-		p.health.failure(b)
-		last = bm
-		errs = append(errs, fmt.Errorf("dial %s: %w", b.Addr, err))
+		d.failed(err)
 	}
-	last.failed()
-	return nil, nil, errors.Join(errs...)
 }
 
 // dialOnce connects to addr, from the address from when it is valid
@@ -579,10 +568,10 @@ func (h *health) forget(b *balancer.Backend) {
 	h.mu.Unlock()
 }
 
-// writeProxyHeader sends a PROXY protocol header (version 1 or 2) telling
+// proxyHeader returns a PROXY protocol header (version 1 or 2) telling
 // the backend the client's address and the address it connected to, for
 // backends that cannot see the client's address otherwise (redirect mode).
-func writeProxyHeader(c *net.TCPConn, version int, client, dst netip.AddrPort) error {
+func proxyHeader(version int, client, dst netip.AddrPort) ([]byte, error) {
 	proto := proxyproto.TCPv4
 	if client.Addr().Is6() || dst.Addr().Is6() {
 		proto = proxyproto.TCPv6
@@ -596,8 +585,7 @@ func writeProxyHeader(c *net.TCPConn, version int, client, dst netip.AddrPort) e
 		SourceAddr:        net.TCPAddrFromAddrPort(client),
 		DestinationAddr:   net.TCPAddrFromAddrPort(dst),
 	}
-	_, err := h.WriteTo(c)
-	return err
+	return h.Format()
 }
 
 // listenConfig returns the ListenConfig of TCP and UDP listeners. TCP
@@ -629,21 +617,24 @@ func (p *Proxier) listenConfig() net.ListenConfig {
 // setKeepAlive turns TCP keep-alive on for c with Go's default timing.
 func setKeepAlive(c syscall.RawConn) error {
 	var serr error
-	err := c.Control(func(fd uintptr) {
-		for _, o := range []struct{ level, opt, v int }{
-			{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 15},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 9},
-		} {
-			if err := unix.SetsockoptInt(int(fd), o.level, o.opt, o.v); err != nil {
-				serr = fmt.Errorf("setsockopt %d/%d: %w", o.level, o.opt, err)
-				return
-			}
-		}
-	})
-	if err != nil {
+	if err := c.Control(func(fd uintptr) { serr = setKeepAliveFD(int(fd)) }); err != nil {
 		return err
 	}
 	return serr
+}
+
+// setKeepAliveFD turns TCP keep-alive on for fd with Go's default timing:
+// 15s idle, 15s between probes, 9 probes.
+func setKeepAliveFD(fd int) error {
+	for _, o := range []struct{ level, opt, v int }{
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 15},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 9},
+	} {
+		if err := unix.SetsockoptInt(fd, o.level, o.opt, o.v); err != nil {
+			return fmt.Errorf("setsockopt %d/%d: %w", o.level, o.opt, err)
+		}
+	}
+	return nil
 }

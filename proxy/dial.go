@@ -1,0 +1,198 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// tcpDial is one connection's way to a backend: the service port and
+// balancer admitTCP found, then the dial attempts, made by serveTCP's
+// goroutine (dialBackend) or by an event loop (eventLoop.connect): next
+// picks a backend, then connected or failed reports the attempt, until
+// next returns an error; done ends it all. One owner at a time; not safe
+// for concurrent use.
+//
+// A backend that refuses or times out is ejected for a while (health), so
+// the balancers steer the next picks, this connection's and everyone
+// else's, away from it. A backend at the per-endpoint connection limit is
+// not dialled: the least busy one with room is, and when none has room
+// the connection fails.
+type tcpDial struct {
+	p           *Proxier
+	name        ServicePortName
+	snap        *snapshot
+	bal         balancer.Balancer
+	client, dst netip.AddrPort // dst: the original destination, if known
+	from        netip.Addr     // valid: dial from this address (tproxy mode)
+
+	tries int
+	errs  []error
+	last  *backendMetrics
+	// b is the backend being dialled or connected, Acquired; ok once
+	// connected.
+	b     *balancer.Backend
+	bm    *backendMetrics
+	ok    bool
+	start time.Time
+}
+
+// next picks the backend of the next attempt and Acquires it; an error
+// when there is none, or no attempt left.
+func (d *tcpDial) next() (netip.AddrPort, error) {
+	pm := d.snap.metrics
+	if d.tries >= d.p.cfg.dialAttempts() {
+		d.last.failed()
+		return netip.AddrPort{}, errors.Join(d.errs...)
+	}
+	d.tries++
+	limit := int64(d.snap.sp.MaxConnectionsPerEndpoint)
+	b := d.bal.Pick(d.client.Addr())
+	if b == nil {
+		if d.last == nil {
+			pm.noEndpoint()
+		} else {
+			d.last.failed()
+		}
+		return netip.AddrPort{}, fmt.Errorf("%s: %w", d.snap.sp.Name, errNoEndpoints)
+	}
+	if !b.TryAcquire(limit) {
+		if b = d.snap.spare(d.bal, limit); b == nil {
+			if d.last == nil {
+				pm.endpointsFull()
+			} else {
+				d.last.failed()
+			}
+			return netip.AddrPort{}, errors.Join(append(d.errs, fmt.Errorf("%s: %w (%d)", d.snap.sp.Name, errEndpointsFull, limit))...)
+		}
+	}
+	d.b, d.bm = b, pm.backend(b)
+	d.bm.picked()
+	d.start = pm.dialStart()
+	return b.Addr, nil
+}
+
+// failed reports that the attempt at next's backend failed.
+func (d *tcpDial) failed(err error) {
+	d.snap.metrics.dialDone(d.start, err)
+	d.b.Release()
+	d.p.health.failure(d.b)
+	d.last = d.bm
+	d.errs = append(d.errs, fmt.Errorf("dial %s: %w", d.b.Addr, err))
+	d.b, d.bm = nil, nil
+}
+
+// connected reports that next's backend accepted the connection.
+func (d *tcpDial) connected() {
+	pm := d.snap.metrics
+	pm.dialDone(d.start, nil)
+	d.p.health.success(d.b)
+	d.bm.connected()
+	d.ok = true
+	pm.connStart()
+}
+
+// refused logs why the connection got no backend.
+func (d *tcpDial) refused(err error) {
+	d.p.connLog.Warn("no backend for connection", zap.Stringer("servicePort", d.name), zap.Error(err))
+}
+
+// header returns the PROXY protocol header to send the backend first, if
+// the service port asks for one.
+func (d *tcpDial) header() ([]byte, error) {
+	v := d.snap.sp.ProxyProtocol
+	if v == 0 {
+		return nil, nil
+	}
+	dst := d.dst
+	if !dst.IsValid() {
+		dst = d.snap.vip
+	}
+	return proxyHeader(v, d.client, dst)
+}
+
+// done releases what the connection held, and counts the bytes it
+// carried each way.
+func (d *tcpDial) done(up, down int64) {
+	pm := d.snap.metrics
+	if d.ok {
+		pm.up(up)
+		pm.down(down)
+		pm.connEnd()
+	}
+	if d.b != nil {
+		d.b.Release()
+		d.b = nil
+	}
+	d.snap.slots.release()
+}
+
+// rawConnect starts a non-blocking connection to addr, from the address
+// from when it is valid (tproxy mode: IP_TRANSPARENT, then bind). The
+// socket gets what net.Dialer would give it: TCP_NODELAY and keep-alive
+// with Go's default timing. The connection completes, or fails, when the
+// socket turns writable (connect(2): EINPROGRESS, then SO_ERROR).
+func rawConnect(addr netip.AddrPort, from netip.Addr) (fd int, err error) {
+	a := addr.Addr().Unmap()
+	family := unix.AF_INET
+	if a.Is6() {
+		family = unix.AF_INET6
+	}
+	fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+	if err != nil {
+		return -1, os.NewSyscallError("socket", err)
+	}
+	defer func() {
+		if err != nil {
+			unix.Close(fd)
+			fd = -1
+		}
+	}()
+	if err = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+		return fd, os.NewSyscallError("setsockopt", err)
+	}
+	if err = setKeepAliveFD(fd); err != nil {
+		return fd, err
+	}
+	if from.IsValid() {
+		from = from.Unmap()
+		if family == unix.AF_INET6 {
+			err = unix.SetsockoptInt(fd, unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+		} else {
+			err = unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+		}
+		if err != nil {
+			return fd, fmt.Errorf("setting IP_TRANSPARENT: %w", err)
+		}
+		if err = unix.Bind(fd, sockaddr(netip.AddrPortFrom(from, 0))); err != nil {
+			return fd, os.NewSyscallError("bind", err)
+		}
+	}
+	switch err = unix.Connect(fd, sockaddr(netip.AddrPortFrom(a, addr.Port()))); err {
+	case nil, unix.EINPROGRESS, unix.EINTR:
+		// EINTR: the connection goes on asynchronously, as after
+		// EINPROGRESS (connect(2)).
+		return fd, nil
+	}
+	return fd, os.NewSyscallError("connect", err)
+}
+
+// sockaddr returns ap as a unix.Sockaddr of its own family.
+func sockaddr(ap netip.AddrPort) unix.Sockaddr {
+	if a := ap.Addr(); a.Is4() {
+		return &unix.SockaddrInet4{Port: int(ap.Port()), Addr: a.As4()}
+	}
+	sa := &unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()}
+	return sa
+}
+
+// errConnectTimeout is a backend connection attempt that took longer than
+// the dial timeout.
+var errConnectTimeout = fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
