@@ -563,9 +563,40 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 		return nil
 	}
 	dir.moved, ls.moved = true, true
+	// Read on until the socket is empty or the buffer full, and only then
+	// write: the read that finds the socket empty comes anyway, and when
+	// it finds the FIN instead, the bytes go out with MSG_MORE and the
+	// shutdown that passes the FIN on joins them in one segment
+	// (tcp_send_fin appends the FIN to the last unsent skb), as HAProxy's
+	// do: the peer is woken once, not twice.
+	empty, eof := inq == 0, false
+	for !empty && !eof && n < len(l.buf) {
+		var m int
+		if h.inq {
+			m, inq, err = recvInq(src.fd, l.buf[n:])
+		} else {
+			m, err = readRetry(src.fd, l.buf[n:])
+			inq = 1
+		}
+		switch {
+		case err == unix.EAGAIN:
+			empty = true
+		case err != nil:
+			return fmt.Errorf("read from socket: %w", err)
+		case m == 0:
+			eof = true
+		default:
+			n += m
+			empty = inq == 0
+		}
+	}
 	copiedBytes.Add(int64(n))
 	full := n == len(l.buf)
-	w, err := writeRetry(dst.fd, l.buf[:n])
+	flags := 0
+	if eof {
+		flags = unix.MSG_MORE
+	}
+	w, err := sendRetry(dst.fd, l.buf[:n], flags)
 	if w > 0 {
 		dir.total += int64(w)
 	}
@@ -582,13 +613,25 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 	if full {
 		h.splicing = true // a bulk transfer: splice from here on
 	}
-	if inq == 0 {
-		// Nothing left and no FIN (recvInq): no need for the read that
-		// would say EAGAIN. Edge-triggered epoll reports the next bytes
-		// that arrive, even ones that came while this ran.
+	if eof {
+		dir.eof = true
+	} else if empty {
+		// Nothing left (EAGAIN, or no FIN and no bytes by TCP_INQ's
+		// hint): edge-triggered epoll reports the next bytes that arrive,
+		// even ones that came while this ran.
 		l.drained(dir, src)
 	}
 	return nil
+}
+
+// sendRetry is one send(2) of b to fd with flags, repeated on EINTR.
+func sendRetry(fd int, b []byte, flags int) (int, error) {
+	for {
+		n, err := unix.SendmsgN(fd, b, nil, nil, flags|unix.MSG_NOSIGNAL)
+		if err != unix.EINTR {
+			return max(n, 0), err
+		}
+	}
 }
 
 // drained notes that src has nothing to read. The second time that
