@@ -782,14 +782,22 @@ func dupFD(c *net.TCPConn) (int, error) {
 	return nfd, nil
 }
 
-// eventLoops is the number of loops cfg asks for: zero means one per
-// GOMAXPROCS, negative none.
+// eventLoops is the number of loops cfg asks for: zero means one less
+// than GOMAXPROCS (at least one), negative none.
+//
+// A loop blocks in epoll_wait, a system call, and needs a P again when it
+// wakes; with a loop per P, the accept loops' goroutines and the loops
+// would keep taking Ps from each other, each handover waiting for sysmon
+// to retake the P of a thread blocked in a system call. One P left to the
+// goroutines avoids that: on two CPUs, one loop carried keep-alive
+// requests for 26 µs of CPU each where two loops took 35 µs, at the same
+// rate (bench/results/2026-11-30-event-loops.md).
 func (c *Config) eventLoops() int {
 	switch {
 	case c.EventLoops < 0:
 		return 0
 	case c.EventLoops == 0:
-		return runtime.GOMAXPROCS(0)
+		return max(1, runtime.GOMAXPROCS(0)-1)
 	}
 	return c.EventLoops
 }

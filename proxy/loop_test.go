@@ -14,48 +14,52 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestAcceptedSocketsInheritKeepAlive checks that a listener's accepted
-// sockets carry TCP keep-alive, with Go's default timing, although it is
-// set only once, on the listening socket.
-func TestAcceptedSocketsInheritKeepAlive(t *testing.T) {
+// TestAcceptedSocketsInheritOptions checks that sockets accepted raw, as
+// acceptRaw does, carry TCP keep-alive with Go's default timing and
+// TCP_NODELAY, which are set only once, on the listening socket.
+func TestAcceptedSocketsInheritOptions(t *testing.T) {
 	p := NewProxier(Config{})
 	ln, err := p.listen(context.Background(), "tcp4", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	rc, err := ln.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := setAcceptOptions(rc); err != nil {
+		t.Fatal(err)
+	}
 	c, err := net.Dial("tcp4", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	a, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
+	// The handshake is over once Dial returns: the connection is queued.
+	nfd, aerr := -1, error(nil)
+	rc.Control(func(fd uintptr) { nfd, _, aerr = unix.Accept4(int(fd), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC) })
+	if aerr != nil {
+		t.Fatal(aerr)
 	}
-	defer a.Close()
-	rc, err := a.(syscall.Conn).SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
+	defer unix.Close(nfd)
 	got := map[string]int{}
-	rc.Control(func(fd uintptr) {
-		for name, o := range map[string][2]int{
-			"SO_KEEPALIVE":  {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
-			"TCP_KEEPIDLE":  {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
-			"TCP_KEEPINTVL": {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
-			"TCP_KEEPCNT":   {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
-		} {
-			v, err := unix.GetsockoptInt(int(fd), o[0], o[1])
-			if err != nil {
-				t.Errorf("%s: %v", name, err)
-			}
-			got[name] = v
+	for name, o := range map[string][2]int{
+		"SO_KEEPALIVE":  {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+		"TCP_KEEPIDLE":  {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
+		"TCP_KEEPINTVL": {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
+		"TCP_KEEPCNT":   {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
+		"TCP_NODELAY":   {unix.IPPROTO_TCP, unix.TCP_NODELAY},
+	} {
+		v, err := unix.GetsockoptInt(nfd, o[0], o[1])
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
 		}
-	})
-	want := map[string]int{"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 15, "TCP_KEEPCNT": 9}
+		got[name] = v
+	}
+	want := map[string]int{"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 15, "TCP_KEEPCNT": 9, "TCP_NODELAY": 1}
 	if diff := cmp.Diff(want, got); diff != "" {
-		t.Errorf("accepted socket's keep-alive options (-want +got):\n%s", diff)
+		t.Errorf("accepted socket's options (-want +got):\n%s", diff)
 	}
 }
 

@@ -137,7 +137,9 @@ func TestMetricsNoEndpointsAndRefusedDestination(t *testing.T) {
 	p, rules := startProxier(t, Config{
 		Metrics: NewMetrics(reg),
 		// Every connection claims to be for another address.
-		OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) { return netip.MustParseAddrPort("10.1.2.3:80"), nil },
+		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+			return netip.MustParseAddrPort("10.1.2.3:80"), nil
+		},
 	})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", nameBackend(t, "a")))
 	if _, err := get(t, rules.port(t, "default/web:http")); err == nil {

@@ -6,15 +6,18 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
@@ -29,11 +32,13 @@ type Config struct {
 	// programmed (tests that connect to listeners directly).
 	Rules RuleSyncer
 	// OriginalDst recovers the destination a client connected to before the
-	// kernel redirected it (SO_ORIGINAL_DST in redirect mode). The
-	// connection is dropped unless it equals the listener's service VIP and
-	// port, so the listener cannot be used to reach a service it does not
-	// serve. Nil means no check.
-	OriginalDst func(*net.TCPConn) (netip.AddrPort, error)
+	// kernel redirected it (SO_ORIGINAL_DST in redirect mode), from the
+	// accepted socket c, which it may only read through c.Control; v6 is
+	// the family of the socket's listener. The connection is dropped
+	// unless it equals the listener's service VIP and port, so the
+	// listener cannot be used to reach a service it does not serve. Nil
+	// means no check.
+	OriginalDst func(c syscall.RawConn, v6 bool) (netip.AddrPort, error)
 	// Transparent selects tproxy mode. The kernel's TPROXY rules hand
 	// connections and datagrams to listeners bound to the loopback address
 	// with IP_TRANSPARENT, destination unchanged: the original destination
@@ -98,10 +103,10 @@ type Config struct {
 	// DialAttempts is how many backends a connection tries before it is
 	// refused; zero means 3.
 	DialAttempts int
-	// EventLoops is the number of event loops that carry established TCP
-	// connections (loop.go). Zero means one per GOMAXPROCS; negative means
-	// none: each connection is carried by two goroutines of its own, one
-	// per direction (the data path before event loops, kept for
+	// EventLoops is the number of event loops that carry TCP connections
+	// (loop.go). Zero means one less than GOMAXPROCS, at least one;
+	// negative means none: each connection is carried by goroutines of its
+	// own, one per direction (the data path before event loops, kept for
 	// comparison).
 	EventLoops int
 	// IdleTimeout closes a TCP connection after neither side has sent or
@@ -764,7 +769,12 @@ type listener struct {
 	ln   net.Listener // TCP
 	pc   *net.UDPConn // UDP
 	port uint16
-	snap atomic.Pointer[snapshot]
+	// acceptFile is a pollable duplicate of ln's socket that acceptRaw
+	// accepts on, nil when it does not; closed tells acceptRaw that an
+	// error means the listener is gone.
+	acceptFile *os.File
+	closed     atomic.Bool
+	snap       atomic.Pointer[snapshot]
 	// host is the shared listener that receives this service port's
 	// traffic; nil when the listener has its own socket.
 	host *listener
@@ -832,6 +842,9 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 		return nil, fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
 	}
 	l.port = port
+	if !udp {
+		l.acceptFile = p.rawAcceptFile(l.ln)
+	}
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	if p.startAdopted(l) {
 		return l, nil
@@ -847,6 +860,10 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 
 // close closes l's socket, which ends its accept or read loop.
 func (l *listener) close() {
+	l.closed.Store(true)
+	if l.acceptFile != nil {
+		l.acceptFile.Close()
+	}
 	if l.ln != nil {
 		l.ln.Close()
 	}
@@ -877,6 +894,12 @@ func (p *Proxier) closeListener(l *listener) {
 // instead of spinning or exiting: the old userspace proxy died here.
 func (p *Proxier) acceptLoop(l *listener) {
 	defer p.wg.Done()
+	if l.acceptFile != nil {
+		if rc, err := l.acceptFile.SyscallConn(); err == nil {
+			p.acceptRaw(l, rc)
+			return
+		}
+	}
 	var delay time.Duration
 	for {
 		c, err := l.ln.Accept()
@@ -895,16 +918,91 @@ func (p *Proxier) acceptLoop(l *listener) {
 			c.Close()
 			continue
 		}
-		s := p.newSession(tc)
+		s := p.newSession(tc, -1)
 		if s == nil {
 			tc.Close()
 			continue
 		}
-		if p.loops.n > 0 && p.cfg.Dial == nil {
-			p.startTCP(l, tc, s) // the loop dials; this does not block
+		go p.serveTCP(l, tc, s)
+	}
+}
+
+// rawAcceptFile returns a duplicate of ln's socket for acceptRaw, as an
+// *os.File, which waits for connections in the runtime's poller (a
+// listener's own RawConn cannot wait: its Read is not supported). Nil
+// without event loops, with a dialer of the caller's (Config.Dial, which
+// needs the goroutine path), or for a listener that is no socket.
+func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {
+	if p.loops.n <= 0 || p.cfg.Dial != nil {
+		return nil
+	}
+	sc, ok := ln.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	nfd, derr := -1, error(nil)
+	if err := rc.Control(func(fd uintptr) { nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); err != nil || derr != nil {
+		return nil
+	}
+	// The socket is non-blocking (the duplicate shares its flags), so
+	// NewFile registers it with the poller.
+	return os.NewFile(uintptr(nfd), "listener")
+}
+
+// acceptRaw is acceptLoop with event loops: accept4(2) straight on the
+// listening socket, whose options (keep-alive, TCP_NODELAY) the accepted
+// sockets inherit. An accepted socket never joins the runtime's poller,
+// which would cost six system calls per connection for nothing: register
+// it, read its local address, set TCP_NODELAY, then duplicate it,
+// deregister it and close it when it moves to a loop. The accepted
+// connection is checked on this goroutine (startTCP), without blocking.
+func (p *Proxier) acceptRaw(l *listener, rc syscall.RawConn) {
+	if err := setAcceptOptions(rc); err != nil {
+		p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
+			zap.Stringer("servicePort", l.key.name), zap.Error(err))
+	}
+	var delay time.Duration
+	for {
+		var (
+			nfd  int
+			sa   unix.Sockaddr
+			aerr error
+		)
+		err := rc.Read(func(fd uintptr) bool {
+			for {
+				nfd, sa, aerr = unix.Accept4(int(fd), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+				switch aerr {
+				case unix.EINTR, unix.ECONNABORTED:
+					continue // a connection reset while queued: the next one
+				case unix.EAGAIN:
+					return false
+				}
+				return true
+			}
+		})
+		if err == nil && aerr != nil {
+			err = os.NewSyscallError("accept4", aerr)
+		}
+		if err != nil {
+			if l.closed.Load() {
+				return
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay), zap.Error(err))
+			time.Sleep(delay)
 			continue
 		}
-		go p.serveTCP(l, tc, s)
+		delay = 0
+		s := p.newSession(nil, nfd)
+		if s == nil {
+			unix.Close(nfd)
+			continue
+		}
+		p.startTCP(l, accepted{rc: fdConn(nfd), client: addrPortOf(sa)}, s)
 	}
 }
 

@@ -332,7 +332,7 @@ func TestProxyChecksOriginalDestination(t *testing.T) {
 	be := nameBackend(t, "a")
 	dst := netip.MustParseAddrPort("10.96.0.10:80")
 	var mu sync.Mutex
-	p, rules := startProxier(t, Config{OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+	p, rules := startProxier(t, Config{OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 		mu.Lock()
 		defer mu.Unlock()
 		return dst, nil
@@ -616,7 +616,7 @@ func proxyProtocolHeader(t *testing.T, loops int) {
 				}
 				fmt.Fprintf(c, "v%d %s %s\n", h.Version, h.SourceAddr, h.DestinationAddr)
 			})
-			p, rules := startProxier(t, Config{EventLoops: loops, OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+			p, rules := startProxier(t, Config{EventLoops: loops, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 				return netip.MustParseAddrPort("10.96.0.10:80"), nil
 			}})
 			s := svc("web", "10.96.0.10", "http:80")

@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -28,7 +29,7 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 	}
 	p, rules := startProxier(t, Config{
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
-		OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 			mu.Lock()
 			defer mu.Unlock()
 			return dst, nil
@@ -114,7 +115,7 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	be := nameBackend(t, "a")
 	cfg := Config{
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst: func(*net.TCPConn) (netip.AddrPort, error) {
+		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 			return netip.MustParseAddrPort("10.96.0.10:80"), nil
 		},
 	}
@@ -166,7 +167,9 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 	var locals []netip.AddrPort // the local addresses asked about
 	p, rules := startProxier(t, Config{
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
-		OriginalDst:     func(*net.TCPConn) (netip.AddrPort, error) { return netip.AddrPort{}, errors.New("no TCP here") },
+		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+			return netip.AddrPort{}, errors.New("no TCP here")
+		},
 		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
 			mu.Lock()
 			defer mu.Unlock()

@@ -3,8 +3,8 @@ package proxy
 import (
 	"context"
 	"fmt"
-	"net"
 	"net/netip"
+	"syscall"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -71,7 +71,7 @@ func BenchmarkSyncAll(b *testing.B) {
 func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.EndpointSlice) {
 	p := NewProxier(Config{
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst:     func(*net.TCPConn) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
+		OriginalDst:     func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		Metrics:         NewMetrics(prometheus.NewRegistry()),
 		LocalAddrs:      func() ([]netip.Addr, error) { return nil, nil },
 		Rules:           &recordingRules{},

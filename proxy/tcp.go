@@ -26,7 +26,11 @@ var errNoEndpoints = errors.New("no usable endpoints")
 // values, never wrapped: the data path (copyHalf) splices between the bare
 // sockets through their RawConns.
 type session struct {
+	// client is the accepted connection, or nil when it was accepted raw
+	// (acceptRaw): then fd is its socket, owned by the session until
+	// carry hands it to a loop, and -1 from then on.
 	client *net.TCPConn
+	fd     int
 
 	mu       sync.Mutex
 	backend  *net.TCPConn // nil until dialled
@@ -61,32 +65,41 @@ func (s *session) carry(g *loopGroup, d *tcpDial, finish func(up, down int64)) e
 		return errAborted
 	}
 	ls := &loopSession{finish: finish, dial: d}
-	ls.side[0].fd, ls.side[1].fd = -1, -1
-	if ls.side[0].fd, err = dupFD(s.client); err != nil {
-		return err
+	ls.side[0].fd, ls.side[1].fd = s.fd, -1
+	if s.client != nil {
+		if ls.side[0].fd, err = dupFD(s.client); err != nil {
+			return err
+		}
 	}
 	if d == nil {
 		if ls.side[1].fd, err = dupFD(s.backend); err != nil {
-			unix.Close(ls.side[0].fd)
+			if s.client != nil {
+				unix.Close(ls.side[0].fd)
+			}
 			return err
 		}
 	}
 	// Posted under s.mu, so that an abort, which posts under it too, is
 	// queued after the session's registration.
 	if !l.post(func() { l.add(ls) }) {
-		for _, sd := range ls.side {
-			if sd.fd >= 0 {
-				unix.Close(sd.fd)
-			}
+		if s.client != nil {
+			unix.Close(ls.side[0].fd)
+		}
+		if s.backend != nil {
+			unix.Close(ls.side[1].fd)
 		}
 		return errLoopStopped
 	}
 	// Closing the originals takes them out of the runtime's poller; the
-	// duplicates are the sockets' only descriptors from here on.
-	s.client.Close()
+	// duplicates are the sockets' only descriptors from here on. A raw
+	// socket moves as it is.
+	if s.client != nil {
+		s.client.Close()
+	}
 	if s.backend != nil {
 		s.backend.Close()
 	}
+	s.fd = -1
 	s.loop, s.ls = l, ls
 	tcpPipes.enter() // left in eventLoop.end
 	return nil
@@ -118,6 +131,11 @@ func (s *session) abort() {
 		l, ls := s.loop, s.ls
 		l.post(func() { l.abort(ls) })
 		return
+	}
+	if s.fd >= 0 {
+		_ = unix.SetsockoptLinger(s.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
+		_ = unix.Close(s.fd)
+		s.fd = -1
 	}
 	for _, c := range []*net.TCPConn{s.client, s.backend} {
 		if c != nil {
@@ -173,7 +191,13 @@ func tcpProgress(c *net.TCPConn) uint64 {
 // goroutines of its own. With event loops and the default dialer,
 // acceptLoop calls startTCP instead, and the loop dials.
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
-	d := p.admitTCP(l, c, s)
+	rc, err := c.SyscallConn()
+	if err != nil {
+		s.abort()
+		p.endSession(s)
+		return
+	}
+	d := p.admitTCP(l, accepted{rc: rc, client: remoteAddr(c)}, s)
 	if d == nil {
 		p.endSession(s)
 		return
@@ -230,8 +254,8 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 // startTCP starts an accepted connection without blocking, on acceptLoop's
 // goroutine: it checks the connection and hands it to an event loop,
 // which dials the backend (eventLoop.connect) and carries the session.
-func (p *Proxier) startTCP(l *listener, c *net.TCPConn, s *session) {
-	d := p.admitTCP(l, c, s)
+func (p *Proxier) startTCP(l *listener, a accepted, s *session) {
+	d := p.admitTCP(l, a, s)
 	if d == nil {
 		p.endSession(s)
 		return
@@ -252,10 +276,17 @@ func (p *Proxier) startTCP(l *listener, c *net.TCPConn, s *session) {
 	}
 }
 
+// accepted is an accepted connection as admitTCP sees it: its socket,
+// for OriginalDst, and the client's address.
+type accepted struct {
+	rc     syscall.RawConn
+	client netip.AddrPort
+}
+
 // admitTCP does what comes before dialling: it finds the connection's
 // service port and balancer, and takes a connection slot. Nil means the
 // connection was refused and aborted; only the session remains to end.
-func (p *Proxier) admitTCP(l *listener, c *net.TCPConn, s *session) *tcpDial {
+func (p *Proxier) admitTCP(l *listener, a accepted, s *session) *tcpDial {
 	var dst netip.AddrPort
 	known := p.cfg.OriginalDst != nil
 	if l.key.name.IsShared() {
@@ -263,7 +294,7 @@ func (p *Proxier) admitTCP(l *listener, c *net.TCPConn, s *session) *tcpDial {
 		// port the connection is for (shared.go).
 		var err error
 		if known {
-			dst, err = p.cfg.OriginalDst(c)
+			dst, err = p.cfg.OriginalDst(a.rc, l.key.v6)
 		}
 		svc := l.route(dst)
 		if svc == nil || err != nil {
@@ -285,7 +316,7 @@ func (p *Proxier) admitTCP(l *listener, c *net.TCPConn, s *session) *tcpDial {
 	pm := snap.metrics
 	if known && !dst.IsValid() {
 		var err error
-		if dst, err = p.cfg.OriginalDst(c); err != nil {
+		if dst, err = p.cfg.OriginalDst(a.rc, l.key.v6); err != nil {
 			p.connLog.Warn("dropping connection without an original destination (not redirected)",
 				zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			pm.refusedDestination()
@@ -293,7 +324,7 @@ func (p *Proxier) admitTCP(l *listener, c *net.TCPConn, s *session) *tcpDial {
 			return nil
 		}
 	}
-	client := remoteAddr(c)
+	client := a.client
 	bal := snap.route(dst, known, client.Addr(), p.internalClient)
 	if bal == nil {
 		p.connLog.Warn("dropping connection not addressed to this listener's service",
@@ -493,13 +524,13 @@ func isTimeout(err error) bool {
 
 // newSession registers a connection so Shutdown can find it; nil once
 // shutting down.
-func (p *Proxier) newSession(c *net.TCPConn) *session {
+func (p *Proxier) newSession(c *net.TCPConn, fd int) *session {
 	p.sessMu.Lock()
 	defer p.sessMu.Unlock()
 	if p.closing {
 		return nil
 	}
-	s := &session{client: c}
+	s := &session{client: c, fd: fd}
 	p.sessions[s] = struct{}{}
 	p.wg.Add(1)
 	return s
@@ -586,6 +617,46 @@ func proxyHeader(version int, client, dst netip.AddrPort) ([]byte, error) {
 		DestinationAddr:   net.TCPAddrFromAddrPort(dst),
 	}
 	return h.Format()
+}
+
+// fdConn is a raw socket's syscall.RawConn, for OriginalDst: Control runs
+// f on the descriptor; Read and Write, which would have to wait for the
+// socket, are not supported.
+type fdConn int
+
+var _ syscall.RawConn = fdConn(0)
+
+func (c fdConn) Control(f func(fd uintptr)) error { f(uintptr(c)); return nil }
+
+func (fdConn) Read(func(fd uintptr) bool) error { return errors.ErrUnsupported }
+
+func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported }
+
+// addrPortOf returns sa's address and port, IPv4 unmapped.
+func addrPortOf(sa unix.Sockaddr) netip.AddrPort {
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), uint16(sa.Port))
+	}
+	return netip.AddrPort{}
+}
+
+// setAcceptOptions sets, on a listening socket, what the sockets it
+// accepts inherit (the kernel clones the listener's socket): keep-alive
+// and TCP_NODELAY, which Go sets on each connection it accepts and
+// acceptRaw would otherwise have to.
+func setAcceptOptions(rc syscall.RawConn) error {
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		if serr = setKeepAliveFD(int(fd)); serr == nil {
+			serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		}
+	}); err != nil {
+		return err
+	}
+	return serr
 }
 
 // listenConfig returns the ListenConfig of TCP and UDP listeners. TCP

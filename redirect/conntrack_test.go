@@ -407,7 +407,7 @@ func TestConntrackLookupKernel(t *testing.T) {
 						t.Fatalf("accepting the redirected connections: %v", err)
 					}
 					defer c.Close()
-					if got, err := OriginalDst(c); err != nil || got != tt.vip {
+					if got, err := OriginalDst(rawOf(t, c), tt.vip.Addr().Is6()); err != nil || got != tt.vip {
 						t.Fatalf("SO_ORIGINAL_DST = %s, %v; want %s", got, err, tt.vip)
 					}
 					from = c.RemoteAddr().(*net.TCPAddr).AddrPort()

@@ -2,10 +2,9 @@ package redirect
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
-	"net"
 	"net/netip"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -17,37 +16,54 @@ import (
 // dual-stack IPv6 socket, or IP6T_SO_ORIGINAL_DST (level SOL_IPV6) when it
 // is IPv6. An IPv4 destination is returned unmapped.
 //
-// It only reads the socket through c.SyscallConn: it does not wrap,
-// duplicate, close or change c. It fails with an error wrapping ENOENT when
-// conntrack has no entry for the connection.
-func OriginalDst(c *net.TCPConn) (netip.AddrPort, error) {
-	local, ok := c.LocalAddr().(*net.TCPAddr)
-	if !ok {
-		return netip.AddrPort{}, errors.New("redirect: original destination: connection has no TCP local address")
-	}
-	v4 := local.AddrPort().Addr().Unmap().Is4()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("redirect: original destination of %s: %w", c.RemoteAddr(), err)
-	}
+// c is the accepted socket, v6 the family of its listener (a tcp6
+// listener is IPv6-only). OriginalDst only reads the socket, through
+// c.Control: it does not duplicate, close or change it. It fails with an
+// error wrapping ENOENT when conntrack has no entry for the connection.
+func OriginalDst(c syscall.RawConn, v6 bool) (netip.AddrPort, error) {
 	var (
 		dst  netip.AddrPort
 		serr error
 	)
-	err = rc.Control(func(fd uintptr) {
-		if v4 {
-			dst, serr = originalDst4(int(fd))
-		} else {
+	err := c.Control(func(fd uintptr) {
+		if v6 {
 			dst, serr = originalDst6(int(fd))
+		} else {
+			dst, serr = originalDst4(int(fd))
 		}
 	})
 	if err == nil {
 		err = serr
 	}
 	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("redirect: original destination of %s: %w", c.RemoteAddr(), err)
+		return netip.AddrPort{}, fmt.Errorf("redirect: original destination: %w", err)
 	}
 	return dst, nil
+}
+
+// TProxyDst returns the destination of a connection that TPROXY handed to
+// a transparent listener: TPROXY leaves it alone, so it is the socket's
+// own local address (getsockname). An IPv4 address is returned unmapped.
+// The signature is OriginalDst's, so that either can be the proxy's hook.
+func TProxyDst(c syscall.RawConn, _ bool) (netip.AddrPort, error) {
+	var (
+		sa   unix.Sockaddr
+		serr error
+	)
+	err := c.Control(func(fd uintptr) { sa, serr = unix.Getsockname(int(fd)) })
+	if err == nil {
+		err = serr
+	}
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("redirect: local address: %w", err)
+	}
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port)), nil
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), uint16(sa.Port)), nil
+	}
+	return netip.AddrPort{}, fmt.Errorf("redirect: local address: %T is not an IP address", sa)
 }
 
 // originalDst4 reads SO_ORIGINAL_DST, a struct sockaddr_in. The kernel

@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -62,7 +63,7 @@ func TestOriginalDst(t *testing.T) {
 				t.Fatalf("accepted connection on port %d, want the listener's %d", got, port)
 			}
 
-			got, err := OriginalDst(server)
+			got, err := OriginalDst(rawOf(t, server), tt.vip.Addr().Is6())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -111,7 +112,18 @@ func TestOriginalDstClosed(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.Close()
-	if _, err := OriginalDst(c.(*net.TCPConn)); err == nil {
+	if _, err := OriginalDst(rawOf(t, c.(*net.TCPConn)), false); err == nil {
 		t.Error("OriginalDst of a closed connection succeeded")
 	}
+}
+
+// rawOf returns c's RawConn, as the proxy passes accepted sockets to
+// OriginalDst.
+func rawOf(t *testing.T, c *net.TCPConn) syscall.RawConn {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rc
 }

@@ -85,7 +85,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "The shortest time between two syncs: changes arriving faster are applied together.")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 25*time.Second, "On SIGTERM or SIGINT, how long established connections may take to finish before they are closed.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", time.Hour, "Close a proxied TCP connection after it has been idle in both directions for this long (detected within twice the period). 0 disables.")
-	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying established TCP connections (epoll, with splice for bulk transfers). 0 means one per CPU the process may use (GOMAXPROCS); -1 means none: each connection is carried by two goroutines of its own, which costs a goroutine stack per direction of an idle connection.")
+	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying TCP connections: each dials backends and moves bytes for its connections with epoll, splicing bulk transfers. 0 means one less than the CPUs the process may use (GOMAXPROCS), at least one; -1 means none: each connection is carried by goroutines of its own, which costs a goroutine stack per direction of an idle connection.")
 	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
@@ -287,11 +287,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	originalDst := redirect.OriginalDst
 	if tproxy {
-		// TPROXY leaves the destination alone: it is the local address.
-		originalDst = func(c *net.TCPConn) (netip.AddrPort, error) {
-			ap, err := netip.ParseAddrPort(c.LocalAddr().String())
-			return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), err
-		}
+		originalDst = redirect.TProxyDst
 	}
 	// A registry of our own: the Go runtime's and the process's collectors
 	// and the proxier's, nothing that a library registered globally.
