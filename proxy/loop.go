@@ -790,8 +790,8 @@ func dupFD(c *net.TCPConn) (int, error) {
 // would keep taking Ps from each other, each handover waiting for sysmon
 // to retake the P of a thread blocked in a system call. One P left to the
 // goroutines avoids that: on two CPUs, one loop carried keep-alive
-// requests for 26 µs of CPU each where two loops took 35 µs, at the same
-// rate (bench/results/2026-11-30-event-loops.md).
+// requests for 25–34 µs of CPU each where two loops took 33–37 µs, at
+// the same rate (bench/results/2026-11-30-event-loops.md).
 func (c *Config) eventLoops() int {
 	switch {
 	case c.EventLoops < 0:

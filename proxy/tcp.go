@@ -189,7 +189,7 @@ func tcpProgress(c *net.TCPConn) uint64 {
 // check its original destination, pick and dial a backend, then hand both
 // sockets to an event loop or, without loops, splice both directions on
 // goroutines of its own. With event loops and the default dialer,
-// acceptLoop calls startTCP instead, and the loop dials.
+// acceptRaw calls startTCP instead, and the loop dials.
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	rc, err := c.SyscallConn()
 	if err != nil {
@@ -251,8 +251,8 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 	finish(s.pipe(p.cfg.IdleTimeout))
 }
 
-// startTCP starts an accepted connection without blocking, on acceptLoop's
-// goroutine: it checks the connection and hands it to an event loop,
+// startTCP starts a connection acceptRaw accepted, without blocking, on
+// its goroutine: it checks the connection and hands it to an event loop,
 // which dials the backend (eventLoop.connect) and carries the session.
 func (p *Proxier) startTCP(l *listener, a accepted, s *session) {
 	d := p.admitTCP(l, a, s)
@@ -264,16 +264,17 @@ func (p *Proxier) startTCP(l *listener, a accepted, s *session) {
 		d.done(up, down)
 		p.endSession(s)
 	})
-	switch {
-	case err == nil:
-	case errors.Is(err, errAborted):
-		d.done(0, 0)
-		p.endSession(s)
-	default:
-		p.connLog.Warn("no event loop for connection; dialling on a goroutine",
-			zap.Stringer("servicePort", d.name), zap.Error(err))
-		go p.connectTCP(s, d) // ends with the session
+	if err == nil {
+		return
 	}
+	if !errors.Is(err, errAborted) {
+		// A raw socket has no goroutine path to fall back on.
+		p.connLog.Warn("refusing connection: no event loop to carry it",
+			zap.Stringer("servicePort", d.name), zap.Error(err))
+		s.abort()
+	}
+	d.done(0, 0)
+	p.endSession(s)
 }
 
 // accepted is an accepted connection as admitTCP sees it: its socket,
