@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"fmt"
 	"io"
 	"net"
 	"runtime"
@@ -70,36 +69,19 @@ func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
 	p, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
 	const n = 200
-	// Before the count: a first connection starts the loops.
-	conns := make([]net.Conn, 0, n)
+	conns := make([]net.Conn, 0, n+1)
 	defer func() {
 		for _, c := range conns {
 			c.Close()
 		}
 	}()
-	echo := func(i int) {
-		t.Helper()
-		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-		if err != nil {
-			t.Fatal(err)
-		}
-		conns = append(conns, c)
-		c.SetDeadline(time.Now().Add(5 * time.Second))
-		msg := fmt.Sprintf("%05d", i)
-		buf := make([]byte, len(msg))
-		if _, err := c.Write([]byte(msg)); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
-			t.Fatalf("echo %d: %q, %v", i, buf, err)
-		}
-	}
-	echo(0)
+	// Before the count: a first connection starts the loops.
+	conns = append(conns, echoOnce(t, port, 0))
 	waitUntil(t, "the first session is carried", func() bool { return p.ActiveConnections() == 1 })
 	// The test's own goroutines: the backend's handler per connection.
 	base := runtime.NumGoroutine()
 	for i := 1; i <= n; i++ {
-		echo(i)
+		conns = append(conns, echoOnce(t, port, i))
 	}
 	waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n+1 })
 	var proxyG int

@@ -907,9 +907,7 @@ func (p *Proxier) acceptLoop(l *listener) {
 			if errors.Is(err, net.ErrClosed) {
 				return
 			}
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay), zap.Error(err))
-			time.Sleep(delay)
+			delay = p.acceptBackoff(l, delay, err)
 			continue
 		}
 		delay = 0
@@ -925,6 +923,16 @@ func (p *Proxier) acceptLoop(l *listener) {
 		}
 		go p.serveTCP(l, tc, s)
 	}
+}
+
+// acceptBackoff logs a failed accept and sleeps before the next one: 5ms
+// after the first failure in a row, twice as long after each next one, up
+// to 1s. It returns the delay slept.
+func (p *Proxier) acceptBackoff(l *listener, delay time.Duration, err error) time.Duration {
+	delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+	p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay), zap.Error(err))
+	time.Sleep(delay)
+	return delay
 }
 
 // rawAcceptFile returns a duplicate of ln's socket for acceptRaw, as an
@@ -991,9 +999,7 @@ func (p *Proxier) acceptRaw(l *listener, rc syscall.RawConn) {
 			if l.closed.Load() {
 				return
 			}
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay), zap.Error(err))
-			time.Sleep(delay)
+			delay = p.acceptBackoff(l, delay, err)
 			continue
 		}
 		delay = 0

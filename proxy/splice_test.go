@@ -137,6 +137,28 @@ func eachDataPath(t *testing.T, f func(t *testing.T, loops int)) {
 	}
 }
 
+// echoOnce opens a connection to port, which must echo, and exchanges
+// one message, numbered i, over it. The caller closes it.
+func echoOnce(t *testing.T, port, i int) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	msg := fmt.Sprintf("%05d", i)
+	if _, err := c.Write([]byte(msg)); err != nil {
+		c.Close()
+		t.Fatal(err)
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+		c.Close()
+		t.Fatalf("echo %d: %q, %v", i, buf, err)
+	}
+	return c
+}
+
 // proxyFDs counts this process's descriptors, less the free pipes of the
 // pool (two each): those belong to no connection, and the pool may trim
 // them at any moment when no session is open. It reads the pool on both
@@ -178,21 +200,8 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 				c.Close()
 			}
 		}()
-		buf := make([]byte, 5)
 		for i := range n {
-			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-			if err != nil {
-				t.Fatal(err)
-			}
-			conns = append(conns, c)
-			c.SetDeadline(time.Now().Add(5 * time.Second))
-			msg := fmt.Sprintf("%05d", i)
-			if _, err := c.Write([]byte(msg)); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
-				t.Fatalf("echo %d: %q, %v", i, buf, err)
-			}
+			conns = append(conns, echoOnce(t, port, i))
 		}
 		waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n })
 		// In this process each connection also has the client's socket and the

@@ -81,7 +81,9 @@ func (s *session) carry(g *loopGroup, d *tcpDial, finish func(up, down int64)) e
 	}
 	// Posted under s.mu, so that an abort, which posts under it too, is
 	// queued after the session's registration.
+	tcpPipes.enter() // left in eventLoop.end
 	if !l.post(func() { l.add(ls) }) {
+		tcpPipes.leave()
 		if s.client != nil {
 			unix.Close(ls.side[0].fd)
 		}
@@ -101,7 +103,6 @@ func (s *session) carry(g *loopGroup, d *tcpDial, finish func(up, down int64)) e
 	}
 	s.fd = -1
 	s.loop, s.ls = l, ls
-	tcpPipes.enter() // left in eventLoop.end
 	return nil
 }
 
