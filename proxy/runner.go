@@ -108,26 +108,41 @@ func (r *Runner) Loop(ctx context.Context) {
 		case !last.IsZero():
 			due = last.Add(maxI)
 		}
-		if !due.IsZero() {
-			if !timer.Stop() {
-				select {
-				case <-timer.C():
-				default:
-				}
-			}
-			timer.Reset(max(due.Sub(r.clock.Now()), 0))
-		}
 		var fire bool
-		select {
-		case <-ctx.Done():
-			return
-		case <-r.wake:
-			pending = true
-			fire = !last.IsZero() && !r.clock.Now().Before(last.Add(minI)) || last.IsZero()
-		case <-timer.C():
-			fire = !due.IsZero()
+		switch {
+		case !due.IsZero() && !r.clock.Now().Before(due):
+			// Due already: the clock passed it while the previous run
+			// ran. Run now, as the expired timer would have; a timer
+			// reset to zero fires only once the clock moves again, which
+			// a fake clock may never do.
+			fire = true
+			if ctx.Err() != nil {
+				return
+			}
 			if !pending && backoff == 0 {
 				full = true // the periodic resync
+			}
+		default:
+			if !due.IsZero() {
+				if !timer.Stop() {
+					select {
+					case <-timer.C():
+					default:
+					}
+				}
+				timer.Reset(due.Sub(r.clock.Now()))
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.wake:
+				pending = true
+				fire = !last.IsZero() && !r.clock.Now().Before(last.Add(minI)) || last.IsZero()
+			case <-timer.C():
+				fire = !due.IsZero()
+				if !pending && backoff == 0 {
+					full = true // the periodic resync
+				}
 			}
 		}
 		if !fire {
