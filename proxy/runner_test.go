@@ -14,22 +14,32 @@ type runCall struct {
 	full bool
 }
 
+// startRunner runs a Runner (MinInterval 1s, MaxInterval 30s) on a fake
+// clock set to start, until the test ends. Each run reports its time and
+// fullness on calls, then returns what result returns.
+func startRunner(t *testing.T, start time.Time, result func() error) (r *Runner, clk *clocktesting.FakeClock, calls <-chan runCall) {
+	clk = clocktesting.NewFakeClock(start)
+	ch := make(chan runCall, 10)
+	r = NewRunner(RunnerConfig{MinInterval: time.Second, MaxInterval: 30 * time.Second, Clock: clk}, func(ctx context.Context, full bool) error {
+		ch <- runCall{clk.Now(), full}
+		return result()
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Loop(ctx); close(done) }() // ends at the test's cleanup
+	t.Cleanup(func() { cancel(); <-done })
+	return r, clk, ch
+}
+
 func TestRunnerBoundsFrequency(t *testing.T) {
 	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	clk := clocktesting.NewFakeClock(start)
-	calls := make(chan runCall, 10)
 	fail := make(chan bool, 10)
-	r := NewRunner(RunnerConfig{MinInterval: time.Second, MaxInterval: 30 * time.Second, Clock: clk}, func(ctx context.Context, full bool) error {
-		calls <- runCall{clk.Now(), full}
+	r, clk, calls := startRunner(t, start, func() error {
 		if <-fail {
 			return errors.New("boom")
 		}
 		return nil
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { r.Loop(ctx); close(done) }()
-	defer func() { cancel(); <-done }()
 
 	expect := func(at time.Duration, full bool, failIt bool) {
 		t.Helper()
@@ -103,17 +113,8 @@ func TestRunnerBoundsFrequency(t *testing.T) {
 // the next request by MinInterval nor makes the next run incremental.
 func TestRunnerSkippedRunDoesNotCount(t *testing.T) {
 	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	clk := clocktesting.NewFakeClock(start)
-	calls := make(chan runCall, 10)
 	results := make(chan error, 10)
-	r := NewRunner(RunnerConfig{MinInterval: time.Second, MaxInterval: 30 * time.Second, Clock: clk}, func(ctx context.Context, full bool) error {
-		calls <- runCall{clk.Now(), full}
-		return <-results
-	})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { r.Loop(ctx); close(done) }()
-	defer func() { cancel(); <-done }()
+	r, _, calls := startRunner(t, start, func() error { return <-results })
 	expect := func(full bool, result error) {
 		t.Helper()
 		results <- result
