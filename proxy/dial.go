@@ -134,18 +134,25 @@ func (d *tcpDial) done(up, down int64) {
 	d.snap.slots.release()
 }
 
-// rawConnect starts a non-blocking connection to addr, from the address
-// from when it is valid (tproxy mode: IP_TRANSPARENT, then bind). The
-// socket gets what net.Dialer would give it: TCP_NODELAY and keep-alive
-// with Go's default timing. The connection completes, or fails, when the
-// socket turns writable (connect(2): EINPROGRESS, then SO_ERROR).
+// rawConnect starts a non-blocking TCP connection to addr (rawDial).
 func rawConnect(addr netip.AddrPort, from netip.Addr) (fd int, err error) {
+	return rawDial(unix.SOCK_STREAM, addr, from)
+}
+
+// rawDial opens a non-blocking socket of type sotype (SOCK_STREAM or
+// SOCK_DGRAM) connected to addr, from the address from when it is valid
+// (tproxy mode: IP_TRANSPARENT, then bind). A TCP socket gets what
+// net.Dialer would give it: TCP_NODELAY and keep-alive with Go's default
+// timing; its connection completes, or fails, when the socket turns
+// writable (connect(2): EINPROGRESS, then SO_ERROR). A UDP socket is
+// connected on return.
+func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err error) {
 	a := addr.Addr().Unmap()
 	family := unix.AF_INET
 	if a.Is6() {
 		family = unix.AF_INET6
 	}
-	fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
@@ -155,11 +162,13 @@ func rawConnect(addr netip.AddrPort, from netip.Addr) (fd int, err error) {
 			fd = -1
 		}
 	}()
-	if err = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
-		return fd, os.NewSyscallError("setsockopt", err)
-	}
-	if err = setKeepAliveFD(fd); err != nil {
-		return fd, err
+	if sotype == unix.SOCK_STREAM {
+		if err = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+			return fd, os.NewSyscallError("setsockopt", err)
+		}
+		if err = setKeepAliveFD(fd); err != nil {
+			return fd, err
+		}
 	}
 	if from.IsValid() {
 		from = from.Unmap()

@@ -14,7 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The TCP data path's event loops. Once its backend is connected, a
+// The data path's event loops. Once its backend is connected, a
 // session's two sockets leave Go's network poller and join one event
 // loop's own epoll instance, and the loop moves their bytes as they
 // become readable and writable, the way HAProxy and nginx do. Compared
@@ -33,6 +33,11 @@ import (
 // too. The duplicate is the only descriptor of the socket from then on,
 // and closing it takes the socket out of the loop's epoll as well (epoll(7):
 // a file leaves every epoll set once all its descriptors are closed).
+//
+// A UDP flow's socket towards its backend is opened for a loop, which
+// relays the backend's replies to the client (addFlow, flowReady), where
+// a goroutine per flow did. The listener's goroutine still reads the
+// clients' datagrams, in batches, and writes each to its flow's socket.
 
 // loopGroup starts event loops on first use and stops them on request.
 // Safe for concurrent use.
@@ -103,6 +108,7 @@ type eventLoop struct {
 	// Owned by run's goroutine.
 	sides     []*loopSide // by descriptor number
 	sessions  map[*loopSession]struct{}
+	flows     map[*udpFlow]struct{}
 	gen       int32
 	nextSweep time.Time
 	// connecting: the sessions whose backend connection is in progress;
@@ -110,6 +116,9 @@ type eventLoop struct {
 	connecting   map[*loopSession]struct{}
 	nextDeadline time.Time
 	buf          [copyBufSize]byte
+	// dgram and replies relay UDP replies: allocated with the first flow.
+	dgram   []byte
+	replies *replySender
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
@@ -136,6 +145,7 @@ func newEventLoop(idle, dialTimeout time.Duration) (*eventLoop, error) {
 		epfd: epfd, wakefd: wakefd, idle: idle, dialTimeout: dialTimeout,
 		done:       make(chan struct{}),
 		sessions:   map[*loopSession]struct{}{},
+		flows:      map[*udpFlow]struct{}{},
 		connecting: map[*loopSession]struct{}{},
 	}
 	if idle > 0 {
@@ -188,7 +198,7 @@ func (l *eventLoop) run() {
 			}
 			// Only a bad epoll descriptor or buffer fails epoll_wait:
 			// a bug, not a condition to carry on from.
-			panic(fmt.Sprintf("uproxy: epoll_wait on the TCP event loop: %v", err))
+			panic(fmt.Sprintf("uproxy: epoll_wait on an event loop: %v", err))
 		}
 		woken := false
 		for _, ev := range events[:n] {
@@ -251,6 +261,12 @@ func (l *eventLoop) runTasks() bool {
 	for ls := range l.sessions {
 		l.end(ls, true)
 	}
+	// No sender is left to hold a flow's socket: the listeners that send
+	// were closed, and their goroutines waited for, before the loops stop.
+	for f := range l.flows {
+		f.close()
+		l.dropFlow(f)
+	}
 	unix.Close(l.epfd)
 	unix.Close(l.wakefd)
 	return true
@@ -276,10 +292,12 @@ type loopSession struct {
 	finish func(up, down int64)
 }
 
-// loopSide is one of a session's sockets and what epoll last said of it
-// (edge-triggered: a flag stays set until a call finds EAGAIN).
+// loopSide is one of a session's sockets, or a UDP flow's (flow), and
+// what epoll last said of it (edge-triggered: a flag stays set until a
+// call finds EAGAIN).
 type loopSide struct {
 	ls                 *loopSession
+	flow               *udpFlow
 	fd                 int
 	gen                int32
 	readable, writable bool
@@ -319,18 +337,25 @@ func (l *eventLoop) add(ls *loopSession) {
 // before the session got here are not missed.
 func (l *eventLoop) register(ls *loopSession, i int) error {
 	sd := &ls.side[i]
+	sd.ls, sd.readable, sd.writable = ls, false, !ls.connecting
+	return l.watch(sd, unix.EPOLLIN|unix.EPOLLOUT|unix.EPOLLRDHUP|unix.EPOLLET)
+}
+
+// watch adds sd's socket to the epoll set for events, under a new
+// generation.
+func (l *eventLoop) watch(sd *loopSide, events uint32) error {
 	l.gen++
 	if l.gen <= 0 {
 		l.gen = 1
 	}
-	sd.ls, sd.gen, sd.readable, sd.writable = ls, l.gen, false, !ls.connecting
+	sd.gen = l.gen
 	if sd.fd >= len(l.sides) {
 		grown := make([]*loopSide, max(sd.fd+1, 2*len(l.sides), 64))
 		copy(grown, l.sides)
 		l.sides = grown
 	}
 	l.sides[sd.fd] = sd
-	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(sd.fd), Pad: sd.gen}
+	ev := unix.EpollEvent{Events: events, Fd: int32(sd.fd), Pad: sd.gen}
 	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, sd.fd, &ev); err != nil {
 		return fmt.Errorf("epoll_ctl add: %w", err)
 	}
@@ -424,6 +449,10 @@ func (l *eventLoop) ready(ev unix.EpollEvent) {
 	sd := l.sides[fd]
 	if sd == nil || sd.gen != ev.Pad {
 		return // the side was closed earlier in this batch
+	}
+	if sd.flow != nil {
+		l.flowReady(sd.flow)
+		return
 	}
 	if ev.Events&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.readable = true
@@ -624,6 +653,7 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 	return nil
 }
 
+
 // sendRetry is one send(2) of b to fd with flags, repeated on EINTR.
 func sendRetry(fd int, b []byte, flags int) (int, error) {
 	for {
@@ -801,3 +831,60 @@ func (c *Config) eventLoops() int {
 	}
 	return c.EventLoops
 }
+
+// addFlow watches a UDP flow's socket for the backend's replies. Runs on
+// the loop, before any dropFlow of the flow (connectFlow).
+func (l *eventLoop) addFlow(f *udpFlow) {
+	if l.dgram == nil {
+		l.dgram = make([]byte, maxDatagram)
+		l.replies = newReplySender()
+	}
+	l.flows[f] = struct{}{}
+	f.side = loopSide{flow: f, fd: f.fd}
+	if err := l.watch(&f.side, unix.EPOLLIN|unix.EPOLLET); err != nil {
+		f.p.udpFailed(f, err)
+	}
+}
+
+// flowBudget bounds the replies one wake-up relays for one flow, so that
+// a backend that floods its client cannot hold the loop.
+const flowBudget = 64
+
+// flowReady relays the replies queued on f's socket to its client. A
+// receive error (ECONNREFUSED after an ICMP port unreachable: udp(7))
+// ends the flow. Runs on the loop.
+func (l *eventLoop) flowReady(f *udpFlow) {
+	for range flowBudget {
+		if f.closed.Load() {
+			return
+		}
+		n, err := readRetry(f.fd, l.dgram)
+		switch {
+		case err == unix.EAGAIN:
+			return
+		case err != nil:
+			f.p.udpFailed(f, os.NewSyscallError("read", err))
+			return
+		}
+		f.p.relayReply(f, l.replies, l.dgram[:n])
+	}
+	// Edge-triggered: no new event comes for what is left. Relay it after
+	// the other ready sockets had their turn.
+	l.post(func() { l.flowReady(f) })
+}
+
+// dropFlow closes a closed flow's socket, which takes it out of the
+// epoll set, and lets go of its backend. Runs on the loop, once the last
+// sender is done with the socket (flowRefs); at most once per flow.
+func (l *eventLoop) dropFlow(f *udpFlow) {
+	if _, ok := l.flows[f]; !ok {
+		return
+	}
+	delete(l.flows, f)
+	if f.fd < len(l.sides) && l.sides[f.fd] == &f.side {
+		l.sides[f.fd] = nil
+	}
+	_ = unix.Close(f.fd)
+	f.backend.Release()
+}
+

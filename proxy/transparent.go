@@ -74,32 +74,37 @@ type tproxySocket struct {
 	*listenSocket // reads, with IP_ORIGDSTADDR
 
 	mu      sync.Mutex
-	replies map[netip.AddrPort]*net.UDPConn
+	replies map[netip.AddrPort]replySocket
 	closed  bool
+}
+
+// replySocket is a transparent socket bound to a service's address.
+type replySocket struct {
+	c  *net.UDPConn
+	rc syscall.RawConn
 }
 
 var _ udpSocket = (*tproxySocket)(nil)
 
-func (t *tproxySocket) write(b []byte, client, dst netip.AddrPort) error {
+func (t *tproxySocket) write(rs *replySender, b []byte, client, dst netip.AddrPort) error {
 	c, err := t.replySocket(dst)
 	if err != nil {
 		return err
 	}
-	_, err = c.WriteToUDPAddrPort(b, client)
-	return err
+	return rs.send(c.rc, t.v6, b, client, netip.Addr{})
 }
 
 // replySocket returns the transparent socket bound to dst, opening it on
 // first use. It only sends: TPROXY hands datagrams to the listener, and
 // the kernel never delivers to an unconnected socket a datagram that
 // TPROXY assigned elsewhere.
-func (t *tproxySocket) replySocket(dst netip.AddrPort) (*net.UDPConn, error) {
+func (t *tproxySocket) replySocket(dst netip.AddrPort) (replySocket, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
-		return nil, net.ErrClosed
+		return replySocket{}, net.ErrClosed
 	}
-	if c := t.replies[dst]; c != nil {
+	if c, ok := t.replies[dst]; ok {
 		return c, nil
 	}
 	lc := net.ListenConfig{Control: func(network, _ string, c syscall.RawConn) error {
@@ -120,13 +125,18 @@ func (t *tproxySocket) replySocket(dst netip.AddrPort) (*net.UDPConn, error) {
 	}
 	pc, err := lc.ListenPacket(context.Background(), network, dst.String())
 	if err != nil {
-		return nil, fmt.Errorf("opening a reply socket on %s: %w", dst, err)
+		return replySocket{}, fmt.Errorf("opening a reply socket on %s: %w", dst, err)
+	}
+	c := replySocket{c: pc.(*net.UDPConn)}
+	if c.rc, err = c.c.SyscallConn(); err != nil {
+		c.c.Close()
+		return replySocket{}, err
 	}
 	if t.replies == nil {
-		t.replies = map[netip.AddrPort]*net.UDPConn{}
+		t.replies = map[netip.AddrPort]replySocket{}
 	}
-	t.replies[dst] = pc.(*net.UDPConn)
-	return t.replies[dst], nil
+	t.replies[dst] = c
+	return c, nil
 }
 
 // close closes the reply sockets; the listener is closed by its owner.
@@ -135,7 +145,7 @@ func (t *tproxySocket) close() {
 	defer t.mu.Unlock()
 	t.closed = true
 	for _, c := range t.replies {
-		c.Close()
+		c.c.Close()
 	}
 	t.replies = nil
 }

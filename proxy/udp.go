@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/hashicorp/golang-lru/v2/expirable"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/balancer"
 )
@@ -37,8 +39,10 @@ type flowKey struct {
 }
 
 // udpFlow is one client's association with one backend: a connected UDP
-// socket towards the backend, and a goroutine that relays its replies.
+// socket towards the backend, whose replies an event loop relays (or,
+// without event loops, a goroutine of the flow's own).
 type udpFlow struct {
+	p   *Proxier
 	key flowKey
 	// svc is the service port's listener: key.l itself, or the one a
 	// shared listener routed the flow to.
@@ -48,7 +52,14 @@ type udpFlow struct {
 	// mode, unknown otherwise.
 	orig    netip.AddrPort
 	backend *balancer.Backend
-	conn    *net.UDPConn // connected to backend
+	// The socket connected to the backend: conn without event loops (read
+	// by the flow's goroutine, udpReplies), or else fd, read by loop
+	// (flowReady) and written by the listener's goroutine under refs.
+	conn *net.UDPConn
+	fd   int
+	loop *eventLoop
+	refs flowRefs
+	side loopSide // fd's entry in loop's epoll set; owned by loop
 	// dst is where the client's datagrams arrived: in redirect mode the
 	// local address the kernel redirected them to (replies sent from it are
 	// mapped back to the service's address and port by conntrack); in
@@ -91,10 +102,90 @@ var flowStart = time.Now()
 // flowClock is a monotonic clock in nanoseconds, for touch.
 func flowClock() int64 { return int64(time.Since(flowStart)) }
 
+// close ends the flow; safe to call from any goroutine, any number of
+// times. On an event loop, the loop closes the socket once no sender
+// holds it (flowRefs).
 func (f *udpFlow) close() {
-	if f.closed.CompareAndSwap(false, true) {
+	if !f.closed.CompareAndSwap(false, true) {
+		return
+	}
+	f.pm.flowClosed()
+	if f.conn != nil {
 		f.conn.Close()
-		f.pm.flowClosed()
+	} else if f.refs.shut() {
+		f.drop()
+	}
+}
+
+// send writes one client datagram to the backend, without waiting: a full
+// send buffer drops it (errDatagramDropped).
+func (f *udpFlow) send(b []byte) error {
+	if f.conn != nil {
+		_, err := f.conn.Write(b)
+		return err
+	}
+	if !f.refs.acquire() {
+		return net.ErrClosed
+	}
+	_, err := writeRetry(f.fd, b)
+	if f.refs.release() {
+		f.drop()
+	}
+	switch err {
+	case nil:
+		return nil
+	case unix.EAGAIN:
+		return errDatagramDropped
+	}
+	return os.NewSyscallError("write", err)
+}
+
+// errDatagramDropped: a datagram found its flow's send buffer full.
+var errDatagramDropped = errors.New("datagram dropped: the backend socket's send buffer is full")
+
+// drop has the flow's loop close its socket, once the flow is closed and
+// no sender holds it. If the loop has stopped, it closed the socket as it
+// stopped (runTasks).
+func (f *udpFlow) drop() {
+	l := f.loop
+	l.post(func() { l.dropFlow(f) })
+}
+
+// flowRefs counts the goroutines sending on an event loop flow's socket,
+// so that the loop closes it only after the last one is done: a
+// descriptor closed under a sender could be reused by another socket
+// before the send (the race internal/poll's fdMutex guards against).
+type flowRefs struct{ v atomic.Int64 }
+
+// flowShut marks a flow whose socket is to be closed.
+const flowShut = 1 << 62
+
+// acquire adds a sender; false once the flow is shut.
+func (r *flowRefs) acquire() bool {
+	for {
+		v := r.v.Load()
+		if v&flowShut != 0 {
+			return false
+		}
+		if r.v.CompareAndSwap(v, v+1) {
+			return true
+		}
+	}
+}
+
+// release removes a sender; true if it was the last of a shut flow.
+func (r *flowRefs) release() bool { return r.v.Add(-1) == flowShut }
+
+// shut marks the flow shut, once; true if no sender holds it.
+func (r *flowRefs) shut() bool {
+	for {
+		v := r.v.Load()
+		if v&flowShut != 0 {
+			return false
+		}
+		if r.v.CompareAndSwap(v, v|flowShut) {
+			return v == 0
+		}
 	}
 }
 
@@ -238,7 +329,11 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
 			return
 		}
-		if _, err := f.conn.Write(payload); err != nil {
+		if err := f.send(payload); err != nil {
+			if errors.Is(err, errDatagramDropped) {
+				p.connLog.Warn("UDP datagram dropped", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
+				return
+			}
 			p.udpFailed(f, err)
 			cur = nil // removed from the table
 			continue
@@ -290,8 +385,9 @@ func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig neti
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
 		from = client.Addr()
 	}
+	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
-	conn, err := p.dialUDP(b.Addr, from)
+	err := p.connectFlow(f, from)
 	pm.dialDone(start, err)
 	if err != nil {
 		p.health.failure(b)
@@ -299,14 +395,47 @@ func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig neti
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
 	bm.connected()
-	f := &udpFlow{key: key, svc: l, orig: orig, backend: b, conn: conn, dst: key.dst, sock: sock, pm: pm}
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
-	b.Acquire()
 	flows.Add(key, f)
-	p.wg.Add(1)
-	go p.udpReplies(f) // ends when the flow's socket is closed
+	if f.conn != nil {
+		p.wg.Add(1)
+		go p.udpReplies(f) // ends when the flow's socket is closed
+	}
 	return f, nil
+}
+
+// connectFlow connects f's socket to its backend, from the address from
+// when it is valid, and holds the backend (Acquire) until the flow ends.
+// With event loops (and the default dialer) the socket joins one, which
+// relays the backend's replies; it is added before anyone else knows the
+// flow, so that the loop sees it before any request to drop it.
+func (p *Proxier) connectFlow(f *udpFlow, from netip.Addr) error {
+	if p.loops.n <= 0 || p.cfg.Dial != nil {
+		conn, err := p.dialUDP(f.backend.Addr, from)
+		if err != nil {
+			return err
+		}
+		f.conn = conn
+		f.backend.Acquire()
+		return nil
+	}
+	l, err := p.loops.loopFor()
+	if err != nil {
+		return err
+	}
+	fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from)
+	if err != nil {
+		return err
+	}
+	f.fd, f.loop = fd, l
+	f.backend.Acquire()
+	if !l.post(func() { l.addFlow(f) }) {
+		unix.Close(fd)
+		f.backend.Release()
+		return errLoopStopped
+	}
+	return nil
 }
 
 // udpFailed handles an error sending to or receiving from a flow's
@@ -333,7 +462,8 @@ func (p *Proxier) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, e
 var replyBuffers bufferPool
 
 // udpReplies relays the backend's datagrams to the client until the
-// flow's socket is closed (expiry, eviction, replacement, shutdown).
+// flow's socket is closed (expiry, eviction, replacement, shutdown). It
+// is the flow's goroutine, without event loops.
 func (p *Proxier) udpReplies(f *udpFlow) {
 	defer p.wg.Done()
 	defer f.backend.Release()
@@ -342,21 +472,26 @@ func (p *Proxier) udpReplies(f *udpFlow) {
 		f.close()
 		return
 	}
+	rs := newReplySender()
 	for {
 		bp, n, err := readDatagram(rc, &replyBuffers)
 		if err != nil {
 			p.udpFailed(f, err)
 			return
 		}
-		err = f.sock.write((*bp)[:n], f.key.client, f.dst)
+		p.relayReply(f, rs, (*bp)[:n])
 		replyBuffers.put(bp)
-		if err != nil {
-			p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
-		} else {
-			f.pm.down(int64(n))
-		}
-		f.touch(p)
 	}
+}
+
+// relayReply sends one of the backend's datagrams to the flow's client.
+func (p *Proxier) relayReply(f *udpFlow, rs *replySender, b []byte) {
+	if err := f.sock.write(rs, b, f.key.client, f.dst); err != nil {
+		p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
+	} else {
+		f.pm.down(int64(len(b)))
+	}
+	f.touch(p)
 }
 
 // removeFlows drops every flow of a closed listener: those its socket

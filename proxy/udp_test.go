@@ -95,47 +95,49 @@ func dialUDP(t testing.TB, port int) *net.UDPConn {
 }
 
 func TestUDPFlows(t *testing.T) {
-	a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
-	p, rules := startProxier(t, Config{UDPTimeout: 300 * time.Millisecond})
-	dns := svc("dns", "10.96.0.10", "dns:53/UDP")
-	p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", a, b))
-	port := rules.port(t, "default/dns:dns")
+	eachDataPath(t, func(t *testing.T, loops int) {
+		a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
+		p, rules := startProxier(t, Config{EventLoops: loops, UDPTimeout: 300 * time.Millisecond})
+		dns := svc("dns", "10.96.0.10", "dns:53/UDP")
+		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", a, b))
+		port := rules.port(t, "default/dns:dns")
 
-	// Each client sticks to one backend; two clients spread over both.
-	c1, c2 := dialUDP(t, port), dialUDP(t, port)
-	first := exchange(t, c1, []byte("hello"))
-	for range 5 {
-		if got := exchange(t, c1, []byte("hello")); got != first {
-			t.Fatalf("flow moved from %q to %q", first, got)
+		// Each client sticks to one backend; two clients spread over both.
+		c1, c2 := dialUDP(t, port), dialUDP(t, port)
+		first := exchange(t, c1, []byte("hello"))
+		for range 5 {
+			if got := exchange(t, c1, []byte("hello")); got != first {
+				t.Fatalf("flow moved from %q to %q", first, got)
+			}
 		}
-	}
-	second := exchange(t, c2, []byte("hi"))
-	if first[:1] == second[:1] {
-		t.Errorf("two clients on the same backend %q under round-robin", first[:1])
-	}
-	if p.UDPFlows() != 2 {
-		t.Errorf("%d flows, want 2", p.UDPFlows())
-	}
+		second := exchange(t, c2, []byte("hi"))
+		if first[:1] == second[:1] {
+			t.Errorf("two clients on the same backend %q under round-robin", first[:1])
+		}
+		if p.UDPFlows() != 2 {
+			t.Errorf("%d flows, want 2", p.UDPFlows())
+		}
 
-	// Datagrams up to the maximum size are forwarded whole.
-	if got := exchange(t, c1, bytes.Repeat([]byte{'x'}, 65507)); !strings.HasSuffix(got, ":65507") {
-		t.Errorf("max-size datagram: backend saw %q", got)
-	}
+		// Datagrams up to the maximum size are forwarded whole.
+		if got := exchange(t, c1, bytes.Repeat([]byte{'x'}, 65507)); !strings.HasSuffix(got, ":65507") {
+			t.Errorf("max-size datagram: backend saw %q", got)
+		}
 
-	// c1's backend is removed: its next datagram moves to the other one.
-	var keep netip.AddrPort
-	if first[:1] == "a" {
-		keep = b
-	} else {
-		keep = a
-	}
-	p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", keep))
-	waitUntil(t, "c1 moves to the live backend", func() bool {
-		return exchange(t, c1, []byte("again"))[:1] != first[:1]
+		// c1's backend is removed: its next datagram moves to the other one.
+		var keep netip.AddrPort
+		if first[:1] == "a" {
+			keep = b
+		} else {
+			keep = a
+		}
+		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", keep))
+		waitUntil(t, "c1 moves to the live backend", func() bool {
+			return exchange(t, c1, []byte("again"))[:1] != first[:1]
+		})
+
+		// Idle flows expire.
+		waitUntil(t, "flows expire", func() bool { return p.UDPFlows() == 0 })
 	})
-
-	// Idle flows expire.
-	waitUntil(t, "flows expire", func() bool { return p.UDPFlows() == 0 })
 }
 
 // TestUDPRepliesComeFromTheServiceAddress checks, for both families, that
@@ -143,118 +145,129 @@ func TestUDPFlows(t *testing.T) {
 // IPV6_PKTINFO), whatever address the kernel would otherwise pick, and
 // that a batch of datagrams queued at once is read and answered whole.
 func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
-	for _, tt := range []struct {
-		name, network, loopback, vip string
-	}{
-		{"IPv4", "udp4", "127.0.0.1", "10.96.0.10"},
-		{"IPv6", "udp6", "::1", "2001:db8:96::10"},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			pc, err := net.ListenPacket(tt.network, net.JoinHostPort(tt.loopback, "0"))
-			if err != nil {
-				t.Skipf("no %s loopback: %v", tt.name, err)
-			}
-			go func() { // ends when pc is closed
-				buf := make([]byte, 65535)
-				for {
-					n, from, err := pc.ReadFrom(buf)
-					if err != nil {
-						return
-					}
-					pc.WriteTo(buf[:n], from)
+	eachDataPath(t, func(t *testing.T, loops int) {
+		for _, tt := range []struct {
+			name, network, loopback, vip string
+		}{
+			{"IPv4", "udp4", "127.0.0.1", "10.96.0.10"},
+			{"IPv6", "udp6", "::1", "2001:db8:96::10"},
+		} {
+			t.Run(tt.name, func(t *testing.T) {
+				pc, err := net.ListenPacket(tt.network, net.JoinHostPort(tt.loopback, "0"))
+				if err != nil {
+					t.Skipf("no %s loopback: %v", tt.name, err)
 				}
-			}()
-			t.Cleanup(func() { pc.Close() })
-			echo := netip.MustParseAddrPort(pc.LocalAddr().String())
-			p, rules := startProxier(t, Config{})
-			sl := udpSlice("dns", "dns", echo)
-			if echo.Addr().Is6() {
-				sl.AddressType = discovery.AddressTypeIPv6
-			}
-			p.Tracker().Replace([]*v1.Service{svc("dns", tt.vip, "dns:53/UDP")}, []*discovery.EndpointSlice{sl})
-			port := rules.port(t, "default/dns:dns")
-			// Without the kernel's REDIRECT, "the service address" is the
-			// address the client sent to: an unconnected socket shows the
-			// reply's source.
-			c, err := net.ListenPacket(tt.network, net.JoinHostPort(tt.loopback, "0"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			to := &net.UDPAddr{IP: net.ParseIP(tt.loopback), Port: port}
-			const queued = 20
-			for i := range queued {
-				if _, err := c.WriteTo([]byte(fmt.Sprint(i)), to); err != nil {
+				go func() { // ends when pc is closed
+					buf := make([]byte, 65535)
+					for {
+						n, from, err := pc.ReadFrom(buf)
+						if err != nil {
+							return
+						}
+						pc.WriteTo(buf[:n], from)
+					}
+				}()
+				t.Cleanup(func() { pc.Close() })
+				echo := netip.MustParseAddrPort(pc.LocalAddr().String())
+				p, rules := startProxier(t, Config{EventLoops: loops})
+				sl := udpSlice("dns", "dns", echo)
+				if echo.Addr().Is6() {
+					sl.AddressType = discovery.AddressTypeIPv6
+				}
+				p.Tracker().Replace([]*v1.Service{svc("dns", tt.vip, "dns:53/UDP")}, []*discovery.EndpointSlice{sl})
+				port := rules.port(t, "default/dns:dns")
+				// Without the kernel's REDIRECT, "the service address" is the
+				// address the client sent to: an unconnected socket shows the
+				// reply's source.
+				c, err := net.ListenPacket(tt.network, net.JoinHostPort(tt.loopback, "0"))
+				if err != nil {
 					t.Fatal(err)
 				}
-			}
-			got := map[string]bool{}
-			buf := make([]byte, 10)
-			for range queued {
-				c.SetReadDeadline(time.Now().Add(3 * time.Second))
-				n, from, err := c.ReadFrom(buf)
-				if err != nil {
-					t.Fatalf("%d of %d replies: %v", len(got), queued, err)
+				defer c.Close()
+				to := &net.UDPAddr{IP: net.ParseIP(tt.loopback), Port: port}
+				const queued = 20
+				for i := range queued {
+					if _, err := c.WriteTo([]byte(fmt.Sprint(i)), to); err != nil {
+						t.Fatal(err)
+					}
 				}
-				if from.String() != to.String() {
-					t.Errorf("reply %q from %v, want from %v", buf[:n], from, to)
+				got := map[string]bool{}
+				buf := make([]byte, 10)
+				for range queued {
+					c.SetReadDeadline(time.Now().Add(3 * time.Second))
+					n, from, err := c.ReadFrom(buf)
+					if err != nil {
+						t.Fatalf("%d of %d replies: %v", len(got), queued, err)
+					}
+					if from.String() != to.String() {
+						t.Errorf("reply %q from %v, want from %v", buf[:n], from, to)
+					}
+					got[string(buf[:n])] = true
 				}
-				got[string(buf[:n])] = true
-			}
-			if len(got) != queued {
-				t.Errorf("%d distinct replies, want %d", len(got), queued)
-			}
-		})
-	}
+				if len(got) != queued {
+					t.Errorf("%d distinct replies, want %d", len(got), queued)
+				}
+			})
+		}
+	})
 }
 
 func TestUDPEjectsRefusingBackend(t *testing.T) {
-	good := udpBackend(t, "good", false)
-	// A port nobody listens on answers with ICMP port unreachable.
-	dead, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	deadAddr := netip.MustParseAddrPort(dead.LocalAddr().String())
-	dead.Close()
-	p, rules := startProxier(t, Config{EjectBase: time.Minute})
-	p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", deadAddr, good))
-	port := rules.port(t, "default/dns:dns")
-	// Whichever client lands on the dead backend first loses that datagram
-	// (UDP has no retry), but the backend is ejected and no later datagram
-	// is lost.
-	for i := range 4 {
-		c := dialUDP(t, port)
-		c.Write([]byte("probe"))
-		c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
-		c.Read(make([]byte, 100))
-		_ = i
-	}
-	for i := range 10 {
-		c := dialUDP(t, port)
-		if got := exchange(t, c, []byte("x")); !strings.HasPrefix(got, "good:") {
-			t.Fatalf("client %d got %q", i, got)
+	eachDataPath(t, func(t *testing.T, loops int) {
+		good := udpBackend(t, "good", false)
+		// A port nobody listens on answers with ICMP port unreachable.
+		dead, err := net.ListenPacket("udp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
+		deadAddr := netip.MustParseAddrPort(dead.LocalAddr().String())
+		dead.Close()
+		p, rules := startProxier(t, Config{EventLoops: loops, EjectBase: time.Minute})
+		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", deadAddr, good))
+		port := rules.port(t, "default/dns:dns")
+		// Whichever client lands on the dead backend first loses that datagram
+		// (UDP has no retry), but the backend is ejected and no later datagram
+		// is lost.
+		for i := range 4 {
+			c := dialUDP(t, port)
+			c.Write([]byte("probe"))
+			c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+			c.Read(make([]byte, 100))
+			_ = i
+		}
+		for i := range 10 {
+			c := dialUDP(t, port)
+			if got := exchange(t, c, []byte("x")); !strings.HasPrefix(got, "good:") {
+				t.Fatalf("client %d got %q", i, got)
+			}
+		}
+	})
 }
 
 func TestUDPNoLeaks(t *testing.T) {
-	echo := udpBackend(t, "", true)
-	baseG := runtime.NumGoroutine()
-	func() {
-		p, rules := startProxier(t, Config{UDPMaxFlows: 50})
-		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
-		port := rules.port(t, "default/dns:dns")
-		for range 200 {
-			c := dialUDP(t, port)
-			exchange(t, c, []byte("x"))
-			c.Close()
-		}
-		if n := p.UDPFlows(); n > 50 {
-			t.Errorf("%d flows, above the bound of 50", n)
-		}
-		p.Shutdown(t.Context())
-	}()
-	// One goroutine stays: the flow table's expiry loop (see flowTable).
-	waitUntil(t, "goroutines return to baseline", func() bool { return runtime.NumGoroutine() <= baseG+2 })
+	eachDataPath(t, func(t *testing.T, loops int) {
+		echo := udpBackend(t, "", true)
+		baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
+		func() {
+			p, rules := startProxier(t, Config{EventLoops: loops, UDPMaxFlows: 50})
+			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
+			port := rules.port(t, "default/dns:dns")
+			for range 200 {
+				c := dialUDP(t, port)
+				exchange(t, c, []byte("x"))
+				c.Close()
+			}
+			if n := p.UDPFlows(); n > 50 {
+				t.Errorf("%d flows, above the bound of 50", n)
+			}
+			// Evicted flows close their sockets: at most the 50 flows',
+			// the listener's and the event loop's remain.
+			waitUntil(t, "evicted flows' sockets close", func() bool { return countFDs(t) <= baseFD+50+4 })
+			p.Shutdown(t.Context())
+		}()
+		// One goroutine stays: the flow table's expiry loop (see flowTable).
+		waitUntil(t, "goroutines and descriptors return to baseline", func() bool {
+			return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD
+		})
+	})
 }

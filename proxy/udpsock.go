@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
 	"syscall"
 	"unsafe"
@@ -15,13 +16,17 @@ import (
 
 // udpSocket reads a listener's datagrams with the address each was sent
 // to, and writes replies that appear to come from it. readBatch is called
-// by one goroutine only; write by any.
+// by one goroutine only; write by any, each with a replySender of its own.
 type udpSocket interface {
 	// readBatch blocks until at least one datagram is queued, then reads
 	// up to len(out) of them (fewer while the socket has no backlog; see
 	// listenSocket). The caller returns each out[i].buf to listenBuffers.
 	readBatch(out []datagram) (int, error)
-	write(b []byte, client, dst netip.AddrPort) error
+	// write sends b to client, appearing to come from dst, without
+	// waiting: a full send buffer drops the datagram (errReplyDropped),
+	// as the kernel drops what a full receive buffer cannot take. An
+	// event loop sends replies, and must not block on one socket.
+	write(s *replySender, b []byte, client, dst netip.AddrPort) error
 	close()
 }
 
@@ -205,19 +210,8 @@ func sockaddrAddrPort(sa *unix.RawSockaddrInet6) netip.AddrPort {
 // IPV6_PKTINFO's ipi6_addr: ip(7), ipv6(7)), so that conntrack maps it
 // back to the service's address the client sent to. An invalid dst sends
 // from whatever address the kernel picks.
-func (s *listenSocket) write(b []byte, client, dst netip.AddrPort) error {
-	var buf [64]byte
-	var oob []byte
-	if a := dst.Addr(); a.IsValid() {
-		oob = pktinfo(buf[:0], a, s.v6)
-	}
-	if !s.v6 {
-		client = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
-	} else if client.Addr().Is4() {
-		client = netip.AddrPortFrom(netip.AddrFrom16(client.Addr().As16()), client.Port())
-	}
-	_, _, err := s.pc.WriteMsgUDPAddrPort(b, oob, client)
-	return err
+func (s *listenSocket) write(rs *replySender, b []byte, client, dst netip.AddrPort) error {
+	return rs.send(s.rc, s.v6, b, client, dst.Addr())
 }
 
 func (*listenSocket) close() {}
@@ -317,6 +311,77 @@ func readDatagram(rc syscall.RawConn, pool *bufferPool) (bp *[]byte, n int, err 
 		return nil, 0, serr
 	}
 	return bp, n, nil
+}
+
+// replySender sends replies through listener sockets for one goroutine
+// at a time (a flow's reply goroutine, or an event loop), from scratch
+// space of its own: RawConn.Write takes a func, and a func literal that
+// captured the arguments would be allocated at every call.
+type replySender struct {
+	msg  unix.Msghdr
+	iov  unix.Iovec
+	name unix.RawSockaddrInet6 // big enough for either family
+	oob  [64]byte
+	err  syscall.Errno
+	fn   func(fd uintptr) bool // sendmsg, bound once
+}
+
+func newReplySender() *replySender {
+	s := &replySender{}
+	s.fn = s.sendmsg
+	return s
+}
+
+// errReplyDropped: a reply found its socket's send buffer full.
+var errReplyDropped = errors.New("reply dropped: the listener's send buffer is full")
+
+// send sends b to client through rc's socket (of family v6 or not), from
+// src's address when it is valid (IP_PKTINFO, IPV6_PKTINFO), without
+// waiting for room in the send buffer.
+func (s *replySender) send(rc syscall.RawConn, v6 bool, b []byte, client netip.AddrPort, src netip.Addr) error {
+	s.msg = unix.Msghdr{Name: (*byte)(unsafe.Pointer(&s.name)), Iov: &s.iov}
+	s.msg.SetIovlen(1)
+	s.iov = unix.Iovec{}
+	if len(b) > 0 {
+		s.iov.Base = &b[0]
+		s.iov.SetLen(len(b))
+	}
+	if v6 {
+		s.name = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: client.Addr().As16()}
+		s.name.Port = ntohs(client.Port()) // its own inverse
+		s.msg.Namelen = unix.SizeofSockaddrInet6
+	} else {
+		sa4 := (*unix.RawSockaddrInet4)(unsafe.Pointer(&s.name))
+		*sa4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Port: ntohs(client.Port()), Addr: client.Addr().Unmap().As4()}
+		s.msg.Namelen = unix.SizeofSockaddrInet4
+	}
+	if src.IsValid() {
+		oob := pktinfo(s.oob[:0], src, v6)
+		s.msg.Control = &s.oob[0]
+		s.msg.SetControllen(len(oob))
+	}
+	s.err = 0
+	if err := rc.Write(s.fn); err != nil {
+		return err
+	}
+	switch s.err {
+	case 0:
+		return nil
+	case unix.EAGAIN:
+		return errReplyDropped
+	}
+	return os.NewSyscallError("sendmsg", s.err)
+}
+
+// sendmsg is RawConn.Write's function: one sendmsg(2) that does not wait.
+func (s *replySender) sendmsg(fd uintptr) bool {
+	for {
+		_, _, errno := unix.Syscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT)
+		if errno != unix.EINTR {
+			s.err = errno
+			return true
+		}
+	}
 }
 
 // bufferPool recycles datagram buffers of the largest size.
