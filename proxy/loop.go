@@ -653,17 +653,6 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 	return nil
 }
 
-
-// sendRetry is one send(2) of b to fd with flags, repeated on EINTR.
-func sendRetry(fd int, b []byte, flags int) (int, error) {
-	for {
-		n, err := unix.SendmsgN(fd, b, nil, nil, flags|unix.MSG_NOSIGNAL)
-		if err != unix.EINTR {
-			return max(n, 0), err
-		}
-	}
-}
-
 // drained notes that src has nothing to read. The second time that
 // happens between messages, TCP_INQ is turned on for src, as in
 // copyMessages.
@@ -887,4 +876,3 @@ func (l *eventLoop) dropFlow(f *udpFlow) {
 	_ = unix.Close(f.fd)
 	f.backend.Release()
 }
-

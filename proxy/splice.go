@@ -243,17 +243,6 @@ func (pp *pipePool) spliceOnce(dst, src syscall.RawConn) (written int, eof bool,
 // further.
 const maxSplice = 1 << 20
 
-// spliceRetry is one splice(2) from in to out of at most n bytes,
-// repeated on EINTR.
-func spliceRetry(in, out, n int) (int, error) {
-	for {
-		m, err := unix.Splice(in, nil, out, nil, n, spliceFlags)
-		if err != unix.EINTR {
-			return int(m), err
-		}
-	}
-}
-
 // copyBufSize is the buffer of the userspace path for small messages. A
 // read that fills it means a bulk transfer, which goes back to splice.
 const copyBufSize = 16 << 10
@@ -472,12 +461,9 @@ func recvInq(fd int, b []byte) (n, inq int, err error) {
 	msg := unix.Msghdr{Iov: &iov, Iovlen: 1, Control: &oob[0]}
 	msg.SetControllen(len(oob))
 	for {
-		r, _, e := unix.Syscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0)
-		if e == unix.EINTR {
-			continue
-		}
-		if e != 0 {
-			return 0, 0, e
+		r, err := rawCall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0, 0, 0, 0)
+		if err != nil {
+			return 0, 0, err
 		}
 		n = int(r)
 		break
@@ -490,24 +476,6 @@ func recvInq(fd int, b []byte) (n, inq int, err error) {
 		}
 	}
 	return n, inq, nil
-}
-
-func readRetry(fd int, b []byte) (int, error) {
-	for {
-		n, err := unix.Read(fd, b)
-		if err != unix.EINTR {
-			return max(n, 0), err
-		}
-	}
-}
-
-func writeRetry(fd int, b []byte) (int, error) {
-	for {
-		n, err := unix.Write(fd, b)
-		if err != unix.EINTR {
-			return max(n, 0), err
-		}
-	}
 }
 
 // A direction that splices goes back to the userspace path when

@@ -132,18 +132,9 @@ func (s *listenSocket) readBatch(out []datagram) (int, error) {
 			h.Hdr.Control = &s.oob[i*cmsgSpace]
 			h.Hdr.SetControllen(cmsgSpace)
 		}
-		var r uintptr
-		var errno syscall.Errno
-		for {
-			r, _, errno = unix.Syscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.hdrs[0])), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
-			if errno != unix.EINTR {
-				break
-			}
-		}
+		r, err := rawCall(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.hdrs[0])), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
 		n = int(r)
-		if errno != 0 {
-			n = 0
-		}
+		errno, _ := err.(syscall.Errno)
 		for i := n; i < k; i++ {
 			listenBuffers.put(out[i].buf)
 			out[i].buf = nil
@@ -287,12 +278,7 @@ func readDatagram(rc syscall.RawConn, pool *bufferPool) (bp *[]byte, n int, err 
 	var serr error
 	rerr := rc.Read(func(fd uintptr) bool {
 		bp = pool.get()
-		for {
-			n, serr = unix.Read(int(fd), *bp)
-			if serr != unix.EINTR {
-				break
-			}
-		}
+		n, serr = readRetry(int(fd), *bp)
 		if serr == unix.EAGAIN {
 			pool.put(bp)
 			bp = nil
@@ -375,13 +361,9 @@ func (s *replySender) send(rc syscall.RawConn, v6 bool, b []byte, client netip.A
 
 // sendmsg is RawConn.Write's function: one sendmsg(2) that does not wait.
 func (s *replySender) sendmsg(fd uintptr) bool {
-	for {
-		_, _, errno := unix.Syscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT)
-		if errno != unix.EINTR {
-			s.err = errno
-			return true
-		}
-	}
+	_, err := rawCall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT, 0, 0, 0)
+	s.err, _ = err.(syscall.Errno)
+	return true
 }
 
 // bufferPool recycles datagram buffers of the largest size.
