@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"sync"
 	"time"
+	"unsafe"
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
@@ -116,8 +117,8 @@ type eventLoop struct {
 	connecting   map[*loopSession]struct{}
 	nextDeadline time.Time
 	buf          [copyBufSize]byte
-	// dgram and replies relay UDP replies: allocated with the first flow.
-	dgram   []byte
+	// recv and replies relay UDP replies: allocated with the first flow.
+	recv    *flowReceiver
 	replies *replySender
 }
 
@@ -824,8 +825,8 @@ func (c *Config) eventLoops() int {
 // addFlow watches a UDP flow's socket for the backend's replies. Runs on
 // the loop, before any dropFlow of the flow (connectFlow).
 func (l *eventLoop) addFlow(f *udpFlow) {
-	if l.dgram == nil {
-		l.dgram = make([]byte, maxDatagram)
+	if l.recv == nil {
+		l.recv = newFlowReceiver()
 		l.replies = newReplySender()
 	}
 	l.flows[f] = struct{}{}
@@ -843,19 +844,28 @@ const flowBudget = 64
 // receive error (ECONNREFUSED after an ICMP port unreachable: udp(7))
 // ends the flow. Runs on the loop.
 func (l *eventLoop) flowReady(f *udpFlow) {
-	for range flowBudget {
+	r := l.recv
+	for relayed := 0; relayed < flowBudget; {
 		if f.closed.Load() {
 			return
 		}
-		n, err := readRetry(f.fd, l.dgram)
+		n, err := r.receive(f.fd)
 		switch {
 		case err == unix.EAGAIN:
 			return
 		case err != nil:
-			f.p.udpFailed(f, os.NewSyscallError("read", err))
+			f.p.udpFailed(f, os.NewSyscallError("recvmmsg", err))
 			return
 		}
-		f.p.relayReply(f, l.replies, l.dgram[:n])
+		for i := range n {
+			f.p.relayReply(f, l.replies, r.datagram(i))
+		}
+		if n < len(r.hdrs) {
+			// The socket had no more: the next datagram will raise a new
+			// edge (epoll(7)), so no read is needed to find EAGAIN.
+			return
+		}
+		relayed += n
 	}
 	// Edge-triggered: no new event comes for what is left. Relay it after
 	// the other ready sockets had their turn.
@@ -876,3 +886,34 @@ func (l *eventLoop) dropFlow(f *udpFlow) {
 	_ = unix.Close(f.fd)
 	f.backend.Release()
 }
+
+// flowReceiver reads a flow's replies for a loop, two at a time with
+// recvmmsg(2): when the call returns one, the socket's queue was empty
+// after it, and no further read that would find EAGAIN is needed (a UDP
+// socket has no TCP_INQ hint).
+type flowReceiver struct {
+	hdrs [2]unix.Mmsghdr
+	iovs [2]unix.Iovec
+	bufs [2][]byte
+}
+
+func newFlowReceiver() *flowReceiver {
+	r := &flowReceiver{}
+	for i := range r.hdrs {
+		r.bufs[i] = make([]byte, maxDatagram)
+		r.iovs[i].Base = &r.bufs[i][0]
+		r.iovs[i].SetLen(maxDatagram)
+		r.hdrs[i].Hdr.Iov = &r.iovs[i]
+		r.hdrs[i].Hdr.SetIovlen(1)
+	}
+	return r
+}
+
+// receive reads up to two datagrams from fd, without waiting.
+func (r *flowReceiver) receive(fd int) (int, error) {
+	n, err := rawCall(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdrs[0])), uintptr(len(r.hdrs)), unix.MSG_DONTWAIT, 0, 0)
+	return int(n), err
+}
+
+// datagram returns the i-th datagram the last receive read.
+func (r *flowReceiver) datagram(i int) []byte { return r.bufs[i][:r.hdrs[i].Len] }

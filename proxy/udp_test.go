@@ -185,7 +185,7 @@ func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
 				}
 				defer c.Close()
 				to := &net.UDPAddr{IP: net.ParseIP(tt.loopback), Port: port}
-				const queued = 20
+				const queued = 2*flowBudget + 5 // more than one wake-up relays for a flow
 				for i := range queued {
 					if _, err := c.WriteTo([]byte(fmt.Sprint(i)), to); err != nil {
 						t.Fatal(err)
