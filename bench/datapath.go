@@ -164,29 +164,55 @@ func contains(list []string, s string) bool {
 	return false
 }
 
-// measurePath sets p up in a fresh lab, runs every workload through it
-// once, and tears it down.
+// measurePath runs every workload through p once: the idle connections
+// in a fresh lab of their own (measureIdle), the others in another.
 func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) error {
-	cfg := e.cfg
-	t, err := newTopo(ctx, e, 2, nil)
-	if err != nil {
-		return fmt.Errorf("building the lab: %w", err)
-	}
-	defer t.close()
-	r, err := p.setup(ctx, e, t, k)
-	if err != nil {
+	userspace, err := measureLoads(ctx, e, res, p, k, run, where)
+	if err != nil || !userspace {
 		return err
 	}
-	defer stopProc(r.proc, 5*time.Second)
+	return measureIdle(ctx, e, res, p, k, run, where)
+}
+
+// startPath builds a fresh lab and sets p up in it, ready for traffic.
+// The caller calls stop.
+func startPath(ctx context.Context, e *env, p dataPath, k *kubeEnv, where string) (t *topo, r *pathRun, stop func(), err error) {
+	t, err = newTopo(ctx, e, 2, nil)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("building the lab: %w", err)
+	}
+	r, err = p.setup(ctx, e, t, k)
+	if err != nil {
+		t.close()
+		return nil, nil, nil, err
+	}
+	stop = func() {
+		stopProc(r.proc, 5*time.Second)
+		t.close()
+	}
 	readyTimeout := 30 * time.Second
 	if r.proc != nil && r.comm == "kube-proxy" {
 		readyTimeout = 90 * time.Second
 	}
 	start := time.Now()
 	if err := waitReady(ctx, e, t, r, readyTimeout); err != nil {
-		return err
+		stop()
+		return nil, nil, nil, err
 	}
 	e.logf("%s: ready in %v", where, time.Since(start).Round(time.Millisecond))
+	return t, r, stop, nil
+}
+
+// measureLoads runs the bulk, keep-alive, short-connection and UDP
+// workloads through p, and profiles it; userspace reports whether a proxy
+// process carries the connections (and measureIdle has one to measure).
+func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) (userspace bool, err error) {
+	cfg := e.cfg
+	t, r, stop, err := startPath(ctx, e, p, k, where)
+	if err != nil {
+		return false, err
+	}
+	defer stop()
 	d := cfg.Duration.String()
 	warm := (cfg.Duration / 5).String()
 	conns := strconv.Itoa(cfg.Conns)
@@ -206,7 +232,7 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 	// Bulk.
 	lr, err := t.load(ctx, e, "bulk", append(targets(r.bulk), "--duration", d)...)
 	if err != nil || lr.Bytes == 0 {
-		return fmt.Errorf("bulk: %v %s", err, lr.FirstError)
+		return false, fmt.Errorf("bulk: %v %s", err, lr.FirstError)
 	}
 	res.series("bulk_gbps", p.ID).add(lr.Gbps)
 	note("bulk", lr)
@@ -215,7 +241,7 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 	// Keep-alive request/response.
 	lr, err = t.load(ctx, e, "rr", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
 	if err != nil || lr.Ops == 0 {
-		return fmt.Errorf("keep-alive: %v %s", err, lr.FirstError)
+		return false, fmt.Errorf("keep-alive: %v %s", err, lr.FirstError)
 	}
 	res.series("rr_rps", p.ID).add(lr.Rate)
 	res.series("rr_p50_us", p.ID).add(lr.P50us)
@@ -226,7 +252,7 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 	// Short connections.
 	lr, err = t.load(ctx, e, "short", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
 	if err != nil || lr.Ops == 0 {
-		return fmt.Errorf("short connections: %v %s", err, lr.FirstError)
+		return false, fmt.Errorf("short connections: %v %s", err, lr.FirstError)
 	}
 	res.series("short_cps", p.ID).add(lr.Rate)
 	note("short", lr)
@@ -240,7 +266,7 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 	default:
 		if _, err := t.probe(ctx, e, r.udp[0], true, "", 3*time.Second); err != nil {
 			if !strings.HasPrefix(p.ID, "uproxy") {
-				return fmt.Errorf("udp: the service does not answer: %w", err)
+				return false, fmt.Errorf("udp: the service does not answer: %w", err)
 			}
 			reason := "not implemented (a UDP service through uproxy does not answer)"
 			res.setNA(p.ID, reason, "udp_rps", "udp_p99_us")
@@ -249,7 +275,7 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 		}
 		lr, err = t.load(ctx, e, "udp", append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns)...)
 		if err != nil || lr.Ops == 0 {
-			return fmt.Errorf("udp: %v %s", err, lr.FirstError)
+			return false, fmt.Errorf("udp: %v %s", err, lr.FirstError)
 		}
 		res.series("udp_rps", p.ID).add(lr.Rate)
 		res.series("udp_p99_us", p.ID).add(lr.P99us)
@@ -257,25 +283,10 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 		e.logf("%s udp: %.0f req/s, p99 %.0fµs", where, lr.Rate, lr.P99us)
 	}
 
-	// Idle connections: memory per connection of the proxy process.
+	// Idle connections: measured by measureIdle, on a fresh proxy, for a
+	// proxy process.
 	switch {
 	case r.userspace:
-		idle, err := idleConnections(ctx, e, t, r)
-		if err != nil {
-			return fmt.Errorf("idle connections: %w\n%s output:\n%s", err, r.proc.Name, tail(r.proc.Output(), 10))
-		}
-		res.series("idle_kib", p.ID).add(idle.kib)
-		res.series("idle_fds", p.ID).add(idle.fds)
-		e.logf("%s idle: %.1f KiB and %.1f descriptors per connection (%d connections)", where, idle.kib, idle.fds, idle.established)
-		if idle.established < cfg.IdleConns {
-			note := fmt.Sprintf("run %d, %s, idle: %d of %d connections established, and the figures are per established connection; then connections failed, and the load stopped (first error: %s)",
-				run, p.ID, idle.established, cfg.IdleConns, idle.firstError)
-			if line := lastMatching(r.proc.Output(), "too many open files"); line != "" {
-				note += fmt.Sprintf("; %s ran out of file descriptors (its limit is %d)", r.comm, e.noFile)
-			}
-			res.Notes = append(res.Notes, note)
-			e.logf("%s idle: %s", where, note)
-		}
 	case p.ID == "dnat":
 		if size, err := conntrackObjSize(); err == nil {
 			res.series("idle_kib", p.ID).add(float64(size) / 1024)
@@ -295,6 +306,37 @@ func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, 
 		res.Profiles[p.ID] = prof
 		e.logf("%s profile: %s", where, prof.summary())
 	}
+	return r.userspace, nil
+}
+
+// measureIdle opens the idle connections through p, set up afresh in a
+// lab of its own, and records what they cost the proxy process. A proxy
+// that has carried the other workloads holds memory it freed but kept
+// (a Go heap, allocator arenas), which the idle connections would reuse
+// and hide; and its growth from a fresh start is what a new proxy pays.
+func measureIdle(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) error {
+	cfg := e.cfg
+	t, r, stop, err := startPath(ctx, e, p, k, where+" (idle)")
+	if err != nil {
+		return err
+	}
+	defer stop()
+	idle, err := idleConnections(ctx, e, t, r)
+	if err != nil {
+		return fmt.Errorf("idle connections: %w\n%s output:\n%s", err, r.proc.Name, tail(r.proc.Output(), 10))
+	}
+	res.series("idle_kib", p.ID).add(idle.kib)
+	res.series("idle_fds", p.ID).add(idle.fds)
+	e.logf("%s idle: %.1f KiB and %.1f descriptors per connection (%d connections)", where, idle.kib, idle.fds, idle.established)
+	if idle.established < cfg.IdleConns {
+		note := fmt.Sprintf("run %d, %s, idle: %d of %d connections established, and the figures are per established connection; then connections failed, and the load stopped (first error: %s)",
+			run, p.ID, idle.established, cfg.IdleConns, idle.firstError)
+		if line := lastMatching(r.proc.Output(), "too many open files"); line != "" {
+			note += fmt.Sprintf("; %s ran out of file descriptors (its limit is %d)", r.comm, e.noFile)
+		}
+		res.Notes = append(res.Notes, note)
+		e.logf("%s idle: %s", where, note)
+	}
 	return nil
 }
 
@@ -313,7 +355,7 @@ type idleResult struct {
 func idleConnections(ctx context.Context, e *env, t *topo, r *pathRun) (idleResult, error) {
 	var res idleResult
 	pid := r.proc.Cmd.Process.Pid
-	before, err := rssKiB(pid)
+	before, err := settledRSS(pid)
 	if err != nil {
 		return res, err
 	}
@@ -350,6 +392,26 @@ func idleConnections(ctx context.Context, e *env, t *topo, r *pathRun) (idleResu
 	res.kib = float64(after-before) / float64(lr.Established)
 	res.fds = float64(openFiles(pid)-fdsBefore) / float64(lr.Established)
 	return res, nil
+}
+
+// settledRSS returns pid's resident memory once it has stopped moving
+// (two readings 500 ms apart within 64 KiB, for at most 5 s): a freshly
+// started proxy is still allocating, or giving back what its start-up
+// used, and a baseline taken then would skew the growth measured from it.
+func settledRSS(pid int) (int64, error) {
+	prev, err := rssKiB(pid)
+	for range 10 {
+		if err != nil {
+			return 0, err
+		}
+		time.Sleep(500 * time.Millisecond)
+		var cur int64
+		if cur, err = rssKiB(pid); err == nil && cur-prev < 64 && prev-cur < 64 {
+			return cur, nil
+		}
+		prev = cur
+	}
+	return prev, err
 }
 
 // openFiles counts the open descriptors of pid and its descendants.
