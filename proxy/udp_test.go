@@ -271,3 +271,39 @@ func TestUDPNoLeaks(t *testing.T) {
 		})
 	})
 }
+
+// TestReplySenderDoesNotAllocate checks that relaying a reply allocates
+// nothing: RawConn.Write's function is bound once per sender, and the
+// message, its address and its IP_PKTINFO live in the sender.
+func TestReplySenderDoesNotAllocate(t *testing.T) {
+	from, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer from.Close()
+	to, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer to.Close()
+	rc, err := from.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := netip.MustParseAddrPort(to.LocalAddr().String())
+	src := netip.MustParseAddr("127.0.0.1")
+	rs, msg := newReplySender(), []byte("reply")
+	if allocs := testing.AllocsPerRun(100, func() {
+		if err := rs.send(rc, false, msg, client, src); err != nil {
+			t.Fatal(err)
+		}
+	}); allocs != 0 {
+		t.Errorf("%v allocations per reply, want 0", allocs)
+	}
+	to.SetReadDeadline(time.Now().Add(time.Second))
+	buf := make([]byte, 16)
+	n, got, err := to.ReadFromUDPAddrPort(buf)
+	if err != nil || string(buf[:n]) != "reply" || got != netip.MustParseAddrPort(from.LocalAddr().String()) {
+		t.Errorf("received %q from %v (%v), want %q from %v", buf[:n], got, err, "reply", from.LocalAddr())
+	}
+}
