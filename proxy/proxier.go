@@ -104,9 +104,10 @@ type Config struct {
 	// refused; zero means 3.
 	DialAttempts int
 	// EventLoops is the number of event loops that carry TCP connections
-	// (loop.go). Zero means one less than GOMAXPROCS, at least one;
-	// negative means none: each connection is carried by goroutines of its
-	// own, one per direction (the data path before event loops, kept for
+	// and relay UDP flows' replies (loop.go). Zero means one less than
+	// GOMAXPROCS, at least one; negative means none: each TCP connection is
+	// carried by goroutines of its own, one per direction, and each UDP
+	// flow by one goroutine (the data path before event loops, kept for
 	// comparison).
 	EventLoops int
 	// IdleTimeout closes a TCP connection after neither side has sent or
