@@ -184,7 +184,7 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err erro
 			return fd, os.NewSyscallError("bind", err)
 		}
 	}
-	switch err = unix.Connect(fd, sockaddr(netip.AddrPortFrom(a, addr.Port()))); err {
+	switch err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), family == unix.AF_INET6); err {
 	case nil, unix.EINPROGRESS, unix.EINTR:
 		// EINTR: the connection goes on asynchronously, as after
 		// EINPROGRESS (connect(2)).

@@ -357,7 +357,7 @@ func (l *eventLoop) watch(sd *loopSide, events uint32) error {
 	}
 	l.sides[sd.fd] = sd
 	ev := unix.EpollEvent{Events: events, Fd: int32(sd.fd), Pad: sd.gen}
-	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, sd.fd, &ev); err != nil {
+	if err := epollAdd(l.epfd, sd.fd, &ev); err != nil {
 		return fmt.Errorf("epoll_ctl add: %w", err)
 	}
 	return nil
@@ -521,7 +521,7 @@ func (l *eventLoop) pump(ls *loopSession, d int) error {
 				l.end(ls, false)
 				return nil
 			}
-			if err := unix.Shutdown(dst.fd, unix.SHUT_WR); err != nil && err != unix.ENOTCONN {
+			if err := shutdownWrite(dst.fd); err != nil && err != unix.ENOTCONN {
 				return fmt.Errorf("shutdown: %w", err)
 			}
 			return nil
@@ -744,7 +744,7 @@ func (l *eventLoop) closeSide(sd *loopSide, abort bool) {
 	if abort {
 		_ = unix.SetsockoptLinger(sd.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
 	}
-	_ = unix.Close(sd.fd)
+	_ = closeFD(sd.fd)
 	sd.fd = -1
 }
 
@@ -883,7 +883,7 @@ func (l *eventLoop) dropFlow(f *udpFlow) {
 	if f.fd < len(l.sides) && l.sides[f.fd] == &f.side {
 		l.sides[f.fd] = nil
 	}
-	_ = unix.Close(f.fd)
+	_ = closeFD(f.fd)
 	f.backend.Release()
 }
 

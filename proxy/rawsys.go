@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"net/netip"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -59,4 +60,38 @@ func sendRetry(fd int, b []byte, flags int) (int, error) {
 func spliceRetry(in, out, n int) (int, error) {
 	m, err := rawCall(unix.SYS_SPLICE, uintptr(in), 0, uintptr(out), 0, uintptr(n), spliceFlags)
 	return int(m), err
+}
+
+// closeFD is close(2) of a socket the data path owns. Closing a TCP socket
+// sends its FIN or reset through the stack, which on a loaded machine can
+// take as long as a send.
+func closeFD(fd int) error {
+	_, err := rawCall(unix.SYS_CLOSE, uintptr(fd), 0, 0, 0, 0, 0)
+	return err
+}
+
+// shutdownWrite is shutdown(2) with SHUT_WR: it sends the FIN.
+func shutdownWrite(fd int) error {
+	_, err := rawCall(unix.SYS_SHUTDOWN, uintptr(fd), unix.SHUT_WR, 0, 0, 0, 0)
+	return err
+}
+
+// epollAdd adds fd to the epoll set epfd for ev.
+func epollAdd(epfd, fd int, ev *unix.EpollEvent) error {
+	_, err := rawCall(unix.SYS_EPOLL_CTL, uintptr(epfd), unix.EPOLL_CTL_ADD, uintptr(fd), uintptr(unsafe.Pointer(ev)), 0, 0)
+	return err
+}
+
+// connectFD is connect(2) of a non-blocking socket to ap (of the socket's
+// family; v6 sockets take IPv4 addresses mapped). Connecting a TCP socket
+// sends the SYN, and on loopback processes the answer, before it returns.
+func connectFD(fd int, ap netip.AddrPort, v6 bool) error {
+	if v6 {
+		sa := unix.RawSockaddrInet6{Family: unix.AF_INET6, Port: ntohs(ap.Port()), Addr: ap.Addr().As16()}
+		_, err := rawCall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unix.SizeofSockaddrInet6, 0, 0, 0)
+		return err
+	}
+	sa := unix.RawSockaddrInet4{Family: unix.AF_INET, Port: ntohs(ap.Port()), Addr: ap.Addr().Unmap().As4()}
+	_, err := rawCall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unix.SizeofSockaddrInet4, 0, 0, 0)
+	return err
 }
