@@ -974,25 +974,27 @@ func (p *Proxier) acceptRaw(l *listener, rc syscall.RawConn) {
 		p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
 			zap.Stringer("servicePort", l.key.name), zap.Error(err))
 	}
-	var delay time.Duration
-	for {
-		var (
-			nfd  int
-			sa   unix.Sockaddr
-			aerr error
-		)
-		err := rc.Read(func(fd uintptr) bool {
-			for {
-				nfd, sa, aerr = unix.Accept4(int(fd), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
-				switch aerr {
-				case unix.EINTR, unix.ECONNABORTED:
-					continue // a connection reset while queued: the next one
-				case unix.EAGAIN:
-					return false
-				}
-				return true
+	var (
+		delay time.Duration
+		// What accept finds, allocated once with the function.
+		nfd  int
+		sa   unix.RawSockaddrInet6 // big enough for either family
+		aerr error
+	)
+	accept := func(fd uintptr) bool {
+		for {
+			nfd, aerr = accept4(int(fd), &sa)
+			switch aerr {
+			case unix.ECONNABORTED:
+				continue // a connection reset while queued: the next one
+			case unix.EAGAIN:
+				return false
 			}
-		})
+			return true
+		}
+	}
+	for {
+		err := rc.Read(accept)
 		if err == nil && aerr != nil {
 			err = os.NewSyscallError("accept4", aerr)
 		}
@@ -1009,7 +1011,7 @@ func (p *Proxier) acceptRaw(l *listener, rc syscall.RawConn) {
 			unix.Close(nfd)
 			continue
 		}
-		p.startTCP(l, accepted{rc: fdConn(nfd), client: addrPortOf(sa)}, s)
+		p.startTCP(l, accepted{rc: fdConn(nfd), client: sockaddrAddrPort(&sa)}, s)
 	}
 }
 

@@ -95,3 +95,12 @@ func connectFD(fd int, ap netip.AddrPort, v6 bool) error {
 	_, err := rawCall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unix.SizeofSockaddrInet4, 0, 0, 0)
 	return err
 }
+
+// accept4 accepts a connection on the non-blocking listening socket fd,
+// non-blocking and close-on-exec, and writes the peer's address to sa
+// (unix.Accept4 would allocate a Sockaddr for it).
+func accept4(fd int, sa *unix.RawSockaddrInet6) (int, error) {
+	n := uint32(unix.SizeofSockaddrInet6)
+	nfd, err := rawCall(unix.SYS_ACCEPT4, uintptr(fd), uintptr(unsafe.Pointer(sa)), uintptr(unsafe.Pointer(&n)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+	return int(nfd), err
+}

@@ -634,17 +634,6 @@ func (fdConn) Read(func(fd uintptr) bool) error { return errors.ErrUnsupported }
 
 func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported }
 
-// addrPortOf returns sa's address and port, IPv4 unmapped.
-func addrPortOf(sa unix.Sockaddr) netip.AddrPort {
-	switch sa := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), uint16(sa.Port))
-	}
-	return netip.AddrPort{}
-}
-
 // setAcceptOptions sets, on a listening socket, what the sockets it
 // accepts inherit (the kernel clones the listener's socket): keep-alive
 // and TCP_NODELAY, which Go sets on each connection it accepts and
