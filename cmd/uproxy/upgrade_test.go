@@ -178,11 +178,24 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 	go func() { handed <- old.serve(ctx, oldSynced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}) }() // ends with a handover or cancel
 
 	// A predecessor whose first sync has not completed has nothing worth
-	// handing over (it answers "not serving yet"): wait for it.
+	// handing over (it answers "not serving yet"): wait for it, and for
+	// its upgrader to have seen it (afterFirstSync sets ready after the
+	// sync, on a goroutine of its own).
 	select {
 	case <-oldSynced:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the predecessor did not sync")
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		old.mu.Lock()
+		ready := old.ready
+		old.mu.Unlock()
+		if ready {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the predecessor's upgrader did not see its first sync")
+		}
 	}
 	next := newUpgrader(path, "redirect", log.Named("new"))
 	if err := next.start(); err != nil {
