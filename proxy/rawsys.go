@@ -14,12 +14,12 @@ import (
 // thread when other work is waiting (runtime/proc.go: retake), and the
 // goroutine must find a P again when the call returns (exitsyscall). On
 // a loaded machine a send that delivers a packet through the stack takes
-// that long: in a profile of UDP requests, 13% of the proxy's CPU went to
-// sysmon itself, and more to handing Ps around
-// (bench/results/2026-11-30-udp-loops.md). These calls never wait: the
-// descriptors are non-blocking, or the call says MSG_DONTWAIT, so the P
-// is busy with the call, not idle in it. Blocking calls (epoll_wait with
-// a timeout) keep using Syscall.
+// that long; with these calls raw, the proxy's CPU per request fell by
+// 4–9% (bench/results/2026-11-30-udp-loops.md). These calls never wait:
+// the descriptors are non-blocking, or the call says MSG_DONTWAIT, so the
+// P is busy with the call, not idle in it. Blocking calls (epoll_wait with
+// a timeout) keep using Syscall, and sysmon still retakes the P of a loop
+// blocked in one.
 
 // rawCall makes a non-blocking system call with RawSyscall6, repeated on
 // EINTR.
