@@ -180,7 +180,7 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err erro
 		if err != nil {
 			return fd, fmt.Errorf("setting IP_TRANSPARENT: %w", err)
 		}
-		if err = unix.Bind(fd, sockaddr(netip.AddrPortFrom(from, 0))); err != nil {
+		if err = bindFD(fd, netip.AddrPortFrom(from, 0), from.Is6()); err != nil {
 			return fd, os.NewSyscallError("bind", err)
 		}
 	}
@@ -191,15 +191,6 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err erro
 		return fd, nil
 	}
 	return fd, os.NewSyscallError("connect", err)
-}
-
-// sockaddr returns ap as a unix.Sockaddr of its own family.
-func sockaddr(ap netip.AddrPort) unix.Sockaddr {
-	if a := ap.Addr(); a.Is4() {
-		return &unix.SockaddrInet4{Port: int(ap.Port()), Addr: a.As4()}
-	}
-	sa := &unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()}
-	return sa
 }
 
 // errConnectTimeout is a backend connection attempt that took longer than

@@ -82,18 +82,37 @@ func epollAdd(epfd, fd int, ev *unix.EpollEvent) error {
 	return err
 }
 
-// connectFD is connect(2) of a non-blocking socket to ap (of the socket's
-// family; v6 sockets take IPv4 addresses mapped). Connecting a TCP socket
-// sends the SYN, and on loopback processes the answer, before it returns.
+// connectFD is connect(2) of a non-blocking socket to ap, and bindFD
+// bind(2), in the socket's family (v6 sockets take IPv4 addresses
+// mapped). Connecting a TCP socket sends the SYN, and on loopback
+// processes the answer, before it returns.
 func connectFD(fd int, ap netip.AddrPort, v6 bool) error {
-	if v6 {
-		sa := unix.RawSockaddrInet6{Family: unix.AF_INET6, Port: ntohs(ap.Port()), Addr: ap.Addr().As16()}
-		_, err := rawCall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unix.SizeofSockaddrInet6, 0, 0, 0)
-		return err
-	}
-	sa := unix.RawSockaddrInet4{Family: unix.AF_INET, Port: ntohs(ap.Port()), Addr: ap.Addr().Unmap().As4()}
-	_, err := rawCall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unix.SizeofSockaddrInet4, 0, 0, 0)
+	return addrCall(unix.SYS_CONNECT, fd, ap, v6)
+}
+
+func bindFD(fd int, ap netip.AddrPort, v6 bool) error {
+	return addrCall(unix.SYS_BIND, fd, ap, v6)
+}
+
+// addrCall makes a system call that takes a socket and an address.
+func addrCall(trap uintptr, fd int, ap netip.AddrPort, v6 bool) error {
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ap, v6)
+	_, err := rawCall(trap, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n), 0, 0, 0)
 	return err
+}
+
+// putSockaddr writes ap into sa as a sockaddr_in6 (v6; IPv4 addresses
+// mapped) or a sockaddr_in (IPv4 addresses unmapped), the inverse of
+// sockaddrAddrPort, and returns its length.
+func putSockaddr(sa *unix.RawSockaddrInet6, ap netip.AddrPort, v6 bool) uint32 {
+	if v6 {
+		*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6, Port: ntohs(ap.Port()), Addr: ap.Addr().As16()}
+		return unix.SizeofSockaddrInet6
+	}
+	sa4 := (*unix.RawSockaddrInet4)(unsafe.Pointer(sa))
+	*sa4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Port: ntohs(ap.Port()), Addr: ap.Addr().Unmap().As4()}
+	return unix.SizeofSockaddrInet4
 }
 
 // accept4 accepts a connection on the non-blocking listening socket fd,

@@ -261,7 +261,8 @@ func destFromControl(oob []byte) (netip.AddrPort, error) {
 	return netip.AddrPort{}, errNoDestination
 }
 
-// ntohs converts a port from the network byte order a sockaddr holds.
+// ntohs converts a port from the network byte order a sockaddr holds,
+// and, being its own inverse, to it.
 func ntohs(p uint16) uint16 {
 	var b [2]byte
 	binary.NativeEndian.PutUint16(b[:], p)
@@ -332,15 +333,7 @@ func (s *replySender) send(rc syscall.RawConn, v6 bool, b []byte, client netip.A
 		s.iov.Base = &b[0]
 		s.iov.SetLen(len(b))
 	}
-	if v6 {
-		s.name = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: client.Addr().As16()}
-		s.name.Port = ntohs(client.Port()) // its own inverse
-		s.msg.Namelen = unix.SizeofSockaddrInet6
-	} else {
-		sa4 := (*unix.RawSockaddrInet4)(unsafe.Pointer(&s.name))
-		*sa4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Port: ntohs(client.Port()), Addr: client.Addr().Unmap().As4()}
-		s.msg.Namelen = unix.SizeofSockaddrInet4
-	}
+	s.msg.Namelen = putSockaddr(&s.name, client, v6)
 	if src.IsValid() {
 		oob := pktinfo(s.oob[:0], src, v6)
 		s.msg.Control = &s.oob[0]
