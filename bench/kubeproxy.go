@@ -96,7 +96,7 @@ func kubeVersion(bin string) string {
 // to the control plane's unix socket.
 func (k *kubeEnv) connect(ctx context.Context, l *lab.Lab) error {
 	if _, err := l.Start(l.Node, "apiserver-relay", "socat",
-		fmt.Sprintf("TCP-LISTEN:%d,bind=127.0.0.1,fork,reuseaddr", kube.APIServerPort), "UNIX-CONNECT:"+k.cp.Socket); err != nil {
+		fmt.Sprintf("TCP-LISTEN:%d,bind=127.0.0.1,fork,reuseaddr,nodelay", kube.APIServerPort), "UNIX-CONNECT:"+k.cp.Socket); err != nil {
 		return err
 	}
 	var last error

@@ -264,7 +264,7 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 	cp.Socket = filepath.Join(cp.Dir, "apiserver.sock")
 	cp.socat, err = opts.Lab.Start(node, "apiserver-socket", "socat",
 		"UNIX-LISTEN:"+cp.Socket+",fork,unlink-early,mode=600,backlog=256",
-		fmt.Sprintf("TCP:127.0.0.1:%d", APIServerPort))
+		fmt.Sprintf("TCP:127.0.0.1:%d,nodelay", APIServerPort))
 	if err != nil {
 		return nil, fmt.Errorf("kube.Start: %w", err)
 	}
