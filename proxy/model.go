@@ -209,8 +209,10 @@ type Intercept struct {
 
 // ServiceHealthSyncer serves the health-check node ports of services with
 // externalTrafficPolicy Local (healthcheck.ServiceHealth implements it).
-// The Proxier calls it from its sync goroutine only, after every sync,
-// with the complete state.
+// The Proxier calls it from its sync goroutine only, with the complete
+// state: after a sync that changed a port or a count, after one whose
+// SyncServices failed, and after every full sync. The maps belong to the
+// Proxier: read them during the call only.
 type ServiceHealthSyncer interface {
 	// SyncServices sets which services have a health-check port, and which.
 	SyncServices(ports map[types.NamespacedName]uint16) error

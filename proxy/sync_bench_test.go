@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/uproxy/uproxy/proxy/healthcheck"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 )
@@ -73,8 +74,10 @@ func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.En
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
 		OriginalDst:     func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		Metrics:         NewMetrics(prometheus.NewRegistry()),
-		LocalAddrs:      func() ([]netip.Addr, error) { return nil, nil },
 		Rules:           &recordingRules{},
+		// As uproxy wires it: the node's addresses are listed on every
+		// sync (LocalAddrs nil), and the health-check server is told.
+		ServiceHealth: healthcheck.NewServiceHealth(healthcheck.ServiceHealthConfig{}),
 	})
 	b.Cleanup(func() { p.Shutdown(context.Background()) })
 	svcs := make([]*v1.Service, n)
