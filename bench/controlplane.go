@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -29,6 +30,8 @@ var cpMetrics = []Metric{
 	{"program_s", "Time from proxy start until every service is programmed and the last one answers", "s", false},
 	{"after_lists_s", "uproxy only: time from the informers' initial lists to the end of the first sync (rules written), from uproxy's log", "s", false},
 	{"change_ms", "Time from one endpoint change until traffic follows it", "ms", false},
+	{"change_api_ms", "The API server's part of an endpoint change: the update request, until it returns (the write is in etcd)", "ms", false},
+	{"change_sync_ms", "uproxy only: the proxy's part of an endpoint change, from the start of the sync it triggered (uproxy's log, 1 ms resolution) until traffic follows", "ms", false},
 	{"rules", "Kernel rules (lines of iptables-save, plus ipset save if any; nft list ruleset for nftables)", "lines", false},
 	{"rss_mib", "Proxy RSS once everything is programmed", "MiB", false},
 }
@@ -43,8 +46,8 @@ type ControlPlaneResults struct {
 	Endpoints int `json:"endpoints"`
 	Changes   int `json:"changes"`
 	// Figures maps a metric, a proxy and a scale (decimal) to its series.
-	// change_ms holds every change of every run; the others one value per
-	// run.
+	// The change_* metrics (perChange) hold every change of every run; the
+	// others one value per run.
 	Figures map[string]map[string]map[string]*Series `json:"figures"`
 	// GenerateSeconds maps a scale to the time the API server took to
 	// create its objects.
@@ -557,12 +560,32 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 		}
 	}()
 	for i, to := range s.changes {
-		ms, err := timeChange(ctx, e, t, p, k, s, from, to, last)
+		ct, err := timeChange(ctx, e, t, p, k, s, from, to, last)
 		if err != nil {
 			return fmt.Errorf("endpoint change %d: %w", i+1, err)
 		}
-		res.series("change_ms", p.ID, n).add(ms)
-		e.logf("%s: endpoint change %d/%d followed in %.0f ms", at, i+1, len(s.changes), ms)
+		res.series("change_ms", p.ID, n).add(ms(ct.traffic.Sub(ct.start)))
+		detail := ""
+		if p.ID == "dnat" {
+			res.setNA(p.ID, n, "no API server: the harness writes the rules itself", "change_api_ms")
+		} else {
+			res.series("change_api_ms", p.ID, n).add(ms(ct.written.Sub(ct.start)))
+			detail = fmt.Sprintf(" (API server %.1f ms", ms(ct.written.Sub(ct.start)))
+		}
+		if proc != nil && strings.HasPrefix(p.ID, "uproxy") {
+			sync, took, err := waitChangeSync(proc, ct.start)
+			if err != nil {
+				return fmt.Errorf("endpoint change %d: reading uproxy's log: %w", i+1, err)
+			}
+			res.series("change_sync_ms", p.ID, n).add(ms(ct.traffic.Sub(sync)))
+			detail += fmt.Sprintf(", uproxy %.1f ms from the start of its sync, which took %v", ms(ct.traffic.Sub(sync)), took)
+		} else {
+			res.setNA(p.ID, n, "only uproxy logs each sync's start", "change_sync_ms")
+		}
+		if detail != "" {
+			detail += ")"
+		}
+		e.logf("%s: endpoint change %d/%d followed in %.1f ms%s", at, i+1, len(s.changes), ms(ct.traffic.Sub(ct.start)), detail)
 		from = []netip.Addr{to}
 		if i < len(s.changes)-1 {
 			time.Sleep(1200 * time.Millisecond) // past the proxies' minimum sync period
@@ -571,31 +594,98 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	return nil
 }
 
-// timeChange moves the last service to endpoint to and returns how long
-// it took, in milliseconds, until a new connection reached to.
-func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr, target string) (float64, error) {
+// ms returns d in milliseconds.
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// changeTiming is when an endpoint change was made, written and followed.
+type changeTiming struct {
+	start   time.Time // the harness begins the change
+	written time.Time // the change is made: the API server answered the update
+	traffic time.Time // a new connection reached the new endpoint
+}
+
+// timeChange moves the last service to endpoint to and returns when the
+// change began, was written and was followed by a new connection reaching
+// to. The probe tries every millisecond, so traffic is late by at most
+// that and one connection's time.
+func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr, target string) (changeTiming, error) {
+	var ct changeTiming
 	pr, err := t.lab.Start(t.client.NS, "probe-change", e.loadBin, "load", "probe", "--target", target, "--want", to.String(),
-		"--timeout", "60s", "--interval", "5ms", "--attempt-timeout", "500ms")
+		"--timeout", "60s", "--interval", "1ms", "--attempt-timeout", "500ms")
 	if err != nil {
-		return 0, err
+		return ct, err
 	}
 	defer stopProc(pr, time.Second)
 	time.Sleep(300 * time.Millisecond) // the probe sees the old endpoints
 	if pr.Exited() {
-		return 0, fmt.Errorf("the probe ended before the change: %s", tail(pr.Output(), 2))
+		return ct, fmt.Errorf("the probe ended before the change: %s", tail(pr.Output(), 2))
 	}
-	t0 := time.Now()
+	ct.start = time.Now()
 	if err := p.change(ctx, t, k, s, from, to); err != nil {
-		return 0, err
+		return ct, err
 	}
+	ct.written = time.Now()
 	var r ProbeResult
 	if err := waitProc(ctx, pr, 70*time.Second); err != nil || decodeLine(pr.Output(), &r) != nil || !r.OK {
 		if ctx.Err() != nil {
-			return 0, ctx.Err()
+			return ct, ctx.Err()
 		}
-		return 0, fmt.Errorf("traffic did not follow (%v): %s", err, tail(pr.Output(), 2))
+		return ct, fmt.Errorf("traffic did not follow (%v): %s", err, tail(pr.Output(), 2))
 	}
-	return float64(time.Unix(0, r.AtUnixNano).Sub(t0)) / float64(time.Millisecond), nil
+	ct.traffic = time.Unix(0, r.AtUnixNano)
+	return ct, nil
+}
+
+// waitChangeSync returns when the sync that applied a change made at
+// after started, from proc's (uproxy's) log, waiting a moment for the
+// line: the sync logs once it has ended, after the traffic may already
+// have followed.
+func waitChangeSync(proc *lab.Proc, after time.Time) (time.Time, time.Duration, error) {
+	start, took, err := changeSync(proc.Output(), after)
+	for wait := time.Now().Add(5 * time.Second); err != nil && time.Now().Before(wait); {
+		time.Sleep(20 * time.Millisecond)
+		start, took, err = changeSync(proc.Output(), after)
+	}
+	return start, took, err
+}
+
+// changeSync returns the start and the duration of the first incremental
+// sync that changed a service and ended at or after after: the start is
+// its "synced" line's timestamp (the end, to the millisecond) less its
+// duration.
+func changeSync(log string, after time.Time) (time.Time, time.Duration, error) {
+	after = after.Truncate(time.Millisecond) // the log's resolution
+	for line := range strings.Lines(log) {
+		ts, rest, ok := strings.Cut(line, "\t")
+		if !ok || !strings.Contains(rest, "\tsynced\t") {
+			continue
+		}
+		end, err := time.Parse(time.RFC3339Nano, ts)
+		if err != nil {
+			return time.Time{}, 0, fmt.Errorf("timestamp %q: %w", ts, err)
+		}
+		if end.Before(after) {
+			continue
+		}
+		var f struct {
+			Full            bool   `json:"full"`
+			ServicesChanged int    `json:"servicesChanged"`
+			Duration        string `json:"duration"`
+		}
+		fields := rest[strings.LastIndexByte(rest, '\t')+1:]
+		if err := json.Unmarshal([]byte(fields), &f); err != nil {
+			return time.Time{}, 0, fmt.Errorf("synced line %q: %w", strings.TrimSpace(line), err)
+		}
+		if f.Full || f.ServicesChanged == 0 {
+			continue
+		}
+		d, err := time.ParseDuration(f.Duration)
+		if err != nil {
+			return time.Time{}, 0, fmt.Errorf("synced line %q: duration: %w", strings.TrimSpace(line), err)
+		}
+		return end.Add(-d), d, nil
+	}
+	return time.Time{}, 0, fmt.Errorf(`no incremental "synced" line changing a service at or after %s`, after.Format(time.RFC3339Nano))
 }
 
 // patientDialer returns a copy of cfg whose connections are retried while
@@ -776,3 +866,7 @@ func head(s string, n int) string {
 	}
 	return b.String()
 }
+
+// perChange says whether metric holds one value per endpoint change (and
+// is reported as p50, p99 and max) rather than one per run.
+func perChange(metric string) bool { return strings.HasPrefix(metric, "change_") }

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 )
@@ -183,5 +184,49 @@ func TestAfterLists(t *testing.T) {
 	// A sync logged before the lists arrived does not count.
 	if _, err := afterLists("2026-11-29T20:28:15.821Z\tINFO\tproxy\tx.go:1\tsynced\t{}\n"); err == nil {
 		t.Error("afterLists without the lists line: no error")
+	}
+}
+
+func TestChangeSync(t *testing.T) {
+	line := func(ts, fields string) string {
+		return ts + "\tINFO\tproxy\tproxy/proxier.go:403\tsynced\t" + fields + "\n"
+	}
+	at := func(s string) time.Time {
+		t.Helper()
+		v, err := time.Parse(time.RFC3339Nano, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	log := line("2026-11-30T05:00:00.100Z", `{"full": false, "servicesChanged": 1, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "duration": "20µs"}`) +
+		line("2026-11-30T05:00:01.000Z", `{"full": true, "servicesChanged": 1000, "services": 1000, "endpoints": 10000, "rules": 2040, "rulesWritten": 0, "duration": "3ms"}`) +
+		line("2026-11-30T05:00:01.500Z", `{"full": false, "servicesChanged": 0, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "duration": "5µs"}`) +
+		line("2026-11-30T05:00:01.512Z", `{"full": false, "servicesChanged": 1, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "duration": "1.5ms"}`)
+	for _, tc := range []struct {
+		after string
+		want  string // "" for an error
+	}{
+		// Skips the earlier sync, the periodic full one and the one that
+		// changed nothing.
+		{"2026-11-30T05:00:00.200Z", "2026-11-30T05:00:01.5105Z"},
+		// The log's millisecond resolution: a sync logged in the change's
+		// millisecond counts.
+		{"2026-11-30T05:00:00.1004Z", "2026-11-30T05:00:00.09998Z"},
+		{"2026-11-30T05:00:01.600Z", ""},
+	} {
+		got, _, err := changeSync(log, at(tc.after))
+		if tc.want == "" {
+			if err == nil {
+				t.Errorf("changeSync(after %s) = %v; want an error", tc.after, got)
+			}
+			continue
+		}
+		if err != nil || !got.Equal(at(tc.want)) {
+			t.Errorf("changeSync(after %s) = %v, %v; want %s", tc.after, got, err, tc.want)
+		}
+	}
+	if _, _, err := changeSync(line("2026-11-30T05:00:02.000Z", `{"full": false, "servicesChanged": 1, "duration": 7}`), at("2026-11-30T05:00:01.000Z")); err == nil {
+		t.Error("changeSync with a malformed duration: no error")
 	}
 }

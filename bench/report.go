@@ -281,7 +281,7 @@ func cpMetricSummary(cp *ControlPlaneResults, metric, proxy string, n int) (stri
 		}
 		return "n/a", math.NaN()
 	}
-	if metric == "change_ms" {
+	if perChange(metric) {
 		return fmtNum(s.quantile(0.5)) + " / " + fmtNum(s.quantile(0.99)), s.quantile(0.5)
 	}
 	m := median(s)
@@ -289,13 +289,13 @@ func cpMetricSummary(cp *ControlPlaneResults, metric, proxy string, n int) (stri
 }
 
 func writeCPSummary(b *strings.Builder, cp *ControlPlaneResults) {
-	fmt.Fprintf(b, "### Control plane\n\nServices × %d endpoints in a real kube-apiserver; median of %d runs (endpoint changes: p50 / p99 of %d changes per run);\nin parentheses, the ratio to kernel DNAT (the harness loading the same rules with iptables-restore).\n\n",
+	fmt.Fprintf(b, "### Control plane\n\nServices × %d endpoints in a real kube-apiserver; median of %d runs (endpoint changes: p50 / p99 of %d changes per run;\nuproxy's part of a change is from the start of the sync it triggered, in uproxy's log); in parentheses, the ratio to kernel DNAT (the harness loading the same rules with iptables-restore).\n\n",
 		cp.Endpoints, cp.Meta.Runs, cp.Changes)
-	b.WriteString("| proxy | services | programmed (s) | endpoint change p50 / p99 (ms) | rule lines | RSS (MiB) |\n|---|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| proxy | services | programmed (s) | endpoint change p50 / p99 (ms) | uproxy's part p50 / p99 (ms) | rule lines | RSS (MiB) |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, n := range cp.Scales {
 		for _, p := range cp.Proxies {
 			fmt.Fprintf(b, "| %s | %s |", p.Title, thousands(int64(n)))
-			for _, m := range []string{"program_s", "change_ms", "rules", "rss_mib"} {
+			for _, m := range []string{"program_s", "change_ms", "change_sync_ms", "rules", "rss_mib"} {
 				cell, v := cpMetricSummary(cp, m, p.ID, n)
 				_, base := cpMetricSummary(cp, m, "dnat", n)
 				if p.ID == "dnat" || math.IsNaN(v) || math.IsNaN(base) {
@@ -437,7 +437,7 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 	}
 	for _, m := range cp.Metrics {
 		fmt.Fprintf(b, "### %s\n\n%s, lower is better.", m.Title, m.Unit)
-		if m.ID == "change_ms" {
+		if perChange(m.ID) {
 			b.WriteString(" Every change of every run; p50, p99 and max.")
 		} else {
 			b.WriteString(" Min, median and max of the runs.")
@@ -448,13 +448,13 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 			if s == nil || len(s.Values) == 0 {
 				return 0, false
 			}
-			if m.ID == "change_ms" {
+			if perChange(m.ID) {
 				return s.quantile(0.5), true
 			}
 			return median(s), true
 		}
 		title := m.Title
-		if m.ID == "change_ms" {
+		if perChange(m.ID) {
 			title += " (p50)"
 		}
 		file, err := scaleChart(cfg.dataDir(), "cp_"+m.ID, title, m.Unit, cp.Scales, cp.Proxies, value)
@@ -466,7 +466,7 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 			fmt.Fprintf(b, "![%s](%s/%s)\n\n", m.Title, cfg.Stem, file)
 		}
 		b.WriteString("| proxy | services | ")
-		if m.ID == "change_ms" {
+		if perChange(m.ID) {
 			b.WriteString("p50 | p99 | max | changes | × kernel DNAT (p50) |\n|---|---:|---:|---:|---:|---:|---:|\n")
 		} else {
 			b.WriteString("min | median | max | × kernel DNAT |\n|---|---:|---:|---:|---:|---:|\n")
@@ -480,7 +480,7 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 						reason = s.NA
 					}
 					fmt.Fprintf(b, "| %s | %s | n/a: %s | | | |", p.Title, thousands(int64(n)), mdEscape(reason))
-					if m.ID == "change_ms" {
+					if perChange(m.ID) {
 						b.WriteString(" |")
 					}
 					b.WriteString("\n")
@@ -490,7 +490,7 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 				if _, ok := value("dnat", n); !ok {
 					base = math.NaN()
 				}
-				if m.ID == "change_ms" {
+				if perChange(m.ID) {
 					fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %d | %s |\n", p.Title, thousands(int64(n)),
 						fmtNum(s.quantile(0.5)), fmtNum(s.quantile(0.99)), fmtNum(s.quantile(1)), len(s.Values), ratio(s.quantile(0.5), base))
 					continue
