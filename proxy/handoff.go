@@ -87,6 +87,8 @@ func (l *listener) file() (*os.File, error) {
 	var c syscall.Conn
 	if l.pc != nil {
 		c = l.pc
+	} else if l.acceptFile != nil {
+		c = l.acceptFile
 	} else if sc, ok := l.ln.(syscall.Conn); ok {
 		c = sc
 	} else {

@@ -809,8 +809,8 @@ type listener struct {
 	ln   net.Listener // TCP
 	pc   *net.UDPConn // UDP
 	port uint16
-	// acceptFile is a pollable duplicate of ln's socket that acceptRaw
-	// accepts on, nil when it does not; closed tells acceptRaw that an
+	// acceptFile is the listening socket when acceptRaw accepts on it, as
+	// a pollable *os.File; ln is then nil. closed tells acceptRaw that an
 	// error means the listener is gone.
 	acceptFile *os.File
 	closed     atomic.Bool
@@ -883,7 +883,16 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	}
 	l.port = port
 	if !udp {
-		l.acceptFile = p.rawAcceptFile(l.ln)
+		if f := p.rawAcceptFile(l.ln); f != nil {
+			// The duplicate is the socket's only descriptor from now on.
+			// Keeping both cost a second descriptor per listener (10,000
+			// services then needed 20,000, a common hard limit) and a
+			// second registration in the runtime's poller, which woke for
+			// every connection too. Closing the original leaves the
+			// socket listening: it is closed with its last descriptor.
+			l.ln.Close()
+			l.ln, l.acceptFile = nil, f
+		}
 	}
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	if p.startAdopted(l) {
@@ -935,10 +944,13 @@ func (p *Proxier) closeListener(l *listener) {
 func (p *Proxier) acceptLoop(l *listener) {
 	defer p.wg.Done()
 	if l.acceptFile != nil {
-		if rc, err := l.acceptFile.SyscallConn(); err == nil {
-			p.acceptRaw(l, rc)
+		rc, err := l.acceptFile.SyscallConn()
+		if err != nil {
+			p.log.Error("cannot accept: the listening socket has no descriptor", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			return
 		}
+		p.acceptRaw(l, rc)
+		return
 	}
 	var delay time.Duration
 	for {
@@ -977,7 +989,8 @@ func (p *Proxier) acceptBackoff(l *listener, delay time.Duration, err error) tim
 
 // rawAcceptFile returns a duplicate of ln's socket for acceptRaw, as an
 // *os.File, which waits for connections in the runtime's poller (a
-// listener's own RawConn cannot wait: its Read is not supported). Nil
+// listener's own RawConn cannot wait: its Read is not supported). The
+// caller closes ln. Nil
 // without event loops, with a dialer of the caller's (Config.Dial, which
 // needs the goroutine path), or for a listener that is no socket.
 func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {

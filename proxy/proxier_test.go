@@ -657,3 +657,24 @@ func TestEndpointChangesDoNotTouchRules(t *testing.T) {
 		t.Errorf("an endpoint-only change called the rule syncer %d times", rules.calls-before)
 	}
 }
+
+// TestListenerHoldsOneDescriptor checks that a TCP listener holds a single
+// descriptor: with event loops, acceptRaw's pollable duplicate replaces
+// the listener's own, so 10,000 services fit in 10,000 descriptors, not
+// 20,000.
+func TestListenerHoldsOneDescriptor(t *testing.T) {
+	const n = 50
+	base := countFDs(t)
+	p, rules := startProxier(t, Config{})
+	var svcs []*v1.Service
+	for i := range n {
+		svcs = append(svcs, svc(fmt.Sprintf("s%02d", i), fmt.Sprintf("10.96.1.%d", i+1), "http:80"))
+	}
+	p.Tracker().Replace(svcs, nil)
+	for i := range n {
+		rules.port(t, fmt.Sprintf("default/s%02d:http", i))
+	}
+	if got := countFDs(t) - base; got > n+5 {
+		t.Errorf("%d services' listeners hold %d descriptors; want about one each", n, got)
+	}
+}
