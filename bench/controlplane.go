@@ -661,10 +661,9 @@ func changeSync(log string, after time.Time) (time.Time, time.Duration, error) {
 			continue
 		}
 		end, err := time.Parse(time.RFC3339Nano, ts)
-		if err != nil {
-			return time.Time{}, 0, fmt.Errorf("timestamp %q: %w", ts, err)
-		}
-		if end.Before(after) {
+		if err != nil || end.Before(after) {
+			// Earlier than the change, or the first line of an output
+			// buffer that has cut its start off.
 			continue
 		}
 		var f struct {

@@ -990,9 +990,10 @@ func (p *Proxier) acceptBackoff(l *listener, delay time.Duration, err error) tim
 // rawAcceptFile returns a duplicate of ln's socket for acceptRaw, as an
 // *os.File, which waits for connections in the runtime's poller (a
 // listener's own RawConn cannot wait: its Read is not supported). The
-// caller closes ln. Nil
-// without event loops, with a dialer of the caller's (Config.Dial, which
-// needs the goroutine path), or for a listener that is no socket.
+// caller then closes ln, leaving the duplicate as the socket's only
+// descriptor. Nil without event loops, with a dialer of the caller's
+// (Config.Dial, which needs the goroutine path), or for a listener that
+// is no socket.
 func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {
 	if p.loops.n <= 0 || p.cfg.Dial != nil {
 		return nil
