@@ -559,6 +559,14 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 			}
 		}
 	}()
+	viaAPI := p.ID != "dnat"
+	if !viaAPI {
+		res.setNA(p.ID, n, "no API server: the harness writes the rules itself", "change_api_ms")
+	}
+	syncLogged := proc != nil && strings.HasPrefix(p.ID, "uproxy")
+	if !syncLogged {
+		res.setNA(p.ID, n, "only uproxy logs each sync's start", "change_sync_ms")
+	}
 	for i, to := range s.changes {
 		ct, err := timeChange(ctx, e, t, p, k, s, from, to, last)
 		if err != nil {
@@ -566,21 +574,17 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 		}
 		res.series("change_ms", p.ID, n).add(ms(ct.traffic.Sub(ct.start)))
 		detail := ""
-		if p.ID == "dnat" {
-			res.setNA(p.ID, n, "no API server: the harness writes the rules itself", "change_api_ms")
-		} else {
+		if viaAPI {
 			res.series("change_api_ms", p.ID, n).add(ms(ct.written.Sub(ct.start)))
 			detail = fmt.Sprintf(" (API server %.1f ms", ms(ct.written.Sub(ct.start)))
 		}
-		if proc != nil && strings.HasPrefix(p.ID, "uproxy") {
+		if syncLogged {
 			sync, took, err := waitChangeSync(proc, ct.start)
 			if err != nil {
 				return fmt.Errorf("endpoint change %d: reading uproxy's log: %w", i+1, err)
 			}
 			res.series("change_sync_ms", p.ID, n).add(ms(ct.traffic.Sub(sync)))
 			detail += fmt.Sprintf(", uproxy %.1f ms from the start of its sync, which took %v", ms(ct.traffic.Sub(sync)), took)
-		} else {
-			res.setNA(p.ID, n, "only uproxy logs each sync's start", "change_sync_ms")
 		}
 		if detail != "" {
 			detail += ")"

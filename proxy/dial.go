@@ -134,11 +134,6 @@ func (d *tcpDial) done(up, down int64) {
 	d.snap.slots.release()
 }
 
-// rawConnect starts a non-blocking TCP connection to addr (rawDial).
-func rawConnect(addr netip.AddrPort, from netip.Addr) (fd int, err error) {
-	return rawDial(unix.SOCK_STREAM, addr, from)
-}
-
 // rawDial opens a non-blocking socket of type sotype (SOCK_STREAM or
 // SOCK_DGRAM) connected to addr, from the address from when it is valid
 // (tproxy mode: IP_TRANSPARENT, then bind). A TCP socket gets what

@@ -376,7 +376,7 @@ func (l *eventLoop) connect(ls *loopSession) {
 			l.end(ls, true)
 			return
 		}
-		fd, err := rawConnect(addr, d.from)
+		fd, err := rawDial(unix.SOCK_STREAM, addr, d.from)
 		if err != nil {
 			d.failed(err)
 			continue

@@ -460,14 +460,11 @@ func recvInq(fd int, b []byte) (n, inq int, err error) {
 	iov.SetLen(len(b))
 	msg := unix.Msghdr{Iov: &iov, Iovlen: 1, Control: &oob[0]}
 	msg.SetControllen(len(oob))
-	for {
-		r, err := rawCall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0, 0, 0, 0)
-		if err != nil {
-			return 0, 0, err
-		}
-		n = int(r)
-		break
+	r, err := rawCall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0, 0, 0, 0)
+	if err != nil {
+		return 0, 0, err
 	}
+	n = int(r)
 	inq = 1
 	if hdrLen := unix.CmsgLen(0); int(msg.Controllen) >= unix.CmsgLen(4) {
 		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
