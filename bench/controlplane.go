@@ -584,7 +584,11 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 				return fmt.Errorf("endpoint change %d: reading uproxy's log: %w", i+1, err)
 			}
 			res.series("change_sync_ms", p.ID, n).add(ms(ct.traffic.Sub(sync)))
-			detail += fmt.Sprintf(", uproxy %.1f ms from the start of its sync, which took %v", ms(ct.traffic.Sub(sync)), took)
+			detail += fmt.Sprintf(", uproxy %.1f ms from the start of its sync, which took %v; the probe's connection that reached the new endpoint began %.1f ms after the sync's start, was established %.1f ms later and answered %.1f ms after that",
+				ms(ct.traffic.Sub(sync)), took, ms(ct.attempt.Sub(sync)), ms(ct.connected.Sub(ct.attempt)), ms(ct.traffic.Sub(ct.connected)))
+			if !ct.prevEnd.IsZero() {
+				detail += fmt.Sprintf(", the attempt before it ended %.1f ms after the sync's start", ms(ct.prevEnd.Sub(sync)))
+			}
 		}
 		if detail != "" {
 			detail += ")"
@@ -606,6 +610,10 @@ type changeTiming struct {
 	start   time.Time // the harness begins the change
 	written time.Time // the change is made: the API server answered the update
 	traffic time.Time // a new connection reached the new endpoint
+	// attempt is when the probe's connection that reached the new
+	// endpoint began, and prevEnd when the attempt before it ended.
+	attempt, prevEnd time.Time
+	connected        time.Time // that connection was established
 }
 
 // timeChange moves the last service to endpoint to and returns when the
@@ -637,6 +645,11 @@ func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *
 		return ct, fmt.Errorf("traffic did not follow (%v): %s", err, tail(pr.Output(), 2))
 	}
 	ct.traffic = time.Unix(0, r.AtUnixNano)
+	ct.attempt = time.Unix(0, r.StartUnixNano)
+	ct.connected = time.Unix(0, r.ConnectedUnixNano)
+	if r.PrevEndUnixNano != 0 {
+		ct.prevEnd = time.Unix(0, r.PrevEndUnixNano)
+	}
 	return ct, nil
 }
 

@@ -481,6 +481,14 @@ type ProbeResult struct {
 	OK bool `json:"ok"`
 	// AtUnixNano is when the awaited answer arrived (wall clock).
 	AtUnixNano int64 `json:"atUnixNano"`
+	// StartUnixNano is when the attempt that got the awaited answer began,
+	// and PrevEndUnixNano when the attempt before it ended (zero if it was
+	// the first): they tell a late answer from a late attempt.
+	StartUnixNano   int64 `json:"startUnixNano,omitempty"`
+	PrevEndUnixNano int64 `json:"prevEndUnixNano,omitempty"`
+	// ConnectedUnixNano is when that attempt's connection was established
+	// (the handshake with the kernel, before any proxy accepted it).
+	ConnectedUnixNano int64 `json:"connectedUnixNano,omitempty"`
 	// From is the address the answering endpoint accepted on (TCP only).
 	From      string `json:"from,omitempty"`
 	Attempts  int    `json:"attempts"`
@@ -535,9 +543,11 @@ func probe(ctx context.Context, target string, udp bool, want netip.Addr, interv
 	req, resp := rrRequest(rrClose), make([]byte, rrResponseSize)
 	for ctx.Err() == nil {
 		r.Attempts++
-		from, err := probeOnce(ctx, target, udp, req, resp, attempt)
+		start := time.Now().UnixNano()
+		from, connected, err := probeOnce(ctx, target, udp, req, resp, attempt)
+		end := time.Now().UnixNano()
 		if err == nil && (!want.IsValid() || from == want) {
-			r.OK, r.AtUnixNano = true, time.Now().UnixNano()
+			r.OK, r.AtUnixNano, r.StartUnixNano, r.ConnectedUnixNano = true, end, start, connected.UnixNano()
 			if from.IsValid() {
 				r.From = from.String()
 			}
@@ -548,6 +558,7 @@ func probe(ctx context.Context, target string, udp bool, want netip.Addr, interv
 		} else {
 			r.LastError = "answered by " + from.String()
 		}
+		r.PrevEndUnixNano = end
 		select {
 		case <-ctx.Done():
 		case <-time.After(interval):
@@ -557,8 +568,8 @@ func probe(ctx context.Context, target string, udp bool, want netip.Addr, interv
 }
 
 // probeOnce makes one attempt and returns the answering endpoint's address
-// (TCP; the zero Addr for UDP).
-func probeOnce(ctx context.Context, target string, udp bool, req, resp []byte, timeout time.Duration) (netip.Addr, error) {
+// (TCP; the zero Addr for UDP) and when the connection was established.
+func probeOnce(ctx context.Context, target string, udp bool, req, resp []byte, timeout time.Duration) (netip.Addr, time.Time, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	network := "tcp"
@@ -567,37 +578,38 @@ func probeOnce(ctx context.Context, target string, udp bool, req, resp []byte, t
 	}
 	var d net.Dialer
 	c, err := d.DialContext(ctx, network, target)
+	connected := time.Now()
 	if err != nil {
-		return netip.Addr{}, err
+		return netip.Addr{}, connected, err
 	}
 	defer c.Close()
 	deadline, _ := ctx.Deadline()
 	_ = c.SetDeadline(deadline)
 	if udp {
 		if _, err := c.Write(req); err != nil {
-			return netip.Addr{}, err
+			return netip.Addr{}, connected, err
 		}
 		n, err := c.Read(resp)
 		if err != nil {
-			return netip.Addr{}, err
+			return netip.Addr{}, connected, err
 		}
 		if n != len(req) {
-			return netip.Addr{}, fmt.Errorf("echo of %d bytes, sent %d", n, len(req))
+			return netip.Addr{}, connected, fmt.Errorf("echo of %d bytes, sent %d", n, len(req))
 		}
-		return netip.Addr{}, nil
+		return netip.Addr{}, connected, nil
 	}
 	if err := rrExchange(c, req, resp); err != nil {
-		return netip.Addr{}, err
+		return netip.Addr{}, connected, err
 	}
 	host, _, err := net.SplitHostPort(string(trimAnswer(resp)))
 	if err != nil {
-		return netip.Addr{}, fmt.Errorf("answer %q: %w", trimAnswer(resp), err)
+		return netip.Addr{}, connected, fmt.Errorf("answer %q: %w", trimAnswer(resp), err)
 	}
 	a, err := netip.ParseAddr(host)
 	if err != nil {
-		return netip.Addr{}, fmt.Errorf("answer %q: %w", trimAnswer(resp), err)
+		return netip.Addr{}, connected, fmt.Errorf("answer %q: %w", trimAnswer(resp), err)
 	}
-	return a.Unmap(), nil
+	return a.Unmap(), connected, nil
 }
 
 // trimAnswer returns the address at the start of an answer.
@@ -682,7 +694,7 @@ func sweep(ctx context.Context, targets []string, conns int, attempt time.Durati
 					return
 				}
 				for try := 0; ctx.Err() == nil; try++ {
-					_, err := probeOnce(ctx, targets[i], false, req, resp, attempt)
+					_, _, err := probeOnce(ctx, targets[i], false, req, resp, attempt)
 					mu.Lock()
 					if err == nil {
 						res.Answered++
