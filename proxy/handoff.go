@@ -50,7 +50,12 @@ type HandoffSocket struct {
 }
 
 // handoffKey is the key of k's listener in HandoffSocket.Key.
-func (k portKey) handoffKey() string { return k.network() + " " + k.name.String() }
+func (k portKey) handoffKey() string {
+	if k.slot > 0 {
+		return fmt.Sprintf("%s %s #%d", k.network(), k.name, k.slot)
+	}
+	return k.network() + " " + k.name.String()
+}
 
 // ExportListeners returns a duplicate of every listener's socket, keyed
 // for Inherited and sorted by key. The listeners go on serving: call
@@ -69,6 +74,7 @@ func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
 	}
 	for _, sh := range p.shared {
 		all = append(all, sh)
+		all = append(all, sh.siblings...)
 	}
 	for _, l := range all {
 		f, err := l.file()
@@ -287,16 +293,23 @@ func (in *Inherited) finish(log *zap.Logger) (adopted int, ok bool) {
 // adoptOrAllocate gives l the inherited socket of its key, if there is a
 // fitting one, and returns its port; otherwise it allocates a port and
 // binds with try, as openListener always did. host is the address
-// openListener would bind.
-func (p *Proxier) adoptOrAllocate(l *listener, host string, try func(port uint16) (uint16, error)) (uint16, error) {
+// openListener would bind. A non-zero exact is the only port l may have.
+func (p *Proxier) adoptOrAllocate(l *listener, host string, exact uint16, try func(port uint16) (uint16, error)) (uint16, error) {
 	network := l.key.network()
 	if s, ok := p.cfg.Inherited.take(l.key.handoffKey()); ok {
 		port, err := p.adopt(l, host, s)
+		if err == nil && exact != 0 && port != exact {
+			l.close()
+			err = fmt.Errorf("its port is %d, not %d", port, exact)
+		}
 		if err == nil {
 			return port, nil
 		}
 		p.log.Warn("cannot adopt the inherited socket; binding a new one, so its rules change",
 			zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Error(err))
+	}
+	if exact != 0 {
+		return p.ports.allocateExact(network, exact, try)
 	}
 	if p.cfg.PreviousPort != nil {
 		if want := p.cfg.PreviousPort(l.key.name, network); want != 0 {
@@ -389,22 +402,27 @@ func (p *Proxier) checkAdopted(l *listener, host string, local net.Addr) (uint16
 	return ap.Port(), nil
 }
 
+// adopted reports whether l's socket is an inherited one.
+func (p *Proxier) adopted(l *listener) bool {
+	in := p.cfg.Inherited
+	if in == nil {
+		return false
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.adopted[l]
+}
+
 // startAdopted starts an adopted listener's accept or read loop once the
 // first sync is over, and reports whether l was adopted; openListener
 // starts the others at once. The goroutine belongs to the listener, like
 // its loop, which it becomes; it exits without a loop if the Proxier
 // stops before that sync.
 func (p *Proxier) startAdopted(l *listener) bool {
+	if !p.adopted(l) {
+		return false
+	}
 	in := p.cfg.Inherited
-	if in == nil {
-		return false
-	}
-	in.mu.Lock()
-	adopted := in.adopted[l]
-	in.mu.Unlock()
-	if !adopted {
-		return false
-	}
 	p.wg.Add(1)
 	go func() {
 		select {

@@ -202,6 +202,11 @@ type Intercept struct {
 	Port uint16
 	// ListenPort is the local listener's port (same family as VIP).
 	ListenPort uint16
+	// ListenPortEnd, when above ListenPort, is the last of the listener's
+	// consecutive ports (a shared TCP listener in redirect mode; see
+	// sharedRedirectPorts): the kernel may send each connection to any of
+	// ListenPort-ListenPortEnd. Zero means ListenPort alone.
+	ListenPortEnd uint16
 	// SourceRanges, for a LoadBalancerIP, are the only clients allowed; nil
 	// means all.
 	SourceRanges []netip.Prefix

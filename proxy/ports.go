@@ -72,6 +72,9 @@ func (r PortRange) String() string {
 // errRangeExhausted says that every port of the range is taken.
 var errRangeExhausted = errors.New("proxy port range exhausted")
 
+// errOutsideRange says that a port is not in the range.
+var errOutsideRange = errors.New("outside the proxy port range")
+
 // portAllocator hands out ports from a PortRange, round-robin so a port
 // that was just freed is reused last (its old connections may linger in
 // TIME_WAIT). It is used only by the sync goroutine.
@@ -94,28 +97,48 @@ func (a *portAllocator) allocatePreferred(network string, want uint16, try func(
 	}
 	if want >= a.r.Base && int(want-a.r.Base) < a.r.Size && !a.used[network][want] {
 		if got, err := try(want); err == nil {
-			if a.used == nil {
-				a.used = map[string]map[uint16]bool{}
-			}
-			if a.used[network] == nil {
-				a.used[network] = map[uint16]bool{}
-			}
-			a.used[network][got] = true
+			a.mark(network, got)
 			return got, nil
 		}
 	}
 	return a.allocate(network, try)
 }
 
-func (a *portAllocator) allocate(network string, try func(port uint16) (uint16, error)) (uint16, error) {
-	if a.r.Size == 0 {
-		return try(0)
+// allocateExact calls try with port alone, which must be in the range
+// (any port is, with no range) and not in use.
+func (a *portAllocator) allocateExact(network string, port uint16, try func(port uint16) (uint16, error)) (uint16, error) {
+	if a.r.Size > 0 {
+		if port < a.r.Base || int(port-a.r.Base) >= a.r.Size {
+			return 0, fmt.Errorf("port %d: %w %s", port, errOutsideRange, a.r)
+		}
+		if a.used[network][port] {
+			return 0, fmt.Errorf("port %d is another listener's", port)
+		}
 	}
+	got, err := try(port)
+	if err != nil {
+		return 0, err
+	}
+	if a.r.Size > 0 {
+		a.mark(network, got)
+	}
+	return got, nil
+}
+
+// mark records port as in use.
+func (a *portAllocator) mark(network string, port uint16) {
 	if a.used == nil {
 		a.used = map[string]map[uint16]bool{}
 	}
 	if a.used[network] == nil {
 		a.used[network] = map[uint16]bool{}
+	}
+	a.used[network][port] = true
+}
+
+func (a *portAllocator) allocate(network string, try func(port uint16) (uint16, error)) (uint16, error) {
+	if a.r.Size == 0 {
+		return try(0)
 	}
 	var lastErr error
 	for i := 0; i < a.r.Size; i++ {
@@ -129,7 +152,7 @@ func (a *portAllocator) allocate(network string, try func(port uint16) (uint16, 
 			continue
 		}
 		a.next = (a.next + i + 1) % a.r.Size
-		a.used[network][got] = true
+		a.mark(network, got)
 		return got, nil
 	}
 	if lastErr != nil {

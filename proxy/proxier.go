@@ -343,6 +343,10 @@ func (p *Proxier) LastSync() time.Time {
 type portKey struct {
 	name ServicePortName
 	v6   bool
+	// slot numbers the further sockets of a shared listener that listens
+	// on a range of ports (sharedRedirectPorts): slot i listens on the
+	// shared listener's port + i. Zero on every other listener.
+	slot int
 }
 
 func (k portKey) network() string {
@@ -605,7 +609,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 // l, given its snapshot s.
 func (l *listener) intercepts(s *snapshot) []Intercept {
 	proto := s.sp.Name.Protocol
-	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: l.port}
+	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: l.port, ListenPortEnd: l.portEnd}
 	out := []Intercept{with(base, ClusterIP, s.vip.Addr())}
 	for _, ip := range s.sp.ExternalIPs {
 		if ip.Is6() == l.key.v6 {
@@ -638,7 +642,8 @@ func with(i Intercept, k InterceptKind, ip netip.Addr) Intercept {
 
 func interceptEqual(a, b Intercept) bool {
 	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol && a.VIP == b.VIP &&
-		a.Port == b.Port && a.ListenPort == b.ListenPort && slices.Equal(a.SourceRanges, b.SourceRanges)
+		a.Port == b.Port && a.ListenPort == b.ListenPort && a.ListenPortEnd == b.ListenPortEnd &&
+		slices.Equal(a.SourceRanges, b.SourceRanges)
 }
 
 // Intercepts returns the intercepts of every listener, sorted. It must be
@@ -809,6 +814,14 @@ type listener struct {
 	ln   net.Listener // TCP
 	pc   *net.UDPConn // UDP
 	port uint16
+	// portEnd, above port, is the last of the consecutive ports that a
+	// shared listener listens on, itself on port and its siblings on the
+	// rest; a hosted listener has its host's. Zero means port alone.
+	portEnd uint16
+	// siblings are a shared listener's further sockets, on port+1 to
+	// portEnd (slots 1 and up), each with its own accept loop and the
+	// same route table.
+	siblings []*listener
 	// acceptFile is the listening socket when acceptRaw accepts on it, as
 	// a pollable *os.File; ln is then nil. closed tells acceptRaw that an
 	// error means the listener is gone.
@@ -840,6 +853,12 @@ func (p *Proxier) listen(ctx context.Context, network, addr string) (net.Listene
 // or ::1 for OUTPUT, the incoming interface's address for PREROUTING) and
 // starts its accept loop.
 func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error) {
+	return p.openListenerAt(ctx, k, 0)
+}
+
+// openListenerAt is openListener on port exactly, or, when exact is zero,
+// on the port that adoptOrAllocate finds.
+func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (*listener, error) {
 	host := "0.0.0.0"
 	if k.v6 {
 		host = "::"
@@ -855,7 +874,7 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 	network := k.network()
 	l := &listener{key: k}
 	udp := k.name.Protocol == v1.ProtocolUDP
-	port, err := p.adoptOrAllocate(l, host, func(port uint16) (uint16, error) {
+	port, err := p.adoptOrAllocate(l, host, exact, func(port uint16) (uint16, error) {
 		addr := net.JoinHostPort(host, strconv.Itoa(int(port)))
 		var local net.Addr
 		if udp {

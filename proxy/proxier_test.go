@@ -46,20 +46,26 @@ func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, _ bool) (R
 // "default/web:http") once it exists.
 func (r *recordingRules) port(t testing.TB, name string) int {
 	t.Helper()
+	return int(r.intercept(t, name).ListenPort)
+}
+
+// intercept returns the first intercept for service name once it exists.
+func (r *recordingRules) intercept(t testing.TB, name string) Intercept {
+	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		r.mu.Lock()
 		for _, i := range r.last {
 			if i.Service.String() == name {
 				r.mu.Unlock()
-				return int(i.ListenPort)
+				return i
 			}
 		}
 		r.mu.Unlock()
 		time.Sleep(5 * time.Millisecond)
 	}
 	t.Fatalf("no intercept for %s", name)
-	return 0
+	return Intercept{}
 }
 
 func (r *recordingRules) has(name string) bool {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -81,20 +82,102 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 	sk := portKey{name: sharedName(k.name.Protocol), v6: k.v6}
 	sh := p.shared[sk]
 	if sh == nil {
-		var err error
-		if sh, err = p.openListener(ctx, sk); err != nil {
-			return nil, err
+		for attempt := 1; ; attempt++ {
+			var err error
+			if sh, err = p.openListener(ctx, sk); err != nil {
+				return nil, err
+			}
+			// An empty table until the first sync routes anything: traffic
+			// that arrives before then (rules a previous instance left) is
+			// refused, not misrouted.
+			sh.routes.Store(&routeTable{})
+			all := p.openSiblings(ctx, sh)
+			// A port of the range is taken: a new first port, which the
+			// kernel or the port range picks elsewhere, may find a free
+			// range. An adopted socket stays: connections wait in it.
+			if all || attempt == sharedRangeAttempts || p.adopted(sh) {
+				if 1+len(sh.siblings) < sharedRedirectPorts {
+					p.log.Warn("the shared listener has fewer ports than it should: the next ones are taken or out of range",
+						zap.Stringer("servicePort", sk.name), zap.Uint16("first", sh.port), zap.Int("ports", 1+len(sh.siblings)))
+				}
+				break
+			}
+			p.closeSiblings(sh)
+			p.closeListener(sh)
 		}
-		// An empty table until the first sync routes anything: traffic
-		// that arrives before then (rules a previous instance left) is
-		// refused, not misrouted.
-		sh.routes.Store(&routeTable{})
 		if p.shared == nil {
 			p.shared = map[portKey]*listener{}
 		}
 		p.shared[sk] = sh
 	}
-	return &listener{key: k, port: sh.port, host: sh}, nil
+	return &listener{key: k, port: sh.port, portEnd: sh.portEnd, host: sh}, nil
+}
+
+// sharedRedirectPorts is how many consecutive ports a shared TCP listener
+// listens on in redirect mode, one socket each, behind one REDIRECT
+// --to-ports range.
+//
+// Why more than one: REDIRECT rewrites every service's destination to
+// the listener's address and port, so a client's connections to two
+// services from the same source port have the same tuple on the node.
+// When the endpoint closes first, uproxy passes its FIN on, and the node's
+// socket keeps that tuple in TIME_WAIT. The client's next SYN from the
+// port, to another service, carries timestamps from another offset (Linux
+// draws the offset per address pair, secure_tcp_ts_off), so PAWS rejects
+// it half of the time (TcpExtPAWSTimewait) and the client retransmits it:
+// 11-16 ms later on the kernel of bench/results/2026-11-30-shared-timewait.md,
+// where 1.1% of new connections waited so after a sweep of 10,000
+// services. Given a range, the kernel's NAT picks a port whose reply
+// tuple no connection holds (nf_nat's get_unique_tuple), so the SYN finds
+// no TIME_WAIT socket. Under TPROXY the tuple keeps the service address,
+// so one port does.
+const sharedRedirectPorts = 16
+
+// sharedRangeAttempts is how many first ports hostOn tries for a shared
+// listener whose range has a taken port: kernel-assigned listening ports
+// sit among the ports of outgoing connections.
+const sharedRangeAttempts = 8
+
+// openSiblings opens the further sockets of sh, a new shared TCP listener
+// in redirect mode, on the ports after its own (sharedRedirectPorts), and
+// sets sh.portEnd. A port that cannot be had ends the range there;
+// openSiblings reports false when that port was taken, which a range from
+// another first port may not be, and true when the ports ran out (the end
+// of the proxy port range, or 65535), which would end any range.
+func (p *Proxier) openSiblings(ctx context.Context, sh *listener) bool {
+	if sh.key.name.Protocol != v1.ProtocolTCP || p.cfg.Transparent {
+		return true
+	}
+	all := true
+	for slot := 1; slot < sharedRedirectPorts && int(sh.port)+slot <= 0xffff; slot++ {
+		k := sh.key
+		k.slot = slot
+		l, err := p.openListenerAt(ctx, k, sh.port+uint16(slot))
+		if errors.Is(err, errOutsideRange) {
+			break
+		}
+		if err != nil {
+			p.log.Debug("a port of the shared listener's range is taken",
+				zap.Stringer("servicePort", sh.key.name), zap.Uint16("first", sh.port), zap.Int("slot", slot), zap.Error(err))
+			all = false
+			break
+		}
+		l.routes.Store(sh.routes.Load())
+		sh.siblings = append(sh.siblings, l)
+	}
+	sh.portEnd = 0
+	if n := len(sh.siblings); n > 0 {
+		sh.portEnd = sh.port + uint16(n)
+	}
+	return all
+}
+
+// closeSiblings closes the further sockets of shared listener sh.
+func (p *Proxier) closeSiblings(sh *listener) {
+	for _, l := range sh.siblings {
+		p.closeListener(l)
+	}
+	sh.siblings, sh.portEnd = nil, 0
 }
 
 // rebuildRoutes stores a new route table in every shared listener, from
@@ -134,6 +217,9 @@ func (p *Proxier) rebuildRoutes() {
 	}
 	for sh, t := range tables {
 		sh.routes.Store(&t)
+		for _, l := range sh.siblings {
+			l.routes.Store(&t)
+		}
 	}
 }
 
@@ -154,6 +240,7 @@ func (sh *listener) route(dst netip.AddrPort) *listener {
 // closeShared closes every shared listener (Shutdown, StopListening).
 func (p *Proxier) closeShared() {
 	for k, sh := range p.shared {
+		p.closeSiblings(sh)
 		p.closeListener(sh)
 		delete(p.shared, k)
 	}

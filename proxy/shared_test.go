@@ -2,8 +2,10 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -91,6 +93,16 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 		}
 	}
 
+	// The shared TCP listener listens on a range of ports (see
+	// sharedRedirectPorts), every one of them routed alike.
+	if end := rules.intercept(t, "default/web:http").ListenPortEnd; end != uint16(port)+sharedRedirectPorts-1 {
+		t.Errorf("the shared TCP listener's ports are %d-%d, want %d of them", port, end, sharedRedirectPorts)
+	}
+	setDst("10.96.0.11:80")
+	if got, err := get(t, port+sharedRedirectPorts-1); err != nil || got != "b" {
+		t.Errorf("through the shared listener's last port: got %q, %v; want %q", got, err, "b")
+	}
+
 	// api goes away: its address is refused, the others still served on
 	// the same port.
 	p.Tracker().Replace([]*v1.Service{web, np, dns}, append(slicesFor("web", "http", a), slicesFor("np", "http", c)...))
@@ -137,20 +149,33 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	for _, s := range socks {
 		keys = append(keys, s.Key)
 	}
-	if diff := cmp.Diff([]string{"tcp4 shared TCP listener"}, keys); diff != "" {
+	// The shared TCP listener and its further ports (sharedRedirectPorts).
+	want := []string{"tcp4 shared TCP listener"}
+	for slot := 1; slot < sharedRedirectPorts; slot++ {
+		want = append(want, fmt.Sprintf("tcp4 shared TCP listener #%d", slot))
+	}
+	slices.Sort(want)
+	if diff := cmp.Diff(want, keys); diff != "" {
 		t.Errorf("exported sockets (-want +got):\n%s", diff)
 	}
+	first := q.shared[portKey{name: sharedName(v1.ProtocolTCP)}].port
 	in := NewInherited(socks)
 	q.StopListening()
 
 	cfg.Inherited = in
 	r, rules2 := startProxier(t, cfg)
 	r.Tracker().Replace(svcs, sl)
-	if got := rules2.port(t, "default/web:http"); got != int(socks[0].Port) {
-		t.Errorf("the successor's shared listener is on %d, want the inherited %d", got, socks[0].Port)
+	if got := rules2.port(t, "default/web:http"); got != int(first) {
+		t.Errorf("the successor's shared listener is on %d, want the inherited %d", got, first)
 	}
-	if got, err := get(t, int(socks[0].Port)); err != nil || got != "a" {
-		t.Errorf("through the adopted socket: %q, %v", got, err)
+	end := rules2.intercept(t, "default/web:http").ListenPortEnd
+	if want := first + sharedRedirectPorts - 1; end != want {
+		t.Errorf("the successor's shared listener ends at port %d, want the inherited %d", end, want)
+	}
+	for _, port := range []uint16{first, first + 1, end} {
+		if got, err := get(t, int(port)); err != nil || got != "a" {
+			t.Errorf("through the adopted socket on port %d: %q, %v", port, got, err)
+		}
 	}
 }
 
@@ -231,4 +256,60 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 	if p.UDPFlows() != 2 {
 		t.Errorf("%d flows, want 2", p.UDPFlows())
 	}
+}
+
+// TestSharedListenerRangeInPortRange checks the shared TCP listener's
+// range of ports under --proxy-port-range: the ports come from the range,
+// a range too short for all of them gives fewer, and a per-service UDP
+// listener takes a port after them.
+func TestSharedListenerRangeInPortRange(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		size    int
+		wantEnd int // offset of the last TCP port from the first
+	}{
+		{"room for all", sharedRedirectPorts + 1, sharedRedirectPorts - 1},
+		{"room for 4", 4, 3},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			base := freePortRange(t, tt.size)
+			p, rules := startProxier(t, Config{
+				SharedListeners: []v1.Protocol{v1.ProtocolTCP},
+				PortRange:       PortRange{Base: base, Size: tt.size},
+				OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+					return netip.MustParseAddrPort("10.96.0.10:80"), nil
+				},
+			})
+			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", nameBackend(t, "a")))
+			i := rules.intercept(t, "default/web:http")
+			if i.ListenPort != base || int(i.ListenPortEnd) != int(base)+tt.wantEnd {
+				t.Errorf("shared TCP listener on %d-%d, want %d-%d", i.ListenPort, i.ListenPortEnd, base, int(base)+tt.wantEnd)
+			}
+			if got, err := get(t, int(i.ListenPortEnd)); err != nil || got != "a" {
+				t.Errorf("through the last port of the range: %q, %v", got, err)
+			}
+		})
+	}
+}
+
+// freePortRange returns the first of n consecutive ports that nothing
+// listens on now, in the upper half of the ports.
+func freePortRange(t *testing.T, n int) uint16 {
+	t.Helper()
+	for base := 50000; base+n <= 60000; base += n {
+		free := true
+		for port := base; port < base+n && free; port++ {
+			ln, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port))
+			if err != nil {
+				free = false
+				continue
+			}
+			ln.Close()
+		}
+		if free {
+			return uint16(base)
+		}
+	}
+	t.Fatal("no free range of ports")
+	return 0
 }

@@ -46,7 +46,10 @@ func PreviousListenerPorts(saved []byte) map[PreviousListener]uint16 {
 			case "--comment":
 				key.Comment = f[i+1]
 			case "--to-ports", "--on-port":
-				if n, err := strconv.ParseUint(f[i+1], 10, 16); err == nil {
+				// A range's first port: a shared listener's ports
+				// follow it (Intercept.ToPortEnd).
+				first, _, _ := strings.Cut(f[i+1], "-")
+				if n, err := strconv.ParseUint(first, 10, 16); err == nil {
 					port = uint16(n)
 				}
 			}

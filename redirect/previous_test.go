@@ -38,6 +38,12 @@ func TestPreviousListenerPorts(t *testing.T) {
 			{SharedComment(UDP), UDP}:         40001,
 			{sharedNodePortComment(TCP), TCP}: 40000,
 		}},
+		// A range of ports names its first.
+		{"shared range", withTCPRange(sharedOf(r, 40000, 40001), 16), map[PreviousListener]uint16{
+			{SharedComment(TCP), TCP}:         40000,
+			{SharedComment(UDP), UDP}:         40001,
+			{sharedNodePortComment(TCP), TCP}: 40000,
+		}},
 		{"shared tproxy", func() Rules { r := sharedOf(r, 40000, 40001); r.TProxy = &TProxy{}; return r }(), map[PreviousListener]uint16{
 			{SharedComment(TCP), TCP}:         40000,
 			{SharedComment(UDP), UDP}:         40001,

@@ -132,6 +132,12 @@ type Intercept struct {
 	// ToPort is the local listener port (REDIRECT --to-ports); it must not
 	// be zero.
 	ToPort uint16
+	// ToPortEnd, when above ToPort, makes ToPort-ToPortEnd a range of
+	// ports that one listener listens on (REDIRECT --to-ports A-B): the
+	// kernel then picks, for each new connection, a port whose tuple is
+	// free; see toPorts. Zero (or ToPort) means ToPort alone. TPROXY,
+	// which keeps the destination, uses ToPort only.
+	ToPortEnd uint16
 }
 
 // validate reports why i cannot be rendered, or nil.
@@ -147,6 +153,8 @@ func (i Intercept) validate() error {
 		return errors.New("port 0")
 	case i.ToPort == 0:
 		return errors.New("listener port 0")
+	case i.ToPortEnd != 0 && i.ToPortEnd < i.ToPort:
+		return fmt.Errorf("listener ports %d-%d: the range ends before it starts", i.ToPort, i.ToPortEnd)
 	}
 	return nil
 }
@@ -179,6 +187,9 @@ type NodePort struct {
 	// ToPort is the local listener port (REDIRECT --to-ports); it must not
 	// be zero.
 	ToPort uint16
+	// ToPortEnd, when above ToPort, makes ToPort-ToPortEnd a range of
+	// listener ports, as Intercept.ToPortEnd does.
+	ToPortEnd uint16
 }
 
 // validate reports why n cannot be rendered, or nil.
@@ -192,6 +203,8 @@ func (n NodePort) validate() error {
 		return errors.New("port 0")
 	case n.ToPort == 0:
 		return errors.New("listener port 0")
+	case n.ToPortEnd != 0 && n.ToPortEnd < n.ToPort:
+		return fmt.Errorf("listener ports %d-%d: the range ends before it starts", n.ToPort, n.ToPortEnd)
 	}
 	return nil
 }
@@ -358,7 +371,7 @@ type Rules struct {
 	// Intercept that a Firewall guards keeps its rules of the
 	// per-service layout instead (one per allowed source prefix, before
 	// the set's rule). All Intercepts and NodePorts of one family and
-	// protocol must have the same ToPort. False is the per-service
+	// protocol must have the same ToPort and ToPortEnd. False is the per-service
 	// layout: a rule per intercept and node port.
 	Shared bool
 }

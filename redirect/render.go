@@ -193,13 +193,14 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 			cmp.Compare(a.Protocol, b.Protocol),
 			cmp.Compare(a.Port, b.Port),
 			cmp.Compare(a.ToPort, b.ToPort),
+			cmp.Compare(a.ToPortEnd, b.ToPortEnd),
 			cmp.Compare(a.Comment, b.Comment),
 		)
 	})
 	rules := make([]string, 0, len(is))
 	for _, i := range is {
-		redirect := fmt.Sprintf("-d %s/%d -p %s -m comment --comment %s -m %s --dport %d -j REDIRECT --to-ports %d",
-			i.Dest.Unmap(), f.hostBits(), i.Protocol, quoteComment(i.Comment), i.Protocol, i.Port, i.ToPort)
+		redirect := fmt.Sprintf("-d %s/%d -p %s -m comment --comment %s -m %s --dport %d %s",
+			i.Dest.Unmap(), f.hostBits(), i.Protocol, quoteComment(i.Comment), i.Protocol, i.Port, redirectTarget(i.ToPort, i.ToPortEnd))
 		sources, guarded := allowed[i.key()]
 		if !guarded {
 			rules = append(rules, fmt.Sprintf("-A %s %s", c.name, redirect))
@@ -245,9 +246,14 @@ func firewallAllows(f Family, r Rules) map[interceptKey][]netip.Prefix {
 	return all
 }
 
-// redirectTarget returns the REDIRECT target to the listener port, as
-// iptables-save prints it.
-func redirectTarget(port uint16) string { return fmt.Sprintf("-j REDIRECT --to-ports %d", port) }
+// redirectTarget returns the REDIRECT target to the listener port, or to
+// the ports port-end when end is above port, as iptables-save prints it.
+func redirectTarget(port, end uint16) string {
+	if end > port {
+		return fmt.Sprintf("-j REDIRECT --to-ports %d-%d", port, end)
+	}
+	return fmt.Sprintf("-j REDIRECT --to-ports %d", port)
+}
 
 // prefixesOf returns the valid prefixes of family f in ps, normalized by
 // normPrefix, sorted and without duplicates. The result is never nil.
@@ -284,7 +290,7 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 		var rules []string
 		for _, t := range sharedNodePortTargets(f, r) {
 			rules = append(rules, fmt.Sprintf("-A %s -p %s %s -m comment --comment %s %s",
-				c.name, t.proto, nodePortSetMatch(f, t.proto), quoteComment(sharedNodePortComment(t.proto)), redirectTarget(t.toPort)))
+				c.name, t.proto, nodePortSetMatch(f, t.proto), quoteComment(sharedNodePortComment(t.proto)), redirectTarget(t.toPort, t.toPortEnd)))
 		}
 		return rules
 	}
@@ -299,13 +305,14 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 			cmp.Compare(a.Protocol, b.Protocol),
 			cmp.Compare(a.Port, b.Port),
 			cmp.Compare(a.ToPort, b.ToPort),
+			cmp.Compare(a.ToPortEnd, b.ToPortEnd),
 			cmp.Compare(a.Comment, b.Comment),
 		)
 	})
 	rules := make([]string, 0, len(ns))
 	for _, n := range ns {
-		rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m %s --dport %d -j REDIRECT --to-ports %d",
-			c.name, n.Protocol, quoteComment(n.Comment), n.Protocol, n.Port, n.ToPort))
+		rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m %s --dport %d %s",
+			c.name, n.Protocol, quoteComment(n.Comment), n.Protocol, n.Port, redirectTarget(n.ToPort, n.ToPortEnd)))
 	}
 	return rules
 }

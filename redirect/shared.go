@@ -75,40 +75,42 @@ func sharedNodePorts(f Family, r Rules) iter.Seq[NodePort] {
 }
 
 // sharedTarget is the rule of one protocol of the shared layout: the
-// protocol and the listener port that its set's members are sent to.
+// protocol and the listener port (or ports toPort-toPortEnd) that its
+// set's members are sent to.
 type sharedTarget struct {
-	proto  Protocol
-	toPort uint16
+	proto             Protocol
+	toPort, toPortEnd uint16
 }
 
 // sharedTargets returns the protocols that have members among the given
 // listener ports by protocol, in rendering order, each with its listener
-// port. Rules that Sync accepts have one port per protocol; with several
-// (Sync rejects those), the lowest is taken, so that Render does not
-// depend on the input's order.
-func sharedTargets(ports map[Protocol]uint16) []sharedTarget {
+// ports. Rules that Sync accepts have one port (or range) per protocol;
+// with several (Sync rejects those), the lowest is taken, so that Render
+// does not depend on the input's order.
+func sharedTargets(ports map[Protocol]sharedTarget) []sharedTarget {
 	var ts []sharedTarget
 	for _, p := range protocols {
-		if port, ok := ports[p]; ok {
-			ts = append(ts, sharedTarget{proto: p, toPort: port})
+		if t, ok := ports[p]; ok {
+			ts = append(ts, t)
 		}
 	}
 	return ts
 }
 
-// lowest records port for p in ports unless a lower one is there.
-func lowest(ports map[Protocol]uint16, p Protocol, port uint16) {
-	if old, ok := ports[p]; !ok || port < old {
-		ports[p] = port
+// lowest records the ports port-end for p in ports unless lower ones are
+// there.
+func lowest(ports map[Protocol]sharedTarget, p Protocol, port, end uint16) {
+	if old, ok := ports[p]; !ok || port < old.toPort || port == old.toPort && end < old.toPortEnd {
+		ports[p] = sharedTarget{proto: p, toPort: port, toPortEnd: end}
 	}
 }
 
 // sharedServiceTargets returns the rules of f's service set: one per
 // protocol that has members.
 func sharedServiceTargets(f Family, r Rules) []sharedTarget {
-	ports := map[Protocol]uint16{}
+	ports := map[Protocol]sharedTarget{}
 	for i := range sharedIntercepts(f, r) {
-		lowest(ports, i.Protocol, i.ToPort)
+		lowest(ports, i.Protocol, i.ToPort, i.ToPortEnd)
 	}
 	return sharedTargets(ports)
 }
@@ -116,9 +118,9 @@ func sharedServiceTargets(f Family, r Rules) []sharedTarget {
 // sharedNodePortTargets returns the rules of f's node-port sets: one per
 // protocol that has node ports.
 func sharedNodePortTargets(f Family, r Rules) []sharedTarget {
-	ports := map[Protocol]uint16{}
+	ports := map[Protocol]sharedTarget{}
 	for n := range sharedNodePorts(f, r) {
-		lowest(ports, n.Protocol, n.ToPort)
+		lowest(ports, n.Protocol, n.ToPort, n.ToPortEnd)
 	}
 	return sharedTargets(ports)
 }
@@ -137,12 +139,12 @@ func nodePortSetMatch(f Family, p Protocol) string {
 
 // sharedServiceRules renders the rules of chain that send what f's
 // service set matches to target (e.g. "-j REDIRECT --to-ports"), one per
-// protocol with members; target gets the protocol's listener port.
-func sharedServiceRules(chain string, f Family, r Rules, target func(port uint16) string) []string {
+// protocol with members; target gets the protocol's listener ports.
+func sharedServiceRules(chain string, f Family, r Rules, target func(port, end uint16) string) []string {
 	var rules []string
 	for _, t := range sharedServiceTargets(f, r) {
 		rules = append(rules, fmt.Sprintf("-A %s -p %s %s -m comment --comment %s %s",
-			chain, t.proto, serviceSetMatch(f), quoteComment(SharedComment(t.proto)), target(t.toPort)))
+			chain, t.proto, serviceSetMatch(f), quoteComment(SharedComment(t.proto)), target(t.toPort, t.toPortEnd)))
 	}
 	return rules
 }
@@ -155,36 +157,40 @@ type sharedKey struct {
 }
 
 // validateShared reports every valid intercept and node port whose
-// listener port differs from that of the first intercept or node port of
+// listener ports differ from those of the first intercept or node port of
 // its family and protocol: the shared layout has one rule, so one
 // listener, per family and protocol.
 func (r Rules) validateShared() []error {
 	type first struct {
-		what   string
-		toPort uint16
+		what  string
+		ports string
 	}
 	firsts := map[sharedKey]first{}
 	var errs []error
-	check := func(k sharedKey, what string, toPort uint16) {
+	check := func(k sharedKey, what string, toPort, toPortEnd uint16) {
+		ports := fmt.Sprint(toPort)
+		if toPortEnd > toPort {
+			ports = fmt.Sprintf("%d-%d", toPort, toPortEnd)
+		}
 		f, ok := firsts[k]
 		if !ok {
-			firsts[k] = first{what: what, toPort: toPort}
+			firsts[k] = first{what: what, ports: ports}
 			return
 		}
-		if f.toPort != toPort {
-			errs = append(errs, fmt.Errorf("shared layout: %s goes to listener port %d, but %s goes to %d: every %s %s intercept and node port must go to the same one",
-				what, toPort, f.what, f.toPort, k.family, k.proto))
+		if f.ports != ports {
+			errs = append(errs, fmt.Errorf("shared layout: %s goes to listener port %s, but %s goes to %s: every %s %s intercept and node port must go to the same one",
+				what, ports, f.what, f.ports, k.family, k.proto))
 		}
 	}
 	for n, i := range r.Intercepts {
 		if i.validate() == nil {
 			dest := i.Dest.Unmap()
-			check(sharedKey{familyOf(dest), i.Protocol}, fmt.Sprintf("intercept %d (%q, %s %s)", n, i.Comment, i.Protocol, netip.AddrPortFrom(dest, i.Port)), i.ToPort)
+			check(sharedKey{familyOf(dest), i.Protocol}, fmt.Sprintf("intercept %d (%q, %s %s)", n, i.Comment, i.Protocol, netip.AddrPortFrom(dest, i.Port)), i.ToPort, i.ToPortEnd)
 		}
 	}
 	for n, np := range r.NodePorts {
 		if np.validate() == nil {
-			check(sharedKey{np.Family, np.Protocol}, fmt.Sprintf("node port %d (%q, %s port %d)", n, np.Comment, np.Protocol, np.Port), np.ToPort)
+			check(sharedKey{np.Family, np.Protocol}, fmt.Sprintf("node port %d (%q, %s port %d)", n, np.Comment, np.Protocol, np.Port), np.ToPort, np.ToPortEnd)
 		}
 	}
 	return errs

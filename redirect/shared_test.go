@@ -98,6 +98,30 @@ func withSharedFirewalls(r Rules) Rules {
 // families.
 var sharedAll = withSharedFirewalls(withSharedNodePorts(sharedServices))
 
+// withTCPRange returns r with the IPv4 TCP intercepts and node ports sent
+// to the range of n listener ports from sharedTCP4, and those ports among
+// the listeners, as uproxy's shared TCP listener has in redirect mode.
+func withTCPRange(r Rules, n uint16) Rules {
+	end := uint16(sharedTCP4) + n - 1
+	r.Intercepts = slices.Clone(r.Intercepts)
+	for k, i := range r.Intercepts {
+		if i.Protocol == TCP && familyOf(i.Dest.Unmap()) == IPv4 {
+			r.Intercepts[k].ToPortEnd = end
+		}
+	}
+	r.NodePorts = slices.Clone(r.NodePorts)
+	for k, np := range r.NodePorts {
+		if np.Protocol == TCP && np.Family == IPv4 {
+			r.NodePorts[k].ToPortEnd = end
+		}
+	}
+	r.Listeners = slices.Clone(r.Listeners)
+	for port := uint16(sharedTCP4) + 1; port <= end; port++ {
+		r.Listeners = append(r.Listeners, Listener{IPv4, TCP, port})
+	}
+	return r
+}
+
 func TestRenderSharedGolden(t *testing.T) {
 	withAddrs := sharedAll
 	withAddrs.NodePortAddresses = pfx("192.168.1.7/24", "2001:db8::/64", "10.0.0.0/8", "0.0.0.0/0", "::/0")
@@ -121,6 +145,9 @@ func TestRenderSharedGolden(t *testing.T) {
 		{"shared_firewall", IPv4, withSharedFirewalls(sharedServices)},
 		{"shared_firewall_v6", IPv6, withSharedFirewalls(sharedServices)},
 		{"shared_all_v4", IPv4, sharedAll},
+		// The IPv4 TCP listener has a range of ports: its rules, the
+		// guarded intercepts' and the node ports' REDIRECT to the range.
+		{"shared_port_range", IPv4, withTCPRange(sharedAll, 16)},
 		// Tproxy mode: one TPROXY per protocol matching the service set
 		// after the guarded intercepts and firewalls, one per protocol
 		// and node-port address matching the node-port set, and one
@@ -326,6 +353,19 @@ func TestRulesValidateShared(t *testing.T) {
 		}, []string{
 			`shared layout: intercept 1 ("lb", tcp 192.0.2.1:80) goes to listener port 40005, but intercept 0 ("a", tcp 10.96.0.1:80) goes to 40000: every IPv4 tcp intercept and node port must go to the same one`,
 		}},
+		{"ok with a range of ports", withTCPRange(sharedAll, 16), nil},
+		{"ranges differ", Rules{Shared: true,
+			Intercepts: []Intercept{
+				{Comment: "a", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80, ToPort: 40000, ToPortEnd: 40015},
+				{Comment: "b", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.2"), Port: 80, ToPort: 40000},
+			},
+			NodePorts: []NodePort{{Comment: "c", Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 40000, ToPortEnd: 40015}},
+		}, []string{
+			`shared layout: intercept 1 ("b", tcp 10.96.0.2:80) goes to listener port 40000, but intercept 0 ("a", tcp 10.96.0.1:80) goes to 40000-40015: every IPv4 tcp intercept and node port must go to the same one`,
+		}},
+		{"range backwards", Rules{Shared: true, Intercepts: []Intercept{
+			{Comment: "a", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80, ToPort: 40015, ToPortEnd: 40000},
+		}}, []string{`intercept 0 ("a"): listener ports 40015-40000: the range ends before it starts`}},
 		{"node ports differ", Rules{Shared: true, NodePorts: []NodePort{
 			np("a", IPv4, UDP, 30053, 40001), np("b", IPv4, UDP, 30054, 40002),
 		}}, []string{

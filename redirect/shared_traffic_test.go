@@ -2,8 +2,10 @@ package redirect
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -133,5 +135,60 @@ func TestTrafficTProxyShared(t *testing.T) {
 			}
 			tl.expectNotHandedOver("VIP after Cleanup", pod.NS, vip)
 		})
+	}
+}
+
+// TestTrafficSharedRangeSparesTimeWait checks why the shared TCP listener
+// has a range of ports in redirect mode (uproxy's sharedRedirectPorts): a
+// pod connects to one service after another from the same source port,
+// and the server closes each connection first, so the node holds each
+// one's tuple in TIME_WAIT. With one listener port all of them would have
+// the same tuple on the node, and the pod's next SYN would meet the last
+// one's TIME_WAIT socket (or have its source port rewritten). With a
+// range, the NAT gives each connection a listener port whose tuple is
+// free: the node holds one TIME_WAIT socket per connection, each on its
+// own listener port, all with the pod's own source port.
+func TestTrafficSharedRangeSparesTimeWait(t *testing.T) {
+	const services = 16
+	tl := newTrafficLab(t, 1)
+	pod, node := tl.pods[0], tl.lab.Node
+	tcp := sharedPort(IPv4, TCP)
+	r := Rules{Shared: true}
+	for i := range uint16(services) {
+		tl.serve(node, IPv4, TCP, tcp+i, "shared")
+		r.Listeners = append(r.Listeners, Listener{IPv4, TCP, tcp + i})
+		r.Intercepts = append(r.Intercepts, Intercept{Comment: fmt.Sprintf("default/s%d:http", i), Protocol: TCP,
+			Dest: netip.AddrFrom4([4]byte{10, 96, 1, byte(i + 1)}), Port: 80, ToPort: tcp, ToPortEnd: tcp + services - 1})
+	}
+	tl.apply(IPv4, r)
+	for _, i := range r.Intercepts {
+		dest := netip.AddrPortFrom(i.Dest, i.Port)
+		// Reading only (-u), the pod closes after the server.
+		out := tl.exec(pod.NS, "socat", "-u", "-T3", fmt.Sprintf("TCP:%s,sourceport=40999,reuseaddr,connect-timeout=2", dest), "-")
+		if strings.TrimSpace(out) != "shared" {
+			t.Fatalf("%s from source port 40999: got %q", dest, out)
+		}
+	}
+	// The node's TIME_WAIT sockets with the pod: listener port by the
+	// pod's port.
+	ports := map[uint16]int{}
+	for line := range strings.Lines(tl.exec(node, "ss", "-tanH", "state", "time-wait")) {
+		f := strings.Fields(line)
+		if len(f) < 4 {
+			continue
+		}
+		local, err1 := netip.ParseAddrPort(f[2])
+		peer, err2 := netip.ParseAddrPort(f[3])
+		if err1 != nil || err2 != nil {
+			t.Fatalf("ss: %q", line)
+		}
+		if peer.Port() != 40999 {
+			t.Errorf("a connection from source port 40999 reached the listener from port %d: the NAT rewrote it to spare a tuple in use", peer.Port())
+			continue
+		}
+		ports[local.Port()]++
+	}
+	if len(ports) != services {
+		t.Errorf("TIME_WAIT sockets with the pod's port 40999, by listener port: %v; want one on each of %d ports", ports, services)
 	}
 }

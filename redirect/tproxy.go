@@ -193,7 +193,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	}
 	// Duplicate firewalls, which Sync rejects, drop once.
 	rules = slices.Compact(rules)
-	rules = append(rules, sharedServiceRules(c.name, f, r, func(port uint16) string { return t.target(f, port) })...)
+	rules = append(rules, sharedServiceRules(c.name, f, r, func(port, _ uint16) string { return t.target(f, port) })...)
 
 	var ns []NodePort
 	for _, n := range r.NodePorts {
@@ -252,5 +252,5 @@ func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
 		prev = e
 		rules = append(rules, fmt.Sprintf("-A %s %s %s", c.name, destMatch(f, e.key.dest, e.key.proto, e.comment, e.key.port), r.TProxy.markTarget()))
 	}
-	return append(rules, sharedServiceRules(c.name, f, r, func(uint16) string { return r.TProxy.markTarget() })...)
+	return append(rules, sharedServiceRules(c.name, f, r, func(_, _ uint16) string { return r.TProxy.markTarget() })...)
 }

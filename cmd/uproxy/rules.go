@@ -134,12 +134,14 @@ func toRedirectRules(in []proxy.Intercept, nodePortAddresses []netip.Prefix) red
 			family = redirect.IPv6
 		}
 		comment := i.Service.String()
-		listeners[redirect.Listener{Family: family, Protocol: proto, Port: i.ListenPort}] = true
+		for port := int(i.ListenPort); port <= int(max(i.ListenPort, i.ListenPortEnd)); port++ {
+			listeners[redirect.Listener{Family: family, Protocol: proto, Port: uint16(port)}] = true
+		}
 		if i.Kind == proxy.NodePort {
-			r.NodePorts = append(r.NodePorts, redirect.NodePort{Comment: comment, Family: family, Protocol: proto, Port: i.Port, ToPort: i.ListenPort})
+			r.NodePorts = append(r.NodePorts, redirect.NodePort{Comment: comment, Family: family, Protocol: proto, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd})
 			continue
 		}
-		r.Intercepts = append(r.Intercepts, redirect.Intercept{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort})
+		r.Intercepts = append(r.Intercepts, redirect.Intercept{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd})
 		if i.Kind == proxy.LoadBalancerIP && len(i.SourceRanges) > 0 {
 			r.Firewalls = append(r.Firewalls, redirect.Firewall{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, Allow: i.SourceRanges})
 		}
