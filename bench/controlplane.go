@@ -465,6 +465,14 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	if _, err := t.lab.Exec(ctx, t.lab.Node, "sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv4.icmp_msgs_per_sec=100000", "net.ipv4.icmp_msgs_burst=100000"); err != nil {
 		return err
 	}
+	// The kernel's default again (newTopo shortens it for the short
+	// connection workloads, of which this lab has none): a conntrack
+	// entry must outlive the node's TIME_WAIT socket (60 s), or the NAT
+	// sends a new connection to a listener port whose tuple is still in
+	// TIME_WAIT, and its SYN is rejected (uproxy's sharedRedirectPorts).
+	if _, err := t.lab.Exec(ctx, t.lab.Node, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_time_wait=120"); err != nil {
+		return err
+	}
 	if k.err == nil {
 		if err := k.connect(ctx, t.lab); err != nil {
 			return err
