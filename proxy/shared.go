@@ -125,12 +125,14 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 // port, to another service, carries timestamps from another offset (Linux
 // draws the offset per address pair, secure_tcp_ts_off), so PAWS rejects
 // it half of the time (TcpExtPAWSTimewait) and the client retransmits it:
-// 11-16 ms later on the kernel of bench/results/2026-11-30-shared-timewait.md,
-// where 1.1% of new connections waited so after a sweep of 10,000
+// 10-16 ms later on the kernel of bench/results/2026-11-30-shared-timewait.md,
+// where 0.5-1.1% of new connections waited so after a sweep of 10,000
 // services. Given a range, the kernel's NAT picks a port whose reply
-// tuple no connection holds (nf_nat's get_unique_tuple), so the SYN finds
-// no TIME_WAIT socket. Under TPROXY the tuple keeps the service address,
-// so one port does.
+// tuple conntrack does not hold (nf_nat_l4proto_unique_tuple), so the SYN
+// finds no TIME_WAIT socket, as long as conntrack keeps closed connections
+// as long as TCP does (nf_conntrack_tcp_timeout_time_wait, 120 s by
+// default, against TIME_WAIT's 60 s). Under TPROXY the tuple keeps the
+// service address, so one port does.
 const sharedRedirectPorts = 16
 
 // sharedRangeAttempts is how many first ports hostOn tries for a shared
