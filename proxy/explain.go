@@ -134,7 +134,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	default:
 		ex.OriginalDestination = "SO_ORIGINAL_DST: read from the REDIRECT's conntrack entry, and checked against the service's addresses"
 	}
-	ex.Listener = fmt.Sprintf("%s:%d (%s)", host, sp.info.ListenPort, strings.ToLower(string(proto)))
+	ex.Listener = fmt.Sprintf("%s:%s (%s)", host, sp.info.ListenPorts(), strings.ToLower(string(proto)))
 
 	if len(caught.SourceRanges) > 0 {
 		if !client.IsValid() {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"cmp"
+	"fmt"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -37,6 +38,9 @@ type ServicePortInfo struct {
 	// "ClusterIP 10.96.0.10:80", "NodePort :30080", ...
 	Addresses  []string `json:"addresses"`
 	ListenPort uint16   `json:"listenPort"`
+	// ListenPortEnd, when set, is the last of the listener's consecutive
+	// ports (the shared TCP listener under REDIRECT).
+	ListenPortEnd uint16 `json:"listenPortEnd,omitempty"`
 	// Mode is how traffic reaches the listener: redirect or tproxy.
 	Mode     string `json:"mode"`
 	Balancer string `json:"balancer"`
@@ -48,6 +52,15 @@ type ServicePortInfo struct {
 	ExternalTrafficPolicy string         `json:"externalTrafficPolicy,omitempty"`
 	TopologyMode          string         `json:"topologyMode,omitempty"`
 	Endpoints             []EndpointInfo `json:"endpoints"`
+}
+
+// ListenPorts returns the listener's port, or its range of ports as
+// "first-last".
+func (i ServicePortInfo) ListenPorts() string {
+	if i.ListenPortEnd > i.ListenPort {
+		return fmt.Sprintf("%d-%d", i.ListenPort, i.ListenPortEnd)
+	}
+	return strconv.Itoa(int(i.ListenPort))
 }
 
 // EndpointInfo is one endpoint of a service port, with the live counters
@@ -108,6 +121,7 @@ func (p *Proxier) updateStatus(name types.NamespacedName) {
 			Protocol:              string(sp.Name.Protocol),
 			Family:                "IPv4",
 			ListenPort:            l.port,
+			ListenPortEnd:         l.portEnd,
 			Mode:                  p.mode(),
 			Balancer:              string(sp.Balancer),
 			Affinity:              "None",

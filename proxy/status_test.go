@@ -67,3 +67,18 @@ func TestStatus(t *testing.T) {
 		}
 	}
 }
+
+func TestServicePortInfoListenPorts(t *testing.T) {
+	for _, tt := range []struct {
+		port, end uint16
+		want      string
+	}{
+		{40000, 0, "40000"},
+		{40000, 40000, "40000"},
+		{40000, 40015, "40000-40015"},
+	} {
+		if got := (ServicePortInfo{ListenPort: tt.port, ListenPortEnd: tt.end}).ListenPorts(); got != tt.want {
+			t.Errorf("ports %d to %d: got %q, want %q", tt.port, tt.end, got, tt.want)
+		}
+	}
+}

@@ -139,8 +139,8 @@ func printStatus(w io.Writer, st *proxy.Status) error {
 				ready++
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%d/%d ready\n", p.Service, dash(p.Port), p.Protocol, p.Family,
-			strings.Join(p.Addresses, ", "), p.ListenPort, p.Mode, p.Balancer, aff, policy, ready, len(p.Endpoints))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d/%d ready\n", p.Service, dash(p.Port), p.Protocol, p.Family,
+			strings.Join(p.Addresses, ", "), p.ListenPorts(), p.Mode, p.Balancer, aff, policy, ready, len(p.Endpoints))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
