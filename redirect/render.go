@@ -88,6 +88,40 @@ func (c chainSpec) jumpSpec() []string {
 	return []string{"-m", "comment", "--comment", c.jumpComment, "-j", c.name}
 }
 
+// jumpLine returns the jump rule from the built-in chain from to c, as
+// iptables-save prints it, after its table: "nat -A PREROUTING -m comment
+// --comment "uproxy service portals" -j UPROXY-SERVICES".
+func (c chainSpec) jumpLine(from string) string {
+	return fmt.Sprintf("%s -A %s -m comment --comment %s -j %s", c.table, from, quoteComment(c.jumpComment), c.name)
+}
+
+// savedJumps returns the rules of the built-in chains in text, the
+// iptables-save output of the chains' tables, each after its table as
+// jumpLine has them.
+func savedJumps(text []byte) map[string]bool {
+	builtin := map[string]bool{}
+	for _, c := range chains {
+		for _, from := range c.from {
+			builtin[c.table+" "+from] = true
+		}
+	}
+	jumps := map[string]bool{}
+	table := ""
+	for line := range strings.Lines(string(text)) {
+		line = strings.TrimRight(line, "\r\n")
+		switch {
+		case strings.HasPrefix(line, "*"):
+			table = line[1:]
+		case strings.HasPrefix(line, "-A "):
+			name, _, _ := strings.Cut(line[len("-A "):], " ")
+			if builtin[table+" "+name] {
+				jumps[table+" "+line] = true
+			}
+		}
+	}
+	return jumps
+}
+
 // tables returns the tables of chains, in order of first appearance.
 func tables() []string {
 	var ts []string

@@ -43,8 +43,8 @@ type fakeKernel struct {
 	// failRestore, failSave and failExists, when set, make the next such
 	// call fail with the error; failIpset the next ipset call with
 	// failIpsetOp ("restore", "save" or "destroy") as its first argument.
-	failRestore, failSave, failExists, failIpset error
-	failIpsetOp                                  string
+	failRestore, failSave, failExists, failInsert, failIpset error
+	failIpsetOp                                              string
 }
 
 // fakeSet is an ipset of the fake kernel.
@@ -412,6 +412,10 @@ func (k *fakeKernel) Insert(table, chain string, pos int, spec ...string) error 
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.calls = append(k.calls, fmt.Sprintf("Insert %s %s %d", table, chain, pos))
+	if err := k.failInsert; err != nil {
+		k.failInsert = nil
+		return err
+	}
 	if err := k.checkTarget(table, spec); err != nil {
 		return err
 	}
@@ -548,14 +552,13 @@ var (
 		"ipset save uproxy-services4", "ipset save uproxy-nodeports-tcp4", "ipset save uproxy-nodeports-udp4")
 	callSetRestore = "ipset restore"
 	callsDestroy   = []string{"ipset destroy uproxy-listeners-tcp4", "ipset destroy uproxy-listeners-udp4"}
-	callsJumps     = []string{"Exists nat PREROUTING", "Exists nat OUTPUT", "Exists mangle PREROUTING", "Exists mangle OUTPUT",
-		"Exists filter INPUT", "Exists filter FORWARD", "Exists filter OUTPUT"}
+	// callsJumps are the jump calls of a full sync that finds every jump in
+	// the saved tables: none.
+	callsJumps []string
 	// callsInsertJumps are the calls that find no jump and insert them all.
 	callsInsertJumps = []string{
-		"Exists nat PREROUTING", "Insert nat PREROUTING 1", "Exists nat OUTPUT", "Insert nat OUTPUT 1",
-		"Exists mangle PREROUTING", "Insert mangle PREROUTING 1", "Exists mangle OUTPUT", "Insert mangle OUTPUT 1",
-		"Exists filter INPUT", "Insert filter INPUT 1", "Exists filter FORWARD", "Insert filter FORWARD 1",
-		"Exists filter OUTPUT", "Insert filter OUTPUT 1",
+		"Insert nat PREROUTING 1", "Insert nat OUTPUT 1", "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1",
+		"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
 	}
 )
 
@@ -756,11 +759,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			delete(rules, "UPROXY-SERVICES")
 			delete(rules, "UPROXY-NODEPORTS")
 			return slices.Clone(builtin["nat"])
-		}, []string{
-			"Exists nat PREROUTING", "Insert nat PREROUTING 1", "Exists nat OUTPUT", "Insert nat OUTPUT 1",
-			"Exists mangle PREROUTING", "Exists mangle OUTPUT",
-			"Exists filter INPUT", "Exists filter FORWARD", "Exists filter OUTPUT",
-		}},
+		}, []string{"Insert nat PREROUTING 1", "Insert nat OUTPUT 1"}},
 		// In redirect mode the mangle chains are empty, but they and
 		// their jumps are there, ready for tproxy mode.
 		{"mangle jumps and chains deleted", "mangle", func(order []string, rules map[string][]string) []string {
@@ -769,11 +768,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			delete(rules, "UPROXY-TPROXY")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
-		}, []string{
-			"Exists nat PREROUTING", "Exists nat OUTPUT",
-			"Exists mangle PREROUTING", "Insert mangle PREROUTING 1", "Exists mangle OUTPUT", "Insert mangle OUTPUT 1",
-			"Exists filter INPUT", "Exists filter FORWARD", "Exists filter OUTPUT",
-		}},
+		}, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"}},
 		{"firewall rule deleted", "filter", func(order []string, rules map[string][]string) []string {
 			rules["UPROXY-FIREWALL"] = rules["UPROXY-FIREWALL"][1:]
 			return order
@@ -789,11 +784,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			rules["OUTPUT"] = nil
 			delete(rules, "UPROXY-FIREWALL")
 			return slices.Clone(builtin["filter"])
-		}, []string{
-			"Exists nat PREROUTING", "Exists nat OUTPUT", "Exists mangle PREROUTING", "Exists mangle OUTPUT",
-			"Exists filter INPUT", "Insert filter INPUT 1", "Exists filter FORWARD", "Insert filter FORWARD 1",
-			"Exists filter OUTPUT", "Insert filter OUTPUT 1",
-		}},
+		}, []string{"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -850,13 +841,8 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 			if want := (Result{Rules: 8, Repaired: true, SetMembers: 2}); res != want {
 				t.Errorf("full Sync = %+v, want %+v", res, want)
 			}
-			var want []string
-			for _, c := range callsJumps {
-				want = append(want, c)
-				if c == "Exists "+tt.table+" "+tt.chain {
-					want = append(want, "Insert "+tt.table+" "+tt.chain+" 1")
-				}
-			}
+			// The saved tables lack the one jump: it alone is inserted.
+			want := []string{"Insert " + tt.table + " " + tt.chain + " 1"}
 			if diff := cmp.Diff(concat(callsRead, want), k.takeCalls()); diff != "" {
 				t.Errorf("full Sync calls (-want +got):\n%s", diff)
 			}
@@ -959,13 +945,14 @@ func TestSyncReadAndJumpFailures(t *testing.T) {
 		t.Errorf("Sync with failing save: %v", err)
 	}
 
-	k.failExists = fmt.Errorf("iptables -C: %w: locked", errExit)
+	k.failInsert = fmt.Errorf("iptables -I: %w: no such table", errExit)
 	_, err = s.Sync(ctx, rulesA, false)
-	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "checking jump from nat/PREROUTING to UPROXY-SERVICES") {
-		t.Errorf("Sync with failing Exists: %v", err)
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "inserting jump from nat/PREROUTING to UPROXY-SERVICES") {
+		t.Errorf("Sync with failing Insert: %v", err)
 	}
 
-	// The jumps were not verified, so the next Sync is full again.
+	// The jumps were not all inserted, so the next Sync is full again,
+	// and inserts the ones the saved tables lack.
 	k.takeCalls()
 	if _, err := s.Sync(ctx, rulesA, false); err != nil {
 		t.Fatal(err)
@@ -1041,9 +1028,8 @@ func TestSyncInsertsOnlyMissingJumps(t *testing.T) {
 	if _, err := s.Sync(ctx, rulesA, false); err != nil {
 		t.Fatal(err)
 	}
-	want := concat(callsRead, callSetRestore, callRestore, "Exists nat PREROUTING", "Exists nat OUTPUT", "Insert nat OUTPUT 1",
-		"Exists mangle PREROUTING", "Insert mangle PREROUTING 1", "Exists mangle OUTPUT", "Insert mangle OUTPUT 1",
-		"Exists filter INPUT", "Insert filter INPUT 1", "Exists filter FORWARD", "Exists filter OUTPUT", "Insert filter OUTPUT 1")
+	want := concat(callsRead, callSetRestore, callRestore, "Insert nat OUTPUT 1",
+		"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1", "Insert filter INPUT 1", "Insert filter OUTPUT 1")
 	if diff := cmp.Diff(want, k.takeCalls()); diff != "" {
 		t.Errorf("Sync calls (-want +got):\n%s", diff)
 	}
