@@ -134,9 +134,9 @@ type Intercept struct {
 	ToPort uint16
 	// ToPortEnd, when above ToPort, makes ToPort-ToPortEnd a range of
 	// ports that one listener listens on (REDIRECT --to-ports A-B): the
-	// kernel then picks, for each new connection, a port whose tuple is
-	// free; see toPorts. Zero (or ToPort) means ToPort alone. TPROXY,
-	// which keeps the destination, uses ToPort only.
+	// kernel's NAT then gives each new connection a port of the range
+	// whose reply tuple conntrack does not hold. Zero (or ToPort) means
+	// ToPort alone. TPROXY, which keeps the destination, uses ToPort only.
 	ToPortEnd uint16
 }
 
@@ -371,8 +371,8 @@ type Rules struct {
 	// Intercept that a Firewall guards keeps its rules of the
 	// per-service layout instead (one per allowed source prefix, before
 	// the set's rule). All Intercepts and NodePorts of one family and
-	// protocol must have the same ToPort and ToPortEnd. False is the per-service
-	// layout: a rule per intercept and node port.
+	// protocol must have the same ToPort and ToPortEnd. False is the
+	// per-service layout: a rule per intercept and node port.
 	Shared bool
 }
 
