@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"fmt"
+	"iter"
 	"maps"
 	"net/netip"
 	"slices"
@@ -106,13 +107,8 @@ func savedJumps(text []byte) map[string]bool {
 		}
 	}
 	jumps := map[string]bool{}
-	table := ""
-	for line := range strings.Lines(string(text)) {
-		line = strings.TrimRight(line, "\r\n")
-		switch {
-		case strings.HasPrefix(line, "*"):
-			table = line[1:]
-		case strings.HasPrefix(line, "-A "):
+	for table, line := range tableLines(text) {
+		if strings.HasPrefix(line, "-A ") {
 			name, _, _ := strings.Cut(line[len("-A "):], " ")
 			if builtin[table+" "+name] {
 				jumps[table+" "+line] = true
@@ -120,6 +116,25 @@ func savedJumps(text []byte) map[string]bool {
 		}
 	}
 	return jumps
+}
+
+// tableLines yields each line of text, iptables-save output, without its
+// line end, with the table it is in ("*nat" lines start a table and are
+// not yielded).
+func tableLines(text []byte) iter.Seq2[string, string] {
+	return func(yield func(string, string) bool) {
+		table := ""
+		for line := range strings.Lines(string(text)) {
+			line = strings.TrimRight(line, "\r\n")
+			if strings.HasPrefix(line, "*") {
+				table = line[1:]
+				continue
+			}
+			if !yield(table, line) {
+				return
+			}
+		}
+	}
 }
 
 // tables returns the tables of chains, in order of first appearance.
@@ -479,12 +494,8 @@ func parseState(text []byte) state {
 	for _, c := range chains {
 		st[chainKey{c.table, c.name}] = chainState{}
 	}
-	table := ""
-	for line := range strings.Lines(string(text)) {
-		line = strings.TrimRight(line, "\r\n")
+	for table, line := range tableLines(text) {
 		switch {
-		case strings.HasPrefix(line, "*"):
-			table = line[1:]
 		case strings.HasPrefix(line, ":"):
 			name, _, _ := strings.Cut(line[1:], " ")
 			if cs, ok := st[chainKey{table, name}]; ok {
