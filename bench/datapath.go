@@ -32,6 +32,9 @@ type DataPathResults struct {
 	// Profiles maps a path id to where its CPU went during the keep-alive
 	// workload.
 	Profiles map[string]*Profile `json:"profiles"`
+	// ShortProfiles maps a path id to where its CPU went during the
+	// short-connection workload.
+	ShortProfiles map[string]*Profile `json:"shortProfiles,omitempty"`
 	// ProfileNA says why there are no perf profiles, if so.
 	ProfileNA string `json:"profileNA,omitempty"`
 	// PerfCounters says whether perf's hardware counters work here.
@@ -84,14 +87,15 @@ func runDataPath(ctx context.Context, e *env) error {
 		}
 	}
 	res := &DataPathResults{
-		Meta:      newRunMeta(e, fmt.Sprintf("%d runs, %v per workload, %d connections, %d idle connections", cfg.Runs, cfg.Duration, cfg.Conns, cfg.IdleConns)),
-		Metrics:   dataMetrics,
-		Figures:   map[string]map[string]*Series{},
-		Profiles:  map[string]*Profile{},
-		Duration:  cfg.Duration.String(),
-		Conns:     cfg.Conns,
-		IdleConns: cfg.IdleConns,
-		IdleNote:  cfg.IdleNote,
+		Meta:          newRunMeta(e, fmt.Sprintf("%d runs, %v per workload, %d connections, %d idle connections", cfg.Runs, cfg.Duration, cfg.Conns, cfg.IdleConns)),
+		Metrics:       dataMetrics,
+		Figures:       map[string]map[string]*Series{},
+		Profiles:      map[string]*Profile{},
+		ShortProfiles: map[string]*Profile{},
+		Duration:      cfg.Duration.String(),
+		Conns:         cfg.Conns,
+		IdleConns:     cfg.IdleConns,
+		IdleNote:      cfg.IdleNote,
 	}
 	for _, p := range paths {
 		res.Paths = append(res.Paths, p.Subject)
@@ -302,9 +306,12 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	// Smoke mode profiles one kernel path and uproxy: enough to check that
 	// perf and pprof work.
 	if run == 1 && !cfg.NoProfile && (!cfg.Smoke || p.ID == "dnat" || p.ID == "uproxy") {
-		prof := profilePath(ctx, e, t, r, res.ProfileNA, append(targets(r.rr), "--conns", conns))
+		prof := profilePath(ctx, e, t, r, res.ProfileNA, "rr", append(targets(r.rr), "--conns", conns))
 		res.Profiles[p.ID] = prof
-		e.logf("%s profile: %s", where, prof.summary())
+		e.logf("%s keep-alive profile: %s", where, prof.summary())
+		prof = profilePath(ctx, e, t, r, res.ProfileNA, "short", append(targets(r.rr), "--conns", conns))
+		res.ShortProfiles[p.ID] = prof
+		e.logf("%s short-connection profile: %s", where, prof.summary())
 	}
 	return r.userspace, nil
 }

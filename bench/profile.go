@@ -14,8 +14,8 @@ import (
 	"time"
 )
 
-// Profile is where the CPU went while one data path carried the
-// keep-alive workload.
+// Profile is where the CPU went while one data path carried one workload
+// (keep-alive requests or short connections).
 type Profile struct {
 	// Shares is the machine's CPU time by process group (perf, sampling
 	// every CPU), in percent of all samples.
@@ -27,8 +27,9 @@ type Profile struct {
 	ProxySymbols string `json:"proxySymbols,omitempty"`
 	// Pprof is `go tool pprof -top` of the proxy's own CPU profile (uproxy).
 	Pprof string `json:"pprof,omitempty"`
-	// Rate is the keep-alive workload's request rate while it was
-	// profiled, to turn the shares into CPU time per request.
+	// Rate is the workload's rate (requests or connections per second)
+	// while it was profiled, to turn the shares into CPU time per
+	// request or connection.
 	Rate float64 `json:"rate,omitempty"`
 	// Seconds is the length of the perf recording; Cores the CPUs it
 	// sampled.
@@ -101,10 +102,11 @@ const (
 	whoOther   = "other processes"
 )
 
-// profilePath runs the keep-alive workload once more through r while perf
-// samples every CPU and, for uproxy, while its own pprof endpoint records a
-// CPU profile. The figures of this run are not kept.
-func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA string, loadArgs []string) *Profile {
+// profilePath runs a workload of the load generator ("rr" or "short")
+// once more through r while perf samples every CPU and, for uproxy, while
+// its own pprof endpoint records a CPU profile. The figures of this run
+// are not kept.
+func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA, workload string, loadArgs []string) *Profile {
 	prof := &Profile{}
 	// pprof records whole seconds: at least one, and the load must cover it.
 	d := max(e.cfg.Duration, 1500*time.Millisecond)
@@ -132,7 +134,7 @@ func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA string
 				"-o", pprofData, fmt.Sprintf("http://127.0.0.1:10249/debug/pprof/profile?seconds=%d", secs))
 		})
 	}
-	lr, loadErr := t.load(ctx, e, "rr", append(loadArgs, "--duration", d.String(), "--warmup", "0s")...)
+	lr, loadErr := t.load(ctx, e, workload, append(loadArgs, "--duration", d.String(), "--warmup", "0s")...)
 	wg.Wait()
 	if loadErr != nil {
 		prof.NA = append(prof.NA, "the profiled workload failed: "+loadErr.Error())

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
 	"os"
 	"slices"
@@ -543,20 +544,77 @@ func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 	if dp.ProfileNA != "" {
 		fmt.Fprintf(b, "perf could not sample here: %s.\n\n", mdEscape(dp.ProfileNA))
 	}
-	if len(dp.Profiles) == 0 {
+	if len(dp.Profiles) == 0 && len(dp.ShortProfiles) == 0 {
 		b.WriteString("No profiles were taken (--no-profile).\n\n")
 		return
 	}
-	b.WriteString(`During one extra keep-alive run per data path (its figures are not kept), ` + "`perf record -e cpu-clock -a`" + ` sampled every
-CPU of the machine; the samples are grouped by process (the load generator and the backends are the same program under two
-names, so that they can be told apart). The event is the software CPU clock, which works everywhere; hardware counters
-(cycles, instructions): `)
+	b.WriteString(`During one extra keep-alive run and one extra short-connection run per data path (their figures are not kept),
+` + "`perf record -e cpu-clock -a`" + ` sampled every CPU of the machine; the samples are grouped by process (the load
+generator and the backends are the same program under two names, so that they can be told apart). The event is the
+software CPU clock, which works everywhere; hardware counters (cycles, instructions): `)
 	b.WriteString(dp.PerfCounters)
-	b.WriteString(`. CPU per request is the group's share of the machine's cores divided by the request rate of that
-run ("other processes" is work on the machine that is not the benchmark's). For uproxy, its own CPU profile (pprof, from
-/debug/pprof on its metrics address) shows which Go functions and system calls the time is spent in.
+	b.WriteString(`. CPU per request (or connection) is the group's share of the machine's cores divided by the rate of that
+run ("other processes" is work on the machine that is not the benchmark's; "idle" is CPU time nobody used). For uproxy,
+its own CPU profile (pprof, from /debug/pprof on its metrics address) shows which Go functions and system calls the time
+is spent in.
 
-| data path | req/s while profiled |`)
+`)
+	workloads := []struct {
+		title, unit string
+		profiles    map[string]*Profile
+	}{
+		{"Keep-alive requests", "req", dp.Profiles},
+		{"Short connections", "conn", dp.ShortProfiles},
+	}
+	for _, w := range workloads {
+		if len(w.profiles) == 0 {
+			continue
+		}
+		fmt.Fprintf(b, "### %s\n\n", w.title)
+		writeShares(b, dp, w.profiles, w.unit)
+		b.WriteString(analysis(dp, w.profiles, w.unit))
+	}
+	b.WriteString(`A userspace proxy adds two sockets and two trips through the scheduler per request on top of the kernel path: its cost
+shows as the proxy's own time, most of it in the kernel (socket reads and writes, or splice, and epoll), and as more
+kernel time in the client and backends, whose packets now cross two TCP connections. The kernel paths' cost is netfilter
+(conntrack lookups, the nat chains, nft_do_chain or ipt_do_table) in the softirq of whichever process sends a packet.
+`)
+	if hasSymbol(dp, "pvm_irq_enable") {
+		b.WriteString(`Samples in ` + "`pvm_irq_enable`" + ` are time this virtual machine's kernel spent with interrupts disabled (the sampling
+interrupt is delivered when they are enabled again), mostly network softirq work; perf cannot see inside it here.
+`)
+	}
+	b.WriteString("\n")
+	for _, p := range dp.Paths {
+		for _, w := range workloads {
+			pr := w.profiles[p.ID]
+			if pr == nil {
+				continue
+			}
+			fmt.Fprintf(b, "### %s: %s\n\n", p.Title, strings.ToLower(w.title))
+			for _, n := range pr.NA {
+				fmt.Fprintf(b, "- n/a: %s\n", mdEscape(n))
+			}
+			if len(pr.NA) > 0 {
+				b.WriteString("\n")
+			}
+			if pr.TopSymbols != "" {
+				fmt.Fprintf(b, "Hottest functions of the benchmark's processes (%% of all samples):\n\n```\n%s\n```\n\n", pr.TopSymbols)
+			}
+			if pr.ProxySymbols != "" {
+				fmt.Fprintf(b, "Hottest functions in the proxy process:\n\n```\n%s\n```\n\n", pr.ProxySymbols)
+			}
+			if pr.Pprof != "" {
+				fmt.Fprintf(b, "uproxy's own CPU profile (`go tool pprof -top`):\n\n```\n%s\n```\n\n", pr.Pprof)
+			}
+		}
+	}
+}
+
+// writeShares writes the table of the machine's CPU by process group, one
+// row per profiled path; unit is what the rate counts ("req", "conn").
+func writeShares(b *strings.Builder, dp *DataPathResults, profiles map[string]*Profile, unit string) {
+	fmt.Fprintf(b, "| data path | %s/s while profiled |", unit)
 	order := []string{whoLoad, whoBackend, whoProxy, whoSoftirq, whoOther, whoIdle}
 	for _, who := range order {
 		fmt.Fprintf(b, " %s |", who)
@@ -567,7 +625,7 @@ run ("other processes" is work on the machine that is not the benchmark's). For 
 	}
 	b.WriteString("\n")
 	for _, p := range dp.Paths {
-		pr := dp.Profiles[p.ID]
+		pr := profiles[p.ID]
 		if pr == nil || len(pr.Shares) == 0 {
 			continue
 		}
@@ -585,41 +643,19 @@ run ("other processes" is work on the machine that is not the benchmark's). For 
 			}
 			cell := fmt.Sprintf("%.0f%% (kernel %.0f%%)", sh.Percent, sh.Kernel)
 			if who != whoIdle && who != whoOther && pr.Rate > 0 {
-				cell += fmt.Sprintf(", %s µs/req", fmtNum(sh.Percent/100*float64(pr.Cores)*1e6/pr.Rate))
+				cell += fmt.Sprintf(", %s µs/%s", fmtNum(sh.Percent/100*float64(pr.Cores)*1e6/pr.Rate), unit)
 			}
 			fmt.Fprintf(b, " %s |", cell)
 		}
 		b.WriteString("\n")
 	}
 	b.WriteString("\n")
-	b.WriteString(analysis(dp))
-	for _, p := range dp.Paths {
-		pr := dp.Profiles[p.ID]
-		if pr == nil {
-			continue
-		}
-		fmt.Fprintf(b, "### %s\n\n", p.Title)
-		for _, n := range pr.NA {
-			fmt.Fprintf(b, "- n/a: %s\n", mdEscape(n))
-		}
-		if len(pr.NA) > 0 {
-			b.WriteString("\n")
-		}
-		if pr.TopSymbols != "" {
-			fmt.Fprintf(b, "Hottest functions of the benchmark's processes (%% of all samples):\n\n```\n%s\n```\n\n", pr.TopSymbols)
-		}
-		if pr.ProxySymbols != "" {
-			fmt.Fprintf(b, "Hottest functions in the proxy process:\n\n```\n%s\n```\n\n", pr.ProxySymbols)
-		}
-		if pr.Pprof != "" {
-			fmt.Fprintf(b, "uproxy's own CPU profile (`go tool pprof -top`):\n\n```\n%s\n```\n\n", pr.Pprof)
-		}
-	}
 }
 
-// analysis writes a few sentences on where each path spends its CPU,
-// from the profiles' figures.
-func analysis(dp *DataPathResults) string {
+// analysis writes a few sentences on where each path spends its CPU in
+// one workload's profiles, from their figures; unit is what the rate
+// counts ("req", "conn").
+func analysis(dp *DataPathResults, profiles map[string]*Profile, unit string) string {
 	var b strings.Builder
 	cost := func(pr *Profile, who string) (float64, float64, bool) {
 		for _, s := range pr.Shares {
@@ -641,18 +677,27 @@ func analysis(dp *DataPathResults) string {
 		}
 		return t / 100 * float64(pr.Cores) * 1e6 / pr.Rate
 	}
+	share := func(pr *Profile, who string) float64 {
+		for _, s := range pr.Shares {
+			if s.Who == who {
+				return s.Percent
+			}
+		}
+		return 0
+	}
+	noun := map[string]string{"req": "request", "conn": "connection"}[unit]
 	base := math.NaN()
-	if pr := dp.Profiles["dnat"]; pr != nil && len(pr.Shares) > 0 {
+	if pr := profiles["dnat"]; pr != nil && len(pr.Shares) > 0 {
 		base = total(pr)
 	}
 	b.WriteString("**Reading the profiles.**\n\n")
 	for _, p := range dp.Paths {
-		pr := dp.Profiles[p.ID]
+		pr := profiles[p.ID]
 		if pr == nil || len(pr.Shares) == 0 {
 			continue
 		}
 		t := total(pr)
-		fmt.Fprintf(&b, "- **%s**: %s µs of CPU per request in all (%s kernel DNAT)", p.Title, fmtNum(t), ratio(t, base))
+		fmt.Fprintf(&b, "- **%s**: %s µs of CPU per %s in all (%s kernel DNAT), with %.0f%% of the CPUs idle", p.Title, fmtNum(t), noun, ratio(t, base), share(pr, whoIdle))
 		if c, k, ok := cost(pr, whoProxy); ok && c > 0.05 {
 			fmt.Fprintf(&b, "; the proxy process itself %s µs, %.0f%% of it in the kernel", fmtNum(c), 100*k)
 		}
@@ -670,24 +715,13 @@ func analysis(dp *DataPathResults) string {
 		}
 		b.WriteString(".\n")
 	}
-	b.WriteString(`
-A userspace proxy adds two sockets and two trips through the scheduler per request on top of the kernel path: its cost
-shows as the proxy's own time, most of it in the kernel (socket reads and writes, or splice, and epoll), and as more
-kernel time in the client and backends, whose packets now cross two TCP connections. The kernel paths' cost is netfilter
-(conntrack lookups, the nat chains, nft_do_chain or ipt_do_table) in the softirq of whichever process sends a packet.
-`)
-	if hasSymbol(dp, "pvm_irq_enable") {
-		b.WriteString(`Samples in ` + "`pvm_irq_enable`" + ` are time this virtual machine's kernel spent with interrupts disabled (the sampling
-interrupt is delivered when they are enabled again), mostly network softirq work; perf cannot see inside it here.
-`)
-	}
 	b.WriteString("\n")
 	return b.String()
 }
 
 // hasSymbol reports whether any profile's listing names sym.
 func hasSymbol(dp *DataPathResults, sym string) bool {
-	for _, p := range dp.Profiles {
+	for _, p := range slices.Concat(slices.Collect(maps.Values(dp.Profiles)), slices.Collect(maps.Values(dp.ShortProfiles))) {
 		if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
 			return true
 		}
