@@ -78,8 +78,18 @@ type Config struct {
 	// Verbose also logs every process the labs start.
 	Verbose bool
 
+	// Command is the command line that started the run, which the report
+	// quotes; empty means none is recorded (tests).
+	Command string
+
 	// IdleNote, set by the harness, says why IdleConns was lowered.
 	IdleNote string
+}
+
+// commandLine returns how this process was started, as a user would type
+// it from the module root.
+func commandLine() string {
+	return strings.Join(append([]string{"go run ./bench"}, os.Args[1:]...), " ")
 }
 
 // withDefaults returns c with every zero field set to its default.
@@ -213,6 +223,7 @@ func newPartCommands() []*cobra.Command {
 			Short: p.short,
 			Args:  cobra.NoArgs,
 			RunE: func(cmd *cobra.Command, _ []string) error {
+				c.Command = commandLine()
 				return runParts(cmd.Context(), c, []part{p}, false)
 			},
 		}
@@ -244,6 +255,7 @@ func newPartCommands() []*cobra.Command {
 		Short: "Run every part, then the report (make bench; --smoke for make bench-smoke)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			ac.Command = commandLine()
 			return runParts(cmd.Context(), ac, parts, true)
 		},
 	}

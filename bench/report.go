@@ -56,8 +56,8 @@ func writeReport(cfg Config) (reportSummary, error) {
 			break
 		}
 	}
-	w("Made by `go run ./bench all` (`make bench`) on %s, from uproxy commit %s. Raw results: [`%s/`](%s/).\n\n",
-		machine.Host, commit, cfg.Stem, cfg.Stem)
+	w("Made by %s on %s, from uproxy commit %s. Raw results: [`%s/`](%s/).\n\n",
+		madeBy(&dp.Meta, &cp.Meta, &gb.Meta), machine.Host, commit, cfg.Stem, cfg.Stem)
 	if dp.Meta.Smoke || cp.Meta.Smoke || gb.Meta.Smoke {
 		w("**Smoke run**: tiny durations and counts, to check that the harness works. These figures mean nothing.\n\n")
 	}
@@ -717,6 +717,24 @@ func analysis(dp *DataPathResults, profiles map[string]*Profile, unit string) st
 	}
 	b.WriteString("\n")
 	return b.String()
+}
+
+// madeBy names the commands that made the parts in a report: `bench all`
+// (make bench) when none recorded its own, as before they did.
+func madeBy(metas ...*RunMeta) string {
+	var cmds []string
+	for _, m := range metas {
+		if m.Command != "" && !slices.Contains(cmds, m.Command) {
+			cmds = append(cmds, m.Command)
+		}
+	}
+	if len(cmds) == 0 {
+		return "`go run ./bench all` (`make bench`)"
+	}
+	for i, c := range cmds {
+		cmds[i] = "`" + c + "`"
+	}
+	return strings.Join(cmds, " and ")
 }
 
 // hasSymbol reports whether any profile's listing names sym.

@@ -64,13 +64,17 @@ type RunMeta struct {
 	Runs     int       `json:"runs"`
 	Commit   string    `json:"commit"`
 	Settings string    `json:"settings"`
+	// Command is the command line that made the part, as
+	// "go run ./bench datapath --runs 5 …"; empty in older results.
+	Command string `json:"command,omitempty"`
 	// Errors are failures that are not a known limitation: a part with
 	// errors is reported, but `bench all` exits non-zero.
 	Errors []string `json:"errors,omitempty"`
 }
 
 func newRunMeta(e *env, settings string) RunMeta {
-	return RunMeta{Start: time.Now(), Smoke: e.cfg.Smoke, Runs: e.cfg.Runs, Commit: gitCommit(e.cfg.Root), Settings: settings}
+	return RunMeta{Start: time.Now(), Smoke: e.cfg.Smoke, Runs: e.cfg.Runs, Commit: gitCommit(e.cfg.Root), Settings: settings,
+		Command: e.cfg.Command}
 }
 
 func (m *RunMeta) finish() { m.Seconds = time.Since(m.Start).Seconds() }
