@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -163,6 +164,31 @@ func TestPortEndpoints(t *testing.T) {
 	}
 	if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
 		t.Errorf("PortEndpoints() mismatch (-want +got):\n%s", diff)
+	}
+}
+
+// TestPortEndpointsDeduplicates checks that an endpoint listed in two
+// slices appears once, with the first slice's (by name) conditions, below
+// and above smallSet, where duplicates are found by a scan and by a map.
+func TestPortEndpointsDeduplicates(t *testing.T) {
+	name := ServicePortName{types.NamespacedName{Namespace: "default", Name: "web"}, "http", v1.ProtocolTCP}
+	sp := &ServicePort{Name: name, Port: 80}
+	for _, n := range []int{3, smallSet, smallSet + 1, 40} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			var first, second []ep
+			var want []Endpoint
+			for i := range n {
+				ip := fmt.Sprintf("10.244.0.%d", i+1)
+				first = append(first, ep{ip: ip})
+				second = append(second, ep{ip: ip, notReady: true})
+				want = append(want, Endpoint{Addr: netip.MustParseAddrPort(ip + ":8080"), Ready: true, Serving: true})
+			}
+			a, b := slice("web-a", "web", "http", 8080, first...), slice("web-b", "web", "http", 8080, second...)
+			got := PortEndpoints(sp, []*discovery.EndpointSlice{b, a})
+			if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
+				t.Errorf("PortEndpoints() mismatch (-want +got):\n%s", diff)
+			}
+		})
 	}
 }
 

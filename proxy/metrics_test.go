@@ -4,14 +4,18 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/netip"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
 
@@ -244,5 +248,55 @@ func BenchmarkConnectionMetrics(b *testing.B) {
 				pm.connEnd()
 			}
 		})
+	}
+}
+
+// TestMetricsRetainService checks that each service's counters outlive
+// its snapshots while a port or backend stays, and go with the last round
+// (beginService … retainService) that did not use them.
+func TestMetricsRetainService(t *testing.T) {
+	m := NewMetrics(prometheus.NewRegistry())
+	be := func(s string) *balancer.Backend { return balancer.NewBackend(netip.MustParseAddrPort(s), 0) }
+	a, b := be("10.244.0.1:8080"), be("10.244.0.2:8080")
+	web := types.NamespacedName{Namespace: "default", Name: "web"}
+	port := func(name string) *ServicePort {
+		return &ServicePort{Name: ServicePortName{NamespacedName: web, Port: name}, Port: 80}
+	}
+	state := func() map[string][]string {
+		out := map[string][]string{}
+		for port, st := range m.ports[web.String()] {
+			out[port] = slices.Sorted(maps.Keys(st.backends))
+		}
+		return out
+	}
+	round := func(ports map[string][]*balancer.Backend) map[string]*portMetrics {
+		m.beginService()
+		pms := map[string]*portMetrics{}
+		for name, bs := range ports {
+			pms[name] = m.forPort(port(name), bs)
+		}
+		m.retainService(web.String())
+		return pms
+	}
+
+	first := round(map[string][]*balancer.Backend{"http": {a, b}, "admin": {a}})
+	first["http"].backend(b).picked()
+	if diff := cmp.Diff(map[string][]string{"http": {"10.244.0.1:8080", "10.244.0.2:8080"}, "admin": {"10.244.0.1:8080"}}, state()); diff != "" {
+		t.Errorf("after the first round (-want +got):\n%s", diff)
+	}
+
+	// The admin port and backend a of http go; b keeps its counters.
+	second := round(map[string][]*balancer.Backend{"http": {b}})
+	if diff := cmp.Diff(map[string][]string{"http": {"10.244.0.2:8080"}}, state()); diff != "" {
+		t.Errorf("after the second round (-want +got):\n%s", diff)
+	}
+	if got := second["http"].backend(b).picks.Load(); got != 1 {
+		t.Errorf("b's picks = %d after a round that kept it, want 1", got)
+	}
+
+	// A round without ports drops the service.
+	round(nil)
+	if _, ok := m.ports[web.String()]; ok {
+		t.Errorf("the service's counters outlived a round without ports: %v", state())
 	}
 }

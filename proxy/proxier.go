@@ -437,16 +437,10 @@ func (p *Proxier) walkMetrics(yield func(*portMetrics) bool) {
 }
 
 // retainMetrics drops the metric counters of the ports and backends of
-// service name that none of its listeners serves any more.
+// service name that none of its listeners serves any more: those that
+// the snapshots applyService built since its beginService did not take.
 func (p *Proxier) retainMetrics(name types.NamespacedName) {
-	if p.cfg.Metrics == nil {
-		return
-	}
-	live := map[metricLabels]bool{}
-	for _, l := range p.services[name] {
-		l.snap.Load().metrics.addLabels(live)
-	}
-	p.cfg.Metrics.retainService(name.String(), live)
+	p.cfg.Metrics.retainService(name.String())
 }
 
 // counts returns the number of services and of their endpoints (in
@@ -480,6 +474,7 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 		}
 	}
 	p.warnIgnored(st)
+	p.cfg.Metrics.beginService() // before the snapshots' forPort (retainMetrics)
 	p.endpoints -= p.serviceEndpoints(st.Name)
 	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
 	have := p.services[st.Name]
@@ -549,12 +544,22 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 	}
 	s.sets = CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
 
-	// One Backend per endpoint address, shared by both sets.
-	byAddr := map[netip.AddrPort]*balancer.Backend{}
+	// One Backend per endpoint address, shared by both sets, found by a
+	// scan of s.backends while there are few (smallSet).
+	var byAddr map[netip.AddrPort]*balancer.Backend
+	if len(s.endpoints) > smallSet {
+		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.endpoints))
+	}
+	find := func(a netip.AddrPort) *balancer.Backend {
+		if byAddr == nil {
+			return s.backend(a)
+		}
+		return byAddr[a]
+	}
 	backendsOf := func(eps []Endpoint) []*balancer.Backend {
 		out := make([]*balancer.Backend, 0, len(eps))
 		for _, e := range eps {
-			b := byAddr[e.Addr]
+			b := find(e.Addr)
 			if b == nil {
 				w := sp.Weights[e.Addr.Addr()]
 				if old != nil {
@@ -565,7 +570,9 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 				if b == nil {
 					b = balancer.NewBackend(e.Addr, w)
 				}
-				byAddr[e.Addr] = b
+				if byAddr != nil {
+					byAddr[e.Addr] = b
+				}
 				s.backends = append(s.backends, b)
 			}
 			out = append(out, b)
@@ -575,7 +582,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 	cluster, local := backendsOf(s.sets.Cluster), backendsOf(s.sets.Local)
 	if old != nil {
 		for _, ob := range old.backends {
-			if byAddr[ob.Addr] != ob {
+			if find(ob.Addr) != ob {
 				p.health.forget(ob)
 			}
 		}
