@@ -548,7 +548,11 @@ func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 		b.WriteString("No profiles were taken (--no-profile).\n\n")
 		return
 	}
-	b.WriteString(`During one extra keep-alive run and one extra short-connection run per data path (their figures are not kept),
+	runs := "one extra keep-alive run and one extra short-connection run per data path (their figures are not kept)"
+	if len(dp.ShortProfiles) == 0 { // results from before short connections were profiled
+		runs = "one extra keep-alive run per data path (its figures are not kept)"
+	}
+	b.WriteString("During " + runs + `,
 ` + "`perf record -e cpu-clock -a`" + ` sampled every CPU of the machine; the samples are grouped by process (the load
 generator and the backends are the same program under two names, so that they can be told apart). The event is the
 software CPU clock, which works everywhere; hardware counters (cycles, instructions): `)
