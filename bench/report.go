@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"maps"
 	"math"
 	"os"
 	"slices"
@@ -743,9 +742,11 @@ func madeBy(metas ...*RunMeta) string {
 
 // hasSymbol reports whether any profile's listing names sym.
 func hasSymbol(dp *DataPathResults, sym string) bool {
-	for _, p := range slices.Concat(slices.Collect(maps.Values(dp.Profiles)), slices.Collect(maps.Values(dp.ShortProfiles))) {
-		if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
-			return true
+	for _, profiles := range []map[string]*Profile{dp.Profiles, dp.ShortProfiles} {
+		for _, p := range profiles {
+			if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
+				return true
+			}
 		}
 	}
 	return false

@@ -496,14 +496,13 @@ func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoin
 				continue
 			}
 			ap := netip.AddrPortFrom(ip.Unmap(), port)
-			if seen == nil {
-				if hasEndpoint(out, ap) {
+			if seen != nil {
+				if seen[ap] {
 					continue
 				}
-			} else if seen[ap] {
-				continue
-			} else {
 				seen[ap] = true
+			} else if hasEndpoint(out, ap) {
+				continue
 			}
 			e := Endpoint{Addr: ap}
 			// The API's rules for unset conditions: ready unknown counts as

@@ -94,9 +94,8 @@ type portCounters struct {
 	noEndpoints, refused, limit, endpointLimit atomic.Uint64
 }
 
-// metricLabels names the children of one service port (backend empty) or
-// of one of its backends.
-type metricLabels struct{ service, port, backend string }
+// metricLabels names the children of one service port.
+type metricLabels struct{ service, port string }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not
 // registered, for tests that read them directly).

@@ -436,13 +436,6 @@ func (p *Proxier) walkMetrics(yield func(*portMetrics) bool) {
 	})
 }
 
-// retainMetrics drops the metric counters of the ports and backends of
-// service name that none of its listeners serves any more: those that
-// the snapshots applyService built since its beginService did not take.
-func (p *Proxier) retainMetrics(name types.NamespacedName) {
-	p.cfg.Metrics.retainService(name.String())
-}
-
 // counts returns the number of services and of their endpoints (in
 // every listener). The endpoint count is kept up to date by applyService:
 // counting afresh cost a walk of every listener for each sync's log line.
@@ -474,7 +467,9 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 		}
 	}
 	p.warnIgnored(st)
-	p.cfg.Metrics.beginService() // before the snapshots' forPort (retainMetrics)
+	// The snapshots built below take their metric counters in this round;
+	// retainService then drops the ports and backends none of them took.
+	p.cfg.Metrics.beginService()
 	p.endpoints -= p.serviceEndpoints(st.Name)
 	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
 	have := p.services[st.Name]
@@ -518,7 +513,7 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 	if len(have) == 0 {
 		delete(p.services, st.Name)
 	}
-	p.retainMetrics(st.Name)
+	p.cfg.Metrics.retainService(st.Name.String())
 	p.updateStatus(st.Name)
 	p.updateServiceHealth(st.Name)
 	if failed {
