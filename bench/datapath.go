@@ -35,6 +35,9 @@ type DataPathResults struct {
 	// ShortProfiles maps a path id to where its CPU went during the
 	// short-connection workload.
 	ShortProfiles map[string]*Profile `json:"shortProfiles,omitempty"`
+	// UDPProfiles maps a path id to where its CPU went during the UDP
+	// workload, for the paths that carry UDP.
+	UDPProfiles map[string]*Profile `json:"udpProfiles,omitempty"`
 	// ProfileNA says why there are no perf profiles, if so.
 	ProfileNA string `json:"profileNA,omitempty"`
 	// PerfCounters says whether perf's hardware counters work here.
@@ -92,6 +95,7 @@ func runDataPath(ctx context.Context, e *env) error {
 		Figures:       map[string]map[string]*Series{},
 		Profiles:      map[string]*Profile{},
 		ShortProfiles: map[string]*Profile{},
+		UDPProfiles:   map[string]*Profile{},
 		Duration:      cfg.Duration.String(),
 		Conns:         cfg.Conns,
 		IdleConns:     cfg.IdleConns,
@@ -263,6 +267,7 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	e.logf("%s short connections: %.0f conn/s", where, lr.Rate)
 
 	// UDP.
+	udpOK := false
 	switch {
 	case len(r.udp) == 0:
 		res.setNA(p.ID, r.udpNA, "udp_rps", "udp_p99_us")
@@ -284,6 +289,7 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 		res.series("udp_rps", p.ID).add(lr.Rate)
 		res.series("udp_p99_us", p.ID).add(lr.P99us)
 		note("udp", lr)
+		udpOK = true
 		e.logf("%s udp: %.0f req/s, p99 %.0fµs", where, lr.Rate, lr.P99us)
 	}
 
@@ -312,6 +318,11 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 		prof = profilePath(ctx, e, t, r, res.ProfileNA, "short", append(targets(r.rr), "--conns", conns))
 		res.ShortProfiles[p.ID] = prof
 		e.logf("%s short-connection profile: %s", where, prof.summary())
+		if udpOK {
+			prof = profilePath(ctx, e, t, r, res.ProfileNA, "udp", append(targets(r.udp), "--conns", conns))
+			res.UDPProfiles[p.ID] = prof
+			e.logf("%s UDP profile: %s", where, prof.summary())
+		}
 	}
 	return r.userspace, nil
 }

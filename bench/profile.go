@@ -15,7 +15,7 @@ import (
 )
 
 // Profile is where the CPU went while one data path carried one workload
-// (keep-alive requests or short connections).
+// (keep-alive requests, short connections or UDP requests).
 type Profile struct {
 	// Shares is the machine's CPU time by process group (perf, sampling
 	// every CPU), in percent of all samples.
@@ -102,7 +102,8 @@ const (
 	whoOther   = "other processes"
 )
 
-// profilePath runs a workload of the load generator ("rr" or "short")
+// profilePath runs a workload of the load generator ("rr", "short" or
+// "udp")
 // once more through r while perf samples every CPU and, for uproxy, while
 // its own pprof endpoint records a CPU profile. The figures of this run
 // are not kept.

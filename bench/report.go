@@ -543,13 +543,18 @@ func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 	if dp.ProfileNA != "" {
 		fmt.Fprintf(b, "perf could not sample here: %s.\n\n", mdEscape(dp.ProfileNA))
 	}
-	if len(dp.Profiles) == 0 && len(dp.ShortProfiles) == 0 {
+	if len(dp.Profiles) == 0 && len(dp.ShortProfiles) == 0 && len(dp.UDPProfiles) == 0 {
 		b.WriteString("No profiles were taken (--no-profile).\n\n")
 		return
 	}
-	runs := "one extra keep-alive run and one extra short-connection run per data path (their figures are not kept)"
-	if len(dp.ShortProfiles) == 0 { // results from before short connections were profiled
+	// Results from before short connections, then UDP, were profiled
+	// have fewer extra runs.
+	runs := "one extra keep-alive run, one extra short-connection run and one extra UDP run per data path that carries UDP (their figures are not kept)"
+	switch {
+	case len(dp.ShortProfiles) == 0:
 		runs = "one extra keep-alive run per data path (its figures are not kept)"
+	case len(dp.UDPProfiles) == 0:
+		runs = "one extra keep-alive run and one extra short-connection run per data path (their figures are not kept)"
 	}
 	b.WriteString("During " + runs + `,
 ` + "`perf record -e cpu-clock -a`" + ` sampled every CPU of the machine; the samples are grouped by process (the load
@@ -568,6 +573,7 @@ is spent in.
 	}{
 		{"Keep-alive requests", "req", dp.Profiles},
 		{"Short connections", "conn", dp.ShortProfiles},
+		{"UDP requests", "req", dp.UDPProfiles},
 	}
 	for _, w := range workloads {
 		if len(w.profiles) == 0 {
@@ -742,7 +748,7 @@ func madeBy(metas ...*RunMeta) string {
 
 // hasSymbol reports whether any profile's listing names sym.
 func hasSymbol(dp *DataPathResults, sym string) bool {
-	for _, profiles := range []map[string]*Profile{dp.Profiles, dp.ShortProfiles} {
+	for _, profiles := range []map[string]*Profile{dp.Profiles, dp.ShortProfiles, dp.UDPProfiles} {
 		for _, p := range profiles {
 			if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
 				return true
