@@ -7,9 +7,12 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
 
 	"github.com/uproxy/uproxy/bench/lab"
 )
@@ -137,5 +140,38 @@ func TestSeriesStats(t *testing.T) {
 	}
 	if got := fmtNum(12345.6); got != "12,346" {
 		t.Errorf("fmtNum(12345.6) = %q", got)
+	}
+}
+
+// TestWorkloads checks --workloads: known ids select, an unknown one is
+// refused, and none selects every workload.
+func TestWorkloads(t *testing.T) {
+	c, err := Config{Workloads: []string{"udp", "idle"}}.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, w := range workloadIDs {
+		if c.measures(w) {
+			got = append(got, w)
+		}
+	}
+	if diff := cmp.Diff([]string{"udp", "idle"}, got); diff != "" {
+		t.Errorf("selected workloads (-want +got):\n%s", diff)
+	}
+	if _, err := (Config{Workloads: []string{"udp", "dns"}}).withDefaults(); err == nil || !strings.Contains(err.Error(), `"dns"`) {
+		t.Errorf("unknown workload: error %v, want one naming it", err)
+	}
+	for _, w := range workloadIDs {
+		if !(Config{}).measures(w) {
+			t.Errorf("no --workloads: %s not measured", w)
+		}
+	}
+	for w, metrics := range workloadMetrics {
+		for _, m := range metrics {
+			if !slices.ContainsFunc(dataMetrics, func(d Metric) bool { return d.ID == m }) {
+				t.Errorf("workload %s: metric %s is not a data-path metric", w, m)
+			}
+		}
 	}
 }

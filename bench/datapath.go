@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -21,6 +22,19 @@ var dataMetrics = []Metric{
 	{"idle_kib", "Memory per idle connection", "KiB/conn", false},
 	{"idle_fds", "File descriptors per idle connection", "fd/conn", false},
 }
+
+// workloadIDs are the data-path workloads, in the order they run;
+// workloadMetrics maps each to the metrics it measures.
+var (
+	workloadIDs     = []string{"bulk", "rr", "short", "udp", "idle"}
+	workloadMetrics = map[string][]string{
+		"bulk":  {"bulk_gbps"},
+		"rr":    {"rr_rps", "rr_p50_us", "rr_p99_us"},
+		"short": {"short_cps"},
+		"udp":   {"udp_rps", "udp_p99_us"},
+		"idle":  {"idle_kib", "idle_fds"},
+	}
+)
 
 // DataPathResults is the datapath part's output (datapath.json).
 type DataPathResults struct {
@@ -124,10 +138,19 @@ func runDataPath(ctx context.Context, e *env) error {
 		}
 	}
 	// Runs are interleaved (every path in run 1, then in run 2, …), so that
-	// a change in the machine's load spreads over every path alike.
+	// a change in the machine's load spreads over every path alike, and
+	// every other run takes the paths in reverse order, so that no path
+	// always runs right after the same one: in the runs of
+	// bench/results/2026-11-30-udp-listeners.md, two builds of the same TCP
+	// code, measured one after the other, differed by up to 15%.
 	step, steps := 0, cfg.Runs*len(paths)
 	for run := 1; run <= cfg.Runs; run++ {
-		for _, p := range paths {
+		order := paths
+		if run%2 == 0 {
+			order = slices.Clone(paths)
+			slices.Reverse(order)
+		}
+		for _, p := range order {
 			step++
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -151,7 +174,15 @@ func runDataPath(ctx context.Context, e *env) error {
 			}
 		}
 	}
-	// A path that failed in every run has no figure: say so.
+	// Workloads left out have no figure, nor does a path that failed in
+	// every run: say so.
+	for _, w := range workloadIDs {
+		if !cfg.measures(w) {
+			for _, p := range paths {
+				res.setNA(p.ID, "not measured in this run (--workloads)", workloadMetrics[w]...)
+			}
+		}
+	}
 	for _, p := range paths {
 		for _, m := range res.Metrics {
 			if s := res.series(m.ID, p.ID); !s.filled() {
@@ -176,7 +207,7 @@ func contains(list []string, s string) bool {
 // in a fresh lab of their own (measureIdle), the others in another.
 func measurePath(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) error {
 	userspace, err := measureLoads(ctx, e, res, p, k, run, where)
-	if err != nil || !userspace {
+	if err != nil || !userspace || !e.cfg.measures("idle") {
 		return err
 	}
 	return measureIdle(ctx, e, res, p, k, run, where)
@@ -212,7 +243,7 @@ func startPath(ctx context.Context, e *env, p dataPath, k *kubeEnv, where string
 }
 
 // measureLoads runs the bulk, keep-alive, short-connection and UDP
-// workloads through p, and profiles it; userspace reports whether a proxy
+// workloads through p (those Config.Workloads selects), and profiles it; userspace reports whether a proxy
 // process carries the connections (and measureIdle has one to measure).
 func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) (userspace bool, err error) {
 	cfg := e.cfg
@@ -237,60 +268,69 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 		return out
 	}
 
+	var lr LoadResult
 	// Bulk.
-	lr, err := t.load(ctx, e, "bulk", append(targets(r.bulk), "--duration", d)...)
-	if err != nil || lr.Bytes == 0 {
-		return false, fmt.Errorf("bulk: %v %s", err, lr.FirstError)
+	if cfg.measures("bulk") {
+		lr, err = t.load(ctx, e, "bulk", append(targets(r.bulk), "--duration", d)...)
+		if err != nil || lr.Bytes == 0 {
+			return false, fmt.Errorf("bulk: %v %s", err, lr.FirstError)
+		}
+		res.series("bulk_gbps", p.ID).add(lr.Gbps)
+		note("bulk", lr)
+		e.logf("%s bulk: %.2f Gbit/s", where, lr.Gbps)
 	}
-	res.series("bulk_gbps", p.ID).add(lr.Gbps)
-	note("bulk", lr)
-	e.logf("%s bulk: %.2f Gbit/s", where, lr.Gbps)
 
 	// Keep-alive request/response.
-	lr, err = t.load(ctx, e, "rr", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
-	if err != nil || lr.Ops == 0 {
-		return false, fmt.Errorf("keep-alive: %v %s", err, lr.FirstError)
+	if cfg.measures("rr") {
+		lr, err = t.load(ctx, e, "rr", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
+		if err != nil || lr.Ops == 0 {
+			return false, fmt.Errorf("keep-alive: %v %s", err, lr.FirstError)
+		}
+		res.series("rr_rps", p.ID).add(lr.Rate)
+		res.series("rr_p50_us", p.ID).add(lr.P50us)
+		res.series("rr_p99_us", p.ID).add(lr.P99us)
+		note("keep-alive", lr)
+		e.logf("%s keep-alive: %.0f req/s, p50 %.0fµs, p99 %.0fµs", where, lr.Rate, lr.P50us, lr.P99us)
 	}
-	res.series("rr_rps", p.ID).add(lr.Rate)
-	res.series("rr_p50_us", p.ID).add(lr.P50us)
-	res.series("rr_p99_us", p.ID).add(lr.P99us)
-	note("keep-alive", lr)
-	e.logf("%s keep-alive: %.0f req/s, p50 %.0fµs, p99 %.0fµs", where, lr.Rate, lr.P50us, lr.P99us)
 
 	// Short connections.
-	lr, err = t.load(ctx, e, "short", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
-	if err != nil || lr.Ops == 0 {
-		return false, fmt.Errorf("short connections: %v %s", err, lr.FirstError)
+	if cfg.measures("short") {
+		lr, err = t.load(ctx, e, "short", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
+		if err != nil || lr.Ops == 0 {
+			return false, fmt.Errorf("short connections: %v %s", err, lr.FirstError)
+		}
+		res.series("short_cps", p.ID).add(lr.Rate)
+		note("short", lr)
+		e.logf("%s short connections: %.0f conn/s", where, lr.Rate)
 	}
-	res.series("short_cps", p.ID).add(lr.Rate)
-	note("short", lr)
-	e.logf("%s short connections: %.0f conn/s", where, lr.Rate)
 
 	// UDP.
 	udpOK := false
-	switch {
-	case len(r.udp) == 0:
-		res.setNA(p.ID, r.udpNA, "udp_rps", "udp_p99_us")
-		e.logf("%s udp: n/a: %s", where, r.udpNA)
-	default:
-		if _, err := t.probe(ctx, e, r.udp[0], true, "", 3*time.Second); err != nil {
-			if !strings.HasPrefix(p.ID, "uproxy") {
-				return false, fmt.Errorf("udp: the service does not answer: %w", err)
+	if cfg.measures("udp") {
+		switch {
+		case len(r.udp) == 0:
+			res.setNA(p.ID, r.udpNA, "udp_rps", "udp_p99_us")
+			e.logf("%s udp: n/a: %s", where, r.udpNA)
+		default:
+			if _, err := t.probe(ctx, e, r.udp[0], true, "", 3*time.Second); err != nil {
+				if !strings.HasPrefix(p.ID, "uproxy") {
+					return false, fmt.Errorf("udp: the service does not answer: %w", err)
+				}
+				reason := "not implemented (a UDP service through uproxy does not answer)"
+				res.setNA(p.ID, reason, "udp_rps", "udp_p99_us")
+				e.logf("%s udp: n/a: %s", where, reason)
+				break
 			}
-			reason := "not implemented (a UDP service through uproxy does not answer)"
-			res.setNA(p.ID, reason, "udp_rps", "udp_p99_us")
-			e.logf("%s udp: n/a: %s", where, reason)
-			break
+			lr, err = t.load(ctx, e, "udp", append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns)...)
+			if err != nil || lr.Ops == 0 {
+				return false, fmt.Errorf("udp: %v %s", err, lr.FirstError)
+			}
+			res.series("udp_rps", p.ID).add(lr.Rate)
+			res.series("udp_p99_us", p.ID).add(lr.P99us)
+			note("udp", lr)
+			udpOK = true
+			e.logf("%s udp: %.0f req/s, p99 %.0fµs", where, lr.Rate, lr.P99us)
 		}
-		lr, err = t.load(ctx, e, "udp", append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns)...)
-		if err != nil || lr.Ops == 0 {
-			return false, fmt.Errorf("udp: %v %s", err, lr.FirstError)
-		}
-		res.series("udp_rps", p.ID).add(lr.Rate)
-		res.series("udp_p99_us", p.ID).add(lr.P99us)
-		note("udp", lr)
-		udpOK = true
-		e.logf("%s udp: %.0f req/s, p99 %.0fµs", where, lr.Rate, lr.P99us)
 	}
 
 	// Idle connections: measured by measureIdle, on a fresh proxy, for a
@@ -312,14 +352,18 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	// Smoke mode profiles one kernel path and uproxy: enough to check that
 	// perf and pprof work.
 	if run == 1 && !cfg.NoProfile && (!cfg.Smoke || p.ID == "dnat" || p.ID == "uproxy") {
-		prof := profilePath(ctx, e, t, r, res.ProfileNA, "rr", append(targets(r.rr), "--conns", conns))
-		res.Profiles[p.ID] = prof
-		e.logf("%s keep-alive profile: %s", where, prof.summary())
-		prof = profilePath(ctx, e, t, r, res.ProfileNA, "short", append(targets(r.rr), "--conns", conns))
-		res.ShortProfiles[p.ID] = prof
-		e.logf("%s short-connection profile: %s", where, prof.summary())
+		if cfg.measures("rr") {
+			prof := profilePath(ctx, e, t, r, res.ProfileNA, "rr", append(targets(r.rr), "--conns", conns))
+			res.Profiles[p.ID] = prof
+			e.logf("%s keep-alive profile: %s", where, prof.summary())
+		}
+		if cfg.measures("short") {
+			prof := profilePath(ctx, e, t, r, res.ProfileNA, "short", append(targets(r.rr), "--conns", conns))
+			res.ShortProfiles[p.ID] = prof
+			e.logf("%s short-connection profile: %s", where, prof.summary())
+		}
 		if udpOK {
-			prof = profilePath(ctx, e, t, r, res.ProfileNA, "udp", append(targets(r.udp), "--conns", conns))
+			prof := profilePath(ctx, e, t, r, res.ProfileNA, "udp", append(targets(r.udp), "--conns", conns))
 			res.UDPProfiles[p.ID] = prof
 			e.logf("%s UDP profile: %s", where, prof.summary())
 		}

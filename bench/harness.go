@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -43,6 +44,9 @@ type Config struct {
 	Duration time.Duration
 	// Paths selects data paths by id (see dataPaths); empty means all.
 	Paths []string
+	// Workloads selects the data-path workloads by id (see workloads);
+	// empty means all.
+	Workloads []string
 	// Conns is the keep-alive workload's connection count, and the UDP
 	// workload's socket count; zero means 32.
 	Conns int
@@ -171,7 +175,17 @@ func (c Config) withDefaults() (Config, error) {
 			return c, fmt.Errorf("unknown data path %q (have %s)", p, strings.Join(pathIDs(), ", "))
 		}
 	}
+	for _, w := range c.Workloads {
+		if _, ok := workloadMetrics[w]; !ok {
+			return c, fmt.Errorf("unknown workload %q (have %s)", w, strings.Join(workloadIDs, ", "))
+		}
+	}
 	return c, nil
+}
+
+// measures reports whether the data path part runs workload w.
+func (c Config) measures(w string) bool {
+	return len(c.Workloads) == 0 || slices.Contains(c.Workloads, w)
 }
 
 // dataDir is the folder of the raw results and charts.
@@ -188,6 +202,7 @@ func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
 	fs.IntVar(&c.Runs, "runs", 0, "Repetitions of every measurement (min, median and max are reported). Default 3 (1 with --smoke).")
 	fs.DurationVar(&c.Duration, "duration", 0, "Length of each timed data-path workload, warm-up included. Default 5s (300ms with --smoke).")
 	fs.StringSliceVar(&c.Paths, "paths", nil, "Data paths to measure, by id: "+strings.Join(pathIDs(), ",")+". Default all.")
+	fs.StringSliceVar(&c.Workloads, "workloads", nil, "Data-path workloads to run, by id: "+strings.Join(workloadIDs, ",")+". Default all; the others' figures are reported as not measured.")
 	fs.IntVar(&c.Conns, "conns", 0, "Connections of the keep-alive workload, sockets of the UDP one. Default 32.")
 	fs.IntVar(&c.IdleConns, "idle-conns", 0, "Concurrent idle connections for the memory workload. Default 10000 (200 with --smoke).")
 	fs.StringSliceVar(&c.Proxies, "proxies", nil, "Control plane: proxies to measure, by id: "+strings.Join(cpProxyIDs(), ",")+". Default all.")
