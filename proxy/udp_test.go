@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/ptr"
@@ -305,5 +306,48 @@ func TestReplySenderDoesNotAllocate(t *testing.T) {
 	n, got, err := to.ReadFromUDPAddrPort(buf)
 	if err != nil || string(buf[:n]) != "reply" || got != netip.MustParseAddrPort(from.LocalAddr().String()) {
 		t.Errorf("received %q from %v (%v), want %q from %v", buf[:n], got, err, "reply", from.LocalAddr())
+	}
+}
+
+// TestListenSocketReadDoesNotAllocate checks that reading a listener's
+// datagrams allocates nothing once its buffers are pooled: the function
+// RawConn.Read calls is bound once per socket, and what it finds stays in
+// the socket.
+func TestListenSocketReadDoesNotAllocate(t *testing.T) {
+	pc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	ls, err := newListenSocket(pc, false, true, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.DialUDP("udp4", nil, pc.LocalAddr().(*net.UDPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	msg := []byte("request")
+	batch := make([]datagram, 8)
+	var got datagram
+	if allocs := testing.AllocsPerRun(100, func() {
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		n, err := ls.readBatch(batch)
+		if err != nil || n != 1 {
+			t.Fatalf("readBatch: %d, %v", n, err)
+		}
+		got = batch[0]
+		got.buf = nil
+		listenBuffers.put(batch[0].buf)
+		batch[0] = datagram{}
+	}); allocs != 0 {
+		t.Errorf("%v allocations per datagram read, want 0", allocs)
+	}
+	want := datagram{n: len(msg), client: netip.MustParseAddrPort(c.LocalAddr().String()), dst: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), 0)}
+	if diff := cmp.Diff(want, got, cmp.AllowUnexported(datagram{}), cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
+		t.Errorf("datagram (-want +got):\n%s", diff)
 	}
 }

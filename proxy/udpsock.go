@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"sync"
@@ -62,31 +61,37 @@ const maxReadBatch = 16
 // which needs its buffers before it waits: this way the buffers are taken
 // from listenBuffers only once datagrams are queued.
 type listenSocket struct {
-	pc       *net.UDPConn
 	rc       syscall.RawConn
 	v6       bool
 	maxBatch int
 	batch    int // current batch size, 1..maxBatch
 
-	// recvmmsg's arguments, reused by the one reader.
-	hdrs  []unix.Mmsghdr
-	iovs  []unix.Iovec
-	names []unix.RawSockaddrInet6 // big enough for either family
-	oob   []byte                  // cmsgSpace per message
+	// recvmmsg's arguments and results, reused by the one reader; readFn
+	// is recvmmsg, bound once (a func literal passed to RawConn.Read would
+	// be allocated at every read).
+	readFn func(fd uintptr) bool
+	out    []datagram
+	n      int
+	serr   syscall.Errno
+	hdrs   []unix.Mmsghdr
+	iovs   []unix.Iovec
+	names  []unix.RawSockaddrInet6 // big enough for either family
+	oob    []byte                  // cmsgSpace per message
 }
 
 // newListenSocket asks the kernel for each datagram's destination address
 // (IP_PKTINFO, IPV6_RECVPKTINFO). tproxy-mode listeners ask for the
 // original destination when they are opened (transparentListenConfig).
-func newListenSocket(pc *net.UDPConn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
+func newListenSocket(pc syscall.Conn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
 	maxBatch = min(max(maxBatch, 1), maxReadBatch)
 	s := &listenSocket{
-		pc: pc, v6: v6, maxBatch: maxBatch, batch: 1,
+		v6: v6, maxBatch: maxBatch, batch: 1,
 		hdrs:  make([]unix.Mmsghdr, maxBatch),
 		iovs:  make([]unix.Iovec, maxBatch),
 		names: make([]unix.RawSockaddrInet6, maxBatch),
 		oob:   make([]byte, maxBatch*cmsgSpace),
 	}
+	s.readFn = s.recvmmsg
 	rc, err := pc.SyscallConn()
 	if err != nil {
 		return nil, err
@@ -114,47 +119,11 @@ func newListenSocket(pc *net.UDPConn, v6, pktinfo bool, maxBatch int) (*listenSo
 var _ udpSocket = (*listenSocket)(nil)
 
 func (s *listenSocket) readBatch(out []datagram) (int, error) {
-	var n int
-	var serr error
-	err := s.rc.Read(func(fd uintptr) bool {
-		k := min(s.batch, len(out))
-		for i := range k {
-			bp := listenBuffers.get()
-			out[i].buf = bp
-			s.iovs[i].Base = &(*bp)[0]
-			s.iovs[i].SetLen(len(*bp))
-			h := &s.hdrs[i]
-			*h = unix.Mmsghdr{}
-			h.Hdr.Name = (*byte)(unsafe.Pointer(&s.names[i]))
-			h.Hdr.Namelen = unix.SizeofSockaddrInet6
-			h.Hdr.Iov = &s.iovs[i]
-			h.Hdr.SetIovlen(1)
-			h.Hdr.Control = &s.oob[i*cmsgSpace]
-			h.Hdr.SetControllen(cmsgSpace)
-		}
-		r, err := rawCall(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.hdrs[0])), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
-		n = int(r)
-		errno, _ := err.(syscall.Errno)
-		for i := n; i < k; i++ {
-			listenBuffers.put(out[i].buf)
-			out[i].buf = nil
-		}
-		if errno == unix.EAGAIN {
-			return false // wait in the netpoller, holding no buffer
-		}
-		if errno != 0 {
-			serr = errno
-		}
-		// Adapt the batch to the backlog this read found.
-		switch {
-		case n == k && k < s.maxBatch:
-			s.batch = min(2*k, s.maxBatch)
-		case n < k:
-			s.batch = max(k/2, 1)
-		}
-		return true
-	})
-	if err == nil {
+	s.out, s.n, s.serr = out, 0, 0
+	err := s.rc.Read(s.readFn)
+	n, serr := s.n, s.serr
+	s.out = nil
+	if err == nil && serr != 0 {
 		err = serr
 	}
 	if err != nil {
@@ -179,6 +148,47 @@ func (s *listenSocket) readBatch(out []datagram) (int, error) {
 		return 0, errNoDestination
 	}
 	return m, nil
+}
+
+// recvmmsg is RawConn.Read's function for readBatch: one recvmmsg(2) into
+// s.out that does not wait, with buffers taken only for it; false when
+// nothing is queued (EAGAIN).
+func (s *listenSocket) recvmmsg(fd uintptr) bool {
+	out := s.out
+	k := min(s.batch, len(out))
+	for i := range k {
+		bp := listenBuffers.get()
+		out[i].buf = bp
+		s.iovs[i].Base = &(*bp)[0]
+		s.iovs[i].SetLen(len(*bp))
+		h := &s.hdrs[i]
+		*h = unix.Mmsghdr{}
+		h.Hdr.Name = (*byte)(unsafe.Pointer(&s.names[i]))
+		h.Hdr.Namelen = unix.SizeofSockaddrInet6
+		h.Hdr.Iov = &s.iovs[i]
+		h.Hdr.SetIovlen(1)
+		h.Hdr.Control = &s.oob[i*cmsgSpace]
+		h.Hdr.SetControllen(cmsgSpace)
+	}
+	r, err := rawCall(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.hdrs[0])), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
+	n := max(int(r), 0)
+	errno, _ := err.(syscall.Errno)
+	for i := n; i < k; i++ {
+		listenBuffers.put(out[i].buf)
+		out[i].buf = nil
+	}
+	if errno == unix.EAGAIN {
+		return false // wait in the netpoller, holding no buffer
+	}
+	s.n, s.serr = n, errno
+	// Adapt the batch to the backlog this read found.
+	switch {
+	case n == k && k < s.maxBatch:
+		s.batch = min(2*k, s.maxBatch)
+	case n < k:
+		s.batch = max(k/2, 1)
+	}
+	return true
 }
 
 // errNoDestination: no datagram of a read carried its destination.
