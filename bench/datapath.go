@@ -243,8 +243,9 @@ func startPath(ctx context.Context, e *env, p dataPath, k *kubeEnv, where string
 }
 
 // measureLoads runs the bulk, keep-alive, short-connection and UDP
-// workloads through p (those Config.Workloads selects), and profiles it; userspace reports whether a proxy
-// process carries the connections (and measureIdle has one to measure).
+// workloads through p (those Config.Workloads selects), and profiles it;
+// userspace reports whether a proxy process carries the connections (and
+// measureIdle has one to measure).
 func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath, k *kubeEnv, run int, where string) (userspace bool, err error) {
 	cfg := e.cfg
 	t, r, stop, err := startPath(ctx, e, p, k, where)
@@ -336,7 +337,7 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	// Idle connections: measured by measureIdle, on a fresh proxy, for a
 	// proxy process.
 	switch {
-	case r.userspace:
+	case r.userspace, !cfg.measures("idle"):
 	case p.ID == "dnat":
 		if size, err := conntrackObjSize(); err == nil {
 			res.series("idle_kib", p.ID).add(float64(size) / 1024)

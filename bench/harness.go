@@ -44,7 +44,7 @@ type Config struct {
 	Duration time.Duration
 	// Paths selects data paths by id (see dataPaths); empty means all.
 	Paths []string
-	// Workloads selects the data-path workloads by id (see workloads);
+	// Workloads selects the data-path workloads by id (see workloadIDs);
 	// empty means all.
 	Workloads []string
 	// Conns is the keep-alive workload's connection count, and the UDP

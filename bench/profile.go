@@ -103,10 +103,9 @@ const (
 )
 
 // profilePath runs a workload of the load generator ("rr", "short" or
-// "udp")
-// once more through r while perf samples every CPU and, for uproxy, while
-// its own pprof endpoint records a CPU profile. The figures of this run
-// are not kept.
+// "udp") once more through r while perf samples every CPU and, for
+// uproxy, while its own pprof endpoint records a CPU profile. The figures
+// of this run are not kept.
 func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA, workload string, loadArgs []string) *Profile {
 	prof := &Profile{}
 	// pprof records whole seconds: at least one, and the load must cover it.

@@ -82,7 +82,7 @@ type listenSocket struct {
 // newListenSocket asks the kernel for each datagram's destination address
 // (IP_PKTINFO, IPV6_RECVPKTINFO). tproxy-mode listeners ask for the
 // original destination when they are opened (transparentListenConfig).
-func newListenSocket(pc syscall.Conn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
+func newListenSocket(c syscall.Conn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
 	maxBatch = min(max(maxBatch, 1), maxReadBatch)
 	s := &listenSocket{
 		v6: v6, maxBatch: maxBatch, batch: 1,
@@ -92,7 +92,7 @@ func newListenSocket(pc syscall.Conn, v6, pktinfo bool, maxBatch int) (*listenSo
 		oob:   make([]byte, maxBatch*cmsgSpace),
 	}
 	s.readFn = s.recvmmsg
-	rc, err := pc.SyscallConn()
+	rc, err := c.SyscallConn()
 	if err != nil {
 		return nil, err
 	}
