@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,6 +46,26 @@ type Share struct {
 	Percent float64 `json:"percent"`
 	// Kernel is the part of Percent spent in the kernel.
 	Kernel float64 `json:"kernel"`
+}
+
+// share returns the share of group who (for the proxy, "proxy (<comm>)"
+// matches whoProxy); nil if the profile has none.
+func (p *Profile) share(who string) *Share {
+	for i := range p.Shares {
+		if strings.HasPrefix(p.Shares[i].Who, who) {
+			return &p.Shares[i]
+		}
+	}
+	return nil
+}
+
+// perOp turns a percentage of all the samples into CPU time per request
+// or connection, in µs, at the profiled rate; NaN without a rate.
+func (p *Profile) perOp(percent float64) float64 {
+	if p.Rate == 0 {
+		return math.NaN()
+	}
+	return percent / 100 * float64(p.Cores) * 1e6 / p.Rate
 }
 
 func (p *Profile) summary() string {

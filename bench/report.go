@@ -640,19 +640,14 @@ func writeShares(b *strings.Builder, dp *DataPathResults, profiles map[string]*P
 		}
 		fmt.Fprintf(b, "| %s | %s |", p.Title, fmtNum(pr.Rate))
 		for _, who := range order {
-			var sh *Share
-			for i := range pr.Shares {
-				if strings.HasPrefix(pr.Shares[i].Who, who) {
-					sh = &pr.Shares[i]
-				}
-			}
+			sh := pr.share(who)
 			if sh == nil {
 				b.WriteString(" – |")
 				continue
 			}
 			cell := fmt.Sprintf("%.0f%% (kernel %.0f%%)", sh.Percent, sh.Kernel)
 			if who != whoIdle && who != whoOther && pr.Rate > 0 {
-				cell += fmt.Sprintf(", %s µs/%s", fmtNum(sh.Percent/100*float64(pr.Cores)*1e6/pr.Rate), unit)
+				cell += fmt.Sprintf(", %s µs/%s", fmtNum(pr.perOp(sh.Percent)), unit)
 			}
 			fmt.Fprintf(b, " %s |", cell)
 		}
@@ -667,12 +662,11 @@ func writeShares(b *strings.Builder, dp *DataPathResults, profiles map[string]*P
 func analysis(dp *DataPathResults, profiles map[string]*Profile, unit string) string {
 	var b strings.Builder
 	cost := func(pr *Profile, who string) (float64, float64, bool) {
-		for _, s := range pr.Shares {
-			if strings.HasPrefix(s.Who, who) && pr.Rate > 0 {
-				return s.Percent / 100 * float64(pr.Cores) * 1e6 / pr.Rate, s.Kernel / math.Max(s.Percent, 1e-9), true
-			}
+		s := pr.share(who)
+		if s == nil || pr.Rate <= 0 {
+			return 0, 0, false
 		}
-		return 0, 0, false
+		return pr.perOp(s.Percent), s.Kernel / math.Max(s.Percent, 1e-9), true
 	}
 	total := func(pr *Profile) float64 {
 		var t float64
@@ -681,16 +675,11 @@ func analysis(dp *DataPathResults, profiles map[string]*Profile, unit string) st
 				t += s.Percent
 			}
 		}
-		if pr.Rate == 0 {
-			return math.NaN()
-		}
-		return t / 100 * float64(pr.Cores) * 1e6 / pr.Rate
+		return pr.perOp(t)
 	}
-	share := func(pr *Profile, who string) float64 {
-		for _, s := range pr.Shares {
-			if s.Who == who {
-				return s.Percent
-			}
+	idle := func(pr *Profile) float64 {
+		if s := pr.share(whoIdle); s != nil {
+			return s.Percent
 		}
 		return 0
 	}
@@ -706,7 +695,7 @@ func analysis(dp *DataPathResults, profiles map[string]*Profile, unit string) st
 			continue
 		}
 		t := total(pr)
-		fmt.Fprintf(&b, "- **%s**: %s µs of CPU per %s in all (%s kernel DNAT), with %.0f%% of the CPUs idle", p.Title, fmtNum(t), noun, ratio(t, base), share(pr, whoIdle))
+		fmt.Fprintf(&b, "- **%s**: %s µs of CPU per %s in all (%s kernel DNAT), with %.0f%% of the CPUs idle", p.Title, fmtNum(t), noun, ratio(t, base), idle(pr))
 		if c, k, ok := cost(pr, whoProxy); ok && c > 0.05 {
 			fmt.Fprintf(&b, "; the proxy process itself %s µs, %.0f%% of it in the kernel", fmtNum(c), 100*k)
 		}
