@@ -367,15 +367,26 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		return ErrSyncSkipped
 	}
 	start := p.cfg.clock().Now()
-	full = p.forceFull.Swap(false) || full
+	// A forced sync (a zone change, a failed handover) re-applies every
+	// service. Any other full sync (the periodic one, the retry of a failed
+	// one) re-applies only the services that changed, as a partial sync
+	// does, and verifies the rest of the state that others can change: the
+	// kernel's rules and sets. The listeners and their snapshots belong to
+	// this process, and nothing else changes them; a service whose apply
+	// failed is requeued. Re-applying all of them rebuilt every snapshot
+	// and balancer (0.12-0.26 s at 10,000 services, every
+	// --iptables-sync-period), reset every round-robin position, and made
+	// an endpoint change that arrived meanwhile wait.
+	reapply := p.forceFull.Swap(false)
+	full = reapply || full
 	p.refreshLocalAddrs()
 	var programmed []types.NamespacedName
-	if full {
+	if reapply {
 		for name := range p.services {
 			programmed = append(programmed, name)
 		}
 	}
-	ch := p.tracker.Take(full, programmed)
+	ch := p.tracker.Take(reapply, programmed)
 	p.cfg.Metrics.countChanges(ch.ServiceChanges, ch.SliceChanges)
 	zone := p.currentZone()
 	for _, st := range ch.Services {

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -28,13 +29,15 @@ type recordingRules struct {
 	mu    sync.Mutex
 	last  []Intercept
 	calls int
+	full  bool // the last call's
 	fail  error
 }
 
-func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, _ bool) (RuleStats, error) {
+func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, full bool) (RuleStats, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.calls++
+	r.full = full
 	if r.fail != nil {
 		return RuleStats{}, r.fail
 	}
@@ -494,6 +497,81 @@ func TestRuleFailureForcesFullResync(t *testing.T) {
 	rules.port(t, "default/web:http") // the retry succeeds without any new event
 	if !p.LastSync().After(time.Time{}) {
 		t.Error("LastSync not recorded")
+	}
+}
+
+// TestPeriodicResyncKeepsSnapshots checks that a full sync verifies the
+// rules but re-applies only the services that changed, keeping the other
+// snapshots (and their balancers' positions), and that a forced one (a
+// zone change) re-applies every service.
+func TestPeriodicResyncKeepsSnapshots(t *testing.T) {
+	rules := &recordingRules{}
+	p := NewProxier(Config{Rules: rules})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := p.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	webSlice := func(ip string) *discovery.EndpointSlice {
+		return slice("web-0", "web", "http", 8080, ep{ip: ip})
+	}
+	p.Tracker().Replace(
+		[]*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("api", "10.96.0.11", "http:80")},
+		[]*discovery.EndpointSlice{webSlice("10.244.0.1"), slice("api-0", "api", "http", 8080, ep{ip: "10.244.0.2"})})
+	sync := func(full bool) {
+		t.Helper()
+		if err := p.sync(t.Context(), full); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snaps := func() map[string]*snapshot {
+		m := map[string]*snapshot{}
+		for name, ls := range p.services {
+			for _, l := range ls {
+				m[name.Name] = l.snap.Load()
+			}
+		}
+		return m
+	}
+	// rebuilt lists the services whose snapshot is not the one in before.
+	rebuilt := func(before map[string]*snapshot) []string {
+		var out []string
+		for name, s := range snaps() {
+			if before[name] != s {
+				out = append(out, name)
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	sync(true)
+	for _, step := range []struct {
+		name   string
+		change func()
+		full   bool
+		want   []string
+	}{
+		{"periodic full sync, nothing changed", func() {}, true, nil},
+		{"periodic full sync, web's endpoints changed", func() { p.Tracker().OnSliceUpsert(webSlice("10.244.0.3")) }, true, []string{"web"}},
+		{"partial sync, web's endpoints changed", func() { p.Tracker().OnSliceUpsert(webSlice("10.244.0.4")) }, false, []string{"web"}},
+		{"zone change", func() { p.SetZone("zone-a") }, false, []string{"api", "web"}},
+	} {
+		before := snaps()
+		rules.mu.Lock()
+		calls := rules.calls
+		rules.mu.Unlock()
+		step.change()
+		sync(step.full)
+		if diff := cmp.Diff(step.want, rebuilt(before)); diff != "" {
+			t.Errorf("%s: rebuilt snapshots (-want +got):\n%s", step.name, diff)
+		}
+		rules.mu.Lock()
+		if step.full && (rules.calls != calls+1 || !rules.full) {
+			t.Errorf("%s: the rules were not verified (calls %d -> %d, full %v)", step.name, calls, rules.calls, rules.full)
+		}
+		rules.mu.Unlock()
 	}
 }
 
