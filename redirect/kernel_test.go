@@ -277,14 +277,14 @@ func testKernelSync(t *testing.T, f Family) {
 	// An ipset save per set of the family, finding nothing, and one
 	// ipset restore that creates and fills the two listener sets.
 	sync("first Sync", s, x, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members},
-		map[string]int{save: 3, "ipset": reads + 1, restore: 1})
+		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	check("first Sync", kernelRules, true)
 
 	sync("unchanged Sync", s, x, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{})
 	// Nothing to write proves that the rendering is exactly what
 	// iptables-save prints back, quoted comments and set matches
 	// included, and the set contents what ipset save prints.
-	sync("unchanged full Sync", s, x, kernelRules, true, Result{Rules: n, SetMembers: members}, map[string]int{save: 3, "ipset": reads})
+	sync("unchanged full Sync", s, x, kernelRules, true, Result{Rules: n, SetMembers: members}, map[string]int{save: 1, "ipset": reads})
 	// The jumps were found in what iptables-save printed: none doubled.
 	check("unchanged full Sync", kernelRules, true)
 
@@ -312,7 +312,7 @@ func testKernelSync(t *testing.T, f Family) {
 	// No listeners: the rules stop naming the sets, which are destroyed.
 	sync("changed Sync", s, x, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
 	check("changed Sync", comments, true)
-	sync("full Sync of odd comments", s, x, comments, true, Result{Rules: m}, map[string]int{save: 3, "ipset": reads})
+	sync("full Sync of odd comments", s, x, comments, true, Result{Rules: m}, map[string]int{save: 1, "ipset": reads})
 	sync("back", s, x, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{"ipset": 1, restore: 1})
 	check("back", kernelRules, true)
 
@@ -322,29 +322,29 @@ func testKernelSync(t *testing.T, f Family) {
 	sync("listeners changed", s, x, moved, false, Result{Rules: n, WroteSets: true, SetMembers: wantSets(f, moved).memberCount(),
 		SetMembersWritten: map[Family]int{IPv4: 3, IPv6: 2}[f]}, map[string]int{"ipset": 1})
 	check("listeners changed", moved, true)
-	sync("listeners changed back", s, x, kernelRules, true, Result{Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: map[Family]int{IPv4: 3, IPv6: 2}[f]}, map[string]int{save: 3, "ipset": reads + 1})
+	sync("listeners changed back", s, x, kernelRules, true, Result{Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: map[Family]int{IPv4: 3, IPv6: 2}[f]}, map[string]int{save: 1, "ipset": reads + 1})
 	check("listeners changed back", kernelRules, true)
 
 	ipt("-t", "nat", "-D", "UPROXY-SERVICES", "2")
-	sync("repair a deleted rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": reads, restore: 1})
+	sync("repair a deleted rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("repair a deleted rule", kernelRules, true)
 
 	ipt("-t", "nat", "-A", "UPROXY-SERVICES", "-j", "RETURN")
-	sync("repair an added rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": reads, restore: 1})
+	sync("repair an added rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("repair an added rule", kernelRules, true)
 
 	ipt("-t", "nat", "-F", "UPROXY-NODEPORTS")
-	sync("repair a flushed node-port chain", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": reads, restore: 1})
+	sync("repair a flushed node-port chain", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("repair a flushed node-port chain", kernelRules, true)
 
 	ipt("-t", "filter", "-D", "UPROXY-FIREWALL", "1")
-	sync("repair a deleted filter rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": reads, restore: 1})
+	sync("repair a deleted filter rule", s, x, kernelRules, true, Result{Wrote: true, Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("repair a deleted filter rule", kernelRules, true)
 
 	tcpSet := setsOf(f)[0].name
 	nsCommand(t, "ipset", "flush", tcpSet)
 	sync("repair a flushed set", s, x, kernelRules, true, Result{Rules: n, Repaired: true, WroteSets: true, SetMembers: members, SetMembersWritten: map[Family]int{IPv4: 2, IPv6: 1}[f], SetsRepaired: true},
-		map[string]int{save: 3, "ipset": reads + 1})
+		map[string]int{save: 1, "ipset": reads + 1})
 	check("repair a flushed set", kernelRules, true)
 
 	jump := []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"}
@@ -375,11 +375,11 @@ func testKernelSync(t *testing.T, f Family) {
 	// fail on a rule naming a missing set.
 	sync("repair deleted chains and sets", s, x, kernelRules, true,
 		Result{Wrote: true, Rules: n, Repaired: true, WroteSets: true, SetMembers: members, SetMembersWritten: members, SetsRepaired: true},
-		map[string]int{save: 3, "ipset": reads + 1, restore: 1})
+		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	check("repair deleted chains and sets", kernelRules, true)
 
 	ipt(append([]string{"-t", "filter", "-D", "FORWARD"}, fwJump...)...)
-	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 3, "ipset": reads})
+	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads})
 	check("repair a deleted filter jump", kernelRules, true)
 
 	// A restarted process adopts the rules as they are.
@@ -388,14 +388,14 @@ func testKernelSync(t *testing.T, f Family) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("restarted, same rules", s2, x2, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{save: 3, "ipset": reads})
+	sync("restarted, same rules", s2, x2, kernelRules, false, Result{Rules: n, SetMembers: members}, map[string]int{save: 1, "ipset": reads})
 	check("restarted, same rules", kernelRules, true)
 	x3 := &countingExec{calls: map[string]int{}}
 	s3, err := New(Config{Family: f, Exec: x3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sync("restarted, new rules", s3, x3, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{save: 3, "ipset": reads + 2, restore: 1})
+	sync("restarted, new rules", s3, x3, comments, false, Result{Wrote: true, Rules: m, WroteSets: true}, map[string]int{save: 1, "ipset": reads + 2, restore: 1})
 	check("restarted, new rules", comments, true)
 	sync("restarted, listeners again", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{"ipset": 1, restore: 1})
 	check("restarted, listeners again", kernelRules, true)
@@ -414,20 +414,20 @@ func testKernelSync(t *testing.T, f Family) {
 	}
 	// Nothing to write: TPROXY, MARK, socket, addrtype and comment
 	// are rendered exactly as iptables-save prints them.
-	sync("tproxy mode, unchanged full Sync", s3, x3, tp, true, Result{Rules: k}, map[string]int{save: 3, "ipset": reads})
+	sync("tproxy mode, unchanged full Sync", s3, x3, tp, true, Result{Rules: k}, map[string]int{save: 1, "ipset": reads})
 	ipt("-t", "mangle", "-D", tproxyChain, "1")
-	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true}, map[string]int{save: 3, "ipset": reads, restore: 1})
+	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted rule", tp, true)
 	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain)
 	ipt("-t", "mangle", "-F", tproxyOutputChain)
 	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true},
-		map[string]int{save: 3, "ipset": reads, restore: 1})
+		map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted jump and a flushed chain", tp, true)
 	tpComments := tproxied(comments, Routing{Mark: 0x10, Mask: 0xf0})
 	kc := parseState(Render(f, tpComments)).ruleCount()
 	sync("tproxy mode, odd comments, node-port addresses and mark", s3, x3, tpComments, false, Result{Wrote: true, Rules: kc}, map[string]int{restore: 1})
 	check("tproxy mode, odd comments, node-port addresses and mark", tpComments, true)
-	sync("tproxy mode, odd comments, unchanged full Sync", s3, x3, tpComments, true, Result{Rules: kc}, map[string]int{save: 3, "ipset": reads})
+	sync("tproxy mode, odd comments, unchanged full Sync", s3, x3, tpComments, true, Result{Rules: kc}, map[string]int{save: 1, "ipset": reads})
 	sync("back to redirect mode", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{"ipset": 1, restore: 1})
 	check("back to redirect mode", kernelRules, true)
 	sync("tproxy mode again", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
@@ -525,13 +525,13 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	const n = 5000
 	r := manyListeners(f, n)
 	sync("5,000 listeners", r, false, Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n + 1},
-		map[string]int{save: 3, "ipset": reads + 1, restore: 1})
+		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	many := savedTables(t, f)
 	if got := setEntries(t, tcpSet); got != n {
 		t.Errorf("ipset list %s: %d entries, want %d", tcpSet, got, n)
 	}
 	sync("unchanged", r, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{})
-	sync("unchanged full", r, true, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 3, "ipset": reads})
+	sync("unchanged full", r, true, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 1, "ipset": reads})
 
 	// One listener per protocol: the same rules, 4,999 deletes.
 	sync("one listener per protocol", manyListeners(f, 1), false, Result{Rules: 3, WroteSets: true, SetMembers: 2, SetMembersWritten: n - 1}, map[string]int{"ipset": 1})
@@ -549,11 +549,11 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	// Drift of the set alone: no iptables-restore needed.
 	nsCommand(t, "ipset", "flush", tcpSet)
 	sync("set flushed", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},
-		map[string]int{save: 3, "ipset": reads + 1})
+		map[string]int{save: 1, "ipset": reads + 1})
 	nsCommand(t, "ipset", "del", tcpSet, "30000")
 	nsCommand(t, "ipset", "add", tcpSet, "22")
 	sync("member deleted, stray member added", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: 2, SetsRepaired: true},
-		map[string]int{save: 3, "ipset": reads + 1})
+		map[string]int{save: 1, "ipset": reads + 1})
 
 	// The kernel refuses to destroy a set that a rule names.
 	if out, err := exec.Command("ipset", "destroy", tcpSet).CombinedOutput(); err == nil || !strings.Contains(string(out), "in use") {
@@ -563,7 +563,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	nsCommand(t, "ipset", "destroy", tcpSet)
 	sync("chain flushed, set destroyed", moved, true,
 		Result{Wrote: true, Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},
-		map[string]int{save: 3, "ipset": reads + 1, restore: 1})
+		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	if got := setEntries(t, tcpSet); got != n {
 		t.Errorf("ipset list %s after repair: %d entries, want %d", tcpSet, got, n)
 	}
@@ -573,7 +573,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 		t.Fatal(err)
 	}
 	s = s2
-	sync("restarted", moved, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 3, "ipset": reads})
+	sync("restarted", moved, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 1, "ipset": reads})
 
 	for i := range 2 {
 		if err := Cleanup(ctx, Config{Family: f, Exec: x}); err != nil {

@@ -159,6 +159,16 @@ func chainNames(table string) string {
 	return strings.Join(names, ",")
 }
 
+// allChainNames names uproxy's chains by table, for errors: "nat A,B;
+// mangle C; filter D".
+func allChainNames() string {
+	var names []string
+	for _, t := range tables() {
+		names = append(names, t+" "+chainNames(t))
+	}
+	return strings.Join(names, "; ")
+}
+
 // Render returns the iptables-restore --noflush input that makes uproxy's
 // own chains hold exactly what r asks for family f, and touches nothing
 // else.
