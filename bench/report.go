@@ -326,6 +326,9 @@ func missingHotPaths(gb *GoBenchResults) string {
 func writeMachine(b *strings.Builder, m Machine) {
 	fmt.Fprintf(b, "## The machine\n\n| | |\n|---|---|\n| host | %s |\n| CPU | %s |\n| cores | %d |\n| memory | %s |\n| kernel | %s |\n| OS | %s |\n| load average when the report was written | %s |\n",
 		m.Host, m.CPU, m.Cores, m.Memory, m.Kernel, m.OS, m.LoadAvg)
+	if m.SyscallNs > 0 {
+		fmt.Fprintf(b, "| one system call (getppid), when the report was written | %.2f µs |\n", float64(m.SyscallNs)/1000)
+	}
 	for _, t := range m.Tools {
 		fmt.Fprintf(b, "| %s | %s |\n", t[0], strings.ReplaceAll(t[1], "|", "/"))
 	}
