@@ -392,7 +392,9 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	for _, st := range ch.Services {
 		p.applyService(ctx, st, zone)
 	}
-	if full || p.rulesDirty {
+	// The shared listeners' routes, like the rules, follow the intercepts:
+	// they change only with them (rulesDirty).
+	if reapply || p.rulesDirty {
 		p.rebuildRoutes()
 	}
 	p.syncServiceHealth(full)
