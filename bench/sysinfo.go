@@ -32,10 +32,10 @@ type Machine struct {
 
 // syscallCost times the cheapest system call, getppid(2): the cost of
 // entering and leaving the kernel, which every proxy pays several times
-// per request (a read and a write per message and direction). Under a
-// hypervisor that runs the guest kernel without hardware virtualization
-// it can be ten times a bare machine's, which changes how userspace
-// proxies compare with the kernel's own paths. The best of five rounds:
+// per request (a read and a write per message and direction). Some
+// virtual machines make it several times dearer than hardware does,
+// which changes how userspace proxies compare with the kernel's own
+// paths. The best of five rounds:
 // the least disturbed by other work.
 func syscallCost() time.Duration {
 	const n = 50000
