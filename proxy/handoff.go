@@ -359,7 +359,7 @@ func (p *Proxier) adopt(l *listener, host string, s HandoffSocket) (uint16, erro
 		l.ln, l.pc = nil, nil
 		return 0, err
 	}
-	p.ports.reserve(l.key.network(), port)
+	p.ports.mark(l.key.network(), port)
 	p.cfg.Inherited.mu.Lock()
 	p.cfg.Inherited.adopted[l] = true
 	p.cfg.Inherited.mu.Unlock()
@@ -438,18 +438,4 @@ func (p *Proxier) startAdopted(l *listener) bool {
 		}
 	}()
 	return true
-}
-
-// reserve marks port as used by an adopted socket.
-func (a *portAllocator) reserve(network string, port uint16) {
-	if a.r.Size == 0 {
-		return
-	}
-	if a.used == nil {
-		a.used = map[string]map[uint16]bool{}
-	}
-	if a.used[network] == nil {
-		a.used[network] = map[uint16]bool{}
-	}
-	a.used[network][port] = true
 }

@@ -92,7 +92,8 @@ type Config struct {
 	// UDP flow of a shared listener. Nil means UDP is shared only in
 	// tproxy mode.
 	UDPOriginalDst func(client, local netip.AddrPort) (netip.AddrPort, error)
-	// PortRange limits listener ports; zero means kernel-assigned.
+	// PortRange limits listener ports; zero means the ports the kernel
+	// assigns to bind(0), chosen by uproxy (portAllocator).
 	PortRange PortRange
 	// Defaults are the settings a Service can override by annotation.
 	Defaults ServiceDefaults

@@ -136,8 +136,8 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 const sharedRedirectPorts = 16
 
 // sharedRangeAttempts is how many first ports hostOn tries for a shared
-// listener whose range has a taken port: kernel-assigned listening ports
-// sit among the ports of outgoing connections.
+// listener whose range has a taken port: listening ports from the
+// kernel's range sit among the ports of outgoing connections.
 const sharedRangeAttempts = 8
 
 // openSiblings opens the further sockets of sh, a new shared TCP listener

@@ -1,0 +1,109 @@
+package proxy
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestParseEphemeralPorts(t *testing.T) {
+	for _, tt := range []struct {
+		rng, reserved string
+		want          *ephemeralPorts
+	}{
+		{"32768\t60999\n", "\n", &ephemeralPorts{lo: 32768, hi: 60999, reserved: map[uint16]bool{}}},
+		{"1024 1030", "1024,1026-1027\n", &ephemeralPorts{lo: 1024, hi: 1030, reserved: map[uint16]bool{1024: true, 1026: true, 1027: true}}},
+		{"32768", "", nil},
+		{"60999 32768", "", nil},
+		{"0 100", "", nil},
+		{"1 70000", "", nil},
+		{"1024 2048", "80,x", nil},
+	} {
+		got, err := parseEphemeralPorts(tt.rng, tt.reserved)
+		if (err != nil) != (tt.want == nil) {
+			t.Errorf("parseEphemeralPorts(%q, %q) error %v, want error %v", tt.rng, tt.reserved, err, tt.want == nil)
+			continue
+		}
+		if diff := cmp.Diff(tt.want, got, cmp.AllowUnexported(ephemeralPorts{})); diff != "" {
+			t.Errorf("parseEphemeralPorts(%q, %q) (-want +got):\n%s", tt.rng, tt.reserved, diff)
+		}
+	}
+}
+
+// TestAllocateEphemeral checks the ports picked with no range: from the
+// kernel's range, odd ones first, skipping reserved ports, uproxy's own
+// and those another socket holds; bind(0) when the range is unknown or
+// nearly full.
+func TestAllocateEphemeral(t *testing.T) {
+	taken := map[uint16]bool{40003: true} // another process's
+	var tried []uint16
+	try := func(p uint16) (uint16, error) {
+		tried = append(tried, p)
+		if p == 0 {
+			return 50001, nil // what bind(0) would pick
+		}
+		if taken[p] {
+			return 0, errors.New("address already in use")
+		}
+		return p, nil
+	}
+	a := &portAllocator{
+		readEph: func() (*ephemeralPorts, error) {
+			return &ephemeralPorts{lo: 40000, hi: 40007, reserved: map[uint16]bool{40001: true}}, nil
+		},
+		randN: func(int) int { return 0 },
+	}
+	alloc := func() uint16 {
+		t.Helper()
+		tried = nil
+		p, err := a.allocate("tcp4", try)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	var got []uint16
+	for range 5 {
+		got = append(got, alloc())
+	}
+	// 40001 is reserved and 40003 taken; the even ports come after the
+	// odd ones run out.
+	if diff := cmp.Diff([]uint16{40005, 40007, 40000, 40002, 40004}, got); diff != "" {
+		t.Errorf("ports (-want +got):\n%s", diff)
+	}
+	// Another family has ports of its own.
+	if p, err := a.allocate("tcp6", try); err != nil || p != 40005 {
+		t.Errorf("first tcp6 port = %d, %v; want 40005", p, err)
+	}
+	// A released port is free again; uproxy's own are not tried.
+	a.release("tcp4", 40007)
+	if p := alloc(); p != 40007 || !cmp.Equal(tried, []uint16{40003, 40007}) {
+		t.Errorf("after releasing 40007: got %d, tried %v; want 40007 after trying the taken 40003", p, tried)
+	}
+	// A full range leaves the choice to bind(0).
+	alloc()
+	if p := alloc(); p != 50001 || tried[len(tried)-1] != 0 {
+		t.Errorf("full range: got %d, tried %v; want bind(0)'s 50001", p, tried)
+	}
+
+	// A range that others fill is left to bind(0) after ephemeralTries.
+	b := &portAllocator{
+		readEph: func() (*ephemeralPorts, error) { return &ephemeralPorts{lo: 40000, hi: 40999}, nil },
+		randN:   func(int) int { return 0 },
+	}
+	tried = nil
+	for p := uint16(40000); p <= 40999; p++ {
+		taken[p] = true
+	}
+	if p, err := b.allocate("tcp4", try); err != nil || p != 50001 || len(tried) != ephemeralTries+1 {
+		t.Errorf("crowded range: got %d, %v after %d tries; want bind(0)'s 50001 after %d", p, err, len(tried), ephemeralTries+1)
+	}
+
+	// Without the kernel's range, bind(0) picks.
+	c := &portAllocator{readEph: func() (*ephemeralPorts, error) { return nil, errors.New("no /proc") }}
+	tried = nil
+	if p, err := c.allocate("tcp4", try); err != nil || p != 50001 || !cmp.Equal(tried, []uint16{0}) {
+		t.Errorf("unknown range: got %d, %v, tried %v; want bind(0)", p, err, tried)
+	}
+}
