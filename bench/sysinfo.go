@@ -35,8 +35,7 @@ type Machine struct {
 // per request (a read and a write per message and direction). Some
 // virtual machines make it several times dearer than hardware does,
 // which changes how userspace proxies compare with the kernel's own
-// paths. The best of five rounds:
-// the least disturbed by other work.
+// paths. The best of five rounds: the least disturbed by other work.
 func syscallCost() time.Duration {
 	const n = 50000
 	best := time.Duration(math.MaxInt64)
