@@ -21,11 +21,7 @@ import (
 func BenchmarkSyncEndpointChange(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
-			p, svcs, sls := benchProxier(b, n)
-			p.Tracker().Replace(svcs, sls)
-			if err := p.sync(b.Context(), true); err != nil {
-				b.Fatal(err)
-			}
+			p, sls := syncedProxier(b, n)
 			last := sls[n-1]
 			alt := []*discovery.EndpointSlice{
 				slice(last.Name, "svc-"+fmt.Sprintf("%05d", n-1), "http", 8080, ep{ip: "10.244.250.1"}),
@@ -51,11 +47,7 @@ func BenchmarkSyncEndpointChange(b *testing.B) {
 func BenchmarkSyncPeriodic(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		b.Run(fmt.Sprint(n), func(b *testing.B) {
-			p, svcs, sls := benchProxier(b, n)
-			p.Tracker().Replace(svcs, sls)
-			if err := p.sync(b.Context(), true); err != nil {
-				b.Fatal(err)
-			}
+			p, _ := syncedProxier(b, n)
 			b.ReportAllocs()
 			for b.Loop() {
 				if err := p.sync(b.Context(), true); err != nil {
@@ -88,6 +80,17 @@ func BenchmarkSyncAll(b *testing.B) {
 			}
 		})
 	}
+}
+
+// syncedProxier returns benchProxier's Proxier after its first sync of
+// the n services, and their EndpointSlices.
+func syncedProxier(b *testing.B, n int) (*Proxier, []*discovery.EndpointSlice) {
+	p, svcs, sls := benchProxier(b, n)
+	p.Tracker().Replace(svcs, sls)
+	if err := p.sync(b.Context(), true); err != nil {
+		b.Fatal(err)
+	}
+	return p, sls
 }
 
 // benchProxier returns a Proxier with shared TCP listeners and metrics,
