@@ -295,7 +295,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
 	synced := make(chan struct{})
-	firstSync := sync.OnceFunc(func() { close(synced) })
+	restoreGC := startupGC()
+	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
 	p := proxy.NewProxier(proxy.Config{
 		Metrics:         metrics,
 		Rules:           rules,
