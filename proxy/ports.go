@@ -105,6 +105,9 @@ type portAllocator struct {
 	// randN returns a random offset in [0, n), where a scan of the
 	// kernel's range starts; nil means rand.IntN.
 	randN func(n int) int
+	// warn, if set, is told once why the kernel's range could not be
+	// read.
+	warn func(error)
 }
 
 // ephemeralPorts is the range the kernel assigns local ports from, less
@@ -191,7 +194,12 @@ func (a *portAllocator) ephemeral() *ephemeralPorts {
 		if read == nil {
 			read = readEphemeralPorts
 		}
-		a.eph, _ = read() // without it, bind(0) assigns ports as before
+		var err error
+		// Without the range, bind(0) assigns ports, as it did before
+		// uproxy picked them.
+		if a.eph, err = read(); err != nil && a.warn != nil {
+			a.warn(err)
+		}
 	}
 	return a.eph
 }

@@ -100,10 +100,20 @@ func TestAllocateEphemeral(t *testing.T) {
 		t.Errorf("crowded range: got %d, %v after %d tries; want bind(0)'s 50001 after %d", p, err, len(tried), ephemeralTries+1)
 	}
 
-	// Without the kernel's range, bind(0) picks.
-	c := &portAllocator{readEph: func() (*ephemeralPorts, error) { return nil, errors.New("no /proc") }}
-	tried = nil
-	if p, err := c.allocate("tcp4", try); err != nil || p != 50001 || !cmp.Equal(tried, []uint16{0}) {
-		t.Errorf("unknown range: got %d, %v, tried %v; want bind(0)", p, err, tried)
+	// Without the kernel's range, bind(0) picks, and the reason is told
+	// once.
+	var warned []error
+	c := &portAllocator{
+		readEph: func() (*ephemeralPorts, error) { return nil, errors.New("no /proc") },
+		warn:    func(err error) { warned = append(warned, err) },
+	}
+	for range 2 {
+		tried = nil
+		if p, err := c.allocate("tcp4", try); err != nil || p != 50001 || !cmp.Equal(tried, []uint16{0}) {
+			t.Errorf("unknown range: got %d, %v, tried %v; want bind(0)", p, err, tried)
+		}
+	}
+	if len(warned) != 1 || warned[0].Error() != "no /proc" {
+		t.Errorf("warnings %v; want the read error once", warned)
 	}
 }

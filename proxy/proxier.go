@@ -250,6 +250,9 @@ func NewProxier(cfg Config) *Proxier {
 	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 100)
 	}))
+	p.ports.warn = func(err error) {
+		p.log.Warn("cannot read the kernel's local port range; listeners bind port 0, which is slower with thousands of them", zap.Error(err))
+	}
 	p.health = newHealth(cfg.clock(), cfg.EjectBase, cfg.EjectMax)
 	cfg.Metrics.setSource(p.walkMetrics)
 	p.runner = NewRunner(cfg.Sync, p.sync)
