@@ -15,19 +15,41 @@ import (
 
 // TestAcceptedSocketsInheritOptions checks that sockets accepted raw, as
 // acceptRaw does, carry TCP keep-alive with Go's default timing and
-// TCP_NODELAY, which are set only once, on the listening socket.
+// TCP_NODELAY, which are set only once, on the listening socket: by
+// listenConfig for uproxy's own listeners, by setAcceptOptions for one
+// from elsewhere.
 func TestAcceptedSocketsInheritOptions(t *testing.T) {
 	p := NewProxier(Config{})
-	ln, err := p.listen(context.Background(), "tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	own := func() net.Listener {
+		ln, err := p.listen(context.Background(), "tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ln
 	}
+	elsewhere := func() net.Listener {
+		ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(context.Background(), "tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc, err := ln.(syscall.Conn).SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := setAcceptOptions(rc); err != nil {
+			t.Fatal(err)
+		}
+		return ln
+	}
+	for name, open := range map[string]func() net.Listener{"uproxy's listener": own, "a listener from elsewhere": elsewhere} {
+		t.Run(name, func(t *testing.T) { acceptedSocketOptions(t, open()) })
+	}
+}
+
+func acceptedSocketOptions(t *testing.T, ln net.Listener) {
 	defer ln.Close()
 	rc, err := ln.(syscall.Conn).SyscallConn()
 	if err != nil {
-		t.Fatal(err)
-	}
-	if err := setAcceptOptions(rc); err != nil {
 		t.Fatal(err)
 	}
 	c, err := net.Dial("tcp4", ln.Addr().String())

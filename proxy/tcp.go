@@ -637,17 +637,22 @@ func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported 
 // setAcceptOptions sets, on a listening socket, what the sockets it
 // accepts inherit (the kernel clones the listener's socket): keep-alive
 // and TCP_NODELAY, which Go sets on each connection it accepts and
-// acceptRaw would otherwise have to.
+// acceptRaw would otherwise have to. listenConfig sets them on every
+// listener uproxy opens, before bind; acceptRaw sets them again only on
+// a socket from elsewhere (an inherited one, or Config.Listen's).
 func setAcceptOptions(rc syscall.RawConn) error {
 	var serr error
-	if err := rc.Control(func(fd uintptr) {
-		if serr = setKeepAliveFD(int(fd)); serr == nil {
-			serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-		}
-	}); err != nil {
+	if err := rc.Control(func(fd uintptr) { serr = setAcceptOptionsFD(int(fd)) }); err != nil {
 		return err
 	}
 	return serr
+}
+
+func setAcceptOptionsFD(fd int) error {
+	if err := setKeepAliveFD(fd); err != nil {
+		return err
+	}
+	return unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 }
 
 // listenConfig returns the ListenConfig of TCP and UDP listeners. TCP
@@ -671,18 +676,9 @@ func (p *Proxier) listenConfig() net.ListenConfig {
 		if network[:3] != "tcp" {
 			return nil
 		}
-		return setKeepAlive(c)
+		return setAcceptOptions(c)
 	}
 	return lc
-}
-
-// setKeepAlive turns TCP keep-alive on for c with Go's default timing.
-func setKeepAlive(c syscall.RawConn) error {
-	var serr error
-	if err := c.Control(func(fd uintptr) { serr = setKeepAliveFD(int(fd)) }); err != nil {
-		return err
-	}
-	return serr
 }
 
 // setKeepAliveFD turns TCP keep-alive on for fd with Go's default timing:
