@@ -4,7 +4,9 @@ import (
 	"context"
 	"io"
 	"net"
+	"os"
 	"runtime"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -13,43 +15,45 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestAcceptedSocketsInheritOptions checks that sockets accepted raw, as
-// acceptRaw does, carry TCP keep-alive with Go's default timing and
-// TCP_NODELAY, which are set only once, on the listening socket: by
-// listenConfig for uproxy's own listeners, by setAcceptOptions for one
-// from elsewhere.
-func TestAcceptedSocketsInheritOptions(t *testing.T) {
-	p := NewProxier(Config{})
-	own := func() net.Listener {
-		ln, err := p.listen(context.Background(), "tcp4", "127.0.0.1:0")
+// acceptOptions are the options setAcceptOptions sets, as getsockopt
+// reads them back.
+var acceptOptions = map[string]int{"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 15, "TCP_KEEPCNT": 9, "TCP_NODELAY": 1}
+
+// socketOptions reads fd's options of acceptOptions.
+func socketOptions(t *testing.T, fd int) map[string]int {
+	t.Helper()
+	got := map[string]int{}
+	for name, o := range map[string][2]int{
+		"SO_KEEPALIVE":  {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+		"TCP_KEEPIDLE":  {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
+		"TCP_KEEPINTVL": {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
+		"TCP_KEEPCNT":   {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
+		"TCP_NODELAY":   {unix.IPPROTO_TCP, unix.TCP_NODELAY},
+	} {
+		v, err := unix.GetsockoptInt(fd, o[0], o[1])
 		if err != nil {
-			t.Fatal(err)
+			t.Errorf("%s: %v", name, err)
 		}
-		return ln
+		got[name] = v
 	}
-	elsewhere := func() net.Listener {
-		ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(context.Background(), "tcp4", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		rc, err := ln.(syscall.Conn).SyscallConn()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := setAcceptOptions(rc); err != nil {
-			t.Fatal(err)
-		}
-		return ln
-	}
-	for name, open := range map[string]func() net.Listener{"uproxy's listener": own, "a listener from elsewhere": elsewhere} {
-		t.Run(name, func(t *testing.T) { acceptedSocketOptions(t, open()) })
-	}
+	return got
 }
 
-func acceptedSocketOptions(t *testing.T, ln net.Listener) {
+// TestAcceptedSocketsInheritOptions checks that sockets accepted raw, as
+// acceptRaw does, carry TCP keep-alive with Go's default timing and
+// TCP_NODELAY, which setAcceptOptions sets only once, on the listening
+// socket.
+func TestAcceptedSocketsInheritOptions(t *testing.T) {
+	ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(context.Background(), "tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer ln.Close()
 	rc, err := ln.(syscall.Conn).SyscallConn()
 	if err != nil {
+		t.Fatal(err)
+	}
+	if err := setAcceptOptions(rc); err != nil {
 		t.Fatal(err)
 	}
 	c, err := net.Dial("tcp4", ln.Addr().String())
@@ -64,24 +68,52 @@ func acceptedSocketOptions(t *testing.T, ln net.Listener) {
 		t.Fatal(aerr)
 	}
 	defer unix.Close(nfd)
-	got := map[string]int{}
-	for name, o := range map[string][2]int{
-		"SO_KEEPALIVE":  {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
-		"TCP_KEEPIDLE":  {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
-		"TCP_KEEPINTVL": {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
-		"TCP_KEEPCNT":   {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
-		"TCP_NODELAY":   {unix.IPPROTO_TCP, unix.TCP_NODELAY},
-	} {
-		v, err := unix.GetsockoptInt(nfd, o[0], o[1])
-		if err != nil {
-			t.Errorf("%s: %v", name, err)
-		}
-		got[name] = v
-	}
-	want := map[string]int{"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 15, "TCP_KEEPCNT": 9, "TCP_NODELAY": 1}
-	if diff := cmp.Diff(want, got); diff != "" {
+	if diff := cmp.Diff(acceptOptions, socketOptions(t, nfd)); diff != "" {
 		t.Errorf("accepted socket's options (-want +got):\n%s", diff)
 	}
+}
+
+// TestListenersCarryAcceptOptions checks that uproxy's listening sockets
+// carry setAcceptOptions' options, with and without event loops: their
+// accepted sockets inherit them (TestAcceptedSocketsInheritOptions).
+func TestListenersCarryAcceptOptions(t *testing.T) {
+	eachDataPath(t, func(t *testing.T, loops int) {
+		be := nameBackend(t, "a")
+		_, port := proxyWeb(t, Config{EventLoops: loops}, be)
+		fd := listeningSocket(t, port)
+		if diff := cmp.Diff(acceptOptions, socketOptions(t, fd)); diff != "" {
+			t.Errorf("listener's options (-want +got):\n%s", diff)
+		}
+	})
+}
+
+// listeningSocket returns the descriptor, in this process, of the TCP
+// socket listening on port.
+func listeningSocket(t *testing.T, port int) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		sa, err := unix.Getsockname(fd)
+		if err != nil {
+			continue
+		}
+		a, ok := sa.(*unix.SockaddrInet4)
+		if !ok || a.Port != port {
+			continue
+		}
+		if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err == nil && v == 1 {
+			return fd
+		}
+	}
+	t.Fatalf("no socket of this process listens on port %d", port)
+	return -1
 }
 
 // TestIdleConnectionsHoldNoGoroutine checks the event loops' point: once

@@ -921,6 +921,14 @@ func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (
 	}
 	l.port = port
 	if !udp {
+		// Once the socket is bound, whether bound here or inherited, and
+		// not on the attempts whose bind failed. Setting them before bind
+		// and again in acceptRaw cost 4 more system calls per listener:
+		// 40,000 for the first sync of 10,000 services.
+		if err := setListenerOptions(l.ln); err != nil {
+			p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
+				zap.Stringer("servicePort", k.name), zap.Error(err))
+		}
 		if f := p.rawAcceptFile(l.ln); f != nil {
 			// The duplicate is the socket's only descriptor from now on.
 			// Keeping both cost a second descriptor per listener (10,000
@@ -1053,6 +1061,20 @@ func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {
 	return os.NewFile(uintptr(nfd), "listener")
 }
 
+// setListenerOptions sets setAcceptOptions on ln; nothing on a listener
+// without a descriptor (one from Config.Listen may have none).
+func setListenerOptions(ln net.Listener) error {
+	sc, ok := ln.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	return setAcceptOptions(rc)
+}
+
 // acceptRaw is acceptLoop with event loops: accept4(2) straight on the
 // listening socket, whose options (keep-alive, TCP_NODELAY) the accepted
 // sockets inherit. An accepted socket never joins the runtime's poller,
@@ -1061,15 +1083,6 @@ func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {
 // deregister it and close it when it moves to a loop. The accepted
 // connection is checked on this goroutine (startTCP), without blocking.
 func (p *Proxier) acceptRaw(l *listener, rc syscall.RawConn) {
-	// listenConfig set the options before bind; a socket from elsewhere
-	// may lack them. Setting keep-alive twice cost 4 system calls per
-	// listener: 40,000 for the first sync of 10,000 services.
-	if p.cfg.Listen != nil || p.adopted(l) {
-		if err := setAcceptOptions(rc); err != nil {
-			p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
-				zap.Stringer("servicePort", l.key.name), zap.Error(err))
-		}
-	}
 	var (
 		delay time.Duration
 		// What accept finds, allocated once with the function.

@@ -635,48 +635,31 @@ func (fdConn) Read(func(fd uintptr) bool) error { return errors.ErrUnsupported }
 func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported }
 
 // setAcceptOptions sets, on a listening socket, what the sockets it
-// accepts inherit (the kernel clones the listener's socket): keep-alive
-// and TCP_NODELAY, which Go sets on each connection it accepts and
-// acceptRaw would otherwise have to. listenConfig sets them on every
-// listener uproxy opens, before bind; acceptRaw sets them again only on
-// a socket from elsewhere (an inherited one, or Config.Listen's).
+// accepts inherit (the kernel clones the listener's options): TCP
+// keep-alive with Go's default timing (15s idle, 15s between probes, 9
+// probes) and TCP_NODELAY. Set once per listener, by openListenerAt, they
+// spare the five setsockopt calls per accepted connection that Go's
+// Accept, or acceptRaw, would otherwise make.
 func setAcceptOptions(rc syscall.RawConn) error {
 	var serr error
-	if err := rc.Control(func(fd uintptr) { serr = setAcceptOptionsFD(int(fd)) }); err != nil {
+	if err := rc.Control(func(fd uintptr) {
+		if serr = setKeepAliveFD(int(fd)); serr == nil {
+			serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		}
+	}); err != nil {
 		return err
 	}
 	return serr
 }
 
-func setAcceptOptionsFD(fd int) error {
-	if err := setKeepAliveFD(fd); err != nil {
-		return err
-	}
-	return unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-}
-
-// listenConfig returns the ListenConfig of TCP and UDP listeners. TCP
-// keep-alive is set once on the listening socket, which every accepted
-// socket inherits (the kernel clones the listener's options), instead of
-// by four setsockopt calls per accepted connection: Go's defaults, 15s
-// idle, 15s between probes, 9 probes.
+// listenConfig returns the ListenConfig of TCP and UDP listeners. Go's
+// Accept sets no keep-alive (KeepAlive -1): the accepted sockets inherit
+// the listener's (setAcceptOptions).
 func (p *Proxier) listenConfig() net.ListenConfig {
 	lc := net.ListenConfig{KeepAlive: -1}
 	if p.cfg.Transparent {
 		lc = transparentListenConfig()
 		lc.KeepAlive = -1
-	}
-	control := lc.Control
-	lc.Control = func(network, address string, c syscall.RawConn) error {
-		if control != nil {
-			if err := control(network, address, c); err != nil {
-				return err
-			}
-		}
-		if network[:3] != "tcp" {
-			return nil
-		}
-		return setAcceptOptions(c)
 	}
 	return lc
 }
