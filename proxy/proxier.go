@@ -920,16 +920,16 @@ func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (
 		return nil, fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
 	}
 	l.port = port
-	if !udp {
+	if rc := listenerRawConn(l.ln); rc != nil {
 		// Once the socket is bound, whether bound here or inherited, and
 		// not on the attempts whose bind failed. Setting them before bind
 		// and again in acceptRaw cost 4 more system calls per listener:
 		// 40,000 for the first sync of 10,000 services.
-		if err := setListenerOptions(l.ln); err != nil {
+		if err := setAcceptOptions(rc); err != nil {
 			p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
 				zap.Stringer("servicePort", k.name), zap.Error(err))
 		}
-		if f := p.rawAcceptFile(l.ln); f != nil {
+		if f := p.rawAcceptFile(rc); f != nil {
 			// The duplicate is the socket's only descriptor from now on.
 			// Keeping both cost a second descriptor per listener (10,000
 			// services then needed 20,000, a common hard limit) and a
@@ -1033,23 +1033,29 @@ func (p *Proxier) acceptBackoff(l *listener, delay time.Duration, err error) tim
 	return delay
 }
 
-// rawAcceptFile returns a duplicate of ln's socket for acceptRaw, as an
-// *os.File, which waits for connections in the runtime's poller (a
-// listener's own RawConn cannot wait: its Read is not supported). The
-// caller then closes ln, leaving the duplicate as the socket's only
-// descriptor. Nil without event loops, with a dialer of the caller's
-// (Config.Dial, which needs the goroutine path), or for a listener that
-// is no socket.
-func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {
-	if p.loops.n <= 0 || p.cfg.Dial != nil {
-		return nil
-	}
+// listenerRawConn returns the RawConn of ln, a TCP listener's socket; nil
+// for no listener (a UDP listener has none) or one that is no socket (from
+// Config.Listen).
+func listenerRawConn(ln net.Listener) syscall.RawConn {
 	sc, ok := ln.(syscall.Conn)
 	if !ok {
 		return nil
 	}
 	rc, err := sc.SyscallConn()
 	if err != nil {
+		return nil
+	}
+	return rc
+}
+
+// rawAcceptFile returns a duplicate of a TCP listener's socket, rc, for
+// acceptRaw, as an *os.File, which waits for connections in the runtime's
+// poller (a listener's own RawConn cannot wait: its Read is not
+// supported). The caller then closes the listener, leaving the duplicate
+// as the socket's only descriptor. Nil without event loops, or with a
+// dialer of the caller's (Config.Dial, which needs the goroutine path).
+func (p *Proxier) rawAcceptFile(rc syscall.RawConn) *os.File {
+	if p.loops.n <= 0 || p.cfg.Dial != nil {
 		return nil
 	}
 	nfd, derr := -1, error(nil)
@@ -1059,20 +1065,6 @@ func (p *Proxier) rawAcceptFile(ln net.Listener) *os.File {
 	// The socket is non-blocking (the duplicate shares its flags), so
 	// NewFile registers it with the poller.
 	return os.NewFile(uintptr(nfd), "listener")
-}
-
-// setListenerOptions sets setAcceptOptions on ln; nothing on a listener
-// without a descriptor (one from Config.Listen may have none).
-func setListenerOptions(ln net.Listener) error {
-	sc, ok := ln.(syscall.Conn)
-	if !ok {
-		return nil
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return err
-	}
-	return setAcceptOptions(rc)
 }
 
 // acceptRaw is acceptLoop with event loops: accept4(2) straight on the
