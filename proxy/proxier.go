@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -393,8 +394,13 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	ch := p.tracker.Take(reapply, programmed)
 	p.cfg.Metrics.countChanges(ch.ServiceChanges, ch.SliceChanges)
 	zone := p.currentZone()
-	for _, st := range ch.Services {
-		p.applyService(ctx, st, zone)
+	wants := make([]serviceWant, len(ch.Services))
+	for i, st := range ch.Services {
+		wants[i] = wantOf(st, p.cfg.Defaults)
+	}
+	opened := p.openListeners(ctx, wants)
+	for _, w := range wants {
+		p.applyService(ctx, w, zone, opened)
 	}
 	// The shared listeners' routes, like the rules, follow the intercepts:
 	// they change only with them (rulesDirty).
@@ -469,20 +475,112 @@ func (p *Proxier) serviceEndpoints(name types.NamespacedName) int {
 	return n
 }
 
-// applyService makes the listeners of one service match its objects.
-func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string) {
-	var ports []*ServicePort
-	if st.Service != nil {
-		ports = ServicePorts(st.Service, p.cfg.Defaults)
+// serviceWant is a changed service and the listeners it wants: one per
+// service port and family of its cluster IPs, in the service's order. A
+// deleted service wants none.
+type serviceWant struct {
+	st    ServiceState
+	ports []wantedPort
+}
+
+// wantedPort is a listener that a service wants, and the cluster IP it
+// serves. A service has few, so a slice, searched by want, costs less
+// than a map: a first sync holds the wants of every service at once.
+type wantedPort struct {
+	key portKey
+	sp  *ServicePort
+	vip netip.Addr
+}
+
+// wantOf returns the listeners st wants.
+func wantOf(st ServiceState, defaults ServiceDefaults) serviceWant {
+	w := serviceWant{st: st}
+	if st.Service == nil {
+		return w
 	}
-	want := map[portKey]*ServicePort{}
-	vips := map[portKey]netip.Addr{}
-	for _, sp := range ports {
+	for _, sp := range ServicePorts(st.Service, defaults) {
 		for _, ip := range sp.ClusterIPs {
-			k := portKey{name: sp.Name, v6: ip.Is6()}
-			want[k], vips[k] = sp, ip
+			wp := wantedPort{key: portKey{name: sp.Name, v6: ip.Is6()}, sp: sp, vip: ip}
+			// One listener per key: the last cluster IP of a family wins,
+			// should a source hand over two.
+			if i := slices.IndexFunc(w.ports, func(o wantedPort) bool { return o.key == wp.key }); i >= 0 {
+				w.ports[i] = wp
+				continue
+			}
+			w.ports = append(w.ports, wp)
 		}
 	}
+	return w
+}
+
+// want reports whether w wants a listener for k.
+func (w serviceWant) want(k portKey) bool {
+	return slices.ContainsFunc(w.ports, func(wp wantedPort) bool { return wp.key == k })
+}
+
+// opening is a listener that openListeners bound ahead of applyService,
+// or why it could not.
+type opening struct {
+	l   *listener
+	err error
+}
+
+// openListeners opens the per-service listeners that the changed
+// services want and do not have, before they are applied: every one of
+// them on a first sync, 10,000 at 10,000 services. This goroutine binds
+// them one by one in the services' order, so each gets the port that
+// opening them in applyService would give it (a --proxy-port-range is
+// handed out in order). Meanwhile workers on the other CPUs finish the
+// bound ones (startListener: socket options, the runtime's poller, the
+// log line, the accept loop), which is more than half of a listener's
+// cost. On 2 CPUs, applying the first sync of 10,000 services from
+// manifests took 0.62-0.82 s when applyService opened them one by one,
+// and 0.37-0.39 s this way.
+//
+// applyService takes the listeners from the result, which is empty with
+// a single CPU or fewer than two listeners to open: applyService then
+// opens them itself. The workers belong to this call and end with it.
+func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[portKey]opening {
+	var need []portKey
+	for _, w := range wants {
+		have := p.services[w.st.Name]
+		for _, wp := range w.ports {
+			if have[wp.key] == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
+				need = append(need, wp.key)
+			}
+		}
+	}
+	workers := min(runtime.GOMAXPROCS(0)-1, len(need)-1)
+	if workers < 1 {
+		return nil
+	}
+	opened := make(map[portKey]opening, len(need))
+	bound := make(chan *listener, 64)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for l := range bound {
+				p.startListener(l)
+			}
+		})
+	}
+	for _, k := range need {
+		l, err := p.bindListener(ctx, k, 0)
+		opened[k] = opening{l: l, err: err}
+		if err == nil {
+			bound <- l
+		}
+	}
+	close(bound)
+	wg.Wait()
+	return opened
+}
+
+// applyService makes the listeners of one service match its objects. The
+// listeners it wants that are in opened are taken from there rather than
+// opened.
+func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, opened map[portKey]opening) {
+	st := w.st
 	p.warnIgnored(st)
 	// The snapshots built below take their metric counters in this round;
 	// retainService then drops the ports and backends none of them took.
@@ -491,25 +589,30 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
 	have := p.services[st.Name]
 	for k, l := range have {
-		if want[k] == nil {
+		if !w.want(k) {
 			p.closeListener(l)
 			delete(have, k)
 			p.rulesDirty = true
-			if want[portKey{name: k.name, v6: !k.v6}] == nil {
+			if !w.want(portKey{name: k.name, v6: !k.v6}) {
 				delete(p.slots, k.name) // the port is gone in both families
 			}
 		}
 	}
 	failed := false
-	for k, sp := range want {
+	for _, wp := range w.ports {
+		k, sp := wp.key, wp.sp
 		l := have[k]
 		if l == nil {
 			var err error
-			open := p.openListener
-			if p.cfg.sharedFor(k.name.Protocol) {
-				open = p.hostOn
+			switch o, ok := opened[k]; {
+			case ok:
+				l, err = o.l, o.err
+			case p.cfg.sharedFor(k.name.Protocol):
+				l, err = p.hostOn(ctx, k)
+			default:
+				l, err = p.openListener(ctx, k)
 			}
-			if l, err = open(ctx, k); err != nil {
+			if err != nil {
 				p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
 				failed = true
 				continue
@@ -521,7 +624,7 @@ func (p *Proxier) applyService(ctx context.Context, st ServiceState, zone string
 			have[k] = l
 		}
 		old := l.snap.Load()
-		next := p.buildSnapshot(l, sp, vips[k], st, zone, old)
+		next := p.buildSnapshot(l, sp, wp.vip, st, zone, old)
 		if old == nil || !slices.EqualFunc(l.intercepts(old), l.intercepts(next), interceptEqual) {
 			p.rulesDirty = true
 		}
@@ -878,6 +981,18 @@ func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error
 // openListenerAt is openListener on port exactly, or, when exact is zero,
 // on the port that adoptOrAllocate finds.
 func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (*listener, error) {
+	l, err := p.bindListener(ctx, k, exact)
+	if err != nil {
+		return nil, err
+	}
+	p.startListener(l)
+	return l, nil
+}
+
+// bindListener is the first half of openListenerAt: it binds (or adopts)
+// l's socket. It runs on the sync goroutine, which owns the port
+// allocator.
+func (p *Proxier) bindListener(ctx context.Context, k portKey, exact uint16) (*listener, error) {
 	host := "0.0.0.0"
 	if k.v6 {
 		host = "::"
@@ -920,6 +1035,15 @@ func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (
 		return nil, fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
 	}
 	l.port = port
+	return l, nil
+}
+
+// startListener is the second half of openListenerAt: it readies l's
+// bound socket for accepting and starts its accept or read loop. It is
+// safe to call for different listeners concurrently, and concurrently
+// with bindListener.
+func (p *Proxier) startListener(l *listener) {
+	k, network, port := l.key, l.key.network(), l.port
 	if rc := listenerRawConn(l.ln); rc != nil {
 		// Once the socket is bound, whether bound here or inherited, and
 		// not on the attempts whose bind failed. Setting them before bind
@@ -942,15 +1066,14 @@ func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (
 	}
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	if p.startAdopted(l) {
-		return l, nil
+		return
 	}
 	p.wg.Add(1)
-	if udp {
+	if k.name.Protocol == v1.ProtocolUDP {
 		go p.udpLoop(l)
 	} else {
 		go p.acceptLoop(l)
 	}
-	return l, nil
 }
 
 // close closes l's socket, which ends its accept or read loop.

@@ -19,9 +19,10 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	proxyproto "github.com/pires/go-proxyproto"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
-	"math/rand/v2"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
@@ -631,35 +632,58 @@ func countFDs(t *testing.T) int {
 	return len(entries)
 }
 
+// TestFirstSyncOpensListenersInServiceOrder checks that a sync opening
+// many listeners at once (openListeners, which finishes them on other
+// goroutines) hands out the port range in the services' order, as
+// opening them one by one did, and that a listener it cannot open is
+// reported, left out of the rules and retried, while the rest serve.
+func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
+	const n = 12
+	base := int(freePortRange(t, n))
+	be := nameBackend(t, "a")
+	core, logs := observer.New(zap.ErrorLevel)
+	p, rules := startProxier(t, Config{Logger: zap.New(core), PortRange: PortRange{Base: uint16(base), Size: n}})
+	var svcs []*v1.Service
+	var eps []*discovery.EndpointSlice
+	for i := range n + 1 { // one more than the range holds
+		name := fmt.Sprintf("s%02d", i)
+		svcs = append(svcs, svc(name, fmt.Sprintf("10.96.0.%d", 10+i), "http:80"))
+		eps = append(eps, slicesFor(name, "http", be)...)
+	}
+	p.Tracker().Replace(svcs, eps)
+	for i := range n {
+		name := fmt.Sprintf("default/s%02d:http", i)
+		if got := rules.port(t, name); got != base+i {
+			t.Errorf("%s listens on %d; want %d, the range's ports in the services' order", name, got, base+i)
+		}
+	}
+	if got, err := get(t, rules.port(t, "default/s05:http")); err != nil || got != "a" {
+		t.Errorf("s05 answered %q, %v; want a", got, err)
+	}
+	last := fmt.Sprintf("default/s%02d:http", n)
+	if rules.has(last) {
+		t.Errorf("%s has an intercept, with every port of the range taken", last)
+	}
+	waitUntil(t, "the failure is logged", func() bool {
+		return logs.FilterMessage("cannot open listener; will retry").FilterFieldKey("servicePort").Len() > 0
+	})
+	if e := logs.FilterMessage("cannot open listener; will retry").All()[0]; e.ContextMap()["servicePort"] != last {
+		t.Errorf("the failure names %v; want %s", e.ContextMap()["servicePort"], last)
+	}
+	// A port comes free: the failed service is retried and takes it.
+	p.Tracker().Replace(svcs[1:], eps[1:])
+	if got := rules.port(t, last); got != base {
+		t.Errorf("%s listens on %d after s00 left; want %d", last, got, base)
+	}
+}
+
 func TestListenerPortsComeFromTheRange(t *testing.T) {
 	be := nameBackend(t, "a")
-	// Take a port inside the range so the allocator has to skip it. The
-	// range lies below the ephemeral ports (ip_local_port_range), which
-	// other tests' connections take at any moment.
-	var busy net.Listener
-	var base int
-	for try := 0; busy == nil; try++ {
-		if try == 50 {
-			t.Fatal("no three free consecutive ports below the ephemeral range")
-		}
-		base = 20000 + rand.IntN(10000)
-		l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", base))
-		if err != nil {
-			continue
-		}
-		free := true
-		for _, p := range []int{base + 1, base + 2} {
-			if f, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", p)); err != nil {
-				free = false
-			} else {
-				f.Close()
-			}
-		}
-		if !free {
-			l.Close()
-			continue
-		}
-		busy = l
+	// Take a port inside the range so the allocator has to skip it.
+	base := int(freePortRange(t, 3))
+	busy, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", base))
+	if err != nil {
+		t.Fatal(err)
 	}
 	defer busy.Close()
 	p, rules := startProxier(t, Config{PortRange: PortRange{Base: uint16(base), Size: 3}})
