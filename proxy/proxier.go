@@ -537,13 +537,21 @@ type opening struct {
 // manifests took 0.62-0.82 s when applyService opened them one by one,
 // and 0.37-0.39 s this way.
 //
-// applyService takes the listeners from the result, which is empty with
-// a single CPU or fewer than two listeners to open: applyService then
-// opens them itself. The workers belong to this call and end with it.
+// applyService takes the listeners from the result. It is empty, and
+// applyService opens them itself as it did before, with a single CPU,
+// with fewer than two listeners to open, or when the sync also closes a
+// listener: applyService closes those first, and the port one frees may
+// be the one another needs (a full --proxy-port-range). The workers
+// belong to this call and end with it.
 func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[portKey]opening {
 	var need []portKey
 	for _, w := range wants {
 		have := p.services[w.st.Name]
+		for k := range have {
+			if !w.want(k) {
+				return nil
+			}
+		}
 		for _, wp := range w.ports {
 			if have[wp.key] == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
 				need = append(need, wp.key)

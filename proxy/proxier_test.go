@@ -677,6 +677,33 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 	}
 }
 
+// TestSyncClosesBeforeItOpens checks that a sync that replaces
+// listeners closes the old ones before it opens the new: on a full port
+// range, the new ones need the ports the old ones free.
+func TestSyncClosesBeforeItOpens(t *testing.T) {
+	base := freePortRange(t, 2)
+	be := nameBackend(t, "a")
+	core, logs := observer.New(zap.ErrorLevel)
+	p, rules := startProxier(t, Config{Logger: zap.New(core), PortRange: PortRange{Base: base, Size: 2}})
+	objects := func(port string) ([]*v1.Service, []*discovery.EndpointSlice) {
+		return []*v1.Service{svc("a", "10.96.0.10", port+":80"), svc("b", "10.96.0.11", port+":80")},
+			append(slicesFor("a", port, be), slicesFor("b", port, be)...)
+	}
+	p.Tracker().Replace(objects("http"))
+	rules.port(t, "default/a:http")
+	rules.port(t, "default/b:http")
+	// Both service ports are renamed: two listeners close, two open.
+	p.Tracker().Replace(objects("web"))
+	for _, name := range []string{"default/a:web", "default/b:web"} {
+		if got, err := get(t, rules.port(t, name)); err != nil || got != "a" {
+			t.Errorf("%s answered %q, %v; want a", name, got, err)
+		}
+	}
+	for _, e := range logs.FilterMessage("cannot open listener; will retry").All() {
+		t.Errorf("a listener failed to open: %v", e.ContextMap())
+	}
+}
+
 func TestListenerPortsComeFromTheRange(t *testing.T) {
 	be := nameBackend(t, "a")
 	// Take a port inside the range so the allocator has to skip it.
