@@ -119,7 +119,7 @@ type eventLoop struct {
 	buf          [copyBufSize]byte
 	// recv and replies relay UDP replies: allocated with the first flow.
 	recv    *flowReceiver
-	replies *replySender
+	replies *replyQueue
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
@@ -215,6 +215,11 @@ func (l *eventLoop) run() {
 			if l.runTasks() {
 				return
 			}
+		}
+		// The UDP replies of everything handled above (runTasks included:
+		// a flow that had more than its budget) go out together.
+		if l.replies != nil {
+			l.replies.flush()
 		}
 		if l.idle <= 0 && l.nextDeadline.IsZero() {
 			continue
@@ -827,7 +832,7 @@ func (c *Config) eventLoops() int {
 func (l *eventLoop) addFlow(f *udpFlow) {
 	if l.recv == nil {
 		l.recv = newFlowReceiver()
-		l.replies = newReplySender()
+		l.replies = newReplyQueue(func(f *udpFlow, n int, err error) { f.p.replied(f, n, err) })
 	}
 	l.flows[f] = struct{}{}
 	f.side = loopSide{flow: f, fd: f.fd}
@@ -858,7 +863,7 @@ func (l *eventLoop) flowReady(f *udpFlow) {
 			return
 		}
 		for i := range n {
-			f.p.relayReply(f, l.replies, r.datagram(i))
+			f.p.queueReply(f, l.replies, r.datagram(i))
 		}
 		if n < len(r.hdrs) {
 			// The socket had no more: the next datagram will raise a new

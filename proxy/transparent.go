@@ -86,12 +86,14 @@ type replySocket struct {
 
 var _ udpSocket = (*tproxySocket)(nil)
 
-func (t *tproxySocket) write(rs *replySender, b []byte, client, dst netip.AddrPort) error {
+// replyPath sends a reply from the transparent socket bound to dst, the
+// service's own address and port.
+func (t *tproxySocket) replyPath(dst netip.AddrPort) (replyPath, error) {
 	c, err := t.replySocket(dst)
 	if err != nil {
-		return err
+		return replyPath{}, err
 	}
-	return rs.send(c.rc, t.v6, b, client, netip.Addr{})
+	return replyPath{rc: c.rc, v6: t.v6}, nil
 }
 
 // replySocket returns the transparent socket bound to dst, opening it on

@@ -486,10 +486,31 @@ func (p *Proxier) udpReplies(f *udpFlow) {
 
 // relayReply sends one of the backend's datagrams to the flow's client.
 func (p *Proxier) relayReply(f *udpFlow, rs *replySender, b []byte) {
-	if err := f.sock.write(rs, b, f.key.client, f.dst); err != nil {
+	path, err := f.sock.replyPath(f.dst)
+	if err == nil {
+		err = rs.send(path, b, f.key.client)
+	}
+	p.replied(f, len(b), err)
+}
+
+// queueReply is relayReply on an event loop: the reply goes out when the
+// loop flushes q.
+func (p *Proxier) queueReply(f *udpFlow, q *replyQueue, b []byte) {
+	path, err := f.sock.replyPath(f.dst)
+	if err != nil {
+		p.replied(f, 0, err)
+		return
+	}
+	q.add(path, b, f)
+}
+
+// replied counts a reply of n bytes sent to f's client, or logs why it
+// was not, and pushes the flow's timeout back either way.
+func (p *Proxier) replied(f *udpFlow, n int, err error) {
+	if err != nil {
 		p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
 	} else {
-		f.pm.down(int64(len(b)))
+		f.pm.down(int64(n))
 	}
 	f.touch(p)
 }

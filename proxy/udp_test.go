@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/ptr"
@@ -295,7 +296,7 @@ func TestReplySenderDoesNotAllocate(t *testing.T) {
 	src := netip.MustParseAddr("127.0.0.1")
 	rs, msg := newReplySender(), []byte("reply")
 	if allocs := testing.AllocsPerRun(100, func() {
-		if err := rs.send(rc, false, msg, client, src); err != nil {
+		if err := rs.send(replyPath{rc: rc, src: src}, msg, client); err != nil {
 			t.Fatal(err)
 		}
 	}); allocs != 0 {
@@ -306,6 +307,73 @@ func TestReplySenderDoesNotAllocate(t *testing.T) {
 	n, got, err := to.ReadFromUDPAddrPort(buf)
 	if err != nil || string(buf[:n]) != "reply" || got != netip.MustParseAddrPort(from.LocalAddr().String()) {
 		t.Errorf("received %q from %v (%v), want %q from %v", buf[:n], got, err, "reply", from.LocalAddr())
+	}
+}
+
+// TestReplyQueue checks that a loop's queued replies go out with one
+// sendmmsg, each to its own client with its own payload, that a reply
+// the kernel refuses is reported and skipped without losing the ones
+// after it, and that queueing and flushing allocate nothing.
+func TestReplyQueue(t *testing.T) {
+	from, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer from.Close()
+	rc, err := from.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var clients []*net.UDPConn
+	var flows []*udpFlow
+	for range 2 {
+		c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		clients = append(clients, c)
+		flows = append(flows, &udpFlow{key: flowKey{client: netip.MustParseAddrPort(c.LocalAddr().String())}})
+	}
+	// Port 0 is no destination: sendmsg(2) fails with EINVAL.
+	bad := &udpFlow{key: flowKey{client: netip.MustParseAddrPort("127.0.0.1:0")}}
+
+	type outcome struct {
+		Client netip.AddrPort
+		N      int
+		Failed bool
+	}
+	var got []outcome
+	q := newReplyQueue(func(f *udpFlow, n int, err error) {
+		got = append(got, outcome{f.key.client, n, err != nil})
+	})
+	path := replyPath{rc: rc, src: netip.MustParseAddr("127.0.0.1")}
+	q.add(path, []byte("first"), flows[0])
+	q.add(path, []byte("refused"), bad)
+	q.add(path, []byte("second!"), flows[1])
+	q.flush()
+	want := []outcome{{flows[0].key.client, 5, false}, {bad.key.client, 0, true}, {flows[1].key.client, 7, false}}
+	if diff := cmp.Diff(want, got, cmpopts.EquateComparable(netip.AddrPort{})); diff != "" {
+		t.Errorf("outcomes (-want +got):\n%s", diff)
+	}
+	for i, c := range clients {
+		c.SetReadDeadline(time.Now().Add(time.Second))
+		buf := make([]byte, 16)
+		n, src, err := c.ReadFromUDPAddrPort(buf)
+		if wantMsg := []string{"first", "second!"}[i]; err != nil || string(buf[:n]) != wantMsg || src.String() != from.LocalAddr().String() {
+			t.Errorf("client %d received %q from %v (%v); want %q from %v", i, buf[:n], src, err, wantMsg, from.LocalAddr())
+		}
+	}
+
+	got = got[:0:cap(got)]
+	msg := []byte("reply")
+	if allocs := testing.AllocsPerRun(100, func() {
+		q.add(path, msg, flows[0])
+		q.add(path, msg, flows[1])
+		q.flush()
+		got = got[:0]
+	}); allocs != 0 {
+		t.Errorf("%v allocations per batch, want 0", allocs)
 	}
 }
 

@@ -14,19 +14,26 @@ import (
 )
 
 // udpSocket reads a listener's datagrams with the address each was sent
-// to, and writes replies that appear to come from it. readBatch is called
-// by one goroutine only; write by any, each with a replySender of its own.
+// to, and says how replies go out so that they appear to come from it.
+// readBatch is called by one goroutine only; replyPath by any.
 type udpSocket interface {
 	// readBatch blocks until at least one datagram is queued, then reads
 	// up to len(out) of them (fewer while the socket has no backlog; see
 	// listenSocket). The caller returns each out[i].buf to listenBuffers.
 	readBatch(out []datagram) (int, error)
-	// write sends b to client, appearing to come from dst, without
-	// waiting: a full send buffer drops the datagram (errReplyDropped),
-	// as the kernel drops what a full receive buffer cannot take. An
-	// event loop sends replies, and must not block on one socket.
-	write(s *replySender, b []byte, client, dst netip.AddrPort) error
+	// replyPath returns how a reply to a datagram that arrived at dst
+	// goes out (a replySender or a replyQueue sends it).
+	replyPath(dst netip.AddrPort) (replyPath, error)
 	close()
+}
+
+// replyPath is how a reply goes out: through rc's socket, of family v6
+// or not, from src's address when it is valid (IP_PKTINFO,
+// IPV6_PKTINFO), else from the socket's own.
+type replyPath struct {
+	rc  syscall.RawConn
+	v6  bool
+	src netip.Addr
 }
 
 // datagram is one datagram read from a listener.
@@ -207,12 +214,12 @@ func sockaddrAddrPort(sa *unix.RawSockaddrInet6) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
-// write sends a reply from dst's address (IP_PKTINFO's ipi_spec_dst, or
-// IPV6_PKTINFO's ipi6_addr: ip(7), ipv6(7)), so that conntrack maps it
-// back to the service's address the client sent to. An invalid dst sends
-// from whatever address the kernel picks.
-func (s *listenSocket) write(rs *replySender, b []byte, client, dst netip.AddrPort) error {
-	return rs.send(s.rc, s.v6, b, client, dst.Addr())
+// replyPath sends a reply from dst's address (IP_PKTINFO's ipi_spec_dst,
+// or IPV6_PKTINFO's ipi6_addr: ip(7), ipv6(7)), so that conntrack maps
+// it back to the service's address the client sent to. An invalid dst
+// sends from whatever address the kernel picks.
+func (s *listenSocket) replyPath(dst netip.AddrPort) (replyPath, error) {
+	return replyPath{rc: s.rc, v6: s.v6, src: dst.Addr()}, nil
 }
 
 func (*listenSocket) close() {}
@@ -332,34 +339,142 @@ func newReplySender() *replySender {
 // errReplyDropped: a reply found its socket's send buffer full.
 var errReplyDropped = errors.New("reply dropped: the listener's send buffer is full")
 
-// send sends b to client through rc's socket (of family v6 or not), from
-// src's address when it is valid (IP_PKTINFO, IPV6_PKTINFO), without
-// waiting for room in the send buffer.
-func (s *replySender) send(rc syscall.RawConn, v6 bool, b []byte, client netip.AddrPort, src netip.Addr) error {
-	s.msg = unix.Msghdr{Name: (*byte)(unsafe.Pointer(&s.name)), Iov: &s.iov}
-	s.msg.SetIovlen(1)
-	s.iov = unix.Iovec{}
-	if len(b) > 0 {
-		s.iov.Base = &b[0]
-		s.iov.SetLen(len(b))
-	}
-	s.msg.Namelen = putSockaddr(&s.name, client, v6)
-	if src.IsValid() {
-		oob := pktinfo(s.oob[:0], src, v6)
-		s.msg.Control = &s.oob[0]
-		s.msg.SetControllen(len(oob))
-	}
+// send sends b to client along path, without waiting for room in the
+// send buffer: a full one drops the datagram (errReplyDropped), as the
+// kernel drops what a full receive buffer cannot take.
+func (s *replySender) send(path replyPath, b []byte, client netip.AddrPort) error {
+	setReply(&s.msg, &s.iov, &s.name, &s.oob, path, b, client)
 	s.err = 0
-	if err := rc.Write(s.fn); err != nil {
+	if err := path.rc.Write(s.fn); err != nil {
 		return err
 	}
-	switch s.err {
+	return replyError("sendmsg", s.err)
+}
+
+// setReply fills msg, and the iovec, address and control message it
+// points to, for a reply b to client along path.
+func setReply(msg *unix.Msghdr, iov *unix.Iovec, name *unix.RawSockaddrInet6, oob *[64]byte, path replyPath, b []byte, client netip.AddrPort) {
+	*msg = unix.Msghdr{Name: (*byte)(unsafe.Pointer(name)), Iov: iov}
+	msg.SetIovlen(1)
+	*iov = unix.Iovec{}
+	if len(b) > 0 {
+		iov.Base = &b[0]
+		iov.SetLen(len(b))
+	}
+	msg.Namelen = putSockaddr(name, client, path.v6)
+	if path.src.IsValid() {
+		n := len(pktinfo(oob[:0], path.src, path.v6))
+		msg.Control = &oob[0]
+		msg.SetControllen(n)
+	}
+}
+
+// replyError is the error of a reply that call failed with errno (0:
+// none).
+func replyError(call string, errno syscall.Errno) error {
+	switch errno {
 	case 0:
 		return nil
 	case unix.EAGAIN:
 		return errReplyDropped
 	}
-	return os.NewSyscallError("sendmsg", s.err)
+	return os.NewSyscallError(call, errno)
+}
+
+// maxReplyBatch is the most replies a replyQueue sends with one
+// sendmmsg(2).
+const maxReplyBatch = 16
+
+// replyQueue holds an event loop's replies to its flows' clients until
+// the loop has handled what one epoll_wait returned, then sends those
+// that go out through the same socket with one sendmmsg(2): the flows of
+// a service share their listener's socket (or, in tproxy mode, the
+// reply socket of the service's address). In the bench harness's UDP
+// request/response workload (32 flows to one service), a sendmmsg
+// carried 6.8 replies on average, where each had had a sendmsg(2) of its
+// own: 2.8 system calls per request instead of 3.7, at about 1 µs each
+// on a 2-core VM. It belongs to the loop, and is used by it alone.
+type replyQueue struct {
+	path  replyPath // of every queued reply
+	n     int
+	hdrs  [maxReplyBatch]unix.Mmsghdr
+	iovs  [maxReplyBatch]unix.Iovec
+	names [maxReplyBatch]unix.RawSockaddrInet6
+	oobs  [maxReplyBatch][64]byte
+	flows [maxReplyBatch]*udpFlow
+	// data holds copies of the queued payloads: a flow's receive buffer
+	// is reused for its next datagram before the queue is flushed.
+	data []byte
+	// done reports each reply's outcome: the bytes sent, or why none.
+	done func(f *udpFlow, n int, err error)
+	// sendmmsg's arguments and results, for fn.
+	from, sent int
+	err        syscall.Errno
+	fn         func(fd uintptr) bool
+}
+
+func newReplyQueue(done func(f *udpFlow, n int, err error)) *replyQueue {
+	q := &replyQueue{data: make([]byte, 0, maxDatagram), done: done}
+	q.fn = q.sendmmsg
+	return q
+}
+
+// add queues b, a reply of f's backend, to f's client along path. The
+// queue is flushed first if it is full, if b does not fit in what is
+// left of its copies, or if path goes out through another socket.
+func (q *replyQueue) add(path replyPath, b []byte, f *udpFlow) {
+	if q.n > 0 && (q.n == maxReplyBatch || len(q.data)+len(b) > cap(q.data) || q.path != path) {
+		q.flush()
+	}
+	q.path = path
+	start := len(q.data)
+	q.data = append(q.data, b...)
+	setReply(&q.hdrs[q.n].Hdr, &q.iovs[q.n], &q.names[q.n], &q.oobs[q.n], path, q.data[start:], f.key.client)
+	q.flows[q.n] = f
+	q.n++
+}
+
+// flush sends the queued replies and reports each one's outcome. A reply
+// that fails is skipped, and those after it are sent with the next call:
+// sendmmsg stops at the first message it cannot send.
+func (q *replyQueue) flush() {
+	for i := 0; i < q.n; {
+		q.from, q.sent, q.err = i, 0, 0
+		if err := q.path.rc.Write(q.fn); err != nil {
+			for ; i < q.n; i++ { // the socket is closed
+				q.done(q.flows[i], 0, err)
+			}
+			break
+		}
+		for end := i + q.sent; i < end; i++ {
+			q.done(q.flows[i], int(q.iovs[i].Len), nil)
+		}
+		if q.sent == 0 {
+			if q.err == 0 {
+				q.err = unix.EIO // no progress and no error: never loop
+			}
+			q.done(q.flows[i], 0, replyError("sendmmsg", q.err))
+			i++
+		}
+	}
+	clear(q.flows[:q.n])
+	q.n, q.data = 0, q.data[:0]
+}
+
+// sendmmsg is RawConn.Write's function: one sendmmsg(2) of the queued
+// replies from q.from on, that does not wait.
+func (q *replyQueue) sendmmsg(fd uintptr) bool {
+	n, err := rawCall(unix.SYS_SENDMMSG, fd, uintptr(unsafe.Pointer(&q.hdrs[q.from])), uintptr(q.n-q.from), unix.MSG_DONTWAIT, 0, 0)
+	q.sent, q.err = 0, 0
+	if err != nil {
+		q.err, _ = err.(syscall.Errno)
+		if q.err == 0 {
+			q.err = unix.EIO
+		}
+		return true
+	}
+	q.sent = int(n)
+	return true
 }
 
 // sendmsg is RawConn.Write's function: one sendmsg(2) that does not wait.
