@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"slices"
@@ -293,10 +294,14 @@ func TestSharedListenerRangeInPortRange(t *testing.T) {
 }
 
 // freePortRange returns the first of n consecutive ports that nothing
-// listens on now, in the upper half of the ports.
+// listens on now. They lie below the ephemeral ports
+// (ip_local_port_range), which other tests' connections take at any
+// moment, from a random start, so that tests running at the same time
+// seldom pick the same.
 func freePortRange(t *testing.T, n int) uint16 {
 	t.Helper()
-	for base := 50000; base+n <= 60000; base += n {
+	for range 50 {
+		base := 20000 + rand.IntN(10000)
 		free := true
 		for port := base; port < base+n && free; port++ {
 			ln, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port))
@@ -310,6 +315,6 @@ func freePortRange(t *testing.T, n int) uint16 {
 			return uint16(base)
 		}
 	}
-	t.Fatal("no free range of ports")
+	t.Fatalf("no %d free consecutive ports below the ephemeral range", n)
 	return 0
 }
