@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"runtime"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -274,24 +275,28 @@ func TestUDPNoLeaks(t *testing.T) {
 	})
 }
 
+// loopbackUDP returns a UDP socket on 127.0.0.1, closed when the test
+// ends, and its RawConn.
+func loopbackUDP(t *testing.T) (*net.UDPConn, syscall.RawConn) {
+	t.Helper()
+	c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, rc
+}
+
 // TestReplySenderDoesNotAllocate checks that relaying a reply allocates
 // nothing: RawConn.Write's function is bound once per sender, and the
 // message, its address and its IP_PKTINFO live in the sender.
 func TestReplySenderDoesNotAllocate(t *testing.T) {
-	from, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer from.Close()
-	to, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer to.Close()
-	rc, err := from.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
+	from, rc := loopbackUDP(t)
+	to, _ := loopbackUDP(t)
 	client := netip.MustParseAddrPort(to.LocalAddr().String())
 	src := netip.MustParseAddr("127.0.0.1")
 	rs, msg := newReplySender(), []byte("reply")
@@ -315,23 +320,11 @@ func TestReplySenderDoesNotAllocate(t *testing.T) {
 // the kernel refuses is reported and skipped without losing the ones
 // after it, and that queueing and flushing allocate nothing.
 func TestReplyQueue(t *testing.T) {
-	from, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer from.Close()
-	rc, err := from.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
+	from, rc := loopbackUDP(t)
 	var clients []*net.UDPConn
 	var flows []*udpFlow
 	for range 2 {
-		c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
+		c, _ := loopbackUDP(t)
 		clients = append(clients, c)
 		flows = append(flows, &udpFlow{key: flowKey{client: netip.MustParseAddrPort(c.LocalAddr().String())}})
 	}
