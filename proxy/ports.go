@@ -316,7 +316,14 @@ func (a *portAllocator) allocateEphemeral(network string, try func(port uint16) 
 			return got, nil
 		}
 	}
-	return try(0)
+	// The kernel's pick is uproxy's as much as the others: marked, a
+	// later scan skips it rather than counting it among the ports others
+	// hold.
+	got, err := try(0)
+	if err == nil {
+		a.mark(network, got)
+	}
+	return got, err
 }
 
 // release returns a port to the range.

@@ -86,6 +86,9 @@ func TestAllocateEphemeral(t *testing.T) {
 	if p := alloc(); p != 50001 || tried[len(tried)-1] != 0 {
 		t.Errorf("full range: got %d, tried %v; want bind(0)'s 50001", p, tried)
 	}
+	if !a.used["tcp4"][50001] {
+		t.Error("bind(0)'s port is not marked as uproxy's")
+	}
 
 	// A range that others fill is left to bind(0) after ephemeralTries.
 	b := &portAllocator{
