@@ -333,9 +333,10 @@ func runParts(ctx context.Context, c Config, ps []part, report bool) error {
 type env struct {
 	cfg    Config
 	binDir string
-	// loadBin and backendBin are this tool under two names, so that
-	// profiles tell the load generator from the backends.
-	loadBin, backendBin string
+	// loadBin, backendBin and ioCopyBin are this tool under three names,
+	// so that profiles tell the load generator, the backends and the
+	// reference Go proxy apart.
+	loadBin, backendBin, ioCopyBin string
 	// uproxyBin is built from the working tree; uproxyErr says why not.
 	uproxyBin string
 	uproxyErr error
@@ -386,8 +387,8 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 		e.close()
 		return nil, err
 	}
-	e.loadBin, e.backendBin = filepath.Join(dir, "ubench-load"), filepath.Join(dir, "ubench-backend")
-	for _, l := range []string{e.loadBin, e.backendBin} {
+	e.loadBin, e.backendBin, e.ioCopyBin = filepath.Join(dir, "ubench-load"), filepath.Join(dir, "ubench-backend"), filepath.Join(dir, "ubench-iocopy")
+	for _, l := range []string{e.loadBin, e.backendBin, e.ioCopyBin} {
 		if err := os.Link(self, l); err != nil {
 			e.close()
 			return nil, fmt.Errorf("linking %s: %w", l, err)

@@ -90,6 +90,7 @@ var dataPaths = []dataPath{
 	{Subject{"kp-nftables", "kube-proxy nftables", "The real kube-proxy (--proxy-mode nftables, defaults otherwise) against the real API server."}, setupKubeProxy("nftables")},
 	{Subject{"haproxy", "HAProxy", "HAProxy in the node (mode tcp, option splice-auto, balance roundrobin, maxpipes 16), reached through an iptables REDIRECT from the VIP to its port: the same rule shape as uproxy's."}, setupHAProxy},
 	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx},
+	{Subject{"iocopy", "Go io.Copy proxy", "The reference Go proxy (bench iocopy, about 30 lines): accept, dial the next backend round-robin, one goroutine per direction with io.Copy, which Go carries with splice(2) between TCP sockets; reached through the same REDIRECT rules. What a Go proxy gets for free."}, setupIOCopy},
 	{Subject{"uproxy", "uproxy redirect", "uproxy run --config <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
 	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --config <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
 	{Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --config <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, setupUproxy("redirect", "--event-loops=-1")},
@@ -224,6 +225,26 @@ defaults
 	r := vipRun()
 	r.udp, r.udpNA = nil, "HAProxy does not proxy UDP"
 	r.proc, r.userspace, r.comm, r.binary = p, true, "haproxy", bin
+	return r, nil
+}
+
+// setupIOCopy runs the reference Go proxy (bench iocopy) in the node,
+// behind the REDIRECT rules that HAProxy and nginx get. It carries no UDP.
+func setupIOCopy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	args := []string{e.ioCopyBin, "iocopy"}
+	for _, s := range []struct{ local, port uint16 }{{localRR, rrTarget}, {localBulk, bulkTarget}} {
+		args = append(args, "--route", fmt.Sprintf("0.0.0.0:%d=%s", s.local, strings.Join(backendTargets(t, s.port), ",")))
+	}
+	p, err := t.lab.Start(t.lab.Node, "iocopy", args...)
+	if err != nil {
+		return nil, err
+	}
+	if err := redirectToLocal(ctx, t, localRR, localBulk, 0); err != nil {
+		return nil, err
+	}
+	r := vipRun()
+	r.udp, r.udpNA = nil, "the reference Go proxy carries TCP only"
+	r.proc, r.userspace, r.comm, r.binary = p, true, filepath.Base(e.ioCopyBin), e.ioCopyBin
 	return r, nil
 }
 
