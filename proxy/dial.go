@@ -136,11 +136,11 @@ func (d *tcpDial) done(up, down int64) {
 
 // rawDial opens a non-blocking socket of type sotype (SOCK_STREAM or
 // SOCK_DGRAM) connected to addr, from the address from when it is valid
-// (tproxy mode: IP_TRANSPARENT, then bind). A TCP socket gets what
-// net.Dialer would give it: TCP_NODELAY and keep-alive with Go's default
-// timing; its connection completes, or fails, when the socket turns
-// writable (connect(2): EINPROGRESS, then SO_ERROR). A UDP socket is
-// connected on return.
+// (tproxy mode: IP_TRANSPARENT, then bind). A TCP socket gets
+// TCP_NODELAY; its keep-alive comes later from its event loop
+// (eventLoop.armKeepAlive), once the connection has lasted. Its connection
+// completes, or fails, when the socket turns writable (connect(2):
+// EINPROGRESS, then SO_ERROR). A UDP socket is connected on return.
 func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err error) {
 	a := addr.Addr().Unmap()
 	family := unix.AF_INET
@@ -160,9 +160,6 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err erro
 	if sotype == unix.SOCK_STREAM {
 		if err = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 			return fd, os.NewSyscallError("setsockopt", err)
-		}
-		if err = setKeepAliveFD(fd); err != nil {
-			return fd, err
 		}
 	}
 	if from.IsValid() {

@@ -151,3 +151,78 @@ func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
 		t.Fatalf("the proxy holds %d goroutines for %d idle connections; want none", proxyG, n)
 	}
 }
+
+// TestBackendKeepAliveComesLater checks that an event loop connects
+// backends without keep-alive, and turns it on, with Go's default timing,
+// at its next keep-alive round (armKeepAlive): a short connection never
+// pays for it, a lasting one gets it.
+func TestBackendKeepAliveComesLater(t *testing.T) {
+	defer func(d time.Duration) { backendKeepAliveEvery = d }(backendKeepAliveEvery)
+	for _, tt := range []struct {
+		name  string
+		every time.Duration
+		want  map[string]int
+	}{
+		{"before the round", time.Hour, map[string]int{"SO_KEEPALIVE": 0, "TCP_NODELAY": 1}},
+		{"after the round", 50 * time.Millisecond, acceptOptions},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			backendKeepAliveEvery = tt.every // read when the loops start
+			be := echoBackend(t)
+			_, port := proxyWeb(t, Config{}, be)
+			c := echoOnce(t, port, 0)
+			defer c.Close()
+			fd := connectedSocket(t, be.addr.Port())
+			pick := func(m map[string]int) map[string]int {
+				out := map[string]int{}
+				for k := range tt.want {
+					out[k] = m[k]
+				}
+				return out
+			}
+			var got map[string]int
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				got = pick(socketOptions(t, fd))
+				if cmp.Equal(tt.want, got) || time.Now().After(deadline) {
+					break
+				}
+			}
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("backend socket's options (-want +got):\n%s", diff)
+			}
+			if tt.every == time.Hour {
+				// Still none a while later: nothing else turns it on.
+				time.Sleep(100 * time.Millisecond)
+				if diff := cmp.Diff(tt.want, pick(socketOptions(t, fd))); diff != "" {
+					t.Errorf("backend socket's options after 100ms (-want +got):\n%s", diff)
+				}
+			}
+		})
+	}
+}
+
+// connectedSocket returns the descriptor, in this process, of the TCP
+// socket connected to 127.0.0.1:port (the proxy's side of a backend
+// connection, not the backend's own).
+func connectedSocket(t *testing.T, port uint16) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		sa, err := unix.Getpeername(fd)
+		if err != nil {
+			continue
+		}
+		if a, ok := sa.(*unix.SockaddrInet4); ok && a.Port == int(port) {
+			return fd
+		}
+	}
+	t.Fatalf("no socket of this process is connected to port %d", port)
+	return -1
+}
