@@ -803,9 +803,11 @@ var backendKeepAliveEvery = 15 * time.Second
 // backend sockets that do not have it yet. The loop connects backends
 // without it, and comes here every backendKeepAliveEvery: a connection
 // that ends sooner, as most short ones do, never pays the four setsockopt
-// calls (about 2% of a short connection's CPU in the lab, where HAProxy,
-// nginx and Envoy set no keep-alive on their backend sockets at all). None
-// is lost for it: at 15 s idle, no probe could have gone out earlier. A
+// calls: 4-7% of the proxy's CPU per short connection in the lab
+// (bench/results/2026-11-30-iocopy.md). HAProxy, nginx and Envoy set no
+// keep-alive on their backend sockets at all. Such a connection loses
+// nothing: with 15 s of idle before the first probe, none would have gone
+// out. A
 // connection that lasts gets keep-alive within backendKeepAliveEvery, and
 // since setting TCP_KEEPIDLE counts the idle time already passed
 // (tcp_sock_set_keepidle), a dead backend is found at most that much later
