@@ -341,8 +341,8 @@ type loopDir struct {
 // the backend; on failure it ends the session. Runs on the loop.
 func (l *eventLoop) add(ls *loopSession) {
 	l.sessions[ls] = struct{}{}
-	// A backend connected before the hand-over was dialled with Go's
-	// keep-alive already.
+	// A backend connected before the hand-over was dialled by
+	// net.Dialer, with Go's keep-alive, or by Config.Dial, which chooses.
 	ls.keepAlive = ls.dial == nil
 	if err := l.register(ls, 0); err != nil {
 		l.end(ls, true)
@@ -796,22 +796,23 @@ func (l *eventLoop) sweep() {
 }
 
 // backendKeepAliveEvery is how often a loop turns keep-alive on for the
-// backend sockets it connected since the last time (armKeepAlive).
+// backend sockets that lack it (armKeepAlive).
 var backendKeepAliveEvery = 15 * time.Second
 
 // armKeepAlive turns TCP keep-alive on, with Go's default timing, for the
 // backend sockets that do not have it yet. The loop connects backends
-// without it, and comes here every backendKeepAliveEvery: a connection
-// that ends sooner, as most short ones do, never pays the four setsockopt
-// calls: 4-7% of the proxy's CPU per short connection in the lab
-// (bench/results/2026-11-30-iocopy.md). HAProxy, nginx and Envoy set no
-// keep-alive on their backend sockets at all. Such a connection loses
-// nothing: with 15 s of idle before the first probe, none would have gone
-// out. A
-// connection that lasts gets keep-alive within backendKeepAliveEvery, and
-// since setting TCP_KEEPIDLE counts the idle time already passed
-// (tcp_sock_set_keepidle), a dead backend is found at most that much later
-// than if the socket had had keep-alive from the start.
+// without it, and comes here every backendKeepAliveEvery.
+//
+// A connection that ends sooner, as most short ones do, never pays the
+// four setsockopt calls: 4-7% of the proxy's CPU per short connection in
+// the lab (bench/results/2026-11-30-iocopy.md). It loses nothing, since
+// with 15 s of idle before the first probe none would have gone out.
+// HAProxy, nginx and Envoy set no keep-alive on backend sockets at all.
+//
+// A connection that lasts gets keep-alive within backendKeepAliveEvery.
+// Setting TCP_KEEPIDLE counts the idle time already passed
+// (tcp_sock_set_keepidle), so a dead backend is found at most that much
+// later than if the socket had had keep-alive from the start.
 func (l *eventLoop) armKeepAlive() {
 	for ls := range l.sessions {
 		if ls.keepAlive || ls.connecting || ls.closed || ls.side[1].fd < 0 {
