@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -91,28 +92,43 @@ func TestListenersCarryAcceptOptions(t *testing.T) {
 // socket listening on port.
 func listeningSocket(t *testing.T, port int) int {
 	t.Helper()
+	return findSocket(t, fmt.Sprintf("listens on port %d", port), func(fd int) bool {
+		sa, err := unix.Getsockname(fd)
+		if a, ok := sa.(*unix.SockaddrInet4); err != nil || !ok || a.Port != port {
+			return false
+		}
+		v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+		return err == nil && v == 1
+	})
+}
+
+// connectedSocket returns the descriptor, in this process, of the TCP
+// socket connected to 127.0.0.1:port (the proxy's side of a backend
+// connection, not the backend's own).
+func connectedSocket(t *testing.T, port int) int {
+	t.Helper()
+	return findSocket(t, fmt.Sprintf("is connected to port %d", port), func(fd int) bool {
+		sa, err := unix.Getpeername(fd)
+		a, ok := sa.(*unix.SockaddrInet4)
+		return err == nil && ok && a.Port == port
+	})
+}
+
+// findSocket returns the first descriptor of this process that match
+// accepts; the test fails if there is none ("no socket of this process"
+// and what).
+func findSocket(t *testing.T, what string, match func(fd int) bool) int {
+	t.Helper()
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, e := range ents {
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		sa, err := unix.Getsockname(fd)
-		if err != nil {
-			continue
-		}
-		a, ok := sa.(*unix.SockaddrInet4)
-		if !ok || a.Port != port {
-			continue
-		}
-		if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err == nil && v == 1 {
+		if fd, err := strconv.Atoi(e.Name()); err == nil && match(fd) {
 			return fd
 		}
 	}
-	t.Fatalf("no socket of this process listens on port %d", port)
+	t.Fatalf("no socket of this process %s", what)
 	return -1
 }
 
@@ -172,7 +188,7 @@ func TestBackendKeepAliveComesLater(t *testing.T) {
 			_, port := proxyWeb(t, Config{}, be)
 			c := echoOnce(t, port, 0)
 			defer c.Close()
-			fd := connectedSocket(t, be.addr.Port())
+			fd := connectedSocket(t, int(be.addr.Port()))
 			pick := func(m map[string]int) map[string]int {
 				out := map[string]int{}
 				for k := range tt.want {
@@ -199,30 +215,4 @@ func TestBackendKeepAliveComesLater(t *testing.T) {
 			}
 		})
 	}
-}
-
-// connectedSocket returns the descriptor, in this process, of the TCP
-// socket connected to 127.0.0.1:port (the proxy's side of a backend
-// connection, not the backend's own).
-func connectedSocket(t *testing.T, port uint16) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range ents {
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		sa, err := unix.Getpeername(fd)
-		if err != nil {
-			continue
-		}
-		if a, ok := sa.(*unix.SockaddrInet4); ok && a.Port == int(port) {
-			return fd
-		}
-	}
-	t.Fatalf("no socket of this process is connected to port %d", port)
-	return -1
 }
