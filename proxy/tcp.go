@@ -637,7 +637,7 @@ func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported 
 // setAcceptOptions sets, on a listening socket, what the sockets it
 // accepts inherit (the kernel clones the listener's options): TCP
 // keep-alive with Go's default timing (15s idle, 15s between probes, 9
-// probes) and TCP_NODELAY. Set once per listener, by openListenerAt, they
+// probes) and TCP_NODELAY. Set once per listener, by startListener, they
 // spare the five setsockopt calls per accepted connection that Go's
 // Accept, or acceptRaw, would otherwise make.
 func setAcceptOptions(rc syscall.RawConn) error {
