@@ -215,17 +215,7 @@ defaults
 		return nil, err
 	}
 	// -db: stay in the foreground, as one process (its threads use every core).
-	p, err := t.lab.Start(t.lab.Node, "haproxy", bin, "-db", "-f", cfg)
-	if err != nil {
-		return nil, err
-	}
-	if err := redirectToLocal(ctx, t, localRR, localBulk, 0); err != nil {
-		return nil, err
-	}
-	r := vipRun()
-	r.udp, r.udpNA = nil, "HAProxy does not proxy UDP"
-	r.proc, r.userspace, r.comm, r.binary = p, true, "haproxy", bin
-	return r, nil
+	return startLocalProxy(ctx, t, "haproxy", "HAProxy does not proxy UDP", bin, "-db", "-f", cfg)
 }
 
 // setupIOCopy runs the reference Go proxy (bench iocopy) in the node,
@@ -235,16 +225,31 @@ func setupIOCopy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, er
 	for _, s := range []struct{ local, port uint16 }{{localRR, rrTarget}, {localBulk, bulkTarget}} {
 		args = append(args, "--route", fmt.Sprintf("0.0.0.0:%d=%s", s.local, strings.Join(backendTargets(t, s.port), ",")))
 	}
-	p, err := t.lab.Start(t.lab.Node, "iocopy", args...)
+	return startLocalProxy(ctx, t, "iocopy", "the reference Go proxy carries TCP only", args...)
+}
+
+// startLocalProxy starts a proxy of the node's own (args: its binary and
+// arguments), listening on the local ports, and redirects the service's
+// VIP to them. udpNA, when set, says why it carries no UDP; else it
+// listens on localUDP too.
+func startLocalProxy(ctx context.Context, t *topo, name, udpNA string, args ...string) (*pathRun, error) {
+	p, err := t.lab.Start(t.lab.Node, name, args...)
 	if err != nil {
 		return nil, err
 	}
-	if err := redirectToLocal(ctx, t, localRR, localBulk, 0); err != nil {
+	udp := uint16(localUDP)
+	if udpNA != "" {
+		udp = 0
+	}
+	if err := redirectToLocal(ctx, t, localRR, localBulk, udp); err != nil {
 		return nil, err
 	}
 	r := vipRun()
-	r.udp, r.udpNA = nil, "the reference Go proxy carries TCP only"
-	r.proc, r.userspace, r.comm, r.binary = p, true, filepath.Base(e.ioCopyBin), e.ioCopyBin
+	if udpNA != "" {
+		r.udp, r.udpNA = nil, udpNA
+	}
+	// The process name, for perf: the binary's, as the kernel records it.
+	r.proc, r.userspace, r.comm, r.binary = p, true, filepath.Base(args[0]), args[0]
 	return r, nil
 }
 
@@ -296,16 +301,7 @@ stream {
 	if err := os.WriteFile(cfg, []byte(b.String()), 0o644); err != nil {
 		return nil, err
 	}
-	p, err := t.lab.Start(t.lab.Node, "nginx", bin, "-c", cfg, "-p", dir, "-e", filepath.Join(dir, "error.log"))
-	if err != nil {
-		return nil, err
-	}
-	if err := redirectToLocal(ctx, t, localRR, localBulk, localUDP); err != nil {
-		return nil, err
-	}
-	r := vipRun()
-	r.proc, r.userspace, r.comm, r.binary = p, true, "nginx", bin
-	return r, nil
+	return startLocalProxy(ctx, t, "nginx", "", bin, "-c", cfg, "-p", dir, "-e", filepath.Join(dir, "error.log"))
 }
 
 // benchManifests is the benchmark service as uproxy's manifests.
