@@ -348,7 +348,7 @@ func testKernelSync(t *testing.T, f Family) {
 	check("repair a flushed set", kernelRules, true)
 
 	jump := []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"}
-	fwJump := []string{"-m", "comment", "--comment", "uproxy firewall", "-j", "UPROXY-FIREWALL"}
+	fwJump := []string{"-m", "conntrack", "--ctstate", "NEW,UNTRACKED", "-m", "comment", "--comment", "uproxy firewall", "-j", "UPROXY-FIREWALL"}
 	ipt(append([]string{"-t", "nat", "-D", "PREROUTING"}, jump...)...)
 	ipt(append([]string{"-t", "nat", "-D", "OUTPUT"}, jump...)...)
 	ipt("-t", "nat", "-F", "UPROXY-SERVICES")
@@ -381,6 +381,16 @@ func testKernelSync(t *testing.T, f Family) {
 	ipt(append([]string{"-t", "filter", "-D", "FORWARD"}, fwJump...)...)
 	sync("repair a deleted filter jump", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads})
 	check("repair a deleted filter jump", kernelRules, true)
+
+	// An earlier version's jump, which every packet took, is replaced by
+	// the current one, which only a connection's first packet takes.
+	oldFwJump := []string{"-m", "comment", "--comment", "uproxy firewall", "-j", "UPROXY-FIREWALL"}
+	for _, from := range []string{"INPUT", "OUTPUT"} {
+		ipt(append([]string{"-t", "filter", "-D", from}, fwJump...)...)
+		ipt(append([]string{"-t", "filter", "-I", from, "1"}, oldFwJump...)...)
+	}
+	sync("replace an earlier version's jumps", s, x, kernelRules, true, Result{Rules: n, Repaired: true, SetMembers: members}, map[string]int{save: 1, "ipset": reads})
+	check("replace an earlier version's jumps", kernelRules, true)
 
 	// A restarted process adopts the rules as they are.
 	x2 := &countingExec{calls: map[string]int{}}

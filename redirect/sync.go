@@ -395,11 +395,11 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := s.write(ctx, &res, rulesDiffer, want, haveSets, wantSets); err != nil {
 		return res, err
 	}
-	inserted, err := s.ensureJumps(ctx, savedJumps(saved))
+	changed, err := s.ensureJumps(ctx, savedJumps(saved))
 	if err != nil {
 		return res, err
 	}
-	if inserted && last != nil {
+	if changed && last != nil {
 		res.Repaired = true
 	}
 	s.last, s.lastSets = want, wantSets
@@ -508,27 +508,39 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 }
 
 // ensureJumps inserts each jump rule that saved (savedJumps of the tables
-// as this sync read them) lacks at position 1 of its built-in chain, and
-// reports whether it inserted any. Reading the jumps from the tables that
+// as this sync read them) lacks at position 1 of its built-in chain,
+// deletes the jumps of earlier versions that saved has (oldJumpMatches),
+// and reports whether it changed any. Reading the jumps from the tables that
 // a full sync saves anyway spares an iptables -C, a process start (about
 // 7 ms), per jump: seven per family on every full sync.
 func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]bool) (bool, error) {
-	inserted := false
+	changed := false
 	for _, c := range chains {
 		for _, from := range c.from {
 			if err := ctx.Err(); err != nil {
-				return inserted, fmt.Errorf("redirect: %s: jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
+				return changed, fmt.Errorf("redirect: %s: jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 			}
-			if saved[c.jumpLine(from)] {
-				continue
+			if !saved[c.jumpLine(from, c.jumpMatch)] {
+				if err := s.retry.do(ctx, func() error { return s.jumps.Insert(c.table, from, 1, c.jumpSpec(c.jumpMatch)...) }); err != nil {
+					return changed, fmt.Errorf("redirect: %s: inserting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
+				}
+				changed = true
 			}
-			if err := s.retry.do(ctx, func() error { return s.jumps.Insert(c.table, from, 1, c.jumpSpec()...) }); err != nil {
-				return inserted, fmt.Errorf("redirect: %s: inserting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
+			// An earlier version's jump goes once the current one is in:
+			// until then it keeps the chain's rules working.
+			for _, m := range c.oldJumpMatches {
+				if !saved[c.jumpLine(from, m)] {
+					continue
+				}
+				err := s.retry.do(ctx, func() error { return s.jumps.Delete(c.table, from, c.jumpSpec(m)...) })
+				if err != nil && !isNotExist(err) {
+					return changed, fmt.Errorf("redirect: %s: deleting an earlier version's jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
+				}
+				changed = true
 			}
-			inserted = true
 		}
 	}
-	return inserted, nil
+	return changed, nil
 }
 
 // Cleanup removes everything uproxy created in cfg's family: every jump
@@ -556,8 +568,10 @@ func Cleanup(ctx context.Context, cfg Config) error {
 	cfg = rc.Config
 	for _, c := range chains {
 		for _, from := range c.from {
-			if err := deleteJumps(ctx, cfg, c, from); err != nil {
-				return err
+			for _, m := range c.jumpMatches() {
+				if err := deleteJumps(ctx, cfg, c, from, c.jumpSpec(m)); err != nil {
+					return err
+				}
 			}
 		}
 	}
@@ -597,15 +611,16 @@ func Cleanup(ctx context.Context, cfg Config) error {
 	return nil
 }
 
-// deleteJumps deletes every jump from table/from to c.
-func deleteJumps(ctx context.Context, cfg Config, c chainSpec, from string) error {
+// deleteJumps deletes every jump from table/from to c whose rule spec is
+// spec.
+func deleteJumps(ctx context.Context, cfg Config, c chainSpec, from string, spec []string) error {
 	for {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("redirect: %s: cleanup: jump from %s/%s to %s: %w", cfg.Family, c.table, from, c.name, err)
 		}
 		var ok bool
 		err := cfg.lockRetry().do(ctx, func() (err error) {
-			ok, err = cfg.Jumps.Exists(c.table, from, c.jumpSpec()...)
+			ok, err = cfg.Jumps.Exists(c.table, from, spec...)
 			return err
 		})
 		if isNotExist(err) {
@@ -618,7 +633,7 @@ func deleteJumps(ctx context.Context, cfg Config, c chainSpec, from string) erro
 		if !ok {
 			return nil
 		}
-		if err := cfg.lockRetry().do(ctx, func() error { return cfg.Jumps.Delete(c.table, from, c.jumpSpec()...) }); isNotExist(err) {
+		if err := cfg.lockRetry().do(ctx, func() error { return cfg.Jumps.Delete(c.table, from, spec...) }); isNotExist(err) {
 			return nil // deleted meanwhile by someone else
 		} else if err != nil {
 			return fmt.Errorf("redirect: %s: cleanup: deleting jump from %s/%s to %s: %w", cfg.Family, c.table, from, c.name, err)

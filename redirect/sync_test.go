@@ -498,7 +498,10 @@ const (
 	jumpComment             = `-m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
 	tproxyJumpComment       = `-m comment --comment "uproxy tproxy" -j UPROXY-TPROXY`
 	tproxyOutputJumpComment = `-m comment --comment "uproxy tproxy node traffic" -j UPROXY-TPROXY-OUTPUT`
-	firewallJumpComment     = `-m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
+	firewallJumpComment     = `-m conntrack --ctstate NEW,UNTRACKED -m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
+	// oldFirewallJumpComment is the firewall jump of earlier versions,
+	// which every packet took.
+	oldFirewallJumpComment = `-m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
 )
 
 // wantSave is what the fake kernel should hold after syncing r for family
@@ -611,6 +614,67 @@ func TestSyncFirstWritesAndInsertsJumps(t *testing.T) {
 	}
 	if diff := cmp.Diff(wantSetsSave(IPv4, rulesA), k.saveSets()); diff != "" {
 		t.Errorf("sets after first Sync (-want +got):\n%s", diff)
+	}
+}
+
+// TestSyncReplacesEarlierJumps: the firewall jumps of an earlier version,
+// which every packet took, are replaced by the current ones, which only a
+// connection's first packet takes: by the first sync of a new process,
+// and again by a full sync if they come back.
+func TestSyncReplacesEarlierJumps(t *testing.T) {
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	if _, err := newFakeSyncer(t, k).Sync(ctx, rulesA, false); err != nil {
+		t.Fatal(err)
+	}
+	// What an earlier version left: its jumps, where the current ones are.
+	earlier := func() {
+		k.edit("filter", func(order []string, rules map[string][]string) []string {
+			for _, from := range []string{"INPUT", "FORWARD", "OUTPUT"} {
+				i := slices.Index(rules[from], "-A "+from+" "+firewallJumpComment)
+				if i < 0 {
+					t.Fatalf("no firewall jump in %s: %q", from, rules[from])
+				}
+				rules[from][i] = "-A " + from + " " + oldFirewallJumpComment
+			}
+			return order
+		})
+	}
+	earlier()
+	k.takeCalls()
+	s := newFakeSyncer(t, k)
+	res, err := s.Sync(ctx, rulesA, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (Result{Rules: 8, SetMembers: 2}); res != want {
+		t.Errorf("first Sync of a new process = %+v, want %+v", res, want)
+	}
+	replace := []string{
+		"Insert filter INPUT 1", "Delete filter INPUT",
+		"Insert filter FORWARD 1", "Delete filter FORWARD",
+		"Insert filter OUTPUT 1", "Delete filter OUTPUT",
+	}
+	if diff := cmp.Diff(concat(callsRead, replace), k.takeCalls()); diff != "" {
+		t.Errorf("first Sync of a new process, calls (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
+		t.Errorf("kernel after the first Sync of a new process (-want +got):\n%s", diff)
+	}
+
+	earlier()
+	res, err = s.Sync(ctx, rulesA, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (Result{Rules: 8, SetMembers: 2, Repaired: true}); res != want {
+		t.Errorf("full Sync = %+v, want %+v", res, want)
+	}
+	if diff := cmp.Diff(concat(callsRead, replace), k.takeCalls()); diff != "" {
+		t.Errorf("full Sync calls (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
+		t.Errorf("kernel after the full Sync (-want +got):\n%s", diff)
 	}
 }
 
@@ -1109,6 +1173,8 @@ func TestCleanup(t *testing.T) {
 	})
 	k.edit("filter", func(order []string, rules map[string][]string) []string {
 		rules["INPUT"] = append(rules["INPUT"], "-A INPUT "+firewallJumpComment)
+		// An earlier version's jump, beside the current one.
+		rules["FORWARD"] = append(rules["FORWARD"], "-A FORWARD "+oldFirewallJumpComment)
 		return order
 	})
 	k.takeCalls()
@@ -1136,9 +1202,13 @@ func TestCleanup(t *testing.T) {
 		"Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT",
 		"Exists mangle PREROUTING", "Delete mangle PREROUTING", "Exists mangle PREROUTING",
 		"Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT",
+		// The current jump, then an earlier version's.
 		"Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT",
+		"Exists filter INPUT",
+		"Exists filter FORWARD", "Delete filter FORWARD", "Exists filter FORWARD",
 		"Exists filter FORWARD", "Delete filter FORWARD", "Exists filter FORWARD",
 		"Exists filter OUTPUT", "Delete filter OUTPUT", "Exists filter OUTPUT",
+		"Exists filter OUTPUT",
 		callRestore,
 		// Once no rule names them.
 		"ipset destroy uproxy-listeners-tcp4", "ipset destroy uproxy-listeners-udp4",

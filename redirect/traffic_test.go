@@ -378,7 +378,15 @@ func TestTrafficListenerGuard(t *testing.T) {
 				t.Error("the direct connection's SYNs did not hit the listener guard")
 			}
 			before := tl.packets(f, "filter", guard)
+			// Only a connection's first packet jumps to the guard's chain:
+			// the SYN, of the three or more that the connection sends
+			// the node (SYN, ACK, FIN).
+			jump := "-A INPUT -m conntrack --ctstate NEW,UNTRACKED"
+			jumped := tl.packets(f, "filter", jump)
 			tl.expect("service from a pod", client, TCP, vip, "hi")
+			if n := tl.packets(f, "filter", jump) - jumped; n != 1 {
+				t.Errorf("%d packets of one connection jumped from INPUT to the firewall chain, want 1 (its SYN)", n)
+			}
 			tl.expect("service from the node", node, TCP, vip, "hi")
 			if n := tl.packets(f, "filter", guard); n != before {
 				t.Errorf("the listener guard saw %d packets of redirected connections", n-before)
