@@ -150,13 +150,18 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	}
 	b.WriteString("COMMIT\n")
 	b.WriteString("*mangle\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n")
+	// Only tproxy mode jumps to the mangle chains.
 	if synced {
 		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
-		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+		if r.TProxy != nil {
+			b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+		}
 	}
 	b.WriteString("-A PREROUTING -d " + unrelatedMangleDest[f] + ` -m comment --comment "someone else" -j RETURN` + "\n")
 	if synced {
-		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
+		if r.TProxy != nil {
+			b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
+		}
 		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-OUTPUT"} {
 			for _, l := range st[chainKey{"mangle", c}].rules {
 				b.WriteString(l + "\n")
@@ -360,8 +365,7 @@ func testKernelSync(t *testing.T, f Family) {
 	}
 	ipt("-t", "filter", "-F", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
-	ipt("-t", "mangle", "-D", "PREROUTING", "-m", "comment", "--comment", "uproxy tproxy", "-j", "UPROXY-TPROXY")
-	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", "UPROXY-TPROXY-OUTPUT")
+	// Redirect mode: nothing jumps to the mangle chains.
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-OUTPUT")
 	// Only now, with no rule naming them, can the sets be destroyed.
@@ -411,13 +415,14 @@ func testKernelSync(t *testing.T, f Family) {
 	check("restarted, listeners again", kernelRules, true)
 
 	// Tproxy mode, as uproxy runs it: no listener sets (the listeners
-	// are on loopback). The chains and jumps are the same, so switching
-	// modes is one iptables-restore: the nat chains empty, the mangle
-	// ones filled.
+	// are on loopback). The chains are the same, so switching modes is
+	// one iptables-restore: the nat chains empty, the mangle ones
+	// filled. Only tproxy mode jumps to the mangle chains: a switch
+	// reads the tables, as a full Sync does, and the jumps follow.
 	tp := tproxied(kernelRules, Routing{})
 	tp.Listeners = nil
 	k := parseState(Render(f, tp)).ruleCount()
-	sync("tproxy mode", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
+	sync("tproxy mode", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{save: 1, restore: 1, "ipset": reads + 2})
 	check("tproxy mode", tp, true)
 	if st := parseState(Render(f, tp)); len(st[chainKey{"nat", servicesChain}].rules) != 0 || len(st[chainKey{"mangle", tproxyChain}].rules) == 0 {
 		t.Fatalf("tproxy mode renders %+v", st)
@@ -438,9 +443,9 @@ func testKernelSync(t *testing.T, f Family) {
 	sync("tproxy mode, odd comments, node-port addresses and mark", s3, x3, tpComments, false, Result{Wrote: true, Rules: kc}, map[string]int{restore: 1})
 	check("tproxy mode, odd comments, node-port addresses and mark", tpComments, true)
 	sync("tproxy mode, odd comments, unchanged full Sync", s3, x3, tpComments, true, Result{Rules: kc}, map[string]int{save: 1, "ipset": reads})
-	sync("back to redirect mode", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{"ipset": 1, restore: 1})
+	sync("back to redirect mode", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	check("back to redirect mode", kernelRules, true)
-	sync("tproxy mode again", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{restore: 1, "ipset": 2})
+	sync("tproxy mode again", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{save: 1, restore: 1, "ipset": reads + 2})
 	check("tproxy mode again", tp, true)
 
 	// Cleanup from tproxy mode: the mangle chains and jumps go too.

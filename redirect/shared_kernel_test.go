@@ -188,7 +188,8 @@ func testKernelShared(t *testing.T, f Family) {
 	tp := tproxied(guarded, Routing{})
 	tp.Listeners = nil
 	k := parseState(Render(f, tp)).ruleCount()
-	sync("tproxy mode", tp, false, Result{Wrote: true, Rules: k, WroteSets: true, SetMembers: 4}, map[string]int{restore: 1, "ipset": 2})
+	// A change of mode reads the tables and sets, as a full Sync does.
+	sync("tproxy mode", tp, false, Result{Wrote: true, Rules: k, WroteSets: true, SetMembers: 4}, map[string]int{save: 1, restore: 1, "ipset": reads + 2})
 	check("tproxy mode", tp, true)
 	sync("tproxy mode, unchanged full Sync", tp, true, Result{Rules: k, SetMembers: 4}, map[string]int{save: 1, "ipset": reads})
 	sync("tproxy mode, one service removed", func() Rules { r := tp; r.Intercepts = tp.Intercepts[1:]; return r }(), false,
@@ -199,7 +200,7 @@ func testKernelShared(t *testing.T, f Family) {
 	perService := guarded
 	perService.Shared = false
 	sync("per-service layout", perService, false, Result{Wrote: true, Rules: parseState(Render(f, perService)).ruleCount(), WroteSets: true, SetMembers: 2, SetMembersWritten: 2},
-		map[string]int{restore: 1, "ipset": 3})
+		map[string]int{save: 1, restore: 1, "ipset": reads + 3})
 	check("per-service layout", perService, true)
 
 	sync("shared layout again", changed, false, Result{Wrote: true, Rules: 6, WroteSets: true, SetMembers: 6, SetMembersWritten: 4}, map[string]int{restore: 1, "ipset": 1})

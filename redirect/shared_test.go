@@ -595,9 +595,10 @@ func TestSyncShared(t *testing.T) {
 			"add "+svcs+" 10.96.0.2,udp:53 -exist\nadd "+svcs+" 10.96.0.10,tcp:80 -exist\nadd "+svcs+" 10.96.0.11,tcp:80 -exist\nadd "+svcs+" 10.96.0.13,tcp:53 -exist\n"+
 			"create "+nps+" bitmap:port range 0-65535 -exist\nadd "+nps+" 30081 -exist\n")
 
-	// Tproxy mode: the same sets, the rules in mangle.
+	// Tproxy mode: the same sets, the rules in mangle, and the jumps to
+	// them, which a change of mode reads the tables for.
 	sharedSyncStep(t, k, s, "tproxy mode", tproxied(withUDP, Routing{}), false,
-		Result{Wrote: true, Rules: 9, SetMembers: 7}, []string{callRestore})
+		Result{Wrote: true, Rules: 9, SetMembers: 7}, concat(callsRead, callRestore, "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"))
 
 	// Cleanup destroys every set, once the rules are gone.
 	if err := Cleanup(context.Background(), Config{Exec: k, Jumps: k}); err != nil {

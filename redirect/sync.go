@@ -236,6 +236,9 @@ type Syncer struct {
 	// before the first Sync and after a failed one.
 	last     []byte
 	lastSets setState
+	// lastTProxy is the mode of the last successful Sync: whether its
+	// Rules had TProxy set, which decides the mangle jumps.
+	lastTProxy bool
 }
 
 // Result says what a Sync did.
@@ -361,11 +364,13 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	last, lastSets := s.last, s.lastSets
+	last, lastSets, lastTProxy := s.last, s.lastSets, s.lastTProxy
 	// Until this Sync succeeds, the kernel's state is unknown.
 	s.last, s.lastSets = nil, nil
+	tproxy := r.TProxy != nil
 
-	if last != nil && !full {
+	// A change of mode changes the jumps, which only the full path does.
+	if last != nil && !full && tproxy == lastTProxy {
 		if bytes.Equal(want, last) && wantSets.equal(lastSets) {
 			s.last, s.lastSets = last, lastSets
 			return res, nil
@@ -376,6 +381,7 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 		s.last, s.lastSets = want, wantSets
 		return res, nil
 	}
+	sameMode := last != nil && tproxy == lastTProxy
 
 	have, saved, err := s.read(ctx)
 	if err != nil {
@@ -395,14 +401,14 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := s.write(ctx, &res, rulesDiffer, want, haveSets, wantSets); err != nil {
 		return res, err
 	}
-	changed, err := s.ensureJumps(ctx, savedJumps(saved))
+	changed, err := s.ensureJumps(ctx, savedJumps(saved), tproxy)
 	if err != nil {
 		return res, err
 	}
-	if changed && last != nil {
+	if changed && sameMode {
 		res.Repaired = true
 	}
-	s.last, s.lastSets = want, wantSets
+	s.last, s.lastSets, s.lastTProxy = want, wantSets, tproxy
 	return res, nil
 }
 
@@ -510,17 +516,19 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 // ensureJumps inserts each jump rule that saved (savedJumps of the tables
 // as this sync read them) lacks at position 1 of its built-in chain,
 // deletes the jumps of earlier versions that saved has (oldJumpMatches),
-// and reports whether it changed any. Reading the jumps from the tables that
-// a full sync saves anyway spares an iptables -C, a process start (about
-// 7 ms), per jump: seven per family on every full sync.
-func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]bool) (bool, error) {
+// and the jumps to tproxy mode's chains unless tproxy is set, and reports
+// whether it changed any. Reading the jumps from the tables that a full
+// sync saves anyway spares an iptables -C, a process start (about 7 ms),
+// per jump: seven per family on every full sync.
+func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]bool, tproxy bool) (bool, error) {
 	changed := false
 	for _, c := range chains {
+		wanted := tproxy || !c.tproxyOnly
 		for _, from := range c.from {
 			if err := ctx.Err(); err != nil {
 				return changed, fmt.Errorf("redirect: %s: jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 			}
-			if !saved[c.jumpLine(from, c.jumpMatch)] {
+			if wanted && !saved[c.jumpLine(from, c.jumpMatch)] {
 				if err := s.retry.do(ctx, func() error { return s.jumps.Insert(c.table, from, 1, c.jumpSpec(c.jumpMatch)...) }); err != nil {
 					return changed, fmt.Errorf("redirect: %s: inserting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 				}
@@ -528,13 +536,17 @@ func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]bool) (bool, 
 			}
 			// An earlier version's jump goes once the current one is in:
 			// until then it keeps the chain's rules working.
-			for _, m := range c.oldJumpMatches {
+			unwanted := c.oldJumpMatches
+			if !wanted {
+				unwanted = c.jumpMatches()
+			}
+			for _, m := range unwanted {
 				if !saved[c.jumpLine(from, m)] {
 					continue
 				}
 				err := s.retry.do(ctx, func() error { return s.jumps.Delete(c.table, from, c.jumpSpec(m)...) })
 				if err != nil && !isNotExist(err) {
-					return changed, fmt.Errorf("redirect: %s: deleting an earlier version's jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
+					return changed, fmt.Errorf("redirect: %s: deleting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 				}
 				changed = true
 			}

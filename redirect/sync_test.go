@@ -528,9 +528,14 @@ func wantSave(f Family, r Rules) string {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
 	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
-	b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+	// Only tproxy mode jumps to the mangle chains.
+	if r.TProxy != nil {
+		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+	}
 	b.WriteString(unrelatedMangle + "\n")
-	b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
+	if r.TProxy != nil {
+		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
+	}
 	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-OUTPUT"} {
 		for _, l := range st[chainKey{"mangle", c}].rules {
 			b.WriteString(l + "\n")
@@ -564,8 +569,14 @@ var (
 	// callsJumps are the jump calls of a full sync that finds every jump in
 	// the saved tables: none.
 	callsJumps []string
-	// callsInsertJumps are the calls that find no jump and insert them all.
+	// callsInsertJumps are the calls that find no jump and insert them all,
+	// in redirect mode: no mangle jumps.
 	callsInsertJumps = []string{
+		"Insert nat PREROUTING 1", "Insert nat OUTPUT 1",
+		"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
+	}
+	// callsInsertJumpsTProxy are those of tproxy mode.
+	callsInsertJumpsTProxy = []string{
 		"Insert nat PREROUTING 1", "Insert nat OUTPUT 1", "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1",
 		"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
 	}
@@ -830,15 +841,20 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			delete(rules, "UPROXY-NODEPORTS")
 			return slices.Clone(builtin["nat"])
 		}, []string{"Insert nat PREROUTING 1", "Insert nat OUTPUT 1"}},
-		// In redirect mode the mangle chains are empty, but they and
-		// their jumps are there, ready for tproxy mode.
-		{"mangle jumps and chains deleted", "mangle", func(order []string, rules map[string][]string) []string {
-			rules["PREROUTING"] = []string{unrelatedMangle}
-			rules["OUTPUT"] = nil
+		// In redirect mode the mangle chains are there, empty, and
+		// nothing jumps to them.
+		{"mangle chains deleted", "mangle", func(order []string, rules map[string][]string) []string {
 			delete(rules, "UPROXY-TPROXY")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
-		}, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"}},
+		}, callsJumps},
+		{"mangle chains deleted, jumps to them added", "mangle", func(order []string, rules map[string][]string) []string {
+			rules["PREROUTING"] = []string{"-A PREROUTING " + tproxyJumpComment, unrelatedMangle}
+			rules["OUTPUT"] = []string{"-A OUTPUT " + tproxyOutputJumpComment}
+			delete(rules, "UPROXY-TPROXY")
+			delete(rules, "UPROXY-TPROXY-OUTPUT")
+			return slices.Clone(builtin["mangle"])
+		}, []string{"Delete mangle PREROUTING", "Delete mangle OUTPUT"}},
 		{"firewall rule deleted", "filter", func(order []string, rules map[string][]string) []string {
 			rules["UPROXY-FIREWALL"] = rules["UPROXY-FIREWALL"][1:]
 			return order
@@ -884,19 +900,22 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 }
 
 func TestSyncFullRepairsMissingJump(t *testing.T) {
+	tp := tproxied(rulesA, Routing{})
 	for _, tt := range []struct {
 		table, chain string
 		left         []string
+		r            Rules
+		rules        int
 	}{
-		{"nat", "OUTPUT", []string{unrelated}},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}},
-		{"filter", "FORWARD", nil},
+		{"nat", "OUTPUT", []string{unrelated}, rulesA, 8},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 11},
+		{"filter", "FORWARD", nil, rulesA, 8},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
 			ctx := context.Background()
 			k := newFakeKernel(IPv4)
 			s := newFakeSyncer(t, k)
-			if _, err := s.Sync(ctx, rulesA, false); err != nil {
+			if _, err := s.Sync(ctx, tt.r, false); err != nil {
 				t.Fatal(err)
 			}
 			k.edit(tt.table, func(order []string, rules map[string][]string) []string {
@@ -904,11 +923,11 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 				return order
 			})
 			k.takeCalls()
-			res, err := s.Sync(ctx, rulesA, true)
+			res, err := s.Sync(ctx, tt.r, true)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Rules: 8, Repaired: true, SetMembers: 2}); res != want {
+			if want := (Result{Rules: tt.rules, Repaired: true, SetMembers: 2}); res != want {
 				t.Errorf("full Sync = %+v, want %+v", res, want)
 			}
 			// The saved tables lack the one jump: it alone is inserted.
@@ -916,7 +935,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 			if diff := cmp.Diff(concat(callsRead, want), k.takeCalls()); diff != "" {
 				t.Errorf("full Sync calls (-want +got):\n%s", diff)
 			}
-			if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
+			if diff := cmp.Diff(wantSave(IPv4, tt.r), k.save()); diff != "" {
 				t.Errorf("kernel after repair (-want +got):\n%s", diff)
 			}
 		})
@@ -1051,7 +1070,7 @@ func TestSyncInsertsOnlyMissingJumps(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := concat(callsRead, callSetRestore, callRestore, "Insert nat OUTPUT 1",
-		"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1", "Insert filter INPUT 1", "Insert filter OUTPUT 1")
+		"Insert filter INPUT 1", "Insert filter OUTPUT 1")
 	if diff := cmp.Diff(want, k.takeCalls()); diff != "" {
 		t.Errorf("Sync calls (-want +got):\n%s", diff)
 	}
@@ -1200,8 +1219,9 @@ func TestCleanup(t *testing.T) {
 	wantCalls := []string{
 		"Exists nat PREROUTING", "Delete nat PREROUTING", "Exists nat PREROUTING",
 		"Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT",
-		"Exists mangle PREROUTING", "Delete mangle PREROUTING", "Exists mangle PREROUTING",
-		"Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT",
+		// Redirect mode has no mangle jumps: only the one added above.
+		"Exists mangle PREROUTING",
+		"Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT",
 		// The current jump, then an earlier version's.
 		"Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT",
 		"Exists filter INPUT",
@@ -1744,7 +1764,7 @@ func TestSyncTProxy(t *testing.T) {
 	if want := (Result{Wrote: true, Rules: 11, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
-	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumps), k.takeCalls()); diff != "" {
+	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
 		t.Errorf("first Sync calls (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff(wantSave(IPv4, tp), k.save()); diff != "" {
@@ -1790,11 +1810,17 @@ func TestSyncTProxy(t *testing.T) {
 		t.Errorf("kernel after repair (-want +got):\n%s", diff)
 	}
 
+	// A change of mode reads the tables, as a full Sync does, to insert
+	// or delete the mangle jumps; it repairs nothing.
 	for _, step := range []struct {
 		name  string
 		r     Rules
 		rules int
-	}{{"redirect mode", rulesA, 8}, {"tproxy mode again", tp, 11}} {
+		jumps []string
+	}{
+		{"redirect mode", rulesA, 8, []string{"Delete mangle PREROUTING", "Delete mangle OUTPUT"}},
+		{"tproxy mode again", tp, 11, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"}},
+	} {
 		res, err := s.Sync(ctx, step.r, false)
 		if err != nil {
 			t.Fatal(err)
@@ -1802,7 +1828,7 @@ func TestSyncTProxy(t *testing.T) {
 		if want := (Result{Wrote: true, Rules: step.rules, SetMembers: 2}); res != want {
 			t.Errorf("%s: Sync = %+v, want %+v", step.name, res, want)
 		}
-		if diff := cmp.Diff([]string{callRestore}, k.takeCalls()); diff != "" {
+		if diff := cmp.Diff(concat(callsRead, callRestore, step.jumps), k.takeCalls()); diff != "" {
 			t.Errorf("%s: calls (-want +got):\n%s", step.name, diff)
 		}
 		if diff := cmp.Diff(wantSave(IPv4, step.r), k.save()); diff != "" {
