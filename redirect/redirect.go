@@ -31,8 +31,9 @@
 // rule per allowed source prefix, before the set's rule; see shared.go.
 //
 // In the filter table, the chain UPROXY-FIREWALL, jumped to from INPUT,
-// FORWARD and OUTPUT, drops what a LoadBalancer's source ranges exclude
-// and every packet that reaches a listener port without having been
+// FORWARD and OUTPUT by each connection's first packet (conntrack state
+// NEW or UNTRACKED), drops what a LoadBalancer's source ranges exclude
+// and every connection that reaches a listener port without having been
 // redirected. The listener ports are members of kernel sets (ipset
 // bitmap:port), one per family and protocol, so that this guard is one
 // rule per protocol however many listeners there are.

@@ -442,9 +442,10 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 // to the node's own connections are not caught either: the kernel picks
 // no ephemeral port that a bound socket holds.
 //
-// Every packet that enters, leaves or crosses the node walks this chain,
-// so the guard is one rule per protocol, whose set lookup costs the same
-// for one listener or thousands, not one rule per listener. The matches
+// The first packet of every connection that enters, leaves or crosses
+// the node walks this chain (see the jumps' match in the chain table), so
+// the guard is one rule per protocol, whose set lookup costs the same for
+// one listener or thousands, not one rule per listener. The matches
 // are in the order iptables-save prints them; the set match tests the
 // cheap port bit before addrtype's route lookup and conntrack's state.
 func firewallRules(c chainSpec, f Family, r Rules) []string {
