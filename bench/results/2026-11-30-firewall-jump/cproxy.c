@@ -13,6 +13,7 @@
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <signal.h>
 
 #define BUFSZ 16384
 struct side;
@@ -39,7 +40,10 @@ static void closeconn(struct conn *c) {
 }
 
 // pump moves direction d (fd[d] -> fd[1-d]); returns -1 if c was closed.
-static int pump(struct conn *c, int d) {
+// hup: the event said the source has hung up, so a short read is not the
+// end of what it has (its EOF is still to be read: edge-triggered epoll
+// will not report it again).
+static int pump(struct conn *c, int d, int hup) {
 	int src = c->fd[d], dst = c->fd[1 - d];
 	for (;;) {
 		if (c->plen[d] > c->poff[d]) {
@@ -77,7 +81,7 @@ static int pump(struct conn *c, int d) {
 			c->plen[d] = n - w; c->poff[d] = 0;
 			return 0;
 		}
-		if (n < BUFSZ) return 0; // drained (a short read: nothing more now)
+		if (n < BUFSZ && !hup) return 0; // drained (a short read: nothing more now)
 	}
 }
 
@@ -89,6 +93,7 @@ static void add(int fd, struct conn *c, int i) {
 }
 
 int main(int argc, char **argv) {
+	signal(SIGPIPE, SIG_IGN); // a write to a closed peer fails with EPIPE instead
 	const char *be = argc > 1 ? argv[1] : "10.244.0.10";
 	struct sockaddr_in bea = {.sin_family = AF_INET, .sin_port = htons(8080)};
 	inet_pton(AF_INET, be, &bea.sin_addr);
@@ -121,8 +126,9 @@ int main(int argc, char **argv) {
 			struct side *s = sides[fd];
 			if (!s) continue;
 			struct conn *c = s->c;
-			if (pump(c, 0) < 0) continue;
-			pump(c, 1);
+			int hup = (evs[k].events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
+			if (pump(c, 0, hup && s->i == 0) < 0) continue;
+			pump(c, 1, hup && s->i == 1);
 		}
 	}
 }
