@@ -144,20 +144,20 @@ func (c chainSpec) jumpMatches() [][]string {
 
 // savedJumps returns the rules of the built-in chains in text, the
 // iptables-save output of the chains' tables, each after its table as
-// jumpLine has them.
-func savedJumps(text []byte) map[string]bool {
+// jumpLine has them, with the number of its copies.
+func savedJumps(text []byte) map[string]int {
 	builtin := map[string]bool{}
 	for _, c := range chains {
 		for _, from := range c.from {
 			builtin[c.table+" "+from] = true
 		}
 	}
-	jumps := map[string]bool{}
+	jumps := map[string]int{}
 	for table, line := range tableLines(text) {
 		if strings.HasPrefix(line, "-A ") {
 			name, _, _ := strings.Cut(line[len("-A "):], " ")
 			if builtin[table+" "+name] {
-				jumps[table+" "+line] = true
+				jumps[table+" "+line]++
 			}
 		}
 	}

@@ -321,9 +321,12 @@ func New(cfg Config) (*Syncer, error) {
 // what differs from r, so a resync of an unchanged kernel writes nothing:
 // a set destroyed or emptied by hand is created or filled again, stray
 // members are deleted. Then it inserts any missing jump rule at position
-// 1 of its built-in chain (never a second copy). The first Sync of a
-// Syncer, and the first after a failed one, always behaves as full; this
-// is also how a new process adopts the rules and sets of a previous one.
+// 1 of its built-in chain (never a second copy), and deletes the jumps
+// of earlier versions and, in redirect mode, those to tproxy mode's
+// mangle chains. The first Sync of a Syncer, the first after a failed
+// one, and a Sync whose mode (r.TProxy set or not) differs from the last
+// successful one's always behave as full; this is also how a new process
+// adopts the rules and sets of a previous one.
 //
 // Sync returns an error, and changes nothing, when r has an invalid
 // intercept, node port, node port address, firewall or listener, two
@@ -515,12 +518,12 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 
 // ensureJumps inserts each jump rule that saved (savedJumps of the tables
 // as this sync read them) lacks at position 1 of its built-in chain,
-// deletes the jumps of earlier versions that saved has (oldJumpMatches),
-// and the jumps to tproxy mode's chains unless tproxy is set, and reports
-// whether it changed any. Reading the jumps from the tables that a full
+// deletes every copy that saved has of an earlier version's jumps
+// (oldJumpMatches) and, unless tproxy is set, of the jumps to tproxy
+// mode's chains, and reports whether it changed any. Reading the jumps from the tables that a full
 // sync saves anyway spares an iptables -C, a process start (about 7 ms),
 // per jump: seven per family on every full sync.
-func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]bool, tproxy bool) (bool, error) {
+func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, tproxy bool) (bool, error) {
 	changed := false
 	for _, c := range chains {
 		wanted := tproxy || !c.tproxyOnly
@@ -528,27 +531,27 @@ func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]bool, tproxy 
 			if err := ctx.Err(); err != nil {
 				return changed, fmt.Errorf("redirect: %s: jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 			}
-			if wanted && !saved[c.jumpLine(from, c.jumpMatch)] {
+			if wanted && saved[c.jumpLine(from, c.jumpMatch)] == 0 {
 				if err := s.retry.do(ctx, func() error { return s.jumps.Insert(c.table, from, 1, c.jumpSpec(c.jumpMatch)...) }); err != nil {
 					return changed, fmt.Errorf("redirect: %s: inserting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
 				}
 				changed = true
 			}
-			// An earlier version's jump goes once the current one is in:
-			// until then it keeps the chain's rules working.
+			// The jumps that must go: an earlier version's, once the
+			// current one is in (until then it keeps the chain's rules
+			// working), and in redirect mode, those to tproxy mode's.
 			unwanted := c.oldJumpMatches
 			if !wanted {
 				unwanted = c.jumpMatches()
 			}
 			for _, m := range unwanted {
-				if !saved[c.jumpLine(from, m)] {
-					continue
+				for range saved[c.jumpLine(from, m)] {
+					err := s.retry.do(ctx, func() error { return s.jumps.Delete(c.table, from, c.jumpSpec(m)...) })
+					if err != nil && !isNotExist(err) {
+						return changed, fmt.Errorf("redirect: %s: deleting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
+					}
+					changed = true
 				}
-				err := s.retry.do(ctx, func() error { return s.jumps.Delete(c.table, from, c.jumpSpec(m)...) })
-				if err != nil && !isNotExist(err) {
-					return changed, fmt.Errorf("redirect: %s: deleting jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
-				}
-				changed = true
 			}
 		}
 	}

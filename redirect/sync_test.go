@@ -673,7 +673,12 @@ func TestSyncReplacesEarlierJumps(t *testing.T) {
 		t.Errorf("kernel after the first Sync of a new process (-want +got):\n%s", diff)
 	}
 
+	// Again, with a second copy in INPUT: every copy goes.
 	earlier()
+	k.edit("filter", func(order []string, rules map[string][]string) []string {
+		rules["INPUT"] = append(rules["INPUT"], "-A INPUT "+oldFirewallJumpComment)
+		return order
+	})
 	res, err = s.Sync(ctx, rulesA, true)
 	if err != nil {
 		t.Fatal(err)
@@ -681,6 +686,7 @@ func TestSyncReplacesEarlierJumps(t *testing.T) {
 	if want := (Result{Rules: 8, SetMembers: 2, Repaired: true}); res != want {
 		t.Errorf("full Sync = %+v, want %+v", res, want)
 	}
+	replace = slices.Insert(replace, 2, "Delete filter INPUT")
 	if diff := cmp.Diff(concat(callsRead, replace), k.takeCalls()); diff != "" {
 		t.Errorf("full Sync calls (-want +got):\n%s", diff)
 	}
