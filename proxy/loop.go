@@ -195,8 +195,18 @@ func (l *eventLoop) stop() {
 }
 
 // run is the loop's goroutine.
+//
+// It keeps one thread: the runtime otherwise hands the goroutine from one
+// thread to another (in a three-namespace lab, two threads shared its run
+// time), and every hand-over waits for a thread to be woken while the
+// sessions of the whole loop wait with it. Locked, the loop carried 3-11%
+// more keep-alive requests and 5-10% more short connections (4 and 3
+// alternating pairs), with the machine's CPUs idle 17-21% of the time
+// instead of 25%, at the same CPU per request.
 func (l *eventLoop) run() {
 	defer close(l.done)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	events := make([]unix.EpollEvent, 256)
 	for {
 		n, err := unix.EpollWait(l.epfd, events, l.timeout())
