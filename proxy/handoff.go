@@ -91,10 +91,15 @@ func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
 // file duplicates l's socket descriptor.
 func (l *listener) file() (*os.File, error) {
 	var c syscall.Conn
+	if l.raw != nil {
+		fd, err := l.raw.dup()
+		if err != nil {
+			return nil, fmt.Errorf("duplicating the socket descriptor: %w", err)
+		}
+		return os.NewFile(uintptr(fd), l.key.handoffKey()), nil
+	}
 	if l.pc != nil {
 		c = l.pc
-	} else if l.acceptFile != nil {
-		c = l.acceptFile
 	} else if sc, ok := l.ln.(syscall.Conn); ok {
 		c = sc
 	} else {
@@ -136,9 +141,9 @@ func CloseHandoffSockets(socks []HandoffSocket) {
 
 // StopListening closes this process's descriptors of every listener,
 // after another process has taken the sockets over (or asked for their
-// ports): the accept and read loops end, established connections and UDP
+// ports): accepting and reading end, established connections and UDP
 // flows go on until Drain. Unlike Shutdown it does not refuse connections
-// that an accept loop took from the shared queue just before its
+// that were taken from the shared queue just before this process's
 // descriptor was closed: those were accepted, and are served. Call it
 // only while Run is not running; then call Drain, not Shutdown.
 func (p *Proxier) StopListening() {
@@ -168,7 +173,7 @@ func (p *Proxier) Drain(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	p.sessMu.Lock()
-	p.closing = true // from here on an accept loop still running refuses
+	p.closing = true // from here on a connection accepted is refused
 	n := len(p.sessions)
 	for s := range p.sessions {
 		s.abort()
@@ -413,11 +418,12 @@ func (p *Proxier) adopted(l *listener) bool {
 	return in.adopted[l]
 }
 
-// startAdopted starts an adopted listener's accept or read loop once the
-// first sync is over, and reports whether l was adopted; openListener
-// starts the others at once. The goroutine belongs to the listener, like
-// its loop, which it becomes; it exits without a loop if the Proxier
-// stops before that sync.
+// startAdopted starts accepting or reading on an adopted listener once
+// the first sync is over (startAccepting), and reports whether l was
+// adopted; openListener starts the others at once. The goroutine waits
+// for that sync, then becomes the listener's accept or read loop, or
+// exits once the event loops accept on it; it exits at once if the
+// Proxier stops before that sync.
 func (p *Proxier) startAdopted(l *listener) bool {
 	if !p.adopted(l) {
 		return false
@@ -431,9 +437,13 @@ func (p *Proxier) startAdopted(l *listener) bool {
 			p.wg.Done()
 			return
 		}
-		if l.key.name.Protocol == v1.ProtocolUDP {
+		switch {
+		case l.raw != nil:
+			p.startAccepting(l)
+			p.wg.Done()
+		case l.key.name.Protocol == v1.ProtocolUDP:
 			p.udpLoop(l)
-		} else {
+		default:
 			p.acceptLoop(l)
 		}
 	}()

@@ -15,12 +15,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The data path's event loops. Once its backend is connected, a
-// session's two sockets leave Go's network poller and join one event
-// loop's own epoll instance, and the loop moves their bytes as they
-// become readable and writable, the way HAProxy and nginx do. Compared
-// with a goroutine per direction (session.pipe, kept for Config.EventLoops
-// < 0):
+// The data path's event loops. A loop accepts connections on the TCP
+// listeners (accept.go), dials their backends and moves the bytes of both
+// sockets, on its own epoll instance, as they become readable and
+// writable, the way HAProxy and nginx do. Compared with a goroutine per
+// direction (session.pipe, kept for Config.EventLoops < 0):
 //   - an idle connection holds no goroutine and no stack, only its two
 //     descriptors and a few hundred bytes of state (a goroutine per
 //     direction kept 8–10 KiB of stacks per idle connection);
@@ -28,12 +27,14 @@ import (
 //     of many sockets, which the loop serves in turn, with no trip through
 //     the scheduler, the runtime's poller or a futex.
 //
-// A session's sockets are dup(2)licated out of their *net.TCPConn, which
-// is then closed: Close takes the descriptor out of the runtime's epoll
-// (runtime_pollClose), which would otherwise wake for every event on it
-// too. The duplicate is the only descriptor of the socket from then on,
-// and closing it takes the socket out of the loop's epoll as well (epoll(7):
-// a file leaves every epoll set once all its descriptors are closed).
+// Without the loops' accept (a dialer of the caller's, Config.Dial), a
+// session whose backend is connected hands both sockets over: they are
+// dup(2)licated out of their *net.TCPConn, which is then closed. Close
+// takes the descriptor out of the runtime's epoll (runtime_pollClose),
+// which would otherwise wake for every event on it too. The duplicate is
+// the only descriptor of the socket from then on, and closing it takes the
+// socket out of the loop's epoll as well (epoll(7): a file leaves every
+// epoll set once all its descriptors are closed).
 //
 // A UDP flow's socket towards its backend is opened for a loop, which
 // relays the backend's replies to the client (addFlow, flowReady), where
@@ -57,11 +58,31 @@ type loopGroup struct {
 // loopFor returns the loop that takes the next session, starting the
 // loops if they are not running.
 func (g *loopGroup) loopFor() (*eventLoop, error) {
-	if g.n <= 0 {
-		return nil, errors.New("no event loops configured")
-	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if err := g.start(); err != nil {
+		return nil, err
+	}
+	l := g.loops[g.next%len(g.loops)]
+	g.next++
+	return l, nil
+}
+
+// running returns every loop, starting them if they are not running.
+func (g *loopGroup) running() ([]*eventLoop, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.start(); err != nil {
+		return nil, err
+	}
+	return g.loops, nil
+}
+
+// start starts the loops if they are not running. Called with mu held.
+func (g *loopGroup) start() error {
+	if g.n <= 0 {
+		return errors.New("no event loops configured")
+	}
 	if g.loops == nil {
 		loops := make([]*eventLoop, 0, g.n)
 		for range g.n {
@@ -70,15 +91,13 @@ func (g *loopGroup) loopFor() (*eventLoop, error) {
 				for _, l := range loops {
 					l.stop()
 				}
-				return nil, err
+				return err
 			}
 			loops = append(loops, l)
 		}
 		g.loops = loops
 	}
-	l := g.loops[g.next%len(g.loops)]
-	g.next++
-	return l, nil
+	return nil
 }
 
 // stop ends the loops, once no session is left on them; the next session
@@ -124,6 +143,15 @@ type eventLoop struct {
 	// recv and replies relay UDP replies: allocated with the first flow.
 	recv    *flowReceiver
 	replies *replyQueue
+	// accepting: the listeners registered with the loop, by slot
+	// (accept.go); freeSlots: its unused slots. paused: the slots whose
+	// listener is out of the epoll set after a failed accept, the earliest
+	// due again at nextResume. acceptAddr receives accepted peers' addresses.
+	accepting  []acceptSlot
+	freeSlots  []int32
+	paused     []int32
+	nextResume time.Time
+	acceptAddr unix.RawSockaddrInet6
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
@@ -220,11 +248,14 @@ func (l *eventLoop) run() {
 		}
 		woken := false
 		for _, ev := range events[:n] {
-			if ev.Pad == 0 {
+			switch {
+			case ev.Pad == 0:
 				woken = true
-				continue
+			case ev.Pad < 0:
+				l.acceptReady(ev.Fd)
+			default:
+				l.ready(ev)
 			}
-			l.ready(ev)
 		}
 		if woken {
 			var b [8]byte
@@ -238,10 +269,13 @@ func (l *eventLoop) run() {
 		if l.replies != nil {
 			l.replies.flush()
 		}
-		if l.idle <= 0 && l.nextDeadline.IsZero() && len(l.sessions) == 0 {
+		if l.idle <= 0 && l.nextDeadline.IsZero() && l.nextResume.IsZero() && len(l.sessions) == 0 {
 			continue
 		}
 		now := time.Now()
+		if !l.nextResume.IsZero() && !now.Before(l.nextResume) {
+			l.resumeAccept(now)
+		}
 		if !l.nextDeadline.IsZero() && !now.Before(l.nextDeadline) {
 			l.expire(now)
 		}
@@ -256,8 +290,9 @@ func (l *eventLoop) run() {
 	}
 }
 
-// timeout is epoll_wait's: until the next idle sweep, connection deadline
-// or, while the loop carries sessions, keep-alive round, in milliseconds
+// timeout is epoll_wait's: until the next idle sweep, connection deadline,
+// paused listener's turn (resumeAccept) or, while the loop carries
+// sessions, keep-alive round, in milliseconds
 // rounded up; -1 (none) without any.
 func (l *eventLoop) timeout() int {
 	var next time.Time
@@ -267,8 +302,10 @@ func (l *eventLoop) timeout() int {
 	if len(l.sessions) > 0 && (next.IsZero() || l.nextKeepAlive.Before(next)) {
 		next = l.nextKeepAlive
 	}
-	if d := l.nextDeadline; !d.IsZero() && (next.IsZero() || d.Before(next)) {
-		next = d
+	for _, d := range [...]time.Time{l.nextDeadline, l.nextResume} {
+		if !d.IsZero() && (next.IsZero() || d.Before(next)) {
+			next = d
+		}
 	}
 	if next.IsZero() {
 		return -1
@@ -871,8 +908,8 @@ func dupFD(c *net.TCPConn) (int, error) {
 // than GOMAXPROCS (at least one), negative none.
 //
 // A loop blocks in epoll_wait, a system call, and needs a P again when it
-// wakes; with a loop per P, the accept loops' goroutines and the loops
-// would keep taking Ps from each other, each handover waiting for sysmon
+// wakes; with a loop per P, the other goroutines (UDP listeners', the
+// sync's) and the loops would keep taking Ps from each other, each handover waiting for sysmon
 // to retake the P of a thread blocked in a system call. One P left to the
 // goroutines avoids that: on two CPUs, one loop carried keep-alive
 // requests for 25–34 µs of CPU each where two loops took 33–37 µs, at

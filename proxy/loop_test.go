@@ -41,7 +41,7 @@ func socketOptions(t *testing.T, fd int) map[string]int {
 }
 
 // TestAcceptedSocketsInheritOptions checks that sockets accepted raw, as
-// acceptRaw does, carry TCP keep-alive with Go's default timing and
+// the event loops accept them, carry TCP keep-alive with Go's default timing and
 // TCP_NODELAY, which setAcceptOptions sets only once, on the listening
 // socket.
 func TestAcceptedSocketsInheritOptions(t *testing.T) {

@@ -231,7 +231,7 @@ type Proxier struct {
 	sessMu   sync.Mutex
 	sessions map[*session]struct{}
 	closing  bool
-	wg       sync.WaitGroup // accept loops and sessions
+	wg       sync.WaitGroup // accept and read goroutines, and sessions
 }
 
 // NewProxier returns a Proxier with an empty Tracker. Feed the tracker
@@ -532,7 +532,7 @@ type opening struct {
 // opening them in applyService would give it (a --proxy-port-range is
 // handed out in order). Meanwhile workers on the other CPUs finish the
 // bound ones (startListener: socket options, the runtime's poller, the
-// log line, the accept loop), which is more than half of a listener's
+// log line, starting to accept), which is more than half of a listener's
 // cost. On 2 CPUs, applying the first sync of 10,000 services from
 // manifests took 0.62-0.82 s when applyService opened them one by one,
 // and 0.37-0.39 s this way.
@@ -949,15 +949,13 @@ type listener struct {
 	// rest; a hosted listener has its host's. Zero means port alone.
 	portEnd uint16
 	// siblings are a shared listener's further sockets, on port+1 to
-	// portEnd (slots 1 and up), each with its own accept loop and the
-	// same route table.
+	// portEnd (slots 1 and up), each accepted on as the listener is, with
+	// the same route table.
 	siblings []*listener
-	// acceptFile is the listening socket when acceptRaw accepts on it, as
-	// a pollable *os.File; ln is then nil. closed tells acceptRaw that an
-	// error means the listener is gone.
-	acceptFile *os.File
-	closed     atomic.Bool
-	snap       atomic.Pointer[snapshot]
+	// raw is the listening socket when the event loops accept on it
+	// (accept.go); ln is then nil.
+	raw  *loopListener
+	snap atomic.Pointer[snapshot]
 	// host is the shared listener that receives this service port's
 	// traffic; nil when the listener has its own socket.
 	host *listener
@@ -981,7 +979,7 @@ func (p *Proxier) listen(ctx context.Context, network, addr string) (net.Listene
 // openListener binds a listener for k on all addresses of its family (the
 // kernel's REDIRECT rewrites the destination to a local address: 127.0.0.1
 // or ::1 for OUTPUT, the incoming interface's address for PREROUTING) and
-// starts its accept loop.
+// starts accepting on it (startAccepting).
 func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error) {
 	return p.openListenerAt(ctx, k, 0)
 }
@@ -1055,29 +1053,46 @@ func (p *Proxier) startListener(l *listener) {
 	if rc := listenerRawConn(l.ln); rc != nil {
 		// Once the socket is bound, whether bound here or inherited, and
 		// not on the attempts whose bind failed. Setting them before bind
-		// and again in acceptRaw cost 4 more system calls per listener:
+		// and again for the event loops cost 4 more system calls per listener:
 		// 40,000 for the first sync of 10,000 services.
 		if err := setAcceptOptions(rc); err != nil {
 			p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
 				zap.Stringer("servicePort", k.name), zap.Error(err))
 		}
-		if f := p.rawAcceptFile(rc); f != nil {
+		if fd := p.rawListenerFD(rc); fd >= 0 {
 			// The duplicate is the socket's only descriptor from now on.
 			// Keeping both cost a second descriptor per listener (10,000
 			// services then needed 20,000, a common hard limit) and a
-			// second registration in the runtime's poller, which woke for
-			// every connection too. Closing the original leaves the
-			// socket listening: it is closed with its last descriptor.
+			// registration in the runtime's poller, which woke for every
+			// connection too. Closing the original leaves the socket
+			// listening: it is closed with its last descriptor.
 			l.ln.Close()
-			l.ln, l.acceptFile = nil, f
+			l.ln, l.raw = nil, p.newLoopListener(l, fd)
 		}
 	}
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	if p.startAdopted(l) {
 		return
 	}
+	p.startAccepting(l)
+}
+
+// startAccepting starts accepting on l, or reading from it: with the
+// event loops (l.raw), which serve it from then on, or on a goroutine of
+// its own, which ends when l is closed.
+func (p *Proxier) startAccepting(l *listener) {
+	if l.raw != nil {
+		if err := p.loops.listen(l.raw); err != nil {
+			// Only a loop that cannot be started (no descriptor left for
+			// its epoll instance) or one stopping gets here. Connections
+			// then wait in the socket's queue; the next sync of the
+			// service, or a restart, tries again.
+			p.log.Error("cannot accept: no event loop to accept on the listener", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		}
+		return
+	}
 	p.wg.Add(1)
-	if k.name.Protocol == v1.ProtocolUDP {
+	if l.key.name.Protocol == v1.ProtocolUDP {
 		go p.udpLoop(l)
 	} else {
 		go p.acceptLoop(l)
@@ -1086,9 +1101,8 @@ func (p *Proxier) startListener(l *listener) {
 
 // close closes l's socket, which ends its accept or read loop.
 func (l *listener) close() {
-	l.closed.Store(true)
-	if l.acceptFile != nil {
-		l.acceptFile.Close()
+	if l.raw != nil {
+		l.raw.close()
 	}
 	if l.ln != nil {
 		l.ln.Close()
@@ -1120,15 +1134,6 @@ func (p *Proxier) closeListener(l *listener) {
 // instead of spinning or exiting: the old userspace proxy died here.
 func (p *Proxier) acceptLoop(l *listener) {
 	defer p.wg.Done()
-	if l.acceptFile != nil {
-		rc, err := l.acceptFile.SyscallConn()
-		if err != nil {
-			p.log.Error("cannot accept: the listening socket has no descriptor", zap.Stringer("servicePort", l.key.name), zap.Error(err))
-			return
-		}
-		p.acceptRaw(l, rc)
-		return
-	}
 	var delay time.Duration
 	for {
 		c, err := l.ln.Accept()
@@ -1158,7 +1163,7 @@ func (p *Proxier) acceptLoop(l *listener) {
 // after the first failure in a row, twice as long after each next one, up
 // to 1s. It returns the delay slept.
 func (p *Proxier) acceptBackoff(l *listener, delay time.Duration, err error) time.Duration {
-	delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+	delay = min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
 	p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay), zap.Error(err))
 	time.Sleep(delay)
 	return delay
@@ -1179,72 +1184,47 @@ func listenerRawConn(ln net.Listener) syscall.RawConn {
 	return rc
 }
 
-// rawAcceptFile returns a duplicate of a TCP listener's socket, rc, for
-// acceptRaw, as an *os.File, which waits for connections in the runtime's
-// poller (a listener's own RawConn cannot wait: its Read is not
-// supported). The caller then closes the listener, leaving the duplicate
-// as the socket's only descriptor. Nil without event loops, or with a
-// dialer of the caller's (Config.Dial, which needs the goroutine path).
-func (p *Proxier) rawAcceptFile(rc syscall.RawConn) *os.File {
+// rawListenerFD returns a duplicate of a TCP listener's socket, rc, for
+// the event loops to accept on; -1 without event loops, with a dialer of
+// the caller's (Config.Dial, which needs the goroutine path), or if it
+// cannot be duplicated. The caller then closes the listener, leaving the
+// duplicate as the socket's only descriptor.
+func (p *Proxier) rawListenerFD(rc syscall.RawConn) int {
 	if p.loops.n <= 0 || p.cfg.Dial != nil {
-		return nil
+		return -1
 	}
 	nfd, derr := -1, error(nil)
 	if err := rc.Control(func(fd uintptr) { nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); err != nil || derr != nil {
-		return nil
+		return -1
 	}
-	// The socket is non-blocking (the duplicate shares its flags), so
-	// NewFile registers it with the poller.
-	return os.NewFile(uintptr(nfd), "listener")
+	return nfd
 }
 
-// acceptRaw is acceptLoop with event loops: accept4(2) straight on the
-// listening socket, whose options (keep-alive, TCP_NODELAY) the accepted
-// sockets inherit. An accepted socket never joins the runtime's poller,
-// which would cost six system calls per connection for nothing: register
-// it, read its local address, set TCP_NODELAY, then duplicate it,
-// deregister it and close it when it moves to a loop. The accepted
-// connection is checked on this goroutine (startTCP), without blocking.
-func (p *Proxier) acceptRaw(l *listener, rc syscall.RawConn) {
-	var (
-		delay time.Duration
-		// What accept finds, allocated once with the function.
-		nfd  int
-		sa   unix.RawSockaddrInet6 // big enough for either family
-		aerr error
-	)
-	accept := func(fd uintptr) bool {
-		for {
-			nfd, aerr = accept4(int(fd), &sa)
-			switch aerr {
-			case unix.ECONNABORTED:
-				continue // a connection reset while queued: the next one
-			case unix.EAGAIN:
-				return false
-			}
-			return true
-		}
-	}
-	for {
-		err := rc.Read(accept)
-		if err == nil && aerr != nil {
-			err = os.NewSyscallError("accept4", aerr)
-		}
-		if err != nil {
-			if l.closed.Load() {
-				return
-			}
-			delay = p.acceptBackoff(l, delay, err)
-			continue
-		}
-		delay = 0
-		s := p.newSession(nil, nfd)
+// newLoopListener returns the loopListener of l's socket fd: the event
+// loops accept on it straight with accept4(2), and the accepted sockets
+// inherit its options (keep-alive, TCP_NODELAY). An accepted socket never
+// joins the runtime's poller, which would cost six system calls per
+// connection for nothing: register it, read its local address, set
+// TCP_NODELAY, then duplicate it, deregister it and close it when it moves
+// to a loop.
+func (p *Proxier) newLoopListener(l *listener, fd int) *loopListener {
+	serve := func(el *eventLoop, fd int, client netip.AddrPort) {
+		s := p.newSession(nil, fd)
 		if s == nil {
-			unix.Close(nfd)
-			continue
+			unix.Close(fd)
+			return
 		}
-		p.startTCP(l, accepted{rc: fdConn(nfd), client: sockaddrAddrPort(&sa)}, s)
+		p.startTCP(el, l, accepted{rc: fdConn(fd), client: client}, s)
 	}
+	failed := func(err error, delay time.Duration) {
+		if delay == 0 {
+			p.log.Error("cannot accept on the listener: registering it with an event loop failed", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			return
+		}
+		p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay),
+			zap.Error(os.NewSyscallError("accept4", err)))
+	}
+	return newLoopListener(fd, serve, failed)
 }
 
 // Shutdown stops accepting on every listener, then waits for established

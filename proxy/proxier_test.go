@@ -794,7 +794,7 @@ func TestEndpointChangesDoNotTouchRules(t *testing.T) {
 }
 
 // TestListenerHoldsOneDescriptor checks that a TCP listener holds a single
-// descriptor: with event loops, acceptRaw's pollable duplicate replaces
+// descriptor: with event loops, the duplicate they accept on replaces
 // the listener's own, so 10,000 services fit in 10,000 descriptors, not
 // 20,000.
 func TestListenerHoldsOneDescriptor(t *testing.T) {

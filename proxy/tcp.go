@@ -26,9 +26,9 @@ var errNoEndpoints = errors.New("no usable endpoints")
 // values, never wrapped: the data path (copyHalf) splices between the bare
 // sockets through their RawConns.
 type session struct {
-	// client is the accepted connection, or nil when it was accepted raw
-	// (acceptRaw): then fd is its socket, owned by the session until
-	// carry hands it to a loop, and -1 from then on.
+	// client is the accepted connection, or nil when an event loop
+	// accepted it (newLoopListener): then fd is its socket, owned by the
+	// session until startTCP hands it to the loop, and -1 from then on.
 	client *net.TCPConn
 	fd     int
 
@@ -49,12 +49,11 @@ type session struct {
 // to an event loop.
 var errAborted = errors.New("session aborted")
 
-// carry hands the session's sockets to one of g's loops, which calls
-// finish once both are closed. With d, only the client's socket is
-// handed over, and the loop dials the backend as d says; without, the
-// backend is connected already. On an error other than errAborted
-// nothing has changed, and the session can go on without a loop.
-func (s *session) carry(g *loopGroup, d *tcpDial, finish func(up, down int64)) error {
+// carry hands the session's sockets, both connected, to one of g's loops,
+// which calls finish once both are closed. On an error other than
+// errAborted nothing has changed, and the session can go on without a
+// loop.
+func (s *session) carry(g *loopGroup, finish func(up, down int64)) error {
 	l, err := g.loopFor()
 	if err != nil {
 		return err
@@ -64,44 +63,27 @@ func (s *session) carry(g *loopGroup, d *tcpDial, finish func(up, down int64)) e
 	if s.aborted {
 		return errAborted
 	}
-	ls := &loopSession{finish: finish, dial: d}
-	ls.side[0].fd, ls.side[1].fd = s.fd, -1
-	if s.client != nil {
-		if ls.side[0].fd, err = dupFD(s.client); err != nil {
-			return err
-		}
+	ls := &loopSession{finish: finish}
+	if ls.side[0].fd, err = dupFD(s.client); err != nil {
+		return err
 	}
-	if d == nil {
-		if ls.side[1].fd, err = dupFD(s.backend); err != nil {
-			if s.client != nil {
-				unix.Close(ls.side[0].fd)
-			}
-			return err
-		}
+	if ls.side[1].fd, err = dupFD(s.backend); err != nil {
+		unix.Close(ls.side[0].fd)
+		return err
 	}
 	// Posted under s.mu, so that an abort, which posts under it too, is
 	// queued after the session's registration.
 	tcpPipes.enter() // left in eventLoop.end
 	if !l.post(func() { l.add(ls) }) {
 		tcpPipes.leave()
-		if s.client != nil {
-			unix.Close(ls.side[0].fd)
-		}
-		if s.backend != nil {
-			unix.Close(ls.side[1].fd)
-		}
+		unix.Close(ls.side[0].fd)
+		unix.Close(ls.side[1].fd)
 		return errLoopStopped
 	}
 	// Closing the originals takes them out of the runtime's poller; the
-	// duplicates are the sockets' only descriptors from here on. A raw
-	// socket moves as it is.
-	if s.client != nil {
-		s.client.Close()
-	}
-	if s.backend != nil {
-		s.backend.Close()
-	}
-	s.fd = -1
+	// duplicates are the sockets' only descriptors from here on.
+	s.client.Close()
+	s.backend.Close()
 	s.loop, s.ls = l, ls
 	return nil
 }
@@ -189,8 +171,8 @@ func tcpProgress(c *net.TCPConn) uint64 {
 // serveTCP carries one accepted connection on a goroutine of its own:
 // check its original destination, pick and dial a backend, then hand both
 // sockets to an event loop or, without loops, splice both directions on
-// goroutines of its own. With event loops and the default dialer,
-// acceptRaw calls startTCP instead, and the loop dials.
+// goroutines of its own. With event loops and the default dialer, the
+// loops accept, and the loop that accepted dials (startTCP).
 func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 	rc, err := c.SyscallConn()
 	if err != nil {
@@ -238,7 +220,7 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 		return
 	}
 	if p.loops.n > 0 {
-		err := s.carry(&p.loops, nil, finish)
+		err := s.carry(&p.loops, finish)
 		switch {
 		case err == nil:
 			return
@@ -252,30 +234,34 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 	finish(s.pipe(p.cfg.IdleTimeout))
 }
 
-// startTCP starts a connection acceptRaw accepted, without blocking, on
-// its goroutine: it checks the connection and hands it to an event loop,
-// which dials the backend (eventLoop.connect) and carries the session.
-func (p *Proxier) startTCP(l *listener, a accepted, s *session) {
+// startTCP starts a connection that event loop el accepted (newLoopListener),
+// on el: it checks the connection, and el dials the backend
+// (eventLoop.connect) and carries the session.
+func (p *Proxier) startTCP(el *eventLoop, l *listener, a accepted, s *session) {
 	d := p.admitTCP(l, a, s)
 	if d == nil {
 		p.endSession(s)
 		return
 	}
-	err := s.carry(&p.loops, d, func(up, down int64) {
+	finish := func(up, down int64) {
 		d.done(up, down)
 		p.endSession(s)
-	})
-	if err == nil {
+	}
+	s.mu.Lock()
+	if s.aborted {
+		// Shutdown came first; abort closed the socket.
+		s.mu.Unlock()
+		finish(0, 0)
 		return
 	}
-	if !errors.Is(err, errAborted) {
-		// A raw socket has no goroutine path to fall back on.
-		p.connLog.Warn("refusing connection: no event loop to carry it",
-			zap.Stringer("servicePort", d.name), zap.Error(err))
-		s.abort()
-	}
-	d.done(0, 0)
-	p.endSession(s)
+	ls := &loopSession{finish: finish, dial: d}
+	ls.side[0].fd, ls.side[1].fd = s.fd, -1
+	s.fd = -1
+	s.loop, s.ls = el, ls
+	s.mu.Unlock()
+	// An abort from here on is posted to el, and runs after add.
+	tcpPipes.enter() // left in eventLoop.end
+	el.add(ls)
 }
 
 // accepted is an accepted connection as admitTCP sees it: its socket,
@@ -639,7 +625,7 @@ func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported 
 // keep-alive with Go's default timing (15s idle, 15s between probes, 9
 // probes) and TCP_NODELAY. Set once per listener, by startListener, they
 // spare the five setsockopt calls per accepted connection that Go's
-// Accept, or acceptRaw, would otherwise make.
+// Accept, or the event loops' accept, would otherwise make.
 func setAcceptOptions(rc syscall.RawConn) error {
 	var serr error
 	if err := rc.Control(func(fd uintptr) {

@@ -1,0 +1,255 @@
+package proxy
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	v1 "k8s.io/api/core/v1"
+
+	"golang.org/x/sys/unix"
+)
+
+// rawListening returns a duplicate of a listening socket on 127.0.0.1, as
+// rawListenerFD makes one, and its address. The test's cleanup closes
+// the original; the duplicate is the caller's.
+func rawListening(t *testing.T) (int, string) {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	rc, err := ln.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fd, derr := -1, error(nil)
+	rc.Control(func(s uintptr) { fd, derr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) })
+	if derr != nil {
+		t.Fatal(derr)
+	}
+	return fd, ln.Addr().String()
+}
+
+// acceptRecorder records what the loops hand a loopListener: the
+// connections it serves (closed at once) and the failures it reports.
+type acceptRecorder struct {
+	mu      sync.Mutex
+	loops   map[*eventLoop]int // connections served, by loop
+	served  int
+	delays  []time.Duration
+	failure []error
+}
+
+func (r *acceptRecorder) serve(el *eventLoop, fd int, client netip.AddrPort) {
+	unix.Close(fd)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.loops == nil {
+		r.loops = map[*eventLoop]int{}
+	}
+	r.loops[el]++
+	r.served++
+}
+
+func (r *acceptRecorder) failed(err error, delay time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.delays = append(r.delays, delay)
+	r.failure = append(r.failure, err)
+}
+
+func (r *acceptRecorder) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.served
+}
+
+// registrations returns the lines of /proc/self/fdinfo for epoll instance
+// epfd that are listener registrations (their data's upper half is
+// watchListener's -1).
+func registrations(t *testing.T, epfd int) []string {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", epfd))
+	if err != nil {
+		t.Skipf("no epoll fdinfo: %v", err)
+	}
+	var regs []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "tfd:") && strings.Contains(line, "data: ffffffff") {
+			regs = append(regs, line)
+		}
+	}
+	return regs
+}
+
+// TestLoopAcceptBacksOff checks that a loop that cannot accept for want of
+// descriptors stops accepting on the socket for a while, 5 ms then twice
+// as long after each failure in a row, instead of spinning on a socket
+// that stays readable, and serves the connection once accept works again.
+func TestLoopAcceptBacksOff(t *testing.T) {
+	g := &loopGroup{n: 1, dialTimeout: time.Second}
+	defer g.stop()
+	fd, addr := rawListening(t)
+	var rec acceptRecorder
+	ll := newLoopListener(fd, rec.serve, rec.failed)
+	defer ll.close()
+	var mu sync.Mutex
+	var calls []time.Time
+	const failures = 4
+	ll.accept = func(fd int, sa *unix.RawSockaddrInet6) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		calls = append(calls, time.Now())
+		if len(calls) <= failures {
+			return -1, unix.EMFILE
+		}
+		return accept4(fd, sa)
+	}
+	if err := g.listen(ll); err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp4", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitUntil(t, "the connection is served", func() bool { return rec.count() == 1 })
+
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
+	if diff := cmp.Diff(want, rec.delays); diff != "" {
+		t.Errorf("backoff delays (-want +got):\n%s", diff)
+	}
+	for _, err := range rec.failure {
+		if err != unix.EMFILE {
+			t.Errorf("reported failure %v, want EMFILE", err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(calls) != failures+1 {
+		t.Errorf("accept was called %d times; want %d (each failure, then the success)", len(calls), failures+1)
+	}
+	for i := 1; i < len(calls); i++ {
+		if gap := calls[i].Sub(calls[i-1]); gap < want[i-1] {
+			t.Errorf("accept %d came %v after the failure before it; want at least %v", i+1, gap, want[i-1])
+		}
+	}
+}
+
+// TestLoopListenerClose checks that closing a loopListener takes the socket
+// out of the loops' epoll sets before closing it: a duplicate of the
+// descriptor, as handed to the next process, keeps the socket listening,
+// and its queued connections are then the duplicate's to accept, not the
+// loop's, which would otherwise be woken for them for ever.
+func TestLoopListenerClose(t *testing.T) {
+	g := &loopGroup{n: 2, dialTimeout: time.Second}
+	defer g.stop()
+	fd, addr := rawListening(t)
+	var rec acceptRecorder
+	ll := newLoopListener(fd, rec.serve, rec.failed)
+	if err := g.listen(ll); err != nil {
+		t.Fatal(err)
+	}
+	loops, err := g.running()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, l := range loops {
+		waitUntil(t, fmt.Sprintf("loop %d registers the listener", i), func() bool { return len(registrations(t, l.epfd)) == 1 })
+		// EPOLLEXCLUSIVE: a connection wakes one loop.
+		var ev uint32
+		reg := registrations(t, l.epfd)[0]
+		if _, err := fmt.Sscanf(reg[strings.Index(reg, "events:"):], "events: %x", &ev); err != nil {
+			t.Fatalf("loop %d's registration %q: %v", i, reg, err)
+		}
+		if want := uint32(unix.EPOLLIN | unix.EPOLLEXCLUSIVE); ev&want != want || ev&unix.EPOLLET != 0 {
+			t.Errorf("loop %d's registration %q; want EPOLLIN|EPOLLEXCLUSIVE, level-triggered", i, reg)
+		}
+	}
+	for i := range 20 {
+		c, err := net.Dial("tcp4", addr)
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		c.Close()
+	}
+	waitUntil(t, "both loops' connections are served", func() bool { return rec.count() == 20 })
+
+	dup, err := ll.dup()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(dup)
+	ll.close()
+	for i, l := range loops {
+		waitUntil(t, fmt.Sprintf("loop %d drops the listener", i), func() bool { return len(registrations(t, l.epfd)) == 0 })
+	}
+	c, err := net.Dial("tcp4", addr)
+	if err != nil {
+		t.Fatalf("the duplicate does not listen: %v", err)
+	}
+	defer c.Close()
+	time.Sleep(50 * time.Millisecond)
+	if n := rec.count(); n != 20 {
+		t.Errorf("a closed listener served %d connections after close", n-20)
+	}
+	nfd, _, err := unix.Accept4(dup, unix.SOCK_CLOEXEC)
+	if err != nil {
+		t.Fatalf("the connection is not in the duplicate's queue: %v", err)
+	}
+	unix.Close(nfd)
+	// The slots are freed and reused.
+	fd2, addr2 := rawListening(t)
+	ll2 := newLoopListener(fd2, rec.serve, rec.failed)
+	defer ll2.close()
+	if err := g.listen(ll2); err != nil {
+		t.Fatal(err)
+	}
+	c2, err := net.Dial("tcp4", addr2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	waitUntil(t, "the next listener's connection is served", func() bool { return rec.count() == 21 })
+	for i, l := range loops {
+		if got := len(l.accepting); got != 1 {
+			t.Errorf("loop %d has %d listener slots after one listener replaced another; want 1", i, got)
+		}
+	}
+}
+
+// TestListenersHoldNoGoroutine checks that, with event loops, a TCP
+// listener holds no goroutine: the loops accept on it. An accept goroutine
+// per listener kept 10,000 of them, with their stacks, at 10,000 services.
+func TestListenersHoldNoGoroutine(t *testing.T) {
+	const n = 50
+	p, rules := startProxier(t, Config{})
+	// A first service starts the loops, and the test's goroutines settle.
+	p.Tracker().Replace([]*v1.Service{svc("s00", "10.96.1.1", "http:80")}, nil)
+	rules.port(t, "default/s00:http")
+	time.Sleep(50 * time.Millisecond)
+	base := runtime.NumGoroutine()
+	var svcs []*v1.Service
+	for i := range n {
+		svcs = append(svcs, svc(fmt.Sprintf("s%02d", i), fmt.Sprintf("10.96.1.%d", i+1), "http:80"))
+	}
+	p.Tracker().Replace(svcs, nil)
+	for i := range n {
+		rules.port(t, fmt.Sprintf("default/s%02d:http", i))
+	}
+	if got := runtime.NumGoroutine() - base; got >= n/2 {
+		t.Errorf("%d more listeners hold %d more goroutines; want none", n-1, got)
+	}
+}
