@@ -16,7 +16,7 @@
 // unchanged, and UPROXY-TPROXY-OUTPUT (from OUTPUT) sends the node's own
 // through lo to meet it; see tproxy.go. That mode also needs the policy
 // routing of Routing, which the caller installs and removes. In redirect
-// mode the two mangle chains exist, empty, and nothing jumps to them.
+// mode the mangle chains exist, empty, and nothing jumps to them.
 //
 // In the shared layout (Rules.Shared), for a proxy with one listener per
 // family and protocol, the rules do not name the services: every service

@@ -48,6 +48,7 @@ const (
 	firewallChain     = "UPROXY-FIREWALL"
 	tproxyChain       = "UPROXY-TPROXY"
 	tproxyOutputChain = "UPROXY-TPROXY-OUTPUT"
+	tproxyDivertChain = "UPROXY-TPROXY-DIVERT"
 )
 
 // chains is every chain uproxy creates, in every table. Render, Sync and
@@ -78,6 +79,13 @@ var chains = []chainSpec{
 		jumpComment: "uproxy tproxy",
 		tproxyOnly:  true,
 		rules:       tproxyRules,
+	},
+	{
+		// Gone to (-g) from UPROXY-TPROXY's first rules, for the packets
+		// of the proxy's transparent sockets.
+		table: "mangle",
+		name:  tproxyDivertChain,
+		rules: tproxyDivertRules,
 	},
 	{
 		table:       "mangle",

@@ -447,6 +447,7 @@ func TestParseStateOfRender(t *testing.T) {
 		}},
 		{"nat", "UPROXY-NODEPORTS"}:        {exists: true},
 		{"mangle", "UPROXY-TPROXY"}:        {exists: true},
+		{"mangle", "UPROXY-TPROXY-DIVERT"}: {exists: true},
 		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true},
 		{"filter", "UPROXY-FIREWALL"}:      {exists: true},
 	}
@@ -470,6 +471,7 @@ func TestParseStateTables(t *testing.T) {
 		{"nat", "UPROXY-SERVICES"}:         {},
 		{"nat", "UPROXY-NODEPORTS"}:        {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
 		{"mangle", "UPROXY-TPROXY"}:        {},
+		{"mangle", "UPROXY-TPROXY-DIVERT"}: {},
 		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
 		{"filter", "UPROXY-FIREWALL"}:      {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
 	}

@@ -527,7 +527,7 @@ func wantSave(f Family, r Rules) string {
 	for _, c := range builtin["mangle"] {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
-	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
+	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
 	// Only tproxy mode jumps to the mangle chains.
 	if r.TProxy != nil {
 		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
@@ -536,7 +536,7 @@ func wantSave(f Family, r Rules) string {
 	if r.TProxy != nil {
 		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 	}
-	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-OUTPUT"} {
+	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-OUTPUT"} {
 		for _, l := range st[chainKey{"mangle", c}].rules {
 			b.WriteString(l + "\n")
 		}
@@ -851,6 +851,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 		// nothing jumps to them.
 		{"mangle chains deleted", "mangle", func(order []string, rules map[string][]string) []string {
 			delete(rules, "UPROXY-TPROXY")
+			delete(rules, "UPROXY-TPROXY-DIVERT")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
 		}, callsJumps},
@@ -858,6 +859,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			rules["PREROUTING"] = []string{"-A PREROUTING " + tproxyJumpComment, unrelatedMangle}
 			rules["OUTPUT"] = []string{"-A OUTPUT " + tproxyOutputJumpComment}
 			delete(rules, "UPROXY-TPROXY")
+			delete(rules, "UPROXY-TPROXY-DIVERT")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
 		}, []string{"Delete mangle PREROUTING", "Delete mangle OUTPUT"}},
@@ -914,7 +916,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 		rules        int
 	}{
 		{"nat", "OUTPUT", []string{unrelated}, rulesA, 8},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 11},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 12},
 		{"filter", "FORWARD", nil, rulesA, 8},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
@@ -982,7 +984,7 @@ func TestSyncRestoreFailure(t *testing.T) {
 	if !errors.Is(err, errExit) {
 		t.Errorf("error %v does not wrap the exec error", err)
 	}
-	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
+	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
 		if !strings.Contains(err.Error(), s) {
 			t.Errorf("error %q does not mention %q", err, s)
 		}
@@ -1217,7 +1219,7 @@ func TestCleanup(t *testing.T) {
 	// UPROXY-SERVICES jumps to UPROXY-NODEPORTS: both are flushed before
 	// either is deleted.
 	wantInput := "*nat\n:UPROXY-SERVICES - [0:0]\n:UPROXY-NODEPORTS - [0:0]\n-X UPROXY-SERVICES\n-X UPROXY-NODEPORTS\nCOMMIT\n" +
-		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
+		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
 		"*filter\n:UPROXY-FIREWALL - [0:0]\n-X UPROXY-FIREWALL\nCOMMIT\n"
 	if got := k.restored[len(k.restored)-1]; got != wantInput {
 		t.Errorf("Cleanup restore input = %q, want %q", got, wantInput)
@@ -1283,7 +1285,7 @@ func TestCleanupErrors(t *testing.T) {
 	}
 	k.failRestore = fmt.Errorf("iptables-restore: %w: referenced", errExit)
 	err = Cleanup(ctx, Config{Exec: k, Jumps: k})
-	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
 		t.Errorf("Cleanup with failing restore = %v", err)
 	}
 }
@@ -1759,15 +1761,16 @@ func TestSyncTProxy(t *testing.T) {
 	ctx := context.Background()
 	k := newFakeKernel(IPv4)
 	s := newFakeSyncer(t, k)
-	// For IPv4, 11 rules: 7 in UPROXY-TPROXY (the UDP intercept, two
-	// allowed prefixes and the DROP of the firewalled one, the node port,
-	// two socket marks), 2 in UPROXY-TPROXY-OUTPUT, 2 listener guards.
+	// For IPv4, 12 rules: 7 in UPROXY-TPROXY (the TCP socket match, the
+	// UDP intercept, two allowed prefixes and the DROP of the firewalled
+	// one, the node port, the UDP socket match), 1 in UPROXY-TPROXY-DIVERT,
+	// 2 in UPROXY-TPROXY-OUTPUT, 2 listener guards.
 	tp := tproxied(rulesA, Routing{})
 	res, err := s.Sync(ctx, tp, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 11, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
@@ -1790,7 +1793,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 11, SetMembers: 2}); res != want {
+	if want := (Result{Rules: 12, SetMembers: 2}); res != want {
 		t.Errorf("unchanged full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1806,7 +1809,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 11, Repaired: true, SetMembers: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 12, Repaired: true, SetMembers: 2}); res != want {
 		t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1825,7 +1828,7 @@ func TestSyncTProxy(t *testing.T) {
 		jumps []string
 	}{
 		{"redirect mode", rulesA, 8, []string{"Delete mangle PREROUTING", "Delete mangle OUTPUT"}},
-		{"tproxy mode again", tp, 11, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"}},
+		{"tproxy mode again", tp, 12, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"}},
 	} {
 		res, err := s.Sync(ctx, step.r, false)
 		if err != nil {

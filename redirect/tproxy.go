@@ -23,9 +23,23 @@ import (
 // handed-over packets from the others, and UPROXY-FIREWALL holds no
 // firewall rule in tproxy mode.
 //
-// Then packets that belong to the proxy's transparent sockets (replies to
-// connections dialled from a client's own address) get the mark too, and
-// reach them instead of being routed on to the client.
+// Packets that belong to the proxy's transparent sockets get the mark too
+// (UPROXY-TPROXY-DIVERT), and reach them instead of being routed on: the
+// packets of established connections, and the replies to connections
+// dialled from a client's own address. For TCP this comes first, and the
+// packets leave UPROXY-TPROXY there, by goto, as in the kernel's TPROXY
+// recipe (Documentation/networking/tproxy.rst: "-m socket -j DIVERT"
+// first): mangle's PREROUTING sees every packet, not only a connection's
+// first as nat's does, and with the socket match last each packet of an
+// established connection walked the rules of the service ports before
+// its own. SYNs still go to TPROXY first, as before: TPROXY hands a SYN
+// that meets the TIME_WAIT socket of an earlier connection to the
+// listener (nf_tproxy_handle_time_wait4), where local delivery would leave
+// it to the TIME_WAIT socket, which no listener on the service's address
+// backs (the listeners are on loopback). For UDP the socket
+// match stays last: the proxy's reply sockets are bound to the service
+// address and connected to the client, so the clients' datagrams would
+// match them, and a datagram needs TPROXY every time anyway.
 //
 // In OUTPUT (mangle), UPROXY-TPROXY-OUTPUT marks the node's own packets to
 // intercepted and guarded destinations, which reroutes them through lo
@@ -161,8 +175,9 @@ func tproxyEntries(f Family, r Rules) []tproxyEntry {
 // per allowed source prefix of f when a firewall guards it, then the
 // firewall's DROP; then the node ports, on every local address but
 // loopback or on those in NodePortAddresses (none when no prefix is of
-// f), as in redirect mode; then the marks of the transparent sockets'
-// packets.
+// f), as in redirect mode. The transparent sockets' packets go to
+// UPROXY-TPROXY-DIVERT by goto, and return from there to PREROUTING: for
+// TCP before all the rest, except SYNs; for UDP last.
 //
 // In the shared layout, the intercepts that no firewall guards have no
 // rule of their own: after the guarded ones and the firewalls, one
@@ -176,6 +191,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	t := r.TProxy
 	allowed := firewallAllows(f, r)
 	var rules []string
+	rules = append(rules, fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain))
 	for _, e := range tproxyEntries(f, r) {
 		match := destMatch(f, e.key.dest, e.key.proto, e.comment, e.key.port)
 		if e.firewall {
@@ -226,10 +242,16 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 				c.name, d, n.Protocol, quoteComment(n.Comment), n.Protocol, n.Port, t.target(f, n.ToPort)))
 		}
 	}
-	for _, proto := range []Protocol{TCP, UDP} {
-		rules = append(rules, fmt.Sprintf("-A %s -p %s -m socket --transparent %s", c.name, proto, t.markTarget()))
+	return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+}
+
+// tproxyDivertRules renders UPROXY-TPROXY-DIVERT: it marks the packets of
+// the transparent sockets, which UPROXY-TPROXY sends here (see TProxy).
+func tproxyDivertRules(c chainSpec, _ Family, r Rules) []string {
+	if r.TProxy == nil {
+		return nil
 	}
-	return rules
+	return []string{fmt.Sprintf("-A %s %s", c.name, r.TProxy.markTarget())}
 }
 
 // tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see TProxy): one MARK per

@@ -354,6 +354,29 @@ func TestTrafficTProxy(t *testing.T) {
 			tl.syncTProxy(r)
 
 			tl.expect("VIP from a pod", pod.NS, TCP, vip, wantTCP(vip, podIP))
+			// The service's rule hands over the SYN alone: the
+			// connection's other packets meet its socket first, and leave
+			// UPROXY-TPROXY there, before the service ports' rules.
+			web := `"default/web:http" -m tcp --dport 80 -j TPROXY`
+			if n := tl.packets(f, "mangle", web); n != 1 {
+				t.Errorf("the web service's TPROXY rule saw %d packets of one connection; want its SYN alone", n)
+			}
+			if n := tl.packets(f, "mangle", "SYN -m socket --transparent"); n == 0 {
+				t.Error("the connection's packets after the SYN did not meet the TCP socket match")
+			}
+			// A connection from the port of an earlier one, which the
+			// listener closed first (socat -u sends nothing, so the
+			// client's FIN comes after the listener's): its SYN meets the
+			// earlier connection's TIME_WAIT socket, and still reaches the
+			// listener.
+			for i := range 2 {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				out, err := tl.lab.Exec(ctx, pod.NS, "socat", "-T3", "-u", fmt.Sprintf("TCP:%s,connect-timeout=2,sourceport=40999,reuseaddr", vip), "STDOUT")
+				cancel()
+				if got, want := strings.TrimSpace(out), wantTCP(vip, podIP); err != nil || got != want {
+					t.Errorf("connection %d from port 40999: got %q (%v), want %q", i+1, got, err, want)
+				}
+			}
 			tl.expect("VIP from another pod", other.NS, TCP, vip, wantTCP(vip, otherIP))
 			// The node's own connection is marked in mangle OUTPUT,
 			// rerouted through lo, and handed over in PREROUTING.
@@ -491,7 +514,7 @@ func TestTrafficTProxyTransparentDial(t *testing.T) {
 			if want := "peer=" + client.String(); got != want {
 				t.Errorf("the backend answered %q, want %q", got, want)
 			}
-			if n := tl.packets(f, "mangle", "-p tcp -m socket --transparent"); n == 0 {
+			if n := tl.packets(f, "mangle", "SYN -m socket --transparent"); n == 0 {
 				t.Error("the backend's replies did not hit the transparent sockets' MARK")
 			}
 
