@@ -8,14 +8,16 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
-	v1 "k8s.io/api/core/v1"
-
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
 )
 
 // rawListening returns a duplicate of a listening socket on 127.0.0.1, as
@@ -251,5 +253,46 @@ func TestListenersHoldNoGoroutine(t *testing.T) {
 	}
 	if got := runtime.NumGoroutine() - base; got >= n/2 {
 		t.Errorf("%d more listeners hold %d more goroutines; want none", n-1, got)
+	}
+}
+
+// TestListenerWithoutLoopIsRetried checks that a listener that no event
+// loop can take (none can start: no descriptor for an epoll instance) is
+// closed, reported and retried as one that could not be opened, not left
+// listening with nothing accepting on it.
+func TestListenerWithoutLoopIsRetried(t *testing.T) {
+	be := nameBackend(t, "a")
+	core, logs := observer.New(zap.ErrorLevel)
+	p, rules := startProxier(t, Config{Logger: zap.New(core)})
+	var fail atomic.Bool
+	fail.Store(true)
+	p.loops.mu.Lock()
+	p.loops.newLoop = func(idle, dialTimeout time.Duration) (*eventLoop, error) {
+		if fail.Load() {
+			return nil, unix.EMFILE
+		}
+		return newEventLoop(idle, dialTimeout)
+	}
+	p.loops.mu.Unlock()
+	const name = "default/a:http"
+	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80")}, slicesFor("a", "http", be))
+	waitUntil(t, "the failure is logged", func() bool {
+		for _, e := range logs.FilterMessage("cannot open listener; will retry").All() {
+			if e.ContextMap()["servicePort"] == name {
+				return true
+			}
+		}
+		return false
+	})
+	if rules.has(name) {
+		t.Errorf("%s has an intercept to a listener that nothing accepts on", name)
+	}
+	// The failed service is retried with the next sync, which another
+	// service's arrival starts.
+	fail.Store(false)
+	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
+		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
+	if got, err := get(t, rules.port(t, name)); err != nil || got != "a" {
+		t.Errorf("once the loops could start, %s answered %q, %v; want a", name, got, err)
 	}
 }

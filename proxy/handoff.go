@@ -439,7 +439,14 @@ func (p *Proxier) startAdopted(l *listener) bool {
 		}
 		switch {
 		case l.raw != nil:
-			p.startAccepting(l)
+			if err := p.startAccepting(l); err != nil {
+				// The sync that adopted the socket is over, and took it
+				// for open. Only loops that cannot start (no descriptor
+				// for an epoll instance) get here: connections wait in
+				// the socket's queue until the service port changes or
+				// the process restarts.
+				p.log.Error("cannot accept on an adopted listener", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			}
 			p.wg.Done()
 		case l.key.name.Protocol == v1.ProtocolUDP:
 			p.udpLoop(l)

@@ -49,6 +49,8 @@ type loopGroup struct {
 	n           int
 	idle        time.Duration
 	dialTimeout time.Duration
+	// newLoop starts a loop (nil: newEventLoop); tests replace it, under mu.
+	newLoop func(idle, dialTimeout time.Duration) (*eventLoop, error)
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -86,7 +88,11 @@ func (g *loopGroup) start() error {
 	if g.loops == nil {
 		loops := make([]*eventLoop, 0, g.n)
 		for range g.n {
-			l, err := newEventLoop(g.idle, g.dialTimeout)
+			newLoop := g.newLoop
+			if newLoop == nil {
+				newLoop = newEventLoop
+			}
+			l, err := newLoop(g.idle, g.dialTimeout)
 			if err != nil {
 				for _, l := range loops {
 					l.stop()
@@ -907,13 +913,15 @@ func dupFD(c *net.TCPConn) (int, error) {
 // eventLoops is the number of loops cfg asks for: zero means one less
 // than GOMAXPROCS (at least one), negative none.
 //
-// A loop blocks in epoll_wait, a system call, and needs a P again when it
-// wakes; with a loop per P, the other goroutines (UDP listeners', the
-// sync's) and the loops would keep taking Ps from each other, each handover waiting for sysmon
-// to retake the P of a thread blocked in a system call. One P left to the
-// goroutines avoids that: on two CPUs, one loop carried keep-alive
-// requests for 25–34 µs of CPU each where two loops took 33–37 µs, at
-// the same rate (bench/results/2026-11-30-event-loops.md).
+// A loop blocks in epoll_wait, a system call, and keeps its P meanwhile
+// (the runtime retakes it only through sysmon, 20 µs to 10 ms later).
+// With a loop per P, the goroutines that still carry traffic, the UDP
+// listeners' readers, would wait for a P. On two CPUs, two loops carried
+// 14-19% more short connections than one, in two harness runs, but 10%
+// fewer UDP requests, at a 42-47% higher UDP p99, and took 12-25% more
+// CPU per request or connection; a third P for the goroutines gave UDP
+// back and took the TCP gains with it
+// (bench/results/2026-11-30-loop-accept.md).
 func (c *Config) eventLoops() int {
 	switch {
 	case c.EventLoops < 0:

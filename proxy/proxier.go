@@ -564,11 +564,19 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 	}
 	opened := make(map[portKey]opening, len(need))
 	bound := make(chan *listener, 64)
-	var wg sync.WaitGroup
+	var (
+		wg       sync.WaitGroup
+		failedMu sync.Mutex
+		failed   = map[*listener]error{}
+	)
 	for range workers {
 		wg.Go(func() {
 			for l := range bound {
-				p.startListener(l)
+				if err := p.startListener(l); err != nil {
+					failedMu.Lock()
+					failed[l] = err
+					failedMu.Unlock()
+				}
 			}
 		})
 	}
@@ -581,6 +589,10 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 	}
 	close(bound)
 	wg.Wait()
+	for l, err := range failed {
+		p.unbindListener(l)
+		opened[l.key] = opening{err: err}
+	}
 	return opened
 }
 
@@ -991,8 +1003,19 @@ func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (
 	if err != nil {
 		return nil, err
 	}
-	p.startListener(l)
+	if err := p.startListener(l); err != nil {
+		p.unbindListener(l)
+		return nil, err
+	}
 	return l, nil
+}
+
+// unbindListener closes a listener that startListener could not start,
+// and frees its port. It runs on the sync goroutine, which owns the port
+// allocator.
+func (p *Proxier) unbindListener(l *listener) {
+	l.close()
+	p.ports.release(l.key.network(), l.port)
 }
 
 // bindListener is the first half of openListenerAt: it binds (or adopts)
@@ -1047,8 +1070,10 @@ func (p *Proxier) bindListener(ctx context.Context, k portKey, exact uint16) (*l
 // startListener is the second half of openListenerAt: it readies l's
 // bound socket for accepting and starts its accept or read loop. It is
 // safe to call for different listeners concurrently, and concurrently
-// with bindListener.
-func (p *Proxier) startListener(l *listener) {
+// with bindListener. An error means that nothing accepts on l: the caller
+// closes it (unbindListener), and the service port is reported and
+// retried as one whose listener could not be opened.
+func (p *Proxier) startListener(l *listener) error {
 	k, network, port := l.key, l.key.network(), l.port
 	if rc := listenerRawConn(l.ln); rc != nil {
 		// Once the socket is bound, whether bound here or inherited, and
@@ -1070,26 +1095,29 @@ func (p *Proxier) startListener(l *listener) {
 			l.ln, l.raw = nil, p.newLoopListener(l, fd)
 		}
 	}
-	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	if p.startAdopted(l) {
-		return
+		p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
+		return nil
 	}
-	p.startAccepting(l)
+	if err := p.startAccepting(l); err != nil {
+		return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
+	}
+	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
+	return nil
 }
 
 // startAccepting starts accepting on l, or reading from it: with the
 // event loops (l.raw), which serve it from then on, or on a goroutine of
 // its own, which ends when l is closed.
-func (p *Proxier) startAccepting(l *listener) {
+//
+// Only the loops can fail it: when none can be started (no descriptor
+// left for an epoll instance) or they are stopping.
+func (p *Proxier) startAccepting(l *listener) error {
 	if l.raw != nil {
 		if err := p.loops.listen(l.raw); err != nil {
-			// Only a loop that cannot be started (no descriptor left for
-			// its epoll instance) or one stopping gets here. Connections
-			// then wait in the socket's queue; the next sync of the
-			// service, or a restart, tries again.
-			p.log.Error("cannot accept: no event loop to accept on the listener", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			return fmt.Errorf("no event loop to accept on it: %w", err)
 		}
-		return
+		return nil
 	}
 	p.wg.Add(1)
 	if l.key.name.Protocol == v1.ProtocolUDP {
@@ -1097,6 +1125,7 @@ func (p *Proxier) startAccepting(l *listener) {
 	} else {
 		go p.acceptLoop(l)
 	}
+	return nil
 }
 
 // close closes l's socket, which ends its accept or read loop.
