@@ -76,6 +76,21 @@ func (r *acceptRecorder) count() int {
 	return r.served
 }
 
+// listenAndServe registers ll with g's loops, connects to addr, and waits
+// until rec has served want connections in all.
+func listenAndServe(t *testing.T, g *loopGroup, ll *loopListener, addr string, rec *acceptRecorder, want int) {
+	t.Helper()
+	if err := g.listen(ll); err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp4", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	waitUntil(t, fmt.Sprintf("%d connections are served", want), func() bool { return rec.count() == want })
+}
+
 // registrations returns the lines of /proc/self/fdinfo for epoll instance
 // epfd that are listener registrations (their data's upper half is
 // watchListener's -1).
@@ -117,15 +132,7 @@ func TestLoopAcceptBacksOff(t *testing.T) {
 		}
 		return accept4(fd, sa)
 	}
-	if err := g.listen(ll); err != nil {
-		t.Fatal(err)
-	}
-	c, err := net.Dial("tcp4", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	waitUntil(t, "the connection is served", func() bool { return rec.count() == 1 })
+	listenAndServe(t, g, ll, addr, &rec, 1)
 
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
@@ -218,17 +225,11 @@ func TestLoopListenerClose(t *testing.T) {
 	fd2, addr2 := rawListening(t)
 	ll2 := newLoopListener(fd2, rec.serve, rec.failed)
 	defer ll2.close()
-	if err := g.listen(ll2); err != nil {
-		t.Fatal(err)
-	}
-	c2, err := net.Dial("tcp4", addr2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c2.Close()
-	waitUntil(t, "the next listener's connection is served", func() bool { return rec.count() == 21 })
+	listenAndServe(t, g, ll2, addr2, &rec, 21)
 	for i, l := range loops {
-		if got := len(l.accepting); got != 1 {
+		slots := make(chan int)
+		l.post(func() { slots <- len(l.accepting) })
+		if got := <-slots; got != 1 {
 			t.Errorf("loop %d has %d listener slots after one listener replaced another; want 1", i, got)
 		}
 	}
@@ -241,18 +242,10 @@ func TestListenersHoldNoGoroutine(t *testing.T) {
 	const n = 50
 	p, rules := startProxier(t, Config{})
 	// A first service starts the loops, and the test's goroutines settle.
-	p.Tracker().Replace([]*v1.Service{svc("s00", "10.96.1.1", "http:80")}, nil)
-	rules.port(t, "default/s00:http")
+	listenForServices(t, p, rules, 1)
 	time.Sleep(50 * time.Millisecond)
 	base := runtime.NumGoroutine()
-	var svcs []*v1.Service
-	for i := range n {
-		svcs = append(svcs, svc(fmt.Sprintf("s%02d", i), fmt.Sprintf("10.96.1.%d", i+1), "http:80"))
-	}
-	p.Tracker().Replace(svcs, nil)
-	for i := range n {
-		rules.port(t, fmt.Sprintf("default/s%02d:http", i))
-	}
+	listenForServices(t, p, rules, n)
 	if got := runtime.NumGoroutine() - base; got >= n/2 {
 		t.Errorf("%d more listeners hold %d more goroutines; want none", n-1, got)
 	}

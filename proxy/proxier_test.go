@@ -793,14 +793,10 @@ func TestEndpointChangesDoNotTouchRules(t *testing.T) {
 	}
 }
 
-// TestListenerHoldsOneDescriptor checks that a TCP listener holds a single
-// descriptor: with event loops, the duplicate they accept on replaces
-// the listener's own, so 10,000 services fit in 10,000 descriptors, not
-// 20,000.
-func TestListenerHoldsOneDescriptor(t *testing.T) {
-	const n = 50
-	base := countFDs(t)
-	p, rules := startProxier(t, Config{})
+// listenForServices gives p services s00 to s<n-1> (10.96.1.1 and up,
+// port http:80, no endpoints) and waits until each has its listener.
+func listenForServices(t *testing.T, p *Proxier, rules *recordingRules, n int) {
+	t.Helper()
 	var svcs []*v1.Service
 	for i := range n {
 		svcs = append(svcs, svc(fmt.Sprintf("s%02d", i), fmt.Sprintf("10.96.1.%d", i+1), "http:80"))
@@ -809,6 +805,17 @@ func TestListenerHoldsOneDescriptor(t *testing.T) {
 	for i := range n {
 		rules.port(t, fmt.Sprintf("default/s%02d:http", i))
 	}
+}
+
+// TestListenerHoldsOneDescriptor checks that a TCP listener holds a single
+// descriptor: with event loops, the duplicate they accept on replaces
+// the listener's own, so 10,000 services fit in 10,000 descriptors, not
+// 20,000.
+func TestListenerHoldsOneDescriptor(t *testing.T) {
+	const n = 50
+	base := countFDs(t)
+	p, rules := startProxier(t, Config{})
+	listenForServices(t, p, rules, n)
 	if got := countFDs(t) - base; got > n+5 {
 		t.Errorf("%d services' listeners hold %d descriptors; want about one each", n, got)
 	}
