@@ -57,9 +57,11 @@ type loopListener struct {
 	// socket, which serve owns from then on. Runs on el.
 	serve func(el *eventLoop, fd int, client netip.AddrPort)
 	// failed reports an accept that failed with err, after which el stops
-	// accepting on the socket for delay. Runs on el.
+	// accepting on the socket for delay; or, with delay zero, that el
+	// could not add the socket to its epoll set, and does not accept on
+	// it. Runs on el.
 	failed func(err error, delay time.Duration)
-	// accept is accept4(2) (nil: rawsys's accept4); tests replace it.
+	// accept is accept4(2), rawsys's; tests replace it.
 	accept func(fd int, sa *unix.RawSockaddrInet6) (int, error)
 
 	// mu guards fd, so that no loop calls accept on a descriptor that
