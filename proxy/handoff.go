@@ -113,19 +113,9 @@ func (l *listener) file() (*os.File, error) {
 // whose Fd method puts the socket into blocking mode, for every process
 // sharing it, the duplicate's Fd leaves the socket's mode alone.
 func SocketFile(c syscall.Conn, name string) (*os.File, error) {
-	rc, err := c.SyscallConn()
+	nfd, err := dupFD(c)
 	if err != nil {
-		return nil, err
-	}
-	nfd := -1
-	var derr error
-	if err := rc.Control(func(fd uintptr) {
-		nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
-	}); err != nil {
-		return nil, err
-	}
-	if derr != nil {
-		return nil, fmt.Errorf("duplicating the socket descriptor: %w", derr)
+		return nil, fmt.Errorf("duplicating the socket descriptor: %w", err)
 	}
 	return os.NewFile(uintptr(nfd), name), nil
 }

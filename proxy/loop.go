@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"runtime"
 	"sync"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -891,21 +891,24 @@ func fdProgress(fd int) uint64 {
 // errLoopStopped: the loop stopped before it could take the session.
 var errLoopStopped = errors.New("event loop stopped")
 
-// dupFD returns a duplicate of c's descriptor.
-func dupFD(c *net.TCPConn) (int, error) {
+// dupFD returns a duplicate of c's descriptor, close-on-exec.
+func dupFD(c syscall.Conn) (int, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return -1, err
 	}
+	return dupRaw(rc)
+}
+
+// dupRaw returns a duplicate of rc's descriptor, close-on-exec.
+func dupRaw(rc syscall.RawConn) (int, error) {
 	nfd := -1
-	cerr := rc.Control(func(fd uintptr) {
-		nfd, err = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
-	})
-	if cerr != nil {
+	var err error
+	if cerr := rc.Control(func(fd uintptr) { nfd, err = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); cerr != nil {
 		return -1, cerr
 	}
 	if err != nil {
-		return -1, fmt.Errorf("dup: %w", err)
+		return -1, os.NewSyscallError("fcntl F_DUPFD_CLOEXEC", err)
 	}
 	return nfd, nil
 }
@@ -919,8 +922,8 @@ func dupFD(c *net.TCPConn) (int, error) {
 // listeners' readers, would wait for a P. On two CPUs, two loops carried
 // 14-19% more short connections than one, in two harness runs, but 10%
 // fewer UDP requests, at a 42-47% higher UDP p99, and took 12-25% more
-// CPU per request or connection; a third P for the goroutines gave UDP
-// back and took the TCP gains with it
+// CPU per request or connection in a lab; a third P for the goroutines
+// gave UDP back and took the TCP gains with it
 // (bench/results/2026-11-30-loop-accept.md).
 func (c *Config) eventLoops() int {
 	switch {

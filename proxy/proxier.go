@@ -1095,12 +1095,10 @@ func (p *Proxier) startListener(l *listener) error {
 			l.ln, l.raw = nil, p.newLoopListener(l, fd)
 		}
 	}
-	if p.startAdopted(l) {
-		p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
-		return nil
-	}
-	if err := p.startAccepting(l); err != nil {
-		return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
+	if !p.startAdopted(l) {
+		if err := p.startAccepting(l); err != nil {
+			return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
+		}
 	}
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	return nil
@@ -1222,8 +1220,8 @@ func (p *Proxier) rawListenerFD(rc syscall.RawConn) int {
 	if p.loops.n <= 0 || p.cfg.Dial != nil {
 		return -1
 	}
-	nfd, derr := -1, error(nil)
-	if err := rc.Control(func(fd uintptr) { nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); err != nil || derr != nil {
+	nfd, err := dupRaw(rc)
+	if err != nil {
 		return -1
 	}
 	return nfd

@@ -520,9 +520,10 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 // as this sync read them) lacks at position 1 of its built-in chain,
 // deletes every copy that saved has of an earlier version's jumps
 // (oldJumpMatches) and, unless tproxy is set, of the jumps to tproxy
-// mode's chains, and reports whether it changed any. Reading the jumps from the tables that a full
-// sync saves anyway spares an iptables -C, a process start (about 7 ms),
-// per jump: seven per family on every full sync.
+// mode's chains, and reports whether it changed any. Reading the jumps
+// from the tables that a full sync saves anyway spares an iptables -C, a
+// process start (about 7 ms), per jump: seven per family on every full
+// sync.
 func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, tproxy bool) (bool, error) {
 	changed := false
 	for _, c := range chains {
