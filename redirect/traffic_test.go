@@ -203,7 +203,17 @@ func (tl *trafficLab) dial(ns string, p Protocol, dest netip.AddrPort) string {
 // expect checks that dialing dest from ns over p gives want.
 func (tl *trafficLab) expect(what, ns string, p Protocol, dest netip.AddrPort, want string) {
 	tl.t.Helper()
-	if got := tl.dial(ns, p, dest); got != want {
+	got := tl.dial(ns, p, dest)
+	if p == UDP && got == noReply && want != noReply {
+		// A datagram may be lost, or its answer (socat forks a child
+		// per datagram) come after the dial's 2 s, on a machine busy
+		// with the other packages' tests: once in a make test run, a
+		// node port's only datagram went unanswered. It gets a second
+		// try; a wrong answer, or a second loss, fails the test.
+		tl.t.Logf("%s: no answer from %s over UDP from %s; trying once more", what, dest, ns)
+		got = tl.dial(ns, p, dest)
+	}
+	if got != want {
 		tl.t.Errorf("%s: %s to %s from %s: got %q, want %q", what, p, dest, ns, got, want)
 	}
 }
