@@ -152,7 +152,7 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	b.WriteString("*mangle\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n")
 	// Only tproxy mode jumps to the mangle chains.
 	if synced {
-		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
+		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-NODEPORTS - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-TPROXY-SERVICES - [0:0]\n")
 		if r.TProxy != nil {
 			b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
 		}
@@ -162,7 +162,7 @@ func kernelWant(f Family, r Rules, synced bool) string {
 		if r.TProxy != nil {
 			b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 		}
-		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-OUTPUT"} {
+		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-NODEPORTS", "UPROXY-TPROXY-OUTPUT", "UPROXY-TPROXY-SERVICES"} {
 			for _, l := range st[chainKey{"mangle", c}].rules {
 				b.WriteString(l + "\n")
 			}
@@ -367,6 +367,8 @@ func testKernelSync(t *testing.T, f Family) {
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
 	// Redirect mode: nothing jumps to the mangle chains.
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
+	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-SERVICES")
+	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-NODEPORTS")
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-DIVERT")
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-OUTPUT")
 	// Only now, with no rule naming them, can the sets be destroyed.
@@ -416,37 +418,51 @@ func testKernelSync(t *testing.T, f Family) {
 	check("restarted, listeners again", kernelRules, true)
 
 	// Tproxy mode, as uproxy runs it: no listener sets (the listeners
-	// are on loopback). The chains are the same, so switching modes is
-	// one iptables-restore: the nat chains empty, the mangle ones
+	// are on loopback), but the service and node-port sets that gate
+	// the per-service rules. The chains are the same, so switching modes
+	// is one iptables-restore: the nat chains empty, the mangle ones
 	// filled. Only tproxy mode jumps to the mangle chains: a switch
-	// reads the tables, as a full Sync does, and the jumps follow.
+	// reads the tables, as a full Sync does, and the jumps follow. The
+	// gates' sets are created and filled by one ipset restore before it,
+	// and the two listener sets destroyed after it.
 	tp := tproxied(kernelRules, Routing{})
 	tp.Listeners = nil
 	k := parseState(Render(f, tp)).ruleCount()
-	sync("tproxy mode", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{save: 1, restore: 1, "ipset": reads + 2})
+	tm := wantSets(f, tp).memberCount()
+	if tm == 0 {
+		t.Fatal("tproxy mode's rules fill no set")
+	}
+	sync("tproxy mode", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true, SetMembers: tm, SetMembersWritten: tm}, map[string]int{save: 1, restore: 1, "ipset": reads + 3})
 	check("tproxy mode", tp, true)
 	if st := parseState(Render(f, tp)); len(st[chainKey{"nat", servicesChain}].rules) != 0 || len(st[chainKey{"mangle", tproxyChain}].rules) == 0 {
 		t.Fatalf("tproxy mode renders %+v", st)
 	}
 	// Nothing to write: TPROXY, MARK, socket, addrtype and comment
 	// are rendered exactly as iptables-save prints them.
-	sync("tproxy mode, unchanged full Sync", s3, x3, tp, true, Result{Rules: k}, map[string]int{save: 1, "ipset": reads})
+	sync("tproxy mode, unchanged full Sync", s3, x3, tp, true, Result{Rules: k, SetMembers: tm}, map[string]int{save: 1, "ipset": reads})
 	ipt("-t", "mangle", "-D", tproxyChain, "1")
-	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true}, map[string]int{save: 1, "ipset": reads, restore: 1})
+	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted rule", tp, true)
 	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain)
 	ipt("-t", "mangle", "-F", tproxyOutputChain)
-	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true},
+	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm},
 		map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted jump and a flushed chain", tp, true)
 	tpComments := tproxied(comments, Routing{Mark: 0x10, Mask: 0xf0})
 	kc := parseState(Render(f, tpComments)).ruleCount()
-	sync("tproxy mode, odd comments, node-port addresses and mark", s3, x3, tpComments, false, Result{Wrote: true, Rules: kc}, map[string]int{restore: 1})
+	// The gates' members change with the services: one ipset restore,
+	// and a destroy for each set left without members.
+	kcm := wantSets(f, tpComments).memberCount()
+	upd := renderSetUpdate(wantSets(f, tp), wantSets(f, tpComments))
+	gone := len(setsToDestroy(wantSets(f, tp), wantSets(f, tpComments)))
+	sync("tproxy mode, odd comments, node-port addresses and mark", s3, x3, tpComments, false,
+		Result{Wrote: true, Rules: kc, WroteSets: true, SetMembers: kcm, SetMembersWritten: upd.members}, map[string]int{restore: 1, "ipset": 1 + gone})
 	check("tproxy mode, odd comments, node-port addresses and mark", tpComments, true)
-	sync("tproxy mode, odd comments, unchanged full Sync", s3, x3, tpComments, true, Result{Rules: kc}, map[string]int{save: 1, "ipset": reads})
-	sync("back to redirect mode", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{save: 1, "ipset": reads + 1, restore: 1})
+	sync("tproxy mode, odd comments, unchanged full Sync", s3, x3, tpComments, true, Result{Rules: kc, SetMembers: kcm}, map[string]int{save: 1, "ipset": reads})
+	gone = len(setsToDestroy(wantSets(f, tpComments), wantSets(f, kernelRules)))
+	sync("back to redirect mode", s3, x3, kernelRules, false, Result{Wrote: true, Rules: n, WroteSets: true, SetMembers: members, SetMembersWritten: members}, map[string]int{save: 1, "ipset": reads + 1 + gone, restore: 1})
 	check("back to redirect mode", kernelRules, true)
-	sync("tproxy mode again", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true}, map[string]int{save: 1, restore: 1, "ipset": reads + 2})
+	sync("tproxy mode again", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true, SetMembers: tm, SetMembersWritten: tm}, map[string]int{save: 1, restore: 1, "ipset": reads + 3})
 	check("tproxy mode again", tp, true)
 
 	// Cleanup from tproxy mode: the mangle chains and jumps go too.

@@ -14,7 +14,11 @@
 // table, UPROXY-TPROXY (jumped to from PREROUTING) hands the same traffic
 // by TPROXY to listeners on the loopback address with its destination
 // unchanged, and UPROXY-TPROXY-OUTPUT (from OUTPUT) sends the node's own
-// through lo to meet it; see tproxy.go. That mode also needs the policy
+// through lo to meet it; see tproxy.go. Mangle sees every packet, not
+// only a connection's first, so there the per-service rules stand in
+// UPROXY-TPROXY-SERVICES and UPROXY-TPROXY-NODEPORTS, behind lookups in
+// the service and node-port sets of the shared layout, which hold the
+// same destinations. That mode also needs the policy
 // routing of Routing, which the caller installs and removes. In redirect
 // mode the mangle chains exist, empty, and nothing jumps to them.
 //
@@ -357,6 +361,8 @@ type Rules struct {
 	// TProxy, when not nil, selects tproxy mode: intercepts and node ports
 	// reach their listeners through TPROXY in the mangle table, with their
 	// destination unchanged, instead of REDIRECT in nat; see tproxy.go.
+	// Their destinations are members of the service and node-port sets
+	// in both layouts: with per-service rules, the sets gate the rules.
 	TProxy *TProxy
 	// Shared, when true, selects the shared layout, for a proxy with one
 	// listener per family and protocol; see shared.go. Intercepts are

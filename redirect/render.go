@@ -49,6 +49,10 @@ const (
 	tproxyChain       = "UPROXY-TPROXY"
 	tproxyOutputChain = "UPROXY-TPROXY-OUTPUT"
 	tproxyDivertChain = "UPROXY-TPROXY-DIVERT"
+	// tproxyServicesChain and tproxyNodePortsChain hold tproxy mode's
+	// per-service rules, behind the gates of UPROXY-TPROXY.
+	tproxyServicesChain  = "UPROXY-TPROXY-SERVICES"
+	tproxyNodePortsChain = "UPROXY-TPROXY-NODEPORTS"
 )
 
 // chains is every chain uproxy creates, in every table. Render, Sync and
@@ -79,6 +83,20 @@ var chains = []chainSpec{
 		jumpComment: "uproxy tproxy",
 		tproxyOnly:  true,
 		rules:       tproxyRules,
+	},
+	{
+		// Jumped to from UPROXY-TPROXY by what the service set matches,
+		// with per-service rules.
+		table: "mangle",
+		name:  tproxyServicesChain,
+		rules: tproxyServiceRules,
+	},
+	{
+		// Jumped to from UPROXY-TPROXY by what the node-port sets match,
+		// with per-service rules.
+		table: "mangle",
+		name:  tproxyNodePortsChain,
+		rules: tproxyNodePortRules,
 	},
 	{
 		// Gone to (-g) from UPROXY-TPROXY's first rules, for the packets

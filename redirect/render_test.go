@@ -445,11 +445,13 @@ func TestParseStateOfRender(t *testing.T) {
 			`-A UPROXY-SERVICES -d 10.96.0.3/32 -p tcp -m comment --comment "mapped/v4:x" -m tcp --dport 8080 -j REDIRECT --to-ports 40005`,
 			`-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40002`,
 		}},
-		{"nat", "UPROXY-NODEPORTS"}:        {exists: true},
-		{"mangle", "UPROXY-TPROXY"}:        {exists: true},
-		{"mangle", "UPROXY-TPROXY-DIVERT"}: {exists: true},
-		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true},
-		{"filter", "UPROXY-FIREWALL"}:      {exists: true},
+		{"nat", "UPROXY-NODEPORTS"}:           {exists: true},
+		{"mangle", "UPROXY-TPROXY"}:           {exists: true},
+		{"mangle", "UPROXY-TPROXY-DIVERT"}:    {exists: true},
+		{"mangle", "UPROXY-TPROXY-SERVICES"}:  {exists: true},
+		{"mangle", "UPROXY-TPROXY-NODEPORTS"}: {exists: true},
+		{"mangle", "UPROXY-TPROXY-OUTPUT"}:    {exists: true},
+		{"filter", "UPROXY-FIREWALL"}:         {exists: true},
 	}
 	if diff := cmp.Diff(want, st, cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState(Render(...)) (-want +got):\n%s", diff)
@@ -468,12 +470,14 @@ func TestParseStateTables(t *testing.T) {
 		"*mangle\n:PREROUTING ACCEPT [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-SERVICES - [0:0]\n-A PREROUTING -j UPROXY-TPROXY-OUTPUT\n" +
 		"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000\n-A UPROXY-SERVICES -j RETURN\nCOMMIT\n"
 	want := state{
-		{"nat", "UPROXY-SERVICES"}:         {},
-		{"nat", "UPROXY-NODEPORTS"}:        {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
-		{"mangle", "UPROXY-TPROXY"}:        {},
-		{"mangle", "UPROXY-TPROXY-DIVERT"}: {},
-		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
-		{"filter", "UPROXY-FIREWALL"}:      {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
+		{"nat", "UPROXY-SERVICES"}:            {},
+		{"nat", "UPROXY-NODEPORTS"}:           {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
+		{"mangle", "UPROXY-TPROXY"}:           {},
+		{"mangle", "UPROXY-TPROXY-DIVERT"}:    {},
+		{"mangle", "UPROXY-TPROXY-SERVICES"}:  {},
+		{"mangle", "UPROXY-TPROXY-NODEPORTS"}: {},
+		{"mangle", "UPROXY-TPROXY-OUTPUT"}:    {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
+		{"filter", "UPROXY-FIREWALL"}:         {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
 	}
 	if diff := cmp.Diff(want, parseState([]byte(text)), cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState (-want +got):\n%s", diff)
@@ -575,6 +579,14 @@ func TestRenderSetUpdateGolden(t *testing.T) {
 			listenerRules(Listener{IPv6, TCP, 41001}, Listener{IPv6, TCP, 41003})},
 		{"sets_unchanged", IPv4, listenerRules(both...), listenerRules(reversed(listenerRules(both...)).Listeners...)},
 		{"sets_other_family_changed", IPv4, listenerRules(both...), listenerRules(append(slices.Clone(both), Listener{IPv6, TCP, 41009})...)},
+		// Tproxy mode with per-service rules: the service set holds
+		// every intercept's and firewall's destination, protocol and
+		// port, the node-port sets the node ports; they gate the
+		// per-service rules. From the shared layout, the guarded
+		// destinations join the service set.
+		{"sets_tproxy_v4", IPv4, Rules{}, tproxied(all, Routing{})},
+		{"sets_tproxy_v6", IPv6, Rules{}, tproxied(all, Routing{})},
+		{"sets_tproxy_from_shared", IPv4, sharedTProxy(all), tproxied(all, Routing{})},
 		{"sets_invalid_skipped", IPv4, Rules{}, listenerRules(
 			Listener{IPv4, TCP, 40001}, Listener{IPv4, TCP, 0}, Listener{IPv4, "sctp", 40002}, Listener{Family(7), TCP, 40003})},
 	}
@@ -785,4 +797,10 @@ func checkGolden(t *testing.T, name string, got []byte) {
 	if diff := cmp.Diff(string(want), string(got)); diff != "" {
 		t.Errorf("differs from %s (-want +got):\n%s", path, diff)
 	}
+}
+
+// sharedTProxy returns r in tproxy mode in the shared layout.
+func sharedTProxy(r Rules) Rules {
+	r.Shared, r.TProxy = true, &TProxy{}
+	return r
 }

@@ -22,11 +22,16 @@ const (
 	// serviceSet holds, in the shared layout (Rules.Shared), the
 	// address, protocol and port of every intercept of the set's family
 	// that no Firewall guards; one rule per protocol sends what it
-	// matches to the protocol's shared listener (see shared.go).
+	// matches to the protocol's shared listener (see shared.go). In
+	// tproxy mode with per-service rules, it holds those of every
+	// intercept and Firewall of the family, and gates the per-service
+	// rules (see TProxy).
 	serviceSet
 	// nodePortSet holds, in the shared layout, the ports of the node
 	// ports of the set's family and protocol; one rule sends what it
-	// matches to the protocol's shared listener.
+	// matches to the protocol's shared listener. In tproxy mode with
+	// per-service rules, it holds the same ports and gates the node
+	// ports' rules.
 	nodePortSet
 )
 
@@ -216,7 +221,8 @@ func sortMembers(ms []setMember) []setMember {
 
 // members returns what s holds for r: sorted by setMember.compare,
 // without duplicates. Only valid parts of r of s's family count, and the
-// service and node-port sets have members only in the shared layout.
+// service and node-port sets have members only in the shared layout and
+// in tproxy mode.
 func (s setSpec) members(r Rules) []setMember {
 	var ms []setMember
 	switch s.kind {
@@ -227,12 +233,22 @@ func (s setSpec) members(r Rules) []setMember {
 			}
 		}
 	case serviceSet:
+		if gatedTProxy(r) {
+			for _, e := range tproxyEntries(s.family, r) {
+				ms = append(ms, setMember{addr: e.key.dest, proto: e.key.proto, port: e.key.port})
+			}
+			break
+		}
 		ms = make([]setMember, 0, len(r.Intercepts))
 		for i := range sharedIntercepts(s.family, r) {
 			ms = append(ms, setMember{addr: i.Dest.Unmap(), proto: i.Protocol, port: i.Port})
 		}
 	case nodePortSet:
-		for n := range sharedNodePorts(s.family, r) {
+		ns := tproxyNodePorts(s.family, r)
+		if !gatedTProxy(r) {
+			ns = slices.Collect(sharedNodePorts(s.family, r))
+		}
+		for _, n := range ns {
 			if n.Protocol == s.proto {
 				ms = append(ms, portMember(n.Port))
 			}
@@ -308,8 +324,9 @@ func (st setState) memberCount() int {
 // RenderSetUpdate returns the ipset restore input that turns uproxy's sets
 // of family f from what old asks for into what r asks for, or nothing
 // when they are the same. It is a pure function, like Render, and sees
-// only the valid listeners of f in old and r and, in the shared layout,
-// their valid intercepts and node ports of f.
+// only the valid listeners of f in old and r and, in the shared layout
+// and in tproxy mode, their valid intercepts and node ports of f (and, in
+// tproxy mode with per-service rules, their firewalls).
 //
 // A set that r needs and old did not is created ("create NAME
 // bitmap:port range 0-65535 -exist", or "create NAME hash:ip,port family

@@ -655,8 +655,8 @@ func TestSyncSharedInvalidRunsNothing(t *testing.T) {
 	}
 }
 
-// TestSyncSharedWithoutIpset checks that without ipset the shared layout
-// fails, naming ipset, and runs nothing.
+// TestSyncSharedWithoutIpset checks that without ipset the shared layout,
+// and tproxy mode's gates, fail, naming ipset, and run nothing.
 func TestSyncSharedWithoutIpset(t *testing.T) {
 	pathWithoutIpset(t)
 	k := newFakeKernel(IPv4)
@@ -673,6 +673,8 @@ func TestSyncSharedWithoutIpset(t *testing.T) {
 	}{
 		{noListeners, "IPv4: the shared layout needs kernel sets, but ipset is not installed"},
 		{sharedServices, "IPv4: the listener guards and the shared layout need kernel sets, but ipset is not installed"},
+		{perServiceTProxy(noListeners), "IPv4: tproxy mode's gates need kernel sets, but ipset is not installed"},
+		{perServiceTProxy(sharedServices), "IPv4: the listener guards and tproxy mode's gates need kernel sets, but ipset is not installed"},
 	} {
 		_, err := s.Sync(context.Background(), tt.r, false)
 		if !errors.Is(err, exec.ErrNotFound) || !strings.Contains(err.Error(), tt.want) {
@@ -682,4 +684,10 @@ func TestSyncSharedWithoutIpset(t *testing.T) {
 	if calls := k.takeCalls(); len(calls) != 0 {
 		t.Errorf("Sync without ipset ran %q", calls)
 	}
+}
+
+// perServiceTProxy returns r in tproxy mode with per-service rules.
+func perServiceTProxy(r Rules) Rules {
+	r.Shared, r.TProxy = false, &TProxy{}
+	return r
 }

@@ -78,10 +78,10 @@ type Config struct {
 	// Exec runs iptables-save, iptables-restore and ipset; nil means
 	// OSExec, and New and Cleanup then check that the iptables tools are
 	// installed, and whether ipset is. ipset is needed only for
-	// Listeners and the shared layout: without it, a Sync whose rules
-	// have listeners of Family, or are Shared and have intercepts or node
-	// ports of Family, fails with an error naming ipset, and Cleanup
-	// skips the sets.
+	// Listeners, the shared layout and tproxy mode: without it, a Sync
+	// whose rules have listeners of Family, or are Shared or in tproxy
+	// mode and have intercepts, firewalls or node ports of Family, fails
+	// with an error naming ipset, and Cleanup skips the sets.
 	Exec Exec
 	// Jumps manages the jump rules from the built-in chains; nil means a
 	// go-iptables handle for Family, whose creation checks that iptables
@@ -350,15 +350,21 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	res := Result{Rules: wantState.ruleCount(), SetMembers: wantSets.memberCount()}
 	if s.noIpset != nil {
 		kinds := wantSets.wanted()
+		services := "the shared layout"
+		if r.TProxy != nil && !r.Shared {
+			services = "tproxy mode's gates"
+		}
 		shared := kinds[serviceSet] || kinds[nodePortSet]
 		var needs string
 		switch {
 		case kinds[listenerSet] && shared:
-			needs = "the listener guards and the shared layout need"
+			needs = "the listener guards and " + services + " need"
 		case kinds[listenerSet]:
 			needs = "the listener guards need"
+		case shared && r.TProxy != nil && !r.Shared:
+			needs = services + " need"
 		case shared:
-			needs = "the shared layout needs"
+			needs = services + " needs"
 		}
 		if needs != "" {
 			return res, fmt.Errorf("redirect: %s: %s kernel sets, but %w", s.family, needs, s.noIpset)

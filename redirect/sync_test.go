@@ -527,7 +527,7 @@ func wantSave(f Family, r Rules) string {
 	for _, c := range builtin["mangle"] {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
-	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
+	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES - [0:0]\n:UPROXY-TPROXY-NODEPORTS - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
 	// Only tproxy mode jumps to the mangle chains.
 	if r.TProxy != nil {
 		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
@@ -536,7 +536,7 @@ func wantSave(f Family, r Rules) string {
 	if r.TProxy != nil {
 		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 	}
-	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-OUTPUT"} {
+	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-SERVICES", "UPROXY-TPROXY-NODEPORTS", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-OUTPUT"} {
 		for _, l := range st[chainKey{"mangle", c}].rules {
 			b.WriteString(l + "\n")
 		}
@@ -851,6 +851,8 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 		// nothing jumps to them.
 		{"mangle chains deleted", "mangle", func(order []string, rules map[string][]string) []string {
 			delete(rules, "UPROXY-TPROXY")
+			delete(rules, "UPROXY-TPROXY-SERVICES")
+			delete(rules, "UPROXY-TPROXY-NODEPORTS")
 			delete(rules, "UPROXY-TPROXY-DIVERT")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
@@ -859,6 +861,8 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			rules["PREROUTING"] = []string{"-A PREROUTING " + tproxyJumpComment, unrelatedMangle}
 			rules["OUTPUT"] = []string{"-A OUTPUT " + tproxyOutputJumpComment}
 			delete(rules, "UPROXY-TPROXY")
+			delete(rules, "UPROXY-TPROXY-SERVICES")
+			delete(rules, "UPROXY-TPROXY-NODEPORTS")
 			delete(rules, "UPROXY-TPROXY-DIVERT")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
@@ -914,10 +918,11 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 		left         []string
 		r            Rules
 		rules        int
+		members      int
 	}{
-		{"nat", "OUTPUT", []string{unrelated}, rulesA, 8},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 12},
-		{"filter", "FORWARD", nil, rulesA, 8},
+		{"nat", "OUTPUT", []string{unrelated}, rulesA, 8, 2},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 15, 5},
+		{"filter", "FORWARD", nil, rulesA, 8, 2},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
 			ctx := context.Background()
@@ -935,7 +940,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Rules: tt.rules, Repaired: true, SetMembers: 2}); res != want {
+			if want := (Result{Rules: tt.rules, Repaired: true, SetMembers: tt.members}); res != want {
 				t.Errorf("full Sync = %+v, want %+v", res, want)
 			}
 			// The saved tables lack the one jump: it alone is inserted.
@@ -984,7 +989,7 @@ func TestSyncRestoreFailure(t *testing.T) {
 	if !errors.Is(err, errExit) {
 		t.Errorf("error %v does not wrap the exec error", err)
 	}
-	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
+	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES,UPROXY-TPROXY-NODEPORTS,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
 		if !strings.Contains(err.Error(), s) {
 			t.Errorf("error %q does not mention %q", err, s)
 		}
@@ -1219,7 +1224,7 @@ func TestCleanup(t *testing.T) {
 	// UPROXY-SERVICES jumps to UPROXY-NODEPORTS: both are flushed before
 	// either is deleted.
 	wantInput := "*nat\n:UPROXY-SERVICES - [0:0]\n:UPROXY-NODEPORTS - [0:0]\n-X UPROXY-SERVICES\n-X UPROXY-NODEPORTS\nCOMMIT\n" +
-		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
+		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES - [0:0]\n:UPROXY-TPROXY-NODEPORTS - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-SERVICES\n-X UPROXY-TPROXY-NODEPORTS\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
 		"*filter\n:UPROXY-FIREWALL - [0:0]\n-X UPROXY-FIREWALL\nCOMMIT\n"
 	if got := k.restored[len(k.restored)-1]; got != wantInput {
 		t.Errorf("Cleanup restore input = %q, want %q", got, wantInput)
@@ -1285,7 +1290,7 @@ func TestCleanupErrors(t *testing.T) {
 	}
 	k.failRestore = fmt.Errorf("iptables-restore: %w: referenced", errExit)
 	err = Cleanup(ctx, Config{Exec: k, Jumps: k})
-	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES,UPROXY-TPROXY-NODEPORTS,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
 		t.Errorf("Cleanup with failing restore = %v", err)
 	}
 }
@@ -1761,16 +1766,21 @@ func TestSyncTProxy(t *testing.T) {
 	ctx := context.Background()
 	k := newFakeKernel(IPv4)
 	s := newFakeSyncer(t, k)
-	// For IPv4, 12 rules: 7 in UPROXY-TPROXY (the TCP socket match, the
-	// UDP intercept, two allowed prefixes and the DROP of the firewalled
-	// one, the node port, the UDP socket match), 1 in UPROXY-TPROXY-DIVERT,
-	// 2 in UPROXY-TPROXY-OUTPUT, 2 listener guards.
+	// For IPv4, 15 rules: 5 in UPROXY-TPROXY (the TCP socket match, the
+	// gates of the service set for TCP and UDP and of the TCP node-port
+	// set, the UDP socket match), 4 in UPROXY-TPROXY-SERVICES (the UDP
+	// intercept, two allowed prefixes and the DROP of the firewalled
+	// one), 1 in UPROXY-TPROXY-NODEPORTS, 1 in UPROXY-TPROXY-DIVERT, 2 in
+	// UPROXY-TPROXY-OUTPUT (the service set, for TCP and UDP), 2
+	// listener guards. 5 set
+	// members: 2 listener ports, the 2 destinations of the service set
+	// (the intercept's and the firewall's) and the node port.
 	tp := tproxied(rulesA, Routing{})
 	res, err := s.Sync(ctx, tp, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 15, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
@@ -1783,7 +1793,7 @@ func TestSyncTProxy(t *testing.T) {
 	for _, c := range []struct {
 		table, chain string
 		rules        int
-	}{{"nat", servicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", tproxyChain, 7}, {"mangle", tproxyOutputChain, 2}, {"filter", firewallChain, 2}} {
+	}{{"nat", servicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", tproxyChain, 5}, {"mangle", tproxyServicesChain, 4}, {"mangle", tproxyNodePortsChain, 1}, {"mangle", tproxyOutputChain, 2}, {"filter", firewallChain, 2}} {
 		if n := len(st[chainKey{c.table, c.chain}].rules); n != c.rules {
 			t.Errorf("%s %s holds %d rules, want %d", c.table, c.chain, n, c.rules)
 		}
@@ -1793,7 +1803,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 12, SetMembers: 2}); res != want {
+	if want := (Result{Rules: 15, SetMembers: 5}); res != want {
 		t.Errorf("unchanged full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1809,7 +1819,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 12, Repaired: true, SetMembers: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 15, Repaired: true, SetMembers: 5}); res != want {
 		t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1820,24 +1830,28 @@ func TestSyncTProxy(t *testing.T) {
 	}
 
 	// A change of mode reads the tables, as a full Sync does, to insert
-	// or delete the mangle jumps; it repairs nothing.
+	// or delete the mangle jumps; it repairs nothing. The gates' sets are
+	// filled before the rules that name them are restored, and
+	// destroyed after the rules that named them are gone.
 	for _, step := range []struct {
 		name  string
 		r     Rules
-		rules int
-		jumps []string
+		want  Result
+		calls []string
 	}{
-		{"redirect mode", rulesA, 8, []string{"Delete mangle PREROUTING", "Delete mangle OUTPUT"}},
-		{"tproxy mode again", tp, 12, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"}},
+		{"redirect mode", rulesA, Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2},
+			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT"})},
+		{"tproxy mode again", tp, Result{Wrote: true, Rules: 15, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"})},
 	} {
 		res, err := s.Sync(ctx, step.r, false)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := (Result{Wrote: true, Rules: step.rules, SetMembers: 2}); res != want {
-			t.Errorf("%s: Sync = %+v, want %+v", step.name, res, want)
+		if res != step.want {
+			t.Errorf("%s: Sync = %+v, want %+v", step.name, res, step.want)
 		}
-		if diff := cmp.Diff(concat(callsRead, callRestore, step.jumps), k.takeCalls()); diff != "" {
+		if diff := cmp.Diff(step.calls, k.takeCalls()); diff != "" {
 			t.Errorf("%s: calls (-want +got):\n%s", step.name, diff)
 		}
 		if diff := cmp.Diff(wantSave(IPv4, step.r), k.save()); diff != "" {

@@ -385,8 +385,21 @@ func TestTrafficTProxy(t *testing.T) {
 			tl.expectUDP("UDP VIP from a pod", pod.NS, dns, wantUDP(dns, podIP))
 			tl.expectUDP("UDP VIP from the node", node, dns, wantUDP(dns, nodeIP))
 			// The listener is on loopback: the node's address has nothing
-			// on its port, and no rule sends a pod there.
+			// on its port, and no rule sends a pod there. Its packets are
+			// for no service and no node port: the gates keep them out of
+			// the per-service rules.
+			gates := func() (n int) {
+				for _, p := range protocols {
+					n += tl.packets(f, "mangle", fmt.Sprintf("-p %s %s -j %s", p, serviceSetMatch(f), tproxyServicesChain))
+					n += tl.packets(f, "mangle", fmt.Sprintf("-p %s %s -j %s", p, nodePortSetMatch(f, p), tproxyNodePortsChain))
+				}
+				return n
+			}
+			before := gates()
 			tl.expect("listener's port on the node's address", pod.NS, TCP, direct, refused)
+			if n := gates() - before; n != 0 {
+				t.Errorf("%d packets to no service and no node port went through a gate to the per-service rules", n)
+			}
 
 			for _, c := range []struct {
 				what string
@@ -416,7 +429,7 @@ func TestTrafficTProxy(t *testing.T) {
 				t.Errorf("the firewall's DROP saw %d packets of allowed connections", n)
 			}
 			tl.expect("LB from a pod outside the source ranges", other.NS, TCP, lb, timedOut)
-			before := tl.packets(f, "mangle", drop)
+			before = tl.packets(f, "mangle", drop)
 			if before == 0 {
 				t.Error("the denied pod's SYNs did not hit the firewall's DROP")
 			}
