@@ -16,9 +16,9 @@
 // unchanged, and UPROXY-TPROXY-OUTPUT (from OUTPUT) sends the node's own
 // through lo to meet it; see tproxy.go. Mangle sees every packet, not
 // only a connection's first, so there the per-service rules stand in
-// UPROXY-TPROXY-SERVICES and UPROXY-TPROXY-NODEPORTS, behind lookups in
-// the service and node-port sets of the shared layout, which hold the
-// same destinations. That mode also needs the policy
+// UPROXY-TPROXY-SERVICES-TCP and -UDP and UPROXY-TPROXY-NODEPORTS-TCP and
+// -UDP, behind lookups in the service and node-port sets of the shared
+// layout, which hold the same destinations. That mode also needs the policy
 // routing of Routing, which the caller installs and removes. In redirect
 // mode the mangle chains exist, empty, and nothing jumps to them.
 //

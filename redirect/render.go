@@ -36,6 +36,9 @@ type chainSpec struct {
 	// packet's path, while iptables-nft creates none for a table that
 	// holds only chains no rule jumps to.
 	tproxyOnly bool
+	// proto is the protocol of a chain that holds one protocol's rules,
+	// and empty for the others.
+	proto Protocol
 	// rules renders the chain's rules for family f in the canonical form
 	// iptables-save prints, each starting with "-A <name> ".
 	rules func(c chainSpec, f Family, r Rules) []string
@@ -49,10 +52,13 @@ const (
 	tproxyChain       = "UPROXY-TPROXY"
 	tproxyOutputChain = "UPROXY-TPROXY-OUTPUT"
 	tproxyDivertChain = "UPROXY-TPROXY-DIVERT"
-	// tproxyServicesChain and tproxyNodePortsChain hold tproxy mode's
-	// per-service rules, behind the gates of UPROXY-TPROXY.
-	tproxyServicesChain  = "UPROXY-TPROXY-SERVICES"
-	tproxyNodePortsChain = "UPROXY-TPROXY-NODEPORTS"
+	// These hold tproxy mode's per-service rules, one protocol each,
+	// behind the gates of UPROXY-TPROXY (see tproxyServicesChain and
+	// tproxyNodePortsChain).
+	tproxyServicesTCP  = "UPROXY-TPROXY-SERVICES-TCP"
+	tproxyServicesUDP  = "UPROXY-TPROXY-SERVICES-UDP"
+	tproxyNodePortsTCP = "UPROXY-TPROXY-NODEPORTS-TCP"
+	tproxyNodePortsUDP = "UPROXY-TPROXY-NODEPORTS-UDP"
 )
 
 // chains is every chain uproxy creates, in every table. Render, Sync and
@@ -84,20 +90,12 @@ var chains = []chainSpec{
 		tproxyOnly:  true,
 		rules:       tproxyRules,
 	},
-	{
-		// Jumped to from UPROXY-TPROXY by what the service set matches,
-		// with per-service rules.
-		table: "mangle",
-		name:  tproxyServicesChain,
-		rules: tproxyServiceRules,
-	},
-	{
-		// Jumped to from UPROXY-TPROXY by what the node-port sets match,
-		// with per-service rules.
-		table: "mangle",
-		name:  tproxyNodePortsChain,
-		rules: tproxyNodePortRules,
-	},
+	// Jumped to from UPROXY-TPROXY by what the service set and the
+	// node-port sets match, with per-service rules.
+	{table: "mangle", name: tproxyServicesTCP, proto: TCP, rules: tproxyServiceRules},
+	{table: "mangle", name: tproxyServicesUDP, proto: UDP, rules: tproxyServiceRules},
+	{table: "mangle", name: tproxyNodePortsTCP, proto: TCP, rules: tproxyNodePortRules},
+	{table: "mangle", name: tproxyNodePortsUDP, proto: UDP, rules: tproxyNodePortRules},
 	{
 		// Gone to (-g) from UPROXY-TPROXY's first rules, for the packets
 		// of the proxy's transparent sockets.

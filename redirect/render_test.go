@@ -445,13 +445,15 @@ func TestParseStateOfRender(t *testing.T) {
 			`-A UPROXY-SERVICES -d 10.96.0.3/32 -p tcp -m comment --comment "mapped/v4:x" -m tcp --dport 8080 -j REDIRECT --to-ports 40005`,
 			`-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40002`,
 		}},
-		{"nat", "UPROXY-NODEPORTS"}:           {exists: true},
-		{"mangle", "UPROXY-TPROXY"}:           {exists: true},
-		{"mangle", "UPROXY-TPROXY-DIVERT"}:    {exists: true},
-		{"mangle", "UPROXY-TPROXY-SERVICES"}:  {exists: true},
-		{"mangle", "UPROXY-TPROXY-NODEPORTS"}: {exists: true},
-		{"mangle", "UPROXY-TPROXY-OUTPUT"}:    {exists: true},
-		{"filter", "UPROXY-FIREWALL"}:         {exists: true},
+		{"nat", "UPROXY-NODEPORTS"}:        {exists: true},
+		{"mangle", "UPROXY-TPROXY"}:        {exists: true},
+		{"mangle", "UPROXY-TPROXY-DIVERT"}: {exists: true},
+		{"mangle", tproxyServicesTCP}:      {exists: true},
+		{"mangle", tproxyServicesUDP}:      {exists: true},
+		{"mangle", tproxyNodePortsTCP}:     {exists: true},
+		{"mangle", tproxyNodePortsUDP}:     {exists: true},
+		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true},
+		{"filter", "UPROXY-FIREWALL"}:      {exists: true},
 	}
 	if diff := cmp.Diff(want, st, cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState(Render(...)) (-want +got):\n%s", diff)
@@ -470,14 +472,16 @@ func TestParseStateTables(t *testing.T) {
 		"*mangle\n:PREROUTING ACCEPT [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-SERVICES - [0:0]\n-A PREROUTING -j UPROXY-TPROXY-OUTPUT\n" +
 		"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000\n-A UPROXY-SERVICES -j RETURN\nCOMMIT\n"
 	want := state{
-		{"nat", "UPROXY-SERVICES"}:            {},
-		{"nat", "UPROXY-NODEPORTS"}:           {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
-		{"mangle", "UPROXY-TPROXY"}:           {},
-		{"mangle", "UPROXY-TPROXY-DIVERT"}:    {},
-		{"mangle", "UPROXY-TPROXY-SERVICES"}:  {},
-		{"mangle", "UPROXY-TPROXY-NODEPORTS"}: {},
-		{"mangle", "UPROXY-TPROXY-OUTPUT"}:    {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
-		{"filter", "UPROXY-FIREWALL"}:         {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
+		{"nat", "UPROXY-SERVICES"}:         {},
+		{"nat", "UPROXY-NODEPORTS"}:        {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
+		{"mangle", "UPROXY-TPROXY"}:        {},
+		{"mangle", "UPROXY-TPROXY-DIVERT"}: {},
+		{"mangle", tproxyServicesTCP}:      {},
+		{"mangle", tproxyServicesUDP}:      {},
+		{"mangle", tproxyNodePortsTCP}:     {},
+		{"mangle", tproxyNodePortsUDP}:     {},
+		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
+		{"filter", "UPROXY-FIREWALL"}:      {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
 	}
 	if diff := cmp.Diff(want, parseState([]byte(text)), cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState (-want +got):\n%s", diff)

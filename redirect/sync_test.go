@@ -527,7 +527,7 @@ func wantSave(f Family, r Rules) string {
 	for _, c := range builtin["mangle"] {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
-	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES - [0:0]\n:UPROXY-TPROXY-NODEPORTS - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
+	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
 	// Only tproxy mode jumps to the mangle chains.
 	if r.TProxy != nil {
 		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
@@ -536,7 +536,7 @@ func wantSave(f Family, r Rules) string {
 	if r.TProxy != nil {
 		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 	}
-	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-SERVICES", "UPROXY-TPROXY-NODEPORTS", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-OUTPUT"} {
+	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-OUTPUT"} {
 		for _, l := range st[chainKey{"mangle", c}].rules {
 			b.WriteString(l + "\n")
 		}
@@ -851,8 +851,9 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 		// nothing jumps to them.
 		{"mangle chains deleted", "mangle", func(order []string, rules map[string][]string) []string {
 			delete(rules, "UPROXY-TPROXY")
-			delete(rules, "UPROXY-TPROXY-SERVICES")
-			delete(rules, "UPROXY-TPROXY-NODEPORTS")
+			for _, c := range []string{tproxyServicesTCP, tproxyServicesUDP, tproxyNodePortsTCP, tproxyNodePortsUDP} {
+				delete(rules, c)
+			}
 			delete(rules, "UPROXY-TPROXY-DIVERT")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
@@ -861,8 +862,9 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			rules["PREROUTING"] = []string{"-A PREROUTING " + tproxyJumpComment, unrelatedMangle}
 			rules["OUTPUT"] = []string{"-A OUTPUT " + tproxyOutputJumpComment}
 			delete(rules, "UPROXY-TPROXY")
-			delete(rules, "UPROXY-TPROXY-SERVICES")
-			delete(rules, "UPROXY-TPROXY-NODEPORTS")
+			for _, c := range []string{tproxyServicesTCP, tproxyServicesUDP, tproxyNodePortsTCP, tproxyNodePortsUDP} {
+				delete(rules, c)
+			}
 			delete(rules, "UPROXY-TPROXY-DIVERT")
 			delete(rules, "UPROXY-TPROXY-OUTPUT")
 			return slices.Clone(builtin["mangle"])
@@ -989,7 +991,7 @@ func TestSyncRestoreFailure(t *testing.T) {
 	if !errors.Is(err, errExit) {
 		t.Errorf("error %v does not wrap the exec error", err)
 	}
-	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES,UPROXY-TPROXY-NODEPORTS,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
+	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
 		if !strings.Contains(err.Error(), s) {
 			t.Errorf("error %q does not mention %q", err, s)
 		}
@@ -1224,7 +1226,7 @@ func TestCleanup(t *testing.T) {
 	// UPROXY-SERVICES jumps to UPROXY-NODEPORTS: both are flushed before
 	// either is deleted.
 	wantInput := "*nat\n:UPROXY-SERVICES - [0:0]\n:UPROXY-NODEPORTS - [0:0]\n-X UPROXY-SERVICES\n-X UPROXY-NODEPORTS\nCOMMIT\n" +
-		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES - [0:0]\n:UPROXY-TPROXY-NODEPORTS - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-SERVICES\n-X UPROXY-TPROXY-NODEPORTS\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
+		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-SERVICES-TCP\n-X UPROXY-TPROXY-SERVICES-UDP\n-X UPROXY-TPROXY-NODEPORTS-TCP\n-X UPROXY-TPROXY-NODEPORTS-UDP\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
 		"*filter\n:UPROXY-FIREWALL - [0:0]\n-X UPROXY-FIREWALL\nCOMMIT\n"
 	if got := k.restored[len(k.restored)-1]; got != wantInput {
 		t.Errorf("Cleanup restore input = %q, want %q", got, wantInput)
@@ -1290,7 +1292,7 @@ func TestCleanupErrors(t *testing.T) {
 	}
 	k.failRestore = fmt.Errorf("iptables-restore: %w: referenced", errExit)
 	err = Cleanup(ctx, Config{Exec: k, Jumps: k})
-	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES,UPROXY-TPROXY-NODEPORTS,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
 		t.Errorf("Cleanup with failing restore = %v", err)
 	}
 }
@@ -1768,9 +1770,10 @@ func TestSyncTProxy(t *testing.T) {
 	s := newFakeSyncer(t, k)
 	// For IPv4, 15 rules: 5 in UPROXY-TPROXY (the TCP socket match, the
 	// gates of the service set for TCP and UDP and of the TCP node-port
-	// set, the UDP socket match), 4 in UPROXY-TPROXY-SERVICES (the UDP
-	// intercept, two allowed prefixes and the DROP of the firewalled
-	// one), 1 in UPROXY-TPROXY-NODEPORTS, 1 in UPROXY-TPROXY-DIVERT, 2 in
+	// set, the UDP socket match), 4 in UPROXY-TPROXY-SERVICES-TCP and
+	// -UDP (the UDP intercept, two allowed prefixes and the DROP of the
+	// firewalled one), 1 in UPROXY-TPROXY-NODEPORTS-TCP, 1 in
+	// UPROXY-TPROXY-DIVERT, 2 in
 	// UPROXY-TPROXY-OUTPUT (the service set, for TCP and UDP), 2
 	// listener guards. 5 set
 	// members: 2 listener ports, the 2 destinations of the service set
@@ -1793,7 +1796,7 @@ func TestSyncTProxy(t *testing.T) {
 	for _, c := range []struct {
 		table, chain string
 		rules        int
-	}{{"nat", servicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", tproxyChain, 5}, {"mangle", tproxyServicesChain, 4}, {"mangle", tproxyNodePortsChain, 1}, {"mangle", tproxyOutputChain, 2}, {"filter", firewallChain, 2}} {
+	}{{"nat", servicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", tproxyChain, 5}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", tproxyOutputChain, 2}, {"filter", firewallChain, 2}} {
 		if n := len(st[chainKey{c.table, c.chain}].rules); n != c.rules {
 			t.Errorf("%s %s holds %d rules, want %d", c.table, c.chain, n, c.rules)
 		}

@@ -42,21 +42,24 @@ import (
 // match them, and a datagram needs TPROXY every time anyway.
 //
 // With per-service listeners, those rules do not stand in UPROXY-TPROXY
-// itself but behind two gates, kernel sets that a packet is looked up in
+// itself but behind gates, kernel sets that a packet is looked up in
 // once: the service set of the family (hash:ip,port) holds the
 // destination, protocol and port of every intercept and firewall, and
-// sends what it matches to UPROXY-TPROXY-SERVICES, which holds their
-// rules; the node-port sets (bitmap:port, one per protocol) hold the node
-// ports, and send what they match to UPROXY-TPROXY-NODEPORTS. A packet
-// for no service, such as a backend's reply to a connection the proxy
-// dialled from the node's address, or a pod's packet that the node
-// routes on, then costs two or three set lookups instead of a walk of
-// one rule per service port: in a lab with 1,000 services, such walks
-// had cut the keep-alive rate through uproxy to 40% of what one service
-// allowed. A packet of an intercept or firewall always ends in
-// UPROXY-TPROXY-SERVICES (a TPROXY or a DROP), so the intercepts keep
-// their precedence over the node ports. In the shared layout the sets
-// send their members to the shared listeners instead (see shared.go).
+// sends what it matches to UPROXY-TPROXY-SERVICES-TCP or -UDP, which
+// hold the protocol's rules; the node-port sets (bitmap:port, one per
+// protocol) hold the node ports, and send what they match to
+// UPROXY-TPROXY-NODEPORTS-TCP or -UDP. A packet for no service, such as
+// a backend's reply to a connection the proxy dialled from the node's
+// address, or a pod's packet that the node routes on, then costs a few
+// set lookups instead of a walk of one rule per service port: in a lab
+// with 1,000 services, such walks had cut the keep-alive rate through
+// uproxy to 40% of what one service allowed. A service's datagram walks
+// the rules of its protocol only, so that the UDP services, which are
+// few in most clusters, do not pay for the TCP ones. A packet of an
+// intercept or firewall always ends in its protocol's services chain (a
+// TPROXY or a DROP), so the intercepts keep their precedence over the
+// node ports. In the shared layout the sets send their members to the
+// shared listeners instead (see shared.go).
 //
 // In OUTPUT (mangle), UPROXY-TPROXY-OUTPUT marks the node's own packets to
 // intercepted and guarded destinations (with per-service listeners, one
@@ -189,9 +192,27 @@ func tproxyEntries(f Family, r Rules) []tproxyEntry {
 }
 
 // gatedTProxy reports whether r is in tproxy mode with per-service rules,
-// where the service and node-port sets gate UPROXY-TPROXY-SERVICES and
-// UPROXY-TPROXY-NODEPORTS (see TProxy).
+// where the service and node-port sets gate the chains of
+// tproxyServicesChain and tproxyNodePortsChain (see TProxy).
 func gatedTProxy(r Rules) bool { return r.TProxy != nil && !r.Shared }
+
+// tproxyServicesChain returns the chain that holds the per-service rules
+// of protocol p's intercepts and firewalls in tproxy mode.
+func tproxyServicesChain(p Protocol) string {
+	if p == UDP {
+		return tproxyServicesUDP
+	}
+	return tproxyServicesTCP
+}
+
+// tproxyNodePortsChain returns the chain that holds the per-service rules
+// of protocol p's node ports in tproxy mode.
+func tproxyNodePortsChain(p Protocol) string {
+	if p == UDP {
+		return tproxyNodePortsUDP
+	}
+	return tproxyNodePortsTCP
+}
 
 // tproxyRules renders UPROXY-TPROXY (see TProxy). The transparent
 // sockets' packets go to UPROXY-TPROXY-DIVERT by goto, and return from
@@ -200,13 +221,13 @@ func gatedTProxy(r Rules) bool { return r.TProxy != nil && !r.Shared }
 //
 // With per-service rules, what lies between is the gates, per protocol:
 // a packet whose destination address, protocol and port are in f's
-// service set jumps to UPROXY-TPROXY-SERVICES, one whose destination port
-// is in the node-port set of f and its protocol to
-// UPROXY-TPROXY-NODEPORTS. A gate is rendered only when its set has
-// members of its protocol.
+// service set jumps to its protocol's UPROXY-TPROXY-SERVICES-*, one whose
+// destination port is in the node-port set of f and its protocol to its
+// protocol's UPROXY-TPROXY-NODEPORTS-*. A gate is rendered only when its
+// set has members of its protocol.
 //
 // In the shared layout, the intercepts that a firewall guards have their
-// rules here, as UPROXY-TPROXY-SERVICES has them in the per-service
+// rules here, as UPROXY-TPROXY-SERVICES-* has them in the per-service
 // layout, then the firewalls' DROPs; after those, one TPROXY per
 // protocol matches f's service set; and the node ports are one TPROXY
 // per protocol and node-port address, matching the protocol's node-port
@@ -221,17 +242,17 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 		es, ns := tproxyEntries(f, r), tproxyNodePorts(f, r)
 		for _, p := range protocols {
 			if slices.ContainsFunc(es, func(e tproxyEntry) bool { return e.key.proto == p }) {
-				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, serviceSetMatch(f), tproxyServicesChain))
+				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, serviceSetMatch(f), tproxyServicesChain(p)))
 			}
 		}
 		for _, p := range protocols {
 			if slices.ContainsFunc(ns, func(n NodePort) bool { return n.Protocol == p }) {
-				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, nodePortSetMatch(f, p), tproxyNodePortsChain))
+				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, nodePortSetMatch(f, p), tproxyNodePortsChain(p)))
 			}
 		}
 		return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
 	}
-	rules = append(rules, tproxyEntryRules(c.name, f, r)...)
+	rules = append(rules, tproxyEntryRules(c.name, f, r, tproxyEntries(f, r))...)
 	rules = append(rules, sharedServiceRules(c.name, f, r, func(port, _ uint16) string { return t.target(f, port) })...)
 	for _, st := range sharedNodePortTargets(f, r) {
 		for _, d := range nodePortDests(f, r) {
@@ -242,17 +263,17 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
 }
 
-// tproxyEntryRules renders the rules of chain for the entries of f in r
+// tproxyEntryRules renders the rules of chain for es, entries of f in r
 // (tproxyEntries): for each destination, protocol and port in order, the
 // TPROXY rule of its intercept, or one per allowed source prefix of f
 // when a firewall guards it, then the firewall's DROP. Every packet to
 // an entry's destination, protocol and port ends at one of them: a
 // TPROXY or a DROP.
-func tproxyEntryRules(chain string, f Family, r Rules) []string {
+func tproxyEntryRules(chain string, f Family, r Rules, es []tproxyEntry) []string {
 	t := r.TProxy
 	allowed := firewallAllows(f, r)
 	var rules []string
-	for _, e := range tproxyEntries(f, r) {
+	for _, e := range es {
 		match := destMatch(f, e.key.dest, e.key.proto, e.comment, e.key.port)
 		if e.firewall {
 			rules = append(rules, fmt.Sprintf("-A %s %s -j DROP", chain, match))
@@ -271,14 +292,16 @@ func tproxyEntryRules(chain string, f Family, r Rules) []string {
 	return slices.Compact(rules)
 }
 
-// tproxyServiceRules renders UPROXY-TPROXY-SERVICES (see TProxy): with
-// per-service rules, those of every intercept and firewall of f
-// (tproxyEntryRules); in the shared layout, none.
+// tproxyServiceRules renders UPROXY-TPROXY-SERVICES-TCP or -UDP (see
+// TProxy): with per-service rules, those of every intercept and firewall
+// of f and the chain's protocol (tproxyEntryRules); in the shared
+// layout, none.
 func tproxyServiceRules(c chainSpec, f Family, r Rules) []string {
 	if !gatedTProxy(r) {
 		return nil
 	}
-	return tproxyEntryRules(c.name, f, r)
+	es := slices.DeleteFunc(tproxyEntries(f, r), func(e tproxyEntry) bool { return e.key.proto != c.proto })
+	return tproxyEntryRules(c.name, f, r, es)
 }
 
 // tproxyNodePorts returns, with per-service rules in tproxy mode, the
@@ -316,12 +339,15 @@ func nodePortDests(f Family, r Rules) []string {
 	return dsts
 }
 
-// tproxyNodePortRules renders UPROXY-TPROXY-NODEPORTS (see TProxy): with
-// per-service rules, one TPROXY per node port of f and node-port
-// address; in the shared layout, none.
+// tproxyNodePortRules renders UPROXY-TPROXY-NODEPORTS-TCP or -UDP (see
+// TProxy): with per-service rules, one TPROXY per node port of f and the
+// chain's protocol and node-port address; in the shared layout, none.
 func tproxyNodePortRules(c chainSpec, f Family, r Rules) []string {
 	var rules []string
 	for _, n := range tproxyNodePorts(f, r) {
+		if n.Protocol != c.proto {
+			continue
+		}
 		for _, d := range nodePortDests(f, r) {
 			rules = append(rules, fmt.Sprintf("-A %s%s -p %s -m addrtype --dst-type LOCAL -m comment --comment %s -m %s --dport %d %s",
 				c.name, d, n.Protocol, quoteComment(n.Comment), n.Protocol, n.Port, r.TProxy.target(f, n.ToPort)))

@@ -390,8 +390,8 @@ func TestTrafficTProxy(t *testing.T) {
 			// the per-service rules.
 			gates := func() (n int) {
 				for _, p := range protocols {
-					n += tl.packets(f, "mangle", fmt.Sprintf("-p %s %s -j %s", p, serviceSetMatch(f), tproxyServicesChain))
-					n += tl.packets(f, "mangle", fmt.Sprintf("-p %s %s -j %s", p, nodePortSetMatch(f, p), tproxyNodePortsChain))
+					n += tl.packets(f, "mangle", fmt.Sprintf("-p %s %s -j %s", p, serviceSetMatch(f), tproxyServicesChain(p)))
+					n += tl.packets(f, "mangle", fmt.Sprintf("-p %s %s -j %s", p, nodePortSetMatch(f, p), tproxyNodePortsChain(p)))
 				}
 				return n
 			}
