@@ -350,9 +350,11 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	res := Result{Rules: wantState.ruleCount(), SetMembers: wantSets.memberCount()}
 	if s.noIpset != nil {
 		kinds := wantSets.wanted()
-		services := "the shared layout"
-		if r.TProxy != nil && !r.Shared {
-			services = "tproxy mode's gates"
+		// The service and node-port sets serve the shared layout, or
+		// tproxy mode's gates.
+		services, verb := "the shared layout", " needs"
+		if gatedTProxy(r) {
+			services, verb = "tproxy mode's gates", " need"
 		}
 		shared := kinds[serviceSet] || kinds[nodePortSet]
 		var needs string
@@ -361,10 +363,8 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 			needs = "the listener guards and " + services + " need"
 		case kinds[listenerSet]:
 			needs = "the listener guards need"
-		case shared && r.TProxy != nil && !r.Shared:
-			needs = services + " need"
 		case shared:
-			needs = services + " needs"
+			needs = services + verb
 		}
 		if needs != "" {
 			return res, fmt.Errorf("redirect: %s: %s kernel sets, but %w", s.family, needs, s.noIpset)

@@ -53,7 +53,7 @@ import (
 // address, or a pod's packet that the node routes on, then costs a few
 // set lookups instead of a walk of one rule per service port: in a lab
 // with 1,000 services, such walks had cut the keep-alive rate through
-// uproxy to 40% of what one service allowed. A service's datagram walks
+// uproxy to 37% of what one service allowed. A service's datagram walks
 // the rules of its protocol only, so that the UDP services, which are
 // few in most clusters, do not pay for the TCP ones. A packet of an
 // intercept or firewall always ends in its protocol's services chain (a
@@ -63,10 +63,10 @@ import (
 //
 // In OUTPUT (mangle), UPROXY-TPROXY-OUTPUT marks the node's own packets to
 // intercepted and guarded destinations (with per-service listeners, one
-// rule that matches the service set), which reroutes them through lo
-// (mangle OUTPUT re-routes a packet whose mark changed), so they come back
-// in through PREROUTING and meet TPROXY, or a firewall's DROP, there:
-// TPROXY works only in PREROUTING.
+// rule per protocol that matches the service set), which reroutes them
+// through lo (mangle OUTPUT re-routes a packet whose mark changed), so
+// they come back in through PREROUTING and meet TPROXY, or a firewall's
+// DROP, there: TPROXY works only in PREROUTING.
 //
 // Tproxy mode needs the policy routing of Routing for each family
 // (Routing.Ensure); the caller installs it before the first Sync and
