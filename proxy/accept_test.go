@@ -259,26 +259,10 @@ func TestListenerWithoutLoopIsRetried(t *testing.T) {
 	be := nameBackend(t, "a")
 	core, logs := observer.New(zap.ErrorLevel)
 	p, rules := startProxier(t, Config{Logger: zap.New(core)})
-	var fail atomic.Bool
-	fail.Store(true)
-	p.loops.mu.Lock()
-	p.loops.newLoop = func(idle, dialTimeout time.Duration) (*eventLoop, error) {
-		if fail.Load() {
-			return nil, unix.EMFILE
-		}
-		return newEventLoop(idle, dialTimeout)
-	}
-	p.loops.mu.Unlock()
+	fail := failLoops(p)
 	const name = "default/a:http"
 	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80")}, slicesFor("a", "http", be))
-	waitUntil(t, "the failure is logged", func() bool {
-		for _, e := range logs.FilterMessage("cannot open listener; will retry").All() {
-			if e.ContextMap()["servicePort"] == name {
-				return true
-			}
-		}
-		return false
-	})
+	waitForRetry(t, logs, name)
 	if rules.has(name) {
 		t.Errorf("%s has an intercept to a listener that nothing accepts on", name)
 	}
@@ -290,4 +274,75 @@ func TestListenerWithoutLoopIsRetried(t *testing.T) {
 	if got, err := get(t, rules.port(t, name)); err != nil || got != "a" {
 		t.Errorf("once the loops could start, %s answered %q, %v; want a", name, got, err)
 	}
+}
+
+// TestAdoptedListenerWithoutLoopIsRetried checks the same for a listener
+// that adopts a socket handed over by a previous process: it is closed
+// with its socket, reported and retried during the sync that adopts it,
+// not left for the goroutine that starts it after that sync, which
+// could only log the failure.
+func TestAdoptedListenerWithoutLoopIsRetried(t *testing.T) {
+	be := nameBackend(t, "web")
+	ln, err := net.Listen("tcp4", "0.0.0.0:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := SocketFile(ln.(*net.TCPListener), "web")
+	ln.Close() // the inherited duplicate keeps the socket
+	if err != nil {
+		t.Fatal(err)
+	}
+	inheritedPort := ln.Addr().(*net.TCPAddr).Port
+	core, logs := observer.New(zap.InfoLevel)
+	p, rules := startProxier(t, Config{Logger: zap.New(core), Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}})})
+	fail := failLoops(p)
+	const name = "default/web:http"
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	waitForRetry(t, logs, name)
+	if logs.FilterMessage("adopted an inherited socket").Len() != 1 {
+		t.Fatal("the inherited socket was not adopted")
+	}
+	if rules.has(name) {
+		t.Errorf("%s has an intercept to a listener that nothing accepts on", name)
+	}
+	if c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", inheritedPort), time.Second); err == nil {
+		c.Close()
+		t.Errorf("the adopted socket on port %d still queues connections that nothing accepts", inheritedPort)
+	}
+	fail.Store(false)
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
+		append(slicesFor("web", "http", be), slicesFor("b", "http", be)...))
+	if got, err := get(t, rules.port(t, name)); err != nil || got != "web" {
+		t.Errorf("once the loops could start, %s answered %q, %v; want web", name, got, err)
+	}
+}
+
+// failLoops makes p's event loops fail to start, as with no descriptor
+// left for an epoll instance, until the returned flag is cleared.
+func failLoops(p *Proxier) *atomic.Bool {
+	var fail atomic.Bool
+	fail.Store(true)
+	p.loops.mu.Lock()
+	defer p.loops.mu.Unlock()
+	p.loops.newLoop = func(idle, dialTimeout time.Duration) (*eventLoop, error) {
+		if fail.Load() {
+			return nil, unix.EMFILE
+		}
+		return newEventLoop(idle, dialTimeout)
+	}
+	return &fail
+}
+
+// waitForRetry waits until logs say that the listener of service port
+// name could not be opened and will be retried.
+func waitForRetry(t *testing.T, logs *observer.ObservedLogs, name string) {
+	t.Helper()
+	waitUntil(t, "the failure is logged", func() bool {
+		for _, e := range logs.FilterMessage("cannot open listener; will retry").All() {
+			if e.ContextMap()["servicePort"] == name {
+				return true
+			}
+		}
+		return false
+	})
 }

@@ -255,6 +255,14 @@ func (in *Inherited) synced(log *zap.Logger) {
 	}
 }
 
+// forget takes l off the adopted listeners, when it is closed instead of
+// started (startAdopted).
+func (in *Inherited) forget(l *listener) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	delete(in.adopted, l)
+}
+
 // stop ends adoption without starting the adopted listeners, whose
 // sockets their owner closes.
 func (in *Inherited) stop(log *zap.Logger) {
@@ -414,11 +422,24 @@ func (p *Proxier) adopted(l *listener) bool {
 // for that sync, then becomes the listener's accept or read loop, or
 // exits once the event loops accept on it; it exits at once if the
 // Proxier stops before that sync.
-func (p *Proxier) startAdopted(l *listener) bool {
+//
+// A listener for the event loops fails here, and is not adopted, when
+// no loop can start (no descriptor left for an epoll instance): the sync
+// that adopts the socket can still report the service port and retry it,
+// as for a listener that could not be opened, while the goroutine, after
+// that sync, could only log the failure, and the rules would send
+// connections into a queue that nothing accepts from.
+func (p *Proxier) startAdopted(l *listener) (bool, error) {
 	if !p.adopted(l) {
-		return false
+		return false, nil
 	}
 	in := p.cfg.Inherited
+	if l.raw != nil {
+		if _, err := p.loops.running(); err != nil {
+			in.forget(l)
+			return false, fmt.Errorf("no event loop to accept on it: %w", err)
+		}
+	}
 	p.wg.Add(1)
 	go func() {
 		select {
@@ -430,11 +451,9 @@ func (p *Proxier) startAdopted(l *listener) bool {
 		switch {
 		case l.raw != nil:
 			if err := p.startAccepting(l); err != nil {
-				// The sync that adopted the socket is over, and took it
-				// for open. Only loops that cannot start (no descriptor
-				// for an epoll instance) get here: connections wait in
-				// the socket's queue until the service port changes or
-				// the process restarts.
+				// The loops were running when the listener was adopted;
+				// only loops stopped since (Shutdown, Drain) and unable to
+				// start again get here, on a Proxier that is going away.
 				p.log.Error("cannot accept on an adopted listener", zap.Stringer("servicePort", l.key.name), zap.Error(err))
 			}
 			p.wg.Done()
@@ -444,5 +463,5 @@ func (p *Proxier) startAdopted(l *listener) bool {
 			p.acceptLoop(l)
 		}
 	}()
-	return true
+	return true, nil
 }

@@ -1095,10 +1095,12 @@ func (p *Proxier) startListener(l *listener) error {
 			l.ln, l.raw = nil, p.newLoopListener(l, fd)
 		}
 	}
-	if !p.startAdopted(l) {
-		if err := p.startAccepting(l); err != nil {
-			return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
-		}
+	adopted, err := p.startAdopted(l)
+	if err == nil && !adopted {
+		err = p.startAccepting(l)
+	}
+	if err != nil {
+		return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
 	}
 	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
 	return nil
