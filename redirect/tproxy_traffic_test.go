@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -302,6 +303,23 @@ func (tl *tproxyLab) expectUDP(what, ns string, dest netip.AddrPort, want string
 	}
 }
 
+// synRetrans returns the number of SYNs that namespace ns retransmitted
+// (TcpExtTCPSynRetrans).
+func (tl *tproxyLab) synRetrans(ns string) int {
+	tl.t.Helper()
+	for line := range strings.Lines(tl.exec(ns, "nstat", "-saz", "TcpExtTCPSynRetrans")) {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "TcpExtTCPSynRetrans" {
+			n, err := strconv.Atoi(f[1])
+			if err != nil {
+				tl.t.Fatal(err)
+			}
+			return n
+		}
+	}
+	tl.t.Fatal("nstat printed no TcpExtTCPSynRetrans")
+	return 0
+}
+
 // wantTCP is the TCP listener's answer for a connection to local from peer.
 func wantTCP(local netip.AddrPort, peer netip.Addr) string {
 	return fmt.Sprintf("local=%s peer=%s", local, peer)
@@ -367,8 +385,14 @@ func TestTrafficTProxy(t *testing.T) {
 			// A connection from the port of an earlier one, which the
 			// listener closed first (socat -u sends nothing, so the
 			// client's FIN comes after the listener's): its SYN meets the
-			// earlier connection's TIME_WAIT socket, and still reaches the
-			// listener.
+			// earlier connection's TIME_WAIT socket, and TPROXY hands it
+			// to the listener at once (nf_tproxy_handle_time_wait4). Were
+			// it delivered locally, as the socket match would deliver it
+			// without its SYN exclusion, the TIME_WAIT socket would
+			// answer with an ACK (no listener backs the service's
+			// address), the client would reset, and only its
+			// retransmitted SYN, a second later, would reach TPROXY.
+			retrans := tl.synRetrans(pod.NS)
 			for i := range 2 {
 				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 				out, err := tl.lab.Exec(ctx, pod.NS, "socat", "-T3", "-u", fmt.Sprintf("TCP:%s,connect-timeout=2,sourceport=40999,reuseaddr", vip), "STDOUT")
@@ -376,6 +400,9 @@ func TestTrafficTProxy(t *testing.T) {
 				if got, want := strings.TrimSpace(out), wantTCP(vip, podIP); err != nil || got != want {
 					t.Errorf("connection %d from port 40999: got %q (%v), want %q", i+1, got, err, want)
 				}
+			}
+			if n := tl.synRetrans(pod.NS) - retrans; n != 0 {
+				t.Errorf("the connections from port 40999 retransmitted %d SYNs; want none", n)
 			}
 			tl.expect("VIP from another pod", other.NS, TCP, vip, wantTCP(vip, otherIP))
 			// The node's own connection is marked in mangle OUTPUT,
