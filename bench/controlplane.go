@@ -164,18 +164,17 @@ var cpProxies = []cpProxy{
 	},
 	{
 		Subject: Subject{"uproxy-shared", "uproxy redirect, shared listener", "As uproxy redirect, with --listener=shared: one listener per protocol, every service address in one ipset behind one rule per protocol."},
-		na: func(e *env, k *kubeEnv) error {
-			if e.uproxyErr != nil {
-				return fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
-			}
-			if _, err := exec.LookPath("ipset"); err != nil {
-				return na("ipset is not installed (Debian package ipset)")
-			}
-			return kubeProxyNA(k, "iptables")
-		},
-		start:  startUproxy("--listener=shared"),
-		change: apiChange,
-		rules:  iptablesRules,
+		na:      uproxyWithIpsetNA,
+		start:   startUproxy("--listener=shared"),
+		change:  apiChange,
+		rules:   iptablesRules,
+	},
+	{
+		Subject: Subject{"uproxy-tproxy", "uproxy tproxy", "As uproxy redirect, with --mode=tproxy: TPROXY rules in mangle, one chain of per-service rules per protocol behind lookups in the service and node-port ipsets."},
+		na:      uproxyWithIpsetNA,
+		start:   startUproxy("--mode=tproxy"),
+		change:  apiChange,
+		rules:   iptablesRules,
 	},
 	{
 		Subject: Subject{"kp-iptables", "kube-proxy iptables", "kube-proxy --proxy-mode iptables, defaults otherwise (--iptables-min-sync-period 1s)."},
@@ -193,6 +192,18 @@ var cpProxies = []cpProxy{
 			return countLines(ctx, t.lab, t.lab.Node, "nft", "list", "ruleset")
 		},
 	},
+}
+
+// uproxyWithIpsetNA says why uproxy cannot run in a mode that needs
+// ipset, or nil.
+func uproxyWithIpsetNA(e *env, k *kubeEnv) error {
+	if e.uproxyErr != nil {
+		return fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
+	}
+	if _, err := exec.LookPath("ipset"); err != nil {
+		return na("ipset is not installed (Debian package ipset)")
+	}
+	return kubeProxyNA(k, "iptables")
 }
 
 // cpProxies returns the control-plane proxies that c selects (all by
