@@ -45,6 +45,23 @@ func BenchmarkRender10k(b *testing.B) {
 	b.ReportMetric(float64(size), "bytes/op")
 }
 
+// BenchmarkRenderTProxy10k renders what a sync writes for 10,000 services
+// in tproxy mode with per-service listeners: the rules, and the gates'
+// sets, which hold every service address and node port.
+func BenchmarkRenderTProxy10k(b *testing.B) {
+	r := tproxied(scaleRules(10000), Routing{})
+	r.Listeners = nil // on loopback in tproxy mode
+	if err := r.validate(); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	var size int
+	for b.Loop() {
+		size = len(Render(IPv4, r)) + len(RenderSetUpdate(IPv4, Rules{}, r))
+	}
+	b.ReportMetric(float64(size), "bytes/op")
+}
+
 // sharedScaleRules is scaleRules(n) in the shared layout: every intercept
 // and node port goes to the one TCP listener.
 func sharedScaleRules(n int) Rules {
