@@ -283,16 +283,7 @@ func TestListenerWithoutLoopIsRetried(t *testing.T) {
 // could only log the failure.
 func TestAdoptedListenerWithoutLoopIsRetried(t *testing.T) {
 	be := nameBackend(t, "web")
-	ln, err := net.Listen("tcp4", "0.0.0.0:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f, err := SocketFile(ln.(*net.TCPListener), "web")
-	ln.Close() // the inherited duplicate keeps the socket
-	if err != nil {
-		t.Fatal(err)
-	}
-	inheritedPort := ln.Addr().(*net.TCPAddr).Port
+	f, inheritedPort := inheritedTCP4(t)
 	core, logs := observer.New(zap.InfoLevel)
 	p, rules := startProxier(t, Config{Logger: zap.New(core), Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}})})
 	fail := failLoops(p)

@@ -314,17 +314,7 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 	be := echoBackend(t)
 	baseFD := countFDs(t)
 	func() {
-		ln, err := net.Listen("tcp4", "0.0.0.0:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		f, err := SocketFile(ln.(*net.TCPListener), "web")
-		ln.Close() // the inherited duplicate keeps the socket
-		if err != nil {
-			t.Fatal(err)
-		}
-		inheritedPort := ln.Addr().(*net.TCPAddr).Port
-
+		f, inheritedPort := inheritedTCP4(t)
 		rules := &recordingRules{fail: errors.New("iptables-restore: exit status 1")}
 		p := NewProxier(Config{Rules: rules, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stop := runProxier(p)
@@ -355,4 +345,22 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 		}
 	}()
 	waitForFDs(t, baseFD)
+}
+
+// inheritedTCP4 returns the duplicate of a TCP listening socket on an
+// ephemeral port of every IPv4 address, as a previous process hands it
+// over for default/web:http, and its port. The socket has no other
+// descriptor.
+func inheritedTCP4(t *testing.T) (*os.File, int) {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "0.0.0.0:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := SocketFile(ln.(*net.TCPListener), "web")
+	ln.Close() // the inherited duplicate keeps the socket
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f, ln.Addr().(*net.TCPAddr).Port
 }
