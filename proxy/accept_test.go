@@ -263,17 +263,7 @@ func TestListenerWithoutLoopIsRetried(t *testing.T) {
 	const name = "default/a:http"
 	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80")}, slicesFor("a", "http", be))
 	waitForRetry(t, logs, name)
-	if rules.has(name) {
-		t.Errorf("%s has an intercept to a listener that nothing accepts on", name)
-	}
-	// The failed service is retried with the next sync, which another
-	// service's arrival starts.
-	fail.Store(false)
-	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
-		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
-	if got, err := get(t, rules.port(t, name)); err != nil || got != "a" {
-		t.Errorf("once the loops could start, %s answered %q, %v; want a", name, got, err)
-	}
+	expectRetried(t, p, rules, fail, be, "a")
 }
 
 // TestAdoptedListenerWithoutLoopIsRetried checks the same for a listener
@@ -293,18 +283,29 @@ func TestAdoptedListenerWithoutLoopIsRetried(t *testing.T) {
 	if logs.FilterMessage("adopted an inherited socket").Len() != 1 {
 		t.Fatal("the inherited socket was not adopted")
 	}
-	if rules.has(name) {
-		t.Errorf("%s has an intercept to a listener that nothing accepts on", name)
-	}
 	if c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", inheritedPort), time.Second); err == nil {
 		c.Close()
 		t.Errorf("the adopted socket on port %d still queues connections that nothing accepts", inheritedPort)
 	}
+	expectRetried(t, p, rules, fail, be, "web")
+}
+
+// expectRetried checks that service port default/<name>:http (10.96.0.10,
+// served by be, whose answer is name), whose listener failed to start
+// while fail was set, has no intercept, and that it is retried and
+// answers once fail is cleared: with the next sync, which another
+// service's arrival starts.
+func expectRetried(t *testing.T, p *Proxier, rules *recordingRules, fail *atomic.Bool, be *backend, name string) {
+	t.Helper()
+	port := "default/" + name + ":http"
+	if rules.has(port) {
+		t.Errorf("%s has an intercept to a listener that nothing accepts on", port)
+	}
 	fail.Store(false)
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
-		append(slicesFor("web", "http", be), slicesFor("b", "http", be)...))
-	if got, err := get(t, rules.port(t, name)); err != nil || got != "web" {
-		t.Errorf("once the loops could start, %s answered %q, %v; want web", name, got, err)
+	p.Tracker().Replace([]*v1.Service{svc(name, "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
+		append(slicesFor(name, "http", be), slicesFor("b", "http", be)...))
+	if got, err := get(t, rules.port(t, port)); err != nil || got != name {
+		t.Errorf("once the loops could start, %s answered %q, %v; want %s", port, got, err, name)
 	}
 }
 

@@ -244,8 +244,10 @@ func (s setSpec) members(r Rules) []setMember {
 			ms = append(ms, setMember{addr: i.Dest.Unmap(), proto: i.Protocol, port: i.Port})
 		}
 	case nodePortSet:
-		ns := tproxyNodePorts(s.family, r)
-		if !gatedTProxy(r) {
+		var ns []NodePort
+		if gatedTProxy(r) {
+			ns = tproxyNodePorts(s.family, r)
+		} else {
 			ns = slices.Collect(sharedNodePorts(s.family, r))
 		}
 		for _, n := range ns {
