@@ -1,0 +1,14 @@
+#!/bin/bash
+# rounds of one workload for several proxies, in turn
+# usage: [PROXIES="haproxy uring ..."] ceil.sh WORKLOAD [ROUNDS] > ceilN.WORKLOAD.txt
+D=$(cd "$(dirname "$0")" && pwd); cd "$D"
+W=$1; R=${2:-3}
+for r in $(seq $R); do
+ for p in ${PROXIES:-haproxy cproxy2 cproxy uproxy}; do
+  case $p in
+   uproxy) UPX_BIN=$D/uproxy ./run.sh uproxy $W;;
+   uproxy2) UPX_BIN=$D/uproxy UPX_ARGS=--event-loops=2 ./run.sh uproxy2 $W;;
+   *) ./run.sh $p $W;;
+  esac 2>&1 | grep -E '^proxy=| perf'
+ done
+done
