@@ -8,6 +8,10 @@ for r in $(seq $R); do
   case $p in
    uproxy) UPX_BIN=$D/uproxy ./run.sh uproxy $W;;
    uproxy2) UPX_BIN=$D/uproxy UPX_ARGS=--event-loops=2 ./run.sh uproxy2 $W;;
+   gouringraw) GOURING_RAW=1 ./run.sh gouring $W | sed 's/proxy=gouring /proxy=gouringraw /';;
+   # uproxy-raw: uproxy built with epollraw.patch applied
+   uproxyblock) UPX_BIN=$D/uproxy-raw UPX_ENV=UPROXY_EPOLL_RAW=block ./run.sh uproxyblock $W;;
+   uproxypeek) UPX_BIN=$D/uproxy-raw UPX_ENV=UPROXY_EPOLL_RAW=peek ./run.sh uproxypeek $W;;
    *) ./run.sh $p $W;;
   esac 2>&1 | grep -E '^proxy=| perf'
  done

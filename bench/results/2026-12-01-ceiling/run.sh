@@ -4,7 +4,7 @@
 #   go build -o DIR/uproxy ./cmd/uproxy
 #   go build -o DIR/ubench-load ./bench && ln DIR/ubench-load DIR/ubench-backend
 #   gcc -O2 -o DIR/cproxy DIR/cproxy.c; gcc -O2 -o DIR/uring DIR/uring.c -luring   (liburing-dev)
-# usage: run.sh PROXY WORKLOAD  (PROXY: haproxy|dnat|iocopy|cproxy|cproxy2|uring|uring2|uproxy*; WORKLOAD: rr|short|udp|bulk)
+# usage: run.sh PROXY WORKLOAD  (PROXY: haproxy|dnat|iocopy|cproxy|cproxy2|uring|uring2|gouring|gouring2|uproxy*; WORKLOAD: rr|short|udp|bulk)
 P=$1; W=${2:-rr}; PORT=80; [ "$W" = udp ] && PORT=53; [ "$W" = bulk ] && PORT=5001; S=$$; C=pkc$S; N=pkn$S; B=pkb$S; D=$(cd "$(dirname "$0")" && pwd)
 $D/lab.sh up $S
 ip netns exec $B $D/ubench-backend backend --rr :8080 --udp :9000 --sink :5001 2>/dev/null & BP=$!
@@ -20,6 +20,11 @@ case $P in
  cproxy2) ip netns exec $N iptables -t nat -A PREROUTING -d 10.96.0.10 -p tcp --dport 80 -j REDIRECT --to-ports 18080
           ip netns exec $N env CPROXY_REUSEPORT=1 $D/cproxy & PX=$!
           ip netns exec $N env CPROXY_REUSEPORT=1 $D/cproxy & PP=$!;;
+ gouring2) ip netns exec $N env GOURING_RAW=$GOURING_RAW $D/gouring & PX=$!
+          ip netns exec $N env GOURING_RAW=$GOURING_RAW $D/gouring & PP=$!
+          ip netns exec $N iptables -t nat -A PREROUTING -d 10.96.0.10 -p tcp --dport 80 -j REDIRECT --to-ports 18080;;
+ gouring) ip netns exec $N iptables -t nat -A PREROUTING -d 10.96.0.10 -p tcp --dport 80 -j REDIRECT --to-ports 18080
+          ip netns exec $N env GOURING_RAW=$GOURING_RAW $D/gouring & PP=$!;;
  uring2)  ip netns exec $N iptables -t nat -A PREROUTING -d 10.96.0.10 -p tcp --dport 80 -j REDIRECT --to-ports 18080
           ip netns exec $N $D/uring & PX=$!
           ip netns exec $N $D/uring & PP=$!;;
