@@ -12,6 +12,7 @@ for r in $(seq $R); do
    # uproxy-raw: uproxy built with epollraw.patch applied
    uproxyblock) UPX_BIN=$D/uproxy-raw UPX_ENV=UPROXY_EPOLL_RAW=block ./run.sh uproxyblock $W;;
    uproxypeek) UPX_BIN=$D/uproxy-raw UPX_ENV=UPROXY_EPOLL_RAW=peek ./run.sh uproxypeek $W;;
+   uproxy2p3) UPX_BIN=$D/uproxy UPX_ARGS=--event-loops=2 UPX_ENV=GOMAXPROCS=3 ./run.sh uproxy2p3 $W;;
    *) ./run.sh $p $W;;
   esac 2>&1 | grep -E '^proxy=| perf'
  done

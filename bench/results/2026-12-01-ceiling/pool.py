@@ -17,7 +17,7 @@ for w in ['rr','short']:
         if f.endswith(w+'.txt'): rounds+=parse(f)
     print(f"## {w}: {len(rounds)} rounds")
     print("| proxy | rounds | median ratio to HAProxy | range | proxy CPU per op (µs, median) | system calls per op | CPUs busy (proxy+client+backend) |")
-    order=['haproxy','uproxy','uproxyblock','uproxypeek','uproxy2','cproxy','cproxy2','uring','uring2','gouring','gouringraw']
+    order=['haproxy','uproxy','uproxyblock','uproxypeek','uproxy2p3','uproxy2','cproxy','cproxy2','uring','uring2','gouring','gouringraw']
     for p in order:
         rs=[r[p]['rate']/r['haproxy']['rate'] for r in rounds if p in r]
         if not rs: continue
