@@ -333,10 +333,10 @@ func runParts(ctx context.Context, c Config, ps []part, report bool) error {
 type env struct {
 	cfg    Config
 	binDir string
-	// loadBin, backendBin and ioCopyBin are this tool under three names,
-	// so that profiles tell the load generator, the backends and the
-	// reference Go proxy apart.
-	loadBin, backendBin, ioCopyBin string
+	// loadBin, backendBin, ioCopyBin and uringBin are this tool under four
+	// names, so that profiles tell the load generator, the backends, the
+	// reference Go proxy and the io_uring yardstick apart.
+	loadBin, backendBin, ioCopyBin, uringBin string
 	// uproxyBin is built from the working tree; uproxyErr says why not.
 	uproxyBin string
 	uproxyErr error
@@ -387,8 +387,8 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 		e.close()
 		return nil, err
 	}
-	e.loadBin, e.backendBin, e.ioCopyBin = filepath.Join(dir, "ubench-load"), filepath.Join(dir, "ubench-backend"), filepath.Join(dir, "ubench-iocopy")
-	for _, l := range []string{e.loadBin, e.backendBin, e.ioCopyBin} {
+	e.loadBin, e.backendBin, e.ioCopyBin, e.uringBin = filepath.Join(dir, "ubench-load"), filepath.Join(dir, "ubench-backend"), filepath.Join(dir, "ubench-iocopy"), filepath.Join(dir, "ubench-uring")
+	for _, l := range []string{e.loadBin, e.backendBin, e.ioCopyBin, e.uringBin} {
 		if err := os.Link(self, l); err != nil {
 			e.close()
 			return nil, fmt.Errorf("linking %s: %w", l, err)

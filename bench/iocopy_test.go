@@ -17,9 +17,29 @@ import (
 // to the backends in turn, the bytes arrive both ways, and the client's EOF
 // reaches the backend (which answers only after it).
 func TestIOCopy(t *testing.T) {
-	var backends []string
-	for _, name := range []string{"a", "b"} {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+	backends := echoBackends(t, "tcp4", "127.0.0.1:0", "a", "b")
+	listen := freePort(t, "tcp4", "127.0.0.1:0")
+	routes, err := parseRoutes([]string{listen + "=" + strings.Join(backends, ",")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runProxy(t, func(ctx context.Context) error { return runIOCopy(ctx, routes) })
+	big := strings.Repeat("x", 3<<20) // several pipes' worth
+	got := []string{exchange(t, listen, "one"), exchange(t, listen, "two"), exchange(t, listen, "three"), exchange(t, listen, big)}
+	want := []string{"a:one", "b:two", "a:three", "b:" + big}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("answers (-want +got):\n%.2000s", diff)
+	}
+}
+
+// echoBackends starts a backend per name, listening on network and
+// address, that reads until the client's EOF and then answers with its
+// name, a colon and what it read. It returns their addresses.
+func echoBackends(t *testing.T, network, address string, names ...string) []string {
+	t.Helper()
+	var addrs []string
+	for _, name := range names {
+		ln, err := net.Listen(network, address)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -37,62 +57,67 @@ func TestIOCopy(t *testing.T) {
 				}()
 			}
 		}()
-		backends = append(backends, ln.Addr().String())
+		addrs = append(addrs, ln.Addr().String())
 	}
-	// A free port for the proxy.
-	probe, err := net.Listen("tcp", "127.0.0.1:0")
+	return addrs
+}
+
+// freePort returns an address on which nothing listens, for a proxy.
+func freePort(t *testing.T, network, address string) string {
+	t.Helper()
+	probe, err := net.Listen(network, address)
 	if err != nil {
 		t.Fatal(err)
 	}
-	listen := probe.Addr().String()
-	probe.Close()
-	routes, err := parseRoutes([]string{listen + "=" + strings.Join(backends, ",")})
-	if err != nil {
-		t.Fatal(err)
-	}
+	defer probe.Close()
+	return probe.Addr().String()
+}
+
+// runProxy runs run until the test ends, then cancels it and waits for it
+// to return, failing the test on its error.
+func runProxy(t *testing.T, run func(context.Context) error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		if err := runIOCopy(ctx, routes); err != nil {
+		if err := run(ctx); err != nil {
 			t.Error(err)
 		}
 	})
-	defer func() {
+	t.Cleanup(func() {
 		cancel()
 		wg.Wait()
-	}()
+	})
+}
 
-	exchange := func(msg string) string {
-		var c net.Conn
-		for deadline := time.Now().Add(5 * time.Second); ; {
-			if c, err = net.Dial("tcp", listen); err == nil || time.Now().After(deadline) {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
+// exchange sends msg to a proxy at listen, closes its writing side and
+// returns everything that comes back. It retries the connection for a
+// while, as the proxy may not listen yet.
+func exchange(t *testing.T, listen, msg string) string {
+	t.Helper()
+	var c net.Conn
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		if c, err = net.Dial("tcp", listen); err == nil || time.Now().After(deadline) {
+			break
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-		if _, err := c.Write([]byte(msg)); err != nil {
-			t.Fatal(err)
-		}
-		if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-			t.Fatal(err)
-		}
-		b, err := io.ReadAll(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return string(b)
+		time.Sleep(10 * time.Millisecond)
 	}
-	big := strings.Repeat("x", 3<<20) // several pipes' worth
-	got := []string{exchange("one"), exchange("two"), exchange("three"), exchange(big)}
-	want := []string{"a:one", "b:two", "a:three", "b:" + big}
-	if diff := cmp.Diff(want, got); diff != "" {
-		t.Errorf("answers (-want +got):\n%.2000s", diff)
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte(msg)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }
 
 func TestParseRoutes(t *testing.T) {

@@ -20,7 +20,7 @@ func main() {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand(), newUDPServeCommand(), newUDPQueryCommand())
-	root.AddCommand(newBackendCommand(), newLoadCommand(), newIOCopyCommand())
+	root.AddCommand(newBackendCommand(), newLoadCommand(), newIOCopyCommand(), newURingCommand())
 	root.AddCommand(newPartCommands()...)
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)

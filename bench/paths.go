@@ -91,6 +91,7 @@ var dataPaths = []dataPath{
 	{Subject{"haproxy", "HAProxy", "HAProxy in the node (mode tcp, option splice-auto, balance roundrobin, maxpipes 16), reached through an iptables REDIRECT from the VIP to its port: the same rule shape as uproxy's."}, setupHAProxy},
 	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx},
 	{Subject{"iocopy", "Go io.Copy proxy", "The reference Go proxy (bench iocopy, about 30 lines): accept, dial the next backend round-robin, one goroutine per direction with io.Copy, which Go carries with splice(2) between TCP sockets; reached through the same REDIRECT rules. What a Go proxy gets for free."}, setupIOCopy},
+	{Subject{"uring", "Go io_uring loop", "A yardstick (bench uring): one goroutine, locked to its thread, drives one io_uring. Accept (multishot), connect, recv and send of 16 KiB buffers, shutdown and close are ring operations, and one io_uring_enter per turn of the loop submits them all and waits. No splice: bulk is copied through the buffers, and each connection holds 32 KiB. What a Go data path on io_uring could carry; reached through the same REDIRECT rules."}, setupURing},
 	{Subject{"uproxy", "uproxy redirect", "uproxy run --config <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
 	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --config <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
 	{Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --config <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, setupUproxy("redirect", "--event-loops=-1")},
@@ -226,6 +227,19 @@ func setupIOCopy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, er
 		args = append(args, "--route", fmt.Sprintf("0.0.0.0:%d=%s", s.local, strings.Join(backendTargets(t, s.port), ",")))
 	}
 	return startLocalProxy(ctx, t, "iocopy", "the reference Go proxy carries TCP only", args...)
+}
+
+// setupURing runs the io_uring yardstick (bench uring) in the node, behind
+// the REDIRECT rules that HAProxy and nginx get. It carries no UDP.
+func setupURing(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+	if err := uringAvailable(); err != nil {
+		return nil, na("io_uring is not available here (%v)", err)
+	}
+	args := []string{e.uringBin, "uring"}
+	for _, s := range []struct{ local, port uint16 }{{localRR, rrTarget}, {localBulk, bulkTarget}} {
+		args = append(args, "--route", fmt.Sprintf("0.0.0.0:%d=%s", s.local, strings.Join(backendTargets(t, s.port), ",")))
+	}
+	return startLocalProxy(ctx, t, "uring", "the io_uring yardstick carries TCP only", args...)
 }
 
 // startLocalProxy starts a proxy of the node's own (args: its binary and
