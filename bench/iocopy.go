@@ -21,15 +21,23 @@ import (
 // 30-line proxy any Go programmer would write, so that the report can show
 // what uproxy adds over it, measured in the same run.
 func newIOCopyCommand() *cobra.Command {
-	var routes []string
-	cmd := &cobra.Command{
-		Use:   "iocopy",
-		Short: "Run the reference Go proxy: accept, dial a backend round-robin, io.Copy each way",
-		Long: `iocopy proxies TCP until SIGTERM or SIGINT. Each --route LISTEN=BACKEND[,BACKEND…]
+	return newRouteProxyCommand("iocopy",
+		"Run the reference Go proxy: accept, dial a backend round-robin, io.Copy each way",
+		`iocopy proxies TCP until SIGTERM or SIGINT. Each --route LISTEN=BACKEND[,BACKEND…]
 listens on LISTEN; every accepted connection dials the next backend in turn, and one goroutine
 per direction copies with io.Copy (which Go carries with splice(2) between TCP sockets), passing
-EOF on with CloseWrite.`,
-		Args: cobra.NoArgs,
+EOF on with CloseWrite.`, runIOCopy)
+}
+
+// newRouteProxyCommand is the command of a benchmark proxy configured by
+// --route flags, which run serves until SIGTERM or SIGINT.
+func newRouteProxyCommand(use, short, long string, run func(context.Context, []ioRoute) error) *cobra.Command {
+	var routes []string
+	cmd := &cobra.Command{
+		Use:   use,
+		Short: short,
+		Long:  long,
+		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 			defer stop()
@@ -37,7 +45,7 @@ EOF on with CloseWrite.`,
 			if err != nil {
 				return err
 			}
-			return runIOCopy(ctx, rs)
+			return run(ctx, rs)
 		},
 	}
 	cmd.Flags().StringArrayVar(&routes, "route", nil, "LISTEN=BACKEND[,BACKEND…], e.g. 0.0.0.0:18080=10.244.1.2:8080,10.244.2.2:8080 (repeatable).")

@@ -222,10 +222,7 @@ defaults
 // setupIOCopy runs the reference Go proxy (bench iocopy) in the node,
 // behind the REDIRECT rules that HAProxy and nginx get. It carries no UDP.
 func setupIOCopy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
-	args := []string{e.ioCopyBin, "iocopy"}
-	for _, s := range []struct{ local, port uint16 }{{localRR, rrTarget}, {localBulk, bulkTarget}} {
-		args = append(args, "--route", fmt.Sprintf("0.0.0.0:%d=%s", s.local, strings.Join(backendTargets(t, s.port), ",")))
-	}
+	args := append([]string{e.ioCopyBin, "iocopy"}, localRoutes(t)...)
 	return startLocalProxy(ctx, t, "iocopy", "the reference Go proxy carries TCP only", args...)
 }
 
@@ -235,11 +232,18 @@ func setupURing(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, err
 	if err := uringAvailable(); err != nil {
 		return nil, na("io_uring is not available here (%v)", err)
 	}
-	args := []string{e.uringBin, "uring"}
+	args := append([]string{e.uringBin, "uring"}, localRoutes(t)...)
+	return startLocalProxy(ctx, t, "uring", "the io_uring yardstick carries TCP only", args...)
+}
+
+// localRoutes are the --route flags of bench iocopy and bench uring: the
+// local keep-alive and bulk ports, each to every backend's port.
+func localRoutes(t *topo) []string {
+	var args []string
 	for _, s := range []struct{ local, port uint16 }{{localRR, rrTarget}, {localBulk, bulkTarget}} {
 		args = append(args, "--route", fmt.Sprintf("0.0.0.0:%d=%s", s.local, strings.Join(backendTargets(t, s.port), ",")))
 	}
-	return startLocalProxy(ctx, t, "uring", "the io_uring yardstick carries TCP only", args...)
+	return args
 }
 
 // startLocalProxy starts a proxy of the node's own (args: its binary and

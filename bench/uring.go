@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"os/signal"
 	"runtime"
 	"sync/atomic"
-	"syscall"
 	"unsafe"
 
 	"github.com/spf13/cobra"
@@ -21,29 +19,14 @@ import (
 // uproxy's epoll loops, what a Go data path on io_uring could carry
 // (bench/results/2026-12-01-ceiling.md).
 func newURingCommand() *cobra.Command {
-	var routes []string
-	cmd := &cobra.Command{
-		Use:   "uring",
-		Short: "Run the io_uring yardstick proxy: one loop, every socket operation on one ring",
-		Long: `uring proxies TCP until SIGTERM or SIGINT. Each --route LISTEN=BACKEND[,BACKEND…]
+	return newRouteProxyCommand("uring",
+		"Run the io_uring yardstick proxy: one loop, every socket operation on one ring",
+		`uring proxies TCP until SIGTERM or SIGINT. Each --route LISTEN=BACKEND[,BACKEND…]
 listens on LISTEN; every accepted connection connects to the next backend in turn. One goroutine,
 locked to its thread, drives one io_uring: accept (multishot), connect, recv and send of 16 KiB
 buffers, shutdown and close are ring operations, and each turn of the loop submits every
 operation the last completions called for, and waits for the next, in one io_uring_enter.
-It does not splice: bulk transfers are copied through the buffers.`,
-		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-			defer stop()
-			rs, err := parseRoutes(routes)
-			if err != nil {
-				return err
-			}
-			return runURing(ctx, rs)
-		},
-	}
-	cmd.Flags().StringArrayVar(&routes, "route", nil, "LISTEN=BACKEND[,BACKEND…], e.g. 0.0.0.0:18080=10.244.1.2:8080,10.244.2.2:8080 (repeatable).")
-	return cmd
+It does not splice: bulk transfers are copied through the buffers.`, runURing)
 }
 
 // io_uring's ABI (include/uapi/linux/io_uring.h); golang.org/x/sys/unix
@@ -255,21 +238,18 @@ type uringSockaddr struct {
 
 func newURingSockaddr(ap netip.AddrPort) uringSockaddr {
 	var s uringSockaddr
-	if ap.Addr().Unmap().Is4() {
+	var port *uint16
+	if a := ap.Addr().Unmap(); a.Is4() {
 		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&s.raw[0]))
-		sa.Family = unix.AF_INET
-		sa.Addr = ap.Addr().Unmap().As4()
-		port := (*[2]byte)(unsafe.Pointer(&sa.Port))
-		port[0], port[1] = byte(ap.Port()>>8), byte(ap.Port())
+		sa.Family, sa.Addr, port = unix.AF_INET, a.As4(), &sa.Port
 		s.len = unix.SizeofSockaddrInet4
-		return s
+	} else {
+		sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&s.raw[0]))
+		sa.Family, sa.Addr, port = unix.AF_INET6, a.As16(), &sa.Port
+		s.len = unix.SizeofSockaddrInet6
 	}
-	sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&s.raw[0]))
-	sa.Family = unix.AF_INET6
-	sa.Addr = ap.Addr().As16()
-	port := (*[2]byte)(unsafe.Pointer(&sa.Port))
-	port[0], port[1] = byte(ap.Port()>>8), byte(ap.Port())
-	s.len = unix.SizeofSockaddrInet6
+	b := (*[2]byte)(unsafe.Pointer(port)) // network byte order
+	b[0], b[1] = byte(ap.Port()>>8), byte(ap.Port())
 	return s
 }
 
