@@ -90,10 +90,19 @@ func runProxy(t *testing.T, run func(context.Context) error) {
 }
 
 // exchange sends msg to a proxy at listen, closes its writing side and
-// returns everything that comes back. It retries the connection for a
-// while, as the proxy may not listen yet.
+// returns everything that comes back, failing the test on an error.
 func exchange(t *testing.T, listen, msg string) string {
 	t.Helper()
+	got, err := exchangeErr(listen, msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// exchangeErr is exchange for any goroutine. It retries the connection
+// for a while, as the proxy may not listen yet.
+func exchangeErr(listen, msg string) (string, error) {
 	var c net.Conn
 	var err error
 	for deadline := time.Now().Add(5 * time.Second); ; {
@@ -103,21 +112,18 @@ func exchange(t *testing.T, listen, msg string) string {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c.Write([]byte(msg)); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	b, err := io.ReadAll(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
+	return string(b), err
 }
 
 func TestParseRoutes(t *testing.T) {

@@ -50,7 +50,12 @@ const (
 	uringFeatSingleMmap = 1 << 0
 	uringEnterGetEvents = 1 << 0
 	uringAcceptMulti    = 1 << 0
+	uringCQEFBuffer     = 1 << 0
 	uringCQEFMore       = 1 << 1
+	uringCQEBufferShift = 16
+	uringSQEBufSelect   = 1 << 5
+
+	uringRegisterPbufRing = 22
 )
 
 type uringSQOffsets struct {
@@ -205,8 +210,104 @@ func (r *uring) completions(f func(uringCQE)) {
 	atomic.StoreUint32(r.cqHead, head)
 }
 
-// uringBufSize is each direction's buffer.
-const uringBufSize = 16 << 10
+// uringBufReg is struct io_uring_buf_reg.
+type uringBufReg struct {
+	RingAddr    uint64
+	RingEntries uint32
+	Bgid        uint16
+	Flags       uint16
+	Resv        [3]uint64
+}
+
+// uringBuf is struct io_uring_buf, an entry of a provided-buffer ring. The
+// ring's tail is entry 0's Resv.
+type uringBuf struct {
+	Addr uint64
+	Len  uint32
+	Bid  uint16
+	Resv uint16
+}
+
+// The provided buffers: uringBufCount buffers of uringBufSize bytes, in
+// group 0.
+const (
+	uringBufSize  = 16 << 10
+	uringBufCount = 512
+)
+
+// uringBufRing is a provided-buffer ring (IORING_REGISTER_PBUF_RING): the
+// kernel takes a buffer from it when a receive has data, so a connection
+// that waits for data holds no buffer. The loop returns a buffer (put)
+// once its bytes have been sent on, and publishes the returned ones at
+// the end of its turn.
+type uringBufRing struct {
+	count   int // a power of two
+	entries []uringBuf
+	mem     []byte // the ring's mapping
+	bufs    []byte // uringBufCount buffers
+	tail    uint16 // the local tail; published is what the kernel sees
+	publish uint16
+}
+
+// newURingBufRing maps and registers r's buffer ring of count buffers (a
+// power of two), full.
+func newURingBufRing(r *uring, count int) (*uringBufRing, error) {
+	b := &uringBufRing{count: count}
+	var err error
+	if b.mem, err = unix.Mmap(-1, 0, count*int(unsafe.Sizeof(uringBuf{})), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANONYMOUS|unix.MAP_PRIVATE); err != nil {
+		return nil, fmt.Errorf("mmap buffer ring: %w", err)
+	}
+	if b.bufs, err = unix.Mmap(-1, 0, count*uringBufSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANONYMOUS|unix.MAP_PRIVATE); err != nil {
+		b.close()
+		return nil, fmt.Errorf("mmap buffers: %w", err)
+	}
+	b.entries = unsafe.Slice((*uringBuf)(unsafe.Pointer(&b.mem[0])), count)
+	reg := uringBufReg{RingAddr: uint64(uintptr(unsafe.Pointer(&b.mem[0]))), RingEntries: uint32(count)}
+	if _, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, uintptr(r.fd), uringRegisterPbufRing, uintptr(unsafe.Pointer(&reg)), 1, 0, 0); errno != 0 {
+		b.close()
+		return nil, fmt.Errorf("io_uring_register IORING_REGISTER_PBUF_RING: %w", errno)
+	}
+	for bid := range count {
+		b.put(uint16(bid))
+	}
+	b.flush()
+	return b, nil
+}
+
+// buf returns buffer bid.
+func (b *uringBufRing) buf(bid uint16) []byte {
+	return b.bufs[int(bid)*uringBufSize : (int(bid)+1)*uringBufSize]
+}
+
+// put gives buffer bid back, to be published by flush.
+func (b *uringBufRing) put(bid uint16) {
+	e := &b.entries[int(b.tail)&(b.count-1)]
+	e.Addr, e.Len, e.Bid = uint64(uintptr(unsafe.Pointer(&b.buf(bid)[0]))), uringBufSize, bid
+	b.tail++
+}
+
+// flush publishes the buffers put since the last flush, and reports
+// whether there were any. The tail shares a 32-bit word with entry 0's
+// Bid, which is stored with it unchanged: Go has no 16-bit atomic store,
+// and the kernel reads the tail with acquire semantics
+// (io_uring/kbuf.c), so the entries must be written before it.
+func (b *uringBufRing) flush() bool {
+	if b.tail == b.publish {
+		return false
+	}
+	word := (*uint32)(unsafe.Pointer(&b.entries[0].Bid))
+	atomic.StoreUint32(word, uint32(b.entries[0].Bid)|uint32(b.tail)<<16)
+	b.publish = b.tail
+	return true
+}
+
+func (b *uringBufRing) close() {
+	for _, m := range [][]byte{b.mem, b.bufs} {
+		if m != nil {
+			_ = unix.Munmap(m)
+		}
+	}
+}
 
 // Operation tags, in a completion's user data below the connection's id
 // (or a listener's index) and the direction.
@@ -260,17 +361,17 @@ func (s *uringSockaddr) family() int {
 	return unix.AF_INET6
 }
 
-// uringDir is one direction of a connection: what it received from side
-// d, not yet all sent to the other side.
+// uringDir is one direction of a connection: the buffer (bid, or -1 for
+// none) with what it received from side d, not yet all sent to the other
+// side.
 type uringDir struct {
+	bid      int
 	len, off int
-	buf      [uringBufSize]byte
 }
 
 // uringConn is a proxied connection: fd[0] the client, fd[1] the backend.
 // refs counts its operations in flight: the connection is closed and
-// forgotten once it has none and both directions have ended (done == 3),
-// so no operation ever points into a freed buffer.
+// forgotten once it has none and both directions have ended (done == 3).
 type uringConn struct {
 	id   uint64
 	fd   [2]int
@@ -281,7 +382,11 @@ type uringConn struct {
 
 // uringProxy is the loop's state; its goroutine owns all of it.
 type uringProxy struct {
-	r         *uring
+	r    *uring
+	bufs *uringBufRing
+	// starved are the directions whose receive found no buffer
+	// (ENOBUFS); they receive again once buffers come back.
+	starved   []uringStarved
 	listeners []*uringListener
 	accepting int // listeners whose multishot accept is in flight
 	conns     map[uint64]*uringConn
@@ -291,8 +396,20 @@ type uringProxy struct {
 	stopping  bool
 }
 
+// uringStarved is a direction waiting for a buffer.
+type uringStarved struct {
+	c *uringConn
+	d int
+}
+
 // runURing serves routes until ctx ends.
 func runURing(ctx context.Context, routes []ioRoute) error {
+	return runURingBuffers(ctx, routes, uringBufCount)
+}
+
+// runURingBuffers is runURing with bufCount provided buffers (a power of
+// two).
+func runURingBuffers(ctx context.Context, routes []ioRoute, bufCount int) error {
 	runtime.LockOSThread() // the ring is single-issuer: one thread enters it
 	defer runtime.UnlockOSThread()
 	r, err := newURing(4096)
@@ -301,6 +418,9 @@ func runURing(ctx context.Context, routes []ioRoute) error {
 	}
 	p := &uringProxy{r: r, conns: map[uint64]*uringConn{}, stopFD: -1}
 	defer p.close()
+	if p.bufs, err = newURingBufRing(r, bufCount); err != nil {
+		return fmt.Errorf("uring: %w", err)
+	}
 	for _, rt := range routes {
 		l, err := listenURing(rt)
 		if err != nil {
@@ -380,6 +500,15 @@ func (p *uringProxy) loop() error {
 			return fmt.Errorf("uring: %w", err)
 		}
 		p.r.completions(p.complete)
+		if p.bufs.flush() && len(p.starved) > 0 {
+			starved := p.starved
+			p.starved = nil
+			for _, w := range starved {
+				if p.conns[w.c.id] == w.c && w.c.done&(1<<w.d) == 0 && w.c.done != 3 {
+					p.recv(w.c, w.d)
+				}
+			}
+		}
 	}
 	return nil
 }
@@ -397,6 +526,9 @@ func (p *uringProxy) close() {
 		unix.Close(p.stopFD)
 	}
 	p.r.close()
+	if p.bufs != nil {
+		p.bufs.close()
+	}
 }
 
 func (p *uringProxy) accept(i int) {
@@ -409,8 +541,8 @@ func (p *uringProxy) accept(i int) {
 
 func (p *uringProxy) recv(c *uringConn, d int) {
 	e := p.r.sqe()
-	e.Opcode, e.Fd = uringOpRecv, int32(c.fd[d])
-	e.Addr, e.Len = uint64(uintptr(unsafe.Pointer(&c.dir[d].buf[0]))), uringBufSize
+	e.Opcode, e.Fd, e.Flags = uringOpRecv, int32(c.fd[d]), uringSQEBufSelect
+	e.Len, e.BufIndex = uringBufSize, 0 // any buffer of group 0
 	e.UserData = uringTag(c.id, d, uringTagRecv)
 	c.refs++
 }
@@ -419,7 +551,7 @@ func (p *uringProxy) send(c *uringConn, d int) {
 	dr := &c.dir[d]
 	e := p.r.sqe()
 	e.Opcode, e.Fd = uringOpSend, int32(c.fd[1-d])
-	e.Addr, e.Len = uint64(uintptr(unsafe.Pointer(&dr.buf[dr.off]))), uint32(dr.len-dr.off)
+	e.Addr, e.Len = uint64(uintptr(unsafe.Pointer(&p.bufs.buf(uint16(dr.bid))[dr.off]))), uint32(dr.len-dr.off)
 	e.OpFlags = unix.MSG_NOSIGNAL
 	e.UserData = uringTag(c.id, d, uringTagSend)
 	c.refs++
@@ -489,7 +621,11 @@ func (p *uringProxy) complete(ev uringCQE) {
 		return
 	}
 	c.refs--
+	if tag == uringTagRecv && ev.Flags&uringCQEFBuffer != 0 {
+		c.dir[d].bid = int(ev.Flags >> uringCQEBufferShift)
+	}
 	if c.done == 3 {
+		p.release(c, d, tag)
 		p.finish(c)
 		return
 	}
@@ -507,15 +643,20 @@ func (p *uringProxy) complete(ev uringCQE) {
 			c.dir[d].len, c.dir[d].off = int(ev.Res), 0
 			p.send(c, d)
 		case ev.Res == 0: // EOF: pass it on
+			p.release(c, d, tag)
 			e := p.r.sqe()
 			e.Opcode, e.Fd, e.Len = uringOpShutdown, int32(c.fd[1-d]), unix.SHUT_WR
 			e.UserData = uringTag(c.id, d, uringTagShutdown)
 			c.refs++
+		case ev.Res == -int32(unix.ENOBUFS):
+			p.starved = append(p.starved, uringStarved{c, d})
 		default:
+			p.release(c, d, tag)
 			p.fail(c)
 		}
 	case uringTagSend:
 		if ev.Res < 0 {
+			p.release(c, d, tag)
 			p.fail(c)
 			break
 		}
@@ -523,12 +664,22 @@ func (p *uringProxy) complete(ev uringCQE) {
 		if c.dir[d].off < c.dir[d].len {
 			p.send(c, d)
 		} else {
+			p.release(c, d, tag)
 			p.recv(c, d)
 		}
 	case uringTagShutdown:
 		c.done |= 1 << d
 	}
 	p.finish(c)
+}
+
+// release gives back direction d's buffer after its receive or send
+// (tag) completed, if it holds one.
+func (p *uringProxy) release(c *uringConn, d, tag int) {
+	if (tag == uringTagRecv || tag == uringTagSend) && c.dir[d].bid >= 0 {
+		p.bufs.put(uint16(c.dir[d].bid))
+		c.dir[d].bid = -1
+	}
 }
 
 // connect starts a connection from the accepted client cfd to l's next
@@ -544,7 +695,7 @@ func (p *uringProxy) connect(l *uringListener, cfd int) {
 	_ = unix.SetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	_ = unix.SetsockoptInt(bfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	p.lastID++
-	c := &uringConn{id: p.lastID, fd: [2]int{cfd, bfd}}
+	c := &uringConn{id: p.lastID, fd: [2]int{cfd, bfd}, dir: [2]uringDir{{bid: -1}, {bid: -1}}}
 	p.conns[c.id] = c
 	e := p.r.sqe()
 	e.Opcode, e.Fd = uringOpConnect, int32(bfd)

@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 	"unsafe"
@@ -14,9 +16,9 @@ import (
 // TestURingABI checks the sizes of the structures the kernel reads and
 // writes (include/uapi/linux/io_uring.h).
 func TestURingABI(t *testing.T) {
-	got := []uintptr{unsafe.Sizeof(uringSQE{}), unsafe.Sizeof(uringCQE{}), unsafe.Sizeof(uringParams{})}
-	if diff := cmp.Diff([]uintptr{64, 16, 120}, got); diff != "" {
-		t.Errorf("sizes of io_uring_sqe, io_uring_cqe, io_uring_params (-want +got):\n%s", diff)
+	got := []uintptr{unsafe.Sizeof(uringSQE{}), unsafe.Sizeof(uringCQE{}), unsafe.Sizeof(uringParams{}), unsafe.Sizeof(uringBufReg{}), unsafe.Sizeof(uringBuf{})}
+	if diff := cmp.Diff([]uintptr{64, 16, 120, 40, 16}, got); diff != "" {
+		t.Errorf("sizes of io_uring_sqe, io_uring_cqe, io_uring_params, io_uring_buf_reg, io_uring_buf (-want +got):\n%s", diff)
 	}
 }
 
@@ -79,5 +81,40 @@ func TestURing(t *testing.T) {
 		t.Errorf("the idle connection is still open after the proxy stopped (read %d bytes)", n)
 	} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
 		t.Error("the idle connection is still open after the proxy stopped")
+	}
+}
+
+// TestURingStarved runs the yardstick with two provided buffers and eight
+// clients sending 1 MiB each at once, so that receives find no buffer
+// (ENOBUFS) and must wait for one to come back: every answer must still be
+// whole.
+func TestURingStarved(t *testing.T) {
+	if err := uringAvailable(); err != nil {
+		t.Skipf("skipping: io_uring is not available here: %v", err)
+	}
+	backends := echoBackends(t, "tcp4", "127.0.0.1:0", "a")
+	listen := freePort(t, "tcp4", "127.0.0.1:0")
+	routes, err := parseRoutes([]string{listen + "=" + backends[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runProxy(t, func(ctx context.Context) error { return runURingBuffers(ctx, routes, 2) })
+	exchange(t, listen, "ready") // waits until the proxy listens
+	const clients = 8
+	got := make([]string, clients)
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Go(func() {
+			var err error
+			if got[i], err = exchangeErr(listen, strings.Repeat(fmt.Sprint(i), 1<<20)); err != nil {
+				t.Errorf("client %d: %v", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	for i, g := range got {
+		if want := "a:" + strings.Repeat(fmt.Sprint(i), 1<<20); g != want {
+			t.Errorf("client %d: got %d bytes (%.20q…), want %d", i, len(g), g, len(want))
+		}
 	}
 }
