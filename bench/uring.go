@@ -23,10 +23,12 @@ func newURingCommand() *cobra.Command {
 		"Run the io_uring yardstick proxy: one loop, every socket operation on one ring",
 		`uring proxies TCP until SIGTERM or SIGINT. Each --route LISTEN=BACKEND[,BACKEND…]
 listens on LISTEN; every accepted connection connects to the next backend in turn. One goroutine,
-locked to its thread, drives one io_uring: accept (multishot), connect, recv and send of 16 KiB
-buffers, shutdown and close are ring operations, and each turn of the loop submits every
-operation the last completions called for, and waits for the next, in one io_uring_enter.
-It does not splice: bulk transfers are copied through the buffers.`, runURing)
+locked to its thread, drives one io_uring: accept (multishot), connect, recv, send, shutdown
+and close are ring operations, and each turn of the loop submits every operation the last
+completions called for, and waits for the next, in one io_uring_enter. A receive takes a 16 KiB
+buffer from a provided-buffer ring when data arrives, and gives it back once it is sent on, so
+an idle connection holds none. It does not splice: bulk transfers are copied through the
+buffers.`, runURing)
 }
 
 // io_uring's ABI (include/uapi/linux/io_uring.h); golang.org/x/sys/unix
