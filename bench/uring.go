@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -247,14 +248,15 @@ type uringBufRing struct {
 	entries []uringBuf
 	mem     []byte // the ring's mapping
 	bufs    []byte // uringBufCount buffers
-	tail    uint16 // the local tail; published is what the kernel sees
+	tail    uint16 // the local tail; publish is what the kernel sees
 	publish uint16
+	held    int // buffers taken by receives and not put back
 }
 
 // newURingBufRing maps and registers r's buffer ring of count buffers (a
 // power of two), full.
 func newURingBufRing(r *uring, count int) (*uringBufRing, error) {
-	b := &uringBufRing{count: count}
+	b := &uringBufRing{count: count, held: count} // none in the ring yet
 	var err error
 	if b.mem, err = unix.Mmap(-1, 0, count*int(unsafe.Sizeof(uringBuf{})), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANONYMOUS|unix.MAP_PRIVATE); err != nil {
 		return nil, fmt.Errorf("mmap buffer ring: %w", err)
@@ -286,21 +288,20 @@ func (b *uringBufRing) put(bid uint16) {
 	e := &b.entries[int(b.tail)&(b.count-1)]
 	e.Addr, e.Len, e.Bid = uint64(uintptr(unsafe.Pointer(&b.buf(bid)[0]))), uringBufSize, bid
 	b.tail++
+	b.held--
 }
 
-// flush publishes the buffers put since the last flush, and reports
-// whether there were any. The tail shares a 32-bit word with entry 0's
+// flush publishes the buffers put since the last flush. The tail shares a 32-bit word with entry 0's
 // Bid, which is stored with it unchanged: Go has no 16-bit atomic store,
 // and the kernel reads the tail with acquire semantics
 // (io_uring/kbuf.c), so the entries must be written before it.
-func (b *uringBufRing) flush() bool {
+func (b *uringBufRing) flush() {
 	if b.tail == b.publish {
-		return false
+		return
 	}
 	word := (*uint32)(unsafe.Pointer(&b.entries[0].Bid))
 	atomic.StoreUint32(word, uint32(b.entries[0].Bid)|uint32(b.tail)<<16)
 	b.publish = b.tail
-	return true
 }
 
 func (b *uringBufRing) close() {
@@ -433,15 +434,21 @@ func runURingBuffers(ctx context.Context, routes []ioRoute, bufCount int) error 
 	if p.stopFD, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
 		return fmt.Errorf("uring: eventfd: %w", err)
 	}
+	// The stop signal's writer ends with ctx or when the loop returns, and
+	// is waited for before p.close closes the eventfd it writes to.
 	done := make(chan struct{})
-	defer close(done)
-	go func() { // ends with ctx or when the loop returns
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		select {
 		case <-ctx.Done():
 			one := [8]byte{1}
 			_, _ = unix.Write(p.stopFD, one[:])
 		case <-done:
 		}
+	})
+	defer func() {
+		close(done)
+		wg.Wait()
 	}()
 	e := r.sqe()
 	e.Opcode, e.Fd = uringOpRead, int32(p.stopFD)
@@ -502,7 +509,10 @@ func (p *uringProxy) loop() error {
 			return fmt.Errorf("uring: %w", err)
 		}
 		p.r.completions(p.complete)
-		if p.bufs.flush() && len(p.starved) > 0 {
+		p.bufs.flush()
+		// The starved receive again once the ring has a buffer: one put
+		// back this turn, or one published before their ENOBUFS came.
+		if len(p.starved) > 0 && p.bufs.held < p.bufs.count {
 			starved := p.starved
 			p.starved = nil
 			for _, w := range starved {
@@ -625,6 +635,7 @@ func (p *uringProxy) complete(ev uringCQE) {
 	c.refs--
 	if tag == uringTagRecv && ev.Flags&uringCQEFBuffer != 0 {
 		c.dir[d].bid = int(ev.Flags >> uringCQEBufferShift)
+		p.bufs.held++
 	}
 	if c.done == 3 {
 		p.release(c, d, tag)
