@@ -121,10 +121,15 @@ type uring struct {
 // newURing sets up a ring of entries SQEs, which completes operations
 // only when the loop enters it (DEFER_TASKRUN, single issuer), so that
 // the kernel's completion work runs on the loop's thread, in its turn.
+// Kernels before 6.1 lack those flags (EINVAL), and get a plain ring.
 func newURing(entries uint32) (*uring, error) {
 	var p uringParams
 	p.Flags = uringSetupSingleIssuer | uringSetupDeferTaskrun | uringSetupCoopTaskrun
 	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(entries), uintptr(unsafe.Pointer(&p)), 0)
+	if errno == unix.EINVAL {
+		p = uringParams{}
+		fd, _, errno = unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(entries), uintptr(unsafe.Pointer(&p)), 0)
+	}
 	if errno != 0 {
 		return nil, fmt.Errorf("io_uring_setup: %w", errno)
 	}
