@@ -224,6 +224,18 @@ func tproxyNodePortsChain(p Protocol) string {
 	return tproxyNodePortsTCP
 }
 
+// entryProtocols returns the protocols, in order, that es has entries
+// of: those whose gate and OUTPUT mark the service set needs.
+func entryProtocols(es []tproxyEntry) []Protocol {
+	var ps []Protocol
+	for _, p := range protocols {
+		if slices.ContainsFunc(es, func(e tproxyEntry) bool { return e.key.proto == p }) {
+			ps = append(ps, p)
+		}
+	}
+	return ps
+}
+
 // tproxyRules renders UPROXY-TPROXY (see TProxy). The transparent
 // sockets' packets go to UPROXY-TPROXY-DIVERT by goto, and return from
 // there to PREROUTING: for TCP before all the rest, except SYNs; for UDP
@@ -249,11 +261,9 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	t := r.TProxy
 	rules := []string{fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain)}
 	if !r.Shared {
-		es, ns := tproxyEntries(f, r), tproxyNodePorts(f, r)
-		for _, p := range protocols {
-			if slices.ContainsFunc(es, func(e tproxyEntry) bool { return e.key.proto == p }) {
-				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, serviceSetMatch(f), tproxyServicesChain(p)))
-			}
+		ns := tproxyNodePorts(f, r)
+		for _, p := range entryProtocols(tproxyEntries(f, r)) {
+			rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, serviceSetMatch(f), tproxyServicesChain(p)))
 		}
 		for _, p := range protocols {
 			if slices.ContainsFunc(ns, func(n NodePort) bool { return n.Protocol == p }) {
@@ -378,9 +388,10 @@ func tproxyDivertRules(c chainSpec, _ Family, r Rules) []string {
 // tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see TProxy): with
 // per-service rules, one MARK per protocol for what f's service set
 // matches (every intercept's and firewall's destination, protocol and
-// port), when it has members of the protocol; in the shared layout, one MARK per firewall's
-// destination, protocol and port, with the comment of its intercept if
-// it has one, and then one per protocol that matches f's service set.
+// port), when it has members of the protocol; in the shared layout, one
+// MARK per firewall's destination, protocol and port, with the comment
+// of its intercept if it has one, and then one per protocol that
+// matches f's service set.
 // Node ports need no rule: the node's packets to its own addresses go
 // through lo and PREROUTING anyway.
 func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
@@ -390,10 +401,8 @@ func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
 	es := tproxyEntries(f, r)
 	if !r.Shared {
 		var rules []string
-		for _, p := range protocols {
-			if slices.ContainsFunc(es, func(e tproxyEntry) bool { return e.key.proto == p }) {
-				rules = append(rules, fmt.Sprintf("-A %s -p %s %s %s", c.name, p, serviceSetMatch(f), r.TProxy.markTarget()))
-			}
+		for _, p := range entryProtocols(es) {
+			rules = append(rules, fmt.Sprintf("-A %s -p %s %s %s", c.name, p, serviceSetMatch(f), r.TProxy.markTarget()))
 		}
 		return rules
 	}
