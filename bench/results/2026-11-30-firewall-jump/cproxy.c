@@ -99,6 +99,7 @@ int main(int argc, char **argv) {
 	inet_pton(AF_INET, be, &bea.sin_addr);
 	int ln = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
 	setsockopt(ln, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+	if (getenv("CPROXY_REUSEPORT")) setsockopt(ln, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
 	struct sockaddr_in la = {.sin_family = AF_INET, .sin_port = htons(18080)};
 	if (bind(ln, (void *)&la, sizeof la) || listen(ln, 4096)) { perror("listen"); return 1; }
 	ep = epoll_create1(0);

@@ -3,7 +3,8 @@
 # Binaries expected beside this script (build them once, from the repository root):
 #   go build -o DIR/uproxy ./cmd/uproxy
 #   go build -o DIR/ubench-load ./bench && ln DIR/ubench-load DIR/ubench-backend
-#   gcc -O2 -o DIR/cproxy DIR/cproxy.c; gcc -O2 -o DIR/uring DIR/uring.c -luring   (liburing-dev)
+#   gcc -O2 -o DIR/cproxy ../2026-11-30-firewall-jump/cproxy.c; gcc -O2 -o DIR/uring DIR/uring.c -luring   (liburing-dev)
+#   gouring: git show 069e470:bench/results/2026-12-01-ceiling/gouring.go > g.go && go build -o DIR/gouring g.go
 # usage: run.sh PROXY WORKLOAD  (PROXY: haproxy|dnat|iocopy|cproxy|cproxy2|uring|uring2|gouring|gouring2|uproxy*; WORKLOAD: rr|short|udp|bulk)
 P=$1; W=${2:-rr}; PORT=80; [ "$W" = udp ] && PORT=53; [ "$W" = bulk ] && PORT=5001; S=$$; C=pkc$S; N=pkn$S; B=pkb$S; D=$(cd "$(dirname "$0")" && pwd)
 $D/lab.sh up $S
