@@ -2,6 +2,8 @@
 // yardstick. Listens on :18080, connects each client to BACKEND:8080.
 // Per message: read into a buffer, write to the peer; leftovers wait for
 // EPOLLOUT. EOF: shutdown(SHUT_WR) the peer; both EOFs: close both.
+// With CPROXY_REUSEPORT set (added for 2026-12-01-ceiling), the listener takes
+// SO_REUSEPORT, so that several processes can share the port.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
