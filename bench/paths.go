@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/uring"
 )
 
 // dataPath is one way for the client's traffic to reach the backends.
@@ -229,7 +230,7 @@ func setupIOCopy(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, er
 // setupURing runs the io_uring yardstick (bench uring) in the node, behind
 // the REDIRECT rules that HAProxy and nginx get. It carries no UDP.
 func setupURing(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
-	if err := uringAvailable(); err != nil {
+	if err := uring.Available(); err != nil {
 		return nil, na("io_uring is not available here (%v)", err)
 	}
 	args := append([]string{e.uringBin, "uring"}, localRoutes(t)...)

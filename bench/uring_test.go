@@ -8,19 +8,10 @@ import (
 	"sync"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/internal/uring"
 )
-
-// TestURingABI checks the sizes of the structures the kernel reads and
-// writes (include/uapi/linux/io_uring.h).
-func TestURingABI(t *testing.T) {
-	got := []uintptr{unsafe.Sizeof(uringSQE{}), unsafe.Sizeof(uringCQE{}), unsafe.Sizeof(uringParams{}), unsafe.Sizeof(uringBufReg{}), unsafe.Sizeof(uringBuf{})}
-	if diff := cmp.Diff([]uintptr{64, 16, 120, 40, 16}, got); diff != "" {
-		t.Errorf("sizes of io_uring_sqe, io_uring_cqe, io_uring_params, io_uring_buf_reg, io_uring_buf (-want +got):\n%s", diff)
-	}
-}
 
 // TestURing runs the io_uring yardstick on loopback, as TestIOCopy runs the
 // reference proxy: connections go to the backends in turn, the bytes
@@ -28,7 +19,7 @@ func TestURingABI(t *testing.T) {
 // client's EOF reaches the backend. A second route carries IPv6. An idle
 // connection left open does not keep the proxy from stopping.
 func TestURing(t *testing.T) {
-	if err := uringAvailable(); err != nil {
+	if err := uring.Available(); err != nil {
 		t.Skipf("skipping: io_uring is not available here: %v", err)
 	}
 	v4 := echoBackends(t, "tcp4", "127.0.0.1:0", "a", "b")
@@ -89,7 +80,7 @@ func TestURing(t *testing.T) {
 // (ENOBUFS) and must wait for one to come back: every answer must still be
 // whole.
 func TestURingStarved(t *testing.T) {
-	if err := uringAvailable(); err != nil {
+	if err := uring.Available(); err != nil {
 		t.Skipf("skipping: io_uring is not available here: %v", err)
 	}
 	backends := echoBackends(t, "tcp4", "127.0.0.1:0", "a")
