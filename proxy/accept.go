@@ -217,16 +217,22 @@ func (l *eventLoop) acceptReady(slot int32) {
 		case nil:
 			as.delay = 0
 			ll.serve(l, fd, sockaddrAddrPort(&l.acceptAddr))
-		case unix.EAGAIN, unix.ECONNABORTED, unix.EINTR:
-			// None is left, another loop took it, or it was reset while
-			// queued; the socket is reported again while more are
-			// queued.
+		case unix.EAGAIN:
+			return // none is left, or another loop took it
+		case unix.ECONNABORTED, unix.EINTR:
+			// Reset while queued, or interrupted: the socket is reported
+			// again while more are queued (see below).
+			l.epollDue = true
 			return
 		default:
 			l.pauseAccept(slot, err)
 			return
 		}
 	}
+	// More may be queued: level-triggered, the socket is reported again
+	// by the next epoll_wait, but raises no new wake-up of a ring's poll
+	// of the epoll set (loopring.go).
+	l.epollDue = true
 }
 
 // pauseAccept stops accepting on the listener in slot after err, for

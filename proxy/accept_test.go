@@ -316,11 +316,11 @@ func failLoops(p *Proxier) *atomic.Bool {
 	fail.Store(true)
 	p.loops.mu.Lock()
 	defer p.loops.mu.Unlock()
-	p.loops.newLoop = func(idle, dialTimeout time.Duration) (*eventLoop, error) {
+	p.loops.newLoop = func(o loopOptions) (*eventLoop, error) {
 		if fail.Load() {
 			return nil, unix.EMFILE
 		}
-		return newEventLoop(idle, dialTimeout)
+		return newEventLoop(o)
 	}
 	return &fail
 }

@@ -49,8 +49,11 @@ type loopGroup struct {
 	n           int
 	idle        time.Duration
 	dialTimeout time.Duration
+	// ring: the loops wait in, and carry small messages through, an
+	// io_uring each (loopring.go).
+	ring bool
 	// newLoop starts a loop (nil: newEventLoop); tests replace it, under mu.
-	newLoop func(idle, dialTimeout time.Duration) (*eventLoop, error)
+	newLoop func(loopOptions) (*eventLoop, error)
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -92,7 +95,7 @@ func (g *loopGroup) start() error {
 			if newLoop == nil {
 				newLoop = newEventLoop
 			}
-			l, err := newLoop(g.idle, g.dialTimeout)
+			l, err := newLoop(loopOptions{idle: g.idle, dialTimeout: g.dialTimeout, ring: g.ring})
 			if err != nil {
 				for _, l := range loops {
 					l.stop()
@@ -116,6 +119,15 @@ func (g *loopGroup) stop() {
 	for _, l := range loops {
 		l.stop()
 	}
+}
+
+// loopOptions configure an event loop: idle is the idle timeout (zero:
+// none), dialTimeout bounds one connection attempt to a backend, and ring
+// asks for an io_uring (loopring.go), without which (or where the kernel
+// has none) the loop carries everything on epoll.
+type loopOptions struct {
+	idle, dialTimeout time.Duration
+	ring              bool
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)
@@ -158,11 +170,18 @@ type eventLoop struct {
 	paused     []int32
 	nextResume time.Time
 	acceptAddr unix.RawSockaddrInet6
+	// ring is the loop's io_uring, if it has one (loopring.go); ringErr
+	// says why a loop asked for one has none. epollDue: the epoll set may
+	// hold events that raise no new wake-up of the ring's poll of it.
+	ring     *loopRing
+	ringErr  error
+	epollDue bool
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
 // goroutine.
-func newEventLoop(idle, dialTimeout time.Duration) (*eventLoop, error) {
+func newEventLoop(o loopOptions) (*eventLoop, error) {
+	idle, dialTimeout := o.idle, o.dialTimeout
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err != nil {
 		return nil, fmt.Errorf("epoll_create1: %w", err)
@@ -193,7 +212,9 @@ func newEventLoop(idle, dialTimeout time.Duration) (*eventLoop, error) {
 	}
 	l.keepAliveEvery = backendKeepAliveEvery
 	l.nextKeepAlive = now.Add(l.keepAliveEvery)
-	go l.run() // exits after stop
+	started := make(chan struct{})
+	go l.run(o.ring, started) // exits after stop
+	<-started
 	return l, nil
 }
 
@@ -237,23 +258,43 @@ func (l *eventLoop) stop() {
 // more keep-alive requests and 5-10% more short connections (4 and 3
 // alternating pairs), with the machine's CPUs idle 17-21% of the time
 // instead of 25%, at the same CPU per request.
-func (l *eventLoop) run() {
+//
+// With ring, it sets up its io_uring first, and waits in it; it closes
+// started once the ring is set up, or has failed to.
+func (l *eventLoop) run(ring bool, started chan<- struct{}) {
 	defer close(l.done)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
+	if ring {
+		if err := l.setupRing(); err != nil {
+			l.ringErr = err
+		}
+	}
+	close(started)
 	events := make([]unix.EpollEvent, 256)
 	for {
-		n, err := unix.EpollWait(l.epfd, events, l.timeout())
+		var (
+			ready []unix.EpollEvent
+			err   error
+		)
+		if l.ring != nil {
+			ready, err = l.ringWait(events, l.timeout())
+		} else {
+			var n int
+			n, err = unix.EpollWait(l.epfd, events, l.timeout())
+			ready = events[:max(n, 0)]
+		}
 		if err != nil {
 			if err == unix.EINTR {
 				continue
 			}
-			// Only a bad epoll descriptor or buffer fails epoll_wait:
-			// a bug, not a condition to carry on from.
-			panic(fmt.Sprintf("uproxy: epoll_wait on an event loop: %v", err))
+			// Only a bad epoll descriptor or buffer fails epoll_wait, and
+			// only a bad ring io_uring_enter: a bug, not a condition to
+			// carry on from.
+			panic(fmt.Sprintf("uproxy: waiting on an event loop: %v", err))
 		}
 		woken := false
-		for _, ev := range events[:n] {
+		for _, ev := range ready {
 			switch {
 			case ev.Pad == 0:
 				woken = true
@@ -269,6 +310,9 @@ func (l *eventLoop) run() {
 			if l.runTasks() {
 				return
 			}
+		}
+		if l.ring != nil {
+			l.ringTurnDone()
 		}
 		// The UDP replies of everything handled above (runTasks included:
 		// a flow that had more than its budget) go out together.
@@ -341,6 +385,9 @@ func (l *eventLoop) runTasks() bool {
 		f.close()
 		l.dropFlow(f)
 	}
+	if l.ring != nil {
+		l.ringClose()
+	}
 	unix.Close(l.epfd)
 	unix.Close(l.wakefd)
 	return true
@@ -366,6 +413,15 @@ type loopSession struct {
 	// finish runs once, on the loop, after both sockets are closed, with
 	// the bytes each direction wrote.
 	finish func(up, down int64)
+	// onRing: the session's directions run on the loop's ring
+	// (loopring.go), under ringID, with ringOps operations in flight;
+	// leaving: it goes over to epoll once they have completed.
+	// connectArmed: the poll of backend connection attempt number
+	// attempt is in flight.
+	onRing, leaving, connectArmed bool
+	ringID                        uint64
+	ringOps                       int
+	attempt                       uint8
 }
 
 // loopSide is one of a session's sockets, or a UDP flow's (flow), and
@@ -388,6 +444,11 @@ type loopDir struct {
 	done    bool        // and the EOF has been passed on
 	total   int64       // bytes written to the destination
 	moved   bool        // since the source last had nothing to read
+	// On the ring: a receive, or a send, is in flight; rbid is the
+	// provided buffer whose bytes rbid[roff:rlen] are being sent.
+	recving, sending bool
+	rbid             uint16
+	roff, rlen       int
 }
 
 // add registers a session's sockets, or its client's and starts dialling
@@ -397,6 +458,10 @@ func (l *eventLoop) add(ls *loopSession) {
 	// A backend connected before the hand-over was dialled by
 	// net.Dialer, with Go's keep-alive, or by Config.Dial, which chooses.
 	ls.keepAlive = ls.dial == nil
+	if l.ring != nil && (ls.dial == nil || ls.dial.snap.sp.ProxyProtocol == 0) {
+		l.ringAdd(ls)
+		return
+	}
 	if err := l.register(ls, 0); err != nil {
 		l.end(ls, true)
 		return
@@ -461,7 +526,9 @@ func (l *eventLoop) connect(ls *loopSession) {
 		}
 		ls.side[1].fd = fd
 		ls.connecting = true
-		if err := l.register(ls, 1); err != nil {
+		if ls.onRing {
+			l.ringConnect(ls)
+		} else if err := l.register(ls, 1); err != nil {
 			l.closeSide(&ls.side[1], false)
 			ls.connecting = false
 			d.failed(err)
@@ -484,6 +551,9 @@ func (l *eventLoop) connectDone(ls *loopSession, err error) bool {
 	delete(l.connecting, ls)
 	d := ls.dial
 	if err != nil {
+		if ls.connectArmed {
+			l.ringCancel(ringData(ls.ringID, ls.attempt, 0, ringTagConnect))
+		}
 		l.closeSide(&ls.side[1], false)
 		d.failed(err)
 		l.connect(ls)
@@ -797,6 +867,10 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 	ls.closed = true
 	delete(l.sessions, ls)
 	delete(l.connecting, ls)
+	if ls.onRing {
+		l.ringCancelAll(ls)
+		l.ringForget(ls)
+	}
 	for i := range ls.side {
 		l.closeSide(&ls.side[i], abort)
 	}

@@ -78,9 +78,9 @@ func TestAcceptedSocketsInheritOptions(t *testing.T) {
 // carry setAcceptOptions' options, with and without event loops: their
 // accepted sockets inherit them (TestAcceptedSocketsInheritOptions).
 func TestListenersCarryAcceptOptions(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		be := nameBackend(t, "a")
-		_, port := proxyWeb(t, Config{EventLoops: loops}, be)
+		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring}, be)
 		fd := listeningSocket(t, port)
 		if diff := cmp.Diff(acceptOptions, socketOptions(t, fd)); diff != "" {
 			t.Errorf("listener's options (-want +got):\n%s", diff)

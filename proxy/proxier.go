@@ -112,6 +112,12 @@ type Config struct {
 	// flow by one goroutine (the data path before event loops, kept for
 	// comparison).
 	EventLoops int
+	// IOURing makes each event loop wait in an io_uring, and carry its TCP
+	// connections' small messages through it, receiving into buffers the
+	// kernel picks only when data comes (loopring.go). False means epoll
+	// only. Where the kernel lacks what the loops need (Linux 5.19), the
+	// proxier logs why and uses epoll.
+	IOURing bool
 	// IdleTimeout closes a TCP connection after neither side has sent or
 	// received anything for about that long (between one and two periods).
 	// Zero means no idle timeout.
@@ -246,6 +252,13 @@ func NewProxier(cfg Config) *Proxier {
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
 		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()},
+	}
+	if cfg.IOURing && p.loops.n > 0 {
+		if err := ringSupported(); err != nil {
+			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
+		} else {
+			p.loops.ring = true
+		}
 	}
 	// At most 5 identical per-connection messages per second, then 1 in 100.
 	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {

@@ -256,12 +256,12 @@ func blackhole(t *testing.T) netip.AddrPort {
 }
 
 func TestProxyFailsOverRefusedAndBlackholedEndpoints(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		good := nameBackend(t, "good")
 		refused := nameBackend(t, "refused")
 		refused.ln.Close()
 		hole := blackhole(t)
-		p, rules := startProxier(t, Config{EventLoops: loops, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute})
+		p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute})
 		slices := slicesFor("web", "http", refused, good)
 		slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{ip: "127.0.0.1"}))
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
@@ -735,10 +735,10 @@ func TestListenerPortsComeFromTheRange(t *testing.T) {
 }
 
 func TestProxyProtocolHeader(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) { proxyProtocolHeader(t, loops) })
+	eachDataPath(t, func(t *testing.T, dp dataPath) { proxyProtocolHeader(t, dp) })
 }
 
-func proxyProtocolHeader(t *testing.T, loops int) {
+func proxyProtocolHeader(t *testing.T, dp dataPath) {
 	for _, version := range []string{"v1", "v2"} {
 		t.Run(version, func(t *testing.T) {
 			// The backend reads the header and answers with what it says.
@@ -751,7 +751,7 @@ func proxyProtocolHeader(t *testing.T, loops int) {
 				}
 				fmt.Fprintf(c, "v%d %s %s\n", h.Version, h.SourceAddr, h.DestinationAddr)
 			})
-			p, rules := startProxier(t, Config{EventLoops: loops, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+			p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 				return netip.MustParseAddrPort("10.96.0.10:80"), nil
 			}})
 			s := svc("web", "10.96.0.10", "http:80")

@@ -49,7 +49,7 @@ func readSyscalls(t *testing.T) int64 {
 // in the process would be the proxy's own if it copied through userspace.
 // A control transfer through a userspace copy shows the measure works.
 func TestTCPPathSplices(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		const size = 64 << 20
 		payload := filepath.Join(t.TempDir(), "payload")
 		if err := os.WriteFile(payload, make([]byte, size), 0o600); err != nil {
@@ -81,7 +81,7 @@ func TestTCPPathSplices(t *testing.T) {
 			return n
 		}
 
-		_, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
+		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
 		receive(port)                                                                 // warm up: pipes, goroutines
 		before, copiedBefore := readSyscalls(t), copiedBytes.Load()
 		receive(port)
@@ -127,14 +127,29 @@ func TestTCPPathSplices(t *testing.T) {
 }
 
 // eachDataPath runs f once per TCP data path: the event loops (the
-// default) and a goroutine per direction (Config.EventLoops < 0).
-func eachDataPath(t *testing.T, f func(t *testing.T, loops int)) {
+// default), the event loops with io_uring (Config.IOURing) and a
+// goroutine per direction (Config.EventLoops < 0).
+func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 	for _, tt := range []struct {
-		name  string
-		loops int
-	}{{"loops", 0}, {"goroutines", -1}} {
-		t.Run(tt.name, func(t *testing.T) { f(t, tt.loops) })
+		name string
+		dp   dataPath
+	}{{"loops", dataPath{}}, {"ring", dataPath{ring: true}}, {"goroutines", dataPath{loops: -1}}} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.dp.ring {
+				if err := ringSupported(); err != nil {
+					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
+				}
+			}
+			f(t, tt.dp)
+		})
 	}
+}
+
+// dataPath is a data path of the proxier's: loops is Config.EventLoops,
+// and ring Config.IOURing.
+type dataPath struct {
+	loops int
+	ring  bool
 }
 
 // echoOnce opens a connection to port, which must echo, and exchanges
@@ -179,16 +194,16 @@ func proxyFDs(t *testing.T) int {
 // the proxy: no pipe. (net.TCPConn.ReadFrom held a pipe pair per direction
 // for as long as it waited: six descriptors per connection.)
 func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		// An echo through a userspace buffer: io.Copy on the bare conn would
 		// splice, and hold a pipe in the backend while it waits.
 		be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-		p, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Hour}, be)
+		p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be)
 
 		const n = 100
 		// The event loops' own descriptors (an epoll and an eventfd each)
 		// belong to no connection: start them before the count.
-		if loops >= 0 {
+		if dp.loops >= 0 {
 			if _, err := p.loops.loopFor(); err != nil {
 				t.Fatal(err)
 			}
@@ -227,12 +242,12 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 // half-close ends each one cleanly, and that the byte counters, which come
 // from the splice loop's counts, match what was sent.
 func TestSplicePathKeepsEveryByte(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		reg := prometheus.NewRegistry()
 		be := echoBackend(t)
 		// A short idle timeout, so that deadlines fire in the middle of
 		// transfers and the copy has to resume without losing a byte.
-		_, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
+		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
 
 		const conns = 40
 		var (
@@ -350,14 +365,14 @@ func TestPipePoolBoundsAndTrims(t *testing.T) {
 // FIN: the FIN, which no later readiness event announces, must still be
 // passed on, in both directions.
 func TestMessagesThenHalfClose(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		// The backend echoes each message, and after the client's EOF sends
 		// "bye" and its own FIN.
 		be := startBackend(t, func(c net.Conn) {
 			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
 			c.Write([]byte("bye"))
 		})
-		_, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: time.Hour}, be)
+		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be)
 		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
 			t.Fatal(err)
@@ -395,7 +410,7 @@ func TestMessagesThenHalfClose(t *testing.T) {
 // goroutines than before. The backend copies through userspace: the
 // runtime's own splice pipes are closed only by the garbage collector.
 func TestSplicedSessionsLeakNothing(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		stall := make(chan struct{})
 		be := startBackend(t, func(c net.Conn) {
 			var first [1]byte
@@ -418,7 +433,7 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 		defer release()
 		baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
 		func() {
-			p, port := proxyWeb(t, Config{EventLoops: loops, IdleTimeout: 300 * time.Millisecond}, be)
+			p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond}, be)
 			payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 			// More than the kernel's socket buffers on both sides can hold.
 			flood := make([]byte, 32<<20)

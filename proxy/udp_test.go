@@ -98,9 +98,9 @@ func dialUDP(t testing.TB, port int) *net.UDPConn {
 }
 
 func TestUDPFlows(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
-		p, rules := startProxier(t, Config{EventLoops: loops, UDPTimeout: 300 * time.Millisecond})
+		p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, UDPTimeout: 300 * time.Millisecond})
 		dns := svc("dns", "10.96.0.10", "dns:53/UDP")
 		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", a, b))
 		port := rules.port(t, "default/dns:dns")
@@ -148,7 +148,7 @@ func TestUDPFlows(t *testing.T) {
 // IPV6_PKTINFO), whatever address the kernel would otherwise pick, and
 // that a batch of datagrams queued at once is read and answered whole.
 func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		for _, tt := range []struct {
 			name, network, loopback, vip string
 		}{
@@ -172,7 +172,7 @@ func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
 				}()
 				t.Cleanup(func() { pc.Close() })
 				echo := netip.MustParseAddrPort(pc.LocalAddr().String())
-				p, rules := startProxier(t, Config{EventLoops: loops})
+				p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring})
 				sl := udpSlice("dns", "dns", echo)
 				if echo.Addr().Is6() {
 					sl.AddressType = discovery.AddressTypeIPv6
@@ -216,7 +216,7 @@ func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
 }
 
 func TestUDPEjectsRefusingBackend(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		good := udpBackend(t, "good", false)
 		// A port nobody listens on answers with ICMP port unreachable.
 		dead, err := net.ListenPacket("udp4", "127.0.0.1:0")
@@ -225,7 +225,7 @@ func TestUDPEjectsRefusingBackend(t *testing.T) {
 		}
 		deadAddr := netip.MustParseAddrPort(dead.LocalAddr().String())
 		dead.Close()
-		p, rules := startProxier(t, Config{EventLoops: loops, EjectBase: time.Minute})
+		p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, EjectBase: time.Minute})
 		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", deadAddr, good))
 		port := rules.port(t, "default/dns:dns")
 		// Whichever client lands on the dead backend first loses that datagram
@@ -248,11 +248,11 @@ func TestUDPEjectsRefusingBackend(t *testing.T) {
 }
 
 func TestUDPNoLeaks(t *testing.T) {
-	eachDataPath(t, func(t *testing.T, loops int) {
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		echo := udpBackend(t, "", true)
 		baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
 		func() {
-			p, rules := startProxier(t, Config{EventLoops: loops, UDPMaxFlows: 50})
+			p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50})
 			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
 			port := rules.port(t, "default/dns:dns")
 			for range 200 {

@@ -1,0 +1,157 @@
+package proxy
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+// onLoops runs f on each of p's event loops, in turn, and waits for it.
+func onLoops(t *testing.T, p *Proxier, f func(l *eventLoop)) {
+	t.Helper()
+	loops, err := p.loops.running()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range loops {
+		done := make(chan struct{})
+		if !l.post(func() { f(l); close(done) }) {
+			t.Fatal("an event loop is stopping")
+		}
+		<-done
+	}
+}
+
+// ringState is what a loop's ring carries, as ringSessions reports it.
+type ringState struct {
+	Ring          bool
+	OnRing, Total int // sessions on the ring; sessions of the loop
+}
+
+func ringSessions(t *testing.T, p *Proxier) ringState {
+	t.Helper()
+	var s ringState
+	onLoops(t, p, func(l *eventLoop) {
+		s.Ring = l.ring != nil
+		s.Total += len(l.sessions)
+		for ls := range l.sessions {
+			if ls.onRing {
+				s.OnRing++
+			}
+		}
+	})
+	return s
+}
+
+func skipWithoutRing(t *testing.T) {
+	t.Helper()
+	if err := ringSupported(); err != nil {
+		t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
+	}
+}
+
+// TestRingCarriesMessagesThenHandsBulkToEpoll checks that with
+// Config.IOURing a session's small messages stay on the loop's ring, and
+// that a message that fills a whole buffer takes the session off it, to
+// the epoll path, without losing or reordering a byte either way.
+func TestRingCarriesMessagesThenHandsBulkToEpoll(t *testing.T) {
+	skipWithoutRing(t)
+	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	exchange := func(msg []byte) {
+		t.Helper()
+		errc := make(chan error, 1)
+		go func() { _, err := c.Write(msg); errc <- err }() // ends when the write does
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, msg) {
+			t.Fatalf("echo of %d bytes differs", len(msg))
+		}
+	}
+	for i := range 20 {
+		exchange([]byte(fmt.Sprintf("message %d", i)))
+	}
+	if diff := cmp.Diff(ringState{Ring: true, OnRing: 1, Total: 1}, ringSessions(t, p)); diff != "" {
+		t.Fatalf("after small messages (-want +got):\n%s", diff)
+	}
+	big := make([]byte, 4<<20)
+	for i := range big {
+		big[i] = byte(i * 7)
+	}
+	exchange(big)
+	if diff := cmp.Diff(ringState{Ring: true, OnRing: 0, Total: 1}, ringSessions(t, p)); diff != "" {
+		t.Fatalf("after a bulk message (-want +got):\n%s", diff)
+	}
+	for i := range 5 {
+		exchange([]byte(fmt.Sprintf("after %d", i)))
+	}
+}
+
+// TestRingStarvedReceivesResume runs a ring with a single buffer under
+// many clients at once: receives that find no buffer wait for one, and
+// every exchange completes, byte for byte.
+func TestRingStarvedReceivesResume(t *testing.T) {
+	skipWithoutRing(t)
+	defer func(n int) { ringBufCount = n }(ringBufCount)
+	ringBufCount = 1
+	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	const clients, rounds = 8, 200
+	var wg sync.WaitGroup
+	errs := make(chan error, clients)
+	for i := range clients {
+		wg.Go(func() {
+			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			got := make([]byte, 64)
+			for r := range rounds {
+				msg := fmt.Appendf(nil, "client %d round %d %s", i, r, bytes.Repeat([]byte{'.'}, 64))[:64]
+				if _, err := c.Write(msg); err != nil {
+					errs <- err
+					return
+				}
+				if _, err := io.ReadFull(c, got); err != nil {
+					errs <- fmt.Errorf("client %d round %d: %w", i, r, err)
+					return
+				}
+				if !bytes.Equal(got, msg) {
+					errs <- fmt.Errorf("client %d round %d: got %q, want %q", i, r, got, msg)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	var starves int
+	onLoops(t, p, func(l *eventLoop) { starves += l.ring.starves })
+	if starves == 0 {
+		t.Errorf("no receive found the single buffer taken in %d exchanges of %d clients: the test did not starve the ring", clients*rounds, clients)
+	}
+	t.Logf("%d receives waited for a buffer", starves)
+}
