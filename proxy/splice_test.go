@@ -82,7 +82,7 @@ func TestTCPPathSplices(t *testing.T) {
 		}
 
 		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
-		receive(port)                                                                 // warm up: pipes, goroutines
+		receive(port)                                                                                      // warm up: pipes, goroutines
 		before, copiedBefore := readSyscalls(t), copiedBytes.Load()
 		receive(port)
 		proxied, copied := readSyscalls(t)-before, copiedBytes.Load()-copiedBefore
