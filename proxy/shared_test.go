@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"sync"
 	"syscall"
@@ -31,6 +32,7 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 		dst = netip.MustParseAddrPort(s)
 	}
 	p, rules := startProxier(t, Config{
+		PortRange:       quietPorts(t),
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
 		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 			mu.Lock()
@@ -127,6 +129,7 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	be := nameBackend(t, "a")
 	cfg := Config{
+		PortRange:       quietPorts(t),
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
 		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 			return netip.MustParseAddrPort("10.96.0.10:80"), nil
@@ -192,6 +195,7 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 	lookups := map[uint16]int{}
 	var locals []netip.AddrPort // the local addresses asked about
 	p, rules := startProxier(t, Config{
+		PortRange:       quietPorts(t),
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
 		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 			return netip.AddrPort{}, errors.New("no TCP here")
@@ -317,4 +321,24 @@ func freePortRange(t *testing.T, n int) uint16 {
 	}
 	t.Fatalf("no %d free consecutive ports below the ephemeral range", n)
 	return 0
+}
+
+// quietPorts returns a proxy port range below the kernel's range for
+// outgoing connections, where a shared listener's 16 consecutive ports
+// cannot collide with the ephemeral ports of the package's other tests'
+// connections, or their TIME_WAIT sockets (a range with a taken port ends
+// there, by design: openSiblings). Zero (the kernel's range) if the
+// kernel's range starts too low to leave room.
+func quietPorts(t *testing.T) PortRange {
+	t.Helper()
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return PortRange{}
+	}
+	var lo int
+	if _, err := fmt.Sscan(string(b), &lo); err != nil || lo < 12000 {
+		return PortRange{}
+	}
+	const size = 256
+	return PortRange{Base: uint16(10000 + rand.IntN(lo-10000-size)), Size: size}
 }
