@@ -142,6 +142,23 @@ func (d *tcpDial) done(up, down int64) {
 // completes, or fails, when the socket turns writable (connect(2):
 // EINPROGRESS, then SO_ERROR). A UDP socket is connected on return.
 func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err error) {
+	if fd, err = rawSocket(sotype, addr, from); err != nil {
+		return -1, err
+	}
+	a := addr.Addr().Unmap()
+	switch err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), a.Is6()); err {
+	case nil, unix.EINPROGRESS, unix.EINTR:
+		// EINTR: the connection goes on asynchronously, as after
+		// EINPROGRESS (connect(2)).
+		return fd, nil
+	}
+	unix.Close(fd)
+	return -1, os.NewSyscallError("connect", err)
+}
+
+// rawSocket is rawDial without the connect: a socket of addr's family,
+// bound to from if that is valid, to connect to addr.
+func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err error) {
 	a := addr.Addr().Unmap()
 	family := unix.AF_INET
 	if a.Is6() {
@@ -176,13 +193,7 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err erro
 			return fd, os.NewSyscallError("bind", err)
 		}
 	}
-	switch err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), family == unix.AF_INET6); err {
-	case nil, unix.EINPROGRESS, unix.EINTR:
-		// EINTR: the connection goes on asynchronously, as after
-		// EINPROGRESS (connect(2)).
-		return fd, nil
-	}
-	return fd, os.NewSyscallError("connect", err)
+	return fd, nil
 }
 
 // errConnectTimeout is a backend connection attempt that took longer than

@@ -386,7 +386,7 @@ func (l *eventLoop) runTasks() bool {
 		l.dropFlow(f)
 	}
 	if l.ring != nil {
-		l.ringClose()
+		l.closeRing()
 	}
 	unix.Close(l.epfd)
 	unix.Close(l.wakefd)
@@ -422,6 +422,7 @@ type loopSession struct {
 	ringID                        uint64
 	ringOps                       int
 	attempt                       uint8
+	connectAddr                   unix.RawSockaddrInet6 // the ring's connect reads it
 }
 
 // loopSide is one of a session's sockets, or a UDP flow's (flow), and
@@ -519,7 +520,12 @@ func (l *eventLoop) connect(ls *loopSession) {
 			l.end(ls, true)
 			return
 		}
-		fd, err := rawDial(unix.SOCK_STREAM, addr, d.from)
+		var fd int
+		if ls.onRing {
+			fd, err = rawSocket(unix.SOCK_STREAM, addr, d.from)
+		} else {
+			fd, err = rawDial(unix.SOCK_STREAM, addr, d.from)
+		}
 		if err != nil {
 			d.failed(err)
 			continue
@@ -527,7 +533,7 @@ func (l *eventLoop) connect(ls *loopSession) {
 		ls.side[1].fd = fd
 		ls.connecting = true
 		if ls.onRing {
-			l.ringConnect(ls)
+			l.ringConnect(ls, addr)
 		} else if err := l.register(ls, 1); err != nil {
 			l.closeSide(&ls.side[1], false)
 			ls.connecting = false
@@ -896,7 +902,11 @@ func (l *eventLoop) closeSide(sd *loopSide, abort bool) {
 	if abort {
 		_ = unix.SetsockoptLinger(sd.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
 	}
-	_ = closeFD(sd.fd)
+	if l.ring != nil {
+		l.ringCloseFD(sd.fd)
+	} else {
+		_ = closeFD(sd.fd)
+	}
 	sd.fd = -1
 }
 

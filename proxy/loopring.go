@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"net/netip"
 	"os"
 	"time"
 	"unsafe"
@@ -53,7 +54,7 @@ const (
 	ringTagConnect = 2 // the poll of a backend connection attempt
 	ringTagRecv    = 3
 	ringTagSend    = 4
-	ringTagCancel  = 5
+	ringTagIgnore  = 5 // cancels and closes: their results change nothing
 )
 
 // ringData is the user data of session id's operation tag, in direction
@@ -147,7 +148,10 @@ func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.Epol
 	var err error
 	switch {
 	case l.epollDue:
-		err = rs.r.Enter(0)
+		// Submit, and post what has completed (DEFER_TASKRUN posts
+		// completions only when entered for them), without waiting:
+		// the epoll set has events to handle already.
+		err = rs.r.EnterTimeout(1, 0)
 	case timeout < 0:
 		err = rs.r.Enter(1)
 	default:
@@ -188,11 +192,13 @@ func (l *eventLoop) ringTurnDone() {
 	}
 }
 
-// ringClose cancels what is in flight, waits (a little) for it to
-// complete, and closes the ring. Runs on the loop, as it stops, after its
-// sessions ended.
-func (l *eventLoop) ringClose() {
+// closeRing waits (a little) for what is in flight to complete, and
+// closes the ring. Runs on the loop, as it stops, after its sessions
+// ended, which cancelled their operations and queued their sockets'
+// closes.
+func (l *eventLoop) closeRing() {
 	rs := l.ring
+	_ = rs.r.Enter(0) // the closes
 	deadline := time.Now().Add(time.Second)
 	for rs.ops > 0 && time.Now().Before(deadline) {
 		if err := rs.r.EnterTimeout(1, 100*time.Millisecond); err != nil {
@@ -237,11 +243,17 @@ func (l *eventLoop) submit(ls *loopSession) {
 	l.ring.ops++
 }
 
-// ringConnect polls the backend socket of ls, connecting, for POLLOUT.
-func (l *eventLoop) ringConnect(ls *loopSession) {
+// ringConnect connects the backend socket of ls to addr. The ring
+// connects it as connect(2) would, and completes once the connection is
+// made or has failed (io_uring/net.c: EINPROGRESS arms a poll), which
+// saves the connect and the SO_ERROR getsockopt of the epoll path.
+func (l *eventLoop) ringConnect(ls *loopSession, addr netip.AddrPort) {
 	ls.attempt++
+	a := addr.Addr().Unmap()
+	n := putSockaddr(&ls.connectAddr, netip.AddrPortFrom(a, addr.Port()), a.Is6())
 	e := l.ring.r.SQE()
-	e.Opcode, e.Fd, e.OpFlags = uring.OpPollAdd, int32(ls.side[1].fd), unix.POLLOUT
+	e.Opcode, e.Fd = uring.OpConnect, int32(ls.side[1].fd)
+	e.Addr, e.Off = uint64(uintptr(unsafe.Pointer(&ls.connectAddr))), uint64(n)
 	e.UserData = ringData(ls.ringID, ls.attempt, 0, ringTagConnect)
 	ls.connectArmed = true
 	l.submit(ls)
@@ -275,7 +287,7 @@ func (l *eventLoop) ringSend(ls *loopSession, d int) {
 // completion is ignored; the cancelled operation's comes as usual.
 func (l *eventLoop) ringCancel(ud uint64) {
 	e := l.ring.r.SQE()
-	e.Opcode, e.Addr, e.UserData = uring.OpAsyncCancel, ud, ringTagCancel
+	e.Opcode, e.Addr, e.UserData = uring.OpAsyncCancel, ud, ringTagIgnore
 }
 
 // ringCancelAll cancels every operation of ls in flight. Runs as ls
@@ -293,6 +305,16 @@ func (l *eventLoop) ringCancelAll(ls *loopSession) {
 			l.ringCancel(ringData(ls.ringID, 0, d, ringTagSend))
 		}
 	}
+}
+
+// ringCloseFD closes fd on the ring, with the loop's next submission. Its
+// number stays taken until then, so no socket opened meanwhile gets it. A
+// socket's close completes as it is submitted (io_close goes to a worker
+// only for files with a flush method), so the number is looked up while
+// it is still the session's.
+func (l *eventLoop) ringCloseFD(fd int) {
+	e := l.ring.r.SQE()
+	e.Opcode, e.Fd, e.UserData = uring.OpClose, int32(fd), ringTagIgnore
 }
 
 // ringForget forgets ls's ring id once nothing of it is in flight.
@@ -313,7 +335,7 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 		}
 		l.epollDue = true
 		return
-	case ringTagCancel:
+	case ringTagIgnore:
 		return
 	}
 	bid := -1
@@ -356,11 +378,7 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 		}
 		var err error
 		if c.Res < 0 {
-			err = os.NewSyscallError("poll", unix.Errno(-c.Res))
-		} else if soerr, gerr := unix.GetsockoptInt(ls.side[1].fd, unix.SOL_SOCKET, unix.SO_ERROR); gerr != nil {
-			err = os.NewSyscallError("getsockopt", gerr)
-		} else if soerr != 0 {
-			err = os.NewSyscallError("connect", unix.Errno(soerr))
+			err = os.NewSyscallError("connect", unix.Errno(-c.Res))
 		}
 		if l.connectDone(ls, err) {
 			l.ringStart(ls)
@@ -405,6 +423,10 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 			l.end(ls, false)
 			return
 		}
+		// Not a ring shutdown: io_uring runs those on a worker thread
+		// (io_shutdown never completes non-blocking), which can look the
+		// descriptor up after the session has closed it and its number
+		// went to a new socket.
 		if err := shutdownWrite(ls.side[1-d].fd); err != nil && err != unix.ENOTCONN {
 			l.end(ls, true)
 		}
