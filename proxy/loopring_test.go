@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -154,4 +155,48 @@ func TestRingStarvedReceivesResume(t *testing.T) {
 		t.Errorf("no receive found the single buffer taken in %d exchanges of %d clients: the test did not starve the ring", clients*rounds, clients)
 	}
 	t.Logf("%d receives waited for a buffer", starves)
+}
+
+// TestRingSlowReaderHoldsNoBuffer has a backend send many small messages
+// to a client that reads nothing for a while: the proxy's sends find the
+// client's socket full, and the session leaves the ring rather than wait
+// in it with one of the loop's buffers. Then the client reads it all,
+// byte for byte.
+func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
+	skipWithoutRing(t)
+	const chunk, total = 1000, 4000 * 1000
+	want := make([]byte, total)
+	for i := range want {
+		want[i] = byte(i % 251)
+	}
+	be := startBackend(t, func(c net.Conn) {
+		for off := 0; off < total; off += chunk {
+			if _, err := c.Write(want[off : off+chunk]); err != nil {
+				return
+			}
+			time.Sleep(100 * time.Microsecond) // small receives, not a bulk transfer
+		}
+	})
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) { syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
+	}}
+	c, err := d.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var slow, held int
+	waitUntil(t, "the session leaves the ring for its slow reader", func() bool {
+		onLoops(t, p, func(l *eventLoop) { slow, held = l.ring.slowLeaves, l.ring.bufs.Held() })
+		return slow == 1
+	})
+	if held != 0 {
+		t.Errorf("the loop holds %d buffers while the client reads nothing; want none", held)
+	}
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	got, err := io.ReadAll(io.LimitReader(c, total))
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read %d bytes (%v), equal to what the backend sent: %v", len(got), err, bytes.Equal(got, want))
+	}
 }
