@@ -54,6 +54,9 @@ type loopGroup struct {
 	ring bool
 	// newLoop starts a loop (nil: newEventLoop); tests replace it, under mu.
 	newLoop func(loopOptions) (*eventLoop, error)
+	// noRing, if set, hears why a loop asked for a ring has none, and
+	// carries everything on epoll.
+	noRing func(error)
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -101,6 +104,9 @@ func (g *loopGroup) start() error {
 					l.stop()
 				}
 				return err
+			}
+			if l.ringErr != nil && g.noRing != nil {
+				g.noRing(l.ringErr)
 			}
 			loops = append(loops, l)
 		}

@@ -363,9 +363,14 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 	ls.ringOps--
 	d := int(c.UserData >> 3 & 1)
 	dir := &ls.dir[d]
+	current := uint8(c.UserData>>4&15) == ls.attempt&15
 	switch tag {
 	case ringTagConnect:
-		ls.connectArmed = false
+		if current {
+			// A timed-out attempt's completion may come after the next
+			// attempt started, which is still in flight.
+			ls.connectArmed = false
+		}
 	case ringTagRecv:
 		dir.recving = false
 	case ringTagSend:
@@ -383,7 +388,7 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 	}
 	switch tag {
 	case ringTagConnect:
-		if !ls.connecting || uint8(c.UserData>>4&15) != ls.attempt&15 {
+		if !ls.connecting || !current {
 			return // an attempt that timed out: connectDone moved on
 		}
 		var err error

@@ -258,6 +258,9 @@ func NewProxier(cfg Config) *Proxier {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
 			p.loops.ring = true
+			p.loops.noRing = func(err error) {
+				p.log.Warn("an event loop could not set up its io_uring; it uses epoll only", zap.Error(err))
+			}
 		}
 	}
 	// At most 5 identical per-connection messages per second, then 1 in 100.
