@@ -422,8 +422,8 @@ type loopSession struct {
 	// onRing: the session's directions run on the loop's ring
 	// (loopring.go), under ringID, with ringOps operations in flight;
 	// leaving: it goes over to epoll once they have completed.
-	// connectArmed: the poll of backend connection attempt number
-	// attempt is in flight.
+	// connectArmed: the ring's connect of backend connection attempt
+	// number attempt is in flight.
 	onRing, leaving, connectArmed bool
 	ringID                        uint64
 	ringOps                       int
@@ -638,6 +638,12 @@ func (l *eventLoop) ready(ev unix.EpollEvent) {
 		}
 		// The client may have sent its first bytes already.
 	}
+	l.pumpBoth(ls)
+}
+
+// pumpBoth pumps both directions of ls in turn, and aborts it on an
+// error.
+func (l *eventLoop) pumpBoth(ls *loopSession) {
 	for d := range ls.dir {
 		if ls.closed {
 			return

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"runtime"
 	"time"
 	"unsafe"
 
@@ -24,7 +25,9 @@ import (
 // waits for the next, in one io_uring_enter: in the lab, an io_uring loop
 // made 0.3-0.5 system calls per keep-alive request where an epoll loop
 // made 4.1, and carried 15-19% more requests at a fifth less CPU per
-// request (bench/results/2026-12-01-ceiling.md).
+// request (bench/results/2026-12-01-ceiling.md); uproxy's loops on the
+// ring carried 1.21x the keep-alive requests and 1.25x the short
+// connections of its epoll loops (bench/results/2026-12-01-io-uring-loops.md).
 //
 // What the ring does not carry stays on the loop's epoll set, which the
 // ring polls (one multishot poll of the epoll descriptor): the
@@ -35,11 +38,12 @@ import (
 // blocking worker thread (io_uring/splice.c), and copying bulk through
 // buffers carried half of what splicing did
 // (bench/results/2026-12-01-uring-harness.md). A session whose backend
-// takes a PROXY protocol header stays on epoll from the start. A backend
-// connection in progress is polled on the ring, for POLLOUT.
+// takes a PROXY protocol header stays on epoll from the start. Backends
+// are connected, and sockets closed, on the ring (ringConnect,
+// ringCloseFD); the EOF's shutdown is not (ringReceived).
 //
 // An operation's user data holds its session's ring id, the backend
-// connection attempt it polls, its direction and its kind (ringTag).
+// connection attempt it makes, its direction and its kind (ringTag).
 // A session stays known by its id until its last operation has completed,
 // even after it ended: a buffer that a receive took, or a send still reads
 // from, is given back only then.
@@ -54,7 +58,7 @@ var ringBufCount = 256
 // Operation kinds, in the low bits of an operation's user data.
 const (
 	ringTagPoll    = 1 // the multishot poll of the loop's epoll descriptor
-	ringTagConnect = 2 // the poll of a backend connection attempt
+	ringTagConnect = 2 // a backend connection attempt
 	ringTagRecv    = 3
 	ringTagSend    = 4
 	ringTagIgnore  = 5 // cancels and closes: their results change nothing
@@ -93,9 +97,15 @@ type ringStarved struct {
 	d  int
 }
 
-// ringSupported says why an event loop cannot use io_uring here, or nil:
-// it needs provided-buffer rings (Linux 5.19).
-func ringSupported() error {
+// IOURingSupported says why the event loops cannot use io_uring here
+// (Config.IOURing), or nil: they need provided-buffer rings (Linux 5.19),
+// and the kernel may refuse io_uring altogether
+// (kernel.io_uring_disabled, a seccomp profile).
+func IOURingSupported() error {
+	// The ring is single-issuer: registering its buffers from another
+	// thread than the one that set it up fails (EEXIST).
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	r, err := uring.New(8)
 	if err != nil {
 		return err
@@ -510,13 +520,5 @@ func (l *eventLoop) ringLeave(ls *loopSession) {
 			return
 		}
 	}
-	for d := range ls.dir {
-		if ls.closed {
-			return
-		}
-		if err := l.pump(ls, d); err != nil {
-			l.end(ls, true)
-			return
-		}
-	}
+	l.pumpBoth(ls)
 }

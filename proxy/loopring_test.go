@@ -52,7 +52,7 @@ func ringSessions(t *testing.T, p *Proxier) ringState {
 
 func skipWithoutRing(t *testing.T) {
 	t.Helper()
-	if err := ringSupported(); err != nil {
+	if err := IOURingSupported(); err != nil {
 		t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
 	}
 }

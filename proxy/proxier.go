@@ -254,7 +254,7 @@ func NewProxier(cfg Config) *Proxier {
 		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()},
 	}
 	if cfg.IOURing && p.loops.n > 0 {
-		if err := ringSupported(); err != nil {
+		if err := IOURingSupported(); err != nil {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
 			p.loops.ring = true

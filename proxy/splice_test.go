@@ -136,7 +136,7 @@ func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 	}{{"loops", dataPath{}}, {"ring", dataPath{ring: true}}, {"goroutines", dataPath{loops: -1}}} {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.dp.ring {
-				if err := ringSupported(); err != nil {
+				if err := IOURingSupported(); err != nil {
 					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
 				}
 			}

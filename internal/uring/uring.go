@@ -4,8 +4,10 @@
 // and no more; golang.org/x/sys/unix has only the system call numbers.
 //
 // A Ring and a BufRing are not safe for concurrent use: the goroutine
-// that drives the ring owns both, and should be locked to its thread
-// (the ring is set up single-issuer where the kernel allows).
+// that drives the ring owns both, and must be locked to its thread from
+// New on. The ring is set up single-issuer where the kernel allows, and
+// the kernel then refuses (EEXIST) to enter it, or register with it, from
+// any other thread than the one that set it up.
 package uring
 
 import (

@@ -1,6 +1,7 @@
 package uring
 
 import (
+	"runtime"
 	"testing"
 	"time"
 	"unsafe"
@@ -23,6 +24,8 @@ func TestABI(t *testing.T) {
 // and a receive that finds none fails with ENOBUFS until one is put back
 // and published.
 func TestRecvBuffers(t *testing.T) {
+	runtime.LockOSThread() // the ring is single-issuer
+	defer runtime.UnlockOSThread()
 	r, err := New(8)
 	if err != nil {
 		t.Skipf("skipping: io_uring is not available here: %v", err)
@@ -95,6 +98,8 @@ func TestRecvBuffers(t *testing.T) {
 // TestPollMulti polls a socket's readiness with one multishot poll: each
 // readiness completes it, and it stays armed.
 func TestPollMulti(t *testing.T) {
+	runtime.LockOSThread() // the ring is single-issuer
+	defer runtime.UnlockOSThread()
 	r, err := New(8)
 	if err != nil {
 		t.Skipf("skipping: io_uring is not available here: %v", err)
