@@ -6,6 +6,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/proxy"
 )
 
 // TestE2EModes runs every combination the modes must serve: redirect and
@@ -17,12 +19,20 @@ import (
 // (--listener=shared), where no rule names a service: the service
 // addresses are kernel set members.
 func TestE2EModes(t *testing.T) {
-	for _, variant := range []string{"redirect", "tproxy", "redirect/shared", "tproxy/shared"} {
+	// A third part names a data path flag: tproxy mode's transparent
+	// dials on the io_uring loops.
+	for _, variant := range []string{"redirect", "tproxy", "redirect/shared", "tproxy/shared", "tproxy/per-service/io-uring"} {
 		mode, layout, _ := strings.Cut(variant, "/")
+		layout, dataPath, _ := strings.Cut(layout, "/")
 		if layout == "" {
 			layout = "per-service"
 		}
 		t.Run(variant, func(t *testing.T) {
+			if dataPath == "io-uring" {
+				if err := proxy.IOURingSupported(); err != nil {
+					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
+				}
+			}
 			c := newCluster(t, 2)
 			ext, err := c.lab.AddExternal("ext")
 			if err != nil {
@@ -75,7 +85,11 @@ endpoints:
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
 				}
 			}
-			c.start(0, "--mode", mode, "--listener", layout, "--cluster-cidr", "10.244.0.0/16")
+			args := []string{"--mode", mode, "--listener", layout, "--cluster-cidr", "10.244.0.0/16"}
+			if dataPath != "" {
+				args = append(args, "--"+dataPath)
+			}
+			c.start(0, args...)
 			c.waitSynced()
 			if layout == "shared" {
 				// Two services of two ports each: one rule per protocol,
@@ -149,6 +163,9 @@ endpoints:
 			}
 			if err := c.up.Wait(10 * time.Second); err != nil {
 				t.Errorf("uproxy did not stop cleanly: %v", err)
+			}
+			if out := c.up.Output(); dataPath == "io-uring" && strings.Contains(out, "io_uring") {
+				t.Errorf("uproxy --io-uring said something of io_uring (fell back to epoll?):\n%s", out)
 			}
 			if out, err := c.lab.Exec(t.Context(), c.lab.Node, c.uproxy, "cleanup"); err != nil {
 				t.Errorf("cleanup: %v\n%s", err, out)
