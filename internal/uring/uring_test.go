@@ -24,24 +24,13 @@ func TestABI(t *testing.T) {
 // and a receive that finds none fails with ENOBUFS until one is put back
 // and published.
 func TestRecvBuffers(t *testing.T) {
-	runtime.LockOSThread() // the ring is single-issuer
-	defer runtime.UnlockOSThread()
-	r, err := New(8)
-	if err != nil {
-		t.Skipf("skipping: io_uring is not available here: %v", err)
-	}
-	defer r.Close()
+	r := testRing(t)
 	b, err := NewBufRing(r, 1, 64)
 	if err != nil {
 		t.Skipf("skipping: no provided-buffer rings here: %v", err)
 	}
 	defer b.Close()
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fds[0])
-	defer unix.Close(fds[1])
+	fds := socketPair(t, unix.SOCK_STREAM)
 
 	recv := func(ud uint64) {
 		e := r.SQE()
@@ -98,19 +87,8 @@ func TestRecvBuffers(t *testing.T) {
 // TestPollMulti polls a socket's readiness with one multishot poll: each
 // readiness completes it, and it stays armed.
 func TestPollMulti(t *testing.T) {
-	runtime.LockOSThread() // the ring is single-issuer
-	defer runtime.UnlockOSThread()
-	r, err := New(8)
-	if err != nil {
-		t.Skipf("skipping: io_uring is not available here: %v", err)
-	}
-	defer r.Close()
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fds[0])
-	defer unix.Close(fds[1])
+	r := testRing(t)
+	fds := socketPair(t, unix.SOCK_DGRAM)
 	e := r.SQE()
 	e.Opcode, e.Fd, e.Len, e.OpFlags, e.UserData = OpPollAdd, int32(fds[0]), PollAddMulti, unix.POLLIN, 7
 	for i := range 2 {
@@ -130,4 +108,31 @@ func TestPollMulti(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// testRing returns a ring of 8 entries, closed when the test ends, with
+// the test's goroutine locked to its thread until then: the ring is
+// single-issuer. It skips the test where io_uring is not available.
+func testRing(t *testing.T) *Ring {
+	t.Helper()
+	runtime.LockOSThread()
+	t.Cleanup(runtime.UnlockOSThread) // cleanups run on the test's goroutine
+	r, err := New(8)
+	if err != nil {
+		t.Skipf("skipping: io_uring is not available here: %v", err)
+	}
+	t.Cleanup(r.Close)
+	return r
+}
+
+// socketPair returns a connected pair of Unix sockets of type typ, closed
+// when the test ends.
+func socketPair(t *testing.T, typ int) [2]int {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, typ|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fds[0]); unix.Close(fds[1]) })
+	return fds
 }
