@@ -114,7 +114,7 @@ func registrations(t *testing.T, epfd int) []string {
 // as long after each failure in a row, instead of spinning on a socket
 // that stays readable, and serves the connection once accept works again.
 func TestLoopAcceptBacksOff(t *testing.T) {
-	g := &loopGroup{n: 1, dialTimeout: time.Second}
+	g := &loopGroup{n: 1, opts: loopOptions{dialTimeout: time.Second}}
 	defer g.stop()
 	fd, addr := rawListening(t)
 	var rec acceptRecorder
@@ -165,7 +165,7 @@ func TestLoopAcceptBacksOff(t *testing.T) {
 // and its queued connections are then the duplicate's to accept, not the
 // loop's, which would otherwise be woken for them for ever.
 func TestLoopListenerClose(t *testing.T) {
-	g := &loopGroup{n: 2, dialTimeout: time.Second}
+	g := &loopGroup{n: 2, opts: loopOptions{dialTimeout: time.Second}}
 	defer g.stop()
 	fd, addr := rawListening(t)
 	var rec acceptRecorder

@@ -44,14 +44,9 @@ import (
 // loopGroup starts event loops on first use and stops them on request.
 // Safe for concurrent use.
 type loopGroup struct {
-	// n is the number of loops; idle the idle timeout (zero: none);
-	// dialTimeout bounds one connection attempt to a backend.
-	n           int
-	idle        time.Duration
-	dialTimeout time.Duration
-	// ring: the loops wait in, and carry small messages through, an
-	// io_uring each (loopring.go).
-	ring bool
+	// n is the number of loops; opts configure each of them.
+	n    int
+	opts loopOptions
 	// newLoop starts a loop (nil: newEventLoop); tests replace it, under mu.
 	newLoop func(loopOptions) (*eventLoop, error)
 	// noRing, if set, hears why a loop asked for a ring has none, and
@@ -98,7 +93,7 @@ func (g *loopGroup) start() error {
 			if newLoop == nil {
 				newLoop = newEventLoop
 			}
-			l, err := newLoop(loopOptions{idle: g.idle, dialTimeout: g.dialTimeout, ring: g.ring})
+			l, err := newLoop(g.opts)
 			if err != nil {
 				for _, l := range loops {
 					l.stop()

@@ -251,13 +251,13 @@ func NewProxier(cfg Config) *Proxier {
 		hcLocal:  map[types.NamespacedName]int{},
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
-		loops:    loopGroup{n: cfg.eventLoops(), idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()},
+		loops:    loopGroup{n: cfg.eventLoops(), opts: loopOptions{idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()}},
 	}
 	if cfg.IOURing && p.loops.n > 0 {
 		if err := IOURingSupported(); err != nil {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
-			p.loops.ring = true
+			p.loops.opts.ring = true
 			p.loops.noRing = func(err error) {
 				p.log.Warn("an event loop could not set up its io_uring; it uses epoll only", zap.Error(err))
 			}
