@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"net/netip"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -50,8 +49,9 @@ const (
 const acceptBatch = 16
 
 // loopListener is a listening TCP socket that event loops accept on
-// (loopGroup.listen). Its methods are safe for concurrent use; serve and
-// failed run on the loops.
+// (loopGroup.listen), or a UDP listener's socket that one loop reads.
+// Its methods are safe for concurrent use; serve, failed and readable run
+// on the loops.
 type loopListener struct {
 	// serve takes over a connection that loop el accepted: fd is its
 	// socket, which serve owns from then on. Runs on el.
@@ -63,13 +63,23 @@ type loopListener struct {
 	failed func(err error, delay time.Duration)
 	// accept is accept4(2), rawsys's; tests replace it.
 	accept func(fd int, sa *unix.RawSockaddrInet6) (int, error)
+	// readable, set for a UDP socket (loopPacketListener), is called
+	// on the one loop the socket is registered with, in place of accept:
+	// it reads and forwards what is queued, within a budget; more says
+	// the budget ran out with datagrams left. An error pauses the socket
+	// as a failed accept does.
+	readable func(el *eventLoop) (more bool, err error)
+	// closed, if set, runs once the socket is closed: on the loop that
+	// read it, after any readable call, or on close's goroutine if no loop
+	// took the socket.
+	closed func()
 
-	// mu guards fd, so that no loop calls accept on a descriptor that
-	// close has closed, and whose number may belong to another socket by
-	// then.
-	mu   sync.Mutex
-	fd   int          // -1 once closed
-	regs []listenSlot // the loops the socket is registered with
+	// rawSock's mu guards its fd, so that no loop calls accept on a
+	// descriptor that close has closed, and whose number may belong to
+	// another socket by then. Its methods make the listener the
+	// syscall.RawConn of a UDP socket's reads and replies.
+	rawSock
+	regs []listenSlot // the loops the socket is registered with, under mu
 }
 
 // listenSlot is where a loop keeps a listener: its slot in the loop's
@@ -82,7 +92,7 @@ type listenSlot struct {
 // newLoopListener returns a loopListener for fd, a listening TCP socket,
 // which it owns from then on.
 func newLoopListener(fd int, serve func(el *eventLoop, fd int, client netip.AddrPort), failed func(error, time.Duration)) *loopListener {
-	return &loopListener{fd: fd, serve: serve, failed: failed, accept: accept4}
+	return &loopListener{rawSock: rawSock{fd: fd}, serve: serve, failed: failed, accept: accept4}
 }
 
 // dup returns a duplicate of the socket's descriptor, close-on-exec.
@@ -109,8 +119,12 @@ func (ll *loopListener) close() {
 		r.loop.dropListener(fd, r.slot)
 	}
 	ll.mu.Unlock()
-	if fd >= 0 {
-		_ = closeFD(fd)
+	if fd < 0 {
+		return
+	}
+	_ = closeFD(fd)
+	if done := ll.closed; done != nil && (len(regs) == 0 || !regs[0].loop.post(done)) {
+		done()
 	}
 }
 
@@ -124,12 +138,21 @@ type acceptSlot struct {
 }
 
 // listen registers ll with every loop of g, starting the loops if they
-// are not running. The registrations happen on the loops, shortly after:
-// connections arriving meanwhile wait in the socket's queue.
+// are not running; a UDP socket (ll.readable set) with one of them only,
+// which then carries all of the socket's flows. The registrations happen
+// on the loops, shortly after: connections and datagrams arriving
+// meanwhile wait in the socket's queue.
 func (g *loopGroup) listen(ll *loopListener) error {
 	loops, err := g.running()
 	if err != nil {
 		return err
+	}
+	if ll.readable != nil {
+		l, err := g.loopFor()
+		if err != nil {
+			return err
+		}
+		loops = []*eventLoop{l}
 	}
 	for _, l := range loops {
 		if !l.post(func() { l.addListener(ll) }) {
@@ -203,6 +226,18 @@ func (l *eventLoop) acceptReady(slot int32) {
 	as := &l.accepting[slot]
 	ll := as.ll
 	if ll == nil || !as.resumeAt.IsZero() {
+		return
+	}
+	if ll.readable != nil {
+		switch more, err := ll.readable(l); {
+		case err != nil:
+			l.pauseAccept(slot, err)
+		case more:
+			// Level-triggered, as for acceptBatch below.
+			l.epollDue = true
+		default:
+			as.delay = 0
+		}
 		return
 	}
 	for range acceptBatch {

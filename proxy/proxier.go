@@ -1111,6 +1111,11 @@ func (p *Proxier) startListener(l *listener) error {
 			l.ln, l.raw = nil, p.newLoopListener(l, fd)
 		}
 	}
+	if l.pc != nil {
+		if err := p.loopPacketListener(l); err != nil {
+			return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
+		}
+	}
 	adopted, err := p.startAdopted(l)
 	if err == nil && !adopted {
 		err = p.startAccepting(l)
@@ -1229,8 +1234,8 @@ func listenerRawConn(ln net.Listener) syscall.RawConn {
 	return rc
 }
 
-// rawListenerFD returns a duplicate of a TCP listener's socket, rc, for
-// the event loops to accept on; -1 without event loops, with a dialer of
+// rawListenerFD returns a duplicate of a listener's socket, rc, for
+// the event loops to accept on or read; -1 without event loops, with a dialer of
 // the caller's (Config.Dial, which needs the goroutine path), or if it
 // cannot be duplicated. The caller then closes the listener, leaving the
 // duplicate as the socket's only descriptor.

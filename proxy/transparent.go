@@ -1,12 +1,13 @@
 package proxy
 
 import (
-	"context"
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -74,14 +75,8 @@ type tproxySocket struct {
 	*listenSocket // reads, with IP_ORIGDSTADDR
 
 	mu      sync.Mutex
-	replies map[netip.AddrPort]replySocket
+	replies map[netip.AddrPort]*rawSock
 	closed  bool
-}
-
-// replySocket is a transparent socket bound to a service's address.
-type replySocket struct {
-	c  *net.UDPConn
-	rc syscall.RawConn
 }
 
 var _ udpSocket = (*tproxySocket)(nil)
@@ -93,51 +88,65 @@ func (t *tproxySocket) replyPath(dst netip.AddrPort) (replyPath, error) {
 	if err != nil {
 		return replyPath{}, err
 	}
-	return replyPath{rc: c.rc, v6: t.v6}, nil
+	return replyPath{rc: c, v6: t.v6}, nil
 }
 
 // replySocket returns the transparent socket bound to dst, opening it on
 // first use. It only sends: TPROXY hands datagrams to the listener, and
 // the kernel never delivers to an unconnected socket a datagram that
 // TPROXY assigned elsewhere.
-func (t *tproxySocket) replySocket(dst netip.AddrPort) (replySocket, error) {
+//
+// It is opened raw, out of the runtime's poller: the runtime registers a
+// socket for writability too, edge-triggered, and a UDP socket signals
+// writability each time the kernel frees a datagram it sent (sock_wfree),
+// which would wake the runtime's poller for every reply.
+func (t *tproxySocket) replySocket(dst netip.AddrPort) (*rawSock, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
-		return replySocket{}, net.ErrClosed
+		return nil, net.ErrClosed
 	}
 	if c, ok := t.replies[dst]; ok {
 		return c, nil
 	}
-	lc := net.ListenConfig{Control: func(network, _ string, c syscall.RawConn) error {
-		if err := setTransparent(network, c, false); err != nil {
-			return err
-		}
-		var serr error
-		if err := c.Control(func(fd uintptr) {
-			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	network := "udp4"
-	if t.v6 {
-		network = "udp6"
-	}
-	pc, err := lc.ListenPacket(context.Background(), network, dst.String())
+	c, err := openReplySocket(dst, t.v6)
 	if err != nil {
-		return replySocket{}, fmt.Errorf("opening a reply socket on %s: %w", dst, err)
-	}
-	c := replySocket{c: pc.(*net.UDPConn)}
-	if c.rc, err = c.c.SyscallConn(); err != nil {
-		c.c.Close()
-		return replySocket{}, err
+		return nil, fmt.Errorf("opening a reply socket on %s: %w", dst, err)
 	}
 	if t.replies == nil {
-		t.replies = map[netip.AddrPort]replySocket{}
+		t.replies = map[netip.AddrPort]*rawSock{}
 	}
 	t.replies[dst] = c
+	return c, nil
+}
+
+// openReplySocket opens a transparent UDP socket bound to dst, which may
+// be an address of no local interface, and shares its port with the
+// other reply sockets and the clients' flows (SO_REUSEADDR).
+func openReplySocket(dst netip.AddrPort, v6 bool) (*rawSock, error) {
+	family, network := unix.AF_INET, "udp4"
+	if v6 {
+		family, network = unix.AF_INET6, "udp6"
+	}
+	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, os.NewSyscallError("socket", err)
+	}
+	c := &rawSock{fd: fd}
+	if err := setTransparent(network, c, false); err != nil {
+		c.closeSock()
+		return nil, err
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+		c.closeSock()
+		return nil, os.NewSyscallError("setsockopt SO_REUSEADDR", err)
+	}
+	var name unix.RawSockaddrInet6
+	n := putSockaddr(&name, dst, v6)
+	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&name)), uintptr(n)); errno != 0 {
+		c.closeSock()
+		return nil, os.NewSyscallError("bind", errno)
+	}
 	return c, nil
 }
 
@@ -147,7 +156,7 @@ func (t *tproxySocket) close() {
 	defer t.mu.Unlock()
 	t.closed = true
 	for _, c := range t.replies {
-		c.c.Close()
+		c.closeSock()
 	}
 	t.replies = nil
 }

@@ -239,15 +239,34 @@ func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDP
 	return pc.(*net.UDPConn), nil
 }
 
-func (p *Proxier) udpSocket(l *listener) (udpSocket, error) {
+// udpSocket returns the udpSocket of l's socket, rc, and the
+// listenSocket that reads it. With a nil udpSocket the socket is
+// unusable; with an error besides, it cannot tell datagrams' destinations.
+func (p *Proxier) udpSocket(l *listener, rc syscall.RawConn) (udpSocket, *listenSocket, error) {
 	if p.cfg.Transparent {
-		ls, err := newListenSocket(l.pc, l.key.v6, false, p.cfg.udpReadBatch())
+		ls, err := newListenSocket(rc, l.key.v6, false, p.cfg.udpReadBatch())
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		return &tproxySocket{listenSocket: ls}, nil
+		return &tproxySocket{listenSocket: ls}, ls, nil
 	}
-	return newListenSocket(l.pc, l.key.v6, true, p.cfg.udpReadBatch())
+	ls, err := newListenSocket(rc, l.key.v6, true, p.cfg.udpReadBatch())
+	return ls, ls, err
+}
+
+// udpSocketErr logs why the udpSocket of l, sock, is unusable (nil) or
+// cannot tell datagrams' destinations; false if it is unusable.
+func (p *Proxier) udpSocketErr(l *listener, sock udpSocket, err error) bool {
+	switch {
+	case err == nil:
+	case sock == nil:
+		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		return false
+	default:
+		p.log.Error("UDP listener cannot see destination addresses; replies may come from the wrong address",
+			zap.Stringer("servicePort", l.key.name), zap.Error(err))
+	}
+	return true
 }
 
 // udpLoop reads the listener's datagrams until it is closed, and forwards
@@ -255,14 +274,14 @@ func (p *Proxier) udpSocket(l *listener) (udpSocket, error) {
 // is the only goroutine that creates flows for l.
 func (p *Proxier) udpLoop(l *listener) {
 	defer p.wg.Done()
-	sock, err := p.udpSocket(l)
+	rc, err := l.pc.SyscallConn()
 	if err != nil {
-		if sock == nil {
-			p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.key.name), zap.Error(err))
-			return
-		}
-		p.log.Error("UDP listener cannot see destination addresses; replies may come from the wrong address",
-			zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		return
+	}
+	sock, _, err := p.udpSocket(l, rc)
+	if !p.udpSocketErr(l, sock, err) {
+		return
 	}
 	defer sock.close()
 	p.flowTable() // created before the first flow
@@ -285,7 +304,7 @@ func (p *Proxier) udpLoop(l *listener) {
 		}
 		delay = 0
 		for i := range batch[:n] {
-			p.forwardDatagram(l, sock, &batch[i])
+			p.forwardDatagram(nil, l, sock, &batch[i])
 			listenBuffers.put(batch[i].buf)
 			batch[i] = datagram{}
 		}
@@ -294,8 +313,10 @@ func (p *Proxier) udpLoop(l *listener) {
 
 // forwardDatagram sends one client datagram to its flow's backend. A
 // backend that answered with ICMP port unreachable makes the send fail:
-// it is ejected and the next one tried, at most DialAttempts times.
-func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
+// it is ejected and the next one tried, at most DialAttempts times. el
+// is the event loop that read the datagram, which then carries the new
+// flows; nil on the listener's goroutine.
+func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d *datagram) {
 	key := flowKey{l, d.client, d.dst}
 	svc, orig := l, netip.AddrPort{}
 	if p.cfg.Transparent {
@@ -324,7 +345,7 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
-		f, err := p.udpFlowFor(svc, key, sock, orig, cur)
+		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur)
 		if err != nil {
 			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
 			return
@@ -345,11 +366,13 @@ func (p *Proxier) forwardDatagram(l *listener, sock udpSocket, d *datagram) {
 }
 
 // udpFlowFor returns cur, the table's flow of key (nil: none), if it is
-// still usable for service port l, or creates one. orig is the datagram's original destination when known (tproxy
-// mode, or a shared listener's conntrack lookup). A flow whose backend is
-// no longer usable (removed, no longer ready, ejected) is replaced, so no
-// client stays blackholed behind a dead endpoint.
-func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
+// still usable for service port l, or creates one, on event loop el when
+// it is set (see connectFlow). orig is the datagram's original
+// destination when known (tproxy mode, or a shared listener's conntrack
+// lookup). A flow whose backend is no longer usable (removed, no longer
+// ready, ejected) is replaced, so no client stays blackholed behind a
+// dead endpoint.
+func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
 	flows := p.flowTable()
 	client := key.client
 	snap := l.snap.Load()
@@ -387,7 +410,7 @@ func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig neti
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
-	err := p.connectFlow(f, from)
+	err := p.connectFlow(el, f, from)
 	pm.dialDone(start, err)
 	if err != nil {
 		p.health.failure(b)
@@ -409,8 +432,21 @@ func (p *Proxier) udpFlowFor(l *listener, key flowKey, sock udpSocket, orig neti
 // when it is valid, and holds the backend (Acquire) until the flow ends.
 // With event loops (and the default dialer) the socket joins one, which
 // relays the backend's replies; it is added before anyone else knows the
-// flow, so that the loop sees it before any request to drop it.
-func (p *Proxier) connectFlow(f *udpFlow, from netip.Addr) error {
+// flow, so that the loop sees it before any request to drop it. el, when
+// set, is the loop this runs on, which read the flow's first datagram: it
+// takes the flow at once, so that a request and its reply are handled by
+// the same thread.
+func (p *Proxier) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
+	if el != nil {
+		fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from)
+		if err != nil {
+			return err
+		}
+		f.fd, f.loop = fd, el
+		f.backend.Acquire()
+		el.addFlow(f)
+		return nil
+	}
 	if p.loops.n <= 0 || p.cfg.Dial != nil {
 		conn, err := p.dialUDP(f.backend.Addr, from)
 		if err != nil {
@@ -524,4 +560,79 @@ func (p *Proxier) removeFlows(l *listener) {
 			flows.Remove(k)
 		}
 	}
+}
+
+// udpListenBudget bounds the datagrams that one readiness of a UDP
+// listener's socket reads on its event loop, so that a flooded service
+// cannot hold the loop's other sockets up.
+const udpListenBudget = 64
+
+// loopPacketListener moves l's UDP socket, l.pc, to an event loop, which
+// reads it from then on in place of the listener's goroutine (udpLoop):
+// without event loops, or with a dialer of the caller's, it leaves l
+// alone. The loop that reads a datagram also writes it to its flow's
+// backend socket, relays the backend's reply from that socket, and sends
+// it with the other replies of its turn: a request crosses no goroutine
+// and no thread.
+//
+// As for a TCP listener (startListener), a duplicate of the descriptor
+// becomes the socket's only one, out of the runtime's poller, which would
+// otherwise wake a thread for every datagram that arrives, and for every
+// reply sent through the socket: the runtime registers a socket for
+// writability too, edge-triggered, and a UDP socket signals it each time
+// the kernel frees a sent datagram (sock_wfree).
+func (p *Proxier) loopPacketListener(l *listener) error {
+	rc, err := l.pc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	fd := p.rawListenerFD(rc)
+	if fd < 0 {
+		return nil
+	}
+	ll := &loopListener{rawSock: rawSock{fd: fd}}
+	sock, ls, err := p.udpSocket(l, ll)
+	if !p.udpSocketErr(l, sock, err) {
+		ll.close()
+		return err
+	}
+	ls.seesEmpty()
+	l.pc.Close()
+	l.pc, l.raw = nil, ll
+	batch := make([]datagram, p.cfg.udpReadBatch())
+	ll.readable = func(el *eventLoop) (bool, error) {
+		for read := 0; read < udpListenBudget; read += ls.asked {
+			n, err := sock.readBatch(batch)
+			switch {
+			case err == unix.EAGAIN || errors.Is(err, net.ErrClosed):
+				return false, nil
+			case errors.Is(err, errNoDestination):
+				p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.key.name))
+			case err != nil:
+				return false, err
+			}
+			for i := range batch[:n] {
+				p.forwardDatagram(el, l, sock, &batch[i])
+				listenBuffers.put(batch[i].buf)
+				batch[i] = datagram{}
+			}
+			if ls.drained() {
+				return false, nil
+			}
+		}
+		return true, nil
+	}
+	ll.failed = func(err error, delay time.Duration) {
+		if delay == 0 {
+			p.log.Error("cannot read the UDP listener: registering it with an event loop failed", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			return
+		}
+		p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay),
+			zap.Error(os.NewSyscallError("recvmmsg", err)))
+	}
+	ll.closed = func() {
+		p.removeFlows(l)
+		sock.close()
+	}
+	return nil
 }

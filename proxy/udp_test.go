@@ -2,10 +2,12 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"runtime"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/ptr"
@@ -141,6 +144,65 @@ func TestUDPFlows(t *testing.T) {
 		// Idle flows expire.
 		waitUntil(t, "flows expire", func() bool { return p.UDPFlows() == 0 })
 	})
+}
+
+// TestUDPListenerOnItsLoop checks that, with event loops, one loop reads
+// a UDP listener's socket, which has left the runtime's poller, and
+// carries every flow it creates, so that a request and its reply are
+// handled by one thread; and that closing the listener ends its flows on
+// that loop at once, not at their timeout.
+func TestUDPListenerOnItsLoop(t *testing.T) {
+	for _, ring := range []bool{false, true} {
+		t.Run(map[bool]string{false: "epoll", true: "ring"}[ring], func(t *testing.T) {
+			if ring {
+				if err := IOURingSupported(); err != nil {
+					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
+				}
+			}
+			echo := udpBackend(t, "", true)
+			p, rules := startProxier(t, Config{EventLoops: 2, IOURing: ring, UDPTimeout: time.Minute})
+			dns, dns2 := svc("dns", "10.96.0.10", "dns:53/UDP"), svc("dns2", "10.96.0.11", "dns:53/UDP")
+			p.Tracker().Replace([]*v1.Service{dns, dns2}, append(udpSlices("dns", echo), udpSlices("dns2", echo)...))
+			for _, name := range []string{"default/dns:dns", "default/dns2:dns"} {
+				port := rules.port(t, name)
+				for range 4 {
+					exchange(t, dialUDP(t, port), []byte("x"))
+				}
+			}
+			// flowsOf counts the flows of the listener of service name, and
+			// checks each against its listener, if that is still open.
+			flowsOf := func(name string) int {
+				n := 0
+				flows := p.flowTable()
+				for _, k := range flows.Keys() {
+					f, ok := flows.Peek(k)
+					if !ok || f.svc.key.name.Name != name {
+						continue
+					}
+					n++
+					l := k.l
+					if l.pc != nil || l.raw == nil || l.raw.readable == nil {
+						t.Fatalf("%s: the listener is read on a goroutine, not by a loop", name)
+					}
+					l.raw.mu.Lock()
+					regs, open := slices.Clone(l.raw.regs), l.raw.fd >= 0
+					l.raw.mu.Unlock()
+					if open && len(regs) != 1 || regs[0].loop != f.loop {
+						t.Errorf("%s: a flow of %s is on loop %p; its listener is registered with %d loops (%v)", name, k.client, f.loop, len(regs), regs)
+					}
+				}
+				return n
+			}
+			if n, n2 := flowsOf("dns"), flowsOf("dns2"); n != 4 || n2 != 4 {
+				t.Fatalf("flows: %d of dns and %d of dns2, want 4 each", n, n2)
+			}
+			p.Tracker().Replace([]*v1.Service{dns2}, udpSlices("dns2", echo))
+			waitUntil(t, "the closed listener's flows end", func() bool { return flowsOf("dns") == 0 })
+			if n := flowsOf("dns2"); n != 4 {
+				t.Errorf("%d flows of dns2 after dns was removed, want 4", n)
+			}
+		})
+	}
 }
 
 // TestUDPRepliesComeFromTheServiceAddress checks, for both families, that
@@ -371,44 +433,82 @@ func TestReplyQueue(t *testing.T) {
 }
 
 // TestListenSocketReadDoesNotAllocate checks that reading a listener's
-// datagrams allocates nothing once its buffers are pooled: the function
-// RawConn.Read calls is bound once per socket, and what it finds stays in
-// the socket.
+// datagrams allocates nothing once its buffers are pooled, over the
+// runtime's poller and over an event loop's socket (loopListener): the
+// function RawConn.Read calls is bound once per socket, and what it finds
+// stays in the socket. The loop's socket never waits: it says EAGAIN when
+// nothing is queued, and net.ErrClosed once closed. Under the race
+// detector, whose sync.Pool drops buffers at random, allocations are not
+// counted.
 func TestListenSocketReadDoesNotAllocate(t *testing.T) {
-	pc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Close()
-	ls, err := newListenSocket(pc, false, true, 8)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := net.DialUDP("udp4", nil, pc.LocalAddr().(*net.UDPAddr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	msg := []byte("request")
-	batch := make([]datagram, 8)
-	var got datagram
-	if allocs := testing.AllocsPerRun(100, func() {
-		if _, err := c.Write(msg); err != nil {
-			t.Fatal(err)
-		}
-		n, err := ls.readBatch(batch)
-		if err != nil || n != 1 {
-			t.Fatalf("readBatch: %d, %v", n, err)
-		}
-		got = batch[0]
-		got.buf = nil
-		listenBuffers.put(batch[0].buf)
-		batch[0] = datagram{}
-	}); allocs != 0 {
-		t.Errorf("%v allocations per datagram read, want 0", allocs)
-	}
-	want := datagram{n: len(msg), client: netip.MustParseAddrPort(c.LocalAddr().String()), dst: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), 0)}
-	if diff := cmp.Diff(want, got, cmp.AllowUnexported(datagram{}), cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
-		t.Errorf("datagram (-want +got):\n%s", diff)
+	for _, loop := range []bool{false, true} {
+		t.Run(map[bool]string{false: "poller", true: "loop"}[loop], func(t *testing.T) {
+			pc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pc.Close()
+			rc, err := pc.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ll *loopListener
+			if loop {
+				fd, err := dupRaw(rc)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ll = &loopListener{rawSock: rawSock{fd: fd}}
+				defer ll.close()
+				rc = ll
+			}
+			ls, err := newListenSocket(rc, false, true, 8)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if loop {
+				ls.seesEmpty()
+			}
+			c, err := net.DialUDP("udp4", nil, pc.LocalAddr().(*net.UDPAddr))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			msg := []byte("request")
+			batch := make([]datagram, 8)
+			var got datagram
+			if allocs := testing.AllocsPerRun(100, func() {
+				if _, err := c.Write(msg); err != nil {
+					t.Fatal(err)
+				}
+				n, err := ls.readBatch(batch)
+				if err != nil || n != 1 {
+					t.Fatalf("readBatch: %d, %v", n, err)
+				}
+				if loop && !ls.drained() {
+					t.Fatal("the read did not find the queue empty")
+				}
+				got = batch[0]
+				got.buf = nil
+				listenBuffers.put(batch[0].buf)
+				batch[0] = datagram{}
+			}); allocs != 0 && !raceEnabled {
+				t.Errorf("%v allocations per datagram read, want 0", allocs)
+			}
+			want := datagram{n: len(msg), client: netip.MustParseAddrPort(c.LocalAddr().String()), dst: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), 0)}
+			if diff := cmp.Diff(want, got, cmp.AllowUnexported(datagram{}), cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
+				t.Errorf("datagram (-want +got):\n%s", diff)
+			}
+			if !loop {
+				return
+			}
+			if n, err := ls.readBatch(batch); err != unix.EAGAIN {
+				t.Errorf("read of an empty socket: %d, %v; want EAGAIN", n, err)
+			}
+			ll.close()
+			if n, err := ls.readBatch(batch); !errors.Is(err, net.ErrClosed) {
+				t.Errorf("read of a closed socket: %d, %v; want net.ErrClosed", n, err)
+			}
+		})
 	}
 }

@@ -20,6 +20,8 @@ type udpSocket interface {
 	// readBatch blocks until at least one datagram is queued, then reads
 	// up to len(out) of them (fewer while the socket has no backlog; see
 	// listenSocket). The caller returns each out[i].buf to listenBuffers.
+	// Over an event loop's socket (loopListener) it does not wait: it
+	// returns EAGAIN when nothing is queued.
 	readBatch(out []datagram) (int, error)
 	// replyPath returns how a reply to a datagram that arrived at dst
 	// goes out (a replySender or a replyQueue sends it).
@@ -71,7 +73,8 @@ type listenSocket struct {
 	rc       syscall.RawConn
 	v6       bool
 	maxBatch int
-	batch    int // current batch size, 1..maxBatch
+	minBatch int // 1, or 2 after seesEmpty
+	batch    int // current batch size, minBatch..maxBatch
 
 	// recvmmsg's arguments and results, reused by the one reader; readFn
 	// is recvmmsg, bound once (a func literal passed to RawConn.Read would
@@ -79,6 +82,7 @@ type listenSocket struct {
 	readFn func(fd uintptr) bool
 	out    []datagram
 	n      int
+	asked  int // how many datagrams the last recvmmsg asked for
 	serr   syscall.Errno
 	hdrs   []unix.Mmsghdr
 	iovs   []unix.Iovec
@@ -89,20 +93,16 @@ type listenSocket struct {
 // newListenSocket asks the kernel for each datagram's destination address
 // (IP_PKTINFO, IPV6_RECVPKTINFO). tproxy-mode listeners ask for the
 // original destination when they are opened (transparentListenConfig).
-func newListenSocket(c syscall.Conn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
+func newListenSocket(rc syscall.RawConn, v6, pktinfo bool, maxBatch int) (*listenSocket, error) {
 	maxBatch = min(max(maxBatch, 1), maxReadBatch)
 	s := &listenSocket{
-		v6: v6, maxBatch: maxBatch, batch: 1,
+		v6: v6, maxBatch: maxBatch, minBatch: 1, batch: 1,
 		hdrs:  make([]unix.Mmsghdr, maxBatch),
 		iovs:  make([]unix.Iovec, maxBatch),
 		names: make([]unix.RawSockaddrInet6, maxBatch),
 		oob:   make([]byte, maxBatch*cmsgSpace),
 	}
 	s.readFn = s.recvmmsg
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
 	s.rc = rc
 	if !pktinfo {
 		return s, nil
@@ -124,6 +124,19 @@ func newListenSocket(c syscall.Conn, v6, pktinfo bool, maxBatch int) (*listenSoc
 }
 
 var _ udpSocket = (*listenSocket)(nil)
+
+// drained says whether the last read left the socket's queue empty:
+// recvmmsg returned fewer datagrams than it asked for.
+func (s *listenSocket) drained() bool { return s.n < s.asked }
+
+// seesEmpty makes every read ask for two datagrams at least (if the
+// batch may hold two), so that a read that finds one also tells that the
+// queue is empty after it (drained), where a read of one would need a
+// further read to find EAGAIN, as flowReceiver does for replies.
+func (s *listenSocket) seesEmpty() {
+	s.minBatch = min(2, s.maxBatch)
+	s.batch = max(s.batch, s.minBatch)
+}
 
 func (s *listenSocket) readBatch(out []datagram) (int, error) {
 	s.out, s.n, s.serr = out, 0, 0
@@ -187,13 +200,13 @@ func (s *listenSocket) recvmmsg(fd uintptr) bool {
 	if errno == unix.EAGAIN {
 		return false // wait in the netpoller, holding no buffer
 	}
-	s.n, s.serr = n, errno
+	s.n, s.asked, s.serr = n, k, errno
 	// Adapt the batch to the backlog this read found.
 	switch {
 	case n == k && k < s.maxBatch:
 		s.batch = min(2*k, s.maxBatch)
 	case n < k:
-		s.batch = max(k/2, 1)
+		s.batch = max(k/2, s.minBatch)
 	}
 	return true
 }
