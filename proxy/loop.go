@@ -36,10 +36,11 @@ import (
 // socket out of the loop's epoll as well (epoll(7): a file leaves every
 // epoll set once all its descriptors are closed).
 //
-// A UDP flow's socket towards its backend is opened for a loop, which
-// relays the backend's replies to the client (addFlow, flowReady), where
-// a goroutine per flow did. The listener's goroutine still reads the
-// clients' datagrams, in batches, and writes each to its flow's socket.
+// A UDP listener's socket is read by one loop (loopPacketListener), which
+// writes each datagram to its flow's socket. The flow's socket is opened
+// for the same loop, which relays the backend's replies to the client
+// (addFlow, flowReady), so that a request and its reply stay on one
+// thread. A goroutine per listener and one per flow did this before.
 
 // loopGroup starts event loops on first use and stops them on request.
 // Safe for concurrent use.
