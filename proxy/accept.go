@@ -229,15 +229,14 @@ func (l *eventLoop) acceptReady(slot int32) {
 		return
 	}
 	if ll.readable != nil {
-		switch more, err := ll.readable(l); {
-		case err != nil:
+		more, err := ll.readable(l)
+		if err != nil {
 			l.pauseAccept(slot, err)
-		case more:
-			// Level-triggered, as for acceptBatch below.
-			l.epollDue = true
-		default:
-			as.delay = 0
+			return
 		}
+		as.delay = 0
+		// Level-triggered, as for acceptBatch below.
+		l.epollDue = l.epollDue || more
 		return
 	}
 	for range acceptBatch {
