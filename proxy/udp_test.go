@@ -187,7 +187,7 @@ func TestUDPListenerOnItsLoop(t *testing.T) {
 					l.raw.mu.Lock()
 					regs, open := slices.Clone(l.raw.regs), l.raw.fd >= 0
 					l.raw.mu.Unlock()
-					if open && len(regs) != 1 || regs[0].loop != f.loop {
+					if open && (len(regs) != 1 || regs[0].loop != f.loop) {
 						t.Errorf("%s: a flow of %s is on loop %p; its listener is registered with %d loops (%v)", name, k.client, f.loop, len(regs), regs)
 					}
 				}
