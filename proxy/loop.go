@@ -1009,14 +1009,15 @@ func dupRaw(rc syscall.RawConn) (int, error) {
 // than GOMAXPROCS (at least one), negative none.
 //
 // A loop blocks in epoll_wait, a system call, and keeps its P meanwhile
-// (the runtime retakes it only through sysmon, 20 µs to 10 ms later).
-// With a loop per P, the goroutines that still carry traffic, the UDP
-// listeners' readers, would wait for a P. On two CPUs, two loops carried
-// 14-19% more short connections than one, in two harness runs, but 10%
-// fewer UDP requests, at a 42-47% higher UDP p99, and took 12-25% more
-// CPU per request or connection in a lab; a third P for the goroutines
-// gave UDP back and took the TCP gains with it
-// (bench/results/2026-11-30-loop-accept.md).
+// (the runtime retakes it only through sysmon, 20 µs to 10 ms later). On
+// two CPUs, two loops carried 14-19% more short connections than one, in
+// two harness runs, but 10% fewer UDP requests, at a 42-47% higher UDP
+// p99, and took 12-25% more CPU per request or connection in a lab; a
+// third P gave UDP back and took the TCP gains with it
+// (bench/results/2026-11-30-loop-accept.md). With the UDP listeners read
+// by the loops too, two loops still gave 1.06x the keep-alive and short
+// connection rates at 1.22x the keep-alive p99, and 0.93x the UDP rate
+// (bench/results/2026-12-01-udp-listener-loop.md).
 func (c *Config) eventLoops() int {
 	switch {
 	case c.EventLoops < 0:
