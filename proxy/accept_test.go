@@ -235,19 +235,102 @@ func TestLoopListenerClose(t *testing.T) {
 	}
 }
 
-// TestListenersHoldNoGoroutine checks that, with event loops, a TCP
-// listener holds no goroutine: the loops accept on it. An accept goroutine
-// per listener kept 10,000 of them, with their stacks, at 10,000 services.
+// TestListenersHoldNoGoroutine checks that, with event loops, a listener
+// holds no goroutine, TCP or UDP: the loops accept on it, or read it. An
+// accept goroutine per TCP listener kept 10,000 of them, with their
+// stacks, at 10,000 services, and so did a reading goroutine per UDP
+// listener.
 func TestListenersHoldNoGoroutine(t *testing.T) {
-	const n = 50
-	p, rules := startProxier(t, Config{})
-	// A first service starts the loops, and the test's goroutines settle.
-	listenForServices(t, p, rules, 1)
-	time.Sleep(50 * time.Millisecond)
-	base := runtime.NumGoroutine()
-	listenForServices(t, p, rules, n)
-	if got := runtime.NumGoroutine() - base; got >= n/2 {
-		t.Errorf("%d more listeners hold %d more goroutines; want none", n-1, got)
+	for _, port := range []string{"http:80", "dns:53/UDP"} {
+		t.Run(port, func(t *testing.T) {
+			const n = 50
+			p, rules := startProxier(t, Config{})
+			// A first service starts the loops, and the test's goroutines settle.
+			listenForServicePorts(t, p, rules, 1, port)
+			time.Sleep(50 * time.Millisecond)
+			base := runtime.NumGoroutine()
+			listenForServicePorts(t, p, rules, n, port)
+			if got := runtime.NumGoroutine() - base; got >= n/2 {
+				t.Errorf("%d more listeners hold %d more goroutines; want none", n-1, got)
+			}
+		})
+	}
+}
+
+// TestLoopUDPReadBacksOff checks that a loop whose reads of a UDP
+// listener fail stops reading the socket for a while, 5 ms then twice as
+// long after each failure in a row, instead of spinning on a socket that
+// stays readable, and reads it again once the reads work.
+func TestLoopUDPReadBacksOff(t *testing.T) {
+	g := &loopGroup{n: 1, opts: loopOptions{dialTimeout: time.Second}}
+	defer g.stop()
+	pc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	rc, err := pc.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fd, err := dupRaw(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec acceptRecorder
+	ll := &loopListener{rawSock: rawSock{fd: fd}, failed: rec.failed}
+	defer ll.close()
+	const failures = 4
+	var mu sync.Mutex
+	var calls []time.Time
+	var read atomic.Int32
+	ll.readable = func(el *eventLoop) (bool, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		calls = append(calls, time.Now())
+		if len(calls) <= failures {
+			return false, unix.ENOBUFS
+		}
+		var b [64]byte
+		for {
+			_, err := unix.Read(fd, b[:])
+			if err == unix.EAGAIN {
+				return false, nil
+			}
+			if err != nil {
+				return false, err
+			}
+			read.Add(1)
+		}
+	}
+	if err := g.listen(ll); err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.DialUDP("udp4", nil, pc.LocalAddr().(*net.UDPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the datagram is read", func() bool { return read.Load() == 1 })
+
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
+	if diff := cmp.Diff(want, rec.delays); diff != "" {
+		t.Errorf("backoff delays (-want +got):\n%s", diff)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(calls) != failures+1 {
+		t.Errorf("the socket was read %d times; want %d (each failure, then the read)", len(calls), failures+1)
+	}
+	for i := 1; i < min(len(calls), failures+1); i++ {
+		if gap := calls[i].Sub(calls[i-1]); gap < want[i-1] {
+			t.Errorf("read %d came %v after the failure before it; want at least %v", i+1, gap, want[i-1])
+		}
 	}
 }
 

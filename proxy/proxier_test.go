@@ -797,13 +797,21 @@ func TestEndpointChangesDoNotTouchRules(t *testing.T) {
 // port http:80, no endpoints) and waits until each has its listener.
 func listenForServices(t *testing.T, p *Proxier, rules *recordingRules, n int) {
 	t.Helper()
+	listenForServicePorts(t, p, rules, n, "http:80")
+}
+
+// listenForServicePorts is listenForServices with port, a port as svc
+// takes it ("name:port[/protocol]"), in place of http:80.
+func listenForServicePorts(t *testing.T, p *Proxier, rules *recordingRules, n int, port string) {
+	t.Helper()
 	var svcs []*v1.Service
 	for i := range n {
-		svcs = append(svcs, svc(fmt.Sprintf("s%02d", i), fmt.Sprintf("10.96.1.%d", i+1), "http:80"))
+		svcs = append(svcs, svc(fmt.Sprintf("s%02d", i), fmt.Sprintf("10.96.1.%d", i+1), port))
 	}
 	p.Tracker().Replace(svcs, nil)
+	name, _, _ := strings.Cut(port, ":")
 	for i := range n {
-		rules.port(t, fmt.Sprintf("default/s%02d:http", i))
+		rules.port(t, fmt.Sprintf("default/s%02d:%s", i, name))
 	}
 }
 
