@@ -134,27 +134,36 @@ func TestLoopAcceptBacksOff(t *testing.T) {
 	}
 	listenAndServe(t, g, ll, addr, &rec, 1)
 
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
-	if diff := cmp.Diff(want, rec.delays); diff != "" {
-		t.Errorf("backoff delays (-want +got):\n%s", diff)
-	}
-	for _, err := range rec.failure {
-		if err != unix.EMFILE {
-			t.Errorf("reported failure %v, want EMFILE", err)
-		}
-	}
 	mu.Lock()
 	defer mu.Unlock()
 	// Each failure, the success, then the accept that finds the queue
 	// empty.
-	if len(calls) != failures+2 {
-		t.Errorf("accept was called %d times; want %d (each failure, the success, then EAGAIN)", len(calls), failures+2)
+	checkBackoff(t, &rec, unix.EMFILE, "accept", calls, failures+2)
+}
+
+// checkBackoff checks what a loop did with a socket whose first four
+// calls failed with errno: rec heard of each failure, with delays of 5 ms
+// doubling; the calls, at the times in calls, numbered want in all, and
+// each came after the delay that its failure asked for.
+func checkBackoff(t *testing.T, rec *acceptRecorder, errno unix.Errno, what string, calls []time.Time, want int) {
+	t.Helper()
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	delays := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
+	if diff := cmp.Diff(delays, rec.delays); diff != "" {
+		t.Errorf("backoff delays (-want +got):\n%s", diff)
 	}
-	for i := 1; i < min(len(calls), failures+1); i++ {
-		if gap := calls[i].Sub(calls[i-1]); gap < want[i-1] {
-			t.Errorf("accept %d came %v after the failure before it; want at least %v", i+1, gap, want[i-1])
+	for _, err := range rec.failure {
+		if err != errno {
+			t.Errorf("reported failure %v, want %v", err, errno)
+		}
+	}
+	if len(calls) != want {
+		t.Errorf("%s was called %d times; want %d", what, len(calls), want)
+	}
+	for i := 1; i < min(len(calls), len(delays)+1); i++ {
+		if gap := calls[i].Sub(calls[i-1]); gap < delays[i-1] {
+			t.Errorf("%s %d came %v after the failure before it; want at least %v", what, i+1, gap, delays[i-1])
 		}
 	}
 }
@@ -264,19 +273,8 @@ func TestListenersHoldNoGoroutine(t *testing.T) {
 func TestLoopUDPReadBacksOff(t *testing.T) {
 	g := &loopGroup{n: 1, opts: loopOptions{dialTimeout: time.Second}}
 	defer g.stop()
-	pc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Close()
-	rc, err := pc.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	fd, err := dupRaw(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pc, rc := loopbackUDP(t)
+	fd := dupForTest(t, rc)
 	var rec acceptRecorder
 	ll := &loopListener{rawSock: rawSock{fd: fd}, failed: rec.failed}
 	defer ll.close()
@@ -316,22 +314,10 @@ func TestLoopUDPReadBacksOff(t *testing.T) {
 	}
 	waitUntil(t, "the datagram is read", func() bool { return read.Load() == 1 })
 
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
-	if diff := cmp.Diff(want, rec.delays); diff != "" {
-		t.Errorf("backoff delays (-want +got):\n%s", diff)
-	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(calls) != failures+1 {
-		t.Errorf("the socket was read %d times; want %d (each failure, then the read)", len(calls), failures+1)
-	}
-	for i := 1; i < min(len(calls), failures+1); i++ {
-		if gap := calls[i].Sub(calls[i-1]); gap < want[i-1] {
-			t.Errorf("read %d came %v after the failure before it; want at least %v", i+1, gap, want[i-1])
-		}
-	}
+	// Each failure, then the read.
+	checkBackoff(t, &rec, unix.ENOBUFS, "read", calls, failures+1)
 }
 
 // TestListenerWithoutLoopIsRetried checks that a listener that no event

@@ -353,6 +353,17 @@ func loopbackUDP(t *testing.T) (*net.UDPConn, syscall.RawConn) {
 	return c, rc
 }
 
+// dupForTest returns a duplicate of rc's socket, as rawListenerFD makes
+// one; the caller closes it.
+func dupForTest(t *testing.T, rc syscall.RawConn) int {
+	t.Helper()
+	fd, err := dupRaw(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fd
+}
+
 // TestReplySenderDoesNotAllocate checks that relaying a reply allocates
 // nothing: RawConn.Write's function is bound once per sender, and the
 // message, its address and its IP_PKTINFO live in the sender.
@@ -443,22 +454,10 @@ func TestReplyQueue(t *testing.T) {
 func TestListenSocketReadDoesNotAllocate(t *testing.T) {
 	for _, loop := range []bool{false, true} {
 		t.Run(map[bool]string{false: "poller", true: "loop"}[loop], func(t *testing.T) {
-			pc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pc.Close()
-			rc, err := pc.SyscallConn()
-			if err != nil {
-				t.Fatal(err)
-			}
+			pc, rc := loopbackUDP(t)
 			var ll *loopListener
 			if loop {
-				fd, err := dupRaw(rc)
-				if err != nil {
-					t.Fatal(err)
-				}
-				ll = &loopListener{rawSock: rawSock{fd: fd}}
+				ll = &loopListener{rawSock: rawSock{fd: dupForTest(t, rc)}}
 				defer ll.close()
 				rc = ll
 			}
