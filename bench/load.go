@@ -336,6 +336,7 @@ func loadBulk(f *loadFlags) (r LoadResult) {
 
 func newLoadUDPCommand() *cobra.Command {
 	var f loadFlags
+	var newSocket bool
 	cmd := &cobra.Command{
 		Use:   "udp",
 		Short: "UDP request/response: each socket sends a datagram as soon as the previous one was answered (or timed out)",
@@ -344,24 +345,39 @@ func newLoadUDPCommand() *cobra.Command {
 			if err := f.check(); err != nil {
 				return err
 			}
-			return printJSON(cmd, loadUDP(&f))
+			return printJSON(cmd, loadUDP(&f, newSocket))
 		},
 	}
 	f.register(cmd, 32, 200*time.Millisecond)
+	cmd.Flags().BoolVar(&newSocket, "new-socket", false, "Send each request from a new socket (a new source port), as a DNS stub resolver does, so that every request is a new flow to the proxy.")
 	return cmd
 }
 
-func loadUDP(f *loadFlags) LoadResult {
+// loadUDP runs the UDP workload; with newSocket, each request goes out
+// from a socket of its own, closed once answered.
+func loadUDP(f *loadFlags, newSocket bool) LoadResult {
 	w := newWindow(f)
-	return runWorkers("udp", f, w, func(i int, h *hist, ops *uint64, errs *errCounter) {
+	name := "udp"
+	if newSocket {
+		name = "udp-new"
+	}
+	return runWorkers(name, f, w, func(i int, h *hist, ops *uint64, errs *errCounter) {
 		c, err := net.Dial("udp", f.targets[i%len(f.targets)])
 		if err != nil {
 			errs.add(err)
 			return
 		}
-		defer c.Close()
+		defer func() { c.Close() }()
 		out, in := make([]byte, udpPayloadSize), make([]byte, 2048)
 		for seq := uint64(1); time.Now().Before(w.end); seq++ {
+			if newSocket && seq > 1 {
+				c.Close()
+				if c, err = net.Dial("udp", f.targets[i%len(f.targets)]); err != nil {
+					errs.add(err)
+					time.Sleep(10 * time.Millisecond)
+					continue
+				}
+			}
 			binary.BigEndian.PutUint64(out, seq)
 			t := time.Now()
 			if _, err := c.Write(out); err != nil {
