@@ -39,8 +39,9 @@ func raiseNoFile(setrlimit func(int, *syscall.Rlimit) error, getrlimit func(int,
 }
 
 // logNoFile raises the limit and says what it is, warning when it holds
-// fewer than 10,000 proxied connections.
-func logNoFile(log *zap.Logger) {
+// fewer than 10,000 proxied connections. It returns the limit, or 0 if it
+// could not be read.
+func logNoFile(log *zap.Logger) uint64 {
 	n, err := raiseNoFile(syscall.Setrlimit, syscall.Getrlimit)
 	switch {
 	case err != nil:
@@ -50,4 +51,29 @@ func logNoFile(log *zap.Logger) {
 	default:
 		log.Info("open-files limit", zap.Uint64("limit", n))
 	}
+	return n
+}
+
+// maxUDPFlows is the flow table's bound when none is asked for.
+const maxUDPFlows = 65536
+
+// udpMaxFlows is the flow table's bound: flag, the --udp-max-flows value,
+// if set; else maxUDPFlows, or half of noFile, the open-files limit (0:
+// unknown), if that is lower.
+//
+// Each flow holds a socket for --udp-timeout after its last datagram. A
+// DNS client sends each query from a new port, so every query is a new
+// flow: with 30 s flows and 20,000 descriptors, 670 queries a second
+// used them all, after which every new flow, and every new TCP
+// connection, failed with EMFILE until old flows expired (2,100 queries
+// a second got through in a lab, with timeouts). Bounded below the limit,
+// the table makes room by ending its least recently used flows instead.
+func udpMaxFlows(flag int, noFile uint64) int {
+	if flag > 0 {
+		return flag
+	}
+	if noFile > 0 && noFile/2 < maxUDPFlows {
+		return max(int(noFile/2), 1)
+	}
+	return maxUDPFlows
 }

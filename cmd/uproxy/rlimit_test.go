@@ -47,3 +47,25 @@ func TestRaiseNoFile(t *testing.T) {
 		t.Error("raiseNoFile() with a failing getrlimit: no error")
 	}
 }
+
+func TestUDPMaxFlows(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		flag   int
+		noFile uint64
+		want   int
+	}{
+		{"a large limit", 0, 1 << 20, 65536},
+		{"half of a small limit", 0, 20000, 10000},
+		{"an unknown limit", 0, 0, 65536},
+		{"a limit of one", 0, 1, 1},
+		{"the flag, above the limit", 100000, 20000, 100000},
+		{"the flag, below it", 500, 1 << 20, 500},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := udpMaxFlows(tt.flag, tt.noFile); got != tt.want {
+				t.Errorf("udpMaxFlows(%d, %d) = %d, want %d", tt.flag, tt.noFile, got, tt.want)
+			}
+		})
+	}
+}

@@ -56,6 +56,7 @@ type runOptions struct {
 	dialTimeout        time.Duration
 	dialAttempts       int
 	udpTimeout         time.Duration
+	udpMaxFlows        int
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
 	upgradeSocket      string
@@ -91,6 +92,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
+	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, across all services; past it the least recently used flow ends. Each flow holds a socket. 0 means 65,536, or half the open-files limit if that is lower, so that flows cannot take the descriptors the TCP connections need.")
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
@@ -149,6 +151,9 @@ func (o *runOptions) validate() error {
 		if d.v < 0 || (d.v == 0 && !d.zero) {
 			errs = append(errs, fmt.Errorf("%s: %v must be positive", d.name, d.v))
 		}
+	}
+	if o.udpMaxFlows < 0 {
+		errs = append(errs, fmt.Errorf("--udp-max-flows: %d must be positive, or 0 for the default", o.udpMaxFlows))
 	}
 	if o.eventLoops < -1 {
 		errs = append(errs, fmt.Errorf("--event-loops: %d is neither a count nor -1 (none)", o.eventLoops))
@@ -229,7 +234,7 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 // run wires the proxier to its source, the kernel and the health servers,
 // and runs until ctx is done; then it drains.
 func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
-	logNoFile(log)
+	noFile := logNoFile(log)
 	// Check the manifests or the API server's configuration before touching
 	// the kernel: a typo must stop us with the cause named.
 	var client kubernetes.Interface
@@ -315,6 +320,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		EventLoops:      o.eventLoops,
 		IOURing:         o.ioURing,
 		UDPTimeout:      o.udpTimeout,
+		UDPMaxFlows:     udpMaxFlows(o.udpMaxFlows, noFile),
 		NodeName:        o.nodeName,
 		ClusterCIDRs:    o.clusterCIDRs,
 		ServiceHealth:   svcHealth,
