@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -64,6 +65,9 @@ type cluster struct {
 	pods    []*lab.Pod
 	servers []*lab.Proc // one per pod
 	client  *lab.Pod
+	// launcher, if set, is the command uproxy runs under (prlimit, to
+	// give it a small open-files limit).
+	launcher []string
 }
 
 // newCluster builds a lab with n backend pods (web-0…, serving on :8080)
@@ -121,7 +125,7 @@ func (c *cluster) start(rules int, args ...string) {
 	// one per host, and tests of other labs run at the same time (args may
 	// still name another; the last one wins).
 	sock := filepath.Join(c.dir, "..", filepath.Base(c.dir)+"-upgrade.sock")
-	argv := append([]string{c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms", "--upgrade-socket", sock}, args...)
+	argv := append(append(slices.Clone(c.launcher), c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms", "--upgrade-socket", sock), args...)
 	var err error
 	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
 		c.t.Fatal(err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 )
@@ -83,5 +84,52 @@ endpoints:
 	c.query(c.client.NS, "10.96.0.53:53", 6, "--timeout", "500ms")
 	if r := c.query(c.client.NS, "10.96.0.53:53", 20); r.Errors > 0 || r.Counts["web-0"] > 0 {
 		t.Errorf("after web-0 started refusing: spread %v, %d errors (%s)", r.Counts, r.Errors, r.FirstError)
+	}
+}
+
+// TestE2EUDPFlowsWithinDescriptorLimit sends DNS-like queries, each from a
+// new port and so each a new flow, through a uproxy whose open-files limit
+// is 512: more flows than descriptors. Each flow holds a socket for
+// --udp-timeout, so a flow table bounded only at 65,536 ran out of
+// descriptors and failed every query after that (EMFILE). Bounded at half
+// the limit, it ends its oldest flows instead, and every query is
+// answered.
+func TestE2EUDPFlowsWithinDescriptorLimit(t *testing.T) {
+	prlimit, err := exec.LookPath("prlimit")
+	if err != nil {
+		t.Skip("skipping: no prlimit to give uproxy a small open-files limit")
+	}
+	c := newCluster(t, 1)
+	p := c.pods[0]
+	if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
+		t.Fatal(err)
+	}
+	c.write("dns.yaml", fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata: {name: dns}
+spec:
+  clusterIP: 10.96.0.53
+  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 5353}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}
+addressType: IPv4
+ports: [{name: dns, port: 5353, protocol: UDP}]
+endpoints:
+- addresses: [%q]
+`, p.IP))
+	c.launcher = []string{prlimit, "--nofile=512:512"}
+	c.start(1, "--udp-timeout", "60s")
+	if strings.Contains(c.up.Output(), `"limit": 1048576`) {
+		// A process with CAP_SYS_RESOURCE raises its hard limit: then
+		// 1,200 flows fit, and the bound is not what is tested.
+		t.Log("uproxy raised its open-files limit past prlimit's; the queries test no bound")
+	}
+	if r := c.query(c.client.NS, "10.96.0.53:53", 1200, "--timeout", "300ms"); r.Errors > 0 {
+		t.Errorf("%d of 1200 queries failed (%s); want none", r.Errors, r.FirstError)
+	}
+	if out := c.up.Output(); strings.Contains(out, "too many open files") {
+		t.Errorf("uproxy ran out of descriptors:\n%s", out[max(0, len(out)-2000):])
 	}
 }
