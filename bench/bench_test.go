@@ -159,7 +159,7 @@ func TestWorkloads(t *testing.T) {
 	if diff := cmp.Diff([]string{"udp", "idle"}, got); diff != "" {
 		t.Errorf("selected workloads (-want +got):\n%s", diff)
 	}
-	if _, err := (Config{Workloads: []string{"udp", "dns"}}).withDefaults(); err == nil || !strings.Contains(err.Error(), `"dns"`) {
+	if _, err := (Config{Workloads: []string{"udp", "sctp"}}).withDefaults(); err == nil || !strings.Contains(err.Error(), `"sctp"`) {
 		t.Errorf("unknown workload: error %v, want one naming it", err)
 	}
 	for _, w := range workloadIDs {

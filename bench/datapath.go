@@ -19,6 +19,8 @@ var dataMetrics = []Metric{
 	{"short_cps", "Short-connection rate (connect, one request, close)", "conn/s", true},
 	{"udp_rps", "UDP request/response rate", "req/s", true},
 	{"udp_p99_us", "UDP request/response latency, p99", "µs", false},
+	{"dns_rps", "UDP queries from a new port each (DNS-like)", "req/s", true},
+	{"dns_p99_us", "UDP queries from a new port each, latency p99", "µs", false},
 	{"idle_kib", "Memory per idle connection", "KiB/conn", false},
 	{"idle_fds", "File descriptors per idle connection", "fd/conn", false},
 }
@@ -26,12 +28,13 @@ var dataMetrics = []Metric{
 // workloadIDs are the data-path workloads, in the order they run;
 // workloadMetrics maps each to the metrics it measures.
 var (
-	workloadIDs     = []string{"bulk", "rr", "short", "udp", "idle"}
+	workloadIDs     = []string{"bulk", "rr", "short", "udp", "dns", "idle"}
 	workloadMetrics = map[string][]string{
 		"bulk":  {"bulk_gbps"},
 		"rr":    {"rr_rps", "rr_p50_us", "rr_p99_us"},
 		"short": {"short_cps"},
 		"udp":   {"udp_rps", "udp_p99_us"},
+		"dns":   {"dns_rps", "dns_p99_us"},
 		"idle":  {"idle_kib", "idle_fds"},
 	}
 )
@@ -305,33 +308,42 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 		e.logf("%s short connections: %.0f conn/s", where, lr.Rate)
 	}
 
-	// UDP.
+	// UDP: long-lived sockets, then one new socket per query.
 	udpOK := false
-	if cfg.measures("udp") {
-		switch {
-		case len(r.udp) == 0:
-			res.setNA(p.ID, r.udpNA, "udp_rps", "udp_p99_us")
-			e.logf("%s udp: n/a: %s", where, r.udpNA)
-		default:
-			if _, err := t.probe(ctx, e, r.udp[0], true, "", 3*time.Second); err != nil {
-				if !strings.HasPrefix(p.ID, "uproxy") {
-					return false, fmt.Errorf("udp: the service does not answer: %w", err)
-				}
-				reason := "not implemented (a UDP service through uproxy does not answer)"
-				res.setNA(p.ID, reason, "udp_rps", "udp_p99_us")
-				e.logf("%s udp: n/a: %s", where, reason)
-				break
-			}
-			lr, err = t.load(ctx, e, "udp", append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns)...)
-			if err != nil || lr.Ops == 0 {
-				return false, fmt.Errorf("udp: %v %s", err, lr.FirstError)
-			}
-			res.series("udp_rps", p.ID).add(lr.Rate)
-			res.series("udp_p99_us", p.ID).add(lr.P99us)
-			note("udp", lr)
-			udpOK = true
-			e.logf("%s udp: %.0f req/s, p99 %.0fµs", where, lr.Rate, lr.P99us)
+	for _, u := range []struct {
+		workload, rate, p99, what string
+		extra                     []string
+	}{
+		{"udp", "udp_rps", "udp_p99_us", "udp", nil},
+		{"dns", "dns_rps", "dns_p99_us", "udp, a new port per query", []string{"--new-socket"}},
+	} {
+		if !cfg.measures(u.workload) {
+			continue
 		}
+		if len(r.udp) == 0 {
+			res.setNA(p.ID, r.udpNA, u.rate, u.p99)
+			e.logf("%s %s: n/a: %s", where, u.what, r.udpNA)
+			continue
+		}
+		if _, err := t.probe(ctx, e, r.udp[0], true, "", 3*time.Second); err != nil {
+			if !strings.HasPrefix(p.ID, "uproxy") {
+				return false, fmt.Errorf("%s: the service does not answer: %w", u.what, err)
+			}
+			reason := "not implemented (a UDP service through uproxy does not answer)"
+			res.setNA(p.ID, reason, u.rate, u.p99)
+			e.logf("%s %s: n/a: %s", where, u.what, reason)
+			continue
+		}
+		args := append(append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns), u.extra...)
+		lr, err = t.load(ctx, e, "udp", args...)
+		if err != nil || lr.Ops == 0 {
+			return false, fmt.Errorf("%s: %v %s", u.what, err, lr.FirstError)
+		}
+		res.series(u.rate, p.ID).add(lr.Rate)
+		res.series(u.p99, p.ID).add(lr.P99us)
+		note(u.workload, lr)
+		udpOK = udpOK || u.workload == "udp"
+		e.logf("%s %s: %.0f req/s, p99 %.0fµs", where, u.what, lr.Rate, lr.P99us)
 	}
 
 	// Idle connections: measured by measureIdle, on a fresh proxy, for a

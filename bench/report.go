@@ -256,6 +256,8 @@ func shortTitle(m Metric) string {
 		"short_cps":  "short conns",
 		"udp_rps":    "UDP",
 		"udp_p99_us": "UDP p99",
+		"dns_rps":    "UDP, new port per query",
+		"dns_p99_us": "UDP, new port, p99",
 		"idle_kib":   "memory/conn",
 		"idle_fds":   "fds/conn",
 	}
@@ -355,6 +357,7 @@ buckets), and iperf3's control connection would not survive a balancer that send
 | keep-alive | %d connections, each sends a 64-byte request as soon as the 128-byte answer to the previous one arrived; first fifth of %s is warm-up |
 | short connections | %d workers, each: connect, one request, the server answers and closes, close |
 | UDP | %d sockets, each sends a 64-byte datagram as soon as the previous one is echoed (200 ms timeout counts as a loss) |
+| UDP, a new port per query | as UDP, but each datagram goes out from a new socket, as a DNS stub resolver sends its queries: every query is a new flow to a proxy |
 | idle connections | %s connections, each makes one request then stays open, through a freshly started proxy in a lab of its own; memory = (proxy RSS after − before) / connections; nginx counts master and workers |
 
 Runs are interleaved (every path in run 1, then every path in run 2, …), %d runs.
