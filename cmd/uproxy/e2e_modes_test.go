@@ -43,10 +43,8 @@ func TestE2EModes(t *testing.T) {
 				t.Fatal(err)
 			}
 			var eps strings.Builder
+			c.serveUDP(c.pods...)
 			for _, p := range c.pods {
-				if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
-					t.Fatal(err)
-				}
 				fmt.Fprintf(&eps, "- addresses: [%q]\n", p.IP)
 			}
 			svc := func(name, ip string, preserve bool) string {

@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/uproxy/uproxy/bench/lab"
 )
 
 type udpResult struct {
@@ -29,6 +31,44 @@ func (c *cluster) query(ns, addr string, n int, extra ...string) udpResult {
 	return r
 }
 
+// serveUDP starts the UDP echo the dns service points at (bench
+// udp-serve, on :5353) in each of pods.
+func (c *cluster) serveUDP(pods ...*lab.Pod) {
+	c.t.Helper()
+	for _, p := range pods {
+		if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+}
+
+// dnsService returns the manifests of the dns service, 10.96.0.53:53/UDP,
+// over port 5353 of pods, with node port nodePort unless it is zero.
+func dnsService(nodePort int, pods ...*lab.Pod) string {
+	typ, np := "", ""
+	if nodePort != 0 {
+		typ, np = "\n  type: NodePort", fmt.Sprintf(", nodePort: %d", nodePort)
+	}
+	var eps strings.Builder
+	for _, p := range pods {
+		fmt.Fprintf(&eps, "- addresses: [%q]\n", p.IP)
+	}
+	return fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata: {name: dns}
+spec:%s
+  clusterIP: 10.96.0.53
+  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 5353%s}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}
+addressType: IPv4
+ports: [{name: dns, port: 5353, protocol: UDP}]
+endpoints:
+%s`, typ, np, eps.String())
+}
+
 // TestE2EUDP sends DNS-like queries through a UDP service from a pod, the
 // node and an external host, each from a connected socket that accepts
 // only answers coming from the VIP.
@@ -38,30 +78,8 @@ func TestE2EUDP(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range c.pods {
-		if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
-			t.Fatal(err)
-		}
-	}
-	var eps strings.Builder
-	for _, p := range c.pods {
-		fmt.Fprintf(&eps, "- addresses: [%q]\n", p.IP)
-	}
-	c.write("dns.yaml", `apiVersion: v1
-kind: Service
-metadata: {name: dns}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.53
-  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}
-addressType: IPv4
-ports: [{name: dns, port: 5353, protocol: UDP}]
-endpoints:
-`+eps.String())
+	c.serveUDP(c.pods...)
+	c.write("dns.yaml", dnsService(30053, c.pods...))
 	c.start(2, "--udp-timeout", "5s")
 	for _, from := range []struct{ name, ns, addr string }{
 		{"pod", c.client.NS, "10.96.0.53:53"},
@@ -100,25 +118,8 @@ func TestE2EUDPFlowsWithinDescriptorLimit(t *testing.T) {
 		t.Skip("skipping: no prlimit to give uproxy a small open-files limit")
 	}
 	c := newCluster(t, 1)
-	p := c.pods[0]
-	if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
-		t.Fatal(err)
-	}
-	c.write("dns.yaml", fmt.Sprintf(`apiVersion: v1
-kind: Service
-metadata: {name: dns}
-spec:
-  clusterIP: 10.96.0.53
-  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 5353}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}
-addressType: IPv4
-ports: [{name: dns, port: 5353, protocol: UDP}]
-endpoints:
-- addresses: [%q]
-`, p.IP))
+	c.serveUDP(c.pods...)
+	c.write("dns.yaml", dnsService(0, c.pods...))
 	c.launcher = []string{prlimit, "--nofile=512:512"}
 	c.start(1, "--udp-timeout", "60s")
 	if strings.Contains(c.up.Output(), `"limit": 1048576`) {

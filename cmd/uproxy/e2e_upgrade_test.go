@@ -40,11 +40,7 @@ func TestE2EUpgrade(t *testing.T) {
 
 func testUpgrade(t *testing.T, mode string) {
 	c := newCluster(t, 2)
-	for _, p := range c.pods {
-		if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
-			t.Fatal(err)
-		}
-	}
+	c.serveUDP(c.pods...)
 	echoInNetns(t, c.pods[0].NS, ":9000")
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
 	c.write("stream.yaml", fmt.Sprintf(`apiVersion: v1
@@ -61,20 +57,7 @@ addressType: IPv4
 ports: [{name: echo, port: 9000}]
 endpoints: [{addresses: [%q]}]
 `, c.pods[0].IP))
-	c.write("dns.yaml", fmt.Sprintf(`apiVersion: v1
-kind: Service
-metadata: {name: dns}
-spec:
-  clusterIP: 10.96.0.53
-  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 5353}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}
-addressType: IPv4
-ports: [{name: dns, port: 5353, protocol: UDP}]
-endpoints: [{addresses: [%q]}, {addresses: [%q]}]
-`, c.pods[0].IP, c.pods[1].IP))
+	c.write("dns.yaml", dnsService(0, c.pods[0], c.pods[1]))
 	rules := 3 // REDIRECT rules: web, stream, dns
 	if mode == "tproxy" {
 		rules = 0
