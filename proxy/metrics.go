@@ -58,6 +58,7 @@ type Metrics struct {
 	dialDuration prometheus.Histogram
 	dialErrors   [numDialReasons]prometheus.Counter
 	udpFlows     prometheus.Gauge
+	udpEvicted   prometheus.Counter
 
 	// The families that Collect builds from the counters.
 	connections *prometheus.Desc // service, port, backend, result
@@ -151,6 +152,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "uproxy_udp_flows_active",
 			Help: "Live UDP flows (client to backend associations).",
 		}),
+		udpEvicted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "uproxy_udp_flows_evicted_total",
+			Help: "UDP flows ended before their timeout because the flow table was full (--udp-max-flows): the least recently used flow makes room for a new one.",
+		}),
 		picks: prometheus.NewDesc("uproxy_balancer_picks_total",
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
@@ -165,7 +170,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.syncDuration, m.syncLast, m.netProgramming, m.endpointChanges, m.serviceChanges,
-			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows)
+			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted)
 	}
 	return m
 }
@@ -444,6 +449,13 @@ func (pm *portMetrics) flowOpened() {
 func (pm *portMetrics) flowClosed() {
 	if pm != nil {
 		pm.m.udpFlows.Dec()
+	}
+}
+
+// flowEvicted counts a flow that a full table ended to make room.
+func (pm *portMetrics) flowEvicted() {
+	if pm != nil {
+		pm.m.udpEvicted.Inc()
 	}
 }
 

@@ -420,7 +420,12 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	bm.connected()
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
-	flows.Add(key, f)
+	if flows.Add(key, f) {
+		// The table was full: its least recently used flow ended.
+		pm.flowEvicted()
+		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
+			zap.Stringer("servicePort", snap.sp.Name), zap.Int("flows", flows.Len()))
+	}
 	if f.conn != nil {
 		p.wg.Add(1)
 		go p.udpReplies(f) // ends when the flow's socket is closed

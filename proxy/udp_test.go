@@ -15,6 +15,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -314,7 +315,8 @@ func TestUDPNoLeaks(t *testing.T) {
 		echo := udpBackend(t, "", true)
 		baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
 		func() {
-			p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50})
+			reg := prometheus.NewRegistry()
+			p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50, Metrics: NewMetrics(reg)})
 			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
 			port := rules.port(t, "default/dns:dns")
 			for range 200 {
@@ -324,6 +326,13 @@ func TestUDPNoLeaks(t *testing.T) {
 			}
 			if n := p.UDPFlows(); n > 50 {
 				t.Errorf("%d flows, above the bound of 50", n)
+			}
+			// Each flow past the 50th made the table end its oldest one.
+			// (Not one per client: the kernel may give a closed client's
+			// port to the next, which then finds its flow still there.)
+			opened, _ := scrape(t, reg, "uproxy_connections_total", map[string]string{"result": "ok"})
+			if got, _ := scrape(t, reg, "uproxy_udp_flows_evicted_total", nil); opened < 100 || got != opened-50 {
+				t.Errorf("uproxy_udp_flows_evicted_total = %v after %v flows; want all but 50 of them", got, opened)
 			}
 			// Evicted flows close their sockets: at most the 50 flows',
 			// the listener's and the event loop's remain.
