@@ -63,12 +63,16 @@ type loopListener struct {
 	failed func(err error, delay time.Duration)
 	// accept is accept4(2), rawsys's; tests replace it.
 	accept func(fd int, sa *unix.RawSockaddrInet6) (int, error)
-	// readable, set for a UDP socket (loopPacketListener), is called
-	// on the one loop the socket is registered with, in place of accept:
-	// it reads and forwards what is queued, within a budget; more says
-	// the budget ran out with datagrams left. An error pauses the socket
-	// as a failed accept does.
+	// readable serves the socket when loop el finds it readable:
+	// acceptQueued for a TCP listener; for a UDP socket, registered with
+	// one loop only, a read and forward of what is queued
+	// (loopPacketListener). Each works within a budget; more says it ran
+	// out with more queued. An error pauses the socket (pauseAccept).
 	readable func(el *eventLoop) (more bool, err error)
+	// oneLoop registers the socket with one loop only (a UDP socket: the
+	// loop that reads it carries its flows); a TCP listener is registered
+	// with every loop.
+	oneLoop bool
 	// closed, if set, runs once the socket is closed: on the loop that
 	// read it, after any readable call, or on close's goroutine if no loop
 	// took the socket.
@@ -92,7 +96,9 @@ type listenSlot struct {
 // newLoopListener returns a loopListener for fd, a listening TCP socket,
 // which it owns from then on.
 func newLoopListener(fd int, serve func(el *eventLoop, fd int, client netip.AddrPort), failed func(error, time.Duration)) *loopListener {
-	return &loopListener{rawSock: rawSock{fd: fd}, serve: serve, failed: failed, accept: accept4}
+	ll := &loopListener{rawSock: rawSock{fd: fd}, serve: serve, failed: failed, accept: accept4}
+	ll.readable = ll.acceptQueued
+	return ll
 }
 
 // dup returns a duplicate of the socket's descriptor, close-on-exec.
@@ -138,8 +144,7 @@ type acceptSlot struct {
 }
 
 // listen registers ll with every loop of g, starting the loops if they
-// are not running; a UDP socket (ll.readable set) with one of them only,
-// which then carries all of the socket's flows. The registrations happen
+// are not running; with one of them only if ll.oneLoop. The registrations happen
 // on the loops, shortly after: connections and datagrams arriving
 // meanwhile wait in the socket's queue.
 func (g *loopGroup) listen(ll *loopListener) error {
@@ -147,7 +152,7 @@ func (g *loopGroup) listen(ll *loopListener) error {
 	if err != nil {
 		return err
 	}
-	if ll.readable != nil {
+	if ll.oneLoop {
 		l, err := g.loopFor()
 		if err != nil {
 			return err
@@ -217,9 +222,9 @@ func (l *eventLoop) dropListener(fd int, slot int32) {
 	})
 }
 
-// acceptReady accepts the connections queued on the listener in slot, up
-// to acceptBatch, and serves them. Runs on the loop.
-func (l *eventLoop) acceptReady(slot int32) {
+// listenerReady serves the listener in slot, which epoll found readable
+// (ll.readable), and pauses it if that failed. Runs on the loop.
+func (l *eventLoop) listenerReady(slot int32) {
 	if slot < 0 || int(slot) >= len(l.accepting) {
 		return
 	}
@@ -228,45 +233,44 @@ func (l *eventLoop) acceptReady(slot int32) {
 	if ll == nil || !as.resumeAt.IsZero() {
 		return
 	}
-	if ll.readable != nil {
-		more, err := ll.readable(l)
-		if err != nil {
-			l.pauseAccept(slot, err)
-			return
-		}
-		as.delay = 0
-		// Level-triggered, as for acceptBatch below.
-		l.epollDue = l.epollDue || more
+	more, err := ll.readable(l)
+	if err != nil {
+		l.pauseAccept(slot, err)
 		return
 	}
+	as.delay = 0
+	// Level-triggered, a socket that holds more is reported again by the
+	// next epoll_wait, but raises no new wake-up of a ring's poll of the
+	// epoll set (loopring.go).
+	l.epollDue = l.epollDue || more
+}
+
+// acceptQueued is a TCP listener's readable: it accepts the connections
+// queued on the socket, up to acceptBatch, and serves them. more: some may
+// be left; err: accept failed for want of resources.
+func (ll *loopListener) acceptQueued(el *eventLoop) (more bool, err error) {
 	for range acceptBatch {
 		ll.mu.Lock()
 		if ll.fd < 0 {
 			ll.mu.Unlock()
-			return
+			return false, nil
 		}
-		fd, err := ll.accept(ll.fd, &l.acceptAddr)
+		fd, err := ll.accept(ll.fd, &el.acceptAddr)
 		ll.mu.Unlock()
 		switch err {
 		case nil:
-			as.delay = 0
-			ll.serve(l, fd, sockaddrAddrPort(&l.acceptAddr))
+			ll.serve(el, fd, sockaddrAddrPort(&el.acceptAddr))
 		case unix.EAGAIN:
-			return // none is left, or another loop took it
+			return false, nil // none is left, or another loop took it
 		case unix.ECONNABORTED, unix.EINTR:
 			// Reset while queued, or interrupted: the socket is reported
-			// again while more are queued (see below).
-			l.epollDue = true
-			return
+			// again while more are queued.
+			return true, nil
 		default:
-			l.pauseAccept(slot, err)
-			return
+			return false, err
 		}
 	}
-	// More may be queued: level-triggered, the socket is reported again
-	// by the next epoll_wait, but raises no new wake-up of a ring's poll
-	// of the epoll set (loopring.go).
-	l.epollDue = true
+	return true, nil
 }
 
 // pauseAccept stops accepting on the listener in slot after err, for

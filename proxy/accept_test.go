@@ -276,7 +276,7 @@ func TestLoopUDPReadBacksOff(t *testing.T) {
 	pc, rc := loopbackUDP(t)
 	fd := dupForTest(t, rc)
 	var rec acceptRecorder
-	ll := &loopListener{rawSock: rawSock{fd: fd}, failed: rec.failed}
+	ll := &loopListener{rawSock: rawSock{fd: fd}, failed: rec.failed, oneLoop: true}
 	defer ll.close()
 	const failures = 4
 	var mu sync.Mutex

@@ -301,7 +301,7 @@ func (l *eventLoop) run(ring bool, started chan<- struct{}) {
 			case ev.Pad == 0:
 				woken = true
 			case ev.Pad < 0:
-				l.acceptReady(ev.Fd)
+				l.listenerReady(ev.Fd)
 			default:
 				l.ready(ev)
 			}
@@ -381,8 +381,7 @@ func (l *eventLoop) runTasks() bool {
 	for ls := range l.sessions {
 		l.end(ls, true)
 	}
-	// No sender is left to hold a flow's socket: the listeners that send
-	// were closed, and their goroutines waited for, before the loops stop.
+	// Only this loop sends on its flows' sockets.
 	for f := range l.flows {
 		f.close()
 		l.dropFlow(f)
@@ -1079,8 +1078,8 @@ func (l *eventLoop) flowReady(f *udpFlow) {
 }
 
 // dropFlow closes a closed flow's socket, which takes it out of the
-// epoll set, and lets go of its backend. Runs on the loop, once the last
-// sender is done with the socket (flowRefs); at most once per flow.
+// epoll set, and lets go of its backend. Runs on the loop, after the flow
+// was closed; at most once per flow.
 func (l *eventLoop) dropFlow(f *udpFlow) {
 	if _, ok := l.flows[f]; !ok {
 		return

@@ -185,7 +185,7 @@ func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.Epol
 		return nil, err
 	}
 	// A full batch may have left events behind, which raise no new
-	// wake-up; so may a listener that reached acceptBatch (acceptReady).
+	// wake-up; so may a listener that reached acceptBatch (acceptQueued).
 	l.epollDue = n == len(events)
 	return events[:n], nil
 }

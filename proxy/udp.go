@@ -52,13 +52,13 @@ type udpFlow struct {
 	// mode, unknown otherwise.
 	orig    netip.AddrPort
 	backend *balancer.Backend
-	// The socket connected to the backend: conn without event loops (read
-	// by the flow's goroutine, udpReplies), or else fd, read by loop
-	// (flowReady) and written by the listener's goroutine under refs.
+	// The socket connected to the backend: conn when a goroutine reads the
+	// listener (read by the flow's goroutine, udpReplies), or else fd,
+	// owned by loop, which reads the listener, writes the flow's requests
+	// (send), relays its replies (flowReady) and closes it (dropFlow).
 	conn *net.UDPConn
 	fd   int
 	loop *eventLoop
-	refs flowRefs
 	side loopSide // fd's entry in loop's epoll set; owned by loop
 	// dst is where the client's datagrams arrived: in redirect mode the
 	// local address the kernel redirected them to (replies sent from it are
@@ -103,8 +103,9 @@ var flowStart = time.Now()
 func flowClock() int64 { return int64(time.Since(flowStart)) }
 
 // close ends the flow; safe to call from any goroutine, any number of
-// times. On an event loop, the loop closes the socket once no sender
-// holds it (flowRefs).
+// times. On an event loop, the loop closes the socket (drop): only the
+// loop uses it, so no send can meet a closed descriptor whose number
+// another socket has taken.
 func (f *udpFlow) close() {
 	if !f.closed.CompareAndSwap(false, true) {
 		return
@@ -112,25 +113,23 @@ func (f *udpFlow) close() {
 	f.pm.flowClosed()
 	if f.conn != nil {
 		f.conn.Close()
-	} else if f.refs.shut() {
+	} else {
 		f.drop()
 	}
 }
 
 // send writes one client datagram to the backend, without waiting: a full
-// send buffer drops it (errDatagramDropped).
+// send buffer drops it (errDatagramDropped). On an event loop it runs on
+// f.loop, whose dropFlow alone closes f.fd.
 func (f *udpFlow) send(b []byte) error {
 	if f.conn != nil {
 		_, err := f.conn.Write(b)
 		return err
 	}
-	if !f.refs.acquire() {
+	if f.closed.Load() {
 		return net.ErrClosed
 	}
 	_, err := writeRetry(f.fd, b)
-	if f.refs.release() {
-		f.drop()
-	}
 	switch err {
 	case nil:
 		return nil
@@ -143,50 +142,11 @@ func (f *udpFlow) send(b []byte) error {
 // errDatagramDropped: a datagram found its flow's send buffer full.
 var errDatagramDropped = errors.New("datagram dropped: the backend socket's send buffer is full")
 
-// drop has the flow's loop close its socket, once the flow is closed and
-// no sender holds it. If the loop has stopped, it closed the socket as it
-// stopped (runTasks).
+// drop has the flow's loop close its socket, once the flow is closed. If
+// the loop has stopped, it closed the socket as it stopped (runTasks).
 func (f *udpFlow) drop() {
 	l := f.loop
 	l.post(func() { l.dropFlow(f) })
-}
-
-// flowRefs counts the goroutines sending on an event loop flow's socket,
-// so that the loop closes it only after the last one is done: a
-// descriptor closed under a sender could be reused by another socket
-// before the send (the race internal/poll's fdMutex guards against).
-type flowRefs struct{ v atomic.Int64 }
-
-// flowShut marks a flow whose socket is to be closed.
-const flowShut = 1 << 62
-
-// acquire adds a sender; false once the flow is shut.
-func (r *flowRefs) acquire() bool {
-	for {
-		v := r.v.Load()
-		if v&flowShut != 0 {
-			return false
-		}
-		if r.v.CompareAndSwap(v, v+1) {
-			return true
-		}
-	}
-}
-
-// release removes a sender; true if it was the last of a shut flow.
-func (r *flowRefs) release() bool { return r.v.Add(-1) == flowShut }
-
-// shut marks the flow shut, once; true if no sender holds it.
-func (r *flowRefs) shut() bool {
-	for {
-		v := r.v.Load()
-		if v&flowShut != 0 {
-			return false
-		}
-		if r.v.CompareAndSwap(v, v|flowShut) {
-			return v == 0
-		}
-	}
 }
 
 // flowTable holds every UDP flow of a Proxier, bounded in size, each
@@ -424,7 +384,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 		// The table was full: its least recently used flow ended.
 		pm.flowEvicted()
 		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
-			zap.Stringer("servicePort", snap.sp.Name), zap.Int("flows", flows.Len()))
+			zap.Stringer("servicePort", snap.sp.Name))
 	}
 	if f.conn != nil {
 		p.wg.Add(1)
@@ -435,24 +395,14 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 
 // connectFlow connects f's socket to its backend, from the address from
 // when it is valid, and holds the backend (Acquire) until the flow ends.
-// With event loops (and the default dialer) the socket joins one, which
-// relays the backend's replies; it is added before anyone else knows the
-// flow, so that the loop sees it before any request to drop it. el, when
-// set, is the loop this runs on, which read the flow's first datagram: it
-// takes the flow at once, so that a request and its reply are handled by
-// the same thread.
+// el, when set, is the event loop this runs on, which read the flow's
+// first datagram: the socket joins it at once, before anyone else knows
+// the flow, and the loop carries both directions, so that a request and
+// its reply are handled by the same thread. Without one (the listener's
+// goroutine reads it: no event loops, a dialer of the caller's, or a
+// socket the loops could not take) the flow gets a goroutine of its own.
 func (p *Proxier) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
-	if el != nil {
-		fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from)
-		if err != nil {
-			return err
-		}
-		f.fd, f.loop = fd, el
-		f.backend.Acquire()
-		el.addFlow(f)
-		return nil
-	}
-	if p.loops.n <= 0 || p.cfg.Dial != nil {
+	if el == nil {
 		conn, err := p.dialUDP(f.backend.Addr, from)
 		if err != nil {
 			return err
@@ -461,21 +411,13 @@ func (p *Proxier) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error 
 		f.backend.Acquire()
 		return nil
 	}
-	l, err := p.loops.loopFor()
-	if err != nil {
-		return err
-	}
 	fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from)
 	if err != nil {
 		return err
 	}
-	f.fd, f.loop = fd, l
+	f.fd, f.loop = fd, el
 	f.backend.Acquire()
-	if !l.post(func() { l.addFlow(f) }) {
-		unix.Close(fd)
-		f.backend.Release()
-		return errLoopStopped
-	}
+	el.addFlow(f)
 	return nil
 }
 
@@ -595,7 +537,7 @@ func (p *Proxier) loopPacketListener(l *listener) error {
 	if fd < 0 {
 		return nil
 	}
-	ll := &loopListener{rawSock: rawSock{fd: fd}}
+	ll := &loopListener{rawSock: rawSock{fd: fd}, oneLoop: true}
 	sock, ls, err := p.udpSocket(l, ll)
 	if !p.udpSocketErr(l, sock, err) {
 		ll.close()
