@@ -242,4 +242,7 @@ type RuleStats struct {
 	// zero when the kernel already held them, Rules when they were
 	// (re)written.
 	Written int
+	// Commands is the number of processes (iptables, ipset) this call
+	// ran: zero when the kernel already held the rules and sets.
+	Commands int
 }

@@ -445,19 +445,18 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	}
 	nsvc, neps := p.counts()
 	// Endpoint-only changes leave the rules alone: the line then says
-	// rulesWritten 0 without claiming a rule count it did not check.
-	ruleFields := []zap.Field{zap.Skip(), zap.Skip()}
+	// rulesWritten 0 and ruleCommands 0 without claiming a rule count it
+	// did not check.
+	ruleFields := []zap.Field{zap.Skip(), zap.Int("rulesWritten", 0), zap.Int("ruleCommands", 0)}
 	if synced {
-		ruleFields = []zap.Field{zap.Int("rules", rules.Rules), zap.Int("rulesWritten", rules.Written)}
-	} else {
-		ruleFields[1] = zap.Int("rulesWritten", 0)
+		ruleFields = []zap.Field{zap.Int("rules", rules.Rules), zap.Int("rulesWritten", rules.Written), zap.Int("ruleCommands", rules.Commands)}
 	}
 	p.log.Info("synced",
 		zap.Bool("full", full),
 		zap.Int("servicesChanged", len(ch.Services)),
 		zap.Int("services", nsvc),
 		zap.Int("endpoints", neps),
-		ruleFields[0], ruleFields[1],
+		ruleFields[0], ruleFields[1], ruleFields[2],
 		zap.Duration("duration", end.Sub(start)))
 	return nil
 }

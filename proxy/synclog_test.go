@@ -11,8 +11,9 @@ import (
 )
 
 // TestSyncLogLine checks the one-line summary every sync logs: services,
-// endpoints, rules and rules written, duration; and that a sync that
-// changed only endpoints says it wrote no rules.
+// endpoints, rules, rules written and the processes run to write them,
+// duration; and that a sync that changed only endpoints says it wrote no
+// rules and ran no process.
 func TestSyncLogLine(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
@@ -24,6 +25,7 @@ func TestSyncLogLine(t *testing.T) {
 	type summary struct {
 		Services, Endpoints int64
 		Rules, RulesWritten int64 // -1: absent
+		RuleCommands        int64 // -1: absent
 		HasDuration         bool
 	}
 	last := func() (summary, bool) {
@@ -32,7 +34,7 @@ func TestSyncLogLine(t *testing.T) {
 			return summary{}, false
 		}
 		m := entries[len(entries)-1].ContextMap()
-		s := summary{Rules: -1, RulesWritten: -1}
+		s := summary{Rules: -1, RulesWritten: -1, RuleCommands: -1}
 		s.Services, _ = m["services"].(int64)
 		s.Endpoints, _ = m["endpoints"].(int64)
 		if v, ok := m["rules"].(int64); ok {
@@ -40,6 +42,9 @@ func TestSyncLogLine(t *testing.T) {
 		}
 		if v, ok := m["rulesWritten"].(int64); ok {
 			s.RulesWritten = v
+		}
+		if v, ok := m["ruleCommands"].(int64); ok {
+			s.RuleCommands = v
 		}
 		_, s.HasDuration = m["duration"]
 		return s, true
@@ -49,7 +54,7 @@ func TestSyncLogLine(t *testing.T) {
 		t.Fatal("no sync summary was logged")
 	}
 	// recordingRules reports one rule per intercept, all written.
-	if diff := cmp.Diff(summary{Services: 1, Endpoints: 2, Rules: 1, RulesWritten: 1, HasDuration: true}, got); diff != "" {
+	if diff := cmp.Diff(summary{Services: 1, Endpoints: 2, Rules: 1, RulesWritten: 1, RuleCommands: 1, HasDuration: true}, got); diff != "" {
 		t.Errorf("summary of the first sync (-want +got):\n%s", diff)
 	}
 
@@ -57,7 +62,7 @@ func TestSyncLogLine(t *testing.T) {
 	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", a))
 	waitUntil(t, "a second sync", func() bool { return len(logs.FilterMessage("synced").All()) > n })
 	got, _ = last()
-	if diff := cmp.Diff(summary{Services: 1, Endpoints: 1, Rules: -1, RulesWritten: 0, HasDuration: true}, got); diff != "" {
+	if diff := cmp.Diff(summary{Services: 1, Endpoints: 1, Rules: -1, RulesWritten: 0, RuleCommands: 0, HasDuration: true}, got); diff != "" {
 		t.Errorf("summary of an endpoint-only sync (-want +got):\n%s", diff)
 	}
 }

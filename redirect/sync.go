@@ -103,6 +103,13 @@ type Config struct {
 	LockBackoff time.Duration
 	// Clock times the pauses between attempts; nil means the real clock.
 	Clock clock.Clock
+	// Commands, when not nil, is called with a command's name
+	// ("iptables-restore", "ip6tables-save", "ipset", or "iptables" for a
+	// jump rule) before each process that a Syncer or Cleanup runs,
+	// attempts after a lock timeout included. It is called from inside
+	// Sync or Cleanup, and must be safe for concurrent use when the
+	// families' Syncers share it. nil means no one is told.
+	Commands func(name string)
 }
 
 // Defaults of the Config fields whose zero value means a default.
@@ -141,7 +148,11 @@ func resolve(cfg Config) (resolved, error) {
 			res.noIpset = fmt.Errorf("%s is not installed (Debian package ipset): %w", ipsetCommand, err)
 		}
 	}
-	res.Exec = lockRetryExec{Exec: cfg.Exec, retry: cfg.lockRetry()}
+	if cfg.Commands != nil {
+		res.Exec = countedExec{Exec: cfg.Exec, count: cfg.Commands}
+		res.Jumps = countedJumps{JumpRules: cfg.Jumps, name: cfg.Family.command(""), count: cfg.Commands}
+	}
+	res.Exec = lockRetryExec{Exec: res.Exec, retry: cfg.lockRetry()}
 	return res, nil
 }
 
@@ -743,6 +754,50 @@ func (r lockRetry) do(ctx context.Context, op func() error) error {
 		}
 		delay *= 2
 	}
+}
+
+// countedExec is an Exec that tells count the name of every command
+// before it runs it.
+type countedExec struct {
+	Exec
+	count func(name string)
+}
+
+// Run implements Exec.
+func (x countedExec) Run(ctx context.Context, name string, args []string, stdin []byte) ([]byte, error) {
+	x.count(name)
+	return x.Exec.Run(ctx, name, args, stdin)
+}
+
+// countedJumps is a JumpRules that tells count name (the family's
+// iptables command) before each call, each of which runs one process.
+type countedJumps struct {
+	JumpRules
+	name  string
+	count func(name string)
+}
+
+var (
+	_ Exec      = countedExec{}
+	_ JumpRules = countedJumps{}
+)
+
+// Exists implements JumpRules.
+func (j countedJumps) Exists(table, chain string, rulespec ...string) (bool, error) {
+	j.count(j.name)
+	return j.JumpRules.Exists(table, chain, rulespec...)
+}
+
+// Insert implements JumpRules.
+func (j countedJumps) Insert(table, chain string, pos int, rulespec ...string) error {
+	j.count(j.name)
+	return j.JumpRules.Insert(table, chain, pos, rulespec...)
+}
+
+// Delete implements JumpRules.
+func (j countedJumps) Delete(table, chain string, rulespec ...string) error {
+	j.count(j.name)
+	return j.JumpRules.Delete(table, chain, rulespec...)
 }
 
 // lockRetryExec is an Exec whose commands are run again while they fail

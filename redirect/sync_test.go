@@ -1870,3 +1870,73 @@ func TestSyncTProxy(t *testing.T) {
 		t.Errorf("Sync with a mark outside its mask ran %q", calls)
 	}
 }
+
+// commandNames maps the fake kernel's call records to the command names
+// that Config.Commands is told: the process for an Exec call, the
+// family's iptables for a JumpRules call.
+func commandNames(f Family, calls []string) []string {
+	var out []string
+	for _, c := range calls {
+		name, _, _ := strings.Cut(c, " ")
+		switch name {
+		case "Exists", "Insert", "Delete":
+			name = f.command("")
+		}
+		out = append(out, name)
+	}
+	return out
+}
+
+// TestCommandsCounted checks Config.Commands: it is told of every process
+// a Syncer and Cleanup run, jump rules included, and of none when a sync
+// has nothing to write (an endpoint change, to the rules).
+func TestCommandsCounted(t *testing.T) {
+	ctx := context.Background()
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			k := newFakeKernel(f)
+			var mu sync.Mutex
+			var told []string
+			take := func() []string {
+				mu.Lock()
+				defer mu.Unlock()
+				out := told
+				told = nil
+				return out
+			}
+			cfg := Config{Family: f, Exec: k, Jumps: k, Commands: func(name string) {
+				mu.Lock()
+				defer mu.Unlock()
+				told = append(told, name)
+			}}
+			s, err := New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := rulesA // it has IPv6 rules too
+			for _, step := range []struct {
+				name string
+				run  func() error
+			}{
+				{"first sync", func() error { _, err := s.Sync(ctx, r, false); return err }},
+				{"unchanged sync", func() error { _, err := s.Sync(ctx, r, false); return err }},
+				{"full sync", func() error { _, err := s.Sync(ctx, r, true); return err }},
+				{"cleanup", func() error { return Cleanup(ctx, cfg) }},
+			} {
+				if err := step.run(); err != nil {
+					t.Fatalf("%s: %v", step.name, err)
+				}
+				want := commandNames(f, k.takeCalls())
+				if diff := cmp.Diff(want, take()); diff != "" {
+					t.Errorf("%s: commands told (-want +got):\n%s", step.name, diff)
+				}
+				if step.name == "unchanged sync" && len(want) != 0 {
+					t.Errorf("unchanged sync ran %q, want nothing", want)
+				}
+				if step.name != "unchanged sync" && len(want) == 0 {
+					t.Errorf("%s ran nothing: the test checks nothing", step.name)
+				}
+			}
+		})
+	}
+}

@@ -35,7 +35,9 @@ func (c *cluster) scrapeMetrics() map[string]*dto.MetricFamily {
 func TestE2EMetrics(t *testing.T) {
 	c := newCluster(t, 2)
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
-	c.start(1, "--metrics-bind-address", metricsAddr)
+	// No periodic full sync: the endpoint change below must be the only
+	// sync that could run a process.
+	c.start(1, "--metrics-bind-address", metricsAddr, "--iptables-sync-period=1h")
 	c.waitSynced()
 	if r := c.get(c.client.NS, "http://10.96.0.10/", 10); r.Errors > 0 {
 		t.Fatalf("requests failed: %v", r)
@@ -74,6 +76,7 @@ func TestE2EMetrics(t *testing.T) {
 		"uproxy_udp_flows_active":                           dto.MetricType_GAUGE,
 		"uproxy_udp_flows_evicted_total":                    dto.MetricType_COUNTER,
 		"uproxy_balancer_picks_total":                       dto.MetricType_COUNTER,
+		"uproxy_rule_commands_total":                        dto.MetricType_COUNTER,
 		"go_goroutines":                                     dto.MetricType_GAUGE,
 		"process_open_fds":                                  dto.MetricType_GAUGE,
 	} {
@@ -106,5 +109,39 @@ func TestE2EMetrics(t *testing.T) {
 				}
 			}
 		}
+	}
+
+	// The syncs so far ran iptables-restore; an endpoint change runs
+	// nothing, though its sync must still end.
+	if v, _ := promtest.Sum(mfs["uproxy_rule_commands_total"], map[string]string{"command": "iptables-restore"}); v == 0 {
+		t.Error("no iptables-restore counted in uproxy_rule_commands_total")
+	}
+	commands, _ := promtest.Sum(mfs["uproxy_rule_commands_total"], nil)
+	changes, _ := promtest.Sum(mfs["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil)
+	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods[0]))
+	deadline = time.Now().Add(10 * time.Second)
+	for {
+		mfs = c.scrapeMetrics()
+		if v, _ := promtest.Sum(mfs["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil); v > changes {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the endpoint change was not recorded")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	// Every request now reaches the one endpoint left, so the change's
+	// sync has ended.
+	for try := range 20 {
+		if r := c.get(c.client.NS, "http://10.96.0.10/", 4); r.Errors == 0 && r.Counts[c.pods[0].Name] == 4 {
+			break
+		}
+		if try == 19 {
+			t.Fatal("traffic did not follow the endpoint change")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if v, _ := promtest.Sum(c.scrapeMetrics()["uproxy_rule_commands_total"], nil); v != commands {
+		t.Errorf("uproxy_rule_commands_total went from %v to %v on an endpoint change, want no process run", commands, v)
 	}
 }

@@ -9,7 +9,9 @@ import (
 	"os/exec"
 	"slices"
 	"sync"
+	"sync/atomic"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 
@@ -28,6 +30,29 @@ type kernelRules struct {
 	routed            [2]bool
 	log               *zap.Logger
 	warned            bool
+	// commands counts the processes the Syncers run, by command; nil
+	// counts none. ran counts them for SyncRules' stats: the two
+	// families' Syncers add to it side by side.
+	commands *prometheus.CounterVec
+	ran      atomic.Int64
+}
+
+// newRuleCommands registers uproxy_rule_commands_total with reg.
+func newRuleCommands(reg prometheus.Registerer) *prometheus.CounterVec {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_rule_commands_total",
+		Help: "Processes run to read or write uproxy's kernel rules and sets, by command: iptables-restore, iptables-save, ipset, and iptables for a jump rule (ip6tables-* for IPv6).",
+	}, []string{"command"})
+	reg.MustRegister(c)
+	return c
+}
+
+// countCommand is the Syncers' redirect.Config.Commands.
+func (k *kernelRules) countCommand(name string) {
+	k.ran.Add(1)
+	if k.commands != nil {
+		k.commands.WithLabelValues(name).Inc()
+	}
 }
 
 var _ proxy.RuleSyncer = (*kernelRules)(nil)
@@ -37,6 +62,7 @@ var _ proxy.RuleSyncer = (*kernelRules)(nil)
 // if an IPv6 service shows up).
 func (k *kernelRules) init(cfg redirect.Config) error {
 	cfg.Family = redirect.IPv4
+	cfg.Commands = k.countCommand
 	var err error
 	if k.v4, err = redirect.New(cfg); err != nil {
 		return fmt.Errorf("iptables: %w", err)
@@ -52,6 +78,7 @@ func (k *kernelRules) init(cfg redirect.Config) error {
 
 func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
 	var stats proxy.RuleStats
+	commandsBefore := k.ran.Load()
 	rules := toRedirectRules(in, k.nodePortAddresses)
 	rules.Shared = k.shared
 	if k.tproxy {
@@ -97,6 +124,7 @@ func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full 
 			k.log.Debug("iptables rules written", zap.Stringer("family", redirect.Family(f)), zap.Int("rules", res.Rules))
 		}
 	}
+	stats.Commands = int(k.ran.Load() - commandsBefore)
 	return stats, errors.Join(errs[:]...)
 }
 

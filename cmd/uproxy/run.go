@@ -301,6 +301,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
+	rules.commands = newRuleCommands(reg)
 	synced := make(chan struct{})
 	restoreGC := startupGC()
 	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
