@@ -32,6 +32,7 @@ var cpMetrics = []Metric{
 	{"change_ms", "Time from one endpoint change until traffic follows it", "ms", false},
 	{"change_api_ms", "The API server's part of an endpoint change: the update request, until it returns (the write is in etcd)", "ms", false},
 	{"change_sync_ms", "uproxy only: the proxy's part of an endpoint change, from the start of the sync it triggered (uproxy's log, 1 ms resolution) until traffic follows", "ms", false},
+	{"change_commands", "uproxy only: processes (iptables, ipset) that the sync of an endpoint change ran, from uproxy's log", "processes", false},
 	{"rules", "Kernel rules (lines of iptables-save, plus ipset save if any; nft list ruleset for nftables)", "lines", false},
 	{"rss_mib", "Proxy RSS once everything is programmed", "MiB", false},
 }
@@ -584,7 +585,7 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	}
 	syncLogged := proc != nil && strings.HasPrefix(p.ID, "uproxy")
 	if !syncLogged {
-		res.setNA(p.ID, n, "only uproxy logs each sync's start", "change_sync_ms")
+		res.setNA(p.ID, n, "only uproxy logs each sync's start", "change_sync_ms", "change_commands")
 	}
 	for i, to := range s.changes {
 		ct, err := timeChange(ctx, e, t, p, k, s, from, to, last)
@@ -598,11 +599,17 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 			detail = fmt.Sprintf(" (API server %.1f ms", ms(ct.written.Sub(ct.start)))
 		}
 		if syncLogged {
-			sync, took, err := waitChangeSync(proc, ct.start)
+			sl, err := waitChangeSync(proc, ct.start)
 			if err != nil {
 				return fmt.Errorf("endpoint change %d: reading uproxy's log: %w", i+1, err)
 			}
+			sync, took := sl.start, sl.took
 			res.series("change_sync_ms", p.ID, n).add(ms(ct.traffic.Sub(sync)))
+			if sl.commands >= 0 {
+				res.series("change_commands", p.ID, n).add(float64(sl.commands))
+			} else {
+				res.setNA(p.ID, n, "this uproxy's log does not say how many processes a sync ran", "change_commands")
+			}
 			detail += fmt.Sprintf(", uproxy %.1f ms from the start of its sync, which took %v; the probe's connection that reached the new endpoint began %.1f ms after the sync's start, was established %.1f ms later and answered %.1f ms after that",
 				ms(ct.traffic.Sub(sync)), took, ms(ct.attempt.Sub(sync)), ms(ct.connected.Sub(ct.attempt)), ms(ct.traffic.Sub(ct.connected)))
 			if !ct.prevEnd.IsZero() {
@@ -676,20 +683,29 @@ func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *
 // after started, from proc's (uproxy's) log, waiting a moment for the
 // line: the sync logs once it has ended, after the traffic may already
 // have followed.
-func waitChangeSync(proc *lab.Proc, after time.Time) (time.Time, time.Duration, error) {
-	start, took, err := changeSync(proc.Output(), after)
+func waitChangeSync(proc *lab.Proc, after time.Time) (syncLine, error) {
+	sl, err := changeSync(proc.Output(), after)
 	for wait := time.Now().Add(5 * time.Second); err != nil && time.Now().Before(wait); {
 		time.Sleep(20 * time.Millisecond)
-		start, took, err = changeSync(proc.Output(), after)
+		sl, err = changeSync(proc.Output(), after)
 	}
-	return start, took, err
+	return sl, err
 }
 
-// changeSync returns the start and the duration of the first incremental
-// sync that changed a service and ended at or after after: the start is
-// its "synced" line's timestamp (the end, to the millisecond) less its
-// duration.
-func changeSync(log string, after time.Time) (time.Time, time.Duration, error) {
+// syncLine is what one of uproxy's "synced" lines says.
+type syncLine struct {
+	// start is the line's timestamp (the end, to the millisecond) less
+	// took, the sync's duration.
+	start time.Time
+	took  time.Duration
+	// commands is the number of processes (iptables, ipset) the sync
+	// ran; -1 when the line does not say (builds before 2026-12-01).
+	commands int
+}
+
+// changeSync returns the first incremental sync that changed a service
+// and ended at or after after.
+func changeSync(log string, after time.Time) (syncLine, error) {
 	after = after.Truncate(time.Millisecond) // the log's resolution
 	for line := range strings.Lines(log) {
 		ts, rest, ok := strings.Cut(line, "\t")
@@ -702,25 +718,26 @@ func changeSync(log string, after time.Time) (time.Time, time.Duration, error) {
 			// buffer that has cut its start off.
 			continue
 		}
-		var f struct {
+		f := struct {
 			Full            bool   `json:"full"`
 			ServicesChanged int    `json:"servicesChanged"`
+			RuleCommands    int    `json:"ruleCommands"`
 			Duration        string `json:"duration"`
-		}
+		}{RuleCommands: -1}
 		fields := rest[strings.LastIndexByte(rest, '\t')+1:]
 		if err := json.Unmarshal([]byte(fields), &f); err != nil {
-			return time.Time{}, 0, fmt.Errorf("synced line %q: %w", strings.TrimSpace(line), err)
+			return syncLine{}, fmt.Errorf("synced line %q: %w", strings.TrimSpace(line), err)
 		}
 		if f.Full || f.ServicesChanged == 0 {
 			continue
 		}
 		d, err := time.ParseDuration(f.Duration)
 		if err != nil {
-			return time.Time{}, 0, fmt.Errorf("synced line %q: duration: %w", strings.TrimSpace(line), err)
+			return syncLine{}, fmt.Errorf("synced line %q: duration: %w", strings.TrimSpace(line), err)
 		}
-		return end.Add(-d), d, nil
+		return syncLine{start: end.Add(-d), took: d, commands: f.RuleCommands}, nil
 	}
-	return time.Time{}, 0, fmt.Errorf(`no incremental "synced" line changing a service at or after %s`, after.Format(time.RFC3339Nano))
+	return syncLine{}, fmt.Errorf(`no incremental "synced" line changing a service at or after %s`, after.Format(time.RFC3339Nano))
 }
 
 // patientDialer returns a copy of cfg whose connections are retried while

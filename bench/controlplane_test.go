@@ -211,31 +211,33 @@ func TestChangeSync(t *testing.T) {
 		line("2026-11-30T05:00:00.100Z", `{"full": false, "servicesChanged": 1, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "duration": "20µs"}`) +
 		line("2026-11-30T05:00:01.000Z", `{"full": true, "servicesChanged": 1000, "services": 1000, "endpoints": 10000, "rules": 2040, "rulesWritten": 0, "duration": "3ms"}`) +
 		line("2026-11-30T05:00:01.500Z", `{"full": false, "servicesChanged": 0, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "duration": "5µs"}`) +
-		line("2026-11-30T05:00:01.512Z", `{"full": false, "servicesChanged": 1, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "duration": "1.5ms"}`)
+		line("2026-11-30T05:00:01.512Z", `{"full": false, "servicesChanged": 1, "services": 1000, "endpoints": 10000, "rulesWritten": 0, "ruleCommands": 0, "duration": "1.5ms"}`)
 	for _, tc := range []struct {
-		after string
-		want  string // "" for an error
+		after        string
+		want         string // "" for an error
+		wantCommands int
 	}{
 		// Skips the earlier sync, the periodic full one and the one that
 		// changed nothing.
-		{"2026-11-30T05:00:00.200Z", "2026-11-30T05:00:01.5105Z"},
+		{"2026-11-30T05:00:00.200Z", "2026-11-30T05:00:01.5105Z", 0},
 		// The log's millisecond resolution: a sync logged in the change's
-		// millisecond counts.
-		{"2026-11-30T05:00:00.1004Z", "2026-11-30T05:00:00.09998Z"},
-		{"2026-11-30T05:00:01.600Z", ""},
+		// millisecond counts. This line does not say how many processes
+		// the sync ran.
+		{"2026-11-30T05:00:00.1004Z", "2026-11-30T05:00:00.09998Z", -1},
+		{"2026-11-30T05:00:01.600Z", "", 0},
 	} {
-		got, _, err := changeSync(log, at(tc.after))
+		got, err := changeSync(log, at(tc.after))
 		if tc.want == "" {
 			if err == nil {
-				t.Errorf("changeSync(after %s) = %v; want an error", tc.after, got)
+				t.Errorf("changeSync(after %s) = %+v; want an error", tc.after, got)
 			}
 			continue
 		}
-		if err != nil || !got.Equal(at(tc.want)) {
-			t.Errorf("changeSync(after %s) = %v, %v; want %s", tc.after, got, err, tc.want)
+		if err != nil || !got.start.Equal(at(tc.want)) || got.commands != tc.wantCommands {
+			t.Errorf("changeSync(after %s) = %+v, %v; want the start %s and %d commands", tc.after, got, err, tc.want, tc.wantCommands)
 		}
 	}
-	if _, _, err := changeSync(line("2026-11-30T05:00:02.000Z", `{"full": false, "servicesChanged": 1, "duration": 7}`), at("2026-11-30T05:00:01.000Z")); err == nil {
+	if _, err := changeSync(line("2026-11-30T05:00:02.000Z", `{"full": false, "servicesChanged": 1, "duration": 7}`), at("2026-11-30T05:00:01.000Z")); err == nil {
 		t.Error("changeSync with a malformed duration: no error")
 	}
 }

@@ -55,6 +55,9 @@ type DataPathResults struct {
 	// UDPProfiles maps a path id to where its CPU went during the UDP
 	// workload, for the paths that carry UDP.
 	UDPProfiles map[string]*Profile `json:"udpProfiles,omitempty"`
+	// BulkProfiles maps a path id to where its CPU went during the bulk
+	// workload; their Rate is in MiB/s, so the CPU is per MiB carried.
+	BulkProfiles map[string]*Profile `json:"bulkProfiles,omitempty"`
 	// ProfileNA says why there are no perf profiles, if so.
 	ProfileNA string `json:"profileNA,omitempty"`
 	// PerfCounters says whether perf's hardware counters work here.
@@ -113,6 +116,7 @@ func runDataPath(ctx context.Context, e *env) error {
 		Profiles:      map[string]*Profile{},
 		ShortProfiles: map[string]*Profile{},
 		UDPProfiles:   map[string]*Profile{},
+		BulkProfiles:  map[string]*Profile{},
 		Duration:      cfg.Duration.String(),
 		Conns:         cfg.Conns,
 		IdleConns:     cfg.IdleConns,
@@ -379,6 +383,11 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 			prof := profilePath(ctx, e, t, r, res.ProfileNA, "udp", append(targets(r.udp), "--conns", conns))
 			res.UDPProfiles[p.ID] = prof
 			e.logf("%s UDP profile: %s", where, prof.summary())
+		}
+		if cfg.measures("bulk") {
+			prof := profilePath(ctx, e, t, r, res.ProfileNA, "bulk", targets(r.bulk))
+			res.BulkProfiles[p.ID] = prof
+			e.logf("%s bulk profile: %s", where, prof.summary())
 		}
 	}
 	return r.userspace, nil

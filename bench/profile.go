@@ -16,7 +16,8 @@ import (
 )
 
 // Profile is where the CPU went while one data path carried one workload
-// (keep-alive requests, short connections or UDP requests).
+// (keep-alive requests, short connections, UDP requests or a bulk
+// transfer).
 type Profile struct {
 	// Shares is the machine's CPU time by process group (perf, sampling
 	// every CPU), in percent of all samples.
@@ -28,9 +29,9 @@ type Profile struct {
 	ProxySymbols string `json:"proxySymbols,omitempty"`
 	// Pprof is `go tool pprof -top` of the proxy's own CPU profile (uproxy).
 	Pprof string `json:"pprof,omitempty"`
-	// Rate is the workload's rate (requests or connections per second)
-	// while it was profiled, to turn the shares into CPU time per
-	// request or connection.
+	// Rate is the workload's rate (requests or connections per second;
+	// for bulk, MiB per second) while it was profiled, to turn the shares
+	// into CPU time per request, connection or MiB.
 	Rate float64 `json:"rate,omitempty"`
 	// Seconds is the length of the perf recording; Cores the CPUs it
 	// sampled.
@@ -123,8 +124,8 @@ const (
 	whoOther   = "other processes"
 )
 
-// profilePath runs a workload of the load generator ("rr", "short" or
-// "udp") once more through r while perf samples every CPU and, for
+// profilePath runs a workload of the load generator ("rr", "short", "udp"
+// or "bulk") once more through r while perf samples every CPU and, for
 // uproxy, while its own pprof endpoint records a CPU profile. The figures
 // of this run are not kept.
 func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA, workload string, loadArgs []string) *Profile {
@@ -161,6 +162,9 @@ func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA, workl
 		prof.NA = append(prof.NA, "the profiled workload failed: "+loadErr.Error())
 	}
 	prof.Rate, prof.Seconds, prof.Cores = lr.Rate, float64(secs), runtime.NumCPU()
+	if workload == "bulk" && lr.Seconds > 0 {
+		prof.Rate = float64(lr.Bytes) / lr.Seconds / (1 << 20)
+	}
 	if perfNA == "" {
 		if perfErr != nil {
 			prof.NA = append(prof.NA, "perf record: "+perfErr.Error())

@@ -72,6 +72,9 @@ func writeReport(cfg Config) (reportSummary, error) {
 	if haveCP {
 		writeCPSummary(&b, &cp)
 	}
+	if haveDP || haveCP {
+		writeTargets(&b, &dp, &cp, haveDP, haveCP)
+	}
 	if haveGB {
 		w("Go benchmarks: %d benchmarks in %d packages; hot paths without a benchmark: %s (see [Go benchmarks](#go-benchmarks)).\n\n",
 			len(gb.Benchmarks), len(gb.Packages), missingHotPaths(&gb))
@@ -549,7 +552,7 @@ func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 	if dp.ProfileNA != "" {
 		fmt.Fprintf(b, "perf could not sample here: %s.\n\n", mdEscape(dp.ProfileNA))
 	}
-	if len(dp.Profiles) == 0 && len(dp.ShortProfiles) == 0 && len(dp.UDPProfiles) == 0 {
+	if len(dp.Profiles) == 0 && len(dp.ShortProfiles) == 0 && len(dp.UDPProfiles) == 0 && len(dp.BulkProfiles) == 0 {
 		b.WriteString("No profiles were taken (--no-profile).\n\n")
 		return
 	}
@@ -561,6 +564,8 @@ func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 		runs = "one extra keep-alive run per data path (its figures are not kept)"
 	case len(dp.UDPProfiles) == 0:
 		runs = "one extra keep-alive run and one extra short-connection run per data path (their figures are not kept)"
+	case len(dp.BulkProfiles) > 0:
+		runs = "one extra run of each workload (keep-alive, short connections, UDP where the path carries it, and bulk) per data path (their figures are not kept)"
 	}
 	b.WriteString("During " + runs + `,
 ` + "`perf record -e cpu-clock -a`" + ` sampled every CPU of the machine; the samples are grouped by process (the load
@@ -580,6 +585,7 @@ is spent in.
 		{"Keep-alive requests", "req", dp.Profiles},
 		{"Short connections", "conn", dp.ShortProfiles},
 		{"UDP requests", "req", dp.UDPProfiles},
+		{"Bulk transfers", "MiB", dp.BulkProfiles},
 	}
 	for _, w := range workloads {
 		if len(w.profiles) == 0 {
@@ -689,7 +695,7 @@ func analysis(dp *DataPathResults, profiles map[string]*Profile, unit string) st
 		}
 		return 0
 	}
-	noun := map[string]string{"req": "request", "conn": "connection"}[unit]
+	noun := map[string]string{"req": "request", "conn": "connection", "MiB": "MiB carried"}[unit]
 	base := math.NaN()
 	if pr := profiles["dnat"]; pr != nil && len(pr.Shares) > 0 {
 		base = total(pr)
@@ -743,7 +749,7 @@ func madeBy(metas ...*RunMeta) string {
 
 // hasSymbol reports whether any profile's listing names sym.
 func hasSymbol(dp *DataPathResults, sym string) bool {
-	for _, profiles := range []map[string]*Profile{dp.Profiles, dp.ShortProfiles, dp.UDPProfiles} {
+	for _, profiles := range []map[string]*Profile{dp.Profiles, dp.ShortProfiles, dp.UDPProfiles, dp.BulkProfiles} {
 		for _, p := range profiles {
 			if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
 				return true
