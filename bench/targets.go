@@ -104,15 +104,7 @@ func writeDataTargets(b *strings.Builder, dp *DataPathResults) {
 		b.WriteString("No uproxy data path was measured.\n\n")
 		return
 	}
-	b.WriteString("| target |")
-	for _, p := range paths {
-		fmt.Fprintf(b, " %s |", p.Title)
-	}
-	b.WriteString(" met |\n|---|")
-	for range paths {
-		b.WriteString("---:|")
-	}
-	b.WriteString("---|\n")
+	writeTargetsHeader(b, paths)
 	unpaired := false
 	for _, t := range dataTargets {
 		fmt.Fprintf(b, "| %s |", t.what)
@@ -169,6 +161,20 @@ func writeDataTargets(b *strings.Builder, dp *DataPathResults) {
 	}
 }
 
+// writeTargetsHeader writes the header of a targets table: a column per
+// subject, then whether the target is met.
+func writeTargetsHeader(b *strings.Builder, subjects []Subject) {
+	b.WriteString("| target |")
+	for _, p := range subjects {
+		fmt.Fprintf(b, " %s |", p.Title)
+	}
+	b.WriteString(" met |\n|---|")
+	for range subjects {
+		b.WriteString("---:|")
+	}
+	b.WriteString("---|\n")
+}
+
 // hasProfiles reports whether the report has the profiles of the workload
 // that "Where the CPU goes" titles title.
 func hasProfiles(dp *DataPathResults, title string) bool {
@@ -199,15 +205,8 @@ func writeCPTargets(b *strings.Builder, cp *ControlPlaneResults) {
 	if n < cpTargetScale {
 		fmt.Fprintf(b, " (the targets are set at %s: this run measured fewer)", thousands(cpTargetScale))
 	}
-	b.WriteString(":\n\n| target |")
-	for _, p := range proxies {
-		fmt.Fprintf(b, " %s |", p.Title)
-	}
-	b.WriteString(" met |\n|---|")
-	for range proxies {
-		b.WriteString("---:|")
-	}
-	b.WriteString("---|\n")
+	b.WriteString(":\n\n")
+	writeTargetsHeader(b, proxies)
 	type row struct {
 		what, metric string
 		value        func(*Series) float64
