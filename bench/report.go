@@ -547,12 +547,30 @@ func shorten(list []string, n int) []string {
 	return append(slices.Clone(list[:n]), fmt.Sprintf("and %d more", len(list)-n))
 }
 
+// profiledWorkload is one workload's profiles, as "Where the CPU goes"
+// titles them; unit is what the rate counts ("req", "conn", "MiB").
+type profiledWorkload struct {
+	title, unit string
+	profiles    map[string]*Profile
+}
+
+// profiled returns the profiles of every workload, in the report's order.
+func (dp *DataPathResults) profiled() []profiledWorkload {
+	return []profiledWorkload{
+		{"Keep-alive requests", "req", dp.Profiles},
+		{"Short connections", "conn", dp.ShortProfiles},
+		{"UDP requests", "req", dp.UDPProfiles},
+		{"Bulk transfers", "MiB", dp.BulkProfiles},
+	}
+}
+
 func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 	b.WriteString("## Where the CPU goes\n\n")
 	if dp.ProfileNA != "" {
 		fmt.Fprintf(b, "perf could not sample here: %s.\n\n", mdEscape(dp.ProfileNA))
 	}
-	if len(dp.Profiles) == 0 && len(dp.ShortProfiles) == 0 && len(dp.UDPProfiles) == 0 && len(dp.BulkProfiles) == 0 {
+	workloads := dp.profiled()
+	if !slices.ContainsFunc(workloads, func(w profiledWorkload) bool { return len(w.profiles) > 0 }) {
 		b.WriteString("No profiles were taken (--no-profile).\n\n")
 		return
 	}
@@ -578,15 +596,6 @@ its own CPU profile (pprof, from /debug/pprof on its metrics address) shows whic
 is spent in.
 
 `)
-	workloads := []struct {
-		title, unit string
-		profiles    map[string]*Profile
-	}{
-		{"Keep-alive requests", "req", dp.Profiles},
-		{"Short connections", "conn", dp.ShortProfiles},
-		{"UDP requests", "req", dp.UDPProfiles},
-		{"Bulk transfers", "MiB", dp.BulkProfiles},
-	}
 	for _, w := range workloads {
 		if len(w.profiles) == 0 {
 			continue
@@ -749,8 +758,8 @@ func madeBy(metas ...*RunMeta) string {
 
 // hasSymbol reports whether any profile's listing names sym.
 func hasSymbol(dp *DataPathResults, sym string) bool {
-	for _, profiles := range []map[string]*Profile{dp.Profiles, dp.ShortProfiles, dp.UDPProfiles, dp.BulkProfiles} {
-		for _, p := range profiles {
+	for _, w := range dp.profiled() {
+		for _, p := range w.profiles {
 			if strings.Contains(p.TopSymbols, sym) || strings.Contains(p.ProxySymbols, sym) {
 				return true
 			}

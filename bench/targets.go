@@ -178,13 +178,7 @@ func writeTargetsHeader(b *strings.Builder, subjects []Subject) {
 // hasProfiles reports whether the report has the profiles of the workload
 // that "Where the CPU goes" titles title.
 func hasProfiles(dp *DataPathResults, title string) bool {
-	m := map[string]map[string]*Profile{
-		"Keep-alive requests": dp.Profiles,
-		"Short connections":   dp.ShortProfiles,
-		"UDP requests":        dp.UDPProfiles,
-		"Bulk transfers":      dp.BulkProfiles,
-	}[title]
-	return len(m) > 0
+	return slices.ContainsFunc(dp.profiled(), func(w profiledWorkload) bool { return w.title == title && len(w.profiles) > 0 })
 }
 
 // Control-plane targets, at the largest scale measured.
