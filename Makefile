@@ -4,10 +4,14 @@
 
 GO        ?= go
 BIN       := bin
-# Debian packages the tests need (the e2e tests build namespaces, install
-# iptables rules in them, and run a real etcd and kube-apiserver).
-TEST_PKGS := iptables iproute2 ipset curl socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
-DEMO_PKGS := iptables iproute2 curl
+# Debian packages the demo runs: uproxy's rules and sets (iptables, ipset),
+# the namespace lab (iproute2, and procps for sysctl) and the demo's curl.
+# bench's TestDemo fails if the demo runs a program from a package missing
+# here.
+DEMO_PKGS := iptables iproute2 ipset procps curl
+# Debian packages the tests need besides: the e2e tests run a real etcd and
+# kube-apiserver, and compare uproxy with HAProxy, nginx and nftables.
+TEST_PKGS := $(DEMO_PKGS) socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
 GOTESTFLAGS ?=
 
 .PHONY: all build test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean

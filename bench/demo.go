@@ -101,11 +101,11 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	if err != nil {
 		return err
 	}
-	if err := waitFor(ctx, 10*time.Second, func() bool {
-		s, _ := l.Exec(ctx, l.Node, "iptables-save", "-t", "nat")
-		return strings.Count(s, "-j REDIRECT") >= 3
-	}); err != nil {
-		return fmt.Errorf("uproxy did not install its rules: %w\n%s", err, up.Output())
+	if err := waitFirstSync(ctx, up, 30*time.Second); err != nil {
+		return err
+	}
+	if s, _ := l.Exec(ctx, l.Node, "iptables-save", "-t", "nat"); strings.Count(s, "-j REDIRECT") < 3 {
+		return fmt.Errorf("uproxy reported a sync, but the node has fewer than 3 REDIRECT rules:\n%s\nuproxy's output:\n%s", s, up.Output())
 	}
 	for _, line := range strings.Split(strings.TrimSpace(up.Output()), "\n") {
 		if strings.Contains(line, "listening") {
@@ -206,6 +206,47 @@ func spread(counts map[string]int) string {
 		parts = append(parts, fmt.Sprintf("%s=%d", k, counts[k]))
 	}
 	return strings.Join(parts, " ")
+}
+
+// waitFirstSync waits for uproxy's first sync to succeed, and fails as soon
+// as it fails or uproxy exits, with uproxy's own error: a newcomer's first
+// run must say what is wrong (a missing package, a rule the kernel refused)
+// rather than time out.
+func waitFirstSync(ctx context.Context, up *lab.Proc, timeout time.Duration) error {
+	var failed string
+	err := waitFor(ctx, timeout, func() bool {
+		for _, line := range strings.Split(up.Output(), "\n") {
+			switch {
+			case strings.Contains(line, "\tsynced\t"):
+				return true
+			case strings.Contains(line, "syncing rules failed"):
+				failed = line
+				return true
+			}
+		}
+		return up.Exited()
+	})
+	switch {
+	case failed != "":
+		return fmt.Errorf("uproxy's first sync failed: %s", logError(failed))
+	case up.Exited():
+		return fmt.Errorf("uproxy exited before its first sync: %v\n%s", up.Wait(time.Second), up.Output())
+	case err != nil:
+		return fmt.Errorf("uproxy did not sync within %v: %w\n%s", timeout, err, up.Output())
+	}
+	return nil
+}
+
+// logError returns the "error" field of one of uproxy's console log lines
+// (message, tab, JSON fields), or the whole line if it has none.
+func logError(line string) string {
+	if i := strings.IndexByte(line, '{'); i >= 0 {
+		var fields struct{ Error string }
+		if json.Unmarshal([]byte(line[i:]), &fields) == nil && fields.Error != "" {
+			return fields.Error
+		}
+	}
+	return line
 }
 
 func waitFor(ctx context.Context, timeout time.Duration, cond func() bool) error {

@@ -14,7 +14,8 @@ import (
 
 // TestDemo runs `make demo`'s program, as a newcomer would, and checks that
 // it tells the whole story: the rules, the spread of requests over the
-// pods, one explain and one status, and the teardown.
+// pods, one explain and one status, and the teardown; and that every
+// program it ran comes from a package `make deps-demo` installs.
 func TestDemo(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: the demo builds namespaces and runs uproxy (not -short)")
@@ -29,8 +30,13 @@ func TestDemo(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The demo runs with every program on PATH traced, so that the test
+	// knows each package a fresh machine needs for it (see
+	// checkDemoPackages).
+	tracer := newExecTracer(t, os.Getenv("PATH"))
 	cmd := exec.CommandContext(ctx, benchBin, "demo", "--uproxy", uproxyBin, "--manifests", "deploy/examples")
 	cmd.Dir = ".."
+	cmd.Env = tracer.env(os.Environ())
 	b, err := cmd.CombinedOutput()
 	out := string(b)
 	t.Logf("demo output:\n%s", out)
@@ -53,6 +59,7 @@ func TestDemo(t *testing.T) {
 			t.Errorf("the demo's output has no match for %q", want)
 		}
 	}
+	checkDemoPackages(t, tracer.ran(t))
 	for _, ns := range labNamespace.FindAllString(out, -1) {
 		if _, err := os.Stat(filepath.Join("/run/netns", ns)); err == nil {
 			t.Errorf("namespace %s was left behind", ns)

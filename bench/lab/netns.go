@@ -34,7 +34,7 @@ func RequireRoot(t testing.TB, cmds ...string) {
 	}
 	for _, c := range append([]string{"ip"}, cmds...) {
 		if _, err := exec.LookPath(c); err != nil {
-			t.Skipf("skipping: %s is not installed (run .ci/run or install the packages listed in README.md)", c)
+			t.Skipf("skipping: %s is not installed (as root, `make deps-test` installs the packages the tests need)", c)
 		}
 	}
 }
