@@ -148,8 +148,8 @@ func runDataPath(ctx context.Context, e *env) error {
 	// a change in the machine's load spreads over every path alike, and
 	// every other run takes the paths in reverse order, so that no path
 	// always runs right after the same one: in the runs of
-	// bench/results/2026-11-30-udp-listeners.md, two builds of the same TCP
-	// code, measured one after the other, differed by up to 15%.
+	// bench/results/history/2026-11-30-udp-listeners.md, two builds of the
+	// same TCP code, measured one after the other, differed by up to 15%.
 	step, steps := 0, cfg.Runs*len(paths)
 	for run := 1; run <= cfg.Runs; run++ {
 		order := paths

@@ -17,7 +17,7 @@ import (
 // newURingCommand is the benchmarks' io_uring yardstick: a TCP proxy whose
 // one loop drives an io_uring, so that the report shows, in the same run as
 // uproxy's epoll loops, what a Go data path on io_uring could carry
-// (bench/results/2026-12-01-ceiling.md).
+// (bench/results/history/2026-12-01-ceiling.md).
 func newURingCommand() *cobra.Command {
 	return newRouteProxyCommand("uring",
 		"Run the io_uring yardstick proxy: one loop, every socket operation on one ring",
