@@ -80,9 +80,9 @@ var chains = []chainSpec{
 		rules: nodePortRules,
 	},
 	{
-		// In redirect mode, the mangle jumps cost every packet that
-		// enters or leaves the node an empty chain's walk: 1-4% of the
-		// keep-alive rate in a three-namespace lab.
+		// Jumped to in tproxy mode only: in redirect mode the jumps
+		// would cost every packet that enters or leaves the node an
+		// empty chain's walk.
 		table:       "mangle",
 		name:        tproxyChain,
 		from:        []string{"PREROUTING"},
@@ -128,10 +128,8 @@ var chains = []chainSpec{
 		// rewritten, jump too. Every other packet that enters, crosses
 		// or leaves the node, pod traffic included, then costs one
 		// native "ct state" comparison instead of the set lookup and
-		// compat matches of the chain: in a lab of three namespaces,
-		// 5-8% more keep-alive requests through uproxy, with less CPU
-		// in the proxy and in both peers, whose packets the node's
-		// INPUT hook handles.
+		// compat matches of the chain, which the proxy's and its
+		// peers' packets would otherwise all pay.
 		table:          "filter",
 		name:           firewallChain,
 		from:           []string{"INPUT", "FORWARD", "OUTPUT"},
@@ -252,9 +250,9 @@ func allChainNames() string {
 // rendering; an invalid prefix in a Firewall's Allow lets nobody more in)
 // and sorts what it keeps, so its output depends only on the sets of
 // intercepts, node ports, addresses, firewalls and listeners, and on
-// r.TProxy, which moves the interception from nat to mangle (see
-// tproxy.go), and r.Shared, which moves the intercepts and node ports
-// into sets (see shared.go). It is a pure function.
+// r.TProxy, which moves the interception from nat to mangle, and
+// r.Shared, which moves the intercepts and node ports into sets (see the
+// package documentation). It is a pure function.
 //
 // The listener guards do not list the listener ports, nor do the shared
 // layout's rules list the services: they match uproxy's sets (see

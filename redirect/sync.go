@@ -463,8 +463,8 @@ func (s *Syncer) write(ctx context.Context, res *Result, rules bool, want []byte
 //
 // One call, not one per table (-t nat, -t mangle, -t filter): with the
 // nf_tables backend, iptables-save fetches the whole ruleset whatever
-// table it prints, so each call cost the same. At 10,000 services one
-// took 0.15 s, and three made up most of a full resync. The tables that
+// table it prints, so each call costs the same, and with many services
+// three would make up most of a full resync. The tables that
 // uproxy has no chain in (raw, security) are small, and parseState skips
 // them.
 func (s *Syncer) read(ctx context.Context) (state, []byte, error) {
@@ -539,8 +539,7 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 // (oldJumpMatches) and, unless tproxy is set, of the jumps to tproxy
 // mode's chains, and reports whether it changed any. Reading the jumps
 // from the tables that a full sync saves anyway spares an iptables -C, a
-// process start (about 7 ms), per jump: seven per family on every full
-// sync.
+// process start, per jump: seven per family on every full sync.
 func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, tproxy bool) (bool, error) {
 	changed := false
 	for _, c := range chains {
