@@ -56,6 +56,43 @@
 // The package is Linux-only: it drives iptables and ipset and reads
 // conntrack.
 //
+// # The firewall chain
+//
+// The filter hooks run after nat's (NF_IP_PRI_FILTER 0 after
+// NF_IP_PRI_NAT_DST -100 at PREROUTING and OUTPUT), so UPROXY-FIREWALL
+// sees a redirected packet with its new, local destination. INPUT sees
+// what is addressed to the node, FORWARD what a pod sends to a guarded
+// address that is routed on, OUTPUT what the node itself sends.
+//
+// Only a connection's first packet jumps, as in kube-proxy's
+// KUBE-PROXY-FIREWALL: every rule of the chain drops a packet that starts
+// a connection, and a connection whose first packet was dropped never
+// gets further (a dropped packet's conntrack entry is never confirmed, so
+// the next one is NEW again). Untracked packets, which no REDIRECT can
+// have rewritten, jump too. Every other packet that enters, crosses or
+// leaves the node, pod traffic included, then costs one native "ct state"
+// comparison instead of the set lookup and compat matches of the chain.
+//
+// A firewall's DROP matches its own destination. A packet that
+// UPROXY-SERVICES redirected has had its destination rewritten to a local
+// address by the time the filter hooks see it, so only the packets that
+// no allowed source prefix redirected still carry it.
+//
+// The listener guard of a protocol drops a packet whose destination port
+// is in the protocol's listener set, on a local address, unless its
+// conntrack entry records a destination NAT: REDIRECT is a DNAT to an
+// address of the incoming interface (127.0.0.1 or ::1 from OUTPUT;
+// nf_nat_redirect.c) and sets IPS_DST_NAT on the connection, which
+// "--ctstate DNAT" tests for every packet of it. "--dst-type LOCAL" keeps
+// the guard away from traffic that only passes through (FORWARD) or
+// leaves (OUTPUT) the node, such as a pod's connection to another pod
+// that listens on the same port number. Replies to the node's own
+// connections are not caught either: the kernel picks no ephemeral port
+// that a bound socket holds. The guard is one rule per protocol, whose
+// set lookup costs the same for one listener or thousands. Its matches
+// are in the order iptables-save prints them; the set match tests the
+// cheap port bit before addrtype's route lookup and conntrack's state.
+//
 // # The shared layout
 //
 // The shared layout keeps the number of rules constant as services come
