@@ -56,6 +56,35 @@
 // The package is Linux-only: it drives iptables and ipset and reads
 // conntrack.
 //
+// # Syncing
+//
+// The listener ports are members of kernel sets, one per protocol (see
+// the set table in sets.go), which the listener guards match, and so, in
+// the shared layout (Rules.Shared), are the service addresses and ports
+// and the node ports, which the shared rules match; a set exists only
+// while it has members. Syncer.Sync writes the sets with ipset restore
+// before iptables-restore, so that every set a rule names exists, and
+// destroys a set that is no longer needed after it, once no rule names
+// it. In the shared layout, a change of services alone is an ipset
+// restore of exactly the members added and deleted, and no
+// iptables-restore: the rules change only when a protocol gains its first
+// or loses its last member.
+//
+// A sync that is not full, when the rendering of the rules and the sets
+// they ask for equal the last successful write, runs nothing at all.
+// When they differ, it runs one ipset restore with exactly the creates,
+// adds and deletes between the last write and the new rules
+// (RenderSetUpdate) if the sets differ, one iptables-restore --noflush if
+// the rendering differs, and one ipset destroy per set no longer needed.
+//
+// A full sync (the periodic resync) reads uproxy's chains back with
+// iptables-save and its sets with ipset save, and writes only what
+// differs, so a resync of an unchanged kernel writes nothing: a set
+// destroyed or emptied by hand is created or filled again, stray members
+// are deleted. Then it inserts any missing jump rule at position 1 of its
+// built-in chain (never a second copy), and deletes the jumps of earlier
+// versions and, in redirect mode, those to tproxy mode's mangle chains.
+//
 // # The firewall chain
 //
 // The filter hooks run after nat's (NF_IP_PRI_FILTER 0 after
