@@ -8,9 +8,9 @@ import (
 // maglevSizes are the lookup table sizes M, smallest first. Maglev
 // (Eisenbud et al., NSDI 2016, §3.4) needs M prime and much larger than the
 // number of backends N; with M > 100·N no backend's share of the table
-// differs from another's by more than about 1%. These are the two sizes the
-// paper evaluates (§5.3). Beyond 6553 backends the larger table still works,
-// with coarser balance.
+// differs from another's by more than about a hundredth, the paper's
+// bound. These are the two sizes the paper evaluates (§5.3). Beyond 6553
+// backends the larger table still works, with coarser balance.
 var maglevSizes = []uint64{65537, 655373}
 
 // maglev is Maglev consistent hashing on the client address. It ignores

@@ -7,31 +7,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Accepting on the event loops. With event loops, a TCP listener's socket
-// joins the epoll set of every loop, and a loop that finds it readable
-// accepts the connection itself, checks it (admitTCP), dials its backend
-// and carries the session, all on its own thread.
-//
-// An accept goroutine per listener did this before, waiting in the
-// runtime's poller and posting each connection to a loop. That cost every
-// connection a wake-up of a second thread (the runtime's netpoll), an
-// eventfd write and read to hand the connection over, and an accept4 that
-// found EAGAIN: in a three-namespace lab, 27 system calls per short
-// connection where a single-threaded C proxy made 21, plus the futex
-// wake-ups of the hand-over. It also kept a goroutine, and its stack, per
-// listener: 10,000 of them at 10,000 services.
-//
-// The socket is registered level-triggered with EPOLLEXCLUSIVE, the way
-// nginx shares its listeners between workers: a connection wakes one of
-// the loops waiting, not all of them. A loop accepts until accept4 finds
-// EAGAIN, at most acceptBatch connections per readiness, as HAProxy's
-// tune.maxaccept and nginx's multi_accept do. In the harness's
-// short-connection workload (32 clients) that carried 4% more connections
-// than one accept per readiness (the median of 6 runs, in two runs). One
-// per readiness saves the accept that finds EAGAIN, but serves a queue
-// one epoll_wait round per connection. One per readiness unless the
-// socket had been ready in the loop's previous round too, and a batch
-// then, did no better than one (bench/results/2026-11-30-loop-accept.md).
+// Accepting on the event loops: the loop that finds a listener readable
+// accepts, dials and carries the connection on its own thread, so no
+// connection waits for a hand-over between threads. See "Accepting on the
+// loops" in the package documentation.
 
 // acceptBackoffMin and acceptBackoffMax bound how long a loop stops
 // accepting on a listener after accept failed for want of resources

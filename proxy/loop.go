@@ -15,32 +15,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The data path's event loops. A loop accepts connections on the TCP
-// listeners (accept.go), dials their backends and moves the bytes of both
-// sockets, on its own epoll instance, as they become readable and
-// writable, the way HAProxy and nginx do. Compared with a goroutine per
-// direction (session.pipe, kept for Config.EventLoops < 0):
-//   - an idle connection holds no goroutine and no stack, only its two
-//     descriptors and a few hundred bytes of state (a goroutine per
-//     direction kept 8–10 KiB of stacks per idle connection);
-//   - a request wakes no goroutine: one epoll_wait returns the readiness
-//     of many sockets, which the loop serves in turn, with no trip through
-//     the scheduler, the runtime's poller or a futex.
-//
-// Without the loops' accept (a dialer of the caller's, Config.Dial), a
-// session whose backend is connected hands both sockets over: they are
-// dup(2)licated out of their *net.TCPConn, which is then closed. Close
-// takes the descriptor out of the runtime's epoll (runtime_pollClose),
-// which would otherwise wake for every event on it too. The duplicate is
-// the only descriptor of the socket from then on, and closing it takes the
-// socket out of the loop's epoll as well (epoll(7): a file leaves every
-// epoll set once all its descriptors are closed).
-//
-// A UDP listener's socket is read by one loop (loopPacketListener), which
-// writes each datagram to its flow's socket. The flow's socket is opened
-// for the same loop, which relays the backend's replies to the client
-// (addFlow, flowReady), so that a request and its reply stay on one
-// thread. A goroutine per listener and one per flow did this before.
+// The data path's event loops carry sessions on a thread each, with no
+// goroutine per connection or direction: see "Event loops" in the package
+// documentation.
 
 // loopGroup starts event loops on first use and stops them on request.
 // Safe for concurrent use.
@@ -254,12 +231,9 @@ func (l *eventLoop) stop() {
 // run is the loop's goroutine.
 //
 // It keeps one thread: the runtime otherwise hands the goroutine from one
-// thread to another (in a three-namespace lab, two threads shared its run
-// time), and every hand-over waits for a thread to be woken while the
-// sessions of the whole loop wait with it. Locked, the loop carried 3-11%
-// more keep-alive requests and 5-10% more short connections (4 and 3
-// alternating pairs), with the machine's CPUs idle 17-21% of the time
-// instead of 25%, at the same CPU per request.
+// thread to another, and every hand-over waits for a thread to be woken
+// while the sessions of the whole loop wait with it (see
+// docs/performance.md).
 //
 // With ring, it sets up its io_uring first, and waits in it; it closes
 // started once the ring is set up, or has failed to.
@@ -948,9 +922,9 @@ var backendKeepAliveEvery = 15 * time.Second
 // without it, and comes here every backendKeepAliveEvery.
 //
 // A connection that ends sooner, as most short ones do, never pays the
-// four setsockopt calls: 4-7% of the proxy's CPU per short connection in
-// the lab (bench/results/2026-11-30-iocopy.md). It loses nothing, since
-// with 15 s of idle before the first probe none would have gone out.
+// four setsockopt calls, a visible part of a short connection's cost. It
+// loses nothing, since with 15 s of idle before the first probe none
+// would have gone out.
 // HAProxy, nginx and Envoy set no keep-alive on backend sockets at all.
 //
 // A connection that lasts gets keep-alive within backendKeepAliveEvery.
@@ -1008,15 +982,10 @@ func dupRaw(rc syscall.RawConn) (int, error) {
 // than GOMAXPROCS (at least one), negative none.
 //
 // A loop blocks in epoll_wait, a system call, and keeps its P meanwhile
-// (the runtime retakes it only through sysmon, 20 µs to 10 ms later). On
-// two CPUs, two loops carried 14-19% more short connections than one, in
-// two harness runs, but 10% fewer UDP requests, at a 42-47% higher UDP
-// p99, and took 12-25% more CPU per request or connection in a lab; a
-// third P gave UDP back and took the TCP gains with it
-// (bench/results/2026-11-30-loop-accept.md). With the UDP listeners read
-// by the loops too, two loops still gave 1.06x the keep-alive and short
-// connection rates at 1.22x the keep-alive p99, and 0.93x the UDP rate
-// (bench/results/2026-12-01-udp-listener-loop.md).
+// (the runtime retakes it only through sysmon, a tick or more later), so
+// the default leaves one P to the rest of the process: a loop on every
+// CPU gains short connections but costs UDP requests, latency and CPU
+// per request (see docs/performance.md).
 func (c *Config) eventLoops() int {
 	switch {
 	case c.EventLoops < 0:

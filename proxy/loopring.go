@@ -12,41 +12,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// An event loop's io_uring (Config.IOURing). The loop waits in the ring
-// instead of in epoll_wait, and the ring carries the small messages of its
-// TCP sessions: a session's two directions each keep one receive in the
-// ring, which takes a buffer from a provided-buffer ring when data comes
-// and completes with it; the loop then sends the buffer on with a ring
-// send, and receives again once the send has completed. A send that finds
-// its destination full does not wait with the buffer: what it could not
-// send moves to the session's own memory, and the session to epoll, so a
-// slow reader holds none of the loop's buffers. Every turn of the
-// loop submits all the operations the last completions called for, and
-// waits for the next, in one io_uring_enter: in the lab, an io_uring loop
-// made 0.3-0.5 system calls per keep-alive request where an epoll loop
-// made 4.1, and carried 15-19% more requests at a fifth less CPU per
-// request (bench/results/2026-12-01-ceiling.md); uproxy's loops on the
-// ring carried 1.21x the keep-alive requests and 1.25x the short
-// connections of its epoll loops (bench/results/2026-12-01-io-uring-loops.md).
-//
-// What the ring does not carry stays on the loop's epoll set, which the
-// ring polls (one multishot poll of the epoll descriptor): the
-// listeners, UDP flows and sessions in bulk transfer. A receive that
-// fills a whole buffer marks a bulk transfer; its session then leaves the
-// ring for good, once its operations in flight have completed, and
-// splices on the epoll path as any other: io_uring runs every splice on a
-// blocking worker thread (io_uring/splice.c), and copying bulk through
-// buffers carried half of what splicing did
-// (bench/results/2026-12-01-uring-harness.md). A session whose backend
-// takes a PROXY protocol header stays on epoll from the start. Backends
-// are connected, and sockets closed, on the ring (ringConnect,
-// ringCloseFD); the EOF's shutdown is not (ringReceived).
-//
-// An operation's user data holds its session's ring id, the backend
-// connection attempt it makes, its direction and its kind (ringTag).
-// A session stays known by its id until its last operation has completed,
-// even after it ended: a buffer that a receive took, or a send still reads
-// from, is given back only then.
+// An event loop's io_uring (Config.IOURing): the ring carries the small
+// messages of the loop's TCP sessions, so that one io_uring_enter submits
+// a turn's operations and waits for the next; bulk transfers, listeners
+// and UDP flows stay on epoll. See "The loops' io_uring" in the package
+// documentation.
 
 // ringBufSize and ringBufCount size a loop's provided buffers: 4 MiB,
 // held only while a receive's bytes wait to be sent on. Tests change

@@ -44,9 +44,9 @@ var dialReasonNames = [numDialReasons]string{"refused", "timeout", "unreachable"
 // snapshot points to, one set per service port and one per backend,
 // carried from one snapshot to the next: a connection costs only atomic
 // adds. They become Prometheus samples only when scraped (Collect walks
-// the live snapshots), so a sync creates no label children: at 10,000
-// services of 10 endpoints, creating 340,000 of them took 70% of the
-// first sync (BenchmarkSyncAll). Counters of removed service ports and
+// the live snapshots), so a sync creates no label children, which for
+// every service port and backend would dominate a large first sync
+// (BenchmarkSyncAll). Counters of removed service ports and
 // backends are dropped after the sync that removed them.
 type Metrics struct {
 	syncDuration    prometheus.Histogram
@@ -146,7 +146,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		dialDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "uproxy_dial_duration_seconds",
 			Help:    "Time to connect to a backend, successful or not.",
-			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 100µs to 3.3s
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 0.1ms to 3.3s
 		}),
 		udpFlows: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "uproxy_udp_flows_active",

@@ -1,11 +1,3 @@
-// Package proxy holds uproxy's service model, the change tracker that
-// sources feed, the bounded-frequency sync runner, and the data path: one
-// listener per service port and family, carrying TCP connections to the
-// endpoints a balancer picks.
-//
-// The package never touches the kernel's packet rules itself: the Proxier
-// hands the intercepts it wants to a RuleSyncer, which the command wires to
-// the redirect package.
 package proxy
 
 import (

@@ -394,10 +394,10 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	// does, and verifies the rest of the state that others can change: the
 	// kernel's rules and sets. The listeners and their snapshots belong to
 	// this process, and nothing else changes them; a service whose apply
-	// failed is requeued. Re-applying all of them rebuilt every snapshot
-	// and balancer (0.12-0.26 s at 10,000 services, every
-	// --iptables-sync-period), reset every round-robin position, and made
-	// an endpoint change that arrived meanwhile wait.
+	// failed is requeued. Re-applying all of them would rebuild every
+	// snapshot and balancer every --iptables-sync-period, reset every
+	// round-robin position, and make an endpoint change that arrived
+	// meanwhile wait.
 	reapply := p.forceFull.Swap(false)
 	full = reapply || full
 	p.refreshLocalAddrs()
@@ -540,24 +540,20 @@ type opening struct {
 	err error
 }
 
-// openListeners opens the per-service listeners that the changed
-// services want and do not have, before they are applied: every one of
-// them on a first sync, 10,000 at 10,000 services. This goroutine binds
-// them one by one in the services' order, so each gets the port that
-// opening them in applyService would give it (a --proxy-port-range is
-// handed out in order). Meanwhile workers on the other CPUs finish the
-// bound ones (startListener: socket options, the runtime's poller, the
-// log line, starting to accept), which is more than half of a listener's
-// cost. On 2 CPUs, applying the first sync of 10,000 services from
-// manifests took 0.62-0.82 s when applyService opened them one by one,
-// and 0.37-0.39 s this way.
+// openListeners opens the per-service listeners that the changed services
+// want and do not have, before they are applied: every one of them on a
+// first sync. This goroutine binds them one by one in the services' order,
+// so each gets the port that opening them in applyService would give it (a
+// --proxy-port-range is handed out in order). Meanwhile workers on the other
+// CPUs finish the bound ones (startListener: socket options, the runtime's
+// poller, the log line, starting to accept), which is more than half of a
+// listener's cost, so a large first sync is shorter.
 //
 // applyService takes the listeners from the result. It is empty, and
-// applyService opens them itself as it did before, with a single CPU,
-// with fewer than two listeners to open, or when the sync also closes a
-// listener: applyService closes those first, and the port one frees may
-// be the one another needs (a full --proxy-port-range). The workers
-// belong to this call and end with it.
+// applyService opens them itself, with a single CPU, with fewer than two
+// listeners to open, or when the sync also closes a listener: applyService
+// closes those first, and the port one frees may be the one another needs (a
+// full --proxy-port-range). The workers belong to this call and end with it.
 func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[portKey]opening {
 	var need []portKey
 	for _, w := range wants {
@@ -835,9 +831,8 @@ func (p *Proxier) Intercepts() []Intercept {
 // updateServiceHealth records service name's health-check port and
 // ready local endpoints, as its listeners now have them, and marks them
 // for the ServiceHealth server if they changed. It looks at that one
-// service: before, every sync walked every service, which made one
-// endpoint change among 10,000 services cost 4.5 ms instead of tens of
-// microseconds.
+// service, so that an endpoint change costs the same however many
+// services there are.
 func (p *Proxier) updateServiceHealth(name types.NamespacedName) {
 	if p.cfg.ServiceHealth == nil {
 		return

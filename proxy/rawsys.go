@@ -10,15 +10,14 @@ import (
 // The data path's system calls on non-blocking sockets and pipes are made
 // with RawSyscall6, which does not tell the scheduler that the goroutine
 // entered a system call. With Syscall, a P whose goroutine has been in a
-// system call for one sysmon tick (20 µs or more) is handed to another
-// thread when other work is waiting (runtime/proc.go: retake), and the
-// goroutine must find a P again when the call returns (exitsyscall). On
-// a loaded machine a send that delivers a packet through the stack takes
-// that long; with these calls raw, the proxy's CPU per request fell by
-// 4–9% (bench/results/2026-11-30-udp-loops.md). These calls never wait:
-// the descriptors are non-blocking, or the call says MSG_DONTWAIT, so the
-// P is busy with the call, not idle in it. Blocking calls (epoll_wait with
-// a timeout) keep using Syscall, and sysmon still retakes the P of a loop
+// system call for one sysmon tick is handed to another thread when other
+// work is waiting (runtime/proc.go: retake), and the goroutine must find a P
+// again when the call returns (exitsyscall). On a loaded machine a send that
+// delivers a packet through the stack takes that long, and each such
+// hand-over costs the proxy CPU per request. These calls never wait: the
+// descriptors are non-blocking, or the call says MSG_DONTWAIT, so the P is
+// busy with the call, not idle in it. Blocking calls (epoll_wait with a
+// timeout) keep using Syscall, and sysmon still retakes the P of a loop
 // blocked in one.
 
 // rawCall makes a non-blocking system call with RawSyscall6, repeated on

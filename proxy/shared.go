@@ -117,22 +117,10 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 // listens on in redirect mode, one socket each, behind one REDIRECT
 // --to-ports range.
 //
-// Why more than one: REDIRECT rewrites every service's destination to
-// the listener's address and port, so a client's connections to two
-// services from the same source port have the same tuple on the node.
-// When the endpoint closes first, uproxy passes its FIN on, and the node's
-// socket keeps that tuple in TIME_WAIT. The client's next SYN from the
-// port, to another service, carries timestamps from another offset (Linux
-// draws the offset per address pair, secure_tcp_ts_off), so PAWS rejects
-// it half of the time (TcpExtPAWSTimewait) and the client retransmits it:
-// 10-16 ms later on the kernel of bench/results/2026-11-30-shared-timewait.md,
-// where 0.5-1.1% of new connections waited so after a sweep of 10,000
-// services. Given a range, the kernel's NAT picks a port whose reply
-// tuple conntrack does not hold (nf_nat_l4proto_unique_tuple), so the SYN
-// finds no TIME_WAIT socket, as long as conntrack keeps closed connections
-// as long as TCP does (nf_conntrack_tcp_timeout_time_wait, 120 s by
-// default, against TIME_WAIT's 60 s). Under TPROXY the tuple keeps the
-// service address, so one port does.
+// More than one, so that the kernel's NAT can pick a port whose tuple no
+// TIME_WAIT socket holds, and a client's SYN to one service is not
+// dropped by PAWS for meeting the TIME_WAIT of its connection to another:
+// see "A shared listener's ports" in the package documentation.
 const sharedRedirectPorts = 16
 
 // sharedRangeAttempts is how many first ports hostOn tries for a shared

@@ -65,9 +65,8 @@ type pipePool struct {
 // held only between a source turning readable and the pipe being drained,
 // so even thousands of connections need only as many pipes as there are
 // transfers in flight at one instant. Its pipes hold 1 MiB (as the
-// runtime's do): with the default 64 KiB a bulk transfer took six times
-// the system calls and twice the CPU per byte. Only splicing directions
-// take them.
+// runtime's do): with the default 64 KiB a bulk transfer makes many more
+// system calls per byte. Only splicing directions take them.
 var tcpPipes = &pipePool{max: 64, size: maxSplice, trimAfter: time.Second}
 
 // enter registers a session that may take pipes; leave undoes it.

@@ -402,11 +402,9 @@ const maxReplyBatch = 16
 // the loop has handled what one epoll_wait returned, then sends those
 // that go out through the same socket with one sendmmsg(2): the flows of
 // a service share their listener's socket (or, in tproxy mode, the
-// reply socket of the service's address). In the bench harness's UDP
-// request/response workload (32 flows to one service), a sendmmsg
-// carried 6.8 replies on average, where each had had a sendmsg(2) of its
-// own: 2.8 system calls per request instead of 3.7, at about 1 µs each
-// on a 2-core VM. It belongs to the loop, and is used by it alone.
+// reply socket of the service's address). With many flows a sendmmsg
+// carries several replies, each of which would otherwise have a
+// sendmsg(2) of its own. It belongs to the loop, and is used by it alone.
 type replyQueue struct {
 	path  replyPath // of every queued reply
 	n     int

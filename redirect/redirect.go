@@ -1,59 +1,3 @@
-// Package redirect puts uproxy's interception rules into the kernel and
-// keeps them there.
-//
-// uproxy listens for each service port on a local port of the node. In the
-// nat table, the chain UPROXY-SERVICES holds one REDIRECT rule per service
-// port (VIP, protocol, port → local listener port), and the built-in chains
-// PREROUTING (traffic from pods and routed through the node) and OUTPUT
-// (traffic from the node itself) jump to it. Its last rules jump to
-// UPROXY-NODEPORTS, which redirects node ports on the node's own
-// addresses. The listener finds out which service a connection was for
-// with OriginalDst.
-//
-// In tproxy mode (Rules.TProxy), the nat chains stay empty: in the mangle
-// table, UPROXY-TPROXY (jumped to from PREROUTING) hands the same traffic
-// by TPROXY to listeners on the loopback address with its destination
-// unchanged, and UPROXY-TPROXY-OUTPUT (from OUTPUT) sends the node's own
-// through lo to meet it; see tproxy.go. Mangle sees every packet, not
-// only a connection's first, so there the per-service rules stand in
-// UPROXY-TPROXY-SERVICES-TCP and -UDP and UPROXY-TPROXY-NODEPORTS-TCP and
-// -UDP, behind lookups in the service and node-port sets of the shared
-// layout, which hold the same destinations. That mode also needs the policy
-// routing of Routing, which the caller installs and removes. In redirect
-// mode the mangle chains exist, empty, and nothing jumps to them.
-//
-// In the shared layout (Rules.Shared), for a proxy with one listener per
-// family and protocol, the rules do not name the services: every service
-// address and port of a family is a member of one kernel set
-// (uproxy-services4 or uproxy-services6, hash:ip,port), every node port
-// of a bitmap:port set per family and protocol (uproxy-nodeports-tcp4
-// ...), and UPROXY-SERVICES holds one REDIRECT per protocol that matches
-// the service set, UPROXY-NODEPORTS one per protocol that matches the
-// node-port set (tproxy mode: one TPROXY each in UPROXY-TPROXY, one MARK
-// per protocol in UPROXY-TPROXY-OUTPUT). A new service is one ipset add,
-// and no rule is rewritten. Intercepts that a Firewall guards keep a
-// rule per allowed source prefix, before the set's rule; see shared.go.
-//
-// In the filter table, the chain UPROXY-FIREWALL, jumped to from INPUT,
-// FORWARD and OUTPUT by each connection's first packet (conntrack state
-// NEW or UNTRACKED), drops what a LoadBalancer's source ranges exclude
-// and every connection that reaches a listener port without having been
-// redirected. The listener ports are members of kernel sets (ipset
-// bitmap:port), one per family and protocol, so that this guard is one
-// rule per protocol however many listeners there are.
-//
-// Render turns the wanted Rules into iptables-restore --noflush input, a
-// pure function, and RenderSetUpdate the changes of the sets (listener
-// ports, and the shared layout's services and node ports) into ipset
-// restore input. A Syncer writes only what differs from the last
-// successful write, and on a full (periodic) sync reads the kernel back
-// with iptables-save and ipset save and repairs drift. Cleanup removes
-// everything uproxy created. Every chain uproxy owns is described once, in
-// the chain table in render.go, and every set in the set table in sets.go;
-// Render, Sync and Cleanup all walk them.
-//
-// The package is Linux-only: it drives iptables and ipset and reads
-// conntrack.
 package redirect
 
 import (
@@ -360,27 +304,28 @@ type Rules struct {
 	Listeners []Listener
 	// TProxy, when not nil, selects tproxy mode: intercepts and node ports
 	// reach their listeners through TPROXY in the mangle table, with their
-	// destination unchanged, instead of REDIRECT in nat; see tproxy.go.
-	// Their destinations are members of the service and node-port sets
-	// in both layouts: with per-service rules, the sets gate the rules.
+	// destination unchanged, instead of REDIRECT in nat; see "Tproxy mode"
+	// in the package documentation. Their destinations are members of the
+	// service and node-port sets in both layouts: with per-service rules,
+	// the sets gate the rules.
 	TProxy *TProxy
 	// Shared, when true, selects the shared layout, for a proxy with one
-	// listener per family and protocol; see shared.go. Intercepts are
-	// not rendered as rules: each becomes a member of its family's
-	// hash:ip,port set ("uproxy-services4" or "uproxy-services6", members
-	// as ipset save prints them, e.g. "10.96.0.10,tcp:80" and
-	// "2001:db8::10,udp:53"), and NodePorts become members of a
-	// bitmap:port set per family and protocol ("uproxy-nodeports-tcp4",
-	// "uproxy-nodeports-udp4", "uproxy-nodeports-tcp6",
-	// "uproxy-nodeports-udp6"). Each family and protocol gets one rule
-	// per set, in nat (REDIRECT) or, with TProxy, in mangle (TPROXY), that
-	// sends what the set matches to the single ToPort all of them share,
-	// so the number of rules does not grow with the services. An
-	// Intercept that a Firewall guards keeps its rules of the
-	// per-service layout instead (one per allowed source prefix, before
-	// the set's rule). All Intercepts and NodePorts of one family and
-	// protocol must have the same ToPort and ToPortEnd. False is the
-	// per-service layout: a rule per intercept and node port.
+	// listener per family and protocol; see "The shared layout" in the
+	// package documentation. Intercepts are not rendered as rules: each
+	// becomes a member of its family's hash:ip,port set ("uproxy-services4"
+	// or "uproxy-services6", members as ipset save prints them, e.g.
+	// "10.96.0.10,tcp:80" and "2001:db8::10,udp:53"), and NodePorts become
+	// members of a bitmap:port set per family and protocol
+	// ("uproxy-nodeports-tcp4", "uproxy-nodeports-udp4",
+	// "uproxy-nodeports-tcp6", "uproxy-nodeports-udp6"). Each family and
+	// protocol gets one rule per set, in nat (REDIRECT) or, with TProxy, in
+	// mangle (TPROXY), that sends what the set matches to the single ToPort
+	// all of them share, so the number of rules does not grow with the
+	// services. An Intercept that a Firewall guards keeps its rules of the
+	// per-service layout instead (one per allowed source prefix, before the
+	// set's rule). All Intercepts and NodePorts of one family and protocol
+	// must have the same ToPort and ToPortEnd. False is the per-service
+	// layout: a rule per intercept and node port.
 	Shared bool
 }
 

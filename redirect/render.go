@@ -80,9 +80,9 @@ var chains = []chainSpec{
 		rules: nodePortRules,
 	},
 	{
-		// In redirect mode, the mangle jumps cost every packet that
-		// enters or leaves the node an empty chain's walk: 1-4% of the
-		// keep-alive rate in a three-namespace lab.
+		// Jumped to in tproxy mode only: in redirect mode the jumps
+		// would cost every packet that enters or leaves the node an
+		// empty chain's walk.
 		table:       "mangle",
 		name:        tproxyChain,
 		from:        []string{"PREROUTING"},
@@ -112,26 +112,11 @@ var chains = []chainSpec{
 		rules:       tproxyOutputRules,
 	},
 	{
-		// The filter hooks run after nat's (NF_IP_PRI_FILTER 0 after
-		// NF_IP_PRI_NAT_DST -100 at PREROUTING and OUTPUT), so these
-		// rules see a redirected packet with its new, local destination.
-		// INPUT sees what is addressed to the node, FORWARD what a pod
-		// sends to a guarded address that is routed on, OUTPUT what the
-		// node itself sends.
-		//
-		// Only a connection's first packet jumps, as in kube-proxy's
-		// KUBE-PROXY-FIREWALL: every rule of the chain drops a packet
-		// that starts a connection, and a connection whose first
-		// packet was dropped never gets further (a dropped packet's
-		// conntrack entry is never confirmed, so the next one is NEW
-		// again). Untracked packets, which no REDIRECT can have
-		// rewritten, jump too. Every other packet that enters, crosses
-		// or leaves the node, pod traffic included, then costs one
-		// native "ct state" comparison instead of the set lookup and
-		// compat matches of the chain: in a lab of three namespaces,
-		// 5-8% more keep-alive requests through uproxy, with less CPU
-		// in the proxy and in both peers, whose packets the node's
-		// INPUT hook handles.
+		// Only a connection's first packet jumps (or an untracked one),
+		// since dropping that one stops the connection, so every other
+		// packet of the node pays one "ct state" comparison instead of
+		// the chain; see "The firewall chain" in the package
+		// documentation for the hooks and their order.
 		table:          "filter",
 		name:           firewallChain,
 		from:           []string{"INPUT", "FORWARD", "OUTPUT"},
@@ -252,9 +237,9 @@ func allChainNames() string {
 // rendering; an invalid prefix in a Firewall's Allow lets nobody more in)
 // and sorts what it keeps, so its output depends only on the sets of
 // intercepts, node ports, addresses, firewalls and listeners, and on
-// r.TProxy, which moves the interception from nat to mangle (see
-// tproxy.go), and r.Shared, which moves the intercepts and node ports
-// into sets (see shared.go). It is a pure function.
+// r.TProxy, which moves the interception from nat to mangle, and
+// r.Shared, which moves the intercepts and node ports into sets (see the
+// package documentation). It is a pure function.
 //
 // The listener guards do not list the listener ports, nor do the shared
 // layout's rules list the services: they match uproxy's sets (see
@@ -449,29 +434,14 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 // firewallRules renders UPROXY-FIREWALL: a DROP per firewall of f, then
 // one listener guard per protocol that has listeners of f.
 //
-// A firewall's DROP matches its own destination. A packet that
-// UPROXY-SERVICES redirected has had its destination rewritten to a local
-// address by the time the filter hooks see it, so only the packets that no
-// allowed source prefix redirected still carry it.
-//
-// The listener guard of a protocol drops a packet whose destination port
-// is in the protocol's listener set of f (see the set table in sets.go),
-// on a local address, unless its conntrack entry records a destination
-// NAT: REDIRECT is a DNAT to an address of the incoming interface
-// (127.0.0.1 or ::1 from OUTPUT; nf_nat_redirect.c) and sets IPS_DST_NAT
-// on the connection, which "--ctstate DNAT" tests for every packet of it.
-// "--dst-type LOCAL" keeps the guard away from traffic that only passes
-// through (FORWARD) or leaves (OUTPUT) the node, such as a pod's
-// connection to another pod that listens on the same port number. Replies
-// to the node's own connections are not caught either: the kernel picks
-// no ephemeral port that a bound socket holds.
-//
-// The first packet of every connection that enters, leaves or crosses
-// the node walks this chain (see the jumps' match in the chain table), so
-// the guard is one rule per protocol, whose set lookup costs the same for
-// one listener or thousands, not one rule per listener. The matches
-// are in the order iptables-save prints them; the set match tests the
-// cheap port bit before addrtype's route lookup and conntrack's state.
+// A firewall's DROP matches its own destination, which only the packets
+// that no allowed source prefix redirected still carry. The listener
+// guard of a protocol drops a packet to a local address whose destination
+// port is in the protocol's listener set of f (see the set table in
+// sets.go) unless conntrack records a destination NAT (REDIRECT's), so a
+// listener is reachable only through its rules. "The firewall chain" in
+// the package documentation gives the kernel behaviour each match relies
+// on, and why the matches stand in this order.
 func firewallRules(c chainSpec, f Family, r Rules) []string {
 	var ws []Firewall
 	for _, w := range r.Firewalls {

@@ -22,10 +22,10 @@ const (
 	// serviceSet holds, in the shared layout (Rules.Shared), the
 	// address, protocol and port of every intercept of the set's family
 	// that no Firewall guards; one rule per protocol sends what it
-	// matches to the protocol's shared listener (see shared.go). In
-	// tproxy mode with per-service rules, it holds those of every
-	// intercept and Firewall of the family, and gates the per-service
-	// rules (see TProxy).
+	// matches to the protocol's shared listener. In tproxy mode with
+	// per-service rules, it holds those of every intercept and Firewall
+	// of the family, and gates the per-service rules. The package
+	// documentation describes both.
 	serviceSet
 	// nodePortSet holds, in the shared layout, the ports of the node
 	// ports of the set's family and protocol; one rule sends what it
@@ -60,7 +60,8 @@ type setSpec struct {
 // accept it; it matches the destination port ("dst") of a TCP or UDP
 // packet of either family, whatever the protocol, so the rule that
 // matches it names the protocol. A lookup is one bit test, so the guard
-// costs the same for any number of listeners, and the set takes 8 KiB.
+// costs the same for any number of listeners, and the set is one bit per
+// port.
 const setType = "bitmap:port range 0-65535"
 
 // serviceSetMax is the most members a service set holds (ipset's

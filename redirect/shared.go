@@ -7,24 +7,8 @@ import (
 )
 
 // The shared layout (Rules.Shared) keeps the number of rules constant as
-// services come and go: the proxy has one listener per family and
-// protocol, so every service address and port of a family goes into one
-// kernel set (hash:ip,port, matched "dst,dst": destination address,
-// protocol and destination port), every node port into a bitmap:port set
-// per family and protocol, and one rule per protocol and set sends what
-// the set matches to the protocol's listener. Adding or removing a
-// service is then one ipset add or del, and iptables-restore runs only
-// when a protocol gains its first or loses its last member.
-//
-// An intercept that a Firewall guards stays out of the set and keeps
-// its rules of the per-service layout, one per allowed source prefix,
-// before the set's rule: a set member would redirect every source, and
-// the allowed sources of each guarded address differ. Such intercepts
-// are LoadBalancer addresses with loadBalancerSourceRanges, few next to
-// the services, so the rules stay nearly constant. (A hash:ip,port,net
-// set of allowed sources would make them constant too, at the price of a
-// second set lookup for every intercepted packet and of keeping the
-// guarded and unguarded members apart.)
+// services come and go; the package documentation ("The shared layout")
+// says how, and why guarded intercepts keep their own rules.
 
 // SharedComment is the comment of the rule of protocol p that matches
 // the service set: PreviousListenerPorts keys the shared listener's port

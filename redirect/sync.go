@@ -307,37 +307,14 @@ func New(cfg Config) (*Syncer, error) {
 
 // Sync makes the kernel hold exactly r (the part of it of the Syncer's
 // family) in uproxy's chains and sets, with the jump rules to the chains.
-//
-// The listener ports are members of kernel sets, one per protocol (see
-// the set table in sets.go), which the listener guards match, and so, in
-// the shared layout (r.Shared), are the service addresses and ports and
-// the node ports, which the shared rules match; a set exists only while
-// it has members. Sets are written with ipset restore before
-// iptables-restore, so that every set a rule names exists, and a set
-// that is no longer needed is destroyed after it, once no rule names it.
-// In the shared layout, a change of services alone is an ipset restore
-// of exactly the members added and deleted, and no iptables-restore:
-// the rules change only when a protocol gains its first or loses its
-// last member.
-//
-// When full is false and the rendering of r and the sets it asks for
-// equal the last successful write, Sync runs nothing at all. When they
-// differ, Sync runs one ipset restore with exactly the creates, adds and
-// deletes between the last write and r (RenderSetUpdate) if the sets
-// differ, one iptables-restore --noflush if the rendering differs, and one
-// ipset destroy per set no longer needed.
-//
-// When full is true (the periodic resync), Sync reads uproxy's chains
-// back with iptables-save and its sets with ipset save, and writes only
-// what differs from r, so a resync of an unchanged kernel writes nothing:
-// a set destroyed or emptied by hand is created or filled again, stray
-// members are deleted. Then it inserts any missing jump rule at position
-// 1 of its built-in chain (never a second copy), and deletes the jumps
-// of earlier versions and, in redirect mode, those to tproxy mode's
-// mangle chains. The first Sync of a Syncer, the first after a failed
-// one, and a Sync whose mode (r.TProxy set or not) differs from the last
-// successful one's always behave as full; this is also how a new process
-// adopts the rules and sets of a previous one.
+// When full is false and nothing differs from the last successful write,
+// it runs nothing at all. When full is true (the periodic resync), it
+// reads the kernel back and repairs what others changed, so a resync of
+// an unchanged kernel writes nothing. The first Sync of a Syncer, the
+// first after a failed one, and a Sync whose mode (r.TProxy set or not)
+// differs from the last successful one's always behave as full; this is
+// also how a new process adopts the rules and sets of a previous one.
+// "Syncing" in the package documentation says which commands run when.
 //
 // Sync returns an error, and changes nothing, when r has an invalid
 // intercept, node port, node port address, firewall or listener, two
@@ -463,8 +440,8 @@ func (s *Syncer) write(ctx context.Context, res *Result, rules bool, want []byte
 //
 // One call, not one per table (-t nat, -t mangle, -t filter): with the
 // nf_tables backend, iptables-save fetches the whole ruleset whatever
-// table it prints, so each call cost the same. At 10,000 services one
-// took 0.15 s, and three made up most of a full resync. The tables that
+// table it prints, so each call costs the same, and with many services
+// three would make up most of a full resync. The tables that
 // uproxy has no chain in (raw, security) are small, and parseState skips
 // them.
 func (s *Syncer) read(ctx context.Context) (state, []byte, error) {
@@ -539,8 +516,7 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 // (oldJumpMatches) and, unless tproxy is set, of the jumps to tproxy
 // mode's chains, and reports whether it changed any. Reading the jumps
 // from the tables that a full sync saves anyway spares an iptables -C, a
-// process start (about 7 ms), per jump: seven per family on every full
-// sync.
+// process start, per jump: seven per family on every full sync.
 func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, tproxy bool) (bool, error) {
 	changed := false
 	for _, c := range chains {

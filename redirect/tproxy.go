@@ -7,82 +7,17 @@ import (
 	"slices"
 )
 
-// TProxy configures tproxy mode.
-//
-// In PREROUTING (mangle), UPROXY-TPROXY hands each intercepted destination
-// and node port by TPROXY to its listener on the loopback address (127.0.0.1
-// or ::1), with the packet's destination unchanged and the routing mark
-// set, so the policy routing of Routing delivers it locally. A listener
-// sees the original destination as its connection's local address
-// (getsockname), or, for UDP, in each datagram's IP_ORIGDSTADDR. Being on
-// loopback, the listeners cannot be reached directly from pods.
-//
-// A Firewall's allowed source prefixes get one TPROXY rule each, and
-// every other packet to its destination is dropped right after them: the
-// destination stays the same, so the filter table could not tell the
-// handed-over packets from the others, and UPROXY-FIREWALL holds no
-// firewall rule in tproxy mode.
-//
-// Packets that belong to the proxy's transparent sockets get the mark too
-// (UPROXY-TPROXY-DIVERT), and reach them instead of being routed on: the
-// packets of established connections, and the replies to connections
-// dialled from a client's own address. For TCP this comes first, and the
-// packets leave UPROXY-TPROXY there, by goto, as in the kernel's TPROXY
-// recipe (Documentation/networking/tproxy.rst: "-m socket -j DIVERT"
-// first): mangle's PREROUTING sees every packet, not only a connection's
-// first as nat's does, and with the socket match last each packet of an
-// established connection walked the rules of the service ports before
-// its own. SYNs still go to TPROXY first, as before: TPROXY hands a SYN
-// that meets the TIME_WAIT socket of an earlier connection to the
-// listener (nf_tproxy_handle_time_wait4), where local delivery would leave
-// it to the TIME_WAIT socket, which no listener on the service's address
-// backs (the listeners are on loopback). For UDP the socket
-// match stays last: the proxy's reply sockets are bound to the service
-// address and connected to the client, so the clients' datagrams would
-// match them, and a datagram needs TPROXY every time anyway.
-//
-// With per-service listeners, those rules do not stand in UPROXY-TPROXY
-// itself but behind gates, kernel sets that a packet is looked up in
-// once: the service set of the family (hash:ip,port) holds the
-// destination, protocol and port of every intercept and firewall, and
-// sends what it matches to UPROXY-TPROXY-SERVICES-TCP or -UDP, which
-// hold the protocol's rules; the node-port sets (bitmap:port, one per
-// protocol) hold the node ports, and send what they match to
-// UPROXY-TPROXY-NODEPORTS-TCP or -UDP. A packet for no service, such as
-// a backend's reply to a connection the proxy dialled from the node's
-// address, or a pod's packet that the node routes on, then costs a few
-// set lookups instead of a walk of one rule per service port: in a lab
-// with 1,000 services, such walks had cut the keep-alive rate through
-// uproxy to 37% of what one service allowed. A service's datagram walks
-// the rules of its protocol only, so that the UDP services, which are
-// few in most clusters, do not pay for the TCP ones. A packet of an
-// intercept or firewall always ends in its protocol's services chain (a
-// TPROXY or a DROP), so the intercepts keep their precedence over the
-// node ports. In the shared layout the sets send their members to the
-// shared listeners instead (see shared.go).
-//
-// In OUTPUT (mangle), UPROXY-TPROXY-OUTPUT marks the node's own packets to
-// intercepted and guarded destinations (with per-service listeners, one
-// rule per protocol that matches the service set), which reroutes them
-// through lo (mangle OUTPUT re-routes a packet whose mark changed), so
-// they come back in through PREROUTING and meet TPROXY, or a firewall's
-// DROP, there: TPROXY works only in PREROUTING.
+// TProxy configures tproxy mode: UPROXY-TPROXY hands each intercepted
+// destination by TPROXY to its listener on loopback with the packet's
+// destination unchanged, so that the proxy can dial the backend from the
+// client's own address and the replies find their way back to it. The
+// package documentation ("Tproxy mode") gives the chains and the order
+// of their rules, and docs/modes.md when to choose the mode and the
+// kernel's limits (br_netfilter).
 //
 // Tproxy mode needs the policy routing of Routing for each family
 // (Routing.Ensure); the caller installs it before the first Sync and
 // removes it (Routing.Remove) after Cleanup.
-//
-// TPROXY does not work for packets that reach the node through a Linux
-// bridge while br_netfilter hands bridged traffic to iptables
-// (net.bridge.bridge-nf-call-iptables or -ip6tables set to 1, as kubeadm
-// requires): br_netfilter runs PREROUTING while the frame is still on the
-// bridge, the IP layer then drops the socket TPROXY chose (skb_orphan in
-// ip_rcv), and br_netfilter keeps PREROUTING from running again, so the
-// stack finds no socket for the packet, which keeps its destination, and
-// the connection fails (seen up to Linux 6.18). Such nodes (a bridge CNI) need those sysctls at 0 in tproxy
-// mode; pods on routed veths, clients routed to the node on a plain
-// interface, and the node's own traffic are not affected. The marks,
-// including the transparent sockets' replies, work either way.
 type TProxy struct {
 	// Routing gives the mark; its zero value is DefaultRouting.
 	Routing Routing
@@ -203,7 +138,8 @@ func tproxyEntries(f Family, r Rules) []tproxyEntry {
 
 // gatedTProxy reports whether r is in tproxy mode with per-service rules,
 // where the service and node-port sets gate the chains of
-// tproxyServicesChain and tproxyNodePortsChain (see TProxy).
+// tproxyServicesChain and tproxyNodePortsChain (see the package
+// documentation, "Tproxy mode").
 func gatedTProxy(r Rules) bool { return r.TProxy != nil && !r.Shared }
 
 // tproxyServicesChain returns the chain that holds the per-service rules
@@ -236,10 +172,10 @@ func entryProtocols(es []tproxyEntry) []Protocol {
 	return ps
 }
 
-// tproxyRules renders UPROXY-TPROXY (see TProxy). The transparent
-// sockets' packets go to UPROXY-TPROXY-DIVERT by goto, and return from
-// there to PREROUTING: for TCP before all the rest, except SYNs; for UDP
-// last.
+// tproxyRules renders UPROXY-TPROXY (see "Tproxy mode" in the package
+// documentation). The transparent sockets' packets go to
+// UPROXY-TPROXY-DIVERT by goto, and return from there to PREROUTING: for
+// TCP before all the rest, except SYNs; for UDP last.
 //
 // With per-service rules, what lies between is the gates, per protocol:
 // a packet whose destination address, protocol and port are in f's
@@ -377,7 +313,8 @@ func tproxyNodePortRules(c chainSpec, f Family, r Rules) []string {
 }
 
 // tproxyDivertRules renders UPROXY-TPROXY-DIVERT: it marks the packets of
-// the transparent sockets, which UPROXY-TPROXY sends here (see TProxy).
+// the transparent sockets, which UPROXY-TPROXY sends here (see the
+// package documentation).
 func tproxyDivertRules(c chainSpec, _ Family, r Rules) []string {
 	if r.TProxy == nil {
 		return nil
@@ -385,12 +322,12 @@ func tproxyDivertRules(c chainSpec, _ Family, r Rules) []string {
 	return []string{fmt.Sprintf("-A %s %s", c.name, r.TProxy.markTarget())}
 }
 
-// tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see TProxy): with
-// per-service rules, one MARK per protocol for what f's service set
-// matches (every intercept's and firewall's destination, protocol and
-// port), when it has members of the protocol; in the shared layout, one
-// MARK per firewall's destination, protocol and port, with the comment
-// of its intercept if it has one, and then one per protocol that
+// tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see the package
+// documentation): with per-service rules, one MARK per protocol for what f's
+// service set matches (every intercept's and firewall's destination,
+// protocol and port), when it has members of the protocol; in the shared
+// layout, one MARK per firewall's destination, protocol and port, with the
+// comment of its intercept if it has one, and then one per protocol that
 // matches f's service set.
 // Node ports need no rule: the node's packets to its own addresses go
 // through lo and PREROUTING anyway.

@@ -209,7 +209,7 @@ func TestE2EKubernetes(t *testing.T) {
 	}
 	update(readyEP(p2))
 	// client-go's reflectors retry a broken watch with exponential backoff
-	// capped at 30s, plus up to 100% jitter (tools/cache/reflector.go:
+	// capped at 30s, plus jitter of up to as much again (tools/cache/reflector.go:
 	// defaultBackoffMax, defaultBackoffJitter); after a minute of failures
 	// (and the restarted server's RBAC cache answering "forbidden" until it
 	// has synced), the next attempt can be up to 60s away, and an attempt

@@ -571,10 +571,9 @@ const (
 
 // loadSequential is the number of connections TestE2ERelLoad makes one
 // after another (loadWorkers clients, each strictly sequential). A
-// million took 10m35s on a busy two-core machine (1,570 connections/s;
-// uproxy's share 290µs of CPU each, nearly all of it in the kernel's TCP
-// and splice calls), and the race detector more than halves the rate of
-// the test's own clients and backends: too long for the suite, which
+// million take several minutes, nearly all of uproxy's share in the
+// kernel's TCP and splice calls, and the race detector slows the test's
+// own clients and backends further: too long for the suite, which
 // makes 60,000: more than twice the client's 28,232 ephemeral ports, so
 // ports are used again while the other side still holds the previous
 // connection's TIME_WAIT. `go test ./cmd/uproxy -run
@@ -928,8 +927,8 @@ func TestE2ERelBackendFaults(t *testing.T) {
 		results := make(chan result, transfers)
 		for i, conn := range conns {
 			go func() { // ends with the transfer, within its deadline
-				// 1 MiB in 64 pieces 20ms apart: about 1.3s, of which the
-				// kill, 300ms in, leaves most to go.
+				// 1 MiB in 64 pieces 20ms apart, of which the kill,
+				// 300ms in, leaves most to go.
 				payload := randomBytes(rand.New(rand.NewPCG(uint64(i), 1)), 1<<20)
 				err := slowExchange(conn, payload, 20*time.Millisecond, 20*time.Second)
 				results <- result{err, time.Now()}

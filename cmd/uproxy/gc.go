@@ -7,12 +7,9 @@ import (
 
 // startupGCPercent is the collector's target (GOGC) until the first sync
 // has ended. Until then the heap grows from nothing to its working size,
-// and at the default target of 100 the collector runs all along. At
-// 10,000 services from manifests, in a namespace, alternating builds,
-// the first sync took 0.65-0.66 s instead of 0.70-0.80 s in the shared
-// layout, and 1.93-1.98 s instead of 2.06-2.26 s with per-service
-// listeners, for 9-10% more peak memory (191 against 175 MB shared, 272
-// against 247 MB per-service).
+// and at the default target of 100 the collector runs all along: a
+// higher target shortens a large first sync for a little more peak
+// memory (see docs/performance.md).
 const startupGCPercent = 400
 
 // startupGC raises the collector's target to startupGCPercent and returns

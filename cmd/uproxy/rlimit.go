@@ -63,13 +63,11 @@ const maxUDPFlows = 65536
 //
 // Each flow holds a socket for --udp-timeout after its last datagram. A
 // DNS client sends each query from a new port, so every query is a new
-// flow: with 30 s flows and 20,000 descriptors, 670 queries a second
-// used them all, after which every new flow, and every new TCP
-// connection, failed with EMFILE until old flows expired (2,164 queries
-// a second got through in a lab, 1,024 timed out). Bounded below the
-// limit, the table makes room by ending its least recently used flows
-// instead: 24,067 queries a second, none lost
-// (bench/results/2026-12-01-udp-flow-bound.md).
+// flow, and a modest query rate holds every descriptor the process may
+// open: every new flow, and every new TCP connection, would then fail
+// with EMFILE until old flows expired. Bounded below the limit, the
+// table makes room by ending its least recently used flows instead, and
+// the other sockets keep theirs (see docs/performance.md).
 func udpMaxFlows(flag int, noFile uint64) int {
 	if flag > 0 {
 		return flag

@@ -23,72 +23,9 @@ import (
 
 // Hitless upgrade: a new `uproxy run` takes the listening sockets over
 // from the running one, as HAProxy's -x and Envoy's hot restart do, so
-// that no connection attempt is refused while the binary changes.
-//
-// Every running uproxy listens on --upgrade-socket, a SOCK_SEQPACKET unix
-// socket (mode 0600). A starting uproxy that finds a live socket there
-// speaks this protocol with the process behind it; each message is one
-// packet holding one JSON object (upgradeMessage), and descriptors travel
-// as SCM_RIGHTS on the packet that lists them:
-//
-//	new → old  hello    {"type":"hello","version":1,"pid":…,"netns":"dev:ino","mode":"redirect"}
-//	old → new  offer    {"type":"offer","version":1,"pid":…,"netns":…,"mode":…,"count":N}
-//	old → new  sockets  {"type":"sockets","version":1,"sockets":[{"kind":…,"key":…,"port":…},…]}
-//	                    + SCM_RIGHTS, one descriptor per entry, in order; at most 64 a
-//	                    packet, repeated until N sockets have been sent
-//	new → old  ready    {"type":"ready","version":1}
-//
-// Kinds: "listener" (a service port's listener, keyed by
-// proxy.HandoffSocket.Key: its network and service port), "server" (the
-// healthz, metrics and health-check node port servers, keyed by role,
-// network and address) and "upgrade" (this very socket, keyed by path).
-//
-// On hello the old process stops its sync loop, so that its set of
-// listeners stays what it exported, but it goes on accepting on every
-// socket. The new process adopts the sockets by key: the listeners when
-// its first sync opens them, which therefore writes no rule (the ports
-// are the same), the servers when they start. It accepts only once that
-// sync has succeeded; then it closes the inherited sockets nobody claimed
-// (services it does not have) and sends ready. On ready the old process
-// closes its own descriptors, which stops it accepting without ending the
-// sockets (the new process holds duplicates; Go's Close never calls
-// shutdown(2)), drains its established connections for up to
-// --drain-timeout and exits. Connections arriving at any moment are
-// either accepted by one of the two processes or wait in the socket's
-// queue, which one of them serves: none is refused.
-//
-// If the new process goes away before ready, the old one sees the
-// connection end, starts its sync loop again and carries on. The new
-// process serves the upgrade socket it inherited from then on, so the
-// path never changes hands through a gap.
-//
-// An offer may carry an "error" instead of sockets: "another upgrade is
-// in progress" (the old process is handing over, or is itself still
-// waiting for its own first sync after an upgrade) makes the new process
-// exit with an error, to be started again later; "not serving yet" (a
-// cold start whose first sync has not completed: nothing worth keeping)
-// and a failed export make it ask for a release, below.
-//
-// Version skew: the hello, offer, release and released messages and their
-// "type" and "version" fields never change; "version" says how to read the
-// rest. A new process whose version or mode differs from the offer's
-// starts cold: it sends
-//
-//	new → old  release   {"type":"release","version":1}
-//	old → new  released  {"type":"released","version":1}
-//
-// and the old process closes every socket before it answers, drains and
-// exits; the new one then binds its own sockets (new listener ports, so
-// its first sync rewrites the rules; fixed ports that the old process
-// still held would fail to bind, which is logged).
-//
-// The processes must share the network namespace: a socket belongs to
-// the namespace it was created in. The hello and offer carry the
-// namespace's identity (device and inode of /proc/self/ns/net), and the
-// old process refuses a hello from another one with an "error" offer; the
-// new one then starts cold and leaves the upgrade socket to its owner.
-// A socket file with no process behind it (connection refused) is stale:
-// it is removed and the start goes on as usual.
+// that no connection attempt is refused while the binary changes. The
+// handover protocol (its messages, versions and failure handling) is
+// described in docs/upgrade-protocol.md, which changes with this file.
 
 const (
 	// upgradeProtocolVersion is the version of the handover messages.
