@@ -77,7 +77,7 @@ endpoints:
 			if mode == "tproxy" {
 				// TPROXY's socket assignment does not survive br_netfilter's
 				// PREROUTING pass for frames that enter through a bridge (see
-				// README, tproxy mode): clients behind a bridge need
+				// docs/modes.md): clients behind a bridge need
 				// bridge-nf-call-iptables off, as on a routed CNI.
 				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
