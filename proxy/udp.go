@@ -90,10 +90,38 @@ func (f *udpFlow) touch(p *Proxier) {
 	if now-last < int64(touchInterval) || !f.refreshed.CompareAndSwap(last, now) {
 		return
 	}
-	flows := p.flowTable()
-	if cur, ok := flows.Peek(f.key); ok && cur == f {
-		flows.Add(f.key, f)
+	p.flowTable()
+	p.flows.mu.Lock()
+	defer p.flows.mu.Unlock()
+	// Peek and Add as one step: the LRU's Add of a key it holds replaces
+	// the value without evicting it, so a flow that was replaced between
+	// the two would come back over its replacement, whose socket and
+	// goroutine nothing would then end (#30).
+	if cur, ok := p.flows.lru.Peek(f.key); ok && cur == f {
+		p.flows.lru.Add(f.key, f)
 	}
+}
+
+// removeFlow removes f from the flow table, which ends it, if it is
+// still its key's flow: a flow that has been replaced leaves its
+// replacement alone.
+func (p *Proxier) removeFlow(f *udpFlow) {
+	flows := p.flowTable()
+	p.flows.mu.Lock()
+	defer p.flows.mu.Unlock()
+	if cur, ok := flows.Peek(f.key); ok && cur == f {
+		flows.Remove(f.key)
+	}
+}
+
+// addFlow makes f its key's flow; true if the table was full and ended
+// its least recently used flow to make room. Only the goroutine or loop
+// that reads f's listener adds flows of its keys.
+func (p *Proxier) addFlow(f *udpFlow) bool {
+	flows := p.flowTable()
+	p.flows.mu.Lock()
+	defer p.flows.mu.Unlock()
+	return flows.Add(f.key, f)
 }
 
 // flowStart anchors flowClock.
@@ -157,6 +185,10 @@ func (f *udpFlow) drop() {
 type flowTable struct {
 	once sync.Once
 	lru  *expirable.LRU[flowKey, *udpFlow]
+	// mu makes a check of a key's flow and the change that depends on it
+	// one step (touch, removeFlow, addFlow). The LRU's own lock covers
+	// each call alone.
+	mu sync.Mutex
 	// created publishes lru to readers that must not create it (UDPFlows,
 	// from any goroutine).
 	created atomic.Pointer[expirable.LRU[flowKey, *udpFlow]]
@@ -333,7 +365,6 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 // ready, ejected) is replaced, so no client stays blackholed behind a
 // dead endpoint.
 func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
-	flows := p.flowTable()
 	client := key.client
 	snap := l.snap.Load()
 	if snap == nil {
@@ -355,7 +386,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
 			return f, nil
 		}
-		flows.Remove(key)
+		p.removeFlow(f)
 	}
 	b := bal.Pick(client.Addr())
 	if b == nil {
@@ -380,7 +411,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	bm.connected()
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
-	if flows.Add(key, f) {
+	if p.addFlow(f) {
 		// The table was full: its least recently used flow ended.
 		pm.flowEvicted()
 		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
@@ -428,11 +459,7 @@ func (p *Proxier) udpFailed(f *udpFlow, err error) {
 	if errors.Is(err, syscall.ECONNREFUSED) {
 		p.health.failure(f.backend)
 	}
-	if flows := p.flowTable(); flows != nil {
-		if cur, ok := flows.Peek(f.key); ok && cur == f {
-			flows.Remove(f.key)
-		}
-	}
+	p.removeFlow(f)
 	f.close()
 }
 
