@@ -1116,7 +1116,7 @@ func newFlowReceiver() *flowReceiver {
 
 // receive reads up to two datagrams from fd, without waiting.
 func (r *flowReceiver) receive(fd int) (int, error) {
-	n, err := rawCall(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdrs[0])), uintptr(len(r.hdrs)), unix.MSG_DONTWAIT, 0, 0)
+	n, err := rawCallP(unix.SYS_RECVMMSG, uintptr(fd), unsafe.Pointer(&r.hdrs[0]), uintptr(len(r.hdrs)), unix.MSG_DONTWAIT, 0, 0)
 	return int(n), err
 }
 
