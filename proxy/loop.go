@@ -503,7 +503,7 @@ func (l *eventLoop) watch(sd *loopSide, events uint32) error {
 	l.sides[sd.fd] = sd
 	ev := unix.EpollEvent{Events: events, Fd: int32(sd.fd), Pad: sd.gen}
 	if err := epollAdd(l.epfd, sd.fd, &ev); err != nil {
-		return fmt.Errorf("epoll_ctl add: %w", err)
+		return os.NewSyscallError("epoll_ctl add", err)
 	}
 	return nil
 }

@@ -404,7 +404,9 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	err := p.connectFlow(el, f, from)
 	pm.dialDone(start, err)
 	if err != nil {
-		p.health.failure(b)
+		if !localDialFailure(err) {
+			p.health.failure(b)
+		}
 		bm.failed()
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
