@@ -316,6 +316,25 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	}
 	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
 	cur, _ := p.flowTable().Peek(key)
+	switch {
+	case cur != nil && !l.key.name.IsShared():
+		orig = cur.orig
+	case !l.key.name.IsShared() && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
+		// A listener of its own binds every address, and receives what
+		// anyone sends to its port, the listener guard notwithstanding
+		// (it holds the port only from the next rules write, and not at
+		// all after someone flushed its set). A new flow is forwarded
+		// only if uproxy's rules redirected it here: conntrack's entry
+		// names the original destination, which must be the service's
+		// (udpFlowFor). A datagram sent straight to the port has its own
+		// entry, whose destination is the listener's (#30).
+		local := netip.AddrPortFrom(d.dst.Addr(), l.port)
+		var err error
+		if orig, err = p.cfg.UDPOriginalDst(d.client, local); err != nil {
+			p.notRedirected(l, err)
+			return
+		}
+	}
 	if l.key.name.IsShared() {
 		// The flow remembers its service; only its first datagram asks
 		// which, and in redirect mode that means asking conntrack.
@@ -357,6 +376,15 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	}
 }
 
+// notRedirected counts and logs a datagram that service port l's own
+// listener received with no original destination: not redirected.
+func (p *Proxier) notRedirected(l *listener, err error) {
+	if snap := l.snap.Load(); snap != nil {
+		snap.metrics.refusedDestination()
+	}
+	p.connLog.Warn("dropping a UDP datagram that was not redirected to the service", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+}
+
 // udpFlowFor returns cur, the table's flow of key (nil: none), if it is
 // still usable for service port l, or creates one, on event loop el when
 // it is set (see connectFlow). orig is the datagram's original
@@ -372,7 +400,8 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	}
 	pm := snap.metrics
 	// Without an original destination (a listener of its own in redirect
-	// mode) a datagram counts as cluster-IP traffic.
+	// mode, without Config.UDPOriginalDst) a datagram counts as
+	// cluster-IP traffic.
 	bal := snap.route(orig, orig.IsValid(), client.Addr(), p.internalClient)
 	if bal == nil {
 		pm.refusedDestination()
