@@ -419,6 +419,13 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 // bid (or an error).
 func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 	rs, dir := l.ring, &ls.dir[d]
+	if res <= 0 && bid >= 0 {
+		// A receive can take a buffer and still complete without bytes:
+		// at EOF the kernel commits the buffer it selected, and the
+		// completion carries it (io_recv_finish). Nothing reads it; it
+		// goes back at once, or the ring runs dry one EOF at a time (#30).
+		rs.bufs.Put(uint16(bid))
+	}
 	switch {
 	case res > 0:
 		ls.moved = true

@@ -200,3 +200,41 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 		t.Fatalf("read %d bytes (%v), equal to what the backend sent: %v", len(got), err, bytes.Equal(got, want))
 	}
 }
+
+// TestRingBuffersBalancedAfterEOF runs short connections through a ring
+// of four buffers: each ends with both sides' EOFs, receives that can
+// complete without bytes but with a buffer. Every buffer the receives
+// took must be back once the sessions have ended; a buffer taken by an
+// empty receive and never returned starved the ring after a few
+// connections (#30).
+func TestRingBuffersBalancedAfterEOF(t *testing.T) {
+	skipWithoutRing(t)
+	defer func(n int) { ringBufCount = n }(ringBufCount)
+	ringBufCount = 4
+	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	for i := range 3 * ringBufCount {
+		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(2 * time.Second))
+		msg := fmt.Appendf(nil, "connection %d", i)
+		got := make([]byte, len(msg))
+		if _, err := c.Write(msg); err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
+			t.Fatalf("connection %d: read %q (%v), want %q", i, got, err, msg)
+		}
+		c.Close()
+	}
+	var held, sessions int
+	waitUntil(t, "the sessions end", func() bool {
+		onLoops(t, p, func(l *eventLoop) { held, sessions = l.ring.bufs.Held(), len(l.sessions) })
+		return sessions == 0
+	})
+	if held != 0 {
+		t.Errorf("the loop holds %d of its %d buffers after every session ended; want none", held, ringBufCount)
+	}
+}
