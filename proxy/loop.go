@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -53,6 +54,8 @@ type loopGroup struct {
 	// noRing, if set, hears why a loop asked for a ring has none, and
 	// carries everything on epoll.
 	noRing func(error)
+	// stats counts what the loops carried, when opts.stats points to it.
+	stats loopStats
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -130,6 +133,23 @@ func (g *loopGroup) stop() {
 type loopOptions struct {
 	idle, dialTimeout time.Duration
 	ring              bool
+	// ringFailed, if set, hears why a loop gave up its ring while running
+	// (abandonRing); it runs on the loop's goroutine.
+	ringFailed func(error)
+	// stats, if set, counts what the loops carried and how.
+	stats *loopStats
+}
+
+// loopStats counts, across a group's loops, the sessions the ring could
+// have carried and those it did, so that a test of the ring data path
+// can tell it from epoll (a ring that failed to set up leaves the
+// sessions on epoll, and the traffic flows all the same). Safe for
+// concurrent use.
+type loopStats struct {
+	// eligible: sessions a ring would take (no PROXY protocol header);
+	// onRing: those put on a ring; ringServed: those whose bytes a ring
+	// received; carried: sessions that moved bytes, by any path.
+	eligible, onRing, ringServed, carried atomic.Int64
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)
@@ -175,9 +195,11 @@ type eventLoop struct {
 	// ring is the loop's io_uring, if it has one (loopring.go); ringErr
 	// says why a loop asked for one has none. epollDue: the epoll set may
 	// hold events that raise no new wake-up of the ring's poll of it.
-	ring     *loopRing
-	ringErr  error
-	epollDue bool
+	ring       *loopRing
+	ringErr    error
+	epollDue   bool
+	ringFailed func(error) // loopOptions.ringFailed
+	stats      *loopStats  // loopOptions.stats; nil: none kept
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
@@ -207,6 +229,8 @@ func newEventLoop(o loopOptions) (*eventLoop, error) {
 		sessions:   map[*loopSession]struct{}{},
 		flows:      map[*udpFlow]struct{}{},
 		connecting: map[*loopSession]struct{}{},
+		ringFailed: o.ringFailed,
+		stats:      o.stats,
 	}
 	now := time.Now()
 	if idle > 0 {
@@ -290,9 +314,9 @@ func (l *eventLoop) run(ring bool, started chan<- struct{}) {
 			if err == unix.EINTR {
 				continue
 			}
-			// Only a bad epoll descriptor or buffer fails epoll_wait, and
-			// only a bad ring io_uring_enter: a bug, not a condition to
-			// carry on from.
+			// Only a bad epoll descriptor or buffer fails epoll_wait: a
+			// bug, not a condition to carry on from. (ringWait handles
+			// the ring's own errors: see abandonRing.)
 			panic(fmt.Sprintf("uproxy: waiting on an event loop: %v", err))
 		}
 		woken := false
@@ -418,12 +442,13 @@ type loopSession struct {
 	// (loopring.go), under ringID, with ringOps operations in flight;
 	// leaving: it goes over to epoll once they have completed.
 	// connectArmed: the ring's connect of backend connection attempt
-	// number attempt is in flight.
-	onRing, leaving, connectArmed bool
-	ringID                        uint64
-	ringOps                       int
-	attempt                       uint8
-	connectAddr                   unix.RawSockaddrInet6 // the ring's connect reads it
+	// number attempt is in flight. ringServed: a ring receive has carried
+	// bytes of the session (loopStats.ringServed).
+	onRing, leaving, connectArmed, ringServed bool
+	ringID                                    uint64
+	ringOps                                   int
+	attempt                                   uint8
+	connectAddr                               unix.RawSockaddrInet6 // the ring's connect reads it
 }
 
 // loopSide is one of a session's sockets, or a UDP flow's (flow), and
@@ -460,7 +485,11 @@ func (l *eventLoop) add(ls *loopSession) {
 	// A backend connected before the hand-over was dialled by
 	// net.Dialer, with Go's keep-alive, or by Config.Dial, which chooses.
 	ls.keepAlive = ls.dial == nil
-	if l.ring != nil && (ls.dial == nil || ls.dial.snap.sp.ProxyProtocol == 0) {
+	eligible := ls.dial == nil || ls.dial.snap.sp.ProxyProtocol == 0
+	if eligible && l.stats != nil {
+		l.stats.eligible.Add(1)
+	}
+	if l.ring != nil && eligible {
 		l.ringAdd(ls)
 		return
 	}
@@ -894,6 +923,9 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 		}
 	}
 	tcpPipes.leave()
+	if l.stats != nil && ls.dir[0].total+ls.dir[1].total > 0 {
+		l.stats.carried.Add(1)
+	}
 	ls.finish(ls.dir[0].total, ls.dir[1].total)
 }
 

@@ -2,9 +2,11 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"syscall"
 	"testing"
@@ -236,5 +238,64 @@ func TestRingBuffersBalancedAfterEOF(t *testing.T) {
 	})
 	if held != 0 {
 		t.Errorf("the loop holds %d of its %d buffers after every session ended; want none", held, ringBufCount)
+	}
+}
+
+// TestRingErrorsNeverPanic makes an event loop's io_uring_enter fail and
+// checks that the process survives: a completion backlog (EBUSY) that
+// clears leaves the ring and its sessions alone; dropped completions
+// (EBADR), any other error, and a backlog that never clears make the loop
+// give the ring up: its sessions end, and it carries new ones on epoll.
+// Each of them panicked the process before (#30).
+func TestRingErrorsNeverPanic(t *testing.T) {
+	skipWithoutRing(t)
+	for _, tc := range []struct {
+		name     string
+		errno    syscall.Errno
+		times    int
+		keepRing bool
+	}{
+		{"completion backlog that clears", syscall.EBUSY, 3, true},
+		{"completion backlog that stays", syscall.EBUSY, 1000, false},
+		{"dropped completions", syscall.EBADR, 1, false},
+		{"any other error", syscall.EINVAL, 1, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+			p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+			first := echoOnce(t, port, 0)
+			defer first.Close()
+			if s := ringSessions(t, p); s.OnRing != 1 {
+				t.Fatalf("before the error: %+v; want the session on the ring", s)
+			}
+			onLoops(t, p, func(l *eventLoop) { l.ring.r.FailEnter(tc.errno, tc.times) })
+			// The loop enters its ring again once it has run the task;
+			// a new connection wakes it, and shows it still serves.
+			waitUntil(t, "the loop to use up the injected errors", func() bool {
+				echoOnce(t, port, 1).Close()
+				used := false
+				onLoops(t, p, func(l *eventLoop) { used = l.ring == nil || l.ring.busy == 0 && !l.ring.r.Failing() })
+				return used
+			})
+			s := ringSessions(t, p)
+			if s.Ring != tc.keepRing {
+				t.Fatalf("after %v: ring kept %v, want %v", tc.errno, s.Ring, tc.keepRing)
+			}
+			first.SetDeadline(time.Now().Add(5 * time.Second))
+			msg := []byte("after the error")
+			_, werr := first.Write(msg)
+			got := make([]byte, len(msg))
+			_, rerr := io.ReadFull(first, got)
+			if tc.keepRing {
+				if werr != nil || rerr != nil || !bytes.Equal(got, msg) {
+					t.Errorf("the session on the ring broke: read %q (%v, %v)", got, werr, rerr)
+				}
+			} else if rerr == nil || errors.Is(rerr, os.ErrDeadlineExceeded) {
+				t.Errorf("the session on the abandoned ring did not end: read %q, %v", got, rerr)
+			}
+			for i := range 3 {
+				echoOnce(t, port, 10+i).Close()
+			}
+		})
 	}
 }

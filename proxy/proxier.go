@@ -262,8 +262,12 @@ func NewProxier(cfg Config) *Proxier {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
 			p.loops.opts.ring = true
+			p.loops.opts.stats = &p.loops.stats
 			p.loops.noRing = func(err error) {
 				p.log.Warn("an event loop could not set up its io_uring; it uses epoll only", zap.Error(err))
+			}
+			p.loops.opts.ringFailed = func(err error) {
+				p.log.Error("an event loop's io_uring failed: the connections it carried were reset, and the loop uses epoll only from now on", zap.Error(err))
 			}
 		}
 	}
