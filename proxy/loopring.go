@@ -505,10 +505,10 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 	rs, dir := l.ring, &ls.dir[d]
 	if res <= 0 && bid >= 0 {
-		// A receive can take a buffer and still complete without bytes:
-		// at EOF the kernel commits the buffer it selected, and the
-		// completion carries it (io_recv_finish). Nothing reads it; it
-		// goes back at once, or the ring runs dry one EOF at a time (#30).
+		// A completion that says its receive took a buffer (CQEFBuffer)
+		// owns it whatever its result; one without bytes has nothing to
+		// send on, so the buffer goes back at once, or the ring would
+		// lose it for good (#30).
 		rs.bufs.Put(uint16(bid))
 	}
 	switch {

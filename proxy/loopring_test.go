@@ -7,12 +7,16 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/internal/uring"
 )
 
 // onLoops runs f on each of p's event loops, in turn, and waits for it.
@@ -203,41 +207,63 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 	}
 }
 
-// TestRingBuffersBalancedAfterEOF runs short connections through a ring
-// of four buffers: each ends with both sides' EOFs, receives that can
-// complete without bytes but with a buffer. Every buffer the receives
-// took must be back once the sessions have ended; a buffer taken by an
-// empty receive and never returned starved the ring after a few
-// connections (#30).
-func TestRingBuffersBalancedAfterEOF(t *testing.T) {
+// TestRingEmptyReceiveGivesItsBufferBack hands a loop's ring a receive
+// completion that took a buffer and carries no bytes: the buffer must go
+// back, so that the loop's count of buffers held returns to zero. Such a
+// completion was counted as taking its buffer, which was never returned
+// (#30). The receive is real, on a socket pair with a byte to read, so
+// the kernel really takes the buffer; only its result is changed to 0
+// before the loop sees it.
+func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
 	skipWithoutRing(t)
-	defer func(n int) { ringBufCount = n }(ringBufCount)
-	ringBufCount = 4
-	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
-	for i := range 3 * ringBufCount {
-		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-		if err != nil {
+	runtime.LockOSThread() // the ring's single issuer is this thread
+	defer runtime.UnlockOSThread()
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(epfd)
+	l := &eventLoop{epfd: epfd, sessions: map[*loopSession]struct{}{}, connecting: map[*loopSession]struct{}{}}
+	if err := l.setupRing(); err != nil {
+		t.Fatal(err)
+	}
+	defer l.closeRing()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	if _, err := unix.Write(fds[1], []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	rs := l.ring
+	ls := &loopSession{onRing: true}
+	ls.side[0].fd, ls.side[1].fd = fds[0], fds[1]
+	rs.lastID++
+	ls.ringID = rs.lastID
+	rs.sessions[ls.ringID] = ls
+	l.ringRecv(ls, 0)
+	carried := false
+	deadline := time.Now().Add(5 * time.Second)
+	for ls.dir[0].recving && time.Now().Before(deadline) {
+		if err := rs.r.EnterTimeout(1, 100*time.Millisecond); err != nil {
 			t.Fatal(err)
 		}
-		c.SetDeadline(time.Now().Add(2 * time.Second))
-		msg := fmt.Appendf(nil, "connection %d", i)
-		got := make([]byte, len(msg))
-		if _, err := c.Write(msg); err != nil {
-			t.Fatalf("connection %d: %v", i, err)
-		}
-		if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
-			t.Fatalf("connection %d: read %q (%v), want %q", i, got, err, msg)
-		}
-		c.Close()
+		rs.r.Completions(func(c uring.CQE) {
+			if c.UserData&7 == ringTagRecv {
+				carried = c.Flags&uring.CQEFBuffer != 0
+				c.Res = 0
+			}
+			l.ringComplete(c)
+		})
 	}
-	var held, sessions int
-	waitUntil(t, "the sessions end", func() bool {
-		onLoops(t, p, func(l *eventLoop) { held, sessions = l.ring.bufs.Held(), len(l.sessions) })
-		return sessions == 0
-	})
-	if held != 0 {
-		t.Errorf("the loop holds %d of its %d buffers after every session ended; want none", held, ringBufCount)
+	if ls.dir[0].recving || !carried {
+		t.Fatalf("the receive did not complete with a buffer (completed: %v)", !ls.dir[0].recving)
+	}
+	rs.bufs.Flush()
+	if held := rs.bufs.Held(); held != 0 {
+		t.Errorf("the loop holds %d buffers after a receive that carried no bytes; want none", held)
 	}
 }
 
