@@ -107,6 +107,9 @@ func (g *loopGroup) start() error {
 			if l.ringErr != nil && g.noRing != nil {
 				g.noRing(l.ringErr)
 			}
+			if l.ringErr != nil && g.opts.stats != nil {
+				g.opts.stats.noRing.Add(1)
+			}
 			loops = append(loops, l)
 		}
 		g.loops = loops
@@ -148,8 +151,9 @@ type loopOptions struct {
 type loopStats struct {
 	// eligible: sessions a ring would take (no PROXY protocol header);
 	// onRing: those put on a ring; ringServed: those whose bytes a ring
-	// received; carried: sessions that moved bytes, by any path.
-	eligible, onRing, ringServed, carried atomic.Int64
+	// received; carried: sessions that moved bytes, by any path. noRing:
+	// loops that could not set up their ring.
+	eligible, onRing, ringServed, carried, noRing atomic.Int64
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)

@@ -158,6 +158,9 @@ func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 func checkRingCarried(t *testing.T, s *loopStats) {
 	t.Helper()
 	eligible, onRing, served, carried := s.eligible.Load(), s.onRing.Load(), s.ringServed.Load(), s.carried.Load()
+	if n := s.noRing.Load(); n > 0 {
+		t.Errorf("%d event loops could not set up their ring, and carried the test's traffic on epoll", n)
+	}
 	if onRing != eligible || (carried > 0 && served == 0) {
 		t.Errorf("the ring did not carry the traffic: of %d sessions it could take, %d went on a ring; %d sessions moved bytes, %d of them on a ring",
 			eligible, onRing, carried, served)
