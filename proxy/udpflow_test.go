@@ -52,7 +52,7 @@ func TestFlowTouchNeverRevivesAReplacedFlow(t *testing.T) {
 			f.touch(p)
 		}
 	}()
-	for range 20000 {
+	for range 100000 {
 		old, f := current.Load(), newFlow()
 		p.removeFlow(old)
 		p.addFlow(f)

@@ -139,9 +139,10 @@ func TestE2EUDPFlowsWithinDescriptorLimit(t *testing.T) {
 // TestE2EUDPListenerPortNotReachable sends datagrams from an external
 // host and from a pod straight to the UDP listener's port, in both
 // listener layouts: the kernel's listener guard drops them (its counter
-// says so), and with the guard's set flushed, as before the first rules
-// write holds a new listener's port, uproxy itself drops them, since
-// conntrack gives them no service's original destination. Before, a
+// says so, and uproxy counts none), and with the guard's set flushed, as
+// before the first rules write holds a new listener's port, uproxy
+// itself drops them, since conntrack gives them no service's original
+// destination. Before, a
 // per-service listener forwarded them: a cluster DNS service answered
 // anyone outside the node who found its listener's port (#30).
 func TestE2EUDPListenerPortNotReachable(t *testing.T) {
@@ -154,7 +155,7 @@ func TestE2EUDPListenerPortNotReachable(t *testing.T) {
 			}
 			c.serveUDP(c.pods...)
 			c.write("dns.yaml", dnsService(30053, c.pods...))
-			c.start(0, "--listener", layout)
+			c.start(0, "--listener", layout, "--metrics-bind-address", metricsAddr)
 			c.waitSynced()
 			if r := c.query(ext.NS, "192.0.2.1:30053", 3); r.Errors > 0 {
 				t.Fatalf("through the node port: %d errors (%s)", r.Errors, r.FirstError)
@@ -167,7 +168,7 @@ func TestE2EUDPListenerPortNotReachable(t *testing.T) {
 				{"external host", ext.NS, "192.0.2.1:" + port[0]},
 				{"pod", c.client.NS, "10.244.0.1:" + port[0]},
 			}
-			before := c.guardDrops("udp")
+			before, refused := c.guardDrops("udp"), c.refusedDestinations()
 			for _, d := range direct {
 				if r := c.query(d.ns, d.addr, 2, "--timeout", "500ms"); r.Errors != 2 {
 					t.Errorf("guarded: %s sent straight to %s: %d of 2 answered", d.name, d.addr, 2-r.Errors)
@@ -175,6 +176,9 @@ func TestE2EUDPListenerPortNotReachable(t *testing.T) {
 			}
 			if after := c.guardDrops("udp"); after < before+4 {
 				t.Errorf("the listener guard dropped %d datagrams of 4 sent straight to the listener", after-before)
+			}
+			if got := c.refusedDestinations(); got != refused {
+				t.Errorf("uproxy refused %v datagrams that the listener guard should have dropped", got-refused)
 			}
 			if _, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "flush", "uproxy-listeners-udp4"); err != nil {
 				t.Fatal(err)
@@ -184,11 +188,31 @@ func TestE2EUDPListenerPortNotReachable(t *testing.T) {
 					t.Errorf("unguarded: %s sent straight to %s: %d of 2 answered", d.name, d.addr, 2-r.Errors)
 				}
 			}
+			if got := c.refusedDestinations(); layout == "per-service" && got < refused+4 {
+				t.Errorf("uproxy counted %v refused destinations of the 4 datagrams that reached it", got-refused)
+			}
 			if r := c.query(ext.NS, "192.0.2.1:30053", 3); r.Errors > 0 {
 				t.Errorf("through the node port, after: %d errors (%s)", r.Errors, r.FirstError)
 			}
 		})
 	}
+}
+
+// refusedDestinations returns uproxy's count of connections and flows
+// refused for a destination that is not their service's.
+func (c *cluster) refusedDestinations() float64 {
+	c.t.Helper()
+	var n float64
+	if mf := c.scrapeMetrics()["uproxy_connections_total"]; mf != nil {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "result" && l.GetValue() == "refused_destination" {
+					n += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return n
 }
 
 // listenerPorts returns the listener ports of proto ("tcp" or "udp") in
