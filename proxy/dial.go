@@ -79,11 +79,14 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 	return b.Addr, nil
 }
 
-// failed reports that the attempt at next's backend failed.
+// failed reports that the attempt at next's backend failed. A failure
+// of the node's own (localDialFailure) does not eject the backend.
 func (d *tcpDial) failed(err error) {
 	d.snap.metrics.dialDone(d.start, err)
 	d.b.Release()
-	d.p.health.failure(d.b)
+	if !localDialFailure(err) {
+		d.p.health.failure(d.b)
+	}
 	d.last = d.bm
 	d.errs = append(d.errs, fmt.Errorf("dial %s: %w", d.b.Addr, err))
 	d.b, d.bm = nil, nil

@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -30,6 +31,8 @@ type loopGroup struct {
 	// noRing, if set, hears why a loop asked for a ring has none, and
 	// carries everything on epoll.
 	noRing func(error)
+	// stats counts what the loops carried, when opts.stats points to it.
+	stats loopStats
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -81,6 +84,9 @@ func (g *loopGroup) start() error {
 			if l.ringErr != nil && g.noRing != nil {
 				g.noRing(l.ringErr)
 			}
+			if l.ringErr != nil && g.opts.stats != nil {
+				g.opts.stats.noRing.Add(1)
+			}
 			loops = append(loops, l)
 		}
 		g.loops = loops
@@ -107,6 +113,24 @@ func (g *loopGroup) stop() {
 type loopOptions struct {
 	idle, dialTimeout time.Duration
 	ring              bool
+	// ringFailed, if set, hears why a loop gave up its ring while running
+	// (abandonRing); it runs on the loop's goroutine.
+	ringFailed func(error)
+	// stats, if set, counts what the loops carried and how.
+	stats *loopStats
+}
+
+// loopStats counts, across a group's loops, the sessions the ring could
+// have carried and those it did, so that a test of the ring data path
+// can tell it from epoll (a ring that failed to set up leaves the
+// sessions on epoll, and the traffic flows all the same). Safe for
+// concurrent use.
+type loopStats struct {
+	// eligible: sessions a ring would take (no PROXY protocol header);
+	// onRing: those put on a ring; ringServed: those whose bytes a ring
+	// received; carried: sessions that moved bytes, by any path. noRing:
+	// loops that could not set up their ring.
+	eligible, onRing, ringServed, carried, noRing atomic.Int64
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)
@@ -152,9 +176,11 @@ type eventLoop struct {
 	// ring is the loop's io_uring, if it has one (loopring.go); ringErr
 	// says why a loop asked for one has none. epollDue: the epoll set may
 	// hold events that raise no new wake-up of the ring's poll of it.
-	ring     *loopRing
-	ringErr  error
-	epollDue bool
+	ring       *loopRing
+	ringErr    error
+	epollDue   bool
+	ringFailed func(error) // loopOptions.ringFailed
+	stats      *loopStats  // loopOptions.stats; nil: none kept
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
@@ -184,6 +210,8 @@ func newEventLoop(o loopOptions) (*eventLoop, error) {
 		sessions:   map[*loopSession]struct{}{},
 		flows:      map[*udpFlow]struct{}{},
 		connecting: map[*loopSession]struct{}{},
+		ringFailed: o.ringFailed,
+		stats:      o.stats,
 	}
 	now := time.Now()
 	if idle > 0 {
@@ -264,9 +292,9 @@ func (l *eventLoop) run(ring bool, started chan<- struct{}) {
 			if err == unix.EINTR {
 				continue
 			}
-			// Only a bad epoll descriptor or buffer fails epoll_wait, and
-			// only a bad ring io_uring_enter: a bug, not a condition to
-			// carry on from.
+			// Only a bad epoll descriptor or buffer fails epoll_wait: a
+			// bug, not a condition to carry on from. (ringWait handles
+			// the ring's own errors: see abandonRing.)
 			panic(fmt.Sprintf("uproxy: waiting on an event loop: %v", err))
 		}
 		woken := false
@@ -392,12 +420,13 @@ type loopSession struct {
 	// (loopring.go), under ringID, with ringOps operations in flight;
 	// leaving: it goes over to epoll once they have completed.
 	// connectArmed: the ring's connect of backend connection attempt
-	// number attempt is in flight.
-	onRing, leaving, connectArmed bool
-	ringID                        uint64
-	ringOps                       int
-	attempt                       uint8
-	connectAddr                   unix.RawSockaddrInet6 // the ring's connect reads it
+	// number attempt is in flight. ringServed: a ring receive has carried
+	// bytes of the session (loopStats.ringServed).
+	onRing, leaving, connectArmed, ringServed bool
+	ringID                                    uint64
+	ringOps                                   int
+	attempt                                   uint8
+	connectAddr                               unix.RawSockaddrInet6 // the ring's connect reads it
 }
 
 // loopSide is one of a session's sockets, or a UDP flow's (flow), and
@@ -434,7 +463,11 @@ func (l *eventLoop) add(ls *loopSession) {
 	// A backend connected before the hand-over was dialled by
 	// net.Dialer, with Go's keep-alive, or by Config.Dial, which chooses.
 	ls.keepAlive = ls.dial == nil
-	if l.ring != nil && (ls.dial == nil || ls.dial.snap.sp.ProxyProtocol == 0) {
+	eligible := ls.dial == nil || ls.dial.snap.sp.ProxyProtocol == 0
+	if eligible && l.stats != nil {
+		l.stats.eligible.Add(1)
+	}
+	if l.ring != nil && eligible {
 		l.ringAdd(ls)
 		return
 	}
@@ -477,7 +510,7 @@ func (l *eventLoop) watch(sd *loopSide, events uint32) error {
 	l.sides[sd.fd] = sd
 	ev := unix.EpollEvent{Events: events, Fd: int32(sd.fd), Pad: sd.gen}
 	if err := epollAdd(l.epfd, sd.fd, &ev); err != nil {
-		return fmt.Errorf("epoll_ctl add: %w", err)
+		return os.NewSyscallError("epoll_ctl add", err)
 	}
 	return nil
 }
@@ -868,6 +901,9 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 		}
 	}
 	tcpPipes.leave()
+	if l.stats != nil && ls.dir[0].total+ls.dir[1].total > 0 {
+		l.stats.carried.Add(1)
+	}
 	ls.finish(ls.dir[0].total, ls.dir[1].total)
 }
 
@@ -1085,7 +1121,7 @@ func newFlowReceiver() *flowReceiver {
 
 // receive reads up to two datagrams from fd, without waiting.
 func (r *flowReceiver) receive(fd int) (int, error) {
-	n, err := rawCall(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdrs[0])), uintptr(len(r.hdrs)), unix.MSG_DONTWAIT, 0, 0)
+	n, err := rawCallP(unix.SYS_RECVMMSG, uintptr(fd), unsafe.Pointer(&r.hdrs[0]), uintptr(len(r.hdrs)), unix.MSG_DONTWAIT, 0, 0)
 	return int(n), err
 }
 

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -59,7 +60,56 @@ type loopRing struct {
 	// slowLeaves counts the sessions that left the ring because a
 	// destination was full (ringSent).
 	slowLeaves int
+	// busy counts the turns in a row whose io_uring_enter found a
+	// completion backlog (EBUSY) and nothing to reap.
+	busy int
+	// broken says why the loop can no longer account for the ring's
+	// operations, once a completion of no session came (ringComplete).
+	broken error
 }
+
+// err says why the ring can no longer be used, or nil.
+func (rs *loopRing) err() error {
+	if rs.broken != nil {
+		return rs.broken
+	}
+	return rs.r.Err()
+}
+
+// abandonRing carries on without l's ring once it has failed: an
+// io_uring_enter error other than a completion backlog (EBADR: the kernel
+// dropped completions; anything else: a ring the loop cannot trust), or
+// a completion the loop cannot account for (#30). Closing the ring
+// cancels what is in flight, and what the sessions on it had moved is
+// unknown, so they end with a reset; the closes the ring was asked for
+// and never got are made here; the loop waits in epoll from then on, and
+// so do the sessions it takes next. The buffers stay mapped: the kernel
+// may write into them until it has torn the ring down.
+func (l *eventLoop) abandonRing(err error) {
+	rs := l.ring
+	rs.r.Unsubmitted(func(e *uring.SQE) {
+		if e.Opcode == uring.OpClose {
+			_ = closeFD(int(e.Fd))
+		}
+	})
+	rs.r.Close()
+	l.ring, l.ringErr, l.epollDue = nil, err, false
+	for _, ls := range rs.sessions {
+		ls.onRing, ls.leaving, ls.connectArmed, ls.ringOps = false, false, false, 0
+		if !ls.closed {
+			l.end(ls, true)
+		}
+	}
+	if l.ringFailed != nil {
+		l.ringFailed(err)
+	}
+}
+
+// ringBusyTurns is how many turns in a row a loop's ring may report a
+// completion backlog with nothing to reap before the loop gives it up:
+// reaping frees the room the backlog waits for, so one that stays has
+// another cause.
+const ringBusyTurns = 8
 
 // ringStarved is a direction waiting for a buffer.
 type ringStarved struct {
@@ -144,8 +194,22 @@ func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.Epol
 		err = rs.r.EnterTimeout(1, time.Duration(timeout)*time.Millisecond)
 	}
 	if err != nil {
-		return nil, err
+		// A completion backlog (EBUSY) clears as the completions are
+		// reaped; the next turn enters again. Any other error, or a
+		// backlog that reaping does not clear, leaves a ring the loop
+		// cannot trust.
+		if !errors.Is(err, unix.EBUSY) {
+			l.abandonRing(err)
+			return nil, nil
+		}
+		if rs.r.Completions(rs.complete) > 0 {
+			rs.busy = 0
+		} else if rs.busy++; rs.busy > ringBusyTurns {
+			l.abandonRing(err)
+		}
+		return nil, nil
 	}
+	rs.busy = 0
 	rs.r.Completions(rs.complete)
 	if !l.epollDue {
 		return nil, nil
@@ -164,6 +228,10 @@ func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.Epol
 // back, and lets the starved directions receive again if one is free.
 func (l *eventLoop) ringTurnDone() {
 	rs := l.ring
+	if err := rs.err(); err != nil {
+		l.abandonRing(err)
+		return
+	}
 	rs.bufs.Flush()
 	if len(rs.starved) == 0 || rs.bufs.Held() >= rs.bufs.Count() {
 		return
@@ -184,7 +252,14 @@ func (l *eventLoop) ringTurnDone() {
 // closes.
 func (l *eventLoop) closeRing() {
 	rs := l.ring
-	_ = rs.r.Enter(0) // the closes
+	if err := rs.err(); err != nil {
+		l.abandonRing(err)
+		return
+	}
+	if err := rs.r.Enter(0); err != nil { // the closes
+		l.abandonRing(err)
+		return
+	}
 	deadline := time.Now().Add(time.Second)
 	for rs.ops > 0 && time.Now().Before(deadline) {
 		if err := rs.r.EnterTimeout(1, 100*time.Millisecond); err != nil {
@@ -208,6 +283,9 @@ func (l *eventLoop) ringAdd(ls *loopSession) {
 	rs.lastID++
 	ls.ringID = rs.lastID
 	ls.onRing = true
+	if l.stats != nil {
+		l.stats.onRing.Add(1)
+	}
 	rs.sessions[ls.ringID] = ls
 	if ls.dial != nil {
 		l.connect(ls)
@@ -336,8 +414,15 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 	ls := rs.sessions[c.UserData>>8]
 	if ls == nil {
 		// Every operation is counted against its session, which stays
-		// known until they have all completed.
-		panic(fmt.Sprintf("uproxy: io_uring completion %#x of no session", c.UserData))
+		// known until they have all completed: the loop has lost track
+		// of the ring, and gives it up at the end of the turn.
+		if rs.broken == nil {
+			rs.broken = fmt.Errorf("io_uring completion %#x of no session", c.UserData)
+		}
+		if bid >= 0 {
+			rs.bufs.Put(uint16(bid))
+		}
+		return
 	}
 	rs.ops--
 	ls.ringOps--
@@ -389,8 +474,21 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 // bid (or an error).
 func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 	rs, dir := l.ring, &ls.dir[d]
+	if res <= 0 && bid >= 0 {
+		// A completion that says its receive took a buffer (CQEFBuffer)
+		// owns it whatever its result; one without bytes has nothing to
+		// send on, so the buffer goes back at once, or the ring would
+		// lose it for good (#30).
+		rs.bufs.Put(uint16(bid))
+	}
 	switch {
 	case res > 0:
+		if !ls.ringServed {
+			ls.ringServed = true
+			if l.stats != nil {
+				l.stats.ringServed.Add(1)
+			}
+		}
 		ls.moved = true
 		copiedBytes.Add(int64(res))
 		if ls.leaving || int(res) == rs.bufs.Size() {

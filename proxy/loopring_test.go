@@ -2,15 +2,21 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"runtime"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/internal/uring"
 )
 
 // onLoops runs f on each of p's event loops, in turn, and waits for it.
@@ -198,5 +204,124 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 	got, err := io.ReadAll(io.LimitReader(c, total))
 	if err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("read %d bytes (%v), equal to what the backend sent: %v", len(got), err, bytes.Equal(got, want))
+	}
+}
+
+// TestRingEmptyReceiveGivesItsBufferBack hands a loop's ring a receive
+// completion that took a buffer and carries no bytes: the buffer must go
+// back, so that the loop's count of buffers held returns to zero. Such a
+// completion was counted as taking its buffer, which was never returned
+// (#30). The receive is real, on a socket pair with a byte to read, so
+// the kernel really takes the buffer; only its result is changed to 0
+// before the loop sees it.
+func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
+	skipWithoutRing(t)
+	runtime.LockOSThread() // the ring's single issuer is this thread
+	defer runtime.UnlockOSThread()
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(epfd)
+	l := &eventLoop{epfd: epfd, sessions: map[*loopSession]struct{}{}, connecting: map[*loopSession]struct{}{}}
+	if err := l.setupRing(); err != nil {
+		t.Fatal(err)
+	}
+	defer l.closeRing()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	if _, err := unix.Write(fds[1], []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	rs := l.ring
+	ls := &loopSession{onRing: true}
+	ls.side[0].fd, ls.side[1].fd = fds[0], fds[1]
+	rs.lastID++
+	ls.ringID = rs.lastID
+	rs.sessions[ls.ringID] = ls
+	l.ringRecv(ls, 0)
+	carried := false
+	deadline := time.Now().Add(5 * time.Second)
+	for ls.dir[0].recving && time.Now().Before(deadline) {
+		if err := rs.r.EnterTimeout(1, 100*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		rs.r.Completions(func(c uring.CQE) {
+			if c.UserData&7 == ringTagRecv {
+				carried = c.Flags&uring.CQEFBuffer != 0
+				c.Res = 0
+			}
+			l.ringComplete(c)
+		})
+	}
+	if ls.dir[0].recving || !carried {
+		t.Fatalf("the receive did not complete with a buffer (completed: %v)", !ls.dir[0].recving)
+	}
+	rs.bufs.Flush()
+	if held := rs.bufs.Held(); held != 0 {
+		t.Errorf("the loop holds %d buffers after a receive that carried no bytes; want none", held)
+	}
+}
+
+// TestRingErrorsNeverPanic makes an event loop's io_uring_enter fail and
+// checks that the process survives: a completion backlog (EBUSY) that
+// clears leaves the ring and its sessions alone; dropped completions
+// (EBADR), any other error, and a backlog that never clears make the loop
+// give the ring up: its sessions end, and it carries new ones on epoll.
+// Each of them panicked the process before (#30).
+func TestRingErrorsNeverPanic(t *testing.T) {
+	skipWithoutRing(t)
+	for _, tc := range []struct {
+		name     string
+		errno    syscall.Errno
+		times    int
+		keepRing bool
+	}{
+		{"completion backlog that clears", syscall.EBUSY, 3, true},
+		{"completion backlog that stays", syscall.EBUSY, 1000, false},
+		{"dropped completions", syscall.EBADR, 1, false},
+		{"any other error", syscall.EINVAL, 1, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
+			p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+			first := echoOnce(t, port, 0)
+			defer first.Close()
+			if s := ringSessions(t, p); s.OnRing != 1 {
+				t.Fatalf("before the error: %+v; want the session on the ring", s)
+			}
+			onLoops(t, p, func(l *eventLoop) { l.ring.r.FailEnter(tc.errno, tc.times) })
+			// The loop enters its ring again once it has run the task;
+			// a new connection wakes it, and shows it still serves.
+			waitUntil(t, "the loop to use up the injected errors", func() bool {
+				echoOnce(t, port, 1).Close()
+				used := false
+				onLoops(t, p, func(l *eventLoop) { used = l.ring == nil || l.ring.busy == 0 && !l.ring.r.Failing() })
+				return used
+			})
+			s := ringSessions(t, p)
+			if s.Ring != tc.keepRing {
+				t.Fatalf("after %v: ring kept %v, want %v", tc.errno, s.Ring, tc.keepRing)
+			}
+			first.SetDeadline(time.Now().Add(5 * time.Second))
+			msg := []byte("after the error")
+			_, werr := first.Write(msg)
+			got := make([]byte, len(msg))
+			_, rerr := io.ReadFull(first, got)
+			if tc.keepRing {
+				if werr != nil || rerr != nil || !bytes.Equal(got, msg) {
+					t.Errorf("the session on the ring broke: read %q (%v, %v)", got, werr, rerr)
+				}
+			} else if rerr == nil || errors.Is(rerr, os.ErrDeadlineExceeded) {
+				t.Errorf("the session on the abandoned ring did not end: read %q, %v", got, rerr)
+			}
+			for i := range 3 {
+				echoOnce(t, port, 10+i).Close()
+			}
+		})
 	}
 }

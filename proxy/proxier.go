@@ -90,8 +90,12 @@ type Config struct {
 	// UDPOriginalDst returns where a datagram that the kernel redirected
 	// from client to the local address local was originally sent (in
 	// redirect mode, conntrack's entry for the flow). It is asked once per
-	// UDP flow of a shared listener. Nil means UDP is shared only in
-	// tproxy mode.
+	// new UDP flow in redirect mode: a shared listener routes the flow by
+	// it, and a service port's own listener drops a flow whose original
+	// destination is unknown or not the service's, which no rule of
+	// uproxy's sent there. Nil means UDP is shared only in tproxy mode,
+	// and a service port's own UDP listener forwards whatever reaches its
+	// port (tests that send to listeners directly).
 	UDPOriginalDst func(client, local netip.AddrPort) (netip.AddrPort, error)
 	// PortRange limits listener ports; zero means the ports the kernel
 	// assigns to bind(0), chosen by uproxy (portAllocator).
@@ -258,8 +262,12 @@ func NewProxier(cfg Config) *Proxier {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
 			p.loops.opts.ring = true
+			p.loops.opts.stats = &p.loops.stats
 			p.loops.noRing = func(err error) {
 				p.log.Warn("an event loop could not set up its io_uring; it uses epoll only", zap.Error(err))
+			}
+			p.loops.opts.ringFailed = func(err error) {
+				p.log.Error("an event loop's io_uring failed: the connections it carried were reset, and the loop uses epoll only from now on", zap.Error(err))
 			}
 		}
 	}

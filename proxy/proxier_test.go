@@ -92,6 +92,7 @@ func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 	cfg.Rules = rules
 	cfg.Sync.MinInterval = 10 * time.Millisecond
 	p := NewProxier(cfg)
+	startedProxiers.add(t, p)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { p.Run(ctx); close(done) }()

@@ -21,36 +21,67 @@ import (
 // blocked in one.
 
 // rawCall makes a non-blocking system call with RawSyscall6, repeated on
-// EINTR.
+// EINTR. Its arguments are integers: a call that passes memory is made
+// with rawCallP, or with RawSyscall6 itself.
+//
+// No pointer may reach rawCall as a uintptr (TestRawCallsPassNoPointer):
+// converted in the argument list of a Go function, a pointer to a stack
+// variable is not updated when that function's stack grows and is moved,
+// and keeps no heap object alive, so the kernel could read or write
+// memory the variable no longer occupies (#30). Only in the argument list
+// of a function implemented in assembly, such as RawSyscall6, does the
+// compiler keep the object alive and in place until the call returns
+// (unsafe.Pointer's rule 4).
 func rawCall(trap, a1, a2, a3, a4, a5, a6 uintptr) (uintptr, error) {
 	for {
-		r, _, e := unix.RawSyscall6(trap, a1, a2, a3, a4, a5, a6)
-		switch e {
-		case 0:
-			return r, nil
-		case unix.EINTR:
-			continue
+		r, e := rawResult(unix.RawSyscall6(trap, a1, a2, a3, a4, a5, a6))
+		if e != unix.EINTR {
+			return rawReturn(r, e)
 		}
+	}
+}
+
+// rawCallP is rawCall for a system call whose second argument, p, points
+// to memory: a buffer, a sockaddr, a msghdr. p is a pointer, which the
+// runtime moves with the stack, until its conversion in the call of
+// RawSyscall6.
+func rawCallP(trap, a1 uintptr, p unsafe.Pointer, a3, a4, a5, a6 uintptr) (uintptr, error) {
+	for {
+		r, e := rawResult(unix.RawSyscall6(trap, a1, uintptr(p), a3, a4, a5, a6))
+		if e != unix.EINTR {
+			return rawReturn(r, e)
+		}
+	}
+}
+
+// rawResult keeps what rawCall's callers use of RawSyscall6's results.
+func rawResult(r, _ uintptr, e unix.Errno) (uintptr, unix.Errno) { return r, e }
+
+// rawReturn is what rawCall returns for RawSyscall6's r and e: r and
+// no error, or 0 and e.
+func rawReturn(r uintptr, e unix.Errno) (uintptr, error) {
+	if e != 0 {
 		return 0, e
 	}
+	return r, nil
 }
 
 // readRetry is read(2) on a non-blocking descriptor.
 func readRetry(fd int, b []byte) (int, error) {
-	n, err := rawCall(unix.SYS_READ, uintptr(fd), uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), 0, 0, 0)
+	n, err := rawCallP(unix.SYS_READ, uintptr(fd), unsafe.Pointer(unsafe.SliceData(b)), uintptr(len(b)), 0, 0, 0)
 	return int(n), err
 }
 
 // writeRetry is write(2) on a non-blocking descriptor.
 func writeRetry(fd int, b []byte) (int, error) {
-	n, err := rawCall(unix.SYS_WRITE, uintptr(fd), uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), 0, 0, 0)
+	n, err := rawCallP(unix.SYS_WRITE, uintptr(fd), unsafe.Pointer(unsafe.SliceData(b)), uintptr(len(b)), 0, 0, 0)
 	return int(n), err
 }
 
 // sendRetry is one send(2) of b to a non-blocking socket, with flags and
 // MSG_NOSIGNAL.
 func sendRetry(fd int, b []byte, flags int) (int, error) {
-	n, err := rawCall(unix.SYS_SENDTO, uintptr(fd), uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), uintptr(flags|unix.MSG_NOSIGNAL), 0, 0)
+	n, err := rawCallP(unix.SYS_SENDTO, uintptr(fd), unsafe.Pointer(unsafe.SliceData(b)), uintptr(len(b)), uintptr(flags|unix.MSG_NOSIGNAL), 0, 0)
 	return int(n), err
 }
 
@@ -77,8 +108,13 @@ func shutdownWrite(fd int) error {
 
 // epollAdd adds fd to the epoll set epfd for ev.
 func epollAdd(epfd, fd int, ev *unix.EpollEvent) error {
-	_, err := rawCall(unix.SYS_EPOLL_CTL, uintptr(epfd), unix.EPOLL_CTL_ADD, uintptr(fd), uintptr(unsafe.Pointer(ev)), 0, 0)
-	return err
+	for {
+		_, e := rawResult(unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(epfd), unix.EPOLL_CTL_ADD, uintptr(fd), uintptr(unsafe.Pointer(ev)), 0, 0))
+		if e != unix.EINTR {
+			_, err := rawReturn(0, e)
+			return err
+		}
+	}
 }
 
 // connectFD is connect(2) of a non-blocking socket to ap, and bindFD
@@ -97,7 +133,7 @@ func bindFD(fd int, ap netip.AddrPort, v6 bool) error {
 func addrCall(trap uintptr, fd int, ap netip.AddrPort, v6 bool) error {
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ap, v6)
-	_, err := rawCall(trap, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n), 0, 0, 0)
+	_, err := rawCallP(trap, uintptr(fd), unsafe.Pointer(&sa), uintptr(n), 0, 0, 0)
 	return err
 }
 
@@ -119,6 +155,11 @@ func putSockaddr(sa *unix.RawSockaddrInet6, ap netip.AddrPort, v6 bool) uint32 {
 // (unix.Accept4 would allocate a Sockaddr for it).
 func accept4(fd int, sa *unix.RawSockaddrInet6) (int, error) {
 	n := uint32(unix.SizeofSockaddrInet6)
-	nfd, err := rawCall(unix.SYS_ACCEPT4, uintptr(fd), uintptr(unsafe.Pointer(sa)), uintptr(unsafe.Pointer(&n)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
-	return int(nfd), err
+	for {
+		nfd, e := rawResult(unix.RawSyscall6(unix.SYS_ACCEPT4, uintptr(fd), uintptr(unsafe.Pointer(sa)), uintptr(unsafe.Pointer(&n)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0))
+		if e != unix.EINTR {
+			r, err := rawReturn(nfd, e)
+			return int(r), err
+		}
+	}
 }

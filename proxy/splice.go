@@ -459,7 +459,7 @@ func recvInq(fd int, b []byte) (n, inq int, err error) {
 	iov.SetLen(len(b))
 	msg := unix.Msghdr{Iov: &iov, Iovlen: 1, Control: &oob[0]}
 	msg.SetControllen(len(oob))
-	r, err := rawCall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0, 0, 0, 0)
+	r, err := rawCallP(unix.SYS_RECVMSG, uintptr(fd), unsafe.Pointer(&msg), 0, 0, 0, 0)
 	if err != nil {
 		return 0, 0, err
 	}

@@ -141,8 +141,59 @@ func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 				}
 			}
 			f(t, tt.dp)
+			if tt.dp.ring {
+				for _, p := range startedProxiers.of(t) {
+					checkRingCarried(t, &p.loops.stats)
+				}
+			}
 		})
 	}
+}
+
+// checkRingCarried fails t unless the ring carried the sessions that s
+// counted: each one a ring could take went on one, and the ring
+// received bytes of some if any session moved bytes. A loop whose ring
+// failed to set up carries its sessions on epoll, and the traffic of a
+// test of the ring would flow all the same.
+func checkRingCarried(t *testing.T, s *loopStats) {
+	t.Helper()
+	eligible, onRing, served, carried := s.eligible.Load(), s.onRing.Load(), s.ringServed.Load(), s.carried.Load()
+	if n := s.noRing.Load(); n > 0 {
+		t.Errorf("%d event loops could not set up their ring, and carried the test's traffic on epoll", n)
+	}
+	if onRing != eligible || (carried > 0 && served == 0) {
+		t.Errorf("the ring did not carry the traffic: of %d sessions it could take, %d went on a ring; %d sessions moved bytes, %d of them on a ring",
+			eligible, onRing, carried, served)
+	}
+}
+
+// startedProxiers records the proxiers each test started (startProxier),
+// so that eachDataPath can check how they carried the test's traffic.
+var startedProxiers proxierRegistry
+
+type proxierRegistry struct {
+	mu sync.Mutex
+	m  map[testing.TB][]*Proxier
+}
+
+func (r *proxierRegistry) add(t testing.TB, p *Proxier) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.m == nil {
+		r.m = map[testing.TB][]*Proxier{}
+	}
+	r.m[t] = append(r.m[t], p)
+	t.Cleanup(func() {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		delete(r.m, t)
+	})
+}
+
+func (r *proxierRegistry) of(t testing.TB) []*Proxier {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.m[t]
 }
 
 // dataPath is a data path of the proxier's: loops is Config.EventLoops,

@@ -90,10 +90,38 @@ func (f *udpFlow) touch(p *Proxier) {
 	if now-last < int64(touchInterval) || !f.refreshed.CompareAndSwap(last, now) {
 		return
 	}
-	flows := p.flowTable()
-	if cur, ok := flows.Peek(f.key); ok && cur == f {
-		flows.Add(f.key, f)
+	p.flowTable()
+	p.flows.mu.Lock()
+	defer p.flows.mu.Unlock()
+	// Peek and Add as one step: the LRU's Add of a key it holds replaces
+	// the value without evicting it, so a flow that was replaced between
+	// the two would come back over its replacement, whose socket and
+	// goroutine nothing would then end (#30).
+	if cur, ok := p.flows.lru.Peek(f.key); ok && cur == f {
+		p.flows.lru.Add(f.key, f)
 	}
+}
+
+// removeFlow removes f from the flow table, which ends it, if it is
+// still its key's flow: a flow that has been replaced leaves its
+// replacement alone.
+func (p *Proxier) removeFlow(f *udpFlow) {
+	flows := p.flowTable()
+	p.flows.mu.Lock()
+	defer p.flows.mu.Unlock()
+	if cur, ok := flows.Peek(f.key); ok && cur == f {
+		flows.Remove(f.key)
+	}
+}
+
+// addFlow makes f its key's flow; true if the table was full and ended
+// its least recently used flow to make room. Only the goroutine or loop
+// that reads f's listener adds flows of its keys.
+func (p *Proxier) addFlow(f *udpFlow) bool {
+	flows := p.flowTable()
+	p.flows.mu.Lock()
+	defer p.flows.mu.Unlock()
+	return flows.Add(f.key, f)
 }
 
 // flowStart anchors flowClock.
@@ -157,6 +185,10 @@ func (f *udpFlow) drop() {
 type flowTable struct {
 	once sync.Once
 	lru  *expirable.LRU[flowKey, *udpFlow]
+	// mu makes a check of a key's flow and the change that depends on it
+	// one step (touch, removeFlow, addFlow). The LRU's own lock covers
+	// each call alone.
+	mu sync.Mutex
 	// created publishes lru to readers that must not create it (UDPFlows,
 	// from any goroutine).
 	created atomic.Pointer[expirable.LRU[flowKey, *udpFlow]]
@@ -284,6 +316,25 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	}
 	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
 	cur, _ := p.flowTable().Peek(key)
+	switch {
+	case cur != nil && !l.key.name.IsShared():
+		orig = cur.orig
+	case !l.key.name.IsShared() && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
+		// A listener of its own binds every address, and receives what
+		// anyone sends to its port, the listener guard notwithstanding
+		// (it holds the port only from the next rules write, and not at
+		// all after someone flushed its set). A new flow is forwarded
+		// only if uproxy's rules redirected it here: conntrack's entry
+		// names the original destination, which must be the service's
+		// (udpFlowFor). A datagram sent straight to the port has its own
+		// entry, whose destination is the listener's (#30).
+		local := netip.AddrPortFrom(d.dst.Addr(), l.port)
+		var err error
+		if orig, err = p.cfg.UDPOriginalDst(d.client, local); err != nil {
+			p.notRedirected(l, err)
+			return
+		}
+	}
 	if l.key.name.IsShared() {
 		// The flow remembers its service; only its first datagram asks
 		// which, and in redirect mode that means asking conntrack.
@@ -325,6 +376,15 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	}
 }
 
+// notRedirected counts and logs a datagram that service port l's own
+// listener received with no original destination: not redirected.
+func (p *Proxier) notRedirected(l *listener, err error) {
+	if snap := l.snap.Load(); snap != nil {
+		snap.metrics.refusedDestination()
+	}
+	p.connLog.Warn("dropping a UDP datagram that was not redirected to the service", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+}
+
 // udpFlowFor returns cur, the table's flow of key (nil: none), if it is
 // still usable for service port l, or creates one, on event loop el when
 // it is set (see connectFlow). orig is the datagram's original
@@ -333,7 +393,6 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 // ready, ejected) is replaced, so no client stays blackholed behind a
 // dead endpoint.
 func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
-	flows := p.flowTable()
 	client := key.client
 	snap := l.snap.Load()
 	if snap == nil {
@@ -341,7 +400,8 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	}
 	pm := snap.metrics
 	// Without an original destination (a listener of its own in redirect
-	// mode) a datagram counts as cluster-IP traffic.
+	// mode, without Config.UDPOriginalDst) a datagram counts as
+	// cluster-IP traffic.
 	bal := snap.route(orig, orig.IsValid(), client.Addr(), p.internalClient)
 	if bal == nil {
 		pm.refusedDestination()
@@ -355,7 +415,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
 			return f, nil
 		}
-		flows.Remove(key)
+		p.removeFlow(f)
 	}
 	b := bal.Pick(client.Addr())
 	if b == nil {
@@ -373,14 +433,16 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	err := p.connectFlow(el, f, from)
 	pm.dialDone(start, err)
 	if err != nil {
-		p.health.failure(b)
+		if !localDialFailure(err) {
+			p.health.failure(b)
+		}
 		bm.failed()
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
 	bm.connected()
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
-	if flows.Add(key, f) {
+	if p.addFlow(f) {
 		// The table was full: its least recently used flow ended.
 		pm.flowEvicted()
 		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
@@ -428,11 +490,7 @@ func (p *Proxier) udpFailed(f *udpFlow, err error) {
 	if errors.Is(err, syscall.ECONNREFUSED) {
 		p.health.failure(f.backend)
 	}
-	if flows := p.flowTable(); flows != nil {
-		if cur, ok := flows.Peek(f.key); ok && cur == f {
-			flows.Remove(f.key)
-		}
-	}
+	p.removeFlow(f)
 	f.close()
 }
 

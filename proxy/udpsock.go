@@ -190,7 +190,7 @@ func (s *listenSocket) recvmmsg(fd uintptr) bool {
 		h.Hdr.Control = &s.oob[i*cmsgSpace]
 		h.Hdr.SetControllen(cmsgSpace)
 	}
-	r, err := rawCall(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.hdrs[0])), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
+	r, err := rawCallP(unix.SYS_RECVMMSG, fd, unsafe.Pointer(&s.hdrs[0]), uintptr(k), unix.MSG_DONTWAIT, 0, 0)
 	n := max(int(r), 0)
 	errno, _ := err.(syscall.Errno)
 	for i := n; i < k; i++ {
@@ -475,7 +475,7 @@ func (q *replyQueue) flush() {
 // sendmmsg is RawConn.Write's function: one sendmmsg(2) of the queued
 // replies from q.from on, that does not wait.
 func (q *replyQueue) sendmmsg(fd uintptr) bool {
-	n, err := rawCall(unix.SYS_SENDMMSG, fd, uintptr(unsafe.Pointer(&q.hdrs[q.from])), uintptr(q.n-q.from), unix.MSG_DONTWAIT, 0, 0)
+	n, err := rawCallP(unix.SYS_SENDMMSG, fd, unsafe.Pointer(&q.hdrs[q.from]), uintptr(q.n-q.from), unix.MSG_DONTWAIT, 0, 0)
 	q.sent, q.err = 0, 0
 	if err != nil {
 		q.err, _ = err.(syscall.Errno)
@@ -490,7 +490,7 @@ func (q *replyQueue) sendmmsg(fd uintptr) bool {
 
 // sendmsg is RawConn.Write's function: one sendmsg(2) that does not wait.
 func (s *replySender) sendmsg(fd uintptr) bool {
-	_, err := rawCall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT, 0, 0, 0)
+	_, err := rawCallP(unix.SYS_SENDMSG, fd, unsafe.Pointer(&s.msg), unix.MSG_DONTWAIT, 0, 0, 0)
 	s.err, _ = err.(syscall.Errno)
 	return true
 }

@@ -3,7 +3,9 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 
@@ -210,8 +212,33 @@ spec:
 	})
 	t.Run("listener ports are not reachable directly", func(t *testing.T) {
 		port := listenerPort(t, c.natRules(), "10.96.0.10/32")
-		refused(t, ext1.NS, fmt.Sprintf("http://192.0.2.1:%s/", port))
-		refused(t, c.client.NS, fmt.Sprintf("http://10.244.0.1:%s/", port))
+		direct := []struct{ ns, url string }{
+			{ext1.NS, fmt.Sprintf("http://192.0.2.1:%s/", port)},
+			{c.client.NS, fmt.Sprintf("http://10.244.0.1:%s/", port)},
+		}
+		// The kernel's listener guard drops the SYN, so the connection
+		// is never made: curl times out connecting (exit status 28).
+		// uproxy's own check (admitTCP) would accept the connection and
+		// close it at once, which curl reports otherwise.
+		before := c.guardDrops("tcp")
+		for _, d := range direct {
+			if code := curlExit(t, c, d.ns, d.url); code != 28 {
+				t.Errorf("guarded: GET %s from %s: curl exit status %d; want 28, the connect timing out", d.url, d.ns, code)
+			}
+		}
+		if after := c.guardDrops("tcp"); after <= before {
+			t.Errorf("the listener guard dropped nothing of the connections to the listener port")
+		}
+		// Without the guard (its set flushed), uproxy refuses them
+		// itself: the connection is made and closed with no answer.
+		if _, err := c.lab.Exec(context.Background(), node, "ipset", "flush", "uproxy-listeners-tcp4"); err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range direct {
+			if code := curlExit(t, c, d.ns, d.url); code == 0 || code == 28 {
+				t.Errorf("unguarded: GET %s from %s: curl exit status %d; want uproxy to close the connection unanswered", d.url, d.ns, code)
+			}
+		}
 	})
 	t.Run("healthz", func(t *testing.T) {
 		out, err := c.lab.Exec(context.Background(), node, "curl", "-sS", "--max-time", "5", "http://127.0.0.1:10256/healthz")
@@ -223,6 +250,22 @@ spec:
 			t.Errorf("healthz body %q: %v", out, err)
 		}
 	})
+}
+
+// curlExit runs curl for url in namespace ns, with a one-second connect
+// timeout, and returns its exit status.
+func curlExit(t *testing.T, c *cluster, ns, url string) int {
+	t.Helper()
+	_, err := c.lab.Exec(context.Background(), ns, "curl", "-sS", "--connect-timeout", "1", "--max-time", "3", url)
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &exit):
+		return exit.ExitCode()
+	}
+	t.Fatal(err)
+	return -1
 }
 
 // listenerPort finds the REDIRECT target port of the rule for dst.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -133,4 +134,117 @@ func TestE2EUDPFlowsWithinDescriptorLimit(t *testing.T) {
 	if out := c.up.Output(); strings.Contains(out, "too many open files") {
 		t.Errorf("uproxy ran out of descriptors:\n%s", out[max(0, len(out)-2000):])
 	}
+}
+
+// TestE2EUDPListenerPortNotReachable sends datagrams from an external
+// host and from a pod straight to the UDP listener's port, in both
+// listener layouts: the kernel's listener guard drops them (its counter
+// says so, and uproxy counts none), and with the guard's set flushed, as
+// before the first rules write holds a new listener's port, uproxy
+// itself drops them, since conntrack gives them no service's original
+// destination. Before, a
+// per-service listener forwarded them: a cluster DNS service answered
+// anyone outside the node who found its listener's port (#30).
+func TestE2EUDPListenerPortNotReachable(t *testing.T) {
+	for _, layout := range []string{"per-service", "shared"} {
+		t.Run(layout, func(t *testing.T) {
+			c := newCluster(t, 1)
+			ext, err := c.lab.AddExternal("ext")
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.serveUDP(c.pods...)
+			c.write("dns.yaml", dnsService(30053, c.pods...))
+			c.start(0, "--listener", layout, "--metrics-bind-address", metricsAddr)
+			c.waitSynced()
+			if r := c.query(ext.NS, "192.0.2.1:30053", 3); r.Errors > 0 {
+				t.Fatalf("through the node port: %d errors (%s)", r.Errors, r.FirstError)
+			}
+			port := c.listenerPorts("udp")
+			if len(port) != 1 {
+				t.Fatalf("UDP listener ports %v; want one", port)
+			}
+			direct := []struct{ name, ns, addr string }{
+				{"external host", ext.NS, "192.0.2.1:" + port[0]},
+				{"pod", c.client.NS, "10.244.0.1:" + port[0]},
+			}
+			before, refused := c.guardDrops("udp"), c.refusedDestinations()
+			for _, d := range direct {
+				if r := c.query(d.ns, d.addr, 2, "--timeout", "500ms"); r.Errors != 2 {
+					t.Errorf("guarded: %s sent straight to %s: %d of 2 answered", d.name, d.addr, 2-r.Errors)
+				}
+			}
+			if after := c.guardDrops("udp"); after < before+4 {
+				t.Errorf("the listener guard dropped %d datagrams of 4 sent straight to the listener", after-before)
+			}
+			if got := c.refusedDestinations(); got != refused {
+				t.Errorf("uproxy refused %v datagrams that the listener guard should have dropped", got-refused)
+			}
+			if _, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "flush", "uproxy-listeners-udp4"); err != nil {
+				t.Fatal(err)
+			}
+			for _, d := range direct {
+				if r := c.query(d.ns, d.addr, 2, "--timeout", "500ms"); r.Errors != 2 {
+					t.Errorf("unguarded: %s sent straight to %s: %d of 2 answered", d.name, d.addr, 2-r.Errors)
+				}
+			}
+			if got := c.refusedDestinations(); layout == "per-service" && got < refused+4 {
+				t.Errorf("uproxy counted %v refused destinations of the 4 datagrams that reached it", got-refused)
+			}
+			if r := c.query(ext.NS, "192.0.2.1:30053", 3); r.Errors > 0 {
+				t.Errorf("through the node port, after: %d errors (%s)", r.Errors, r.FirstError)
+			}
+		})
+	}
+}
+
+// refusedDestinations returns uproxy's count of connections and flows
+// refused for a destination that is not their service's.
+func (c *cluster) refusedDestinations() float64 {
+	c.t.Helper()
+	var n float64
+	if mf := c.scrapeMetrics()["uproxy_connections_total"]; mf != nil {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "result" && l.GetValue() == "refused_destination" {
+					n += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return n
+}
+
+// listenerPorts returns the listener ports of proto ("tcp" or "udp") in
+// the node's IPv4 listener guard set.
+func (c *cluster) listenerPorts(proto string) []string {
+	c.t.Helper()
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "ipset", "list", "uproxy-listeners-"+proto+"4")
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	_, members, _ := strings.Cut(out, "Members:")
+	return strings.Fields(members)
+}
+
+// guardDrops returns the packets that the IPv4 listener guard of proto
+// ("tcp" or "udp") has dropped: the counter of its rule in
+// UPROXY-FIREWALL.
+func (c *cluster) guardDrops(proto string) int {
+	c.t.Helper()
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "iptables", "-w", "-t", "filter", "-L", "UPROXY-FIREWALL", "-n", "-v", "-x")
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if strings.Contains(line, "match-set uproxy-listeners-"+proto+"4 ") {
+			if f := strings.Fields(line); len(f) > 0 {
+				if n, err := strconv.Atoi(f[0]); err == nil {
+					return n
+				}
+			}
+		}
+	}
+	c.t.Fatalf("no listener guard for %s in UPROXY-FIREWALL:\n%s", proto, out)
+	return 0
 }

@@ -279,17 +279,19 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	)
 	if shared {
 		sharedProtocols = []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP}
-		if !tproxy {
-			// REDIRECT rewrites a datagram's destination: a shared UDP
-			// listener asks conntrack for each new flow's.
-			ct, err := redirect.NewConntrackLookup()
-			if err != nil {
-				return fmt.Errorf("--listener=shared needs conntrack's netlink interface for UDP: %w", err)
-			}
-			defer ct.Close()
-			udpOriginalDst = func(client, local netip.AddrPort) (netip.AddrPort, error) {
-				return ct.OriginalDst(redirect.UDP, client, local)
-			}
+	}
+	if !tproxy {
+		// REDIRECT rewrites a datagram's destination: a UDP listener asks
+		// conntrack for each new flow's, a shared one to route the flow,
+		// one of a service port's own to check that uproxy's rules sent
+		// it there, and not someone straight to the listener's port.
+		ct, err := redirect.NewConntrackLookup()
+		if err != nil {
+			return fmt.Errorf("redirect mode needs conntrack's netlink interface to find UDP flows' original destinations: %w", err)
+		}
+		defer ct.Close()
+		udpOriginalDst = func(client, local netip.AddrPort) (netip.AddrPort, error) {
+			return ct.OriginalDst(redirect.UDP, client, local)
 		}
 	}
 	originalDst := redirect.OriginalDst

@@ -127,6 +127,14 @@ type Ring struct {
 	extArg         bool   // the kernel takes a timeout in io_uring_enter
 	ts             unix.Timespec
 	arg            getEventsArg
+	// err is what broke the ring: SQE could not make room (Err). The
+	// SQEs asked for since then are in spill, never submitted.
+	err   error
+	spill []*SQE
+	// failEnter and failTimes: the next failTimes calls of
+	// io_uring_enter fail with failEnter instead (FailEnter).
+	failEnter unix.Errno
+	failTimes int
 }
 
 // New sets up a ring of entries SQEs, which completes operations only
@@ -195,12 +203,19 @@ func (r *Ring) Close() {
 }
 
 // SQE returns a zeroed SQE to fill in, submitting what is queued first if
-// the ring is full.
+// the ring is full. If that submission fails, the ring is broken (Err)
+// and the SQE, and every one after it, goes nowhere: the caller finds
+// them with Unsubmitted.
 func (r *Ring) SQE() *SQE {
-	if r.tail-atomic.LoadUint32(r.sqHead) >= uint32(len(r.sqes)) {
+	if r.err == nil && r.tail-atomic.LoadUint32(r.sqHead) >= uint32(len(r.sqes)) {
 		if err := r.Enter(0); err != nil {
-			panic(err) // only a bug makes io_uring_enter fail here
+			r.err = fmt.Errorf("submitting to make room for an SQE: %w", err)
 		}
+	}
+	if r.err != nil {
+		e := &SQE{}
+		r.spill = append(r.spill, e)
+		return e
 	}
 	i := r.tail & r.sqMask
 	r.sqArray[i] = i
@@ -214,6 +229,35 @@ func (r *Ring) SQE() *SQE {
 // Pending is the number of SQEs not yet submitted.
 func (r *Ring) Pending() int { return int(r.unsubmit) }
 
+// Err returns what broke the ring, or nil: an io_uring_enter that failed
+// as SQE made room. The ring's owner then closes it and carries on
+// without it.
+func (r *Ring) Err() error { return r.err }
+
+// Unsubmitted calls f for each SQE filled in and never submitted: those
+// still queued in the ring, and those SQE returned after the ring broke.
+// The owner of a failed ring uses it to do what they asked for (a
+// close) by other means.
+func (r *Ring) Unsubmitted(f func(*SQE)) {
+	for i := r.tail - r.unsubmit; i != r.tail; i++ {
+		f(&r.sqes[i&r.sqMask])
+	}
+	for _, e := range r.spill {
+		f(e)
+	}
+}
+
+// FailEnter makes the next times calls of io_uring_enter fail with errno,
+// without entering the kernel: tests use it to check how the ring's
+// owner survives errors it cannot otherwise provoke.
+func (r *Ring) FailEnter(errno unix.Errno, times int) {
+	r.failEnter, r.failTimes = errno, times
+}
+
+// Failing reports whether io_uring_enter calls are still to fail
+// (FailEnter).
+func (r *Ring) Failing() bool { return r.failTimes > 0 }
+
 // Enter submits the queued SQEs and, with wait above zero, waits for that
 // many completions.
 func (r *Ring) Enter(wait uint32) error {
@@ -224,6 +268,11 @@ func (r *Ring) Enter(wait uint32) error {
 // A wait that times out is not an error. Kernels without
 // IORING_FEAT_EXT_ARG (before 5.11) take no timeout: there a bounded
 // wait only submits, and returns at once.
+//
+// With IORING_FEAT_NODROP, EBUSY means completions wait in the kernel's
+// backlog for room in the completion ring: reap them (Completions) and
+// enter again. EBADR means the kernel dropped completions: what was in
+// flight can no longer be accounted for.
 func (r *Ring) EnterTimeout(wait uint32, timeout time.Duration) error {
 	atomic.StoreUint32(r.sqTail, r.tail) // publishes the SQEs written before
 	var flags, arg, argsz uintptr
@@ -241,6 +290,10 @@ func (r *Ring) EnterTimeout(wait uint32, timeout time.Duration) error {
 		}
 	}
 	for {
+		if r.failTimes > 0 {
+			r.failTimes--
+			return fmt.Errorf("io_uring_enter: %w", r.failEnter)
+		}
 		n, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, uintptr(r.fd), uintptr(r.unsubmit), uintptr(wait), flags, arg, argsz)
 		switch errno {
 		case 0:
