@@ -277,8 +277,10 @@ func NewProxier(cfg Config) *Proxier {
 		if cfg.OnChange != nil {
 			cfg.OnChange()
 		}
+		cfg.Metrics.queued(cfg.clock().Now())
 		p.runner.Run()
 	})
+	cfg.Metrics.setPending(p.tracker.Pending)
 	return p
 }
 
@@ -349,7 +351,12 @@ func (p *Proxier) internalClient(ip netip.Addr) bool {
 }
 
 // Run syncs until ctx is done. It does not close listeners: call Shutdown.
-func (p *Proxier) Run(ctx context.Context) { p.runner.Loop(ctx) }
+func (p *Proxier) Run(ctx context.Context) {
+	// As kube-proxy's SyncLoop: the first sync is queued as the informers
+	// start listing.
+	p.cfg.Metrics.queued(p.cfg.clock().Now())
+	p.runner.Loop(ctx)
+}
 
 // LastSync returns when the last successful sync finished; zero if none.
 func (p *Proxier) LastSync() time.Time {
@@ -439,7 +446,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
 	p.cfg.Inherited.synced(p.log)
-	p.cfg.Metrics.observeSync(start, end, ch.TriggerTimes)
+	p.cfg.Metrics.observeSync(start, end, full, ch.TriggerTimes)
 	if p.cfg.OnSync != nil {
 		p.cfg.OnSync()
 	}
@@ -630,6 +637,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 		}
 	}
 	failed := false
+	var noLocal noLocalCounts
 	for _, wp := range w.ports {
 		k, sp := wp.key, wp.sp
 		l := have[k]
@@ -660,7 +668,13 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 			p.rulesDirty = true
 		}
 		l.snap.Store(next)
+		if internal, external := noLocalOf(sp, next.endpoints, next.sets); internal || external {
+			f := familyIndex(familyOf(k.v6))
+			noLocal[f][0] += b2i(internal)
+			noLocal[f][1] += b2i(external)
+		}
 	}
+	p.cfg.Metrics.setNoLocal(st.Name, noLocal)
 	if len(have) == 0 {
 		delete(p.services, st.Name)
 	}

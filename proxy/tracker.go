@@ -40,8 +40,16 @@ type Tracker struct {
 	// latency); start is when the tracker was created: older trigger
 	// times belong to changes made before uproxy ran, as kube-proxy
 	// reasons.
-	triggers map[types.NamespacedName][]time.Time
+	triggers map[types.NamespacedName][]TriggerTime
 	start    time.Time
+}
+
+// TriggerTime is when an endpoint change was triggered (its slice's
+// last-change-trigger-time), and the family of the slice's addresses:
+// kube-proxy observes each family's network programming latency apart.
+type TriggerTime struct {
+	At     time.Time
+	Family v1.IPFamily
 }
 
 // NewTracker returns an empty tracker.
@@ -53,7 +61,7 @@ func NewTracker(log *zap.Logger, notify func()) *Tracker {
 		slices:      map[types.NamespacedName]*discovery.EndpointSlice{},
 		slicesBySvc: map[types.NamespacedName]map[types.NamespacedName]bool{},
 		dirty:       map[types.NamespacedName]bool{},
-		triggers:    map[types.NamespacedName][]time.Time{},
+		triggers:    map[types.NamespacedName][]TriggerTime{},
 		start:       time.Now(),
 	}
 }
@@ -157,7 +165,7 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 		t.slicesBySvc[svc][key] = true
 		t.dirty[svc] = true
 		if tt := triggerTime(s); !tt.IsZero() && tt.After(t.start) {
-			t.triggers[svc] = append(t.triggers[svc], tt)
+			t.triggers[svc] = append(t.triggers[svc], TriggerTime{At: tt, Family: sliceFamily(s)})
 		}
 	}
 	t.sliceChanges++
@@ -211,6 +219,15 @@ func triggerTime(s *discovery.EndpointSlice) time.Time {
 		return time.Time{}
 	}
 	return t
+}
+
+// sliceFamily is the IP family of a slice's addresses (FQDN slices,
+// which no proxy serves, count as IPv4).
+func sliceFamily(s *discovery.EndpointSlice) v1.IPFamily {
+	if s.AddressType == discovery.AddressTypeIPv6 {
+		return v1.IPv6Protocol
+	}
+	return v1.IPv4Protocol
 }
 
 func sliceService(s *discovery.EndpointSlice) types.NamespacedName {
@@ -302,7 +319,7 @@ type Changes struct {
 	// TriggerTimes are the last-change-trigger-time annotations of the
 	// slice changes recorded since the last Take, per service: when each
 	// change was triggered, for the network programming latency.
-	TriggerTimes map[types.NamespacedName][]time.Time
+	TriggerTimes map[types.NamespacedName][]TriggerTime
 }
 
 // Take returns the services that changed since the last Take and clears
@@ -326,7 +343,7 @@ func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
 	t.serviceChanges, t.sliceChanges = 0, 0
 	if len(t.triggers) > 0 {
 		c.TriggerTimes = t.triggers
-		t.triggers = map[types.NamespacedName][]time.Time{}
+		t.triggers = map[types.NamespacedName][]TriggerTime{}
 	}
 	keys := slices.SortedFunc(maps.Keys(names), func(a, b types.NamespacedName) int {
 		if a.Namespace != b.Namespace {
@@ -350,6 +367,14 @@ func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
 		c.Services = append(c.Services, st)
 	}
 	return c
+}
+
+// Pending returns how many Service and EndpointSlice changes were recorded
+// since the last Take: kube-proxy's *_changes_pending.
+func (t *Tracker) Pending() (services, slices int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.serviceChanges, t.sliceChanges
 }
 
 // Requeue marks names dirty again, for services whose sync failed.
