@@ -256,10 +256,15 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	defer up.close()
 
+	// A registry of our own: the Go runtime's and the process's collectors
+	// and the proxier's, nothing that a library registered globally.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	health := healthcheck.NewProxyHealth(healthcheck.ProxyHealthConfig{
 		Addr:          o.healthzBindAddress,
 		HealthTimeout: 2 * o.syncPeriod,
-		IPFamilies:    []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol},
+		WaitForNode:   client != nil,
+		Registerer:    reg,
 		Logger:        log.Named("healthz"),
 		Listen:        up.servers.listen("healthz"),
 	})
@@ -296,10 +301,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if tproxy {
 		originalDst = redirect.TProxyDst
 	}
-	// A registry of our own: the Go runtime's and the process's collectors
-	// and the proxier's, nothing that a library registered globally.
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
 	rules.commands = newRuleCommands(reg)
 	synced := make(chan struct{})
@@ -355,6 +356,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
 	}
+	health.SetIPFamilies(rules.families()...)
+	metrics.SetIPFamilies(rules.families()...)
 	if tproxy {
 		warnBridgeNetfilter(log)
 	}
@@ -368,9 +371,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	var wg sync.WaitGroup
-	// As kube-proxy's sync loop does at its start: healthy until an update
-	// stays pending for longer than the health timeout.
-	health.Updated()
 	if o.healthzBindAddress != "" {
 		up.servers.expect("healthz")
 	}
