@@ -190,7 +190,7 @@ func TestProxyHealthNodeEligible(t *testing.T) {
 		name        string
 		nodes       []*v1.Node // passed to SyncNode in order; none means never synced
 		waitForNode bool
-		late        bool       // an update queued HealthTimeout ago
+		late        bool // an update queued HealthTimeout ago
 		wantHealthz response
 		wantLivez   response
 	}{{
