@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 
@@ -149,6 +150,11 @@ type Config struct {
 	// will apply, from the source's goroutine; it must not block. Nil
 	// means nothing is. The health server uses it to time pending syncs.
 	OnChange func()
+	// OnReject is called, from the source's goroutine, with each Service
+	// or EndpointSlice the tracker rejects as invalid (after logging it)
+	// and the reason; it must not block. Nil means nothing is. uproxy
+	// reports it as a Warning event on the object.
+	OnReject func(obj k8sruntime.Object, err error)
 	// Metrics receives the proxier's Prometheus metrics (see NewMetrics);
 	// nil means none are kept.
 	Metrics *Metrics
@@ -280,6 +286,7 @@ func NewProxier(cfg Config) *Proxier {
 		cfg.Metrics.queued(cfg.clock().Now())
 		p.runner.Run()
 	})
+	p.tracker.OnReject = cfg.OnReject
 	cfg.Metrics.setPending(p.tracker.Pending)
 	return p
 }

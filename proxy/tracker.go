@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -27,6 +28,10 @@ type Tracker struct {
 	Notify func()
 	// Logger receives rejections; nil means no logging.
 	Logger *zap.Logger
+	// OnReject, if set, is called with each rejected object and the
+	// reason, from the caller of the event method, without the lock held;
+	// it must not block. Set it before the first event.
+	OnReject func(obj runtime.Object, err error)
 
 	mu                           sync.Mutex
 	services                     map[types.NamespacedName]*v1.Service
@@ -83,10 +88,13 @@ func (t *Tracker) notify() {
 	}
 }
 
-func (t *Tracker) reject(kind string, key types.NamespacedName, err error) {
+func (t *Tracker) reject(kind string, key types.NamespacedName, obj runtime.Object, err error) {
 	if t.Logger != nil {
 		t.Logger.Error("rejected invalid object; keeping its last valid version",
 			zap.String("kind", kind), zap.Stringer("object", key), zap.Error(err))
+	}
+	if t.OnReject != nil {
+		t.OnReject(obj, err)
 	}
 }
 
@@ -100,7 +108,7 @@ func (t *Tracker) OnServiceUpsert(svc *v1.Service) {
 func (t *Tracker) upsertService(svc *v1.Service) bool {
 	key := keyOf(svc.Namespace, svc.Name)
 	if err := ValidateService(svc); err != nil {
-		t.reject("Service", key, err)
+		t.reject("Service", key, svc, err)
 		return false
 	}
 	t.mu.Lock()
@@ -144,7 +152,7 @@ func (t *Tracker) OnSliceUpsert(s *discovery.EndpointSlice) {
 func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 	key := keyOf(s.Namespace, s.Name)
 	if err := ValidateSlice(s); err != nil {
-		t.reject("EndpointSlice", key, err)
+		t.reject("EndpointSlice", key, s, err)
 		return false
 	}
 	t.mu.Lock()

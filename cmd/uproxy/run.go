@@ -248,6 +248,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return fmt.Errorf("API client: %w", err)
 		}
 	}
+	var events *eventRecorder // nil without an API server
+	if client != nil {
+		events = newEventRecorder(ctx, client, o.nodeName)
+		defer events.stop()
+	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
 	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
@@ -328,6 +333,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		ServiceHealth:   svcHealth,
 		OnSync:          func() { health.Updated(); firstSync() },
 		OnChange:        health.QueuedUpdate,
+		OnReject:        events.rejected(),
 		Inherited:       up.inherited(),
 		PreviousPort:    previousPorts(ctx, tproxy, log.Named("proxy")),
 		Logger:          log.Named("proxy"),
@@ -405,6 +411,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if source == "" {
 		source = "API server"
 	}
+	events.starting()
 	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()
