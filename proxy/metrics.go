@@ -235,9 +235,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	return m
 }
 
-// mergeBuckets concatenates bucket lists, as component-base's MergeBuckets.
+// mergeBuckets concatenates bucket lists after a bucket of 0, as
+// component-base's MergeBuckets does (it starts from make([]float64, 1)):
+// kube-proxy's network programming histogram has an le="0" bucket, and
+// dashboards built on it may read it.
 func mergeBuckets(lists ...[]float64) []float64 {
-	var out []float64
+	out := []float64{0}
 	for _, l := range lists {
 		out = append(out, l...)
 	}
