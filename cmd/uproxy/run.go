@@ -262,9 +262,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	defer up.close()
 
 	// A registry of our own: the Go runtime's and the process's collectors
-	// and the proxier's, nothing that a library registered globally.
+	// and the proxier's, nothing that a library registered globally. The
+	// Go collector exports every runtime/metrics series, as component-base
+	// registers it for kube-proxy, so that kube-proxy's go_* families are
+	// all here.
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(collectors.MetricsAll)),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	health := healthcheck.NewProxyHealth(healthcheck.ProxyHealthConfig{
 		Addr:          o.healthzBindAddress,
 		HealthTimeout: 2 * o.syncPeriod,
