@@ -12,6 +12,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 )
 
@@ -162,5 +163,50 @@ func TestChangesPending(t *testing.T) {
 	want = map[string]float64{"sync_proxy_rules_service_changes_pending{}": 0, "sync_proxy_rules_endpoint_changes_pending{}": 0}
 	if d := cmp.Diff(want, series(t, reg, names...)); d != "" {
 		t.Errorf("after a sync (-want +got):\n%s", d)
+	}
+}
+
+// TestKubeProxyBuckets checks the histograms' buckets against kube-proxy
+// v1.37.2's (pkg/proxy/metrics/metrics.go): ExponentialBuckets(0.001, 2,
+// 15) for the syncs, and component-base's MergeBuckets for the network
+// programming latency, which starts with a bucket of 0.
+func TestKubeProxyBuckets(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := NewMetrics(reg)
+	m.observeSync(time.Now(), time.Now(), true, map[types.NamespacedName][]TriggerTime{{Name: "web"}: {{At: time.Now(), Family: v1.IPv4Protocol}}})
+	var sync, programming []float64
+	for i := range 15 {
+		sync = append(sync, 0.001*float64(int(1)<<i))
+	}
+	programming = []float64{0, 0.25, 0.5}
+	for i := 1; i <= 59; i++ {
+		programming = append(programming, float64(i))
+	}
+	for i := 60; i <= 115; i += 5 {
+		programming = append(programming, float64(i))
+	}
+	for i := 120; i <= 300; i += 30 {
+		programming = append(programming, float64(i))
+	}
+	want := map[string][]float64{
+		"kubeproxy_sync_proxy_rules_duration_seconds":      sync,
+		"kubeproxy_sync_full_proxy_rules_duration_seconds": sync,
+		"kubeproxy_network_programming_duration_seconds":   programming,
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string][]float64{}
+	for _, mf := range mfs {
+		if _, ok := want[mf.GetName()]; !ok {
+			continue
+		}
+		for _, b := range mf.GetMetric()[0].GetHistogram().GetBucket() {
+			got[mf.GetName()] = append(got[mf.GetName()], b.GetUpperBound())
+		}
+	}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("buckets (-want +got):\n%s", d)
 	}
 }
