@@ -23,7 +23,8 @@ import (
 // nodeEligible (healthz only), healthy, status (per family, omitted until
 // the first Updated)}, with Content-Type: application/json and
 // X-Content-Type-Options: nosniff; a healthy answer reports lastUpdated as
-// the current time. They were also checked against that package running
+// the current time. Before the first Updated, where kube-proxy does not
+// serve yet, uproxy answers 503 with each family's status unhealthy. They were also checked against that package running
 // side by side (same call sequence, timestamps normalised).
 
 var t0 = time.Date(2026, 5, 4, 3, 2, 0, 0, time.UTC)
