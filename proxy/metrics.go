@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
@@ -49,11 +51,34 @@ var dialReasonNames = [numDialReasons]string{"refused", "timeout", "unreachable"
 // (BenchmarkSyncAll). Counters of removed service ports and
 // backends are dropped after the sync that removed them.
 type Metrics struct {
-	syncDuration    prometheus.Histogram
-	syncLast        prometheus.Gauge
-	netProgramming  prometheus.Histogram
-	endpointChanges prometheus.Counter
-	serviceChanges  prometheus.Counter
+	// kube-proxy's sync metrics (pkg/proxy/metrics/metrics.go). The ones
+	// with an ip_family label get a child per family in use
+	// (SetIPFamilies): uproxy syncs its families together, so each
+	// family's child sees the same syncs, as kube-proxy's per-family
+	// proxiers would.
+	syncDuration        *prometheus.HistogramVec // ip_family
+	syncFullDuration    *prometheus.HistogramVec // ip_family
+	syncPartialDuration *prometheus.HistogramVec // ip_family
+	syncLast            *prometheus.GaugeVec     // ip_family
+	lastQueued          *prometheus.GaugeVec     // ip_family
+	netProgramming      *prometheus.HistogramVec // ip_family
+	noLocalEndpoints    *prometheus.GaugeVec     // traffic_policy, ip_family
+	endpointChanges     prometheus.Counter
+	serviceChanges      prometheus.Counter
+
+	// families are the IP families in use (SetIPFamilies); IPv4 alone
+	// until set.
+	families atomic.Pointer[[]v1.IPFamily]
+	// pending reports the changes recorded but not yet taken by a sync,
+	// for the *_changes_pending gauges; set by NewProxier (the tracker's
+	// counts), nil until then.
+	pending atomic.Pointer[func() (services, endpoints int)]
+	// noLocal holds, per service, how many of its ports in each family
+	// have endpoints but none local under a Local policy (index:
+	// family, then internal/external); noLocalTotal sums them. Owned by
+	// the sync goroutine.
+	noLocal      map[types.NamespacedName]noLocalCounts
+	noLocalTotal noLocalCounts
 
 	dialDuration prometheus.Histogram
 	dialErrors   [numDialReasons]prometheus.Counter
@@ -101,19 +126,37 @@ type metricLabels struct{ service, port string }
 // NewMetrics creates the metrics and registers them with reg (nil: not
 // registered, for tests that read them directly).
 func NewMetrics(reg prometheus.Registerer) *Metrics {
+	syncBuckets := prometheus.ExponentialBuckets(0.001, 2, 15)
 	m := &Metrics{
-		syncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+		syncDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy",
 			Name:      "sync_proxy_rules_duration_seconds",
 			Help:      "SyncProxyRules latency in seconds",
-			Buckets:   prometheus.ExponentialBuckets(0.001, 2, 15),
-		}),
-		syncLast: prometheus.NewGauge(prometheus.GaugeOpts{
+			Buckets:   syncBuckets,
+		}, []string{"ip_family"}),
+		syncFullDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Subsystem: "kubeproxy",
+			Name:      "sync_full_proxy_rules_duration_seconds",
+			Help:      "SyncProxyRules latency in seconds for full resyncs",
+			Buckets:   syncBuckets,
+		}, []string{"ip_family"}),
+		syncPartialDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Subsystem: "kubeproxy",
+			Name:      "sync_partial_proxy_rules_duration_seconds",
+			Help:      "SyncProxyRules latency in seconds for partial resyncs",
+			Buckets:   syncBuckets,
+		}, []string{"ip_family"}),
+		syncLast: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Subsystem: "kubeproxy",
 			Name:      "sync_proxy_rules_last_timestamp_seconds",
 			Help:      "The last time proxy rules were successfully synced",
-		}),
-		netProgramming: prometheus.NewHistogram(prometheus.HistogramOpts{
+		}, []string{"ip_family"}),
+		lastQueued: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Subsystem: "kubeproxy",
+			Name:      "sync_proxy_rules_last_queued_timestamp_seconds",
+			Help:      "The last time a sync of proxy rules was queued",
+		}, []string{"ip_family"}),
+		netProgramming: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy",
 			Name:      "network_programming_duration_seconds",
 			Help:      "In Cluster Network Programming Latency in seconds",
@@ -123,7 +166,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 				prometheus.LinearBuckets(60, 5, 12),     // 60s, 65s, 70s, ... 115s
 				prometheus.LinearBuckets(120, 30, 7),    // 2min, 2.5min, 3min, ..., 5min
 			),
-		}),
+		}, []string{"ip_family"}),
+		noLocalEndpoints: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Subsystem: "kubeproxy",
+			Name:      "sync_proxy_rules_no_local_endpoints_total",
+			Help:      "Number of services with a Local traffic policy and no endpoints",
+		}, []string{"traffic_policy", "ip_family"}),
 		endpointChanges: prometheus.NewCounter(prometheus.CounterOpts{
 			Subsystem: "kubeproxy",
 			Name:      "sync_proxy_rules_endpoint_changes_total",
@@ -134,6 +182,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name:      "sync_proxy_rules_service_changes_total",
 			Help:      "Cumulative proxy rules Service changes",
 		}),
+		noLocal: map[types.NamespacedName]noLocalCounts{},
 		connections: prometheus.NewDesc("uproxy_connections_total",
 			"Connections (TCP) and flows (UDP) handled, by service port, backend and result (ok, dial_error, no_endpoints, refused_destination, limit, endpoint_limit).",
 			[]string{"service", "port", "backend", "result"}, nil),
@@ -169,32 +218,119 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		m.dialErrors[i] = dialErrors.WithLabelValues(r)
 	}
 	if reg != nil {
-		reg.MustRegister(m.syncDuration, m.syncLast, m.netProgramming, m.endpointChanges, m.serviceChanges,
+		endpointsPending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Subsystem: "kubeproxy",
+			Name:      "sync_proxy_rules_endpoint_changes_pending",
+			Help:      "Pending proxy rules Endpoint changes",
+		}, func() float64 { _, e := m.pendingChanges(); return float64(e) })
+		servicesPending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Subsystem: "kubeproxy",
+			Name:      "sync_proxy_rules_service_changes_pending",
+			Help:      "Pending proxy rules Service changes",
+		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
+		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
+			m.netProgramming, m.noLocalEndpoints, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
 			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted)
 	}
 	return m
 }
 
-// mergeBuckets concatenates bucket lists, as component-base's MergeBuckets.
+// mergeBuckets concatenates bucket lists after a bucket of 0, as
+// component-base's MergeBuckets does (it starts from make([]float64, 1)):
+// kube-proxy's network programming histogram has an le="0" bucket, and
+// dashboards built on it may read it.
 func mergeBuckets(lists ...[]float64) []float64 {
-	var out []float64
+	out := []float64{0}
 	for _, l := range lists {
 		out = append(out, l...)
 	}
 	return out
 }
 
-// observeSync records a successful sync that started at start and ended
-// at end, and the trigger times of the endpoint changes it programmed.
-func (m *Metrics) observeSync(start, end time.Time, triggers map[types.NamespacedName][]time.Time) {
+// SetIPFamilies sets the IP families in use: those whose rules the proxy
+// programs, each reported under its own ip_family label as kube-proxy's
+// per-family proxiers report theirs. Call it before the proxier runs;
+// until then, IPv4 alone is reported.
+func (m *Metrics) SetIPFamilies(families ...v1.IPFamily) {
+	if m != nil {
+		f := slices.Clone(families)
+		m.families.Store(&f)
+	}
+}
+
+// ipFamilies returns the families in use.
+func (m *Metrics) ipFamilies() []v1.IPFamily {
+	if f := m.families.Load(); f != nil {
+		return *f
+	}
+	return []v1.IPFamily{v1.IPv4Protocol}
+}
+
+// familyOf is the family of an address.
+func familyOf(v6 bool) v1.IPFamily {
+	if v6 {
+		return v1.IPv6Protocol
+	}
+	return v1.IPv4Protocol
+}
+
+// queued records, at now, that a sync was asked for: kube-proxy sets
+// sync_proxy_rules_last_queued_timestamp_seconds when a change arrives and
+// when its sync loop starts, so that an alert can compare it with the last
+// successful sync and tell a hung sync loop from a quiet cluster.
+func (m *Metrics) queued(now time.Time) {
 	if m == nil {
 		return
 	}
-	m.syncDuration.Observe(end.Sub(start).Seconds())
-	m.syncLast.Set(float64(end.UnixNano()) / 1e9)
+	for _, f := range m.ipFamilies() {
+		m.lastQueued.WithLabelValues(string(f)).Set(unixSeconds(now))
+	}
+}
+
+func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
+
+// setPending sets what the *_changes_pending gauges read when scraped.
+func (m *Metrics) setPending(f func() (services, endpoints int)) {
+	if m != nil {
+		m.pending.Store(&f)
+	}
+}
+
+func (m *Metrics) pendingChanges() (services, endpoints int) {
+	if f := m.pending.Load(); f != nil {
+		return (*f)()
+	}
+	return 0, 0
+}
+
+// observeSync records a successful sync (full or partial) that started at
+// start and ended at end, and the trigger times of the endpoint changes
+// it programmed: each in the family of its EndpointSlice, if that family
+// is in use.
+func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[types.NamespacedName][]TriggerTime) {
+	if m == nil {
+		return
+	}
+	d := end.Sub(start).Seconds()
+	byFamily := m.syncPartialDuration
+	if full {
+		byFamily = m.syncFullDuration
+	}
+	families := m.ipFamilies()
+	for _, f := range families {
+		fam := string(f)
+		m.syncDuration.WithLabelValues(fam).Observe(d)
+		byFamily.WithLabelValues(fam).Observe(d)
+		m.syncLast.WithLabelValues(fam).Set(unixSeconds(end))
+		i := familyIndex(f)
+		m.noLocalEndpoints.WithLabelValues("internal", fam).Set(float64(m.noLocalTotal[i][0]))
+		m.noLocalEndpoints.WithLabelValues("external", fam).Set(float64(m.noLocalTotal[i][1]))
+	}
 	for _, ts := range triggers {
 		for _, t := range ts {
-			m.netProgramming.Observe(end.Sub(t).Seconds())
+			if slices.Contains(families, t.Family) {
+				m.netProgramming.WithLabelValues(string(t.Family)).Observe(end.Sub(t.At).Seconds())
+			}
 		}
 	}
 }
@@ -205,6 +341,49 @@ func (m *Metrics) countChanges(services, endpoints int) {
 	}
 	m.serviceChanges.Add(float64(services))
 	m.endpointChanges.Add(float64(endpoints))
+}
+
+// noLocalCounts counts service ports per family (0: IPv4, 1: IPv6) and
+// policy (0: internal, 1: external).
+type noLocalCounts [2][2]int
+
+func familyIndex(f v1.IPFamily) int {
+	if f == v1.IPv6Protocol {
+		return 1
+	}
+	return 0
+}
+
+// noLocalOf reports, as kube-proxy's iptables proxier counts for
+// sync_proxy_rules_no_local_endpoints_total, whether a service port in
+// one family has usable endpoints somewhere in the cluster (eps, ready or
+// serving and terminating) but, under a Local internal or external
+// traffic policy, none on this node: that traffic is dropped.
+func noLocalOf(sp *ServicePort, eps []Endpoint, sets EndpointSets) (internal, external bool) {
+	if len(sets.Local) > 0 || !slices.ContainsFunc(eps, func(e Endpoint) bool { return e.Ready || (e.Serving && e.Terminating) }) {
+		return false, false // local endpoints, or none at all (rejected, not counted)
+	}
+	return sp.InternalPolicyLocal, sp.ExternalPolicyLocal
+}
+
+// setNoLocal records the counts of one service's ports, replacing its
+// previous ones; the gauges follow at the end of the sync. Called by the
+// sync goroutine for each service it applies.
+func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
+	if m == nil {
+		return
+	}
+	old := m.noLocal[service]
+	for f := range c {
+		for p := range c[f] {
+			m.noLocalTotal[f][p] += c[f][p] - old[f][p]
+		}
+	}
+	if c == (noLocalCounts{}) {
+		delete(m.noLocal, service)
+	} else {
+		m.noLocal[service] = c
+	}
 }
 
 // portMetrics are the counters of one service port and of its backends:
@@ -513,4 +692,11 @@ func dialReason(err error) int {
 func isNetTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

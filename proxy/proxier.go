@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 
@@ -153,6 +154,11 @@ type Config struct {
 	// will apply, from the source's goroutine; it must not block. Nil
 	// means nothing is. The health server uses it to time pending syncs.
 	OnChange func()
+	// OnReject is called, from the source's goroutine, with each Service
+	// or EndpointSlice the tracker rejects as invalid (after logging it)
+	// and the reason; it must not block. Nil means nothing is. uproxy
+	// reports it as a Warning event on the object.
+	OnReject func(obj k8sruntime.Object, err error)
 	// Metrics receives the proxier's Prometheus metrics (see NewMetrics);
 	// nil means none are kept.
 	Metrics *Metrics
@@ -285,8 +291,11 @@ func NewProxier(cfg Config) *Proxier {
 		if cfg.OnChange != nil {
 			cfg.OnChange()
 		}
+		cfg.Metrics.queued(cfg.clock().Now())
 		p.runner.Run()
 	})
+	p.tracker.OnReject = cfg.OnReject
+	cfg.Metrics.setPending(p.tracker.Pending)
 	return p
 }
 
@@ -357,7 +366,12 @@ func (p *Proxier) internalClient(ip netip.Addr) bool {
 }
 
 // Run syncs until ctx is done. It does not close listeners: call Shutdown.
-func (p *Proxier) Run(ctx context.Context) { p.runner.Loop(ctx) }
+func (p *Proxier) Run(ctx context.Context) {
+	// As kube-proxy's SyncLoop: the first sync is queued as the informers
+	// start listing.
+	p.cfg.Metrics.queued(p.cfg.clock().Now())
+	p.runner.Loop(ctx)
+}
 
 // LastSync returns when the last successful sync finished; zero if none.
 func (p *Proxier) LastSync() time.Time {
@@ -447,7 +461,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
 	p.cfg.Inherited.synced(p.log)
-	p.cfg.Metrics.observeSync(start, end, ch.TriggerTimes)
+	p.cfg.Metrics.observeSync(start, end, full, ch.TriggerTimes)
 	if p.cfg.OnSync != nil {
 		p.cfg.OnSync()
 	}
@@ -638,6 +652,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 		}
 	}
 	failed := false
+	var noLocal noLocalCounts
 	for _, wp := range w.ports {
 		k, sp := wp.key, wp.sp
 		l := have[k]
@@ -668,7 +683,13 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 			p.rulesDirty = true
 		}
 		l.snap.Store(next)
+		if internal, external := noLocalOf(sp, next.endpoints, next.sets); internal || external {
+			f := familyIndex(familyOf(k.v6))
+			noLocal[f][0] += b2i(internal)
+			noLocal[f][1] += b2i(external)
+		}
 	}
+	p.cfg.Metrics.setNoLocal(st.Name, noLocal)
 	if len(have) == 0 {
 		delete(p.services, st.Name)
 	}

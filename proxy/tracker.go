@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -27,6 +28,10 @@ type Tracker struct {
 	Notify func()
 	// Logger receives rejections; nil means no logging.
 	Logger *zap.Logger
+	// OnReject, if set, is called with each rejected object and the
+	// reason, from the caller of the event method, without the lock held;
+	// it must not block. Set it before the first event.
+	OnReject func(obj runtime.Object, err error)
 
 	mu                           sync.Mutex
 	services                     map[types.NamespacedName]*v1.Service
@@ -40,8 +45,16 @@ type Tracker struct {
 	// latency); start is when the tracker was created: older trigger
 	// times belong to changes made before uproxy ran, as kube-proxy
 	// reasons.
-	triggers map[types.NamespacedName][]time.Time
+	triggers map[types.NamespacedName][]TriggerTime
 	start    time.Time
+}
+
+// TriggerTime is when an endpoint change was triggered (its slice's
+// last-change-trigger-time), and the family of the slice's addresses:
+// kube-proxy observes each family's network programming latency apart.
+type TriggerTime struct {
+	At     time.Time
+	Family v1.IPFamily
 }
 
 // NewTracker returns an empty tracker.
@@ -53,7 +66,7 @@ func NewTracker(log *zap.Logger, notify func()) *Tracker {
 		slices:      map[types.NamespacedName]*discovery.EndpointSlice{},
 		slicesBySvc: map[types.NamespacedName]map[types.NamespacedName]bool{},
 		dirty:       map[types.NamespacedName]bool{},
-		triggers:    map[types.NamespacedName][]time.Time{},
+		triggers:    map[types.NamespacedName][]TriggerTime{},
 		start:       time.Now(),
 	}
 }
@@ -75,10 +88,13 @@ func (t *Tracker) notify() {
 	}
 }
 
-func (t *Tracker) reject(kind string, key types.NamespacedName, err error) {
+func (t *Tracker) reject(kind string, key types.NamespacedName, obj runtime.Object, err error) {
 	if t.Logger != nil {
 		t.Logger.Error("rejected invalid object; keeping its last valid version",
 			zap.String("kind", kind), zap.Stringer("object", key), zap.Error(err))
+	}
+	if t.OnReject != nil {
+		t.OnReject(obj, err)
 	}
 }
 
@@ -92,7 +108,7 @@ func (t *Tracker) OnServiceUpsert(svc *v1.Service) {
 func (t *Tracker) upsertService(svc *v1.Service) bool {
 	key := keyOf(svc.Namespace, svc.Name)
 	if err := ValidateService(svc); err != nil {
-		t.reject("Service", key, err)
+		t.reject("Service", key, svc, err)
 		return false
 	}
 	t.mu.Lock()
@@ -136,7 +152,7 @@ func (t *Tracker) OnSliceUpsert(s *discovery.EndpointSlice) {
 func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 	key := keyOf(s.Namespace, s.Name)
 	if err := ValidateSlice(s); err != nil {
-		t.reject("EndpointSlice", key, err)
+		t.reject("EndpointSlice", key, s, err)
 		return false
 	}
 	t.mu.Lock()
@@ -157,7 +173,7 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 		t.slicesBySvc[svc][key] = true
 		t.dirty[svc] = true
 		if tt := triggerTime(s); !tt.IsZero() && tt.After(t.start) {
-			t.triggers[svc] = append(t.triggers[svc], tt)
+			t.triggers[svc] = append(t.triggers[svc], TriggerTime{At: tt, Family: sliceFamily(s)})
 		}
 	}
 	t.sliceChanges++
@@ -211,6 +227,15 @@ func triggerTime(s *discovery.EndpointSlice) time.Time {
 		return time.Time{}
 	}
 	return t
+}
+
+// sliceFamily is the IP family of a slice's addresses (FQDN slices,
+// which no proxy serves, count as IPv4).
+func sliceFamily(s *discovery.EndpointSlice) v1.IPFamily {
+	if s.AddressType == discovery.AddressTypeIPv6 {
+		return v1.IPv6Protocol
+	}
+	return v1.IPv4Protocol
 }
 
 func sliceService(s *discovery.EndpointSlice) types.NamespacedName {
@@ -302,7 +327,7 @@ type Changes struct {
 	// TriggerTimes are the last-change-trigger-time annotations of the
 	// slice changes recorded since the last Take, per service: when each
 	// change was triggered, for the network programming latency.
-	TriggerTimes map[types.NamespacedName][]time.Time
+	TriggerTimes map[types.NamespacedName][]TriggerTime
 }
 
 // Take returns the services that changed since the last Take and clears
@@ -326,7 +351,7 @@ func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
 	t.serviceChanges, t.sliceChanges = 0, 0
 	if len(t.triggers) > 0 {
 		c.TriggerTimes = t.triggers
-		t.triggers = map[types.NamespacedName][]time.Time{}
+		t.triggers = map[types.NamespacedName][]TriggerTime{}
 	}
 	keys := slices.SortedFunc(maps.Keys(names), func(a, b types.NamespacedName) int {
 		if a.Namespace != b.Namespace {
@@ -350,6 +375,14 @@ func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
 		c.Services = append(c.Services, st)
 	}
 	return c
+}
+
+// Pending returns how many Service and EndpointSlice changes were recorded
+// since the last Take: kube-proxy's *_changes_pending.
+func (t *Tracker) Pending() (services, slices int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.serviceChanges, t.sliceChanges
 }
 
 // Requeue marks names dirty again, for services whose sync failed.

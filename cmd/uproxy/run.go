@@ -248,6 +248,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return fmt.Errorf("API client: %w", err)
 		}
 	}
+	var events *eventRecorder // nil without an API server
+	if client != nil {
+		events = newEventRecorder(ctx, client, o.nodeName)
+		defer events.stop()
+	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
 	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
@@ -256,10 +261,19 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	defer up.close()
 
+	// A registry of our own: the Go runtime's and the process's collectors
+	// and the proxier's, nothing that a library registered globally. The
+	// Go collector exports every runtime/metrics series, as component-base
+	// registers it for kube-proxy, so that kube-proxy's go_* families are
+	// all here.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(collectors.MetricsAll)),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	health := healthcheck.NewProxyHealth(healthcheck.ProxyHealthConfig{
 		Addr:          o.healthzBindAddress,
 		HealthTimeout: 2 * o.syncPeriod,
-		IPFamilies:    []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol},
+		WaitForNode:   client != nil,
+		Registerer:    reg,
 		Logger:        log.Named("healthz"),
 		Listen:        up.servers.listen("healthz"),
 	})
@@ -298,10 +312,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if tproxy {
 		originalDst = redirect.TProxyDst
 	}
-	// A registry of our own: the Go runtime's and the process's collectors
-	// and the proxier's, nothing that a library registered globally.
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
 	rules.commands = newRuleCommands(reg)
 	synced := make(chan struct{})
@@ -329,6 +339,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		ServiceHealth:   svcHealth,
 		OnSync:          func() { health.Updated(); firstSync() },
 		OnChange:        health.QueuedUpdate,
+		OnReject:        events.rejected(),
 		Inherited:       up.inherited(),
 		PreviousPort:    previousPorts(ctx, tproxy, log.Named("proxy")),
 		Logger:          log.Named("proxy"),
@@ -357,6 +368,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
 	}
+	health.SetIPFamilies(rules.families()...)
+	metrics.SetIPFamilies(rules.families()...)
 	if tproxy {
 		warnBridgeNetfilter(log)
 	}
@@ -370,9 +383,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	var wg sync.WaitGroup
-	// As kube-proxy's sync loop does at its start: healthy until an update
-	// stays pending for longer than the health timeout.
-	health.Updated()
 	if o.healthzBindAddress != "" {
 		up.servers.expect("healthz")
 	}
@@ -407,6 +417,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if source == "" {
 		source = "API server"
 	}
+	events.starting()
 	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()

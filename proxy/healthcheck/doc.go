@@ -15,6 +15,8 @@
 //
 // Status codes, headers and JSON bodies are byte-for-byte those of
 // kube-proxy; the few places where uproxy differs are documented on the
-// types (mostly: uproxy is one process for both IP families, and it reports
-// bind failures as errors instead of Kubernetes events).
+// types (mostly: uproxy is one process for both IP families, it reports
+// bind failures as errors instead of Kubernetes events, and it serves
+// health before the API server has answered, so it answers 503 until its
+// first sync where kube-proxy would not answer at all).
 package healthcheck

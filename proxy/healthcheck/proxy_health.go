@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
+	"strconv"
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/utils/clock"
@@ -50,7 +53,17 @@ type ProxyHealthConfig struct {
 	// under "status" in the JSON bodies, as kube-proxy reports each of its
 	// per-family proxiers; uproxy syncs all families at once, so they share
 	// one state. Empty means IPv4 only (a single-stack kube-proxy).
+	// SetIPFamilies changes them once the families in use are known.
 	IPFamilies []v1.IPFamily
+	// WaitForNode, when true, makes the node ineligible (/healthz 503)
+	// until SyncNode first reports this node's Node object: the proxy has
+	// a Node source (an API server). False, with no Node source (the
+	// manifests), means eligible unless SyncNode says otherwise.
+	WaitForNode bool
+	// Registerer receives kube-proxy's kubeproxy_proxy_healthz_total and
+	// kubeproxy_proxy_livez_total, the answers of /healthz and /livez by
+	// HTTP status code; nil means they are counted but not registered.
+	Registerer prometheus.Registerer
 	// Clock is the time source; nil means the real clock.
 	Clock clock.PassiveClock
 	// Logger receives serving errors; nil discards them.
@@ -62,11 +75,15 @@ type ProxyHealthConfig struct {
 // ProxyHealth tracks whether the proxy's rules are up to date, and serves
 // /healthz and /livez on one address like kube-proxy's healthz server.
 //
-// The proxy is healthy unless an update was queued (QueuedUpdate) more than
-// HealthTimeout ago and no sync has completed (Updated) since: the same
-// "oldest pending queued update" rule as kube-proxy. /livez reports exactly
-// that; /healthz additionally answers 503 while the node is not eligible
-// for load balancer traffic (see SyncNode).
+// The proxy is unhealthy until its first sync completes (Updated), which
+// happens only once the initial lists of Services and EndpointSlices have
+// arrived: kube-proxy does not serve health at all until the API server
+// has answered, so a proxy that cannot reach it must not look ready
+// (#29). After that it is healthy unless an update was queued
+// (QueuedUpdate) more than HealthTimeout ago and no sync has completed
+// since: the same "oldest pending queued update" rule as kube-proxy.
+// /livez reports exactly that; /healthz additionally answers 503 while
+// the node is not eligible for load balancer traffic (see SyncNode).
 //
 // All methods are safe for concurrent use.
 type ProxyHealth struct {
@@ -85,10 +102,13 @@ type ProxyHealth struct {
 	// applied was queued; absent when nothing is pending.
 	oldestPending map[v1.IPFamily]time.Time
 	nodeEligible  bool
+
+	healthzTotal, livezTotal *prometheus.CounterVec // by code
 }
 
-// NewProxyHealth returns a ProxyHealth that is healthy and whose node is
-// eligible. It does not serve until Run is called.
+// NewProxyHealth returns a ProxyHealth that is unhealthy until its first
+// Updated, and whose node is eligible unless cfg.WaitForNode is set. It
+// does not serve until Run is called.
 func NewProxyHealth(cfg ProxyHealthConfig) *ProxyHealth {
 	h := &ProxyHealth{
 		addr:          cfg.Addr,
@@ -99,9 +119,23 @@ func NewProxyHealth(cfg ProxyHealthConfig) *ProxyHealth {
 		listen:        cfg.Listen,
 		lastUpdated:   make(map[v1.IPFamily]time.Time),
 		oldestPending: make(map[v1.IPFamily]time.Time),
-		// Like kube-proxy before its first Node event (and uproxy may
-		// have no Node source at all), the node counts as eligible.
-		nodeEligible: true,
+		// Without a Node source (the manifests) the node counts as
+		// eligible; with one, not until its Node object has arrived, as
+		// kube-proxy's NodeManager reports a Node it has not seen.
+		nodeEligible: !cfg.WaitForNode,
+		healthzTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Subsystem: "kubeproxy",
+			Name:      "proxy_healthz_total",
+			Help:      "Cumulative proxy healthz HTTP status",
+		}, []string{"code"}),
+		livezTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Subsystem: "kubeproxy",
+			Name:      "proxy_livez_total",
+			Help:      "Cumulative proxy livez HTTP status",
+		}, []string{"code"}),
+	}
+	if cfg.Registerer != nil {
+		cfg.Registerer.MustRegister(h.healthzTotal, h.livezTotal)
 	}
 	if h.timeout <= 0 {
 		h.timeout = DefaultHealthTimeout
@@ -121,6 +155,18 @@ func NewProxyHealth(cfg ProxyHealthConfig) *ProxyHealth {
 	return h
 }
 
+// SetIPFamilies sets the families reported, replacing
+// ProxyHealthConfig.IPFamilies: call it once the families in use are
+// known, before the first Updated. Empty means IPv4 only.
+func (h *ProxyHealth) SetIPFamilies(families ...v1.IPFamily) {
+	if len(families) == 0 {
+		families = []v1.IPFamily{v1.IPv4Protocol}
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.families = slices.Clone(families)
+}
+
 // QueuedUpdate records that a change was received and a sync is pending.
 // Only the oldest pending change counts: if no sync completes within
 // HealthTimeout of it, the proxy becomes unhealthy.
@@ -136,9 +182,11 @@ func (h *ProxyHealth) QueuedUpdate() {
 }
 
 // Updated records that a sync completed successfully: nothing is pending
-// any more. Like kube-proxy's SyncLoop, the caller should also call it
-// once when its sync loop starts; until the first Updated the proxy is
-// healthy whatever is queued, and "status" is absent from the bodies.
+// any more. Until the first Updated the proxy is unhealthy, and each
+// family's status says so with a zero lastUpdated. Unlike kube-proxy's
+// SyncLoop, the caller must not call it before its first sync: uproxy
+// serves health before the API server has answered, and must not look
+// ready then.
 func (h *ProxyHealth) Updated() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -151,8 +199,9 @@ func (h *ProxyHealth) Updated() {
 
 // SyncNode records the state of this node. The node is eligible for load
 // balancer traffic unless it is being deleted (has a deletion timestamp)
-// or is tainted ToBeDeletedByClusterAutoscaler. A nil node means the Node
-// object is gone (or not yet seen): not eligible, as in kube-proxy.
+// or is tainted ToBeDeletedByClusterAutoscaler, as kube-proxy's
+// NodeEligible computes it. A nil node means the Node object is gone (or
+// not yet seen): not eligible, as in kube-proxy.
 // Eligibility only affects /healthz, never /livez, Health, or the
 // per-service health checks.
 func (h *ProxyHealth) SyncNode(node *v1.Node) {
@@ -218,8 +267,9 @@ type familyResponse struct {
 }
 
 // health computes the state the way kube-proxy's ProxyHealthServer.Health
-// does: a family counts only once it has been Updated, and is unhealthy
-// when its oldest pending update is at least HealthTimeout old.
+// does, a family being unhealthy when its oldest pending update is at
+// least HealthTimeout old; and, unlike kube-proxy, a family never Updated
+// (no sync has completed yet) is unhealthy too.
 func (h *ProxyHealth) health() healthResponse {
 	h.mu.RLock()
 	defer h.mu.RUnlock()
@@ -227,9 +277,18 @@ func (h *ProxyHealth) health() healthResponse {
 	r := healthResponse{
 		CurrentTime: now,
 		Healthy:     true,
-		Status:      make(map[v1.IPFamily]familyResponse, len(h.lastUpdated)),
+		Status:      make(map[v1.IPFamily]familyResponse, len(h.families)),
+	}
+	for _, f := range h.families {
+		if _, ok := h.lastUpdated[f]; !ok {
+			r.Healthy = false
+			r.Status[f] = familyResponse{}
+		}
 	}
 	for f, last := range h.lastUpdated {
+		if !slices.Contains(h.families, f) {
+			continue // no longer in use (SetIPFamilies)
+		}
 		if last.After(r.LastUpdated) {
 			r.LastUpdated = last
 		}
@@ -258,16 +317,22 @@ func (h *ProxyHealth) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	r := h.health()
 	eligible := h.NodeEligible()
 	r.NodeEligible = &eligible
-	h.write(w, r, r.Healthy && eligible)
+	h.write(w, h.healthzTotal, r, r.Healthy && eligible)
 }
 
 // serveLivez answers 200 when the proxy is healthy, whatever the node.
 func (h *ProxyHealth) serveLivez(w http.ResponseWriter, _ *http.Request) {
 	r := h.health()
-	h.write(w, r, r.Healthy)
+	h.write(w, h.livezTotal, r, r.Healthy)
 }
 
-func (h *ProxyHealth) write(w http.ResponseWriter, r healthResponse, ok bool) {
+// write answers with r, and counts the answer's code in total.
+func (h *ProxyHealth) write(w http.ResponseWriter, total *prometheus.CounterVec, r healthResponse, ok bool) {
+	code := http.StatusServiceUnavailable
+	if ok {
+		code = http.StatusOK
+	}
+	total.WithLabelValues(strconv.Itoa(code)).Inc()
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	if ok {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	testingclock "k8s.io/utils/clock/testing"
@@ -22,7 +23,8 @@ import (
 // nodeEligible (healthz only), healthy, status (per family, omitted until
 // the first Updated)}, with Content-Type: application/json and
 // X-Content-Type-Options: nosniff; a healthy answer reports lastUpdated as
-// the current time. They were also checked against that package running
+// the current time. Before the first Updated, where kube-proxy does not
+// serve yet, uproxy answers 503 with each family's status unhealthy. They were also checked against that package running
 // side by side (same call sequence, timestamps normalised).
 
 var t0 = time.Date(2026, 5, 4, 3, 2, 0, 0, time.UTC)
@@ -55,17 +57,17 @@ func TestProxyHealthTransitions(t *testing.T) {
 		wantHealthy bool
 		wantLast    time.Time
 	}{{
-		name:        "fresh: healthy, no status yet",
+		name:        "fresh: unhealthy until the first sync",
 		do:          func() {},
-		wantHealthz: response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","nodeEligible":true,"healthy":true}`},
-		wantLivez:   response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true}`},
-		wantHealthy: true,
+		wantHealthz: response{503, jsonHeaders, `{"lastUpdated":"0001-01-01T00:00:00Z","currentTime":"2026-05-04T03:02:00Z","nodeEligible":true,"healthy":false,"status":{"IPv4":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false},"IPv6":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false}}}`},
+		wantLivez:   response{503, jsonHeaders, `{"lastUpdated":"0001-01-01T00:00:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":false,"status":{"IPv4":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false},"IPv6":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false}}}`},
+		wantHealthy: false,
 	}, {
-		name:        "queued long ago but never updated: still healthy, as in kube-proxy",
+		name:        "queued long ago but never updated: still unhealthy",
 		do:          func() { h.QueuedUpdate(); clk.Step(30 * time.Second) },
-		wantHealthz: response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:30Z","currentTime":"2026-05-04T03:02:30Z","nodeEligible":true,"healthy":true}`},
-		wantLivez:   response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:30Z","currentTime":"2026-05-04T03:02:30Z","healthy":true}`},
-		wantHealthy: true,
+		wantHealthz: response{503, jsonHeaders, `{"lastUpdated":"0001-01-01T00:00:00Z","currentTime":"2026-05-04T03:02:30Z","nodeEligible":true,"healthy":false,"status":{"IPv4":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false},"IPv6":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false}}}`},
+		wantLivez:   response{503, jsonHeaders, `{"lastUpdated":"0001-01-01T00:00:00Z","currentTime":"2026-05-04T03:02:30Z","healthy":false,"status":{"IPv4":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false},"IPv6":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false}}}`},
+		wantHealthy: false,
 	}, {
 		name:        "first update: status per family",
 		do:          func() { h.Updated() },
@@ -135,15 +137,20 @@ func TestProxyHealthFamilies(t *testing.T) {
 	tests := []struct {
 		name     string
 		families []v1.IPFamily
-		want     string // /livez after one Updated
+		set      []v1.IPFamily // passed to SetIPFamilies when not nil
+		want     string        // /livez after one Updated
 	}{
-		{"default is IPv4 only", nil, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
-		{"IPv6 only", []v1.IPFamily{v1.IPv6Protocol}, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv6":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
-		{"dual-stack, keys sorted", []v1.IPFamily{v1.IPv6Protocol, v1.IPv4Protocol}, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true},"IPv6":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
+		{"default is IPv4 only", nil, nil, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
+		{"IPv6 only", []v1.IPFamily{v1.IPv6Protocol}, nil, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv6":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
+		{"set to the one family in use", []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol}, []v1.IPFamily{v1.IPv4Protocol}, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
+		{"dual-stack, keys sorted", []v1.IPFamily{v1.IPv6Protocol, v1.IPv4Protocol}, nil, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true},"IPv6":{"lastUpdated":"2026-05-04T03:02:00Z","healthy":true}}}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			h := NewProxyHealth(ProxyHealthConfig{IPFamilies: tt.families, Clock: testingclock.NewFakeClock(t0)})
+			if tt.set != nil {
+				h.SetIPFamilies(tt.set...)
+			}
 			h.Updated()
 			if diff := cmp.Diff(response{200, jsonHeaders, tt.want}, serve(h.Handler(), "/livez")); diff != "" {
 				t.Errorf("/livez (-want +got):\n%s", diff)
@@ -183,11 +190,23 @@ func TestProxyHealthNodeEligible(t *testing.T) {
 	tests := []struct {
 		name        string
 		nodes       []*v1.Node // passed to SyncNode in order; none means never synced
-		late        bool       // an update queued HealthTimeout ago
+		waitForNode bool
+		late        bool // an update queued HealthTimeout ago
 		wantHealthz response
 		wantLivez   response
 	}{{
-		name:        "never synced: eligible",
+		name:        "never synced, no Node source: eligible",
+		wantHealthz: response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","nodeEligible":true,"healthy":true,` + okStatus},
+		wantLivez:   response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,` + okStatus},
+	}, {
+		name:        "never synced, waiting for the Node: /healthz 503, /livez 200",
+		waitForNode: true,
+		wantHealthz: response{503, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","nodeEligible":false,"healthy":true,` + okStatus},
+		wantLivez:   response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,` + okStatus},
+	}, {
+		name:        "waiting for the Node, which arrives",
+		waitForNode: true,
+		nodes:       []*v1.Node{plain},
 		wantHealthz: response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","nodeEligible":true,"healthy":true,` + okStatus},
 		wantLivez:   response{200, jsonHeaders, `{"lastUpdated":"2026-05-04T03:02:00Z","currentTime":"2026-05-04T03:02:00Z","healthy":true,` + okStatus},
 	}, {
@@ -236,7 +255,7 @@ func TestProxyHealthNodeEligible(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			clk := testingclock.NewFakeClock(t0)
-			h := NewProxyHealth(ProxyHealthConfig{Clock: clk})
+			h := NewProxyHealth(ProxyHealthConfig{Clock: clk, WaitForNode: tt.waitForNode})
 			h.Updated()
 			for _, n := range tt.nodes {
 				h.SyncNode(n)
@@ -344,5 +363,39 @@ func TestProxyHealthRunDisabled(t *testing.T) {
 	h.Updated()
 	if ok, last := h.Health(); !ok || last.IsZero() {
 		t.Errorf("Health() = %v, %v; want healthy with a time", ok, last)
+	}
+}
+
+// TestProxyHealthCounters checks kube-proxy's proxy_healthz_total and
+// proxy_livez_total: every answer counted under its status code.
+func TestProxyHealthCounters(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	h := NewProxyHealth(ProxyHealthConfig{Clock: testingclock.NewFakeClock(t0), WaitForNode: true, Registerer: reg})
+	handler := h.Handler()
+	serve(handler, "/healthz") // 503: no sync yet
+	serve(handler, "/livez")   // 503
+	h.Updated()
+	serve(handler, "/healthz") // 503: no Node yet
+	serve(handler, "/livez")   // 200
+	h.SyncNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n"}})
+	serve(handler, "/healthz") // 200
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			got[mf.GetName()+"/"+m.GetLabel()[0].GetName()+"="+m.GetLabel()[0].GetValue()] = m.GetCounter().GetValue()
+		}
+	}
+	want := map[string]float64{
+		"kubeproxy_proxy_healthz_total/code=503": 2,
+		"kubeproxy_proxy_healthz_total/code=200": 1,
+		"kubeproxy_proxy_livez_total/code=503":   1,
+		"kubeproxy_proxy_livez_total/code=200":   1,
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("counters (-want +got):\n%s", diff)
 	}
 }
