@@ -189,7 +189,11 @@ func populate[T uint16 | uint32](backends []netip.Addr, size uint64) []T {
 	for filled := uint64(0); ; {
 		for i := range backends {
 			for taken[pos[i]] {
-				pos[i] = (pos[i] + skip[i]) % size
+				// pos and skip are below size: a subtraction reduces the
+				// sum, without a division per step.
+				if pos[i] += skip[i]; pos[i] >= size {
+					pos[i] -= size
+				}
 			}
 			table[pos[i]] = T(i)
 			taken[pos[i]] = true
