@@ -115,7 +115,7 @@ func (p *Proxier) endHashing(name types.NamespacedName, h *serviceHashing) {
 		}
 	case was:
 		delete(hs.degraded, name)
-		p.log.Info("source-hash lookup tables fit their memory bound again; this service's balancers use Maglev",
+		p.log.Info("this service's source-hash balancers no longer pass the lookup tables' memory bound; none uses rendezvous hashing",
 			zap.Stringer("service", name), zap.Int64("tableBytes", hs.bytes), zap.Int64("boundBytes", h.bound))
 	}
 }

@@ -149,7 +149,7 @@ func TestSourceHashTablesBound(t *testing.T) {
 		t.Errorf("%d tables of %d bytes, want 1 of %d", tables, total, 2053*2)
 	}
 	var got []string
-	for _, e := range logs.FilterMessageSnippet("source-hash lookup tables").All() {
+	for _, e := range logs.FilterMessageSnippet("lookup tables").All() {
 		got = append(got, fmt.Sprintf("%s %s %v", e.Level, e.ContextMap()["service"], e.ContextMap()["balancers"]))
 	}
 	if diff := cmp.Diff([]string{"warn default/web 1", "info default/web <nil>"}, got); diff != "" {
