@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -133,6 +134,16 @@ func TestSourceHashTablesBound(t *testing.T) {
 	}
 	if tables != 1 || total != 2053*2 {
 		t.Errorf("%d tables of %d bytes, want 1 of %d", tables, total, 2053*2)
+	}
+	// explain says which hashing picks, and picks as the balancer does.
+	client := netip.MustParseAddr("192.0.2.7")
+	for _, tt := range []struct{ port, key, hashing string }{{"80", "http", "(Maglev)"}, {"9090", "metrics", "(rendezvous)"}} {
+		ex := p.Explain(netip.MustParseAddrPort("10.96.0.10:"+tt.port), v1.ProtocolTCP, client)
+		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}][portKey{name: ServicePortName{
+			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}}]
+		if want := l.snap.Load().cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
+			t.Errorf("explain %s: backend %s by %q; want %s %s", tt.key, ex.Backend, ex.Pick, want, tt.hashing)
+		}
 	}
 	// Another change while still over the bound logs nothing new.
 	sync(hashService(11, 3))
