@@ -9,12 +9,12 @@ import (
 // (Eisenbud et al., NSDI 2016, §3.4) needs M prime and much larger than the
 // number of backends N; with M ≥ 100·N no backend's share of the table
 // differs from another's by more than about a hundredth, the paper's
-// bound. A table takes the
-// smallest size that holds N that way, so its memory follows the backends
-// rather than a fixed size per service port (#30). The sizes grow fourfold
-// because a client keeps its backend only while M stays the same: a step
-// to the next size remaps clients as a new table would, so steps are few.
-// Past 6553 backends the largest table still works, with coarser balance.
+// bound. A table takes the smallest size that holds N that way, so its
+// memory follows the backends rather than a fixed size per service port
+// (#30). The sizes grow fourfold because a client keeps its backend only
+// while M stays the same: a step to the next size remaps clients as a new
+// table would, so steps are few. Past 6553 backends the largest table
+// still works, with coarser balance.
 var maglevSizes = []uint64{2053, 8209, 32771, 65537, 655373}
 
 // maglevSize returns the table size for n backends.
