@@ -29,9 +29,10 @@ test: deps-test kube-binaries
 	$(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
 	$(MAKE) fuzz
 
-# fuzz: each fuzz target of proxy/fuzz_test.go (go test fuzzes one target
-# per run). Every go test also runs their seeds; a failing input is written
-# to proxy/testdata/fuzz/TARGET/, where it becomes a seed too. The first run
+# fuzz: each fuzz target of proxy/fuzz_test.go and redirect/fuzz_test.go
+# (go test fuzzes one target per run). Every go test also runs their seeds;
+# a failing input is written to PKG/testdata/fuzz/TARGET/, where it becomes
+# a seed too. The first run
 # builds the dependencies with coverage instrumentation (minutes).
 #
 # The budgets are counts of inputs, about 10 seconds of fuzzing each here:
@@ -45,6 +46,11 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzConvert$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/
 	$(GO) test -run '^$$' -fuzz '^FuzzAnnotations$$' -fuzztime $(or $(FUZZTIME),4000x) -timeout 10m ./proxy/
 	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzConnectionLimits$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzTopologyHints$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzConntrackEntry$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/
+	$(GO) test -run '^$$' -fuzz '^FuzzIptablesSave$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/
+	$(GO) test -run '^$$' -fuzz '^FuzzIpsetSave$$' -fuzztime $(or $(FUZZTIME),50000x) -timeout 10m ./redirect/
 
 # kube-binaries: the real kube-apiserver, kube-proxy and kubectl that the
 # API-server tests and the benchmarks run, built once from bench/tools into

@@ -162,3 +162,13 @@ func (a *affinity) usable(b *Backend) bool {
 	}
 	return !b.Ejected() || !anyHealthy(a.backends)
 }
+
+// Unwrap returns the balancer that b wraps for ClientIP affinity (see
+// Wrap), or b itself: what explain output asks for a client's pick
+// without recording it.
+func Unwrap(b Balancer) Balancer {
+	if a, ok := b.(*affinity); ok {
+		return a.inner
+	}
+	return b
+}

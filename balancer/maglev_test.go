@@ -38,20 +38,75 @@ func TestMaglevSizesArePrime(t *testing.T) {
 	}
 }
 
+// TestMaglevTableSize checks that a table's size follows the number of
+// backends N, the smallest of maglevSizes with M ≥ 100·N (#30), and that
+// MaglevTableBytes tells its memory before it is built.
 func TestMaglevTableSize(t *testing.T) {
 	tests := []struct {
 		backends int
 		want     int
 	}{
-		{1, 65537},
+		{1, 2053},
+		{10, 2053},
+		{20, 2053},
+		{21, 8209},
+		{82, 8209},
+		{83, 32771},
+		{327, 32771},
+		{328, 65537},
 		{655, 65537},
 		{656, 655373},
 	}
 	for _, tt := range tests {
-		m := New(SourceHash, nBackends(tt.backends)).(*maglev[uint16])
+		bs := nBackends(tt.backends)
+		m := New(SourceHash, bs).(*maglev[uint16])
 		if got := len(m.table); got != tt.want {
 			t.Errorf("%d backends: table size %d, want %d", tt.backends, got, tt.want)
 		}
+		table := NewMaglevTable(bs)
+		if got, want := table.Bytes(), MaglevTableBytes(tt.backends); got != want || table.Len() != tt.want {
+			t.Errorf("%d backends: table of %d entries holds %d bytes; MaglevTableBytes says %d", tt.backends, table.Len(), got, want)
+		}
+	}
+}
+
+// TestMaglevTableShared checks that backend lists with the same IP
+// addresses, whatever their ports and order, share one table, and that a
+// balancer over the shared table picks as one with a table of its own.
+func TestMaglevTableShared(t *testing.T) {
+	http := nBackends(10)
+	var metrics, fewer []*Backend
+	for i := len(http) - 1; i >= 0; i-- { // another order, another port
+		metrics = append(metrics, NewBackend(netip.AddrPortFrom(http[i].Addr.Addr(), 9090), 0))
+	}
+	fewer = http[1:]
+	if MaglevKey(http) != MaglevKey(metrics) {
+		t.Error("backends at the same addresses on another port have another key")
+	}
+	if MaglevKey(http) == MaglevKey(fewer) {
+		t.Error("9 of the 10 backends have the key of all 10")
+	}
+	table := NewMaglevTable(http)
+	a, b := NewSourceHash(http, table), NewSourceHash(metrics, table)
+	own := New(SourceHash, http)
+	if got := a.(*maglev[uint16]).table; &got[0] != &table.t16[0] {
+		t.Error("NewSourceHash built a table of its own instead of using the shared one")
+	}
+	for _, c := range randomClients(10_000) {
+		x, y, z := a.Pick(c), b.Pick(c), own.Pick(c)
+		if x.Addr.Addr() != y.Addr.Addr() || x.Addr != z.Addr || y.Addr.Port() != 9090 {
+			t.Fatalf("client %v: %v with the shared table, %v on the other port, %v with a table of its own", c, x, y, z)
+		}
+	}
+	// A table for other addresses is not used.
+	c := NewSourceHash(fewer, table)
+	for _, cl := range randomClients(1000) {
+		if got := c.Pick(cl); got == http[0] {
+			t.Fatalf("client %v sent to %v, which is not among the balancer's backends", cl, got)
+		}
+	}
+	if SourceHashMethod(a) != "Maglev" || SourceHashMethod(NewSourceHash(http, nil)) != "rendezvous" || SourceHashMethod(own) != "Maglev" {
+		t.Error("SourceHashMethod does not name the hashing")
 	}
 }
 
@@ -102,17 +157,18 @@ func TestMaglevDeterministic(t *testing.T) {
 		}
 	}
 	// Pinned values guard against the mapping changing between releases,
-	// which would move every client of every proxy on upgrade.
+	// which would move every client of every proxy on upgrade. (They moved
+	// once, when tables came to be sized by their backends, #30.)
 	for _, tt := range []struct {
 		client string
 		want   string
 	}{
-		{"192.168.1.1", "10.0.0.6:80"},
-		{"::ffff:192.168.1.1", "10.0.0.6:80"}, // IPv4-mapped hashes as IPv4
-		{"10.1.2.3", "10.0.0.9:80"},
-		{"172.16.0.9", "10.0.0.10:80"},
-		{"2001:db8::1", "10.0.0.4:80"},
-		{"fd00::42", "10.0.0.7:80"},
+		{"192.168.1.1", "10.0.0.5:80"},
+		{"::ffff:192.168.1.1", "10.0.0.5:80"}, // IPv4-mapped hashes as IPv4
+		{"10.1.2.3", "10.0.0.6:80"},
+		{"172.16.0.9", "10.0.0.9:80"},
+		{"2001:db8::1", "10.0.0.10:80"},
+		{"fd00::42", "10.0.0.3:80"},
 	} {
 		if got := a.Pick(netip.MustParseAddr(tt.client)).Addr.String(); got != tt.want {
 			t.Errorf("Pick(%s) = %s, want %s", tt.client, got, tt.want)

@@ -155,14 +155,14 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	if !known || caught.Kind == ClusterIP {
 		useLocal = s.sp.InternalPolicyLocal
 	}
-	backends := s.clusterBackends
+	backends, set := s.clusterBackends, s.cluster
 	switch {
 	case useLocal && s.sp.InternalPolicyLocal && (caught.Kind == ClusterIP || !known):
 		ex.EndpointSet = "local: internalTrafficPolicy Local"
-		backends = s.localBackends
+		backends, set = s.localBackends, s.local
 	case useLocal:
 		ex.EndpointSet = "local: externalTrafficPolicy Local, and the client is outside the cluster"
-		backends = s.localBackends
+		backends, set = s.localBackends, s.local
 	case caught.Kind != ClusterIP && known && s.sp.ExternalPolicyLocal:
 		ex.EndpointSet = "cluster: externalTrafficPolicy Local, but the client is a pod or the node (kube-proxy's short circuit)"
 		if !client.IsValid() {
@@ -215,11 +215,16 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 			ex.Pick = "by the client's address (Maglev hash): give --from"
 			break
 		}
-		// A balancer of our own: the same set gives the same table.
-		if b := balancer.New(balancer.SourceHash, slices.Clone(backends)).Pick(client); b != nil {
+		// The set's own balancer, without its affinity wrapper: a source
+		// hash's Pick records nothing.
+		hash := balancer.Unwrap(set)
+		if b := hash.Pick(client); b != nil {
 			ex.Backend = b.Addr.String()
 		}
-		ex.Pick = "source hash (Maglev) of the client's address" + then
+		ex.Pick = "source hash (" + balancer.SourceHashMethod(hash) + ") of the client's address" + then
+		if balancer.SourceHashMethod(hash) == "rendezvous" {
+			ex.Pick += "; rendezvous because the source-hash tables reached their memory bound"
+		}
 	case balancer.LeastConn, balancer.WeightedLeastConn:
 		var best []*balancer.Backend
 		var bestLoad float64

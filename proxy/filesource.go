@@ -32,6 +32,9 @@ type FileSource struct {
 	// Debounce batches bursts of file events (editors write, rename and
 	// chmod in quick succession); zero means 100ms.
 	Debounce time.Duration
+	// MaxFileBytes caps the size of one manifest file: a larger one is an
+	// error naming it. Zero means DefaultMaxManifestBytes.
+	MaxFileBytes int64
 
 	good map[string]Objects // last good decoding of each file
 }
@@ -41,13 +44,13 @@ type FileSource struct {
 // startup the caller should exit, so a typo is not mistaken for "no
 // services".
 func (s *FileSource) Load() error {
-	files, err := ManifestFiles(s.Path)
+	files, err := s.files()
 	if err != nil {
 		return fmt.Errorf("reading manifests: %w", err)
 	}
 	good := map[string]Objects{}
 	for _, f := range files {
-		objs, err := LoadManifestFile(f)
+		objs, err := LoadManifestFile(f, s.MaxFileBytes)
 		if err != nil {
 			return err
 		}
@@ -61,20 +64,20 @@ func (s *FileSource) Load() error {
 // reload re-reads every file, keeping the last good objects of files that
 // fail to decode, and publishes the result.
 func (s *FileSource) reload() {
-	files, err := ManifestFiles(s.Path)
+	files, err := s.files()
 	if err != nil {
 		s.logger().Error("reading manifests failed; keeping the last good state", zap.String("path", s.Path), zap.Error(err))
 		return
 	}
 	good := map[string]Objects{}
 	for _, f := range files {
-		objs, err := LoadManifestFile(f)
+		objs, err := LoadManifestFile(f, s.MaxFileBytes)
 		if err != nil {
 			var me *ManifestError
 			if errors.As(err, &me) && errors.Is(me.Cause, os.ErrNotExist) {
 				continue // removed between listing and reading
 			}
-			s.logger().Error("manifest is malformed; keeping its last good objects", zap.Error(err))
+			s.logger().Error("cannot load a manifest; keeping its last good objects", zap.Error(err))
 			if old, ok := s.good[f]; ok {
 				good[f] = old
 			}
@@ -84,6 +87,15 @@ func (s *FileSource) reload() {
 	}
 	s.good = good
 	s.publish()
+}
+
+// files lists the manifest files, logging those it skips.
+func (s *FileSource) files() ([]string, error) {
+	files, skipped, err := ManifestFiles(s.Path)
+	for _, err := range skipped {
+		s.logger().Warn("skipping a manifest entry that is not a regular file", zap.Error(err))
+	}
+	return files, err
 }
 
 func (s *FileSource) logger() *zap.Logger {

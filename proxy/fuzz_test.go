@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -828,6 +829,217 @@ func FuzzParsePortRange(f *testing.F) {
 		again, err := ParsePortRange(r.String())
 		if err != nil || again != r {
 			t.Errorf("ParsePortRange(%q) = %+v, whose String %q reads back as %+v, %v", s, r, r.String(), again, err)
+		}
+	})
+}
+
+// FuzzConnectionLimits checks the uproxy.io/max-connections and
+// uproxy.io/max-connections-per-endpoint annotations: a value that parses
+// is a limit in 1-2^31-1 that reads back the same when written as a
+// number; one that does not is ignored with a warning naming its
+// annotation; neither ever rejects the Service, and ServicePorts applies
+// the limits that parse to every port.
+func FuzzConnectionLimits(f *testing.F) {
+	const both = 1<<2 - 1
+	f.Add("100", "10", uint8(both))
+	f.Add(" 1 ", "2147483647", uint8(both))
+	f.Add("0", "-1", uint8(both))
+	f.Add("2147483648", "9223372036854775808", uint8(both))
+	f.Add("1e3", "0x10", uint8(both))
+	f.Add("+5", "", uint8(both))
+	f.Add("", "", uint8(0))
+	f.Fuzz(func(t *testing.T, total, perEndpoint string, present uint8) {
+		ann := map[string]string{}
+		for i, kv := range [][2]string{{AnnotationMaxConnections, total}, {AnnotationMaxConnectionsPerEndpoint, perEndpoint}} {
+			if present&(1<<i) != 0 {
+				ann[kv[0]] = kv[1]
+			}
+		}
+		gotTotal, gotPer, errs := connectionLimits(ann)
+		named := map[string]bool{}
+		for _, err := range errs {
+			for _, name := range []string{AnnotationMaxConnectionsPerEndpoint, AnnotationMaxConnections} {
+				if strings.Contains(err.Error(), "annotation "+name+":") {
+					named[name] = true
+					break
+				}
+			}
+		}
+		for _, l := range []struct {
+			name string
+			got  int
+		}{{AnnotationMaxConnections, gotTotal}, {AnnotationMaxConnectionsPerEndpoint, gotPer}} {
+			v, ok := ann[l.name]
+			switch {
+			case !ok && (l.got != 0 || named[l.name]):
+				t.Errorf("%s absent: limit %d, warned %t", l.name, l.got, named[l.name])
+			case ok && l.got == 0 && !named[l.name]:
+				t.Errorf("%s %q: no limit and no warning", l.name, v)
+			case ok && l.got != 0 && named[l.name]:
+				t.Errorf("%s %q: limit %d and a warning", l.name, v, l.got)
+			case l.got < 0 || l.got > math.MaxInt32:
+				t.Errorf("%s %q: limit %d out of range", l.name, v, l.got)
+			case l.got > 0:
+				if again, _, errs := connectionLimits(map[string]string{AnnotationMaxConnections: strconv.Itoa(l.got)}); again != l.got || errs != nil {
+					t.Errorf("%s %q: limit %d, which written back reads as %d, %v", l.name, v, l.got, again, errs)
+				}
+			}
+		}
+		if len(errs) != len(named) {
+			t.Errorf("warnings %v: %d of them name an annotation", errs, len(named))
+		}
+
+		s := svc("web", "10.96.0.10", "http:80", "dns:53/UDP")
+		s.Annotations = ann
+		if err := ValidateService(s); err != nil {
+			t.Fatalf("ValidateService() with limits %q = %v; a limit never rejects a Service", ann, err)
+		}
+		if diff := cmp.Diff(errs, ServiceWarnings(s), cmp.Comparer(func(a, b error) bool { return a.Error() == b.Error() })); diff != "" {
+			t.Errorf("ServiceWarnings() and connectionLimits() disagree (-limits +warnings):\n%s", diff)
+		}
+		for _, sp := range ServicePorts(s, ServiceDefaults{}) {
+			if sp.MaxConnections != gotTotal || sp.MaxConnectionsPerEndpoint != gotPer {
+				t.Errorf("%s: limits %d, %d; want %d, %d", sp.Name, sp.MaxConnections, sp.MaxConnectionsPerEndpoint, gotTotal, gotPer)
+			}
+		}
+	})
+}
+
+// FuzzTopologyHints checks CategorizeEndpoints on EndpointSlices with any
+// conditions, nodes and topology hints, as PortEndpoints reads them: each
+// set holds endpoints of the port, in their order; the local set only
+// this node's; a topology filter keeps only ready endpoints hinted for
+// this node or zone, and never leaves the cluster set empty while an
+// endpoint is ready; without ready endpoints the sets fall back to the
+// serving, terminating ones.
+//
+// data describes the endpoints, three bytes each: the conditions and
+// node, the zones hinted, the nodes hinted (see the decoding below).
+func FuzzTopologyHints(f *testing.F) {
+	f.Add([]byte{0x07, 0x01, 0x01, 0x17, 0x02, 0x02}, "node-a", "zone-a", uint8(0))
+	f.Add([]byte{0x07, 0x01, 0x00, 0x07, 0x02, 0x00, 0x01, 0x01, 0x01}, "node-a", "zone-a", uint8(0))
+	f.Add([]byte{0x06, 0x00, 0x00, 0x16, 0x00, 0x00}, "node-a", "", uint8(1))
+	f.Add([]byte{0x27, 0x05, 0x05, 0x07, 0x03, 0x03}, "", "zone-a", uint8(2))
+	f.Add([]byte{0x07, 0x04, 0x04}, "", "", uint8(3))
+	f.Fuzz(func(t *testing.T, data []byte, node, zone string, policy uint8) {
+		if len(data) > 3*64 {
+			data = data[:3*64]
+		}
+		// Names that the hints and nodeName choose from: this node or
+		// zone, another, or the empty name.
+		nodes := []string{node, "node-other", ""}
+		zones := []string{zone, "zone-other", ""}
+		pick := func(names []string, mask byte) []discovery.ForZone {
+			var out []discovery.ForZone
+			for i, n := range names {
+				if mask&(1<<i) != 0 {
+					out = append(out, discovery.ForZone{Name: n})
+				}
+			}
+			return out
+		}
+		sl := slice("web-1", "web", "http", 8080)
+		for i := 0; i+2 < len(data); i += 3 {
+			c, zh, nh := data[i], data[i+1], data[i+2]
+			e := discovery.Endpoint{
+				Addresses: []string{fmt.Sprintf("10.244.%d.%d", i/3/250, i/3%250+1)},
+				Conditions: discovery.EndpointConditions{
+					Ready: ptr.To(c&1 != 0), Serving: ptr.To(c&2 != 0), Terminating: ptr.To(c&4 != 0),
+				},
+			}
+			if n := nodes[int(c>>4)%len(nodes)]; c&8 != 0 || n != "" {
+				e.NodeName = ptr.To(n)
+			}
+			if zh != 0 || nh != 0 {
+				e.Hints = &discovery.EndpointHints{ForZones: pick(zones, zh)}
+				for _, n := range pick(nodes, nh) {
+					e.Hints.ForNodes = append(e.Hints.ForNodes, discovery.ForNode{Name: n.Name})
+				}
+			}
+			sl.Endpoints = append(sl.Endpoints, e)
+		}
+		s := svc("web", "10.96.0.10", "http:80")
+		s.Spec.Type = v1.ServiceTypeNodePort
+		s.Spec.Ports[0].NodePort = 30080
+		if policy&1 != 0 {
+			s.Spec.InternalTrafficPolicy = ptr.To(v1.ServiceInternalTrafficPolicyLocal)
+		}
+		if policy&2 != 0 {
+			s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+		}
+		if err := ValidateSlice(sl); err != nil {
+			return
+		}
+		sps := ServicePorts(s, ServiceDefaults{})
+		if len(sps) != 1 {
+			t.Fatalf("ServicePorts() = %v, want one port", sps)
+		}
+		sp := sps[0]
+		eps := PortEndpoints(sp, []*discovery.EndpointSlice{sl})
+		sets := CategorizeEndpoints(eps, sp, node, zone)
+
+		subsequence := func(what string, set []Endpoint) {
+			t.Helper()
+			i := 0
+			for _, e := range set {
+				for i < len(eps) && eps[i].Addr != e.Addr {
+					i++
+				}
+				if i == len(eps) {
+					t.Fatalf("%s set %v is not a subsequence of the endpoints %v", what, set, eps)
+				}
+				i++
+			}
+		}
+		subsequence("cluster", sets.Cluster)
+		subsequence("local", sets.Local)
+		anyReady := slices.ContainsFunc(eps, func(e Endpoint) bool { return e.Ready })
+		draining := func(e Endpoint) bool { return e.Serving && e.Terminating }
+
+		if !sp.UsesClusterEndpoints() && (sets.Cluster != nil || sets.TopologyMode != "") {
+			t.Errorf("the port uses no cluster endpoints, but the set is %v (topology %q)", sets.Cluster, sets.TopologyMode)
+		}
+		if sp.UsesClusterEndpoints() {
+			switch sets.TopologyMode {
+			case "":
+			case v1.ServiceTrafficDistributionPreferSameNode, v1.ServiceTrafficDistributionPreferSameZone:
+				hints, want := func(e Endpoint) []string { return e.NodeHints }, node
+				if sets.TopologyMode == v1.ServiceTrafficDistributionPreferSameZone {
+					hints, want = func(e Endpoint) []string { return e.ZoneHints }, zone
+				}
+				for _, e := range sets.Cluster {
+					if !e.Ready || !slices.Contains(hints(e), want) {
+						t.Errorf("%s: cluster endpoint %+v is not ready and hinted for %q", sets.TopologyMode, e, want)
+					}
+				}
+				for _, e := range eps {
+					if e.Ready && len(hints(e)) == 0 {
+						t.Errorf("%s although ready endpoint %v has no such hints", sets.TopologyMode, e.Addr)
+					}
+				}
+			default:
+				t.Errorf("unknown topology mode %q", sets.TopologyMode)
+			}
+			for _, e := range sets.Cluster {
+				if anyReady && !e.Ready || !anyReady && !draining(e) {
+					t.Errorf("cluster endpoint %+v is not usable (any ready: %t)", e, anyReady)
+				}
+			}
+			if anyReady && len(sets.Cluster) == 0 {
+				t.Errorf("no cluster endpoint although some are ready (topology %q): %+v", sets.TopologyMode, eps)
+			}
+			if !anyReady && len(sets.Cluster) != len(filter(eps, draining)) {
+				t.Errorf("cluster set %v without ready endpoints; want the serving, terminating ones", sets.Cluster)
+			}
+		}
+		if !sp.UsesLocalEndpoints() && sets.Local != nil {
+			t.Errorf("the port uses no local endpoints, but the set is %v", sets.Local)
+		}
+		localReady := slices.ContainsFunc(eps, func(e Endpoint) bool { return e.Ready && node != "" && e.NodeName == node })
+		for _, e := range sets.Local {
+			if node == "" || e.NodeName != node || localReady && !e.Ready || !localReady && !draining(e) {
+				t.Errorf("local endpoint %+v on node %q (any local ready: %t)", e, node, localReady)
+			}
 		}
 	})
 }

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -158,36 +159,77 @@ func splitDocuments(data []byte) ([][]byte, error) {
 	}
 }
 
+// DefaultMaxManifestBytes is the size cap of one manifest file when
+// FileSource.MaxFileBytes is zero.
+const DefaultMaxManifestBytes = 64 << 20
+
 // ManifestFiles lists the manifest files at path: path itself if it is a
 // file, else the .yaml, .yml and .json files directly in it (not in
 // subfolders, and not hidden ones, which is where editors and ConfigMap
 // volumes keep their temporary files), sorted.
-func ManifestFiles(path string) ([]string, error) {
+//
+// Only regular files are manifests: reading a FIFO blocks until a writer
+// comes, and a device such as /dev/zero never ends (#30). A symlink counts
+// as what it points to, as ConfigMap volumes link every file into their
+// "..data" folder. A folder entry that is anything else is left out, and
+// skipped says which and why; path itself being anything else is an error.
+func ManifestFiles(path string) (files []string, skipped []error, err error) {
 	fi, err := os.Stat(path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if !fi.IsDir() {
-		return []string{path}, nil
+		if !fi.Mode().IsRegular() {
+			return nil, nil, notRegular(path, fi.Mode())
+		}
+		return []string{path}, nil, nil
 	}
 	entries, err := os.ReadDir(path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var files []string
 	for _, e := range entries {
 		name := e.Name()
 		if strings.HasPrefix(name, ".") || !isManifestName(name) {
 			continue
 		}
 		full := filepath.Join(path, name)
-		if st, err := os.Stat(full); err != nil || st.IsDir() {
-			continue // dangling symlink or a folder named like a file
+		st, err := os.Stat(full)
+		switch {
+		case err != nil:
+			skipped = append(skipped, fmt.Errorf("%s: %w", full, err)) // a dangling symlink
+		case st.IsDir():
+			// A folder named like a file: not a manifest, and not worth a word.
+		case !st.Mode().IsRegular():
+			skipped = append(skipped, notRegular(full, st.Mode()))
+		default:
+			files = append(files, full)
 		}
-		files = append(files, full)
 	}
 	slices.Sort(files)
-	return files, nil
+	return files, skipped, nil
+}
+
+func notRegular(file string, mode os.FileMode) error {
+	return fmt.Errorf("%s: not a regular file (%s)", file, fileKind(mode))
+}
+
+// fileKind names what a non-regular file is, for error messages.
+func fileKind(mode os.FileMode) string {
+	switch t := mode.Type(); {
+	case t&os.ModeNamedPipe != 0:
+		return "a named pipe"
+	case t&os.ModeCharDevice != 0:
+		return "a character device"
+	case t&os.ModeDevice != 0:
+		return "a block device"
+	case t&os.ModeSocket != 0:
+		return "a socket"
+	case t&os.ModeDir != 0:
+		return "a folder"
+	default:
+		return "mode " + t.String()
+	}
 }
 
 func isManifestName(name string) bool {
@@ -198,12 +240,35 @@ func isManifestName(name string) bool {
 	return false
 }
 
-// LoadManifestFile decodes one file.
-func LoadManifestFile(file string) (Objects, error) {
-	f, err := os.Open(file)
+// LoadManifestFile decodes one file, which must be a regular file of at
+// most limit bytes (zero or less means DefaultMaxManifestBytes). The file
+// is opened without blocking and checked once open, so that one swapped
+// for a FIFO or a device after ManifestFiles listed it is refused too.
+func LoadManifestFile(file string, limit int64) (Objects, error) {
+	if limit <= 0 {
+		limit = DefaultMaxManifestBytes
+	}
+	// O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer.
+	// It changes nothing for a regular file.
+	f, err := os.OpenFile(file, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: err}
 	}
 	defer f.Close()
-	return DecodeManifests(file, f)
+	fi, err := f.Stat()
+	if err != nil {
+		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: err}
+	}
+	if !fi.Mode().IsRegular() {
+		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: fmt.Errorf("not a regular file (%s)", fileKind(fi.Mode()))}
+	}
+	// The size may grow between Stat and the read: the read is capped too.
+	data, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err != nil {
+		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: err}
+	}
+	if int64(len(data)) > limit {
+		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: fmt.Errorf("larger than the %d-byte limit for one manifest file", limit)}
+	}
+	return DecodeManifests(file, bytes.NewReader(data))
 }

@@ -5,11 +5,15 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 const webYAML = `# a comment before the first document
@@ -224,5 +228,99 @@ func TestFileSourceLoadErrorNamesFile(t *testing.T) {
 	}
 	if err := (&FileSource{Path: filepath.Join(dir, "missing"), Tracker: NewTracker(nil, nil)}).Load(); err == nil {
 		t.Error("Load of a missing path succeeded")
+	}
+}
+
+// TestFileSourceOnlyRegularFiles checks that a manifest folder reads
+// regular files only (#30): a FIFO would block the load until a writer
+// came, /dev/zero would be read until memory ran out. Each skipped entry
+// is logged by name, and a symlink to a regular file is followed, as
+// ConfigMap volumes need.
+func TestFileSourceOnlyRegularFiles(t *testing.T) {
+	dir := t.TempDir()
+	writeFile(t, filepath.Join(dir, "web.yaml"), webYAML)
+	outside := filepath.Join(t.TempDir(), "db.yaml")
+	writeFile(t, outside, "apiVersion: v1\nkind: Service\nmetadata: {name: db}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 5432}]}\n")
+	if err := os.Symlink(outside, filepath.Join(dir, "db.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	fifo := filepath.Join(dir, "fifo.yaml")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	zero := filepath.Join(dir, "zero.yaml")
+	if err := os.Symlink("/dev/zero", zero); err != nil {
+		t.Fatal(err)
+	}
+
+	core, logs := observer.New(zap.WarnLevel)
+	tr := NewTracker(nil, nil)
+	fs := &FileSource{Path: dir, Tracker: tr, Logger: zap.New(core)}
+	loaded := make(chan error, 1)
+	go func() { loaded <- fs.Load() }()
+	select {
+	case err := <-loaded:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		// Unblock a reader stuck on the FIFO before failing.
+		if w, err := os.OpenFile(fifo, os.O_WRONLY, 0); err == nil {
+			w.Close()
+		}
+		t.Fatal("Load did not return within 5s")
+	}
+	svcs, _ := trackedNames(tr)
+	if diff := cmp.Diff([]string{"default/db", "default/web"}, svcs); diff != "" {
+		t.Errorf("services (-want +got):\n%s", diff)
+	}
+	var skipped []string
+	for _, e := range logs.All() {
+		skipped = append(skipped, e.Message+": "+e.ContextMap()["error"].(string))
+	}
+	want := []string{
+		"skipping a manifest entry that is not a regular file: " + fifo + ": not a regular file (a named pipe)",
+		"skipping a manifest entry that is not a regular file: " + zero + ": not a regular file (a character device)",
+	}
+	if diff := cmp.Diff(want, skipped); diff != "" {
+		t.Errorf("log lines (-want +got):\n%s", diff)
+	}
+
+	// A file swapped for a FIFO or a device after it was listed is refused
+	// when it is opened, without blocking.
+	for _, f := range []string{fifo, zero} {
+		_, err := LoadManifestFile(f, 0)
+		var me *ManifestError
+		if !errors.As(err, &me) || me.File != f || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("LoadManifestFile(%s) = %v, want a ManifestError naming the file: not a regular file", f, err)
+		}
+	}
+	// So is a --config that names one of them.
+	if err := (&FileSource{Path: fifo, Tracker: NewTracker(nil, nil)}).Load(); err == nil || !strings.Contains(err.Error(), fifo+": not a regular file") {
+		t.Errorf("Load of a FIFO path = %v, want an error naming it", err)
+	}
+}
+
+// TestFileSourceSizeCap checks that a manifest file over the size cap is
+// an error naming the file, and that a reload keeps the last good objects
+// of a file that outgrows it.
+func TestFileSourceSizeCap(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "web.yaml")
+	writeFile(t, file, webYAML)
+	limit := int64(len(webYAML))
+	tr := NewTracker(nil, nil)
+	fs := &FileSource{Path: dir, Tracker: tr, MaxFileBytes: limit}
+	if err := fs.Load(); err != nil {
+		t.Fatalf("Load of a file at the limit: %v", err)
+	}
+	writeFile(t, file, webYAML+"\n# one byte too many is more than enough\n")
+	fs.reload()
+	if svcs, _ := trackedNames(tr); !cmp.Equal(svcs, []string{"default/web"}) {
+		t.Errorf("after a reload over the limit, services %v, want web kept", svcs)
+	}
+	err := fs.Load()
+	if err == nil || !strings.Contains(err.Error(), file+": larger than the "+strconv.FormatInt(limit, 10)+"-byte limit") {
+		t.Errorf("Load over the limit = %v, want an error naming %s and the limit", err, file)
 	}
 }

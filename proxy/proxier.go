@@ -164,6 +164,12 @@ type Config struct {
 	Metrics *Metrics
 	// Logger receives the proxier's logs; nil means none.
 	Logger *zap.Logger
+	// SourceHashBytes bounds the memory of the source-hash balancers'
+	// Maglev tables, across all services. Past it, a balancer whose table
+	// does not fit uses rendezvous hashing, which needs none (see
+	// hashTables), and the service is logged. Zero means
+	// DefaultSourceHashBytes.
+	SourceHashBytes int64
 	// Clock is the time source for sync and ejection timing; nil means the
 	// real clock. Socket deadlines always use the real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -226,6 +232,7 @@ type Proxier struct {
 	endpoints  int                   // the endpoints of every listener (counts)
 	rulesDirty bool
 	slots      map[ServicePortName]*connSlots       // per service port, shared by its listeners
+	hash       hashTables                           // the source-hash balancers' tables
 	warned     map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
 	// hcPorts and hcLocal are what the ServiceHealth server was last
 	// given (or is to be given when hcDirty): each health-checked
@@ -653,6 +660,8 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	}
 	failed := false
 	var noLocal noLocalCounts
+	hashing := p.beginHashing(st.Name)
+	defer p.endHashing(st.Name, hashing)
 	for _, wp := range w.ports {
 		k, sp := wp.key, wp.sp
 		l := have[k]
@@ -678,7 +687,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 			have[k] = l
 		}
 		old := l.snap.Load()
-		next := p.buildSnapshot(l, sp, wp.vip, st, zone, old)
+		next := p.buildSnapshot(l, sp, wp.vip, st, zone, old, hashing)
 		if old == nil || !slices.EqualFunc(l.intercepts(old), l.intercepts(next), interceptEqual) {
 			p.rulesDirty = true
 		}
@@ -703,7 +712,8 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
-func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot) *snapshot {
+// Source-hash balancers take their tables from hashing.
+func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot, hashing *serviceHashing) *snapshot {
 	s := &snapshot{sp: sp, vip: netip.AddrPortFrom(vip, sp.Port), nodePort: sp.NodePort, slots: p.portSlots(sp.Name)}
 	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
 		if ip.Is6() == l.key.v6 {
@@ -774,7 +784,12 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 		l.affinity = nil
 	}
 	build := func(bs []*balancer.Backend) balancer.Balancer {
-		bal := balancer.New(sp.Balancer, bs)
+		var bal balancer.Balancer
+		if sp.Balancer == balancer.SourceHash {
+			bal = hashing.balancer(bs)
+		} else {
+			bal = balancer.New(sp.Balancer, bs)
+		}
 		if l.affinity != nil {
 			bal = l.affinity.Wrap(bal, bs)
 		}

@@ -4,13 +4,16 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"syscall"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/utils/ptr"
 )
 
 // BenchmarkSyncEndpointChange times the sync that follows one endpoint
@@ -120,4 +123,74 @@ func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.En
 		sls[i] = slice(name+"-1", name, "http", 8080, eps...)
 	}
 	return p, svcs, sls
+}
+
+// BenchmarkSyncSourceHash compares source-hash with round-robin on every
+// service (#30): the first sync of n services of 10 endpoints each, and the
+// heap the Proxier then holds (heap-bytes, after a garbage collection:
+// the balancers, and source-hash's Maglev tables). The "ports" case is
+// one service of 2,000 ports over the same 10 endpoints.
+func BenchmarkSyncSourceHash(b *testing.B) {
+	cases := []struct {
+		name     string
+		services func(b *testing.B) (*Proxier, []*v1.Service, []*discovery.EndpointSlice)
+	}{
+		{"services=10000", func(b *testing.B) (*Proxier, []*v1.Service, []*discovery.EndpointSlice) {
+			return benchProxier(b, 10000)
+		}},
+		{"ports=2000", manyPortsProxier},
+	}
+	for _, c := range cases {
+		for _, kind := range []balancer.Kind{balancer.RoundRobin, balancer.SourceHash} {
+			b.Run(c.name+"/"+string(kind), func(b *testing.B) {
+				var heap uint64
+				for b.Loop() {
+					b.StopTimer()
+					p, svcs, sls := c.services(b)
+					for _, s := range svcs {
+						s.Annotations = map[string]string{AnnotationBalancer: string(kind)}
+					}
+					p.Tracker().Replace(svcs, sls)
+					before := heapInUse()
+					b.StartTimer()
+					if err := p.sync(b.Context(), true); err != nil {
+						b.Fatal(err)
+					}
+					b.StopTimer()
+					heap += heapInUse() - min(before, heapInUse())
+					p.Shutdown(b.Context())
+					b.StartTimer()
+				}
+				b.ReportMetric(float64(heap)/float64(b.N), "heap-bytes/op")
+			})
+		}
+	}
+}
+
+// heapInUse returns the bytes of live heap objects after a collection.
+func heapInUse() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
+}
+
+// manyPortsProxier returns benchProxier's Proxier and one service of
+// 2,000 ports, all over the same 10 endpoints.
+func manyPortsProxier(b *testing.B) (*Proxier, []*v1.Service, []*discovery.EndpointSlice) {
+	p, _, _ := benchProxier(b, 0)
+	var ports []string
+	for i := range 2000 {
+		ports = append(ports, fmt.Sprintf("p%d:%d", i, 10000+i))
+	}
+	s := svc("many", "10.96.0.10", ports...)
+	var eps []ep
+	for j := range 10 {
+		eps = append(eps, ep{ip: fmt.Sprintf("10.244.0.%d", j+1)})
+	}
+	sl := slice("many-1", "many", "p0", 10000, eps...)
+	for i := 1; i < 2000; i++ {
+		sl.Ports = append(sl.Ports, discovery.EndpointPort{Name: ptr.To(fmt.Sprintf("p%d", i)), Port: ptr.To(int32(10000 + i)), Protocol: ptr.To(v1.ProtocolTCP)})
+	}
+	return p, []*v1.Service{s}, []*discovery.EndpointSlice{sl}
 }

@@ -113,14 +113,22 @@ func (t *Tracker) upsertService(svc *v1.Service) bool {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if old := t.services[key]; old != nil && equality.Semantic.DeepEqual(old.Spec, svc.Spec) &&
-		maps.Equal(old.Annotations, svc.Annotations) && maps.Equal(old.Labels, svc.Labels) {
+	if old := t.services[key]; old != nil && sameServiceInputs(old, svc) {
 		return false
 	}
 	t.services[key] = svc
 	t.dirty[key] = true
 	t.serviceChanges++
 	return true
+}
+
+// sameServiceInputs reports whether a and b agree on every field uproxy
+// reads from a Service: its spec, its status (the cloud controller assigns
+// status.loadBalancer.ingress with a status-only update, after creation;
+// #30), its annotations and its labels.
+func sameServiceInputs(a, b *v1.Service) bool {
+	return equality.Semantic.DeepEqual(a.Spec, b.Spec) && equality.Semantic.DeepEqual(a.Status, b.Status) &&
+		maps.Equal(a.Annotations, b.Annotations) && maps.Equal(a.Labels, b.Labels)
 }
 
 // OnServiceDelete records that svc was deleted.

@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"context"
+	"fmt"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -91,5 +93,60 @@ func TestTrackerRejectsInvalidObjectsAlone(t *testing.T) {
 	tr.OnServiceUpsert(svc("new", "not-an-ip", "a:1"))
 	if got := names(tr.Take(false, nil)); len(got) != 0 {
 		t.Errorf("invalid new service recorded: %v", got)
+	}
+}
+
+// TestStatusOnlyServiceUpdate checks that an update that changes only a
+// Service's status, as the cloud controller assigns a load balancer's
+// address after creation (#30), reaches the rules, through the informer's
+// upserts and through a manifest folder's Replace alike.
+func TestStatusOnlyServiceUpdate(t *testing.T) {
+	lb := func(ingress ...string) *v1.Service {
+		s := svc("web", "10.96.0.10", "http:80")
+		s.Spec.Type = v1.ServiceTypeLoadBalancer
+		s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/25"}
+		for _, ip := range ingress {
+			s.Status.LoadBalancer.Ingress = append(s.Status.LoadBalancer.Ingress, v1.LoadBalancerIngress{IP: ip})
+		}
+		return s
+	}
+	sls := []*discovery.EndpointSlice{slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"})}
+	for _, tt := range []struct {
+		name   string
+		update func(*Tracker, *v1.Service)
+	}{
+		{"upsert", func(tr *Tracker, s *v1.Service) { tr.OnServiceUpsert(s) }},
+		{"replace", func(tr *Tracker, s *v1.Service) { tr.Replace([]*v1.Service{s}, sls) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rules := &recordingRules{}
+			p := NewProxier(Config{Rules: rules})
+			t.Cleanup(func() { p.Shutdown(context.Background()) })
+			p.Tracker().Replace([]*v1.Service{lb()}, sls)
+			if err := p.sync(t.Context(), false); err != nil {
+				t.Fatal(err)
+			}
+			lbIntercepts := func() []string {
+				rules.mu.Lock()
+				defer rules.mu.Unlock()
+				var out []string
+				for _, in := range rules.last {
+					if in.Kind == LoadBalancerIP {
+						out = append(out, fmt.Sprintf("%s:%d %v", in.VIP, in.Port, in.SourceRanges))
+					}
+				}
+				return out
+			}
+			if got := lbIntercepts(); len(got) != 0 {
+				t.Fatalf("load-balancer intercepts before the status update: %v", got)
+			}
+			tt.update(p.Tracker(), lb("192.0.2.80"))
+			if err := p.sync(t.Context(), false); err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff([]string{"192.0.2.80:80 [192.0.2.0/25]"}, lbIntercepts()); diff != "" {
+				t.Errorf("load-balancer intercepts after the status update (-want +got):\n%s", diff)
+			}
+		})
 	}
 }
