@@ -60,6 +60,7 @@ type runOptions struct {
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
 	upgradeSocket      string
+	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
 
 	// Parsed by validate.
@@ -96,6 +97,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
+	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", defaultUpgradeReadyTimeout, "How long a running uproxy that handed its sockets to a new one waits for the new one's first sync, with its own sync loop paused. Past it the old process takes the handover back and syncs again, and the new one exits with an error.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
 
@@ -143,6 +145,7 @@ func (o *runOptions) validate() error {
 		{"--iptables-sync-period", o.syncPeriod, false},
 		{"--iptables-min-sync-period", o.minSyncPeriod, true},
 		{"--drain-timeout", o.drainTimeout, true},
+		{"--upgrade-ready-timeout", o.upgradeReadyTime, false},
 		{"--tcp-idle-timeout", o.tcpIdleTimeout, true},
 		{"--endpoint-dial-timeout", o.dialTimeout, false},
 		{"--iptables-wait", o.iptablesWait, false},
@@ -251,6 +254,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
 	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
+	up.readyTimeout = o.upgradeReadyTime
 	if err := up.start(); err != nil {
 		return err
 	}
@@ -381,7 +385,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	wg.Go(func() { syncLoop.run(ctx) })
 	var handedOver *handover // set when a successor has taken the sockets over
 	wg.Go(func() {
-		if h := up.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}); h != nil {
+		if h := up.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners, abort: cancel}); h != nil {
 			handedOver = h
 			cancel(errHandedOver)
 		}
