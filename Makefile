@@ -41,6 +41,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzConvert$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/
 	$(GO) test -run '^$$' -fuzz '^FuzzAnnotations$$' -fuzztime $(or $(FUZZTIME),4000x) -timeout 10m ./proxy/
 	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzUpgradeMessage$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./cmd/uproxy/
 
 # kube-binaries: the real kube-apiserver, kube-proxy and kubectl that the
 # API-server tests and the benchmarks run, built once from bench/tools into

@@ -85,8 +85,17 @@ import (
 // The processes must share the network namespace: a socket belongs to
 // the namespace it was created in. The hello and offer carry the
 // namespace's identity (device and inode of /proc/self/ns/net), and the
-// old process refuses a hello from another one with an "error" offer; the
+// old process refuses a peer from another one with an "error" offer; the
 // new one then starts cold and leaves the upgrade socket to its owner.
+// The old process does not believe the hello: it reads the peer's pid
+// and uid from SO_PEERCRED, answers nothing to a process of another user
+// than its own, and compares /proc/<pid>/ns/net with its own namespace.
+//
+// Every step has a deadline. After the sockets the old process waits for
+// ready, its sync loop paused, for --upgrade-ready-timeout at most; then
+// it closes the connection and syncs again, and the new process, seeing
+// the connection end before its first sync completed, exits with an
+// error rather than serve beside it.
 // A socket file with no process behind it (connection refused) is stale:
 // it is removed and the start goes on as usual.
 
