@@ -63,6 +63,7 @@ type runOptions struct {
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
 	upgradeSocket      string
+	stateFile          string
 	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
 
@@ -102,6 +103,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
+	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where the Services and EndpointSlices of the last successful sync are saved (API server source only). A uproxy restarted while the API server is unreachable serves them, on the listener ports its predecessor's rules still name, until the initial lists arrive; it writes no rule before them. Empty disables.")
 	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", defaultUpgradeReadyTimeout, "How long a running uproxy that handed its sockets to a new one waits for the new one's first sync, with its own sync loop paused. Past it the old process takes the handover back and syncs again, and the new one exits with an error.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
@@ -314,6 +316,12 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	synced := make(chan struct{})
 	restoreGC := startupGC()
 	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
+	previous := previousPorts(ctx, tproxy, log.Named("proxy"))
+	stateFile := o.stateFile
+	if o.config != "" {
+		stateFile = "" // the manifests are read before the first sync
+	}
+	servePrevious := stateFile != "" && previous != nil && up.pred == nil
 	p := proxy.NewProxier(proxy.Config{
 		Metrics:         metrics,
 		Rules:           rules,
@@ -337,7 +345,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		OnSync:          func() { health.Updated(); firstSync() },
 		OnChange:        health.QueuedUpdate,
 		Inherited:       up.inherited(),
-		PreviousPort:    previousPorts(ctx, tproxy, log.Named("proxy")),
+		PreviousPort:    previous,
+		StateFile:       stateFile,
 		Logger:          log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }
@@ -363,6 +372,17 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
+	}
+	if servePrevious {
+		// The previous instance's rules still send its Services here:
+		// serve them until the API server answers (#30).
+		services, slices, err := proxy.LoadState(stateFile)
+		switch {
+		case err != nil:
+			log.Warn("cannot serve the previous instance's Services before the initial lists", zap.Error(err))
+		case len(services) > 0:
+			p.ServePrevious(services, slices)
+		}
 	}
 	if tproxy {
 		warnBridgeNetfilter(log)
