@@ -373,6 +373,12 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
 	}
+	if host, _, err := net.SplitHostPort(o.debugBindAddress); err == nil {
+		if ip, err := netip.ParseAddr(host); (err != nil && host != "localhost") || (err == nil && !ip.IsLoopback()) {
+			log.Warn("--debug-bind-address is not a loopback address: /status and /explain (and pprof with --profiling) have no authentication, and show every Service's endpoints to whoever reaches it",
+				zap.String("address", o.debugBindAddress))
+		}
+	}
 	if servePrevious {
 		// The previous instance's rules still send its Services here:
 		// serve them until the API server answers (#30).

@@ -550,3 +550,34 @@ func TestUpgradeRefusesPeerInAnotherNetns(t *testing.T) {
 		t.Errorf("the peer got %+v; want an offer refusing with %q and no descriptors", m, offerForeign)
 	}
 }
+
+// TestUpgraderRefusesPredecessorOfAnotherUser checks that a starting
+// process sends no hello to, and takes no socket from, a process of
+// another user behind the upgrade socket: it starts cold, leaving that
+// socket alone.
+func TestUpgraderRefusesPredecessorOfAnotherUser(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "upgrade.sock")
+	received := fakePredecessor(t, path, func(c *net.UnixConn) []string {
+		m, _, err := recvUpgradeMessage(c)
+		if err != nil {
+			return nil
+		}
+		return []string{m.Type}
+	})
+	before := pathID(path)
+	u := newUpgrader(path, "redirect", zaptest.NewLogger(t))
+	u.uid = uint32(os.Geteuid()) + 1
+	if err := u.start(); err != nil {
+		t.Fatal(err)
+	}
+	defer u.close()
+	if u.path != "" || u.pred != nil || u.ln != nil {
+		t.Errorf("path %q, predecessor %v, socket %v: want a cold start without the upgrade socket", u.path, u.pred, u.ln)
+	}
+	if got := <-received; got != nil {
+		t.Errorf("the process of another user received %v", got)
+	}
+	if pathID(path) != before {
+		t.Error("its socket file was touched")
+	}
+}
