@@ -22,6 +22,12 @@ import (
 // Then the initial lists reconcile: a Service deleted meanwhile goes
 // (#30).
 func TestE2EKubeRestartWithoutAPIServer(t *testing.T) {
+	for _, layout := range []string{"per-service", "shared"} {
+		t.Run(layout, func(t *testing.T) { testRestartWithoutAPIServer(t, layout) })
+	}
+}
+
+func testRestartWithoutAPIServer(t *testing.T, layout string) {
 	c := newKubeCluster(t, 2)
 	ctx := context.Background()
 	client := c.cp.Client
@@ -32,7 +38,7 @@ func TestE2EKubeRestartWithoutAPIServer(t *testing.T) {
 	state := filepath.Join(dir, "state.json")
 	argv := []string{c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16",
-		"--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--state-file", state}
+		"--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--state-file", state, "--listener", layout}
 	var err error
 	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
 		t.Fatal(err)
@@ -104,13 +110,12 @@ func TestE2EKubeRestartWithoutAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	// client-go's reflector backoff (see TestE2EKubernetes).
-	c.waitRulesWithin("the deleted Service's rule to go", 150*time.Second, func(s string) bool {
-		return !strings.Contains(s, vips["gone"]+"/32") && strings.Contains(s, vips["web"]+"/32")
+	waitFor(t, "the Service deleted meanwhile to stop answering", 150*time.Second, func() bool {
+		return c.get(c.client.NS, "http://"+vips["gone"]+"/", 1, "--timeout", "1s").Errors == 1
 	})
+	// The rules are written before the sync's log line.
+	waitFor(t, "the first sync's log line", 10*time.Second, func() bool { return strings.Contains(c.up.Output(), "\tsynced\t") })
 	if r := serves("web"); r.Errors > 0 || len(r.Counts) != 2 {
 		t.Errorf("after the initial lists: %+v", r)
-	}
-	if r := c.get(c.client.NS, "http://"+vips["gone"]+"/", 1, "--timeout", "1s"); r.Errors != 1 {
-		t.Errorf("the Service deleted meanwhile still answers: %+v", r)
 	}
 }
