@@ -233,7 +233,7 @@ func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *
 	return func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
 		args := append([]string{e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
 			"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR,
-			"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock")}, extra...)
+			"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock"), "--state-file", filepath.Join(t.dir, "state.json")}, extra...)
 		return t.lab.Start(t.lab.Node, "uproxy", args...)
 	}
 }

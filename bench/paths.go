@@ -38,7 +38,7 @@ type pathRun struct {
 	// comm is the proxy's process name, for perf; empty for kernel paths.
 	comm string
 	// pprof is true when the proxy serves /debug/pprof on
-	// 127.0.0.1:10249 in the node namespace (uproxy).
+	// 127.0.0.1:10262 in the node namespace (uproxy, with --profiling).
 	pprof bool
 	// binary is the proxy's executable, for pprof's symbols.
 	binary string
@@ -372,7 +372,7 @@ func setupUproxy(mode string, extra ...string) func(ctx context.Context, e *env,
 			return nil, err
 		}
 		// The socket is the lab's own, not the host's default.
-		args := []string{e.uproxyBin, "run", "--config", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock")}
+		args := []string{e.uproxyBin, "run", "--config", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling"}
 		if mode != "redirect" {
 			args = append(args, "--mode="+mode)
 		}

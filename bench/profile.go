@@ -153,7 +153,7 @@ func profilePath(ctx context.Context, e *env, t *topo, r *pathRun, perfNA, workl
 	if r.pprof {
 		wg.Go(func() { // ends when the profile is written, after secs
 			_, pprofErr = t.lab.Exec(ctx, t.lab.Node, "curl", "-sS", "--fail", "--max-time", strconv.Itoa(secs+30),
-				"-o", pprofData, fmt.Sprintf("http://127.0.0.1:10249/debug/pprof/profile?seconds=%d", secs))
+				"-o", pprofData, fmt.Sprintf("http://127.0.0.1:10262/debug/pprof/profile?seconds=%d", secs))
 		})
 	}
 	lr, loadErr := t.load(ctx, e, workload, append(loadArgs, "--duration", d.String(), "--warmup", "0s")...)

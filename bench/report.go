@@ -592,7 +592,7 @@ software CPU clock, which works everywhere; hardware counters (cycles, instructi
 	b.WriteString(dp.PerfCounters)
 	b.WriteString(`. CPU per request (or connection) is the group's share of the machine's cores divided by the rate of that
 run ("other processes" is work on the machine that is not the benchmark's; "idle" is CPU time nobody used). For uproxy,
-its own CPU profile (pprof, from /debug/pprof on its metrics address) shows which Go functions and system calls the time
+its own CPU profile (pprof, from /debug/pprof on its debug address) shows which Go functions and system calls the time
 is spent in.
 
 `)

@@ -1,10 +1,13 @@
 package proxy
 
 import (
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"path/filepath"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 )
@@ -51,5 +54,88 @@ func TestListenersRebindPreviousPorts(t *testing.T) {
 	}
 	if name, err := get(t, wantA); err != nil || name != "a" {
 		t.Errorf("service a on its previous port: %q, %v", name, err)
+	}
+}
+
+// TestServePreviousState checks that a proxier restarted before its
+// source's initial lists serves the Services its predecessor saved, on
+// the ports the predecessor's rules name, without writing a rule, and
+// that the initial lists then replace them: a Service they lack is
+// dropped (#30).
+func TestServePreviousState(t *testing.T) {
+	a, b := nameBackend(t, "a"), nameBackend(t, "b")
+	state := filepath.Join(t.TempDir(), "state.json")
+	services := []*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")}
+	slices := append(slicesFor("a", "http", a), slicesFor("b", "http", b)...)
+
+	// The previous instance syncs once and is killed: its rules stay.
+	rules := &recordingRules{}
+	prev := NewProxier(Config{Rules: rules, StateFile: state, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { prev.Run(ctx); close(done) }() // ends with cancel
+	prev.Tracker().Replace(services, slices)
+	ports := map[string]uint16{
+		"default/a:http": uint16(rules.port(t, "default/a:http")),
+		"default/b:http": uint16(rules.port(t, "default/b:http")),
+	}
+	var saved []*v1.Service
+	for deadline := time.Now().Add(5 * time.Second); len(saved) < 2 && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		saved, _, _ = LoadState(state)
+	}
+	cancel()
+	<-done
+	if err := prev.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	savedServices, savedSlices, err := LoadState(state)
+	if err != nil || len(savedServices) != 2 || len(savedSlices) != 2 {
+		t.Fatalf("the saved state: %d services, %d slices, %v", len(savedServices), len(savedSlices), err)
+	}
+
+	// The new instance: no source has listed yet.
+	p, newRules := startProxier(t, Config{StateFile: state, PreviousPort: func(name ServicePortName, network string) uint16 {
+		if network != "tcp4" {
+			return 0
+		}
+		return ports[name.String()]
+	}})
+	p.ServePrevious(savedServices, savedSlices)
+	for name, want := range map[string]string{"default/a:http": "a", "default/b:http": "b"} {
+		var got string
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if got, err = get(t, int(ports[name])); err == nil {
+				break
+			}
+		}
+		if got != want {
+			t.Errorf("%s on its previous port %d before the initial lists: %q, %v; want %q", name, ports[name], got, err, want)
+		}
+	}
+	newRules.mu.Lock()
+	calls := newRules.calls
+	newRules.mu.Unlock()
+	if calls != 0 {
+		t.Errorf("%d rule syncs before the initial lists, want none", calls)
+	}
+
+	// The initial lists arrive, as a watch delivers them: b only.
+	p.Tracker().OnServiceUpsert(services[1])
+	for _, s := range slicesFor("b", "http", b) {
+		p.Tracker().OnSliceUpsert(s)
+	}
+	p.Tracker().SetServicesSynced()
+	p.Tracker().SetSlicesSynced()
+	if got := newRules.port(t, "default/b:http"); got != int(ports["default/b:http"]) {
+		t.Errorf("b's rule names port %d, want its listener's %d", got, ports["default/b:http"])
+	}
+	if newRules.has("default/a:http") {
+		t.Error("a, which the initial lists lack, still has a rule")
+	}
+	if _, err := get(t, int(ports["default/a:http"])); err == nil {
+		t.Error("a, which the initial lists lack, is still served")
+	}
+	if got, err := get(t, int(ports["default/b:http"])); got != "b" {
+		t.Errorf("b after the initial lists: %q, %v", got, err)
 	}
 }

@@ -67,6 +67,10 @@ type Config struct {
 	// soon as the listener is open, before the first sync rewrites them.
 	// Nil means none.
 	PreviousPort func(name ServicePortName, network string) uint16
+	// StateFile is where each successful sync's Services and
+	// EndpointSlices are saved (state.go), for ServePrevious after a
+	// restart. Empty means none is saved.
+	StateFile string
 	// Dial connects to a backend; nil means net.Dialer.DialContext.
 	Dial func(ctx context.Context, network, address string) (net.Conn, error)
 	// UDPTimeout is how long a UDP flow lives without traffic in either
@@ -241,6 +245,10 @@ type Proxier struct {
 	hcPorts map[types.NamespacedName]uint16
 	hcLocal map[types.NamespacedName]int
 	hcDirty bool
+	// stateDirty: changes applied since the state file was last saved,
+	// at stateSaved.
+	stateDirty bool
+	stateSaved time.Time
 
 	lastSync    atomic.Int64 // unix nanos of the last successful sync
 	zone        atomic.Pointer[string]
@@ -413,6 +421,9 @@ func (k portKey) network() string {
 // sync applies the tracker's changes. It runs only on the runner's goroutine.
 func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if !p.tracker.Synced() {
+		if p.tracker.takeSeed() {
+			p.applyPrevious(ctx)
+		}
 		p.log.Info("waiting for the initial lists of Services and EndpointSlices before syncing")
 		return ErrSyncSkipped
 	}
@@ -468,6 +479,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
 	p.cfg.Inherited.synced(p.log)
+	p.saveStateAfterSync(len(ch.Services) > 0)
 	p.cfg.Metrics.observeSync(start, end, full, ch.TriggerTimes)
 	if p.cfg.OnSync != nil {
 		p.cfg.OnSync()

@@ -3,6 +3,7 @@ package proxy
 import (
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -47,6 +49,12 @@ type Tracker struct {
 	// reasons.
 	triggers map[types.NamespacedName][]TriggerTime
 	start    time.Time
+	// seededSvc and seededSlice are the objects that seed recorded from
+	// a previous instance's state and no source has reported since: the
+	// initial list of their kind deletes those left (a source never
+	// reports the deletion of an object it never knew).
+	seededSvc, seededSlice map[types.NamespacedName]bool
+	seedPending            bool // seeded objects that no sync has applied
 }
 
 // TriggerTime is when an endpoint change was triggered (its slice's
@@ -68,7 +76,61 @@ func NewTracker(log *zap.Logger, notify func()) *Tracker {
 		dirty:       map[types.NamespacedName]bool{},
 		triggers:    map[types.NamespacedName][]TriggerTime{},
 		start:       time.Now(),
+		seededSvc:   map[types.NamespacedName]bool{},
+		seededSlice: map[types.NamespacedName]bool{},
 	}
+}
+
+// seed records the Services and EndpointSlices of a previous instance's
+// last sync, before any source has listed: they are served until the
+// initial lists arrive, which replace them (see Proxier.ServePrevious).
+// It does not notify.
+func (t *Tracker) seed(services []*v1.Service, slices []*discovery.EndpointSlice) {
+	for _, s := range services {
+		if t.upsertService(s) {
+			t.mu.Lock()
+			t.seededSvc[keyOf(s.Namespace, s.Name)] = true
+			t.seedPending = true
+			t.mu.Unlock()
+		}
+	}
+	for _, s := range slices {
+		if t.upsertSlice(s) {
+			t.mu.Lock()
+			t.seededSlice[keyOf(s.Namespace, s.Name)] = true
+			t.seedPending = true
+			t.mu.Unlock()
+		}
+	}
+}
+
+// takeSeed reports whether seeded objects await their first apply, and
+// clears that.
+func (t *Tracker) takeSeed() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	pending := t.seedPending
+	t.seedPending = false
+	return pending
+}
+
+// objects returns every tracked Service and EndpointSlice, sorted by
+// name. They must not be modified.
+func (t *Tracker) objects() ([]*v1.Service, []*discovery.EndpointSlice) {
+	t.mu.Lock()
+	services := slices.Collect(maps.Values(t.services))
+	eps := slices.Collect(maps.Values(t.slices))
+	t.mu.Unlock()
+	slices.SortFunc(services, func(a, b *v1.Service) int { return compareNames(a.ObjectMeta, b.ObjectMeta) })
+	slices.SortFunc(eps, func(a, b *discovery.EndpointSlice) int { return compareNames(a.ObjectMeta, b.ObjectMeta) })
+	return services, eps
+}
+
+func compareNames(a, b metav1.ObjectMeta) int {
+	if c := strings.Compare(a.Namespace, b.Namespace); c != 0 {
+		return c
+	}
+	return strings.Compare(a.Name, b.Name)
 }
 
 func keyOf(ns, name string) types.NamespacedName {
@@ -113,6 +175,7 @@ func (t *Tracker) upsertService(svc *v1.Service) bool {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	delete(t.seededSvc, key) // a source knows it
 	if old := t.services[key]; old != nil && sameServiceInputs(old, svc) {
 		return false
 	}
@@ -141,6 +204,11 @@ func (t *Tracker) OnServiceDelete(svc *v1.Service) {
 func (t *Tracker) deleteService(key types.NamespacedName) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	return t.deleteServiceLocked(key)
+}
+
+func (t *Tracker) deleteServiceLocked(key types.NamespacedName) bool {
+	delete(t.seededSvc, key)
 	if _, ok := t.services[key]; !ok {
 		return false
 	}
@@ -165,6 +233,7 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	delete(t.seededSlice, key) // a source knows it
 	old := t.slices[key]
 	if old != nil && old.AddressType == s.AddressType && equality.Semantic.DeepEqual(old.Endpoints, s.Endpoints) &&
 		equality.Semantic.DeepEqual(old.Ports, s.Ports) && maps.Equal(old.Labels, s.Labels) {
@@ -198,6 +267,11 @@ func (t *Tracker) OnSliceDelete(s *discovery.EndpointSlice) {
 func (t *Tracker) deleteSlice(key types.NamespacedName) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	return t.deleteSliceLocked(key)
+}
+
+func (t *Tracker) deleteSliceLocked(key types.NamespacedName) bool {
+	delete(t.seededSlice, key)
 	old, ok := t.slices[key]
 	if !ok {
 		return false
@@ -296,14 +370,25 @@ func (t *Tracker) Replace(services []*v1.Service, slices []*discovery.EndpointSl
 	}
 }
 
-// SetServicesSynced records that the initial list of Services has arrived.
-func (t *Tracker) SetServicesSynced() { t.setSynced(&t.servicesSynced) }
+// SetServicesSynced records that the initial list of Services has
+// arrived: seeded Services that it did not hold are deleted.
+func (t *Tracker) SetServicesSynced() {
+	t.setSynced(&t.servicesSynced, t.seededSvc, t.deleteServiceLocked)
+}
 
-// SetSlicesSynced records that the initial list of EndpointSlices has arrived.
-func (t *Tracker) SetSlicesSynced() { t.setSynced(&t.slicesSynced) }
+// SetSlicesSynced records that the initial list of EndpointSlices has
+// arrived: seeded EndpointSlices that it did not hold are deleted.
+func (t *Tracker) SetSlicesSynced() {
+	t.setSynced(&t.slicesSynced, t.seededSlice, t.deleteSliceLocked)
+}
 
-func (t *Tracker) setSynced(flag *bool) {
+// setSynced sets flag and deletes, with delLocked, the seeded objects
+// of the list that arrived.
+func (t *Tracker) setSynced(flag *bool, seeded map[types.NamespacedName]bool, delLocked func(types.NamespacedName) bool) {
 	t.mu.Lock()
+	for k := range seeded {
+		delLocked(k) // removes k from seeded
+	}
 	*flag = true
 	t.mu.Unlock()
 	t.notify()

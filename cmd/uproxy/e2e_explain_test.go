@@ -20,7 +20,7 @@ func TestE2EExplain(t *testing.T) {
 	explain := func(args ...string) proxy.Explanation {
 		t.Helper()
 		var ex proxy.Explanation
-		out := c.uproxyCmd(append([]string{"explain", "--address", metricsAddr, "-o", "json"}, args...)...)
+		out := c.uproxyCmd(append([]string{"explain", "--address", debugAddr, "-o", "json"}, args...)...)
 		if err := json.Unmarshal([]byte(out), &ex); err != nil {
 			t.Fatalf("%v: %s", err, out)
 		}
@@ -63,14 +63,14 @@ func TestE2EExplain(t *testing.T) {
 			t.Errorf("%s: reason %q, want %q", arg, ex.Reason, want)
 		}
 	}
-	text := c.uproxyCmd("explain", "--address", metricsAddr, "10.96.0.11:80", "--from", from)
+	text := c.uproxyCmd("explain", "--address", debugAddr, "10.96.0.11:80", "--from", from)
 	for _, want := range []string{"kernel rules:", "-j REDIRECT --to-ports", "listener:", "SO_ORIGINAL_DST", "source-hash", "endpoint:", "route to"} {
 		if !strings.Contains(text, want) {
 			t.Errorf("text output lacks %q:\n%s", want, text)
 		}
 	}
 	t.Logf("uproxy explain 10.96.0.11:80 --from %s:\n%s", from, text)
-	if text := c.uproxyCmd("explain", "--address", metricsAddr, "10.96.99.99:80"); !strings.Contains(text, "NOT CAUGHT: no such service") {
+	if text := c.uproxyCmd("explain", "--address", debugAddr, "10.96.99.99:80"); !strings.Contains(text, "NOT CAUGHT: no such service") {
 		t.Errorf("text output for an unknown address:\n%s", text)
 	}
 }
@@ -86,7 +86,7 @@ func TestE2EExplainShared(t *testing.T) {
 	explain := func(arg string) proxy.Explanation {
 		t.Helper()
 		var ex proxy.Explanation
-		out := c.uproxyCmd("explain", "--address", metricsAddr, "-o", "json", arg)
+		out := c.uproxyCmd("explain", "-o", "json", arg)
 		if err := json.Unmarshal([]byte(out), &ex); err != nil {
 			t.Fatalf("%v: %s", err, out)
 		}

@@ -100,7 +100,7 @@ func TestE2EKubernetes(t *testing.T) {
 	}
 	argv := []string{c.uproxy, "run", "--kubeconfig", kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16",
-		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock")}
+		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"), "--state-file", filepath.Join(t.TempDir(), "state.json")}
 	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
 		t.Fatal(err)
 	}

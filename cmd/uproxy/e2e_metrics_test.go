@@ -16,6 +16,9 @@ import (
 
 const metricsAddr = "127.0.0.1:10249"
 
+// debugAddr is the default --debug-bind-address.
+const debugAddr = defaultDebugAddress
+
 // scrapeMetrics curls uproxy's /metrics inside the node namespace and
 // parses the exposition.
 func (c *cluster) scrapeMetrics() map[string]*dto.MetricFamily {

@@ -292,11 +292,11 @@ func fdLimit(t *testing.T, pid int) (soft, hard int) {
 	return 0, 0
 }
 
-// pprof fetches a pprof path from uproxy's metrics address inside the node
-// namespace.
+// pprof fetches a pprof path from uproxy's debug address inside the node
+// namespace (uproxy runs with --profiling).
 func (c *cluster) pprof(path string) string {
 	c.t.Helper()
-	out, err := c.lab.Exec(context.Background(), c.lab.Node, "curl", "-sS", "--max-time", "10", "http://"+metricsAddr+"/debug/pprof/"+path)
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "curl", "-sS", "--max-time", "10", "http://"+debugAddr+"/debug/pprof/"+path)
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -329,7 +329,7 @@ func (c *cluster) collectGarbage() {
 // status fetches uproxy's /status.
 func (c *cluster) status() statusJSON {
 	c.t.Helper()
-	out, err := c.lab.Exec(context.Background(), c.lab.Node, "curl", "-sS", "--max-time", "5", "http://"+metricsAddr+"/status")
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "curl", "-sS", "--max-time", "5", "http://"+debugAddr+"/status")
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -591,7 +591,7 @@ func TestE2ERelLoad(t *testing.T) {
 		servers = append(servers, startEcho(t, p.Name, p.NS, 9000))
 	}
 	c.write("echo.yaml", echoServiceYAML("echo", "10.96.0.20", nil, c))
-	c.start(1, "--metrics-bind-address", metricsAddr)
+	c.start(1, "--metrics-bind-address", metricsAddr, "--profiling")
 	c.waitSynced()
 	const vip = "10.96.0.20:80"
 	pid := c.upPID()

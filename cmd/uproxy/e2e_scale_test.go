@@ -43,7 +43,7 @@ func TestE2EScale(t *testing.T) {
 	var err2 error
 	if c.up, err2 = c.lab.Start(c.lab.Node, "uproxy", c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig,
 		"--hostname-override", "node-a", "--iptables-min-sync-period", "1s",
-		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock")); err2 != nil {
+		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"), "--state-file", filepath.Join(t.TempDir(), "state.json")); err2 != nil {
 		t.Fatal(err2)
 	}
 	deadline := time.Now().Add(3 * time.Minute)

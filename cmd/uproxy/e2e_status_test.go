@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/uproxy/uproxy/proxy"
 )
 
@@ -39,7 +41,7 @@ func TestE2EStatus(t *testing.T) {
 	}
 
 	var st proxy.Status
-	if err := json.Unmarshal([]byte(c.uproxyCmd("status", "--address", metricsAddr, "-o", "json")), &st); err != nil {
+	if err := json.Unmarshal([]byte(c.uproxyCmd("status", "-o", "json")), &st); err != nil {
 		t.Fatal(err)
 	}
 	if st.Mode != "redirect" || st.LastSync.IsZero() || len(st.Ports) != 2 {
@@ -67,14 +69,61 @@ func TestE2EStatus(t *testing.T) {
 		}
 	}
 
-	table := c.uproxyCmd("status", "--address", metricsAddr)
+	table := c.uproxyCmd("status", "--address", debugAddr)
 	for _, want := range []string{"SERVICE", "LISTENER", "default/web", "ClusterIP 10.96.0.10:80", "source-hash", "ClientIP (10800s)", c.pods[0].IP.String() + ":8080", "RECENT DIAL ERRORS"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
 		}
 	}
-	if y := c.uproxyCmd("status", "--address", metricsAddr, "-o", "yaml"); !strings.Contains(y, "listenPort: "+fmt.Sprint(web.ListenPort)) {
+	if y := c.uproxyCmd("status", "--address", debugAddr, "-o", "yaml"); !strings.Contains(y, "listenPort: "+fmt.Sprint(web.ListenPort)) {
 		t.Errorf("yaml output:\n%s", y)
 	}
 	t.Logf("uproxy status:\n%s", table)
+}
+
+// TestE2EDebugAddress checks, on a running uproxy without --profiling,
+// that the metrics address serves neither /status, /explain nor pprof,
+// and that the debug address serves /status but not pprof (#30).
+func TestE2EDebugAddress(t *testing.T) {
+	c := newCluster(t, 1)
+	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.start(1)
+	c.waitSynced()
+	code := func(url string) string {
+		out, err := c.lab.Exec(context.Background(), c.lab.Node, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "5", url)
+		if err != nil {
+			t.Errorf("%s: %v %s", url, err, out) // curl still printed 000
+		}
+		return strings.Fields(out + " 000")[0]
+	}
+	got := map[string]string{}
+	for _, url := range []string{
+		"http://" + metricsAddr + "/metrics",
+		"http://" + metricsAddr + "/status",
+		"http://" + metricsAddr + "/explain?dst=10.96.0.10:80",
+		"http://" + metricsAddr + "/debug/pprof/",
+		"http://" + debugAddr + "/status",
+		"http://" + debugAddr + "/debug/pprof/",
+	} {
+		got[url] = code(url)
+	}
+	want := map[string]string{
+		"http://" + metricsAddr + "/metrics":                   "200",
+		"http://" + metricsAddr + "/status":                    "404",
+		"http://" + metricsAddr + "/explain?dst=10.96.0.10:80": "404",
+		"http://" + metricsAddr + "/debug/pprof/":              "404",
+		"http://" + debugAddr + "/status":                      "200",
+		"http://" + debugAddr + "/debug/pprof/":                "404",
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("status codes (-want +got):\n%s", diff)
+	}
+	// Explains in a burst: past the bucket, 429.
+	codes := map[string]int{}
+	for range 10 {
+		codes[code("http://"+debugAddr+"/explain?dst=10.96.0.10:80")]++
+	}
+	if codes["429"] == 0 || codes["200"] == 0 {
+		t.Errorf("10 explains in a row answered %v; want some 200 and, past the burst, 429", codes)
+	}
 }

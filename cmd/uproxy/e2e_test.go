@@ -30,6 +30,9 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	if path := os.Getenv(upgradePeerEnv); path != "" {
+		os.Exit(upgradePeerMain(path)) // the test binary as a peer (upgrade_test.go)
+	}
 	code := m.Run()
 	if binDir != "" {
 		os.RemoveAll(binDir)

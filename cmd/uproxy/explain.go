@@ -167,7 +167,7 @@ func newExplainCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "explain <VIP>:<port>[/udp]",
 		Short: "Explain what a running uproxy does with traffic to an address",
-		Long: `explain asks the uproxy running on this node (at its --metrics-bind-address, path /explain)
+		Long: `explain asks the uproxy running on this node (at its --debug-bind-address, path /explain)
 what happens to a connection to the given service address: the kernel rule that intercepts
 it, the listener, how the original destination is recovered, the traffic policy, the
 balancer and the endpoint it would pick for the client (--from), and the node's route to

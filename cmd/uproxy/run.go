@@ -22,6 +22,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
+	"golang.org/x/time/rate"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -43,6 +44,8 @@ type runOptions struct {
 	nodePortAddresses  []string
 	healthzBindAddress string
 	metricsBindAddress string
+	debugBindAddress   string
+	profiling          bool
 	mode               string
 	listener           string
 	portRange          string
@@ -60,6 +63,8 @@ type runOptions struct {
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
 	upgradeSocket      string
+	stateFile          string
+	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
 
 	// Parsed by validate.
@@ -78,7 +83,9 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pod network(s), comma-separated for dual-stack. Pods reaching a service's external address are sent to all its endpoints even under externalTrafficPolicy: Local, as kube-proxy does.")
 	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated. Empty means every local address except loopback.")
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
-	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics and /debug/pprof server. Empty disables it.")
+	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics server. Empty disables it.")
+	fs.StringVar(&o.debugBindAddress, "debug-bind-address", defaultDebugAddress, "Address of the server that answers `uproxy status` (/status) and `uproxy explain` (/explain), and /debug/pprof with --profiling. It has no authentication: keep it on loopback. Empty disables it.")
+	fs.BoolVar(&o.profiling, "profiling", false, "Serve Go's profiles at /debug/pprof on --debug-bind-address.")
 	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table; backends see the node's address) or tproxy (TPROXY in the mangle table with policy routing; listeners on loopback, and services that ask for it are dialled from the client's own address).")
 	fs.StringVar(&o.listener, "listener", "per-service", "How service ports map to listeners: per-service (a listener and a kernel rule per service port and family) or shared (one listener per family and protocol, every service address in a kernel set behind one rule per protocol, so the rule count stays constant as services grow; under REDIRECT the TCP listener has 16 consecutive ports, so that connections from one client port to different services get different tuples, and a UDP flow's service, which REDIRECT hides, is looked up in conntrack).")
 	fs.StringVar(&o.portRange, "proxy-port-range", "", "Local ports for the listeners: begin-end, begin+offset or a single port. Empty means the kernel's range for bind(0) (net.ipv4.ip_local_port_range, less ip_local_reserved_ports).")
@@ -96,6 +103,8 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
+	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where the Services and EndpointSlices of the last successful sync are saved (API server source only). A uproxy restarted while the API server is unreachable serves them, on the listener ports its predecessor's rules still name, until the initial lists arrive; it writes no rule before them. Empty disables.")
+	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", defaultUpgradeReadyTimeout, "How long a running uproxy that handed its sockets to a new one waits for the new one's first sync, with its own sync loop paused. Past it the old process takes the handover back and syncs again, and the new one exits with an error.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
 
@@ -127,7 +136,7 @@ func (o *runOptions) validate() error {
 	if o.nodePortCIDRs, err = parseCIDRs(o.nodePortAddresses); err != nil {
 		errs = append(errs, fmt.Errorf("--nodeport-addresses: %w", err))
 	}
-	for _, a := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}} {
+	for _, a := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}, {"--debug-bind-address", o.debugBindAddress}} {
 		if a.v == "" {
 			continue
 		}
@@ -143,6 +152,7 @@ func (o *runOptions) validate() error {
 		{"--iptables-sync-period", o.syncPeriod, false},
 		{"--iptables-min-sync-period", o.minSyncPeriod, true},
 		{"--drain-timeout", o.drainTimeout, true},
+		{"--upgrade-ready-timeout", o.upgradeReadyTime, false},
 		{"--tcp-idle-timeout", o.tcpIdleTimeout, true},
 		{"--endpoint-dial-timeout", o.dialTimeout, false},
 		{"--iptables-wait", o.iptablesWait, false},
@@ -256,6 +266,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
 	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
+	up.readyTimeout = o.upgradeReadyTime
 	if err := up.start(); err != nil {
 		return err
 	}
@@ -317,6 +328,12 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	synced := make(chan struct{})
 	restoreGC := startupGC()
 	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
+	previous := previousPorts(ctx, tproxy, log.Named("proxy"))
+	stateFile := o.stateFile
+	if o.config != "" {
+		stateFile = "" // the manifests are read before the first sync
+	}
+	servePrevious := stateFile != "" && previous != nil && up.pred == nil
 	p := proxy.NewProxier(proxy.Config{
 		Metrics:         metrics,
 		Rules:           rules,
@@ -341,7 +358,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		OnChange:        health.QueuedUpdate,
 		OnReject:        events.rejected(),
 		Inherited:       up.inherited(),
-		PreviousPort:    previousPorts(ctx, tproxy, log.Named("proxy")),
+		PreviousPort:    previous,
+		StateFile:       stateFile,
 		Logger:          log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }
@@ -370,6 +388,23 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	health.SetIPFamilies(rules.families()...)
 	metrics.SetIPFamilies(rules.families()...)
+	if host, _, err := net.SplitHostPort(o.debugBindAddress); err == nil {
+		if ip, err := netip.ParseAddr(host); (err != nil && host != "localhost") || (err == nil && !ip.IsLoopback()) {
+			log.Warn("--debug-bind-address is not a loopback address: /status and /explain (and pprof with --profiling) have no authentication, and show every Service's endpoints to whoever reaches it",
+				zap.String("address", o.debugBindAddress))
+		}
+	}
+	if servePrevious {
+		// The previous instance's rules still send its Services here:
+		// serve them until the API server answers (#30).
+		services, slices, err := proxy.LoadState(stateFile)
+		switch {
+		case err != nil:
+			log.Warn("cannot serve the previous instance's Services before the initial lists", zap.Error(err))
+		case len(services) > 0:
+			p.ServePrevious(services, slices)
+		}
+	}
 	if tproxy {
 		warnBridgeNetfilter(log)
 	}
@@ -389,11 +424,14 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if o.metricsBindAddress != "" {
 		up.servers.expect("metrics")
 	}
+	if o.debugBindAddress != "" {
+		up.servers.expect("debug")
+	}
 	syncLoop := newPausableRun(p)
 	wg.Go(func() { syncLoop.run(ctx) })
 	var handedOver *handover // set when a successor has taken the sockets over
 	wg.Go(func() {
-		if h := up.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}); h != nil {
+		if h := up.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners, abort: cancel}); h != nil {
 			handedOver = h
 			cancel(errHandedOver)
 		}
@@ -409,8 +447,14 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveMetrics(ctx, o.metricsBindAddress, reg, p, tproxy, up.servers.listen("metrics")); err != nil {
+		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg), up.servers.listen("metrics")); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
+		}
+	})
+	wg.Go(func() {
+		debug := debugHandler(p, explainHandler(p, tproxy), newExplainLimit(), o.profiling)
+		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.servers.listen("debug")); err != nil {
+			cancel(fmt.Errorf("debug server: %w", err))
 		}
 	})
 	source := o.config
@@ -444,32 +488,86 @@ type fileWatch struct{ fs *proxy.FileSource }
 
 func (f fileWatch) Run(ctx context.Context) error { return f.fs.Watch(ctx) }
 
-// serveMetrics serves the Prometheus metrics of reg, pprof, and p's
-// /status and /explain (for `uproxy status` and `uproxy explain`) on addr
-// until ctx is done. An empty addr disables it.
-func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, p *proxy.Proxier, tproxy bool, listen healthcheck.ListenFunc) error {
-	if addr == "" {
-		return nil
-	}
+// defaultDebugAddress is where the debug server listens by default:
+// loopback only, and a port no Kubernetes component takes (kubelet's are
+// 10248, 10250 and 10255, kube-proxy's 10249 and 10256, the controller
+// managers' 10257 and 10258, the scheduler's 10259).
+const defaultDebugAddress = "127.0.0.1:10262"
+
+// metricsHandler serves the Prometheus metrics of reg, and nothing else:
+// the metrics address is often opened to a scraper on the node's network
+// (#30).
+func metricsHandler(reg *prometheus.Registry) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	return mux
+}
+
+// debugHandler serves p's /status and explain at /explain (for `uproxy
+// status` and `uproxy explain`), the latter through limit, and pprof when
+// profiling is set.
+func debugHandler(p interface{ Status() proxy.Status }, explain http.Handler, limit *explainLimit, profiling bool) http.Handler {
+	mux := http.NewServeMux()
 	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
 		_ = enc.Encode(p.Status())
 	})
-	mux.Handle("GET /explain", explainHandler(p, tproxy))
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	mux.Handle("GET /explain", limit.wrap(explain))
+	if profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	return mux
+}
+
+// explainLimit bounds the /explain requests, each of which runs up to a
+// dozen iptables-save, ipset and ip processes: one at a time, and a
+// token bucket over them. Past either, a request is answered 429.
+type explainLimit struct {
+	one    chan struct{} // holds a token while a request runs
+	bucket *rate.Limiter
+}
+
+// newExplainLimit allows bursts of 5 requests, then one a second.
+func newExplainLimit() *explainLimit {
+	return &explainLimit{one: make(chan struct{}, 1), bucket: rate.NewLimiter(rate.Every(time.Second), 5)}
+}
+
+func (l *explainLimit) wrap(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case l.one <- struct{}{}:
+			defer func() { <-l.one }()
+		default:
+			w.Header().Set("Retry-After", "1")
+			http.Error(w, "another explain is running; retry later", http.StatusTooManyRequests)
+			return
+		}
+		if !l.bucket.Allow() {
+			w.Header().Set("Retry-After", "1")
+			http.Error(w, "too many explain requests; retry later", http.StatusTooManyRequests)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// serveHTTP serves h on addr until ctx is done. An empty addr disables
+// it.
+func serveHTTP(ctx context.Context, addr string, h http.Handler, listen healthcheck.ListenFunc) error {
+	if addr == "" {
+		return nil
+	}
 	ln, err := listen("tcp", addr)
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() { <-ctx.Done(); srv.Close() }() // ends when ctx is done
 	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 		return err

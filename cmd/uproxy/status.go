@@ -25,7 +25,7 @@ type clientOptions struct {
 }
 
 func (o *clientOptions) register(cmd *cobra.Command, def, outputs string) {
-	cmd.Flags().StringVar(&o.address, "address", "127.0.0.1:10249", "The running uproxy's --metrics-bind-address.")
+	cmd.Flags().StringVar(&o.address, "address", defaultDebugAddress, "The running uproxy's --debug-bind-address.")
 	cmd.Flags().StringVarP(&o.output, "output", "o", def, "Output format: "+outputs+".")
 }
 
@@ -44,13 +44,31 @@ func (o *clientOptions) get(ctx context.Context, path string, q url.Values, v an
 	u := url.URL{Scheme: "http", Host: o.address, Path: path, RawQuery: q.Encode()}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("asking uproxy at %s (is it running, with this --metrics-bind-address?): %w", o.address, err)
+	var resp *http.Response
+	for {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+		if err != nil {
+			return nil, err
+		}
+		resp, err = http.DefaultClient.Do(req)
+		if err != nil {
+			return nil, fmt.Errorf("asking uproxy at %s (is it running, with this --debug-bind-address?): %w", o.address, err)
+		}
+		if resp.StatusCode != http.StatusTooManyRequests {
+			break
+		}
+		// uproxy runs one /explain at a time, a few a second: wait
+		// for our turn, within the timeout.
+		resp.Body.Close()
+		wait := time.Second
+		if s, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && s > 0 {
+			wait = time.Duration(s) * time.Second
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%s: uproxy is busy (429 Too Many Requests): %w", u.String(), ctx.Err())
+		case <-time.After(wait):
+		}
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
@@ -88,12 +106,12 @@ func newStatusCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "status",
 		Short: "Show what a running uproxy serves: listeners, balancers and endpoints",
-		Long: `status asks the uproxy running on this node (at its --metrics-bind-address, path /status)
+		Long: `status asks the uproxy running on this node (at its --debug-bind-address, path /status)
 for every service port it listens for: its addresses, listener port, address family, mode,
 balancer and session affinity, and for each endpoint its conditions, active connections,
 whether it is ejected, and its recent dial errors.`,
 		Example: `  uproxy status
-  uproxy status --address 127.0.0.1:10249 -o yaml`,
+  uproxy status --address 127.0.0.1:10262 -o yaml`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := o.checkOutput("table", "json", "yaml"); err != nil {

@@ -41,6 +41,12 @@ const (
 	upgradeFDsPerMessage = 64
 	// upgradeMaxMessage bounds a packet's JSON.
 	upgradeMaxMessage = 1 << 16
+	// upgradeMaxSockets bounds an offer's count: more listeners than a
+	// process can hold descriptors.
+	upgradeMaxSockets = 1 << 22
+	// defaultUpgradeReadyTimeout bounds the old process's wait for
+	// ready: its sync loop is paused meanwhile (#30).
+	defaultUpgradeReadyTimeout = 2 * time.Minute
 )
 
 // Socket kinds in upgradeSocket.Kind.
@@ -127,10 +133,29 @@ func recvUpgradeMessage(c *net.UnixConn) (upgradeMessage, []*os.File, error) {
 	if n == 0 {
 		return m, files, io.EOF // the peer closed the connection
 	}
-	if err := json.Unmarshal(buf[:n], &m); err != nil {
-		return m, files, fmt.Errorf("decoding a message: %w", err)
+	m, err = decodeUpgradeMessage(buf[:n])
+	return m, files, err
+}
+
+// decodeUpgradeMessage decodes one packet. Unknown fields are ignored, as
+// a newer version may add some; fields that no version can send are
+// refused, so that the handshake never acts on them.
+func decodeUpgradeMessage(b []byte) (upgradeMessage, error) {
+	var m upgradeMessage
+	if err := json.Unmarshal(b, &m); err != nil {
+		return upgradeMessage{}, fmt.Errorf("decoding a message: %w", err)
 	}
-	return m, files, nil
+	switch {
+	case m.Type == "":
+		return upgradeMessage{}, errors.New("decoding a message: no type")
+	case m.PID < 0:
+		return upgradeMessage{}, fmt.Errorf("decoding a %s message: pid %d", m.Type, m.PID)
+	case m.Count < 0 || m.Count > upgradeMaxSockets:
+		return upgradeMessage{}, fmt.Errorf("decoding a %s message: count %d is not within 0-%d", m.Type, m.Count, upgradeMaxSockets)
+	case len(m.Sockets) > upgradeFDsPerMessage:
+		return upgradeMessage{}, fmt.Errorf("decoding a %s message: %d sockets, more than the %d a packet carries", m.Type, len(m.Sockets), upgradeFDsPerMessage)
+	}
+	return m, nil
 }
 
 func closeFiles(files []*os.File) {
@@ -158,6 +183,26 @@ type upgrader struct {
 	netns string
 	log   *zap.Logger
 
+	// uid is the only user whose processes may take the sockets over,
+	// or hand theirs to us: newUpgrader sets our own effective uid
+	// (root, normally). The socket's mode alone does not do: a process
+	// of another user that holds an open descriptor of it, or a socket
+	// file created by another user at the path, would pass.
+	uid uint32
+	// peerCred returns a connection's peer credentials; nil means
+	// SO_PEERCRED, which the kernel fills in at connect(2) and the peer
+	// cannot forge.
+	peerCred func(c *net.UnixConn) (*unix.Ucred, error)
+	// peerNetns identifies the network namespace of the process pid, as
+	// netnsID does ours; nil means the device and inode of
+	// /proc/<pid>/ns/net.
+	peerNetns func(pid int32) (string, error)
+	// readyTimeout bounds how long, after handing its sockets over, the
+	// old process waits for ready with its sync loop paused; past it the
+	// handover is aborted and the old process syncs again. Zero means
+	// defaultUpgradeReadyTimeout.
+	readyTimeout time.Duration
+
 	servers   *serverSockets
 	listeners []proxy.HandoffSocket // inherited; passed on by inherited()
 
@@ -173,7 +218,62 @@ type upgrader struct {
 }
 
 func newUpgrader(path, mode string, log *zap.Logger) *upgrader {
-	return &upgrader{path: path, mode: mode, log: log, servers: newServerSockets(log)}
+	return &upgrader{path: path, mode: mode, log: log, servers: newServerSockets(log), uid: uint32(os.Geteuid())}
+}
+
+func (u *upgrader) getReadyTimeout() time.Duration {
+	if u.readyTimeout <= 0 {
+		return defaultUpgradeReadyTimeout
+	}
+	return u.readyTimeout
+}
+
+// credentials returns the peer credentials of c.
+func (u *upgrader) credentials(c *net.UnixConn) (*unix.Ucred, error) {
+	if u.peerCred != nil {
+		return u.peerCred(c)
+	}
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("reading the peer's credentials: %w", err)
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, fmt.Errorf("reading the peer's credentials: %w", err)
+	}
+	if serr != nil {
+		return nil, fmt.Errorf("reading the peer's credentials (SO_PEERCRED): %w", serr)
+	}
+	return cred, nil
+}
+
+// checkUID refuses a peer that runs as another user than u.uid.
+func (u *upgrader) checkUID(cred *unix.Ucred) error {
+	if cred.Uid != u.uid {
+		return fmt.Errorf("the peer (pid %d) runs as uid %d, not %d", cred.Pid, cred.Uid, u.uid)
+	}
+	return nil
+}
+
+// netnsOf identifies the network namespace that the process pid is in
+// now: what the peer is, not what it says it is.
+func (u *upgrader) netnsOf(pid int32) (string, error) {
+	if u.peerNetns != nil {
+		return u.peerNetns(pid)
+	}
+	if pid <= 0 {
+		// A peer of another PID namespace that ours cannot name.
+		return "", fmt.Errorf("the peer's pid %d is not in our PID namespace", pid)
+	}
+	var st unix.Stat_t
+	path := fmt.Sprintf("/proc/%d/ns/net", pid)
+	if err := unix.Stat(path, &st); err != nil {
+		return "", fmt.Errorf("identifying the peer's network namespace: %s: %w", path, err)
+	}
+	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
 }
 
 // start takes the sockets over from the process behind the upgrade
@@ -223,6 +323,21 @@ func (u *upgrader) takeOver(c *net.UnixConn) (err error) {
 			c.Close() // the predecessor carries on
 		}
 	}()
+	// The predecessor's uid, which the kernel recorded when the upgrade
+	// socket was bound (by it or by one of its predecessors). Its pid is
+	// that binder's too, possibly long gone, so its netns cannot be read
+	// from it: the offer's is believed, which only makes us start cold.
+	cred, err := u.credentials(c)
+	if err == nil {
+		err = u.checkUID(cred)
+	}
+	if err != nil {
+		u.log.Warn("refusing the process behind the upgrade socket: starting cold, and hitless upgrades of this process are disabled",
+			zap.String("path", u.path), zap.Error(err))
+		c.Close()
+		u.path = ""
+		return nil
+	}
 	c.SetDeadline(time.Now().Add(upgradeHandshakeTimeout))
 	if err := sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}, nil); err != nil {
 		return fmt.Errorf("hitless upgrade through %s: %w", u.path, err)
@@ -411,6 +526,9 @@ func (u *upgrader) close() {
 type upgradeHooks struct {
 	sync   *pausableRun
 	export func() ([]proxy.HandoffSocket, error)
+	// abort ends this process's run with an error: the predecessor took
+	// its sockets back before we were ready. Nil means nothing is done.
+	abort func(error)
 }
 
 // handover is a finished handshake with a successor.
@@ -442,7 +560,13 @@ func (u *upgrader) serve(ctx context.Context, synced <-chan struct{}, h upgradeH
 	defer stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	wg.Go(func() { u.afterFirstSync(ctx, synced) })
+	wg.Go(func() { u.afterFirstSync(ctx, synced, h.abort) })
+	u.mu.Lock()
+	pred := u.pred
+	u.mu.Unlock()
+	if pred != nil {
+		wg.Go(func() { u.watchPredecessor(ctx, pred, h.abort) })
+	}
 	if u.ln == nil {
 		<-ctx.Done()
 		return nil
@@ -486,7 +610,7 @@ func (u *upgrader) serve(ctx context.Context, synced <-chan struct{}, h upgradeH
 // afterFirstSync waits for the first successful sync, closes the
 // inherited server sockets nothing claimed, and tells the predecessor we
 // are ready.
-func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}) {
+func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, abort func(error)) {
 	select {
 	case <-ctx.Done():
 		return
@@ -500,13 +624,56 @@ func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}) {
 	defer u.mu.Unlock()
 	if u.pred != nil {
 		if err := sendUpgradeMessage(u.pred, upgradeMessage{Type: "ready"}, nil); err != nil {
-			u.log.Warn("cannot tell the predecessor we are ready; it stops when its connection ends", zap.Error(err))
+			// It gave up on us (the ready timeout) and syncs again.
+			u.pred.Close()
+			u.pred = nil
+			u.gone = true
+			if abort != nil {
+				abort(fmt.Errorf("hitless upgrade: cannot tell the predecessor (pid %d) we are ready; it serves on: %w", u.predPID, err))
+			}
+			return
 		}
 		u.pred.Close()
 		u.pred = nil
 		u.log.Info("serving; the predecessor stops accepting and drains", zap.Int("predecessor", u.predPID))
 	}
 	u.ready = true
+}
+
+// watchPredecessor ends our run, through abort, should the predecessor
+// end the handover before we are ready: it gave up waiting for our first
+// sync and syncs again itself, and two processes must not both program
+// the rules. The upgrade socket's path stays the predecessor's.
+func (u *upgrader) watchPredecessor(ctx context.Context, pred *net.UnixConn, abort func(error)) {
+	// The predecessor sends nothing after the sockets: any answer to this
+	// read is its end of the connection.
+	stop := context.AfterFunc(ctx, func() { pred.SetReadDeadline(time.Now()) })
+	defer stop()
+	_, files, err := recvUpgradeMessage(pred)
+	closeFiles(files)
+	if ctx.Err() != nil {
+		return
+	}
+	u.mu.Lock()
+	aborted := u.pred == pred // not told ready yet
+	if aborted {
+		u.pred.Close()
+		u.pred = nil
+		u.gone = true
+	}
+	u.mu.Unlock()
+	if aborted && abort != nil {
+		abort(fmt.Errorf("hitless upgrade: the predecessor (pid %d) ended the handover before our first sync completed, and serves on: %w", u.predPID, errPredecessorResumed(err)))
+	}
+}
+
+// errPredecessorResumed is the cause given when the predecessor's
+// connection ended: the read's error, or a plain one at EOF.
+func errPredecessorResumed(err error) error {
+	if err == nil || errors.Is(err, io.EOF) {
+		return errors.New("connection closed")
+	}
+	return err
 }
 
 // Errors of an offer that the new process handles differently.
@@ -529,6 +696,16 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 	// successor keeps whatever it already holds.
 	stopClose := context.AfterFunc(ctx, func() { c.Close() })
 	defer stopClose()
+	// Who the peer is, from the kernel: a process of another user gets
+	// no answer at all.
+	cred, err := u.credentials(c)
+	if err == nil {
+		err = u.checkUID(cred)
+	}
+	if err != nil {
+		u.log.Warn("refusing a connection on the upgrade socket", zap.Error(err))
+		return nil
+	}
 	c.SetDeadline(time.Now().Add(upgradeHandshakeTimeout))
 	hello, files, err := recvUpgradeMessage(c)
 	closeFiles(files)
@@ -539,7 +716,7 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		u.log.Warn("bad handshake on the upgrade socket", zap.Error(err))
 		return nil
 	}
-	log := u.log.With(zap.Int("successor", hello.PID))
+	log := u.log.With(zap.Int("successor", hello.PID), zap.Int32("peerPID", cred.Pid))
 	offer := upgradeMessage{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}
 	refuse := func(why string) *handover {
 		offer.Error = why
@@ -548,8 +725,12 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		}
 		return nil
 	}
-	if hello.Netns != u.netns {
-		log.Info("refusing a handover to a process in another network namespace", zap.String("theirs", hello.Netns), zap.String("ours", u.netns))
+	// The namespace the peer is in, not the one its hello names: our
+	// sockets would serve another namespace's traffic in it.
+	theirs, err := u.netnsOf(cred.Pid)
+	if err != nil || theirs != u.netns || hello.Netns != u.netns {
+		log.Info("refusing a handover to a process in another network namespace",
+			zap.String("theirs", theirs), zap.String("claimed", hello.Netns), zap.String("ours", u.netns), zap.Error(err))
 		return refuse(offerForeign)
 	}
 	u.mu.Lock()
@@ -627,11 +808,16 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		u.mu.Unlock()
 	}
 	// The successor's first sync may take a while (an API server's
-	// initial lists): no deadline, but the connection ends if it dies.
-	c.SetDeadline(time.Time{})
+	// initial lists), but our sync loop is paused meanwhile: past the
+	// ready timeout we close the connection, which tells the successor
+	// to stop, and sync again.
+	c.SetDeadline(time.Now().Add(u.getReadyTimeout()))
 	m, files, err := recvUpgradeMessage(c)
 	closeFiles(files)
 	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		log.Warn("the new process did not become ready in time: aborting the handover and syncing again", zap.Duration("timeout", u.getReadyTimeout()))
+		return nil
 	case err != nil:
 		log.Info("handover aborted", zap.Error(err))
 		return nil

@@ -3,16 +3,22 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"go.uber.org/zap/zaptest"
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -257,5 +263,321 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 	p.StopListening()
 	if err := p.Drain(context.Background()); err != nil {
 		t.Error(err)
+	}
+}
+
+// predecessor is a running process's side of the handover, in this
+// process: an upgrader that has synced once and serves the upgrade
+// socket, over a proxier with one service.
+type predecessor struct {
+	u     *upgrader
+	path  string
+	syncs atomic.Int32 // successful syncs of its proxier
+}
+
+// startPredecessor starts a predecessor; configure adjusts its upgrader
+// before it starts. Everything ends with the test.
+func startPredecessor(t *testing.T, configure func(u *upgrader)) *predecessor {
+	t.Helper()
+	pr := &predecessor{path: filepath.Join(t.TempDir(), "upgrade.sock")}
+	pr.u = newUpgrader(pr.path, "redirect", zaptest.NewLogger(t).Named("old"))
+	if configure != nil {
+		configure(pr.u)
+	}
+	if err := pr.u.start(); err != nil || pr.u.ln == nil {
+		t.Fatalf("start: %v, socket %v", err, pr.u.ln)
+	}
+	synced := make(chan struct{})
+	firstSync := sync.OnceFunc(func() { close(synced) })
+	p := proxy.NewProxier(proxy.Config{Sync: proxy.RunnerConfig{MinInterval: 10 * time.Millisecond},
+		OnSync: func() { pr.syncs.Add(1); firstSync() }})
+	p.Tracker().Replace([]*v1.Service{{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "web"},
+		Spec: v1.ServiceSpec{Type: v1.ServiceTypeClusterIP, ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"},
+			Ports: []v1.ServicePort{{Name: "http", Port: 80, Protocol: v1.ProtocolTCP, TargetPort: intstr.FromInt32(8080)}}},
+	}}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	syncLoop := newPausableRun(p)
+	var wg sync.WaitGroup
+	wg.Go(func() { syncLoop.run(ctx) })
+	wg.Go(func() { pr.u.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}) })
+	t.Cleanup(func() {
+		cancel()
+		wg.Wait()
+		pr.u.close()
+		p.StopListening()
+		p.Drain(context.Background())
+	})
+	waitUntil(t, "the predecessor's first sync", func() bool {
+		pr.u.mu.Lock()
+		defer pr.u.mu.Unlock()
+		return pr.u.ready
+	})
+	return pr
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// dialPredecessor connects to the upgrade socket at path and sends a
+// hello that claims netns.
+func dialPredecessor(t *testing.T, path, netns string) *net.UnixConn {
+	t.Helper()
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: netns, Mode: "redirect"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// TestUpgradeRefusesPeers checks that the old process hands nothing to a
+// peer of another user or another network namespace, whatever its hello
+// claims (#30).
+func TestUpgradeRefusesPeers(t *testing.T) {
+	netns, err := netnsID()
+	if err != nil {
+		t.Skip(err)
+	}
+	for _, tc := range []struct {
+		name      string
+		configure func(u *upgrader)
+		wantOffer bool // an offer (refusing) rather than no answer
+	}{
+		{"another uid, as the kernel tells", func(u *upgrader) { u.uid = uint32(os.Geteuid()) + 1 }, false},
+		{"another uid, injected", func(u *upgrader) {
+			u.peerCred = func(*net.UnixConn) (*unix.Ucred, error) {
+				return &unix.Ucred{Pid: int32(os.Getpid()), Uid: 1000, Gid: 1000}, nil
+			}
+		}, false},
+		{"credentials unreadable", func(u *upgrader) {
+			u.peerCred = func(*net.UnixConn) (*unix.Ucred, error) { return nil, errors.New("injected") }
+		}, false},
+		{"another network namespace than claimed", func(u *upgrader) {
+			u.peerNetns = func(int32) (string, error) { return "1:2", nil }
+		}, true},
+		{"network namespace unknown", func(u *upgrader) {
+			u.peerNetns = func(int32) (string, error) { return "", errors.New("injected") }
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pr := startPredecessor(t, tc.configure)
+			c := dialPredecessor(t, pr.path, netns) // claims the right netns
+			m, files, err := recvUpgradeMessage(c)
+			closeFiles(files)
+			if len(files) > 0 {
+				t.Errorf("got %d descriptors", len(files))
+			}
+			if !tc.wantOffer {
+				if !errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) {
+					t.Errorf("got %+v, %v; want the connection closed unanswered", m, err)
+				}
+			} else if err != nil || m.Type != "offer" || m.Error != offerForeign || m.Count != 0 {
+				t.Errorf("got %+v, %v; want an offer refusing with %q", m, err, offerForeign)
+			}
+			// No handover started: the sync loop was not paused.
+			pr.u.mu.Lock()
+			handing := pr.u.handing
+			pr.u.mu.Unlock()
+			if handing {
+				t.Error("a handover is in progress")
+			}
+		})
+	}
+}
+
+// TestUpgradeSilentSuccessor checks that a successor which takes the
+// sockets and never says ready does not stop the old process's syncing
+// for good: past the ready timeout the old process closes the connection
+// and syncs again (#30).
+func TestUpgradeSilentSuccessor(t *testing.T) {
+	netns, err := netnsID()
+	if err != nil {
+		t.Skip(err)
+	}
+	pr := startPredecessor(t, func(u *upgrader) { u.readyTimeout = 300 * time.Millisecond })
+	c := dialPredecessor(t, pr.path, netns)
+	offer, files, err := recvUpgradeMessage(c)
+	closeFiles(files)
+	if err != nil || offer.Type != "offer" || offer.Error != "" || offer.Count == 0 {
+		t.Fatalf("got %+v, %v; want an offer of sockets", offer, err)
+	}
+	for received := 0; received < offer.Count; {
+		m, files, err := recvUpgradeMessage(c)
+		closeFiles(files)
+		if err != nil || m.Type != "sockets" {
+			t.Fatalf("got %+v, %v; want sockets", m, err)
+		}
+		received += len(files)
+	}
+	// The old process has paused its sync loop; now say nothing.
+	paused := pr.syncs.Load()
+	start := time.Now()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if m, _, err := recvUpgradeMessage(c); !errors.Is(err, io.EOF) {
+		t.Fatalf("got %+v, %v; want the old process to close the connection", m, err)
+	}
+	if waited := time.Since(start); waited > 5*time.Second {
+		t.Errorf("the old process waited %v", waited)
+	}
+	waitUntil(t, "a sync after the aborted handover", func() bool { return pr.syncs.Load() > paused })
+	pr.u.mu.Lock()
+	defer pr.u.mu.Unlock()
+	if pr.u.handing || pr.u.gone || pr.u.ln == nil {
+		t.Errorf("after the aborted handover: handing %v, gone %v, socket %v; want it serving its upgrade socket", pr.u.handing, pr.u.gone, pr.u.ln)
+	}
+}
+
+// TestUpgradeSuccessorStopsWhenAborted checks that a successor whose
+// predecessor ends the handover before ready (its ready timeout) stops,
+// and leaves the predecessor's upgrade socket file alone.
+func TestUpgradeSuccessorStopsWhenAborted(t *testing.T) {
+	netns, err := netnsID()
+	if err != nil {
+		t.Skip(err)
+	}
+	path := filepath.Join(t.TempDir(), "upgrade.sock")
+	abortNow := make(chan struct{})
+	received := fakePredecessor(t, path, func(c *net.UnixConn) []string {
+		m, _, _ := recvUpgradeMessage(c)
+		sendUpgradeMessage(c, upgradeMessage{Type: "offer", PID: 1, Netns: netns, Mode: "redirect"}, nil)
+		<-abortNow
+		return []string{m.Type} // closes the connection: the ready timeout
+	})
+	next := newUpgrader(path, "redirect", zaptest.NewLogger(t).Named("new"))
+	if err := next.start(); err != nil {
+		t.Fatal(err)
+	}
+	defer next.close()
+	if next.pred == nil {
+		t.Fatal("no handover in progress")
+	}
+	aborted := make(chan error, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	never := make(chan struct{}) // the first sync never completes
+	done := make(chan struct{})
+	go func() { // ends with cancel
+		next.serve(ctx, never, upgradeHooks{abort: func(err error) { aborted <- err }})
+		close(done)
+	}()
+	select {
+	case err := <-aborted:
+		t.Fatalf("aborted before the predecessor ended the handover: %v", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(abortNow)
+	<-received
+	select {
+	case err := <-aborted:
+		t.Logf("aborted: %v", err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the successor carries on after its predecessor ended the handover")
+	}
+	cancel()
+	<-done
+	next.close()
+	if _, err := os.Stat(path); err != nil {
+		t.Errorf("the predecessor's upgrade socket file was removed: %v", err)
+	}
+}
+
+// upgradePeerEnv names, in the environment of the test binary run as a
+// peer, the upgrade socket to connect to (see TestMain).
+const upgradePeerEnv = "UPROXY_TEST_UPGRADE_PEER"
+
+// upgradePeerMain is the test binary run as a peer in a network namespace
+// of its own: it says hello claiming UPROXY_TEST_UPGRADE_NETNS, and
+// prints the answer as JSON.
+func upgradePeerMain(path string) int {
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: os.Getenv("UPROXY_TEST_UPGRADE_NETNS"), Mode: "redirect"}, nil); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	m, files, err := recvUpgradeMessage(c)
+	closeFiles(files)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	m.Sockets = make([]upgradeSocket, len(files)) // what it got
+	json.NewEncoder(os.Stdout).Encode(m)
+	return 0
+}
+
+// TestUpgradeRefusesPeerInAnotherNetns runs a real peer in a network
+// namespace of its own that claims ours: the old process reads the
+// peer's namespace from /proc and refuses it.
+func TestUpgradeRefusesPeerInAnotherNetns(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a network namespace")
+	}
+	netns, err := netnsID()
+	if err != nil {
+		t.Skip(err)
+	}
+	pr := startPredecessor(t, nil)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), upgradePeerEnv+"="+pr.path, "UPROXY_TEST_UPGRADE_NETNS="+netns)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("the peer: %v", err)
+	}
+	var m upgradeMessage
+	if err := json.Unmarshal(out, &m); err != nil {
+		t.Fatalf("the peer's answer %q: %v", out, err)
+	}
+	if m.Type != "offer" || m.Error != offerForeign || len(m.Sockets) != 0 {
+		t.Errorf("the peer got %+v; want an offer refusing with %q and no descriptors", m, offerForeign)
+	}
+}
+
+// TestUpgraderRefusesPredecessorOfAnotherUser checks that a starting
+// process sends no hello to, and takes no socket from, a process of
+// another user behind the upgrade socket: it starts cold, leaving that
+// socket alone.
+func TestUpgraderRefusesPredecessorOfAnotherUser(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "upgrade.sock")
+	received := fakePredecessor(t, path, func(c *net.UnixConn) []string {
+		m, _, err := recvUpgradeMessage(c)
+		if err != nil {
+			return nil
+		}
+		return []string{m.Type}
+	})
+	before := pathID(path)
+	u := newUpgrader(path, "redirect", zaptest.NewLogger(t))
+	u.uid = uint32(os.Geteuid()) + 1
+	if err := u.start(); err != nil {
+		t.Fatal(err)
+	}
+	defer u.close()
+	if u.path != "" || u.pred != nil || u.ln != nil {
+		t.Errorf("path %q, predecessor %v, socket %v: want a cold start without the upgrade socket", u.path, u.pred, u.ln)
+	}
+	if got := <-received; got != nil {
+		t.Errorf("the process of another user received %v", got)
+	}
+	if pathID(path) != before {
+		t.Error("its socket file was touched")
 	}
 }

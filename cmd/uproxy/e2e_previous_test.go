@@ -1,0 +1,121 @@
+package main
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/uproxy/uproxy/proxy"
+)
+
+// TestE2EKubeRestartWithoutAPIServer kills uproxy (SIGKILL: its rules
+// stay), stops the API server, and starts uproxy again: the Services it
+// last synced keep answering from the state file, on the ports the rules
+// left behind name, and no rule is written until the API server returns.
+// Then the initial lists reconcile: a Service deleted meanwhile goes
+// (#30).
+func TestE2EKubeRestartWithoutAPIServer(t *testing.T) {
+	for _, layout := range []string{"per-service", "shared"} {
+		t.Run(layout, func(t *testing.T) { testRestartWithoutAPIServer(t, layout) })
+	}
+}
+
+func testRestartWithoutAPIServer(t *testing.T, layout string) {
+	c := newKubeCluster(t, 2)
+	ctx := context.Background()
+	client := c.cp.Client
+	if err := c.cp.CreateNode(ctx, "node-a", "10.244.0.1"); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	state := filepath.Join(dir, "state.json")
+	argv := []string{c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
+		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16",
+		"--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--state-file", state, "--listener", layout}
+	var err error
+	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+		t.Fatal(err)
+	}
+	vips := map[string]string{}
+	for _, name := range []string{"web", "gone"} {
+		svc, err := client.CoreV1().Services("default").Create(ctx, &v1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec:       v1.ServiceSpec{Ports: []v1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		vips[name] = svc.Spec.ClusterIP
+		if _, err := client.DiscoveryV1().EndpointSlices("default").Create(ctx, kubeSlice(name+"-abc", name, readyEP(c.pods[0]), readyEP(c.pods[1])), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	serves := func(name string) getResult {
+		return c.get(c.client.NS, "http://"+vips[name]+"/", 4, "--timeout", "1s")
+	}
+	waitFor(t, "both Services to answer", 20*time.Second, func() bool {
+		a, b := serves("web"), serves("gone")
+		return a.Errors == 0 && len(a.Counts) == 2 && b.Errors == 0 && len(b.Counts) == 2
+	})
+	waitFor(t, "the state file to hold both Services", 40*time.Second, func() bool {
+		services, _, err := proxy.LoadState(state)
+		return err == nil && len(services) >= 2
+	})
+
+	// Killed: the rules stay. "gone" is deleted while uproxy is away,
+	// then the API server goes down too.
+	if err := c.up.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	c.up.Wait(5 * time.Second)
+	rules := c.ourRules()
+	if err := client.CoreV1().Services("default").Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	c.cp.StopAPIServer()
+
+	start := time.Now()
+	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+		t.Fatal(err)
+	}
+	ok, err := firstSuccess(c.client.NS, vips["web"]+":80", start.Add(10*time.Second))
+	if err != nil {
+		t.Fatalf("the Service did not answer after a restart without the API server: %v\nuproxy:\n%s", err, c.up.Output())
+	}
+	t.Logf("the first request succeeded %v after the restart", ok.Sub(start).Round(time.Millisecond))
+	for range 5 {
+		if r := serves("web"); r.Errors > 0 || len(r.Counts) != 2 {
+			t.Fatalf("without the API server: %+v\nuproxy:\n%s", r, c.up.Output())
+		}
+		time.Sleep(time.Second)
+	}
+	if got := c.ourRules(); strings.Join(got, "\n") != strings.Join(rules, "\n") {
+		t.Errorf("the rules changed before the initial lists:\nbefore:\n%s\nafter:\n%s", strings.Join(rules, "\n"), strings.Join(got, "\n"))
+	}
+	if out := c.up.Output(); strings.Contains(out, "\tsynced\t") || !strings.Contains(out, "serving the previous instance's Services") {
+		t.Errorf("want the previous Services served and no sync before the initial lists; uproxy:\n%s", out)
+	}
+
+	// The API server returns: the initial lists reconcile.
+	sctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if err := c.cp.StartAPIServer(sctx); err != nil {
+		t.Fatal(err)
+	}
+	// client-go's reflector backoff (see TestE2EKubernetes).
+	waitFor(t, "the Service deleted meanwhile to stop answering", 150*time.Second, func() bool {
+		return c.get(c.client.NS, "http://"+vips["gone"]+"/", 1, "--timeout", "1s").Errors == 1
+	})
+	// The rules are written before the sync's log line.
+	waitFor(t, "the first sync's log line", 10*time.Second, func() bool { return strings.Contains(c.up.Output(), "\tsynced\t") })
+	if r := serves("web"); r.Errors > 0 || len(r.Counts) != 2 {
+		t.Errorf("after the initial lists: %+v", r)
+	}
+}
