@@ -8,7 +8,8 @@
 #	ctr -n k8s.io images import bin/uproxy-image.tar   # containerd, for the kubelet
 #	docker load -i bin/uproxy-image.tar                # or podman load
 #
-# The root filesystem is iptables, ipset, dash and grep with their
+# The root filesystem is iptables, ipset, nftables (nft, for `uproxy cleanup
+# --kube-proxy`), dash and grep with their
 # dependencies, downloaded with apt-get download from the host's Debian
 # sources (the same release as deploy/Dockerfile's base when the host runs
 # it) and unpacked with dpkg -x, then install.sh's layout. Maintainer
@@ -26,7 +27,7 @@ uproxy=$(realpath "$1")
 out=$(realpath -m "$2")
 name=${3:-uproxy:latest}
 here=$(cd "$(dirname "$0")" && pwd)
-packages=(iptables ipset dash grep)
+packages=(iptables ipset nftables dash grep)
 
 for tool in apt-get apt-cache dpkg-deb tar gzip sha256sum; do
 	command -v "$tool" >/dev/null || {
