@@ -14,12 +14,22 @@ DEMO_PKGS := iptables iproute2 ipset procps curl
 TEST_PKGS := $(DEMO_PKGS) socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
 GOTESTFLAGS ?=
 
-.PHONY: all build test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean
+.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN)/uproxy ./cmd/uproxy
+
+# image: the container image, as an OCI image tar file, without a container
+# engine: a static uproxy and Debian's iptables and ipset (apt-get download),
+# laid out by deploy/image (see build.sh there). Import it with
+# `ctr -n k8s.io images import $(BIN)/uproxy-image.tar`, `docker load` or
+# `podman load`. deploy/Dockerfile builds the same image with docker.
+IMAGE ?= uproxy:latest
+image:
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/image/uproxy ./cmd/uproxy
+	deploy/image/build.sh $(BIN)/image/uproxy $(BIN)/uproxy-image.tar $(IMAGE)
 
 # make test: vet, then every test with the race detector, then the fuzz
 # targets for a bounded time. Root-only tests skip (saying why) when not run

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"net/netip"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -27,6 +29,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
 )
 
 // kubectlBinary returns bench/.cache/bin/kubectl, building it with
@@ -157,6 +160,7 @@ func objectKeys(t *testing.T, objs []runtime.Object) []string {
 var deployObjects = []string{
 	"v1.ClusterRole /uproxy",
 	"v1.ClusterRoleBinding /uproxy",
+	"v1.ConfigMap kube-system/uproxy",
 	"v1.DaemonSet kube-system/uproxy",
 	"v1.ServiceAccount kube-system/uproxy",
 }
@@ -174,8 +178,9 @@ func daemonSet(t *testing.T, objs []runtime.Object) *appsv1.DaemonSet {
 }
 
 // checkDaemonSet checks what matters for security and for running as the
-// node's service proxy in the DaemonSet as the apiserver returned it.
-func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
+// node's service proxy in the DaemonSet as the apiserver returned it (or
+// as kubectl kustomize built it, when dnsPolicy is still empty).
+func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 	t.Helper()
 	spec := ds.Spec.Template.Spec
 	if len(spec.Containers) != 1 {
@@ -206,6 +211,10 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 		DNSPolicy          v1.DNSPolicy
 		ServiceAccountName string
 		PriorityClassName  string
+		NodeSelector       map[string]string
+		Tolerations        []v1.Toleration
+		PodLabels          map[string]string
+		Selector           map[string]string
 		Image              string
 		Args               []string
 		Grace              int64
@@ -215,24 +224,114 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 		DNSPolicy:          spec.DNSPolicy,
 		ServiceAccountName: spec.ServiceAccountName,
 		PriorityClassName:  spec.PriorityClassName,
+		NodeSelector:       spec.NodeSelector,
+		Tolerations:        spec.Tolerations,
+		PodLabels:          ds.Spec.Template.Labels,
 		Image:              c.Image,
 		Args:               c.Args,
+	}
+	if ds.Spec.Selector != nil {
+		got.Selector = ds.Spec.Selector.MatchLabels
 	}
 	if spec.TerminationGracePeriodSeconds != nil {
 		got.Grace = *spec.TerminationGracePeriodSeconds
 	}
 	want := summary{
-		HostNetwork:        true,
-		DNSPolicy:          v1.DNSClusterFirstWithHostNet,
+		HostNetwork: true,
+		// The default policy, as kube-proxy's (#29): ClusterFirstWithHostNet
+		// would resolve through the cluster DNS, a Service.
+		DNSPolicy:          v1.DNSClusterFirst,
 		ServiceAccountName: "uproxy",
 		PriorityClassName:  "system-node-critical",
-		Image:              "uproxy:latest",
-		Args: []string{"run", "--hostname-override=$(NODE_NAME)", "--healthz-bind-address=0.0.0.0:10256",
+		NodeSelector:       map[string]string{"kubernetes.io/os": "linux"},
+		Tolerations:        []v1.Toleration{{Operator: v1.TolerationOpExists}},
+		// k8s-app: kube-proxy is what kube-proxy scrape configs select.
+		PodLabels: map[string]string{"app.kubernetes.io/name": "uproxy", "k8s-app": "kube-proxy"},
+		Selector:  map[string]string{"app.kubernetes.io/name": "uproxy"},
+		Image:     "uproxy:latest",
+		Args: []string{"run", "--kubeconfig=/var/lib/uproxy/kubeconfig.conf", "--hostname-override=$(NODE_NAME)",
+			"--cluster-cidr=10.244.0.0/16", "--healthz-bind-address=0.0.0.0:10256",
 			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json"},
 		Grace: 30,
 	}
+	if spec.DNSPolicy == "" {
+		want.DNSPolicy = "" // not yet defaulted by the server
+	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("DaemonSet pod spec (-want +got):\n%s", diff)
+	}
+	checkKubeconfig(t, ds, objs)
+}
+
+// checkKubeconfig checks that the DaemonSet's --kubeconfig is a file of a
+// ConfigMap among objs, mounted in the container, and that it reaches the
+// API server at an address of its own with the pod's service account, as
+// kubeadm's kube-proxy kubeconfig does: never through the kubernetes
+// Service, which needs a service proxy on the node to work (#29).
+func checkKubeconfig(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
+	t.Helper()
+	spec := ds.Spec.Template.Spec
+	c := spec.Containers[0]
+	var path string
+	for _, a := range c.Args {
+		if v, ok := strings.CutPrefix(a, "--kubeconfig="); ok {
+			path = v
+		}
+	}
+	if path == "" {
+		t.Fatalf("container %s has no --kubeconfig: it would use the kubernetes Service's ClusterIP", c.Name)
+	}
+	for _, e := range c.Env {
+		if strings.HasPrefix(e.Name, "KUBERNETES_SERVICE_") {
+			t.Errorf("container %s sets %s: the kubeconfig gives the API server's address", c.Name, e.Name)
+		}
+	}
+	var volume string
+	for _, m := range c.VolumeMounts {
+		if strings.HasPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/") {
+			volume = m.Name
+		}
+	}
+	var cmName string
+	for _, v := range spec.Volumes {
+		if v.Name == volume && v.ConfigMap != nil {
+			cmName = v.ConfigMap.Name
+		}
+	}
+	if cmName == "" {
+		t.Fatalf("--kubeconfig=%s is not in a ConfigMap volume (mount %q)", path, volume)
+	}
+	var data string
+	for _, o := range objs {
+		if cm, ok := o.(*v1.ConfigMap); ok && cm.Name == cmName && cm.Namespace == ds.Namespace {
+			data = cm.Data[filepath.Base(path)]
+		}
+	}
+	if data == "" {
+		t.Fatalf("ConfigMap %s/%s has no key %s for --kubeconfig=%s", ds.Namespace, cmName, filepath.Base(path), path)
+	}
+	cfg, err := clientcmd.Load([]byte(data))
+	if err != nil {
+		t.Fatalf("ConfigMap %s/%s: %s: %v", ds.Namespace, cmName, filepath.Base(path), err)
+	}
+	kctx := cfg.Contexts[cfg.CurrentContext]
+	if kctx == nil || cfg.Clusters[kctx.Cluster] == nil || cfg.AuthInfos[kctx.AuthInfo] == nil {
+		t.Fatalf("ConfigMap %s/%s: %s: current context %q has no cluster or user", ds.Namespace, cmName, filepath.Base(path), cfg.CurrentContext)
+	}
+	cluster, user := cfg.Clusters[kctx.Cluster], cfg.AuthInfos[kctx.AuthInfo]
+	u, err := url.Parse(cluster.Server)
+	if err != nil || u.Scheme != "https" {
+		t.Fatalf("kubeconfig server %q: want an https URL (%v)", cluster.Server, err)
+	}
+	if h := u.Hostname(); strings.HasPrefix(h, "kubernetes") {
+		t.Errorf("kubeconfig server %q is the kubernetes Service's name", cluster.Server)
+	} else if a, err := netip.ParseAddr(h); err == nil && netip.MustParsePrefix(DefaultServiceCIDR).Contains(a) {
+		t.Errorf("kubeconfig server %q is in the service range %s", cluster.Server, DefaultServiceCIDR)
+	}
+	type credentials struct{ CAFile, TokenFile string }
+	const sa = "/var/run/secrets/kubernetes.io/serviceaccount/"
+	if diff := cmp.Diff(credentials{sa + "ca.crt", sa + "token"}, credentials{cluster.CertificateAuthority, user.TokenFile}); diff != "" {
+		t.Errorf("kubeconfig credentials (-want +got):\n%s", diff)
 	}
 }
 
@@ -263,7 +362,7 @@ func TestDeploy(t *testing.T) {
 	if diff := cmp.Diff(deployObjects, objectKeys(t, built)); diff != "" {
 		t.Errorf("kubectl kustomize deploy/ objects (-want +got):\n%s", diff)
 	}
-	checkDaemonSet(t, daemonSet(t, built))
+	checkDaemonSet(t, daemonSet(t, built), built)
 
 	// The server validates and defaults every object, and creates none.
 	out, err = k.run(ctx, "apply", "-k", deploy, "--server-side", "--field-manager=uproxy-test", "--dry-run=server", "-o", "yaml")
@@ -277,7 +376,7 @@ func TestDeploy(t *testing.T) {
 	if diff := cmp.Diff(deployObjects, objectKeys(t, applied)); diff != "" {
 		t.Errorf("server-side dry run objects (-want +got):\n%s", diff)
 	}
-	checkDaemonSet(t, daemonSet(t, applied))
+	checkDaemonSet(t, daemonSet(t, applied), applied)
 	if _, err := cp.Client.AppsV1().DaemonSets("kube-system").Get(ctx, "uproxy", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Errorf("after the dry run, getting the DaemonSet: err = %v, want NotFound", err)
 	}

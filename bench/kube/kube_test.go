@@ -20,10 +20,10 @@ import (
 	"github.com/uproxy/uproxy/bench/lab"
 )
 
-// startControlPlane starts a lab and a control plane in it, skipping (or,
-// under CI, failing) when a requirement is missing. Both are closed when
-// t ends.
-func startControlPlane(t *testing.T) (*lab.Lab, *ControlPlane) {
+// startControlPlane starts a lab and a control plane in it, with extra
+// kube-apiserver flags, skipping (or, under CI, failing) when a requirement
+// is missing. Both are closed when t ends.
+func startControlPlane(t *testing.T, apiserverArgs ...string) (*lab.Lab, *ControlPlane) {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("skipping: starts a real etcd and kube-apiserver (not -short)")
@@ -52,7 +52,7 @@ func startControlPlane(t *testing.T) (*lab.Lab, *ControlPlane) {
 	t.Cleanup(l.Close)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cp, err := Start(ctx, Options{Lab: l, Root: root, Logf: t.Logf})
+	cp, err := Start(ctx, Options{Lab: l, Root: root, APIServerArgs: apiserverArgs, Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
