@@ -35,7 +35,7 @@ import (
 // runOptions are the flags of `uproxy run`. Names follow kube-proxy's
 // where the concept is the same.
 type runOptions struct {
-	config             string
+	manifests          string
 	kubeconfig         string
 	master             string
 	hostnameOverride   string
@@ -71,7 +71,7 @@ type runOptions struct {
 }
 
 func (o *runOptions) register(fs *pflag.FlagSet) {
-	fs.StringVar(&o.config, "config", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes.")
+	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes. At startup it must hold at least one Service or EndpointSlice.")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file. Without it, and without --master, uproxy uses the in-cluster configuration.")
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig's).")
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "This node's name, as endpoints' nodeName and the Node object give it. Empty means the hostname.")
@@ -105,8 +105,8 @@ func (o *runOptions) validate() error {
 		return nil
 	}
 	var errs []error
-	if o.config != "" && (o.kubeconfig != "" || o.master != "") {
-		errs = append(errs, errors.New("--config and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
+	if o.manifests != "" && (o.kubeconfig != "" || o.master != "") {
+		errs = append(errs, errors.New("--manifests and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
 	}
 	if o.mode != "redirect" && o.mode != "tproxy" {
 		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect or tproxy)", o.mode))
@@ -201,14 +201,14 @@ external IPs and load-balancer IPs, and serves each Service port on its own loca
 balancing new connections over the endpoints of its EndpointSlices as kube-proxy would.
 
 The Services come from the API server (--kubeconfig, --master, or the in-cluster
-configuration), or from manifests (--config).
+configuration), or from manifests (--manifests).
 
 On SIGTERM or SIGINT it stops accepting, lets established connections finish for up to
 --drain-timeout, and leaves the rules in place for the next instance to adopt
 (remove them with 'uproxy cleanup').`,
 		Example: `  uproxy run --kubeconfig /etc/kubernetes/uproxy.conf --cluster-cidr 10.244.0.0/16
-  uproxy run --config deploy/examples/
-  uproxy run --config services.yaml --balancer least-conn --proxy-port-range 40000-40999`,
+  uproxy run --manifests deploy/examples/
+  uproxy run --manifests services.yaml --balancer least-conn --proxy-port-range 40000-40999`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := o.validate(); err != nil {
@@ -238,7 +238,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	// Check the manifests or the API server's configuration before touching
 	// the kernel: a typo must stop us with the cause named.
 	var client kubernetes.Interface
-	if o.config == "" {
+	if o.manifests == "" {
 		cfg, err := clientcmd.BuildConfigFromFlags(o.master, o.kubeconfig)
 		if err != nil {
 			return fmt.Errorf("API server configuration (--kubeconfig, --master or in-cluster): %w", err)
@@ -332,8 +332,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Logger:          log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }
-	if o.config != "" {
-		fs := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
+	if o.manifests != "" {
+		fs := &proxy.FileSource{Path: o.manifests, Tracker: p.Tracker(), Logger: log.Named("manifests")}
 		if err := fs.Load(); err != nil {
 			return fmt.Errorf("loading manifests: %w", err)
 		}
@@ -401,7 +401,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
-	source := o.config
+	source := o.manifests
 	if source == "" {
 		source = "API server"
 	}
