@@ -61,6 +61,7 @@ type runOptions struct {
 	cleanupAndExit     bool
 	upgradeSocket      string
 	lingerAfterUpgrade bool
+	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
 
 	// Parsed by validate.
 	ports         proxy.PortRange
@@ -76,7 +77,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig's).")
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "This node's name, as endpoints' nodeName and the Node object give it. Empty means the hostname.")
 	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pod network(s), comma-separated for dual-stack. Pods reaching a service's external address are sent to all its endpoints even under externalTrafficPolicy: Local, as kube-proxy does.")
-	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated. Empty means every local address except loopback.")
+	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated, and kube-proxy's keywords: primary (the Node's IPs, or --bind-address), localhost (127.0.0.0/8 and ::1/128), all (0.0.0.0/0 and ::/0). A family without a CIDR accepts node ports on all its addresses, as in kube-proxy. Empty means all, or primary with --proxy-mode nftables, as in kube-proxy.")
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics and /debug/pprof server. Empty disables it.")
 	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table; backends see the node's address) or tproxy (TPROXY in the mangle table with policy routing; listeners on loopback, and services that ask for it are dialled from the client's own address).")
@@ -96,6 +97,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
+	o.kubeProxy.register(fs)
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
 
@@ -124,7 +126,9 @@ func (o *runOptions) validate() error {
 	if o.clusterCIDRs, err = parseCIDRs(strings.Split(o.clusterCIDR, ",")); err != nil {
 		errs = append(errs, fmt.Errorf("--cluster-cidr: %w", err))
 	}
-	if o.nodePortCIDRs, err = parseCIDRs(o.nodePortAddresses); err != nil {
+	// Without the Node's IPs yet: resolveNodeAddresses completes
+	// 'primary' once the API client exists.
+	if o.nodePortCIDRs, err = nodePortPrefixes(o.nodePortAddresses, withBindAddress(nil, o.kubeProxy.bindAddress)); err != nil {
 		errs = append(errs, fmt.Errorf("--nodeport-addresses: %w", err))
 	}
 	for _, a := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}} {
@@ -211,6 +215,13 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
   uproxy run --manifests services.yaml --balancer least-conn --proxy-port-range 40000-40999`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if printVersion(cmd.Flags()) {
+				fmt.Fprintln(cmd.OutOrStdout(), "uproxy", buildVersion())
+				return nil
+			}
+			if err := o.kubeProxy.complete(cmd.Flags(), &o, lf); err != nil {
+				return err
+			}
 			if err := o.validate(); err != nil {
 				return err
 			}
@@ -219,6 +230,14 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 				return err
 			}
 			defer log.Sync()
+			for _, n := range o.kubeProxy.notes {
+				n.log(log)
+			}
+			if o.kubeProxy.initOnly {
+				log.Info("--init-only: uproxy needs no privileged setup before it runs; exiting")
+				return nil
+			}
+			applyOOMScoreAdj(oomScoreAdjPath, o.kubeProxy.oomScoreAdj, log)
 			if o.cleanupAndExit {
 				return cleanup(context.Background())
 			}
@@ -244,9 +263,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return fmt.Errorf("API server configuration (--kubeconfig, --master or in-cluster): %w", err)
 		}
 		cfg.UserAgent = "uproxy"
+		cfg.QPS, cfg.Burst, cfg.ContentType = o.kubeProxy.apiQPS, int(o.kubeProxy.apiBurst), o.kubeProxy.apiContentType
 		if client, err = kubernetes.NewForConfig(cfg); err != nil {
 			return fmt.Errorf("API client: %w", err)
 		}
+	}
+	if err := o.resolveNodeAddresses(ctx, client, log.Named("node")); err != nil {
+		return err
 	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
@@ -343,6 +366,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			Client:   client,
 			Tracker:  p.Tracker(),
 			NodeName: o.nodeName,
+			Resync:   o.kubeProxy.configSyncPeriod,
 			OnNode: func(n *v1.Node) {
 				health.SyncNode(n)
 				if n != nil {
