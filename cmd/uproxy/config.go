@@ -244,7 +244,15 @@ func nodeInfo(ctx context.Context, client kubernetes.Interface, name string, tim
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for {
-		n, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		// A list by name, not a get: the RBAC of kube-proxy and of
+		// deploy/ grant list and watch on nodes.
+		var n *v1.Node
+		l, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + name})
+		if err == nil && len(l.Items) == 1 {
+			n = &l.Items[0]
+		} else if err == nil {
+			err = apierrors.NewNotFound(v1.Resource("nodes"), name)
+		}
 		if err == nil {
 			ips = nodeIPs(n)
 			if len(ips) > 0 {
