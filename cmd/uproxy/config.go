@@ -20,7 +20,9 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/client-go/kubernetes"
+	logsapi "k8s.io/component-base/logs/api/v1"
 	kpconfig "k8s.io/kube-proxy/config/v1alpha1"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
 )
 
@@ -341,6 +343,58 @@ func (o *runOptions) resolveNodeAddresses(ctx context.Context, client kubernetes
 		} else {
 			o.clusterCIDRs = podCIDRs
 		}
+	}
+	return nil
+}
+
+// effectiveConfig returns the KubeProxyConfiguration that o and lf
+// resolve to, for --write-config-to: --config reads it back to the same
+// settings.
+func (o *runOptions) effectiveConfig(lf *logFlags) *kpconfig.KubeProxyConfiguration {
+	k := &o.kubeProxy
+	cfg := &kpconfig.KubeProxyConfiguration{
+		TypeMeta:           metav1.TypeMeta{APIVersion: kpconfig.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"},
+		FeatureGates:       k.featureGates,
+		HostnameOverride:   o.hostnameOverride,
+		BindAddress:        k.bindAddress,
+		HealthzBindAddress: o.healthzBindAddress,
+		MetricsBindAddress: o.metricsBindAddress,
+		Mode:               kpconfig.ProxyMode(cmpOr(map[bool]string{true: o.mode}[o.mode == "tproxy"], k.proxyMode)),
+		DetectLocalMode:    kpconfig.LocalMode(k.detectLocalMode),
+		ClusterCIDR:        o.clusterCIDR,
+		NodePortAddresses:  o.nodePortAddresses,
+		OOMScoreAdj:        ptr.To(k.oomScoreAdj),
+		ConfigSyncPeriod:   metav1.Duration{Duration: k.configSyncPeriod},
+	}
+	cfg.ClientConnection.Kubeconfig = o.kubeconfig
+	cfg.ClientConnection.QPS = k.apiQPS
+	cfg.ClientConnection.Burst = k.apiBurst
+	cfg.ClientConnection.ContentType = k.apiContentType
+	sync := kpconfig.KubeProxyIPTablesConfiguration{SyncPeriod: metav1.Duration{Duration: o.syncPeriod}, MinSyncPeriod: metav1.Duration{Duration: o.minSyncPeriod}}
+	switch k.proxyMode {
+	case "nftables":
+		cfg.NFTables.SyncPeriod, cfg.NFTables.MinSyncPeriod = sync.SyncPeriod, sync.MinSyncPeriod
+	case "ipvs":
+		cfg.IPVS.SyncPeriod, cfg.IPVS.MinSyncPeriod = sync.SyncPeriod, sync.MinSyncPeriod
+	default:
+		cfg.IPTables = sync
+	}
+	cfg.Logging.Format = "text"
+	if lf.format == "json" {
+		cfg.Logging.Format = "json"
+	}
+	cfg.Logging.Verbosity = logsapi.VerbosityLevel(max(lf.verbosity, 0))
+	return cfg
+}
+
+// writeConfig writes o's configuration to path as YAML.
+func (o *runOptions) writeConfig(path string, lf *logFlags) error {
+	b, err := yaml.Marshal(o.effectiveConfig(lf))
+	if err != nil {
+		return fmt.Errorf("--write-config-to: %w", err)
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		return fmt.Errorf("--write-config-to: %w", err)
 	}
 	return nil
 }

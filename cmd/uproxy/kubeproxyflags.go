@@ -61,6 +61,10 @@ type kubeProxyOptions struct {
 	// initOnly is --init-only: uproxy needs no privileged setup of its
 	// own before it runs, so it exits at once.
 	initOnly bool
+	// writeConfigTo is --write-config-to: write the configuration the
+	// command line resolves to there, as a KubeProxyConfiguration, and
+	// exit.
+	writeConfigTo string
 
 	// notes are what complete has to say once the logger exists: the
 	// flags and file fields ignored, and the mode mapping.
@@ -129,7 +133,6 @@ var ignoredKubeProxyFlags = []struct {
 	{"pod-bridge-interface", "string", "uproxy tells pod traffic by source address, not by interface"},
 	{"pod-interface-name-prefix", "string", "uproxy tells pod traffic by source address, not by interface"},
 	{"show-hidden-metrics-for-version", "string", "uproxy hides no metrics"},
-	{"write-config-to", "string", "uproxy does not write kube-proxy's configuration"},
 }
 
 // register adds kube-proxy's flags to fs, the run command's.
@@ -152,6 +155,7 @@ func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&k.version, "version", "", "Print the version and exit, as kube-proxy's --version.")
 	fs.Lookup("version").NoOptDefVal = "true"
 	fs.BoolVar(&k.initOnly, "init-only", false, "Exit at once: uproxy needs no privileged setup before it runs, unlike kube-proxy.")
+	fs.StringVar(&k.writeConfigTo, "write-config-to", "", "Write the configuration this command line resolves to into this file, as a KubeProxyConfiguration that --config reads back, and exit.")
 	for _, f := range ignoredKubeProxyFlags {
 		usage := "kube-proxy's flag, ignored: " + f.why + "."
 		switch f.typ {

@@ -126,20 +126,27 @@ type completed struct {
 // completeArgs parses args as `uproxy run`'s flags and completes them.
 func completeArgs(t *testing.T, args ...string) (completed, error) {
 	t.Helper()
+	c, _, _, err := completeOptions(t, args...)
+	return c, err
+}
+
+// completeOptions is completeArgs, with the options themselves.
+func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *logFlags, error) {
+	t.Helper()
 	var o runOptions
 	var lf logFlags
 	fs := pflag.NewFlagSet("run", pflag.ContinueOnError)
 	o.register(fs)
 	lf.register(fs)
 	if err := fs.Parse(args); err != nil {
-		return completed{}, err
+		return completed{}, nil, nil, err
 	}
 	if err := o.kubeProxy.complete(fs, &o, &lf); err != nil {
-		return completed{}, err
+		return completed{}, nil, nil, err
 	}
 	o.hostnameOverride = strings.TrimSpace(o.hostnameOverride)
 	if err := o.validate(); err != nil {
-		return completed{}, err
+		return completed{}, nil, nil, err
 	}
 	core, logs := observer.New(zap.DebugLevel)
 	for _, n := range o.kubeProxy.notes {
@@ -161,7 +168,7 @@ func completeArgs(t *testing.T, args ...string) (completed, error) {
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
 		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Notes: notes,
-	}, nil
+	}, &o, &lf, nil
 }
 
 // defaults is what `uproxy run` with no flag resolves to: kube-proxy's
@@ -414,5 +421,36 @@ func TestKubeProxyArgs(t *testing.T) {
 	slices.Sort(subs)
 	if diff := cmp.Diff(subs, names); diff != "" {
 		t.Errorf("the root command's subcommands changed (-want +got):\n%s", diff)
+	}
+}
+
+// TestWriteConfigTo checks that --write-config-to writes a
+// KubeProxyConfiguration that --config reads back to the same settings.
+func TestWriteConfigTo(t *testing.T) {
+	for _, args := range [][]string{
+		nil,
+		{"--proxy-mode=nftables", "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16", "--iptables-sync-period=1m"},
+		{"--proxy-mode=ipvs", "--ipvs-sync-period=20s", "--kube-api-qps=50", "--kube-api-burst=80", "--oom-score-adj=-500"},
+		{"--mode=tproxy", "--nodeport-addresses=primary,192.0.2.0/24", "--bind-address=192.0.2.10", "--healthz-bind-address=127.0.0.1", "--metrics-bind-address=0.0.0.0:9100", "--config-sync-period=1h"},
+		{"--logging-format=json", "-v=3", "--kubeconfig=/etc/kube-proxy.conf", "--detect-local-mode=NodeCIDR", "--feature-gates=A=true"},
+	} {
+		want, o, lf, err := completeOptions(t, args...)
+		if err != nil {
+			t.Fatalf("%q: %v", args, err)
+		}
+		path := filepath.Join(t.TempDir(), "config.conf")
+		if err := o.writeConfig(path, lf); err != nil {
+			t.Fatal(err)
+		}
+		got, err := completeArgs(t, "--config", path)
+		if err != nil {
+			b, _ := os.ReadFile(path)
+			t.Fatalf("%q: reading the written configuration back: %v\n%s", args, err, b)
+		}
+		want.Notes, got.Notes = nil, nil
+		if diff := cmp.Diff(want, got); diff != "" {
+			b, _ := os.ReadFile(path)
+			t.Errorf("%q, written and read back (-flags +file):\n%s\n%s", args, diff, b)
+		}
 	}
 }

@@ -233,6 +233,10 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 			for _, n := range o.kubeProxy.notes {
 				n.log(log)
 			}
+			if path := o.kubeProxy.writeConfigTo; path != "" {
+				log.Info("--write-config-to: writing the configuration and exiting", zap.String("file", path))
+				return o.writeConfig(path, lf)
+			}
 			if o.kubeProxy.initOnly {
 				log.Info("--init-only: uproxy needs no privileged setup before it runs; exiting")
 				return nil
