@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -77,9 +78,9 @@ var honouredConfigFields = []string{
 // what cfg leaves unset, and notes each field it ignores.
 func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs *pflag.FlagSet, o *runOptions, lf *logFlags) error {
 	o.kubeconfig = cfg.ClientConnection.Kubeconfig
-	k.apiQPS = cmpOr(cfg.ClientConnection.QPS, defaultAPIQPS)
-	k.apiBurst = cmpOr(cfg.ClientConnection.Burst, defaultAPIBurst)
-	k.apiContentType = cmpOr(cfg.ClientConnection.ContentType, defaultAPIContentType)
+	k.apiQPS = cmp.Or(cfg.ClientConnection.QPS, defaultAPIQPS)
+	k.apiBurst = cmp.Or(cfg.ClientConnection.Burst, defaultAPIBurst)
+	k.apiContentType = cmp.Or(cfg.ClientConnection.ContentType, defaultAPIContentType)
 	if !fs.Changed("hostname-override") {
 		o.hostnameOverride = cfg.HostnameOverride
 	}
@@ -91,15 +92,15 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 	if ip, err := netip.ParseAddr(cfg.BindAddress); err == nil && ip.Is6() && !ip.Is4In6() {
 		healthzHost, metricsHost = "::", "::1"
 	}
-	o.healthzBindAddress = cmpOr(cfg.HealthzBindAddress, healthzHost)
-	o.metricsBindAddress = cmpOr(cfg.MetricsBindAddress, metricsHost)
+	o.healthzBindAddress = cmp.Or(cfg.HealthzBindAddress, healthzHost)
+	o.metricsBindAddress = cmp.Or(cfg.MetricsBindAddress, metricsHost)
 	o.nodePortAddresses = cfg.NodePortAddresses
 	k.oomScoreAdj = defaultOOMScoreAdj
 	if cfg.OOMScoreAdj != nil {
 		k.oomScoreAdj = *cfg.OOMScoreAdj
 	}
 	k.detectLocalMode = string(cfg.DetectLocalMode)
-	k.configSyncPeriod = cmpOr(cfg.ConfigSyncPeriod.Duration, defaultConfigSyncPeriod)
+	k.configSyncPeriod = cmp.Or(cfg.ConfigSyncPeriod.Duration, defaultConfigSyncPeriod)
 	k.featureGates = cfg.FeatureGates
 	k.proxyMode = string(cfg.Mode)
 	// The sync periods of the mode kube-proxy would run (the internal
@@ -111,8 +112,8 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 	case "ipvs":
 		sync, minSync = cfg.IPVS.SyncPeriod.Duration, cfg.IPVS.MinSyncPeriod.Duration
 	}
-	o.syncPeriod = cmpOr(sync, 30*time.Second)
-	o.minSyncPeriod = cmpOr(minSync, time.Second)
+	o.syncPeriod = cmp.Or(sync, 30*time.Second)
+	o.minSyncPeriod = cmp.Or(minSync, time.Second)
 	// Logging flags override the file, as in kube-proxy (copyLogsFromFlags).
 	if f := cfg.Logging.Format; f != "" && !fs.Changed("logging-format") && !fs.Changed("log-format") {
 		k.loggingFormat = f
@@ -359,12 +360,16 @@ func (o *runOptions) effectiveConfig(lf *logFlags) *kpconfig.KubeProxyConfigurat
 		BindAddress:        k.bindAddress,
 		HealthzBindAddress: o.healthzBindAddress,
 		MetricsBindAddress: o.metricsBindAddress,
-		Mode:               kpconfig.ProxyMode(cmpOr(map[bool]string{true: o.mode}[o.mode == "tproxy"], k.proxyMode)),
+		Mode:               kpconfig.ProxyMode(k.proxyMode),
 		DetectLocalMode:    kpconfig.LocalMode(k.detectLocalMode),
 		ClusterCIDR:        o.clusterCIDR,
 		NodePortAddresses:  o.nodePortAddresses,
 		OOMScoreAdj:        ptr.To(k.oomScoreAdj),
 		ConfigSyncPeriod:   metav1.Duration{Duration: k.configSyncPeriod},
+	}
+	if o.mode == "tproxy" {
+		// uproxy's --mode, which no kube-proxy mode maps to.
+		cfg.Mode = "tproxy"
 	}
 	cfg.ClientConnection.Kubeconfig = o.kubeconfig
 	cfg.ClientConnection.QPS = k.apiQPS

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"path/filepath"
@@ -79,6 +80,7 @@ type note struct {
 }
 
 func (n note) log(log *zap.Logger) {
+	log = log.WithOptions(zap.AddCallerSkip(1))
 	if n.warn {
 		log.Warn(n.msg, n.fields...)
 	} else {
@@ -255,20 +257,10 @@ func (k *kubeProxyOptions) complete(fs *pflag.FlagSet, o *runOptions, lf *logFla
 			o.nodePortAddresses = []string{nodePortPrimary}
 		}
 	}
-	for _, g := range slices.Sorted(mapKeys(k.featureGates)) {
+	for _, g := range slices.Sorted(maps.Keys(k.featureGates)) {
 		k.notef(false, "kube-proxy feature gate ignored: uproxy has no feature gates", zap.String("gate", g), zap.Bool("value", k.featureGates[g]))
 	}
 	return nil
-}
-
-func mapKeys[V any](m map[string]V) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
-		}
-	}
 }
 
 func (k *kubeProxyOptions) notef(warn bool, msg string, fields ...zap.Field) {
