@@ -241,10 +241,10 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 				log.Info("--init-only: uproxy needs no privileged setup before it runs; exiting")
 				return nil
 			}
-			applyOOMScoreAdj(oomScoreAdjPath, o.kubeProxy.oomScoreAdj, log)
 			if o.cleanupAndExit {
 				return cleanup(context.Background())
 			}
+			applyOOMScoreAdj(oomScoreAdjPath, o.kubeProxy.oomScoreAdj, log)
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 			defer stop()
 			return run(ctx, &o, log)
