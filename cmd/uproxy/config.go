@@ -251,10 +251,15 @@ func nodeInfo(ctx context.Context, client kubernetes.Interface, name string, tim
 		// deploy/ grant list and watch on nodes.
 		var n *v1.Node
 		l, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + name})
-		if err == nil && len(l.Items) == 1 {
-			n = &l.Items[0]
-		} else if err == nil {
-			err = apierrors.NewNotFound(v1.Resource("nodes"), name)
+		if err == nil {
+			for i := range l.Items {
+				if l.Items[i].Name == name {
+					n = &l.Items[i]
+				}
+			}
+			if n == nil {
+				err = apierrors.NewNotFound(v1.Resource("nodes"), name)
+			}
 		}
 		if err == nil {
 			ips = nodeIPs(n)
@@ -321,14 +326,15 @@ func withBindAddress(ips []netip.Addr, bind string) []netip.Addr {
 
 // resolveNodeAddresses completes o's node-port prefixes and, with
 // detect-local mode NodeCIDR, its cluster CIDRs, which may need this
-// node's Node object: for the nodeport keyword 'primary' without a
-// --bind-address, and for the Node's podCIDRs. client is nil when uproxy
-// serves manifests.
+// node's Node object: for the nodeport keyword 'primary', and for the
+// Node's podCIDRs. client is nil when uproxy serves manifests.
 func (o *runOptions) resolveNodeAddresses(ctx context.Context, client kubernetes.Interface, log *zap.Logger) error {
 	k := &o.kubeProxy
 	var ips []netip.Addr
 	var podCIDRs []netip.Prefix
-	needNode := (slices.Contains(o.nodePortAddresses, nodePortPrimary) && len(withBindAddress(nil, k.bindAddress)) == 0) || k.detectLocalMode == "NodeCIDR"
+	// kube-proxy reads the Node's IPs even with a --bind-address, which
+	// replaces only its own family's.
+	needNode := slices.Contains(o.nodePortAddresses, nodePortPrimary) || k.detectLocalMode == "NodeCIDR"
 	if needNode && client != nil {
 		ips, podCIDRs = nodeInfo(ctx, client, o.nodeName, 30*time.Second, time.Second, log)
 	}
