@@ -81,6 +81,7 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 	k.apiQPS = cmp.Or(cfg.ClientConnection.QPS, defaultAPIQPS)
 	k.apiBurst = cmp.Or(cfg.ClientConnection.Burst, defaultAPIBurst)
 	k.apiContentType = cmp.Or(cfg.ClientConnection.ContentType, defaultAPIContentType)
+	k.apiAcceptContentTypes = cfg.ClientConnection.AcceptContentTypes
 	if !fs.Changed("hostname-override") {
 		o.hostnameOverride = cfg.HostnameOverride
 	}
@@ -381,6 +382,7 @@ func (o *runOptions) effectiveConfig(lf *logFlags) *kpconfig.KubeProxyConfigurat
 	cfg.ClientConnection.QPS = k.apiQPS
 	cfg.ClientConnection.Burst = k.apiBurst
 	cfg.ClientConnection.ContentType = k.apiContentType
+	cfg.ClientConnection.AcceptContentTypes = k.apiAcceptContentTypes
 	sync := kpconfig.KubeProxyIPTablesConfiguration{SyncPeriod: metav1.Duration{Duration: o.syncPeriod}, MinSyncPeriod: metav1.Duration{Duration: o.minSyncPeriod}}
 	switch k.proxyMode {
 	case "nftables":

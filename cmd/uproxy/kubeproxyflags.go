@@ -43,10 +43,12 @@ type kubeProxyOptions struct {
 	// featureGates are kube-proxy's; uproxy has none, so each is logged
 	// as ignored.
 	featureGates map[string]bool
-	// apiQPS, apiBurst and apiContentType configure the API client.
-	apiQPS         float32
-	apiBurst       int32
-	apiContentType string
+	// apiQPS, apiBurst, apiContentType and apiAcceptContentTypes (the
+	// file's only) configure the API client.
+	apiQPS                float32
+	apiBurst              int32
+	apiContentType        string
+	apiAcceptContentTypes string
 	// detectLocalMode says how kube-proxy tells pod traffic from other
 	// traffic; uproxy tells it by source address (ClusterCIDR, or the
 	// Node's podCIDRs with NodeCIDR).

@@ -120,6 +120,7 @@ type completed struct {
 	Verbosity                                                 int
 	QPS                                                       float32
 	Burst                                                     int32
+	Accept                                                    string
 	Notes                                                     []string
 }
 
@@ -167,7 +168,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 		Healthz: o.healthzBindAddress, Metrics: o.metricsBindAddress, NodePorts: o.nodePortAddresses,
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
-		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Notes: notes,
+		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes, Notes: notes,
 	}, &o, &lf, nil
 }
 
@@ -204,6 +205,7 @@ clientConnection:
   kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
   qps: 20
   burst: 40
+  acceptContentTypes: application/json
 clusterCIDR: 10.244.0.0/16,2001:db8:1::/56
 configSyncPeriod: 5m
 conntrack:
@@ -282,7 +284,7 @@ featureGates:
 				Healthz: "0.0.0.0:10256", Metrics: "127.0.0.1:10300", NodePorts: []string{"primary", "192.0.2.0/24"},
 				// mode ipvs: the ipvs section's periods, unset, so kube-proxy's defaults.
 				Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 5 * time.Minute, OOM: -500,
-				LogFormat: "json", Verbosity: 1, QPS: 20, Burst: 40,
+				LogFormat: "json", Verbosity: 1, QPS: 20, Burst: 40, Accept: "application/json",
 				Notes: []string{
 					"kube-proxy flag ignored: uproxy does not masquerade flag=--masquerade-all",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--proxy-mode",

@@ -268,6 +268,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 		cfg.UserAgent = "uproxy"
 		cfg.QPS, cfg.Burst, cfg.ContentType = o.kubeProxy.apiQPS, int(o.kubeProxy.apiBurst), o.kubeProxy.apiContentType
+		cfg.AcceptContentTypes = o.kubeProxy.apiAcceptContentTypes
 		if client, err = kubernetes.NewForConfig(cfg); err != nil {
 			return fmt.Errorf("API client: %w", err)
 		}
