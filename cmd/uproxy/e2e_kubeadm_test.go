@@ -231,6 +231,25 @@ func TestE2EKubeadmCommandLine(t *testing.T) {
 		kubeSlice("web-abc", "web", readyEP(c.pods[0]), readyEP(c.pods[1])), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	// A Service with an SCTP port besides its TCP port: the TCP port is
+	// served, the SCTP port logged (#29).
+	mixed, err := client.CoreV1().Services("default").Create(ctx, &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "mixed"},
+		Spec: v1.ServiceSpec{
+			Selector: map[string]string{"app": "web"},
+			Ports: []v1.ServicePort{
+				{Name: "http", Port: 80, TargetPort: intstr.FromString("http")},
+				{Name: "sig", Port: 3868, Protocol: v1.ProtocolSCTP},
+			},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.DiscoveryV1().EndpointSlices("default").Create(ctx,
+		kubeSlice("mixed-abc", "mixed", readyEP(c.pods[0]), readyEP(c.pods[1])), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	waitServed := func(what, ns, u string) {
 		t.Helper()
 		deadline := time.Now().Add(30 * time.Second)
@@ -247,6 +266,7 @@ func TestE2EKubeadmCommandLine(t *testing.T) {
 		}
 	}
 	waitServed("cluster IP from a pod", c.client.NS, "http://"+svc.Spec.ClusterIP+"/")
+	waitServed("the TCP port of a service with an SCTP port", c.client.NS, "http://"+mixed.Spec.ClusterIP+"/")
 	nodePort := strconv.Itoa(int(svc.Spec.Ports[0].NodePort))
 	waitServed("node port on the node's address", c.client.NS, "http://10.244.0.1:"+nodePort+"/")
 	// kubeadm's configuration leaves nodePortAddresses unset: kube-proxy's
@@ -258,6 +278,7 @@ func TestE2EKubeadmCommandLine(t *testing.T) {
 		`"proxyMode": "iptables"`, // the ConfigMap's mode, served by redirect mode
 		`"node": "node-a"`,        // --hostname-override=$(NODE_NAME) over the file's empty hostnameOverride
 		`"source": "API server"`,
+		`"object": "default/mixed", "error": "spec.ports[1] (\"sig\", 3868/SCTP): SCTP is not supported by uproxy`,
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("uproxy's log lacks %s:\n%s", want, out)
