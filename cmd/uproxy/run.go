@@ -272,9 +272,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		if client, err = kubernetes.NewForConfig(cfg); err != nil {
 			return fmt.Errorf("API client: %w", err)
 		}
-	}
-	if err := o.resolveNodeAddresses(ctx, client, log.Named("node")); err != nil {
-		return err
+		// The nodeport keyword 'primary' and detect-local mode NodeCIDR
+		// need this node's Node object (validate resolved the rest).
+		if err := o.resolveNodeAddresses(ctx, client, log.Named("node")); err != nil {
+			return err
+		}
 	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
