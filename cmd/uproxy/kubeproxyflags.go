@@ -192,7 +192,7 @@ func (k *kubeProxyOptions) complete(fs *pflag.FlagSet, o *runOptions, lf *logFla
 		}
 	}
 	if k.configFile != "" {
-		if o.manifests != "" {
+		if o.config != "" {
 			return fmt.Errorf("--config (a KubeProxyConfiguration) and --manifests are exclusive: the configuration file serves an API server's Services")
 		}
 		cfg, err := loadKubeProxyConfig(k.configFile)

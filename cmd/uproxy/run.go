@@ -35,7 +35,7 @@ import (
 // runOptions are the flags of `uproxy run`. Names follow kube-proxy's
 // where the concept is the same.
 type runOptions struct {
-	manifests          string
+	config             string // --manifests, a manifest file or folder
 	kubeconfig         string
 	master             string
 	hostnameOverride   string
@@ -72,7 +72,8 @@ type runOptions struct {
 }
 
 func (o *runOptions) register(fs *pflag.FlagSet) {
-	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes. At startup it must hold at least one Service or EndpointSlice.")
+	fs.StringVar(&o.config, "manifests", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes. At startup it must hold at least one Service or EndpointSlice.")
+	o.kubeProxy.register(fs)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file. Without it, and without --master, uproxy uses the in-cluster configuration.")
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig's).")
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "This node's name, as endpoints' nodeName and the Node object give it. Empty means the hostname.")
@@ -97,7 +98,6 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
-	o.kubeProxy.register(fs)
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
 
@@ -107,7 +107,7 @@ func (o *runOptions) validate() error {
 		return nil
 	}
 	var errs []error
-	if o.manifests != "" && (o.kubeconfig != "" || o.master != "") {
+	if o.config != "" && (o.kubeconfig != "" || o.master != "") {
 		errs = append(errs, errors.New("--manifests and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
 	}
 	if o.mode != "redirect" && o.mode != "tproxy" {
@@ -261,7 +261,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	// Check the manifests or the API server's configuration before touching
 	// the kernel: a typo must stop us with the cause named.
 	var client kubernetes.Interface
-	if o.manifests == "" {
+	if o.config == "" {
 		cfg, err := clientcmd.BuildConfigFromFlags(o.master, o.kubeconfig)
 		if err != nil {
 			return fmt.Errorf("API server configuration (--kubeconfig, --master or in-cluster): %w", err)
@@ -362,8 +362,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Logger:          log.Named("proxy"),
 	})
 	var src interface{ Run(context.Context) error }
-	if o.manifests != "" {
-		fs := &proxy.FileSource{Path: o.manifests, Tracker: p.Tracker(), Logger: log.Named("manifests")}
+	if o.config != "" {
+		fs := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
 		if err := fs.Load(); err != nil {
 			return fmt.Errorf("loading manifests: %w", err)
 		}
@@ -432,7 +432,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
-	source := o.manifests
+	source := o.config
 	if source == "" {
 		source = "API server"
 	}
