@@ -96,7 +96,7 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	say("node namespace: %s (bridge 10.244.0.1/24)", l.Node)
 
 	step("2. uproxy starts with the manifests in " + manifests)
-	up, err := l.Start(l.Node, "uproxy", uproxyBin, "run", "--config", manifests, "--iptables-min-sync-period", "100ms",
+	up, err := l.Start(l.Node, "uproxy", uproxyBin, "run", "--manifests", manifests, "--iptables-min-sync-period", "100ms",
 		"--upgrade-socket", filepath.Join(sockDir, "upgrade.sock"))
 	if err != nil {
 		return err

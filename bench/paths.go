@@ -93,10 +93,10 @@ var dataPaths = []dataPath{
 	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx},
 	{Subject{"iocopy", "Go io.Copy proxy", "The reference Go proxy (bench iocopy, about 30 lines): accept, dial the next backend round-robin, one goroutine per direction with io.Copy, which Go carries with splice(2) between TCP sockets; reached through the same REDIRECT rules. What a Go proxy gets for free."}, setupIOCopy},
 	{Subject{"uring", "Go io_uring loop", "A yardstick (bench uring): one goroutine, locked to its thread, drives one io_uring. Accept (multishot), connect, recv, send, shutdown and close are ring operations, and one io_uring_enter per turn of the loop submits them all and waits. A receive takes a 16 KiB buffer from a provided-buffer ring when data arrives, and gives it back once sent on, so an idle connection holds none. No splice: bulk is copied through the buffers. What a Go data path on io_uring could carry; reached through the same REDIRECT rules."}, setupURing},
-	{Subject{"uproxy", "uproxy redirect", "uproxy run --config <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
-	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --config <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
-	{Subject{"uproxy-uring", "uproxy redirect, io_uring loops", "uproxy run --io-uring --config <manifests>: the event loops wait in an io_uring each and carry small messages on it; bulk transfers leave the ring for the epoll splice path."}, setupUproxy("redirect", "--io-uring")},
-	{Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --config <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, setupUproxy("redirect", "--event-loops=-1")},
+	{Subject{"uproxy", "uproxy redirect", "uproxy run --manifests <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
+	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --manifests <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
+	{Subject{"uproxy-uring", "uproxy redirect, io_uring loops", "uproxy run --io-uring --manifests <manifests>: the event loops wait in an io_uring each and carry small messages on it; bulk transfers leave the ring for the epoll splice path."}, setupUproxy("redirect", "--io-uring")},
+	{Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --manifests <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, setupUproxy("redirect", "--event-loops=-1")},
 }
 
 func pathByID(id string) *dataPath {
@@ -372,7 +372,7 @@ func setupUproxy(mode string, extra ...string) func(ctx context.Context, e *env,
 			return nil, err
 		}
 		// The socket is the lab's own, not the host's default.
-		args := []string{e.uproxyBin, "run", "--config", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling"}
+		args := []string{e.uproxyBin, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling"}
 		if mode != "redirect" {
 			args = append(args, "--mode="+mode)
 		}

@@ -171,14 +171,27 @@ func ValidateSlice(s *discovery.EndpointSlice) error {
 	return nil
 }
 
+// checkProtocol accepts the API's protocols. SCTP is valid but not
+// proxied: ServicePorts leaves its ports out and ServiceWarnings says so,
+// because rejecting the object would take its TCP and UDP ports down too.
 func checkProtocol(p v1.Protocol) error {
 	switch p {
-	case "", v1.ProtocolTCP, v1.ProtocolUDP:
+	case "", v1.ProtocolTCP, v1.ProtocolUDP, v1.ProtocolSCTP:
 		return nil
-	case v1.ProtocolSCTP:
-		return errors.New("SCTP is not supported by uproxy")
 	}
-	return fmt.Errorf("unknown protocol %q (want TCP or UDP)", p)
+	return fmt.Errorf("unknown protocol %q (want TCP, UDP or SCTP)", p)
+}
+
+// sctpWarnings returns one error per SCTP port of svc, naming the port:
+// uproxy has no SCTP listener, so those ports are not proxied.
+func sctpWarnings(svc *v1.Service) []error {
+	var errs []error
+	for i, p := range svc.Spec.Ports {
+		if p.Protocol == v1.ProtocolSCTP {
+			errs = append(errs, fmt.Errorf("spec.ports[%d] (%q, %d/SCTP): SCTP is not supported by uproxy; this port is ignored, the service's other ports are proxied", i, p.Name, p.Port))
+		}
+	}
+	return errs
 }
 
 // protocolOf applies the API default (TCP) to an empty protocol.
@@ -303,13 +316,14 @@ func connectionLimits(ann map[string]string) (total, perEndpoint int, errs []err
 
 // ServiceWarnings returns the problems of a valid Service (see
 // ValidateService) that uproxy works around rather than rejecting the
-// Service for: the annotations it ignores, and why. Nil means none.
+// Service for: the SCTP ports and annotations it ignores, and why. Nil
+// means none.
 func ServiceWarnings(svc *v1.Service) []error {
 	if skipReason(svc) != "" {
 		return nil
 	}
 	_, _, errs := connectionLimits(svc.Annotations)
-	return errs
+	return append(sctpWarnings(svc), errs...)
 }
 
 func parseBalancer(ann map[string]string) (balancer.Kind, error) {
@@ -368,7 +382,8 @@ type ServiceDefaults struct {
 }
 
 // ServicePorts converts a valid Service (see ValidateService) into its
-// service ports. It returns nil for services uproxy skips.
+// service ports, leaving out SCTP ports (see ServiceWarnings). It returns
+// nil for services uproxy skips.
 func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 	if skipReason(svc) != "" {
 		return nil
@@ -414,6 +429,9 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 	internalLocal := svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal
 	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
 	for _, p := range svc.Spec.Ports {
+		if p.Protocol == v1.ProtocolSCTP {
+			continue
+		}
 		sp := &ServicePort{
 			Name:                ServicePortName{NamespacedName: name, Port: p.Name, Protocol: protocolOf(p.Protocol)},
 			ClusterIPs:          ips,

@@ -29,7 +29,7 @@ func TestValidateService(t *testing.T) {
 		{"port 0", func(s *v1.Service) { s.Spec.Ports[0].Port = 0 }, "spec.ports[0].port: 0 is not in 1-65535"},
 		{"port 70000", func(s *v1.Service) { s.Spec.Ports[0].Port = 70000 }, "70000 is not in 1-65535"},
 		{"unknown protocol", func(s *v1.Service) { s.Spec.Ports[0].Protocol = "QUIC" }, `unknown protocol "QUIC"`},
-		{"SCTP", func(s *v1.Service) { s.Spec.Ports[0].Protocol = v1.ProtocolSCTP }, "SCTP is not supported"},
+		{"SCTP is valid: its port alone is ignored", func(s *v1.Service) { s.Spec.Ports[0].Protocol = v1.ProtocolSCTP }, ""},
 		{"duplicate port name", func(s *v1.Service) { s.Spec.Ports[1].Name = "http" }, `spec.ports[1].name: duplicate port name "http"`},
 		{"duplicate port", func(s *v1.Service) { s.Spec.Ports[1].Port = 80 }, "duplicate port 80/TCP"},
 		{"bad balancer", func(s *v1.Service) { s.Annotations = map[string]string{AnnotationBalancer: "random"} }, `unknown balancer "random"`},

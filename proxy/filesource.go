@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -56,9 +57,43 @@ func (s *FileSource) Load() error {
 		}
 		good[f] = objs
 	}
+	if err := checkNotEmpty(s.Path, files, good); err != nil {
+		return err
+	}
 	s.good = good
 	s.publish()
 	return nil
+}
+
+// checkNotEmpty fails when the manifests at startup hold no Service and
+// no EndpointSlice: a path that names the wrong thing (kube-proxy's
+// configuration file, a folder of Deployments) must not start a proxy
+// that serves nothing and reports healthy (#29). The error names what was
+// found instead.
+func checkNotEmpty(path string, files []string, good map[string]Objects) error {
+	var kinds []string
+	for _, f := range files {
+		o := good[f]
+		if len(o.Services) > 0 || len(o.Slices) > 0 {
+			return nil
+		}
+		for _, k := range o.IgnoredKinds {
+			kinds = append(kinds, fmt.Sprintf("%s in %s", k, f))
+		}
+	}
+	switch {
+	case len(files) == 0:
+		return fmt.Errorf("%s: no manifest files (*.yaml, *.yml, *.json): no Service and no EndpointSlice to serve", path)
+	case len(kinds) == 0:
+		return fmt.Errorf("%s: %d manifest files, no Service and no EndpointSlice in them (every document is empty)", path, len(files))
+	}
+	err := fmt.Errorf("%s: no Service and no EndpointSlice, only %s", path, strings.Join(kinds, ", "))
+	for _, k := range kinds {
+		if strings.HasPrefix(k, "kubeproxy.config.k8s.io/") {
+			return fmt.Errorf("%w: a KubeProxyConfiguration is kube-proxy's configuration file; pass it with --config, and Service manifests with --manifests", err)
+		}
+	}
+	return err
 }
 
 // reload re-reads every file, keeping the last good objects of files that

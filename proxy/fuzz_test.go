@@ -553,12 +553,23 @@ func checkServicePorts(t *testing.T, svc *v1.Service, sps []*ServicePort) {
 		}
 		return
 	}
-	if len(sps) != len(svc.Spec.Ports) {
-		t.Fatalf("ServicePorts() returned %d ports for %d", len(sps), len(svc.Spec.Ports))
+	// SCTP ports are left out, the others kept in order.
+	var proxied []int // indexes into spec.ports
+	for i, p := range svc.Spec.Ports {
+		if p.Protocol != v1.ProtocolSCTP {
+			proxied = append(proxied, i)
+		}
+	}
+	if len(sps) != len(proxied) {
+		t.Fatalf("ServicePorts() returned %d ports for %d TCP and UDP ports", len(sps), len(proxied))
+	}
+	if n := len(svc.Spec.Ports) - len(proxied); len(sctpWarnings(svc)) != n {
+		t.Errorf("ServiceWarnings() = %v, want one per SCTP port (%d)", ServiceWarnings(svc), n)
 	}
 	nodePorts := svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer
 	names := map[ServicePortName]bool{}
-	for i, sp := range sps {
+	for j, sp := range sps {
+		i := proxied[j]
 		p := svc.Spec.Ports[i]
 		if sp.Port == 0 || int32(sp.Port) != p.Port {
 			t.Errorf("%s: port %d, spec.ports[%d].port is %d", sp.Name, sp.Port, i, p.Port)

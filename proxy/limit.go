@@ -106,8 +106,8 @@ func (s *snapshot) spare(bal balancer.Balancer, limit int64) *balancer.Backend {
 	return nil
 }
 
-// warnIgnored logs, once per version of st's Service, the annotations
-// that uproxy ignores in it (ServiceWarnings). The tracker hands out a new
+// warnIgnored logs, once per version of st's Service, the SCTP ports and
+// annotations that uproxy ignores in it (ServiceWarnings). The tracker hands out a new
 // object only when the Service changed, so comparing pointers tells a new
 // version from the periodic full resync's replay of the same one. Called
 // by the sync goroutine only.
@@ -129,7 +129,7 @@ func (p *Proxier) warnIgnored(st ServiceState) {
 	}
 	p.warned[st.Name] = st.Service
 	for _, err := range errs {
-		p.log.Warn("ignoring an invalid annotation; the rest of the service is proxied",
+		p.log.Warn("ignoring part of a service; the rest of it is proxied",
 			zap.String("kind", "Service"), zap.Stringer("object", st.Name), zap.Error(err))
 	}
 }

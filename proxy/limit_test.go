@@ -352,7 +352,7 @@ func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	}
 	// Ten periodic full resyncs re-apply the service.
 	time.Sleep(200 * time.Millisecond)
-	warnings := logs.FilterMessageSnippet("invalid annotation").All()
+	warnings := logs.FilterMessageSnippet("ignoring part of a service").All()
 	if len(warnings) != 1 {
 		t.Fatalf("%d warnings, want exactly 1: %v", len(warnings), warnings)
 	}
@@ -367,13 +367,13 @@ func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	s.Annotations[AnnotationMaxConnectionsPerEndpoint] = "0"
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	waitUntil(t, "the new version is reported", func() bool {
-		return logs.FilterMessageSnippet("invalid annotation").Len() == 3
+		return logs.FilterMessageSnippet("ignoring part of a service").Len() == 3
 	})
 	s = s.DeepCopy()
 	s.Annotations = map[string]string{AnnotationMaxConnections: "1"}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	time.Sleep(100 * time.Millisecond)
-	if n := logs.FilterMessageSnippet("invalid annotation").Len(); n != 3 {
+	if n := logs.FilterMessageSnippet("ignoring part of a service").Len(); n != 3 {
 		t.Errorf("%d warnings after the fix, want still 3", n)
 	}
 }

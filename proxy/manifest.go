@@ -15,9 +15,11 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/yaml"
 )
 
 // Objects is what a set of manifests holds that uproxy uses.
@@ -27,6 +29,9 @@ type Objects struct {
 	// Ignored counts documents of other kinds (Deployments and the like),
 	// which a manifest folder may well contain.
 	Ignored int
+	// IgnoredKinds names the kind of each ignored document, as
+	// "apiVersion/Kind", in the order found.
+	IgnoredKinds []string
 }
 
 func (o *Objects) add(obj runtime.Object) error {
@@ -51,8 +56,13 @@ func (o *Objects) add(obj runtime.Object) error {
 				return fmt.Errorf("items[%d]: %w", i, err)
 			}
 		}
+	case unknownKind:
+		o.Ignored++
+		o.IgnoredKinds = append(o.IgnoredKinds, t.kind)
 	default:
 		o.Ignored++
+		gvk := obj.GetObjectKind().GroupVersionKind()
+		o.IgnoredKinds = append(o.IgnoredKinds, gvk.GroupVersion().String()+"/"+gvk.Kind)
 	}
 	return nil
 }
@@ -80,13 +90,21 @@ func (e *ManifestError) Unwrap() error { return e.Cause }
 func decodeObject(doc []byte) (runtime.Object, error) {
 	obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
 	if runtime.IsNotRegisteredError(err) {
-		return unknownKind{}, nil
+		// The deserializer returns no kind with this error: read it
+		// again, for the error that lists what a path holds.
+		var tm metav1.TypeMeta
+		_ = yaml.Unmarshal(doc, &tm)
+		return unknownKind{kind: tm.APIVersion + "/" + tm.Kind}, nil
 	}
 	return obj, err
 }
 
-// unknownKind stands for a well-formed object of a kind uproxy ignores.
-type unknownKind struct{ runtime.Object }
+// unknownKind stands for a well-formed object of a kind uproxy ignores,
+// named "apiVersion/Kind".
+type unknownKind struct {
+	runtime.Object
+	kind string
+}
 
 // DecodeManifests decodes a multi-document YAML stream, a JSON object, or
 // a stream of JSON objects, as read from the file named name.

@@ -295,7 +295,7 @@ func TestFileSourceOnlyRegularFiles(t *testing.T) {
 			t.Errorf("LoadManifestFile(%s) = %v, want a ManifestError naming the file: not a regular file", f, err)
 		}
 	}
-	// So is a --config that names one of them.
+	// So is a --manifests that names one of them.
 	if err := (&FileSource{Path: fifo, Tracker: NewTracker(nil, nil)}).Load(); err == nil || !strings.Contains(err.Error(), fifo+": not a regular file") {
 		t.Errorf("Load of a FIFO path = %v, want an error naming it", err)
 	}

@@ -24,7 +24,8 @@ type kubeCluster struct {
 	cp *kube.ControlPlane
 }
 
-func newKubeCluster(t *testing.T, pods int) *kubeCluster {
+// apiserverArgs are extra kube-apiserver flags.
+func newKubeCluster(t *testing.T, pods int, apiserverArgs ...string) *kubeCluster {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("skipping: starts a real API server")
@@ -32,7 +33,7 @@ func newKubeCluster(t *testing.T, pods int) *kubeCluster {
 	c := newCluster(t, pods)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cp, err := kube.Start(ctx, kube.Options{Lab: c.lab, Root: "../..", Logf: t.Logf})
+	cp, err := kube.Start(ctx, kube.Options{Lab: c.lab, Root: "../..", Logf: t.Logf, APIServerArgs: apiserverArgs})
 	if err != nil {
 		if kubeUnavailable(err) {
 			t.Skipf("skipping: %v", err)

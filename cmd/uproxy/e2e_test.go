@@ -128,7 +128,7 @@ func (c *cluster) start(rules int, args ...string) {
 	// one per host, and tests of other labs run at the same time (args may
 	// still name another; the last one wins).
 	sock := filepath.Join(c.dir, "..", filepath.Base(c.dir)+"-upgrade.sock")
-	argv := append(append(slices.Clone(c.launcher), c.uproxy, "run", "--config", c.dir, "--iptables-min-sync-period", "50ms", "--upgrade-socket", sock), args...)
+	argv := append(append(slices.Clone(c.launcher), c.uproxy, "run", "--manifests", c.dir, "--iptables-min-sync-period", "50ms", "--upgrade-socket", sock), args...)
 	var err error
 	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
 		c.t.Fatal(err)
@@ -432,7 +432,7 @@ func TestE2EMalformedManifestAtStartup(t *testing.T) {
 	dir := t.TempDir()
 	os.WriteFile(filepath.Join(dir, "a.yaml"), []byte(service("a", "10.96.0.10", 80, nil, false)), 0o644)
 	os.WriteFile(filepath.Join(dir, "b.yaml"), []byte(service("b", "10.96.0.11", 80, nil, false)+"---\nkind: Service\nspec: [\n"), 0o644)
-	out, err := exec.Command(up, "run", "--config", dir).CombinedOutput()
+	out, err := exec.Command(up, "run", "--manifests", dir).CombinedOutput()
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() == 0 {
 		t.Fatalf("uproxy run with a malformed manifest: %v, want a non-zero exit", err)

@@ -15,7 +15,11 @@ import (
 )
 
 func main() {
-	if err := newRootCommand().Execute(); err != nil {
+	root := newRootCommand()
+	// Run as kube-proxy, or with flags and no subcommand, uproxy is
+	// `uproxy run`, so that kube-proxy's DaemonSets run it unchanged.
+	root.SetArgs(kubeProxyArgs(os.Args[0], os.Args[1:], subcommandNames(root)))
+	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "uproxy:", err)
 		os.Exit(1)
 	}

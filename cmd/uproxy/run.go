@@ -36,7 +36,7 @@ import (
 // runOptions are the flags of `uproxy run`. Names follow kube-proxy's
 // where the concept is the same.
 type runOptions struct {
-	config             string
+	config             string // --manifests, a manifest file or folder
 	kubeconfig         string
 	master             string
 	hostnameOverride   string
@@ -66,6 +66,7 @@ type runOptions struct {
 	stateFile          string
 	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
+	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
 
 	// Parsed by validate.
 	ports         proxy.PortRange
@@ -76,12 +77,13 @@ type runOptions struct {
 }
 
 func (o *runOptions) register(fs *pflag.FlagSet) {
-	fs.StringVar(&o.config, "config", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes.")
+	fs.StringVar(&o.config, "manifests", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes. At startup it must hold at least one Service or EndpointSlice.")
+	o.kubeProxy.register(fs)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file. Without it, and without --master, uproxy uses the in-cluster configuration.")
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig's).")
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "This node's name, as endpoints' nodeName and the Node object give it. Empty means the hostname.")
 	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pod network(s), comma-separated for dual-stack. Pods reaching a service's external address are sent to all its endpoints even under externalTrafficPolicy: Local, as kube-proxy does.")
-	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated. Empty means every local address except loopback.")
+	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated, and kube-proxy's keywords: primary (the Node's IPs, or --bind-address), localhost (127.0.0.0/8 and ::1/128), all (0.0.0.0/0 and ::/0). A family without a CIDR accepts node ports on all its addresses, as in kube-proxy. Empty means all, or primary with --proxy-mode nftables, as in kube-proxy.")
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics server. Empty disables it.")
 	fs.StringVar(&o.debugBindAddress, "debug-bind-address", defaultDebugAddress, "Address of the server that answers `uproxy status` (/status) and `uproxy explain` (/explain), and /debug/pprof with --profiling. It has no authentication: keep it on loopback. Empty disables it.")
@@ -115,7 +117,7 @@ func (o *runOptions) validate() error {
 	}
 	var errs []error
 	if o.config != "" && (o.kubeconfig != "" || o.master != "") {
-		errs = append(errs, errors.New("--config and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
+		errs = append(errs, errors.New("--manifests and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
 	}
 	if o.mode != "redirect" && o.mode != "tproxy" {
 		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect or tproxy)", o.mode))
@@ -133,7 +135,9 @@ func (o *runOptions) validate() error {
 	if o.clusterCIDRs, err = parseCIDRs(strings.Split(o.clusterCIDR, ",")); err != nil {
 		errs = append(errs, fmt.Errorf("--cluster-cidr: %w", err))
 	}
-	if o.nodePortCIDRs, err = parseCIDRs(o.nodePortAddresses); err != nil {
+	// Without the Node's IPs yet: resolveNodeAddresses completes
+	// 'primary' once the API client exists.
+	if o.nodePortCIDRs, err = nodePortPrefixes(o.nodePortAddresses, withBindAddress(nil, o.kubeProxy.bindAddress)); err != nil {
 		errs = append(errs, fmt.Errorf("--nodeport-addresses: %w", err))
 	}
 	for _, a := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}, {"--debug-bind-address", o.debugBindAddress}} {
@@ -211,16 +215,23 @@ external IPs and load-balancer IPs, and serves each Service port on its own loca
 balancing new connections over the endpoints of its EndpointSlices as kube-proxy would.
 
 The Services come from the API server (--kubeconfig, --master, or the in-cluster
-configuration), or from manifests (--config).
+configuration), or from manifests (--manifests).
 
 On SIGTERM or SIGINT it stops accepting, lets established connections finish for up to
 --drain-timeout, and leaves the rules in place for the next instance to adopt
 (remove them with 'uproxy cleanup').`,
 		Example: `  uproxy run --kubeconfig /etc/kubernetes/uproxy.conf --cluster-cidr 10.244.0.0/16
-  uproxy run --config deploy/examples/
-  uproxy run --config services.yaml --balancer least-conn --proxy-port-range 40000-40999`,
+  uproxy run --manifests deploy/examples/
+  uproxy run --manifests services.yaml --balancer least-conn --proxy-port-range 40000-40999`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if printVersion(cmd.Flags()) {
+				fmt.Fprintln(cmd.OutOrStdout(), "uproxy", buildVersion())
+				return nil
+			}
+			if err := o.kubeProxy.complete(cmd.Flags(), &o, lf); err != nil {
+				return err
+			}
 			if err := o.validate(); err != nil {
 				return err
 			}
@@ -229,9 +240,21 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 				return err
 			}
 			defer log.Sync()
+			for _, n := range o.kubeProxy.notes {
+				n.log(log)
+			}
+			if path := o.kubeProxy.writeConfigTo; path != "" {
+				log.Info("--write-config-to: writing the configuration and exiting", zap.String("file", path))
+				return o.writeConfig(path, lf)
+			}
+			if o.kubeProxy.initOnly {
+				log.Info("--init-only: uproxy needs no privileged setup before it runs; exiting")
+				return nil
+			}
 			if o.cleanupAndExit {
 				return cleanup(context.Background())
 			}
+			applyOOMScoreAdj(oomScoreAdjPath, o.kubeProxy.oomScoreAdj, log)
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 			defer stop()
 			return run(ctx, &o, log)
@@ -254,8 +277,15 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return fmt.Errorf("API server configuration (--kubeconfig, --master or in-cluster): %w", err)
 		}
 		cfg.UserAgent = "uproxy"
+		cfg.QPS, cfg.Burst, cfg.ContentType = o.kubeProxy.apiQPS, int(o.kubeProxy.apiBurst), o.kubeProxy.apiContentType
+		cfg.AcceptContentTypes = o.kubeProxy.apiAcceptContentTypes
 		if client, err = kubernetes.NewForConfig(cfg); err != nil {
 			return fmt.Errorf("API client: %w", err)
+		}
+		// The nodeport keyword 'primary' and detect-local mode NodeCIDR
+		// need this node's Node object (validate resolved the rest).
+		if err := o.resolveNodeAddresses(ctx, client, log.Named("node")); err != nil {
+			return err
 		}
 	}
 	var events *eventRecorder // nil without an API server
@@ -374,6 +404,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			Client:   client,
 			Tracker:  p.Tracker(),
 			NodeName: o.nodeName,
+			Resync:   o.kubeProxy.configSyncPeriod,
 			OnNode: func(n *v1.Node) {
 				health.SyncNode(n)
 				if n != nil {

@@ -13,18 +13,24 @@ func newVersionCommand() *cobra.Command {
 		Short: "Print the version and build information",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			v := "(unknown)"
-			if bi, ok := debug.ReadBuildInfo(); ok {
-				v = bi.Main.Version
-				for _, s := range bi.Settings {
-					if s.Key == "vcs.revision" {
-						v += " " + s.Value
-					}
-				}
-				v += " " + bi.GoVersion
-			}
-			fmt.Fprintln(cmd.OutOrStdout(), "uproxy", v)
+			fmt.Fprintln(cmd.OutOrStdout(), "uproxy", buildVersion())
 			return nil
 		},
 	}
+}
+
+// buildVersion returns the module version, VCS revision and Go version
+// the binary was built with.
+func buildVersion() string {
+	v := "(unknown)"
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		v = bi.Main.Version
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				v += " " + s.Value
+			}
+		}
+		v += " " + bi.GoVersion
+	}
+	return v
 }
