@@ -352,7 +352,7 @@ func testKernelSync(t *testing.T, f Family) {
 		map[string]int{save: 1, "ipset": reads + 1})
 	check("repair a flushed set", kernelRules, true)
 
-	jump := []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"}
+	jump := slices.Concat(notOwnMatch, []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"})
 	fwJump := []string{"-m", "conntrack", "--ctstate", "NEW,UNTRACKED", "-m", "comment", "--comment", "uproxy firewall", "-j", "UPROXY-FIREWALL"}
 	ipt(append([]string{"-t", "nat", "-D", "PREROUTING"}, jump...)...)
 	ipt(append([]string{"-t", "nat", "-D", "OUTPUT"}, jump...)...)
@@ -363,8 +363,11 @@ func testKernelSync(t *testing.T, f Family) {
 	for _, from := range []string{"INPUT", "FORWARD", "OUTPUT"} {
 		ipt(append([]string{"-t", "filter", "-D", from}, fwJump...)...)
 	}
+	ipt("-t", "filter", "-D", "INPUT", "-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "uproxy listener owners", "-j", listenersChain)
 	ipt("-t", "filter", "-F", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
+	ipt("-t", "filter", "-F", listenersChain)
+	ipt("-t", "filter", "-X", listenersChain)
 	// Redirect mode: nothing jumps to the mangle chains.
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
 	for _, c := range []string{tproxyServicesTCP, tproxyServicesUDP, tproxyNodePortsTCP, tproxyNodePortsUDP} {
@@ -444,7 +447,7 @@ func testKernelSync(t *testing.T, f Family) {
 	ipt("-t", "mangle", "-D", tproxyChain, "1")
 	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted rule", tp, true)
-	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain)
+	ipt(slices.Concat([]string{"-t", "mangle", "-D", "OUTPUT"}, notOwnMatch, []string{"-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain})...)
 	ipt("-t", "mangle", "-F", tproxyOutputChain)
 	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm},
 		map[string]int{save: 1, "ipset": reads, restore: 1})
