@@ -332,3 +332,9 @@ func (a *portAllocator) release(network string, port uint16) {
 		delete(a.used[network], port)
 	}
 }
+
+// inUse reports whether port is a listener's port of network ("tcp4",
+// "udp6", …).
+func (a *portAllocator) inUse(network string, port uint16) bool {
+	return a.used[network][port]
+}
