@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -315,6 +316,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		PortRange:       o.ports,
 		Defaults:        proxy.ServiceDefaults{Balancer: o.balancerKind},
 		Sync:            proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
+		OwnMark:         redirect.OwnMark,
+		ServerAddrs:     serverAddrs(o.healthzBindAddress, o.metricsBindAddress),
 		DialTimeout:     o.dialTimeout,
 		DialAttempts:    o.dialAttempts,
 		IdleTimeout:     o.tcpIdleTimeout,
@@ -424,6 +427,29 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	log.Info("stopped; rules left in place for the next instance")
 	return failure
+}
+
+// serverAddrs returns the addresses of uproxy's own servers that no
+// endpoint may be (proxy.Config.ServerAddrs): those of addrs that are
+// set, an empty or unparsable host standing for every address.
+func serverAddrs(addrs ...string) []netip.AddrPort {
+	var out []netip.AddrPort
+	for _, a := range addrs {
+		host, port, err := net.SplitHostPort(a)
+		if err != nil {
+			continue // empty: disabled; validate rejects the rest
+		}
+		n, err := strconv.ParseUint(port, 10, 16)
+		if err != nil {
+			continue
+		}
+		ip, err := netip.ParseAddr(host)
+		if err != nil {
+			ip = netip.IPv4Unspecified() // a name or empty: every address
+		}
+		out = append(out, netip.AddrPortFrom(ip.Unmap(), uint16(n)))
+	}
+	return out
 }
 
 // fileWatch adapts a FileSource to the sources' Run signature.
