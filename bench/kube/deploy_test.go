@@ -228,7 +228,7 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 		PriorityClassName:  "system-node-critical",
 		Image:              "uproxy:latest",
 		Args: []string{"run", "--hostname-override=$(NODE_NAME)", "--healthz-bind-address=0.0.0.0:10256",
-			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json"},
+			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json", "--proxy-port-range=40000-49999"},
 		Grace: 30,
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
