@@ -494,13 +494,15 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 // to bind (#30). It reports whether it closed any. Called by the sync
 // goroutine, or by Shutdown after it.
 func (p *Proxier) closeRetired() bool {
-	n := len(p.retired)
+	if len(p.retired) == 0 {
+		return false // and writes nothing: most syncs retire nothing
+	}
 	for _, l := range p.retired {
 		p.closeListener(l)
 	}
 	clear(p.retired)
 	p.retired = p.retired[:0]
-	return n > 0
+	return true
 }
 
 // walkMetrics yields the metrics of every service port's snapshots, as
