@@ -113,39 +113,69 @@ endpoints:
 
 // TestE2EListenerPortNotSquatted kills uproxy (SIGKILL: its rules and sets
 // stay, its ports come free) and binds its listener port with another
-// local process: the Service's clients are refused, and the process
-// receives nothing (#30).
+// local process: the Service's clients get no answer from it (#30). In
+// redirect mode UPROXY-LISTENERS refuses them; in tproxy mode TPROXY
+// drops what no transparent socket takes.
 func TestE2EListenerPortNotSquatted(t *testing.T) {
-	c := newCluster(t, 1)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
-	c.start(1)
-	c.waitSynced()
-	if r := c.get(c.client.NS, "http://10.96.0.10/", 3); r.Errors > 0 {
-		t.Fatalf("before the kill: %+v", r)
-	}
-	port := listenerPort(t, c.natRules(), "10.96.0.10/32")
-	if err := c.up.Signal(syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	c.up.Wait(5 * time.Second)
-	squatter, err := c.lab.Start(c.lab.Node, "squatter", c.bench, "serve", "--name", "squatter", "--listen", ":"+port)
-	if err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		out, err := c.lab.Exec(t.Context(), c.lab.Node, "ss", "-Hltn", "sport = :"+port)
-		if err == nil && strings.TrimSpace(out) != "" {
-			break
-		}
-		if time.Now().After(deadline) || squatter.Exited() {
-			t.Fatalf("the squatter does not serve on port %s:\n%s", port, squatter.Output())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	for _, ns := range []string{c.client.NS, c.lab.Node} {
-		if r := c.get(ns, "http://10.96.0.10/", 3, "--timeout", "2s"); r.Errors != 3 || r.Counts["squatter"] > 0 {
-			t.Errorf("the Service from %s after the kill: %+v; want 3 refusals, none answered by the squatter", ns, r)
-		}
+	for _, mode := range []string{"redirect", "tproxy"} {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t, 1)
+			c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+			if mode == "tproxy" {
+				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
+					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
+				}
+				c.start(0, "--mode", mode)
+			} else {
+				c.start(1)
+			}
+			c.waitSynced()
+			if r := c.get(c.client.NS, "http://10.96.0.10/", 3); r.Errors > 0 {
+				t.Fatalf("before the kill: %+v", r)
+			}
+			var port string
+			if mode == "tproxy" {
+				out, err := c.lab.Exec(t.Context(), c.lab.Node, "iptables-save", "-t", "mangle")
+				if err != nil {
+					t.Fatal(err)
+				}
+				for line := range strings.Lines(out) {
+					if _, rest, ok := strings.Cut(line, "-d 10.96.0.10/32 "); ok {
+						if _, p, ok := strings.Cut(rest, "--on-port "); ok {
+							port, _, _ = strings.Cut(p, " ")
+						}
+					}
+				}
+				if port == "" {
+					t.Fatalf("no TPROXY rule for 10.96.0.10:\n%s", out)
+				}
+			} else {
+				port = listenerPort(t, c.natRules(), "10.96.0.10/32")
+			}
+			if err := c.up.Signal(syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			c.up.Wait(5 * time.Second)
+			squatter, err := c.lab.Start(c.lab.Node, "squatter", c.bench, "serve", "--name", "squatter", "--listen", ":"+port)
+			if err != nil {
+				t.Fatal(err)
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				out, err := c.lab.Exec(t.Context(), c.lab.Node, "ss", "-Hltn", "sport = :"+port)
+				if err == nil && strings.TrimSpace(out) != "" {
+					break
+				}
+				if time.Now().After(deadline) || squatter.Exited() {
+					t.Fatalf("the squatter does not serve on port %s:\n%s", port, squatter.Output())
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			for _, ns := range []string{c.client.NS, c.lab.Node} {
+				if r := c.get(ns, "http://10.96.0.10/", 3, "--timeout", "2s"); r.Errors != 3 || r.Counts["squatter"] > 0 {
+					t.Errorf("the Service from %s after the kill: %+v; want 3 failures, none answered by the squatter", ns, r)
+				}
+			}
+		})
 	}
 }
