@@ -44,11 +44,11 @@ func TestEndpointRefusal(t *testing.T) {
 		want string // "" when the endpoint is used
 	}{
 		{"10.244.0.5:8080", ""},
-		{"192.0.2.1:8080", ""},    // a host-network pod on this node
-		{"192.0.2.50:8080", ""},   // the external IP, on another port
-		{"10.96.0.10:8080", ""},   // the cluster IP, on another port
-		{"192.0.2.9:30080", ""},   // another node's node port
-		{"[2001:db8::5]:80", ""},  // an IPv6 pod
+		{"192.0.2.1:8080", ""},   // a host-network pod on this node
+		{"192.0.2.50:8080", ""},  // the external IP, on another port
+		{"10.96.0.10:8080", ""},  // the cluster IP, on another port
+		{"192.0.2.9:30080", ""},  // another node's node port
+		{"[2001:db8::5]:80", ""}, // an IPv6 pod
 		{"[::ffff:10.244.0.6]:80", ""},
 		{"127.0.0.1:10249", "a loopback address"},
 		{"127.0.0.53:53", "a loopback address"},
@@ -103,7 +103,9 @@ func TestRefusedEndpointIsLogged(t *testing.T) {
 			t.Fatalf("got %q, %v; want good", got, err)
 		}
 	}
-	waitUntil(t, "the refusal is logged", func() bool { return logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").Len() > 0 })
+	waitUntil(t, "the refusal is logged", func() bool {
+		return logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").Len() > 0
+	})
 	got := logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").All()[0].ContextMap()
 	want := map[string]any{
 		"kind": "EndpointSlice", "object": "default/web-x", "field": "endpoints[0].addresses[0]",

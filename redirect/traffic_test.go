@@ -528,7 +528,9 @@ func TestTrafficOwnMark(t *testing.T) {
 			err := lab.DoInNetns(node, func() error {
 				d := net.Dialer{Timeout: 2 * time.Second, Control: func(_, _ string, c syscall.RawConn) error {
 					var serr error
-					if err := c.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_MARK, int(OwnMark)) }); err != nil {
+					if err := c.Control(func(fd uintptr) {
+						serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_MARK, int(OwnMark))
+					}); err != nil {
 						return err
 					}
 					return serr
