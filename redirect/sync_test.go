@@ -500,12 +500,9 @@ const (
 	tproxyOutputJumpComment = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy tproxy node traffic" -j UPROXY-TPROXY-OUTPUT`
 	firewallJumpComment     = `-m conntrack --ctstate NEW,UNTRACKED -m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
 	listenersJumpComment    = `-m conntrack --ctstate NEW -m comment --comment "uproxy listener owners" -j UPROXY-LISTENERS`
-	// oldJumpComment, oldTProxyJumpComment and
-	// oldTProxyOutputJumpComment are the jumps of earlier versions,
-	// which the proxy's own packets took too.
-	oldJumpComment             = `-m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
-	oldTProxyJumpComment       = `-m comment --comment "uproxy tproxy" -j UPROXY-TPROXY`
-	oldTProxyOutputJumpComment = `-m comment --comment "uproxy tproxy node traffic" -j UPROXY-TPROXY-OUTPUT`
+	// oldJumpComment is the service jump of earlier versions, which the
+	// proxy's own packets took too.
+	oldJumpComment = `-m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
 	// oldFirewallJumpComment is the firewall jump of earlier versions,
 	// which every packet took.
 	oldFirewallJumpComment = `-m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
@@ -1951,5 +1948,38 @@ func TestCommandsCounted(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestSyncReplacesUnmarkedServiceJumps: the jumps to UPROXY-SERVICES of
+// an earlier version, which the proxy's own packets took too (#30), are
+// replaced by the current ones, which skip packets with OwnMark, by the
+// first sync of a new process.
+func TestSyncReplacesUnmarkedServiceJumps(t *testing.T) {
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	if _, err := newFakeSyncer(t, k).Sync(ctx, rulesA, false); err != nil {
+		t.Fatal(err)
+	}
+	k.edit("nat", func(order []string, rules map[string][]string) []string {
+		for _, from := range []string{"PREROUTING", "OUTPUT"} {
+			i := slices.Index(rules[from], "-A "+from+" "+jumpComment)
+			if i < 0 {
+				t.Fatalf("no service jump in %s: %q", from, rules[from])
+			}
+			rules[from][i] = "-A " + from + " " + oldJumpComment
+		}
+		return order
+	})
+	k.takeCalls()
+	if _, err := newFakeSyncer(t, k).Sync(ctx, rulesA, false); err != nil {
+		t.Fatal(err)
+	}
+	want := concat(callsRead, "Insert nat PREROUTING 1", "Delete nat PREROUTING", "Insert nat OUTPUT 1", "Delete nat OUTPUT")
+	if diff := cmp.Diff(want, k.takeCalls()); diff != "" {
+		t.Errorf("first Sync of a new process, calls (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
+		t.Errorf("kernel after the first Sync of a new process (-want +got):\n%s", diff)
 	}
 }
