@@ -249,6 +249,17 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return fmt.Errorf("API client: %w", err)
 		}
 	}
+	if o.ports.Size > 0 {
+		// The rules refuse what reaches a listener port that uproxy does
+		// not hold; reserving the range keeps other processes' ephemeral
+		// sockets off it, so that the listeners can hold it (#30).
+		if n, err := proxy.ExposedPorts(o.ports); err != nil {
+			log.Warn("cannot check that --proxy-port-range is reserved", zap.Error(err))
+		} else if n > 0 {
+			log.Warn("ports of --proxy-port-range are in the kernel's ephemeral range and not reserved: another process's connection may take a listener's port; add the range to net.ipv4.ip_local_reserved_ports (deploy/README.md)",
+				zap.Stringer("range", o.ports), zap.Int("ports", n))
+		}
+	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
 	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
