@@ -483,6 +483,47 @@ func hasEndpoint(eps []Endpoint, ap netip.AddrPort) bool {
 // several slices appear once; the first slice (by name) wins. Endpoints of
 // both families are returned; the caller splits them per listener family.
 func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoint {
+	eps, _ := portEndpoints(sp, slices, nil)
+	return eps
+}
+
+// refusedEndpoint is an endpoint that portEndpoints left out, and why.
+type refusedEndpoint struct {
+	// slice names the EndpointSlice ("namespace/name"), field the
+	// endpoint's address in it ("endpoints[2].addresses[0]").
+	slice, field string
+	addr         netip.AddrPort
+	reason       string
+}
+
+// endpointAddrRefusal returns why no Service may send traffic to an
+// endpoint at ip, or "" when one may. A tenant writes the endpoints of a
+// Service without a selector (or a manifest), and the proxy dials them
+// from the node: without this, a pod could reach through a Service
+// address what only the node should, such as the metrics server on
+// 127.0.0.1:10249 or the cloud's metadata service on 169.254.169.254
+// (#30), or make the proxy send to a group. Loopback addresses are
+// allowed when loopback is set (Config.LoopbackEndpoints).
+func endpointAddrRefusal(ip netip.Addr, loopback bool) string {
+	switch {
+	case ip.IsUnspecified():
+		return "an unspecified address"
+	case ip.IsLoopback() && !loopback:
+		return "a loopback address"
+	case ip.IsLinkLocalUnicast():
+		return "a link-local address"
+	case ip.IsMulticast():
+		return "a multicast address"
+	case ip == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return "the broadcast address"
+	}
+	return ""
+}
+
+// portEndpoints is PortEndpoints that also leaves out, and returns, the
+// endpoints for which refuse, when not nil, gives a reason.
+func portEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice, refuse func(netip.AddrPort) string) ([]Endpoint, []refusedEndpoint) {
+	var refused []refusedEndpoint
 	// Sized once: appending grew the slice of 10 endpoints five times, a
 	// sixth of a 10,000-service sync's allocations (BenchmarkSyncAll).
 	n := 0
@@ -505,7 +546,7 @@ func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoin
 		if !ok {
 			continue
 		}
-		for _, ep := range s.Endpoints {
+		for i, ep := range s.Endpoints {
 			if len(ep.Addresses) == 0 {
 				continue
 			}
@@ -514,6 +555,14 @@ func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoin
 				continue
 			}
 			ap := netip.AddrPortFrom(ip.Unmap(), port)
+			if refuse != nil {
+				if why := refuse(ap); why != "" {
+					refused = append(refused, refusedEndpoint{
+						slice: s.Namespace + "/" + s.Name, field: fmt.Sprintf("endpoints[%d].addresses[0]", i), addr: ap, reason: why,
+					})
+					continue
+				}
+			}
 			if seen != nil {
 				if seen[ap] {
 					continue
@@ -548,7 +597,7 @@ func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoin
 			out = append(out, e)
 		}
 	}
-	return out
+	return out, refused
 }
 
 func slicePort(s *discovery.EndpointSlice, name ServicePortName) (uint16, bool) {

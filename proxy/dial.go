@@ -139,13 +139,14 @@ func (d *tcpDial) done(up, down int64) {
 
 // rawDial opens a non-blocking socket of type sotype (SOCK_STREAM or
 // SOCK_DGRAM) connected to addr, from the address from when it is valid
-// (tproxy mode: IP_TRANSPARENT, then bind). A TCP socket gets
+// (tproxy mode: IP_TRANSPARENT, then bind), carrying mark when it is not
+// zero (setOwnMark). A TCP socket gets
 // TCP_NODELAY; its keep-alive comes later from its event loop
 // (eventLoop.armKeepAlive), once the connection has lasted. Its connection
 // completes, or fails, when the socket turns writable (connect(2):
 // EINPROGRESS, then SO_ERROR). A UDP socket is connected on return.
-func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err error) {
-	if fd, err = rawSocket(sotype, addr, from); err != nil {
+func rawDial(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (fd int, err error) {
+	if fd, err = rawSocket(sotype, addr, from, mark); err != nil {
 		return -1, err
 	}
 	a := addr.Addr().Unmap()
@@ -160,8 +161,9 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err erro
 }
 
 // rawSocket is rawDial without the connect: a socket of addr's family,
-// bound to from if that is valid, to connect to addr.
-func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err error) {
+// bound to from if that is valid, marked with mark if that is not zero,
+// to connect to addr.
+func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (fd int, err error) {
 	a := addr.Addr().Unmap()
 	family := unix.AF_INET
 	if a.Is6() {
@@ -182,6 +184,9 @@ func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err er
 			return fd, os.NewSyscallError("setsockopt", err)
 		}
 	}
+	if err = setOwnMark(fd, mark); err != nil {
+		return fd, err
+	}
 	if from.IsValid() {
 		from = from.Unmap()
 		if family == unix.AF_INET6 {
@@ -197,6 +202,21 @@ func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr) (fd int, err er
 		}
 	}
 	return fd, nil
+}
+
+// setOwnMark puts mark (Config.OwnMark) on the socket fd, unless it is
+// zero: the kernel's rules let the socket's packets past every
+// interception, so that a backend whose address and port a Service
+// intercepts is reached, not the proxy again (#30). SO_MARK takes
+// CAP_NET_ADMIN (or CAP_NET_RAW since Linux 5.17).
+func setOwnMark(fd int, mark uint32) error {
+	if mark == 0 {
+		return nil
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(mark)); err != nil {
+		return os.NewSyscallError("setsockopt SO_MARK", err)
+	}
+	return nil
 }
 
 // errConnectTimeout is a backend connection attempt that took longer than

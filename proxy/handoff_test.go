@@ -114,7 +114,7 @@ func TestHandoffAdoptsListeners(t *testing.T) {
 		slices = append(slices, slicesFor("gone", "http", tcpBE)...)
 
 		oldRules := &recordingRules{}
-		old := NewProxier(Config{Rules: oldRules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		old := NewProxier(Config{LoopbackEndpoints: true, Rules: oldRules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stopOld := runProxier(old)
 		old.Tracker().Replace(services, slices)
 		web, dns, gone := oldRules.port(t, "default/web:http"), oldRules.port(t, "default/dns:dns"), oldRules.port(t, "default/gone:http")
@@ -164,7 +164,7 @@ func TestHandoffAdoptsListeners(t *testing.T) {
 		}
 
 		newRules := &recordingRules{}
-		next := NewProxier(Config{Rules: newRules, Inherited: NewInherited(inherited), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		next := NewProxier(Config{LoopbackEndpoints: true, Rules: newRules, Inherited: NewInherited(inherited), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stopNext := runProxier(next)
 		next.Tracker().Replace(services[:2], slices[:2])
 		if got := newRules.port(t, "default/web:http"); got != web {
@@ -287,7 +287,7 @@ func TestInheritedSocketMustFit(t *testing.T) {
 				// A free range that excludes the inherited port.
 				ports = PortRange{Base: uint16(inheritedPort) + 1, Size: 100}
 			}
-			p := NewProxier(Config{Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 			stop := runProxier(p)
 			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
@@ -316,7 +316,7 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 	func() {
 		f, inheritedPort := inheritedTCP4(t)
 		rules := &recordingRules{fail: errors.New("iptables-restore: exit status 1")}
-		p := NewProxier(Config{Rules: rules, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stop := runProxier(p)
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 		waitUntil(t, "a failed sync", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 1 })

@@ -530,9 +530,9 @@ func (l *eventLoop) connect(ls *loopSession) {
 		}
 		var fd int
 		if ls.onRing {
-			fd, err = rawSocket(unix.SOCK_STREAM, addr, d.from)
+			fd, err = rawSocket(unix.SOCK_STREAM, addr, d.from, d.p.cfg.OwnMark)
 		} else {
-			fd, err = rawDial(unix.SOCK_STREAM, addr, d.from)
+			fd, err = rawDial(unix.SOCK_STREAM, addr, d.from, d.p.cfg.OwnMark)
 		}
 		if err != nil {
 			d.failed(err)

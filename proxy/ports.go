@@ -331,3 +331,34 @@ func (a *portAllocator) release(network string, port uint16) {
 		delete(a.used[network], port)
 	}
 }
+
+// inUse reports whether port is a listener's port of network ("tcp4",
+// "udp6", …).
+func (a *portAllocator) inUse(network string, port uint16) bool {
+	return a.used[network][port]
+}
+
+// ExposedPorts returns how many ports of r the kernel may hand to any
+// process's bind(0) or outgoing connection, in uproxy's network
+// namespace: those inside ip_local_port_range that
+// ip_local_reserved_ports leaves out. A listener may find such a port
+// taken; deploy/README.md says how to reserve the range.
+func ExposedPorts(r PortRange) (int, error) {
+	e, err := readEphemeralPorts()
+	if err != nil {
+		return 0, err
+	}
+	return e.exposed(r), nil
+}
+
+// exposed is ExposedPorts for the kernel settings e.
+func (e *ephemeralPorts) exposed(r PortRange) int {
+	n := 0
+	for i := range r.Size {
+		p := int(r.Base) + i
+		if p >= int(e.lo) && p <= int(e.hi) && !e.reserved[uint16(p)] {
+			n++
+		}
+	}
+	return n
+}

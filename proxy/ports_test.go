@@ -120,3 +120,27 @@ func TestAllocateEphemeral(t *testing.T) {
 		t.Errorf("warnings %v; want the read error once", warned)
 	}
 }
+
+func TestExposedPorts(t *testing.T) {
+	for _, tt := range []struct {
+		rng, reserved string
+		r             PortRange
+		want          int
+	}{
+		{"32768\t60999", "", PortRange{Base: 40000, Size: 10000}, 10000},
+		{"32768\t60999", "40000-49999", PortRange{Base: 40000, Size: 10000}, 0},
+		{"32768\t60999", "40000-44999", PortRange{Base: 40000, Size: 10000}, 5000},
+		{"32768\t60999", "", PortRange{Base: 20000, Size: 1000}, 0}, // below the range: never picked
+		{"32768\t60999", "", PortRange{Base: 32000, Size: 1000}, 232},
+		{"32768\t60999", "8080,40001", PortRange{Base: 40000, Size: 3}, 2},
+		{"32768\t60999", "", PortRange{}, 0},
+	} {
+		e, err := parseEphemeralPorts(tt.rng, tt.reserved)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := e.exposed(tt.r); got != tt.want {
+			t.Errorf("exposed(%v) with range %q, reserved %q = %d, want %d", tt.r, tt.rng, tt.reserved, got, tt.want)
+		}
+	}
+}

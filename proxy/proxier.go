@@ -71,6 +71,14 @@ type Config struct {
 	// EndpointSlices are saved (state.go), for ServePrevious after a
 	// restart. Empty means none is saved.
 	StateFile string
+	// OwnMark is the mark (SO_MARK) put on every socket the proxy dials a
+	// backend from, by its own dialers (not Dial's): the kernel rules
+	// let packets that carry it past every interception
+	// (redirect.OwnMark), so the proxy's connections reach the backend
+	// they were dialled to even when its address and port are a
+	// Service's, instead of coming back to the proxy (#30). Setting it
+	// takes CAP_NET_ADMIN. Zero means the sockets are not marked.
+	OwnMark uint32
 	// Dial connects to a backend; nil means net.Dialer.DialContext.
 	Dial func(ctx context.Context, network, address string) (net.Conn, error)
 	// UDPTimeout is how long a UDP flow lives without traffic in either
@@ -147,6 +155,16 @@ type Config struct {
 	// as internal (kube-proxy's "addrtype LOCAL" short circuit). Nil means
 	// the addresses of net.InterfaceAddrs, read at every sync.
 	LocalAddrs func() ([]netip.Addr, error)
+	// ServerAddrs are the addresses of the proxy's own TCP servers
+	// (metrics, health checks), where an unspecified address stands for
+	// every address of the node. No endpoint may be one of them on an
+	// address of the node (#30). Nil means none.
+	ServerAddrs []netip.AddrPort
+	// LoopbackEndpoints lets endpoints on loopback addresses through,
+	// for tests whose backends listen there. False refuses them, as a
+	// pod could otherwise reach the node's own local services through a
+	// Service (see endpointAddrRefusal).
+	LoopbackEndpoints bool
 	// ServiceHealth receives the health-check node ports and local
 	// endpoint counts of externalTrafficPolicy Local services after every
 	// sync; nil means they are not served.
@@ -235,9 +253,15 @@ type Proxier struct {
 	shared     map[portKey]*listener // the shared listeners, by family and protocol
 	endpoints  int                   // the endpoints of every listener (counts)
 	rulesDirty bool
-	slots      map[ServicePortName]*connSlots       // per service port, shared by its listeners
-	hash       hashTables                           // the source-hash balancers' tables
-	warned     map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
+	// retired are the listeners that applied services no longer want,
+	// closed once the rules no longer send anything to them
+	// (closeRetired).
+	retired []*listener
+	// requeued: a service of this sync failed and waits for a retry.
+	requeued bool
+	slots    map[ServicePortName]*connSlots       // per service port, shared by its listeners
+	hash     hashTables                           // the source-hash balancers' tables
+	warned   map[types.NamespacedName]*v1.Service // the version whose ignored annotations were logged
 	// hcPorts and hcLocal are what the ServiceHealth server was last
 	// given (or is to be given when hcDirty): each health-checked
 	// service's port and number of ready local endpoints. Kept per
@@ -373,11 +397,7 @@ func (p *Proxier) internalClient(ip netip.Addr) bool {
 			return true
 		}
 	}
-	if addrs := p.localAddrs.Load(); addrs != nil {
-		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
-		return found
-	}
-	return false
+	return p.localAddr(ip)
 }
 
 // Run syncs until ctx is done. It does not close listeners: call Shutdown.
@@ -476,6 +496,12 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		synced = true
 	}
 	p.rulesDirty = false
+	if p.closeRetired() && p.requeued {
+		// The ports just freed may be what a failed listener lacked (a
+		// full --proxy-port-range): retry now, not at the next full sync.
+		p.runner.Run()
+	}
+	p.requeued = false
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
 	p.cfg.Inherited.synced(p.log)
@@ -500,6 +526,24 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		ruleFields[0], ruleFields[1], ruleFields[2],
 		zap.Duration("duration", end.Sub(start)))
 	return nil
+}
+
+// closeRetired closes the listeners that applied services let go. The
+// sync calls it only once the rules that sent traffic to them are gone
+// from the kernel: a listener closed first leaves its port free while a
+// rule still redirects a Service's traffic there, for any local process
+// to bind (#30). It reports whether it closed any. Called by the sync
+// goroutine, or by Shutdown after it.
+func (p *Proxier) closeRetired() bool {
+	if len(p.retired) == 0 {
+		return false // and writes nothing: most syncs retire nothing
+	}
+	for _, l := range p.retired {
+		p.closeListener(l)
+	}
+	clear(p.retired)
+	p.retired = p.retired[:0]
+	return true
 }
 
 // walkMetrics yields the metrics of every service port's snapshots, as
@@ -591,19 +635,12 @@ type opening struct {
 // listener's cost, so a large first sync is shorter.
 //
 // applyService takes the listeners from the result. It is empty, and
-// applyService opens them itself, with a single CPU, with fewer than two
-// listeners to open, or when the sync also closes a listener: applyService
-// closes those first, and the port one frees may be the one another needs (a
-// full --proxy-port-range). The workers belong to this call and end with it.
+// applyService opens them itself, with a single CPU, or with fewer than
+// two listeners to open. The workers belong to this call and end with it.
 func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[portKey]opening {
 	var need []portKey
 	for _, w := range wants {
 		have := p.services[w.st.Name]
-		for k := range have {
-			if !w.want(k) {
-				return nil
-			}
-		}
 		for _, wp := range w.ports {
 			if have[wp.key] == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
 				need = append(need, wp.key)
@@ -662,7 +699,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	have := p.services[st.Name]
 	for k, l := range have {
 		if !w.want(k) {
-			p.closeListener(l)
+			p.retired = append(p.retired, l)
 			delete(have, k)
 			p.rulesDirty = true
 			if !w.want(portKey{name: k.name, v6: !k.v6}) {
@@ -719,6 +756,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	p.updateServiceHealth(st.Name)
 	if failed {
 		p.tracker.Requeue(st.Name)
+		p.requeued = true
 	}
 }
 
@@ -732,7 +770,14 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 			s.external = append(s.external, ip)
 		}
 	}
-	eps := PortEndpoints(sp, st.Slices)
+	eps, refused := portEndpoints(sp, st.Slices, func(ap netip.AddrPort) string { return p.endpointRefusal(sp, ap) })
+	for _, r := range refused {
+		if r.addr.Addr().Is6() == l.key.v6 { // once, by the listener of its family
+			p.log.Warn("refusing an endpoint; the service's other endpoints are used",
+				zap.String("kind", "EndpointSlice"), zap.String("object", r.slice), zap.String("field", r.field),
+				zap.Stringer("endpoint", r.addr), zap.Stringer("servicePort", sp.Name), zap.String("reason", r.reason))
+		}
+	}
 	otherFamily := func(e Endpoint) bool { return e.Addr.Addr().Is6() != l.key.v6 }
 	if !slices.ContainsFunc(eps, otherFamily) {
 		s.endpoints = eps // all of the listener's family: no copy (snapshots are immutable)
@@ -812,6 +857,52 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 	s.affinity = l.affinity
 	s.metrics = p.cfg.Metrics.forPort(sp, s.backends)
 	return s
+}
+
+// endpointRefusal returns why sp must not send traffic to the endpoint
+// ap, or "" when it may (see portEndpoints). Besides the addresses that
+// no Service may use (endpointAddrRefusal), it refuses:
+//   - an address and port that sp itself intercepts: the proxy's own
+//     dial skips this node's rules (Config.OwnMark) but not another
+//     node's, which would send it back, and so on (#30);
+//   - on an address of this node, the proxy's own ports: sp's node
+//     port, a listener port, or a server of ServerAddrs, which a pod
+//     must not reach through a Service address.
+//
+// Called by the sync goroutine, which owns the port allocator.
+func (p *Proxier) endpointRefusal(sp *ServicePort, ap netip.AddrPort) string {
+	ip, port := ap.Addr(), ap.Port()
+	if why := endpointAddrRefusal(ip, p.cfg.LoopbackEndpoints); why != "" {
+		return why
+	}
+	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.ExternalIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip)) {
+		return "the service port's own address and port: the proxy's connections to it would be intercepted again"
+	}
+	for _, s := range p.cfg.ServerAddrs {
+		if sp.Name.Protocol == v1.ProtocolTCP && s.Port() == port && (s.Addr().Unmap() == ip || s.Addr().IsUnspecified() && p.localAddr(ip)) {
+			return "an address of the proxy's own servers"
+		}
+	}
+	if !p.localAddr(ip) {
+		return ""
+	}
+	if sp.NodePort != 0 && port == sp.NodePort {
+		return "the service port's own node port on an address of this node"
+	}
+	if p.ports.inUse(portKey{name: sp.Name, v6: ip.Is6()}.network(), port) {
+		return "a listener port of the proxy on an address of this node"
+	}
+	return ""
+}
+
+// localAddr reports whether ip is one of the node's addresses, as the
+// last sync read them.
+func (p *Proxier) localAddr(ip netip.Addr) bool {
+	if addrs := p.localAddrs.Load(); addrs != nil {
+		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
+		return found
+	}
+	return false
 }
 
 // intercepts returns the addresses whose traffic the kernel must send to
@@ -1076,6 +1167,30 @@ func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (
 	return l, nil
 }
 
+// claimListener makes a redirect-mode listener's socket transparent
+// (IP_TRANSPARENT, which takes CAP_NET_ADMIN or CAP_NET_RAW): the kernel
+// rules (UPROXY-LISTENERS) hand what they redirect only to a transparent
+// socket, so a local process that binds a listener port the proxy has
+// let go, or left behind when it died, receives none of a Service's
+// traffic (#30). An inherited socket gets it too, as an older version
+// did not set it. Tproxy-mode listeners are transparent already.
+func (p *Proxier) claimListener(l *listener) {
+	var rc syscall.RawConn
+	switch {
+	case l.ln != nil:
+		rc = listenerRawConn(l.ln)
+	case l.pc != nil:
+		rc, _ = l.pc.SyscallConn()
+	}
+	if rc == nil {
+		return
+	}
+	if err := setTransparent(l.key.network(), rc, false); err != nil {
+		p.log.Warn("cannot make the listener transparent; the kernel rules refuse the connections redirected to it",
+			zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.port), zap.Error(err))
+	}
+}
+
 // unbindListener closes a listener that startListener could not start,
 // and frees its port. It runs on the sync goroutine, which owns the port
 // allocator.
@@ -1141,6 +1256,9 @@ func (p *Proxier) bindListener(ctx context.Context, k portKey, exact uint16) (*l
 // retried as one whose listener could not be opened.
 func (p *Proxier) startListener(l *listener) error {
 	k, network, port := l.key, l.key.network(), l.port
+	if p.cfg.Rules != nil && !p.cfg.Transparent {
+		p.claimListener(l)
+	}
 	if rc := listenerRawConn(l.ln); rc != nil {
 		// Once the socket is bound, whether bound here or inherited, and
 		// not on the attempts whose bind failed. Setting them before bind
@@ -1340,6 +1458,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 			p.closeListener(l)
 		}
 	}
+	p.closeRetired()
 	p.closeShared()
 	p.cfg.Inherited.stop(p.log)
 	done := make(chan struct{})

@@ -129,8 +129,9 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	be := nameBackend(t, "a")
 	cfg := Config{
-		PortRange:       quietPorts(t),
-		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
+		PortRange:         quietPorts(t),
+		LoopbackEndpoints: true,
+		SharedListeners:   []v1.Protocol{v1.ProtocolTCP},
 		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 			return netip.MustParseAddrPort("10.96.0.10:80"), nil
 		},

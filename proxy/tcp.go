@@ -398,17 +398,18 @@ func (p *Proxier) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
 
 // dial connects to addr over network ("tcp" or "udp") within the dial
 // timeout: from the address from when it is valid, else with the
-// configured or default dialer.
+// configured or default dialer. Its own dialers mark the socket with
+// Config.OwnMark; Config.Dial's are the caller's.
 func (p *Proxier) dial(network string, addr netip.AddrPort, from netip.Addr) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
 	defer cancel()
 	switch {
 	case from.IsValid():
-		return transparentDialer(from, network == "udp").DialContext(ctx, network, addr.String())
+		return transparentDialer(from, network == "udp", p.cfg.OwnMark).DialContext(ctx, network, addr.String())
 	case p.cfg.Dial != nil:
 		return p.cfg.Dial(ctx, network, addr.String())
 	}
-	var d net.Dialer
+	d := net.Dialer{Control: markControl(p.cfg.OwnMark)}
 	return d.DialContext(ctx, network, addr.String())
 }
 

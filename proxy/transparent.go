@@ -55,9 +55,16 @@ func transparentListenConfig() net.ListenConfig {
 // not be the node's: with IP_TRANSPARENT the backend sees the client's
 // own address. The replies reach us because the kernel's rules mark
 // packets of transparent sockets for local delivery.
-func transparentDialer(from netip.Addr, udp bool) *net.Dialer {
-	d := &net.Dialer{Control: func(network, _ string, c syscall.RawConn) error {
-		return setTransparent(network, c, false)
+func transparentDialer(from netip.Addr, udp bool, mark uint32) *net.Dialer {
+	marked := markControl(mark)
+	d := &net.Dialer{Control: func(network, address string, c syscall.RawConn) error {
+		if err := setTransparent(network, c, false); err != nil {
+			return err
+		}
+		if marked != nil {
+			return marked(network, address, c)
+		}
+		return nil
 	}}
 	if udp {
 		d.LocalAddr = &net.UDPAddr{IP: from.AsSlice()}
@@ -65,6 +72,21 @@ func transparentDialer(from netip.Addr, udp bool) *net.Dialer {
 		d.LocalAddr = &net.TCPAddr{IP: from.AsSlice()}
 	}
 	return d
+}
+
+// markControl returns a Dialer's Control that marks the socket with mark
+// (setOwnMark), or nil for a zero mark.
+func markControl(mark uint32) func(network, address string, c syscall.RawConn) error {
+	if mark == 0 {
+		return nil
+	}
+	return func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) { serr = setOwnMark(int(fd), mark) }); err != nil {
+			return err
+		}
+		return serr
+	}
 }
 
 // tproxySocket is a tproxy-mode UDP listener: each datagram carries its

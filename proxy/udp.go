@@ -473,7 +473,7 @@ func (p *Proxier) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error 
 		f.backend.Acquire()
 		return nil
 	}
-	fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from)
+	fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from, p.cfg.OwnMark)
 	if err != nil {
 		return err
 	}

@@ -171,15 +171,18 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	b.WriteString("COMMIT\n")
 	b.WriteString("*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n")
 	if synced {
-		b.WriteString(":UPROXY-FIREWALL - [0:0]\n")
+		b.WriteString(":UPROXY-FIREWALL - [0:0]\n:UPROXY-LISTENERS - [0:0]\n")
 		b.WriteString("-A INPUT " + firewallJumpComment + "\n")
+		b.WriteString("-A INPUT " + listenersJumpComment + "\n")
 	}
 	b.WriteString("-A INPUT -s " + unrelatedSource[f] + ` -m comment --comment "someone else" -j ACCEPT` + "\n")
 	if synced {
 		b.WriteString("-A FORWARD " + firewallJumpComment + "\n")
 		b.WriteString("-A OUTPUT " + firewallJumpComment + "\n")
-		for _, l := range st[chainKey{"filter", "UPROXY-FIREWALL"}].rules {
-			b.WriteString(l + "\n")
+		for _, c := range []string{"UPROXY-FIREWALL", "UPROXY-LISTENERS"} {
+			for _, l := range st[chainKey{"filter", c}].rules {
+				b.WriteString(l + "\n")
+			}
 		}
 	}
 	b.WriteString("COMMIT\n")
@@ -352,7 +355,7 @@ func testKernelSync(t *testing.T, f Family) {
 		map[string]int{save: 1, "ipset": reads + 1})
 	check("repair a flushed set", kernelRules, true)
 
-	jump := []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"}
+	jump := slices.Concat(notOwnMatch, []string{"-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"})
 	fwJump := []string{"-m", "conntrack", "--ctstate", "NEW,UNTRACKED", "-m", "comment", "--comment", "uproxy firewall", "-j", "UPROXY-FIREWALL"}
 	ipt(append([]string{"-t", "nat", "-D", "PREROUTING"}, jump...)...)
 	ipt(append([]string{"-t", "nat", "-D", "OUTPUT"}, jump...)...)
@@ -363,8 +366,11 @@ func testKernelSync(t *testing.T, f Family) {
 	for _, from := range []string{"INPUT", "FORWARD", "OUTPUT"} {
 		ipt(append([]string{"-t", "filter", "-D", from}, fwJump...)...)
 	}
+	ipt("-t", "filter", "-D", "INPUT", "-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "uproxy listener owners", "-j", listenersChain)
 	ipt("-t", "filter", "-F", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
+	ipt("-t", "filter", "-F", listenersChain)
+	ipt("-t", "filter", "-X", listenersChain)
 	// Redirect mode: nothing jumps to the mangle chains.
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
 	for _, c := range []string{tproxyServicesTCP, tproxyServicesUDP, tproxyNodePortsTCP, tproxyNodePortsUDP} {
@@ -444,7 +450,7 @@ func testKernelSync(t *testing.T, f Family) {
 	ipt("-t", "mangle", "-D", tproxyChain, "1")
 	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted rule", tp, true)
-	ipt("-t", "mangle", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain)
+	ipt(slices.Concat([]string{"-t", "mangle", "-D", "OUTPUT"}, notOwnMatch, []string{"-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain})...)
 	ipt("-t", "mangle", "-F", tproxyOutputChain)
 	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm},
 		map[string]int{save: 1, "ipset": reads, restore: 1})
@@ -557,35 +563,35 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	// restore of 5,000 adds, one iptables-restore of three rules.
 	const n = 5000
 	r := manyListeners(f, n)
-	sync("5,000 listeners", r, false, Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n + 1},
+	sync("5,000 listeners", r, false, Result{Wrote: true, Rules: 7, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n + 1},
 		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	many := savedTables(t, f)
 	if got := setEntries(t, tcpSet); got != n {
 		t.Errorf("ipset list %s: %d entries, want %d", tcpSet, got, n)
 	}
-	sync("unchanged", r, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{})
-	sync("unchanged full", r, true, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 1, "ipset": reads})
+	sync("unchanged", r, false, Result{Rules: 7, SetMembers: n + 1}, map[string]int{})
+	sync("unchanged full", r, true, Result{Rules: 7, SetMembers: n + 1}, map[string]int{save: 1, "ipset": reads})
 
 	// One listener per protocol: the same rules, 4,999 deletes.
-	sync("one listener per protocol", manyListeners(f, 1), false, Result{Rules: 3, WroteSets: true, SetMembers: 2, SetMembersWritten: n - 1}, map[string]int{"ipset": 1})
+	sync("one listener per protocol", manyListeners(f, 1), false, Result{Rules: 7, WroteSets: true, SetMembers: 2, SetMembersWritten: n - 1}, map[string]int{"ipset": 1})
 	if got := savedTables(t, f); got != many {
 		t.Errorf("the rules for one listener differ from those for 5,000 (-many +one):\n%s", cmp.Diff(many, got))
 	}
-	sync("5,000 listeners again", r, false, Result{Rules: 3, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n - 1}, map[string]int{"ipset": 1})
+	sync("5,000 listeners again", r, false, Result{Rules: 7, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n - 1}, map[string]int{"ipset": 1})
 
 	moved := manyListeners(f, n)
 	for i := range 100 {
 		moved.Listeners[i].Port = uint16(30000 + i)
 	}
-	sync("100 moved", moved, false, Result{Rules: 3, WroteSets: true, SetMembers: n + 1, SetMembersWritten: 100 * 2}, map[string]int{"ipset": 1})
+	sync("100 moved", moved, false, Result{Rules: 7, WroteSets: true, SetMembers: n + 1, SetMembersWritten: 100 * 2}, map[string]int{"ipset": 1})
 
 	// Drift of the set alone: no iptables-restore needed.
 	nsCommand(t, "ipset", "flush", tcpSet)
-	sync("set flushed", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},
+	sync("set flushed", moved, true, Result{Rules: 7, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},
 		map[string]int{save: 1, "ipset": reads + 1})
 	nsCommand(t, "ipset", "del", tcpSet, "30000")
 	nsCommand(t, "ipset", "add", tcpSet, "22")
-	sync("member deleted, stray member added", moved, true, Result{Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: 2, SetsRepaired: true},
+	sync("member deleted, stray member added", moved, true, Result{Rules: 7, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: 2, SetsRepaired: true},
 		map[string]int{save: 1, "ipset": reads + 1})
 
 	// The kernel refuses to destroy a set that a rule names.
@@ -593,9 +599,10 @@ func testKernelManyListeners(t *testing.T, f Family) {
 		t.Errorf("ipset destroy of a set in use: %v: %s", err, out)
 	}
 	nsCommand(t, f.command(""), "-t", "filter", "-F", firewallChain)
+	nsCommand(t, f.command(""), "-t", "filter", "-F", listenersChain)
 	nsCommand(t, "ipset", "destroy", tcpSet)
 	sync("chain flushed, set destroyed", moved, true,
-		Result{Wrote: true, Rules: 3, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},
+		Result{Wrote: true, Rules: 7, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},
 		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	if got := setEntries(t, tcpSet); got != n {
 		t.Errorf("ipset list %s after repair: %d entries, want %d", tcpSet, got, n)
@@ -606,7 +613,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 		t.Fatal(err)
 	}
 	s = s2
-	sync("restarted", moved, false, Result{Rules: 3, SetMembers: n + 1}, map[string]int{save: 1, "ipset": reads})
+	sync("restarted", moved, false, Result{Rules: 7, SetMembers: n + 1}, map[string]int{save: 1, "ipset": reads})
 
 	for i := range 2 {
 		if err := Cleanup(ctx, Config{Family: f, Exec: x}); err != nil {

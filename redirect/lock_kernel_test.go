@@ -118,8 +118,8 @@ func TestKernelSyncWaitsForXtablesLock(t *testing.T) {
 		return strings.Join(lines, "")
 	}
 	wantRules := []string{
-		`-A OUTPUT -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`,
-		`-A PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`,
+		`-A OUTPUT -m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`,
+		`-A PREROUTING -m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`,
 		"-j REDIRECT --to-ports 40001",
 	}
 

@@ -49,6 +49,7 @@ const (
 	servicesChain     = "UPROXY-SERVICES"
 	nodePortsChain    = "UPROXY-NODEPORTS"
 	firewallChain     = "UPROXY-FIREWALL"
+	listenersChain    = "UPROXY-LISTENERS"
 	tproxyChain       = "UPROXY-TPROXY"
 	tproxyOutputChain = "UPROXY-TPROXY-OUTPUT"
 	tproxyDivertChain = "UPROXY-TPROXY-DIVERT"
@@ -61,17 +62,34 @@ const (
 	tproxyNodePortsUDP = "UPROXY-TPROXY-NODEPORTS-UDP"
 )
 
+// OwnMark is the mark (SO_MARK) that the proxy puts on its own sockets
+// to backends: a packet that carries it never jumps to the chains that
+// intercept (UPROXY-SERVICES, UPROXY-TPROXY, UPROXY-TPROXY-OUTPUT), so
+// the proxy's own connections reach the address they were dialled to
+// even when it is one a Service intercepts (#30: a Service whose
+// externalIPs held its own pod's address, with port equal to targetPort,
+// sent every dial back into the proxy until descriptors ran out). It is
+// one bit that kube-proxy (0x4000 masquerade, 0x8000 drop) and
+// DefaultRouting (0x200000) leave alone.
+const OwnMark uint32 = 0x400000
+
+// notOwnMatch is the jump match that keeps the proxy's own packets
+// (OwnMark) out of the intercepting chains, as iptables-save prints it.
+var notOwnMatch = []string{"-m", "mark", "!", "--mark", fmt.Sprintf("0x%x/0x%x", OwnMark, OwnMark)}
+
 // chains is every chain uproxy creates, in every table. Render, Sync and
 // Cleanup all walk it: a new chain is added here and nowhere else. Chains
 // of one table are written in one iptables-restore section; tables appear
 // in the order of their first chain.
 var chains = []chainSpec{
 	{
-		table:       "nat",
-		name:        servicesChain,
-		from:        []string{"PREROUTING", "OUTPUT"},
-		jumpComment: "uproxy service portals",
-		rules:       serviceRules,
+		table:          "nat",
+		name:           servicesChain,
+		from:           []string{"PREROUTING", "OUTPUT"},
+		jumpComment:    "uproxy service portals",
+		jumpMatch:      notOwnMatch,
+		oldJumpMatches: [][]string{nil},
+		rules:          serviceRules,
 	},
 	{
 		// Jumped to only from the end of UPROXY-SERVICES.
@@ -83,12 +101,17 @@ var chains = []chainSpec{
 		// Jumped to in tproxy mode only: in redirect mode the jumps
 		// would cost every packet that enters or leaves the node an
 		// empty chain's walk.
-		table:       "mangle",
-		name:        tproxyChain,
-		from:        []string{"PREROUTING"},
-		jumpComment: "uproxy tproxy",
-		tproxyOnly:  true,
-		rules:       tproxyRules,
+		// The proxy's own packets stay out of it too: one sent to a
+		// local address comes back through lo, and PREROUTING, with
+		// its mark.
+		table:          "mangle",
+		name:           tproxyChain,
+		from:           []string{"PREROUTING"},
+		jumpComment:    "uproxy tproxy",
+		jumpMatch:      notOwnMatch,
+		oldJumpMatches: [][]string{nil},
+		tproxyOnly:     true,
+		rules:          tproxyRules,
 	},
 	// Jumped to from UPROXY-TPROXY by what the service set and the
 	// node-port sets match, with per-service rules.
@@ -104,12 +127,28 @@ var chains = []chainSpec{
 		rules: tproxyDivertRules,
 	},
 	{
-		table:       "mangle",
-		name:        tproxyOutputChain,
-		from:        []string{"OUTPUT"},
-		jumpComment: "uproxy tproxy node traffic",
-		tproxyOnly:  true,
-		rules:       tproxyOutputRules,
+		table:          "mangle",
+		name:           tproxyOutputChain,
+		from:           []string{"OUTPUT"},
+		jumpComment:    "uproxy tproxy node traffic",
+		jumpMatch:      notOwnMatch,
+		oldJumpMatches: [][]string{nil},
+		tproxyOnly:     true,
+		rules:          tproxyOutputRules,
+	},
+	{
+		// Only INPUT jumps here: the socket match works in PREROUTING
+		// and INPUT only (xt_socket), and the node's own connections to
+		// a listener come in through lo and INPUT too. See
+		// listenerOwnerRules. It comes before UPROXY-FIREWALL in the
+		// table, so that its jump comes after UPROXY-FIREWALL's in INPUT
+		// (each is inserted at position 1).
+		table:       "filter",
+		name:        listenersChain,
+		from:        []string{"INPUT"},
+		jumpComment: "uproxy listener owners",
+		jumpMatch:   []string{"-m", "conntrack", "--ctstate", "NEW"},
+		rules:       listenerOwnerRules,
 	},
 	{
 		// Only a connection's first packet jumps (or an untracked one),
@@ -470,6 +509,35 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 		if s.kind == listenerSet && len(s.members(r)) > 0 {
 			rules = append(rules, fmt.Sprintf("-A %s -p %s -m set --match-set %s dst -m addrtype --dst-type LOCAL -m conntrack ! --ctstate DNAT -j DROP",
 				c.name, s.proto, s.name))
+		}
+	}
+	return rules
+}
+
+// listenerOwnerRules renders UPROXY-LISTENERS: for each protocol that has
+// listeners of f, a RETURN for a new connection to a listener port whose
+// socket is transparent, then a REJECT for every other one.
+//
+// The proxy's listeners are transparent (IP_TRANSPARENT, which takes
+// CAP_NET_ADMIN or CAP_NET_RAW), and the kernel's socket lookup
+// (xt_socket, after REDIRECT has rewritten the destination) finds the
+// socket that would receive the packet. So when the proxy has closed a
+// listener, or died without a successor (SIGKILL leaves the rules and
+// sets in the kernel, and frees every port), a process that binds the
+// freed port receives none of the traffic the rules still send there:
+// the client is refused instead (#30). "--nowildcard" makes the match
+// count the listeners, which are bound to the unspecified address.
+func listenerOwnerRules(c chainSpec, f Family, r Rules) []string {
+	reject := "icmp-port-unreachable"
+	if f == IPv6 {
+		reject = "icmp6-port-unreachable"
+	}
+	var rules []string
+	for _, s := range setsOf(f) {
+		if s.kind == listenerSet && len(s.members(r)) > 0 {
+			rules = append(rules,
+				fmt.Sprintf("-A %s -p %s -m set --match-set %s dst -m socket --transparent --nowildcard -j RETURN", c.name, s.proto, s.name),
+				fmt.Sprintf("-A %s -p %s -m set --match-set %s dst -j REJECT --reject-with %s", c.name, s.proto, s.name, reject))
 		}
 	}
 	return rules

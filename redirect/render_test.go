@@ -454,6 +454,7 @@ func TestParseStateOfRender(t *testing.T) {
 		{"mangle", tproxyNodePortsUDP}:     {exists: true},
 		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true},
 		{"filter", "UPROXY-FIREWALL"}:      {exists: true},
+		{"filter", "UPROXY-LISTENERS"}:     {exists: true},
 	}
 	if diff := cmp.Diff(want, st, cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState(Render(...)) (-want +got):\n%s", diff)
@@ -482,6 +483,7 @@ func TestParseStateTables(t *testing.T) {
 		{"mangle", tproxyNodePortsUDP}:     {},
 		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
 		{"filter", "UPROXY-FIREWALL"}:      {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
+		{"filter", "UPROXY-LISTENERS"}:     {},
 	}
 	if diff := cmp.Diff(want, parseState([]byte(text)), cmp.AllowUnexported(chainState{})); diff != "" {
 		t.Errorf("parseState (-want +got):\n%s", diff)

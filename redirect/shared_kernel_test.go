@@ -98,7 +98,7 @@ func testKernelShared(t *testing.T, f Family) {
 	// 6 rules: a REDIRECT per protocol matching the service set, the
 	// jump to node ports and the node-port set's REDIRECT, two listener
 	// guards. 6 members: 3 services, 1 node port, 2 listeners.
-	sync("first Sync", r, false, Result{Wrote: true, Rules: 6, WroteSets: true, SetMembers: 6, SetMembersWritten: 6},
+	sync("first Sync", r, false, Result{Wrote: true, Rules: 10, WroteSets: true, SetMembers: 6, SetMembersWritten: 6},
 		map[string]int{save: 1, "ipset": reads + 1, restore: 1})
 	check("first Sync", r, true)
 	wantMembers := []string{
@@ -126,13 +126,13 @@ func testKernelShared(t *testing.T, f Family) {
 	// Nothing to write: the rules are what iptables-save prints, the
 	// members what ipset save prints, and the header options the kernel
 	// adds (hashsize, bucketsize, initval) are no drift.
-	sync("unchanged full Sync", r, true, Result{Rules: 6, SetMembers: 6}, map[string]int{save: 1, "ipset": reads})
+	sync("unchanged full Sync", r, true, Result{Rules: 10, SetMembers: 6}, map[string]int{save: 1, "ipset": reads})
 	rules := savedTables(t, f)
 
 	// One service added, one removed: one ipset restore, no rule.
 	changed := r
 	changed.Intercepts = []Intercept{r.Intercepts[0], r.Intercepts[2], svc("default/new:http", TCP, addr(12), 8080, tcp)}
-	sync("one added, one removed", changed, false, Result{Rules: 6, WroteSets: true, SetMembers: 6, SetMembersWritten: 2}, map[string]int{"ipset": 1})
+	sync("one added, one removed", changed, false, Result{Rules: 10, WroteSets: true, SetMembers: 6, SetMembersWritten: 2}, map[string]int{"ipset": 1})
 	check("one added, one removed", changed, true)
 	if got := savedTables(t, f); got != rules {
 		t.Errorf("the rules changed with the services (-before +after):\n%s", cmp.Diff(rules, got))
@@ -151,7 +151,7 @@ func testKernelShared(t *testing.T, f Family) {
 	// and only it.
 	nsCommand(t, "ipset", "del", servicesSet, wantMembers[0])
 	sync("repair a deleted member", changed, true,
-		Result{Rules: 6, Repaired: true, WroteSets: true, SetMembers: 6, SetMembersWritten: 1, SetsRepaired: true},
+		Result{Rules: 10, Repaired: true, WroteSets: true, SetMembers: 6, SetMembersWritten: 1, SetsRepaired: true},
 		map[string]int{save: 1, "ipset": reads + 1})
 	check("repair a deleted member", changed, true)
 
@@ -166,13 +166,13 @@ func testKernelShared(t *testing.T, f Family) {
 		}
 		many.Intercepts = append(many.Intercepts, svc(fmt.Sprintf("ns/svc-%d:http", i), TCP, a.String(), 80, tcp))
 	}
-	sync("2,000 services", many, false, Result{Rules: 6, WroteSets: true, SetMembers: 2006, SetMembersWritten: 2000}, map[string]int{"ipset": 1})
-	sync("2,000 services, unchanged full Sync", many, true, Result{Rules: 6, SetMembers: 2006}, map[string]int{save: 1, "ipset": reads})
+	sync("2,000 services", many, false, Result{Rules: 10, WroteSets: true, SetMembers: 2006, SetMembersWritten: 2000}, map[string]int{"ipset": 1})
+	sync("2,000 services, unchanged full Sync", many, true, Result{Rules: 10, SetMembers: 2006}, map[string]int{save: 1, "ipset": reads})
 	check("2,000 services", many, true)
 	if got := savedTables(t, f); got != rules {
 		t.Errorf("the rules changed with 2,000 services (-before +after):\n%s", cmp.Diff(rules, got))
 	}
-	sync("back to 3 services", changed, false, Result{Rules: 6, WroteSets: true, SetMembers: 6, SetMembersWritten: 2000}, map[string]int{"ipset": 1})
+	sync("back to 3 services", changed, false, Result{Rules: 10, WroteSets: true, SetMembers: 6, SetMembersWritten: 2000}, map[string]int{"ipset": 1})
 
 	// A LoadBalancer address with source ranges: its rule before the
 	// set's, out of the set, round-tripped.
@@ -180,9 +180,9 @@ func testKernelShared(t *testing.T, f Family) {
 	guarded := changed
 	guarded.Intercepts = append(slices.Clone(changed.Intercepts), svc("default/lb:https", TCP, lb, 443, tcp))
 	guarded.Firewalls = []Firewall{fw("default/lb:https", TCP, lb, 443, "10.244.0.0/16", "2001:db8:244::/64")}
-	sync("firewall", guarded, false, Result{Wrote: true, Rules: 8, SetMembers: 6}, map[string]int{restore: 1})
+	sync("firewall", guarded, false, Result{Wrote: true, Rules: 12, SetMembers: 6}, map[string]int{restore: 1})
 	check("firewall", guarded, true)
-	sync("firewall, unchanged full Sync", guarded, true, Result{Rules: 8, SetMembers: 6}, map[string]int{save: 1, "ipset": reads})
+	sync("firewall, unchanged full Sync", guarded, true, Result{Rules: 12, SetMembers: 6}, map[string]int{save: 1, "ipset": reads})
 
 	// Tproxy mode: the same sets, the rules in mangle, round-tripped.
 	tp := tproxied(guarded, Routing{})
@@ -203,7 +203,7 @@ func testKernelShared(t *testing.T, f Family) {
 		map[string]int{save: 1, restore: 1, "ipset": reads + 3})
 	check("per-service layout", perService, true)
 
-	sync("shared layout again", changed, false, Result{Wrote: true, Rules: 6, WroteSets: true, SetMembers: 6, SetMembersWritten: 4}, map[string]int{restore: 1, "ipset": 1})
+	sync("shared layout again", changed, false, Result{Wrote: true, Rules: 10, WroteSets: true, SetMembers: 6, SetMembersWritten: 4}, map[string]int{restore: 1, "ipset": 1})
 	check("shared layout again", changed, true)
 	for i := range 2 {
 		if err := Cleanup(ctx, Config{Family: f, Exec: x}); err != nil {

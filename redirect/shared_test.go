@@ -504,7 +504,7 @@ func TestSyncShared(t *testing.T) {
 	// set's REDIRECT, the listener guard.
 	const svcs, nps, lst = "uproxy-services4", "uproxy-nodeports-tcp4", "uproxy-listeners-tcp4"
 	sharedSyncStep(t, k, s, "first", r, false,
-		Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 5, SetMembersWritten: 5},
+		Result{Wrote: true, Rules: 6, WroteSets: true, SetMembers: 5, SetMembersWritten: 5},
 		concat(callsRead, callSetRestore, callRestore, callsInsertJumps),
 		"create "+lst+" bitmap:port range 0-65535 -exist\nadd "+lst+" 40000 -exist\n"+
 			"create "+svcs+" hash:ip,port family inet maxelem 1048576 -exist\n"+
@@ -513,7 +513,7 @@ func TestSyncShared(t *testing.T) {
 	rules := k.save()
 	// The kernel printed the set's header with its own hashsize,
 	// bucketsize and initval: not drift.
-	sharedSyncStep(t, k, s, "unchanged full", r, true, Result{Rules: 4, SetMembers: 5}, concat(callsRead, callsJumps))
+	sharedSyncStep(t, k, s, "unchanged full", r, true, Result{Rules: 6, SetMembers: 5}, concat(callsRead, callsJumps))
 
 	// One service added, one removed, the node port moved: four
 	// member changes, no rule.
@@ -521,21 +521,21 @@ func TestSyncShared(t *testing.T) {
 	moved.Intercepts = append(slices.Clone(r.Intercepts[:2]), r.Intercepts[3], sharedSvc("default/new:dns", TCP, "10.96.0.13", 53))
 	moved.NodePorts = []NodePort{sharedNP("default/web:http", IPv4, TCP, 30081)}
 	sharedSyncStep(t, k, s, "one added, one removed", moved, false,
-		Result{Rules: 4, WroteSets: true, SetMembers: 5, SetMembersWritten: 4},
+		Result{Rules: 6, WroteSets: true, SetMembers: 5, SetMembersWritten: 4},
 		[]string{callSetRestore},
 		"del "+svcs+" 10.96.0.12,tcp:5432 -exist\nadd "+svcs+" 10.96.0.13,tcp:53 -exist\n"+
 			"del "+nps+" 30080 -exist\nadd "+nps+" 30081 -exist\n")
 	if got := k.save(); got != rules {
 		t.Errorf("the rules changed with the services (-before +after):\n%s", cmp.Diff(rules, got))
 	}
-	sharedSyncStep(t, k, s, "unchanged", moved, false, Result{Rules: 4, SetMembers: 5}, nil)
+	sharedSyncStep(t, k, s, "unchanged", moved, false, Result{Rules: 6, SetMembers: 5}, nil)
 
 	// The first UDP service: its rule, after its member.
 	withUDP := moved
 	withUDP.Intercepts = append(slices.Clone(moved.Intercepts), sharedSvc("kube-system/dns:dns", UDP, "10.96.0.2", 53))
 	withUDP.Listeners = append(slices.Clone(moved.Listeners), Listener{IPv4, UDP, sharedUDP4})
 	sharedSyncStep(t, k, s, "first UDP service", withUDP, false,
-		Result{Wrote: true, Rules: 6, WroteSets: true, SetMembers: 7, SetMembersWritten: 2},
+		Result{Wrote: true, Rules: 10, WroteSets: true, SetMembers: 7, SetMembersWritten: 2},
 		[]string{callSetRestore, callRestore},
 		"create uproxy-listeners-udp4 bitmap:port range 0-65535 -exist\nadd uproxy-listeners-udp4 40001 -exist\n"+
 			"add "+svcs+" 10.96.0.2,udp:53 -exist\n")
@@ -548,7 +548,7 @@ func TestSyncShared(t *testing.T) {
 		clear(sets[nps].members)
 	})
 	sharedSyncStep(t, k, s, "repair members", withUDP, true,
-		Result{Rules: 6, Repaired: true, WroteSets: true, SetMembers: 7, SetMembersWritten: 3, SetsRepaired: true},
+		Result{Rules: 10, Repaired: true, WroteSets: true, SetMembers: 7, SetMembersWritten: 3, SetsRepaired: true},
 		concat(callsRead, callSetRestore, callsJumps),
 		"del "+svcs+" 10.96.0.99,tcp:22 -exist\nadd "+svcs+" 10.96.0.11,tcp:80 -exist\nadd "+nps+" 30081 -exist\n")
 
@@ -560,7 +560,7 @@ func TestSyncShared(t *testing.T) {
 	})
 	k.editSets(func(sets map[string]*fakeSet) { delete(sets, svcs) })
 	sharedSyncStep(t, k, s, "repair a destroyed set", withUDP, true,
-		Result{Wrote: true, Rules: 6, Repaired: true, WroteSets: true, SetMembers: 7, SetMembersWritten: 4, SetsRepaired: true},
+		Result{Wrote: true, Rules: 10, Repaired: true, WroteSets: true, SetMembers: 7, SetMembersWritten: 4, SetsRepaired: true},
 		concat(callsRead, callSetRestore, callRestore, callsJumps),
 		"create "+svcs+" hash:ip,port family inet maxelem 1048576 -exist\n"+
 			"add "+svcs+" 10.96.0.2,udp:53 -exist\nadd "+svcs+" 10.96.0.10,tcp:80 -exist\nadd "+svcs+" 10.96.0.11,tcp:80 -exist\nadd "+svcs+" 10.96.0.13,tcp:53 -exist\n")
@@ -575,7 +575,7 @@ func TestSyncShared(t *testing.T) {
 		sets[svcs] = &fakeSet{header: "hash:ip,port family inet hashsize 1024 maxelem 65536 bucketsize 12 initval 0x1", members: map[setMember]bool{}}
 	})
 	sharedSyncStep(t, k, s, "repair a set of other options", withUDP, true,
-		Result{Wrote: true, Rules: 6, Repaired: true, WroteSets: true, SetMembers: 7, SetMembersWritten: 4, SetsRepaired: true},
+		Result{Wrote: true, Rules: 10, Repaired: true, WroteSets: true, SetMembers: 7, SetMembersWritten: 4, SetsRepaired: true},
 		concat(callsRead, callSetRestore, callRestore, callsJumps),
 		"destroy "+svcs+"\ncreate "+svcs+" hash:ip,port family inet maxelem 1048576 -exist\n"+
 			"add "+svcs+" 10.96.0.2,udp:53 -exist\nadd "+svcs+" 10.96.0.10,tcp:80 -exist\nadd "+svcs+" 10.96.0.11,tcp:80 -exist\nadd "+svcs+" 10.96.0.13,tcp:53 -exist\n")
@@ -586,10 +586,10 @@ func TestSyncShared(t *testing.T) {
 	perService := withUDP
 	perService.Shared = false
 	sharedSyncStep(t, k, s, "per-service layout", perService, false,
-		Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2},
+		Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2},
 		[]string{callRestore, "ipset destroy " + svcs, "ipset destroy " + nps})
 	sharedSyncStep(t, k, s, "shared layout again", withUDP, false,
-		Result{Wrote: true, Rules: 6, WroteSets: true, SetMembers: 7, SetMembersWritten: 5},
+		Result{Wrote: true, Rules: 10, WroteSets: true, SetMembers: 7, SetMembersWritten: 5},
 		[]string{callSetRestore, callRestore},
 		"create "+svcs+" hash:ip,port family inet maxelem 1048576 -exist\n"+
 			"add "+svcs+" 10.96.0.2,udp:53 -exist\nadd "+svcs+" 10.96.0.10,tcp:80 -exist\nadd "+svcs+" 10.96.0.11,tcp:80 -exist\nadd "+svcs+" 10.96.0.13,tcp:53 -exist\n"+
@@ -598,7 +598,7 @@ func TestSyncShared(t *testing.T) {
 	// Tproxy mode: the same sets, the rules in mangle, and the jumps to
 	// them, which a change of mode reads the tables for.
 	sharedSyncStep(t, k, s, "tproxy mode", tproxied(withUDP, Routing{}), false,
-		Result{Wrote: true, Rules: 10, SetMembers: 7}, concat(callsRead, callRestore, "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"))
+		Result{Wrote: true, Rules: 14, SetMembers: 7}, concat(callsRead, callRestore, "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"))
 
 	// Cleanup destroys every set, once the rules are gone.
 	if err := Cleanup(context.Background(), Config{Exec: k, Jumps: k}); err != nil {
@@ -620,7 +620,7 @@ func TestSyncSharedIPv6(t *testing.T) {
 	// 8 rules: the guarded intercept's allowed prefix, a set REDIRECT
 	// per protocol and the jump in UPROXY-SERVICES, one in
 	// UPROXY-NODEPORTS, the firewall's DROP and two listener guards.
-	if want := (Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 6, SetMembersWritten: 6}); res != want {
+	if want := (Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 6, SetMembersWritten: 6}); res != want {
 		t.Errorf("Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff([]string{string(RenderSetUpdate(IPv6, Rules{}, sharedAll))}, k.setRestored); diff != "" {

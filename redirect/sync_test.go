@@ -378,9 +378,9 @@ func (k *fakeKernel) restoreLocked(input string) error {
 // specLine formats a go-iptables rule spec as iptables-save would.
 func specLine(chain string, spec []string) string {
 	parts := []string{"-A", chain}
-	for _, s := range spec {
-		if strings.ContainsAny(s, " /:") {
-			s = `"` + s + `"`
+	for i, s := range spec {
+		if i > 0 && spec[i-1] == "--comment" {
+			s = quoteComment(s) // iptables-save quotes comments only
 		}
 		parts = append(parts, s)
 	}
@@ -495,10 +495,14 @@ var (
 )
 
 const (
-	jumpComment             = `-m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
-	tproxyJumpComment       = `-m comment --comment "uproxy tproxy" -j UPROXY-TPROXY`
-	tproxyOutputJumpComment = `-m comment --comment "uproxy tproxy node traffic" -j UPROXY-TPROXY-OUTPUT`
+	jumpComment             = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
+	tproxyJumpComment       = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy tproxy" -j UPROXY-TPROXY`
+	tproxyOutputJumpComment = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy tproxy node traffic" -j UPROXY-TPROXY-OUTPUT`
 	firewallJumpComment     = `-m conntrack --ctstate NEW,UNTRACKED -m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
+	listenersJumpComment    = `-m conntrack --ctstate NEW -m comment --comment "uproxy listener owners" -j UPROXY-LISTENERS`
+	// oldJumpComment is the service jump of earlier versions, which the
+	// proxy's own packets took too.
+	oldJumpComment = `-m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
 	// oldFirewallJumpComment is the firewall jump of earlier versions,
 	// which every packet took.
 	oldFirewallJumpComment = `-m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
@@ -546,13 +550,16 @@ func wantSave(f Family, r Rules) string {
 	for _, c := range builtin["filter"] {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
-	b.WriteString(":UPROXY-FIREWALL - [0:0]\n")
+	b.WriteString(":UPROXY-LISTENERS - [0:0]\n:UPROXY-FIREWALL - [0:0]\n")
 	b.WriteString("-A INPUT " + firewallJumpComment + "\n")
+	b.WriteString("-A INPUT " + listenersJumpComment + "\n")
 	b.WriteString(unrelatedFilter + "\n")
 	b.WriteString("-A FORWARD " + firewallJumpComment + "\n")
 	b.WriteString("-A OUTPUT " + firewallJumpComment + "\n")
-	for _, l := range st[chainKey{"filter", "UPROXY-FIREWALL"}].rules {
-		b.WriteString(l + "\n")
+	for _, c := range []string{"UPROXY-LISTENERS", "UPROXY-FIREWALL"} {
+		for _, l := range st[chainKey{"filter", c}].rules {
+			b.WriteString(l + "\n")
+		}
 	}
 	b.WriteString("COMMIT\n# Completed on Sun Nov 29 14:42:56 2026\n")
 	return b.String()
@@ -573,12 +580,12 @@ var (
 	// in redirect mode: no mangle jumps.
 	callsInsertJumps = []string{
 		"Insert nat PREROUTING 1", "Insert nat OUTPUT 1",
-		"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
+		"Insert filter INPUT 1", "Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
 	}
 	// callsInsertJumpsTProxy are those of tproxy mode.
 	callsInsertJumpsTProxy = []string{
 		"Insert nat PREROUTING 1", "Insert nat OUTPUT 1", "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1",
-		"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
+		"Insert filter INPUT 1", "Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1",
 	}
 )
 
@@ -607,7 +614,7 @@ func TestSyncFirstWritesAndInsertsJumps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
+	if want := (Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2, SetMembersWritten: 2}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	// The sets first: the rules name them.
@@ -658,7 +665,7 @@ func TestSyncReplacesEarlierJumps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 8, SetMembers: 2}); res != want {
+	if want := (Result{Rules: 12, SetMembers: 2}); res != want {
 		t.Errorf("first Sync of a new process = %+v, want %+v", res, want)
 	}
 	replace := []string{
@@ -683,7 +690,7 @@ func TestSyncReplacesEarlierJumps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 8, SetMembers: 2, Repaired: true}); res != want {
+	if want := (Result{Rules: 12, SetMembers: 2, Repaired: true}); res != want {
 		t.Errorf("full Sync = %+v, want %+v", res, want)
 	}
 	replace = slices.Insert(replace, 2, "Delete filter INPUT")
@@ -747,7 +754,7 @@ func TestSyncUnchangedRunsNothing(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := (Result{Rules: 8, SetMembers: 2}); res != want {
+		if want := (Result{Rules: 12, SetMembers: 2}); res != want {
 			t.Errorf("unchanged Sync = %+v, want %+v", res, want)
 		}
 		if calls := k.takeCalls(); len(calls) != 0 {
@@ -802,7 +809,7 @@ func TestSyncFullUnchangedWritesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 8, SetMembers: 2}); res != want {
+	if want := (Result{Rules: 12, SetMembers: 2}); res != want {
 		t.Errorf("full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -884,7 +891,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			rules["OUTPUT"] = nil
 			delete(rules, "UPROXY-FIREWALL")
 			return slices.Clone(builtin["filter"])
-		}, []string{"Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1"}},
+		}, []string{"Insert filter INPUT 1", "Insert filter INPUT 1", "Insert filter FORWARD 1", "Insert filter OUTPUT 1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -900,7 +907,7 @@ func TestSyncFullRepairsDrift(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Wrote: true, Rules: 8, Repaired: true, SetMembers: 2}); res != want {
+			if want := (Result{Wrote: true, Rules: 12, Repaired: true, SetMembers: 2}); res != want {
 				t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 			}
 			if diff := cmp.Diff(concat(callsRead, callRestore, tt.jumpCalls), k.takeCalls()); diff != "" {
@@ -922,9 +929,9 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 		rules        int
 		members      int
 	}{
-		{"nat", "OUTPUT", []string{unrelated}, rulesA, 8, 2},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 15, 5},
-		{"filter", "FORWARD", nil, rulesA, 8, 2},
+		{"nat", "OUTPUT", []string{unrelated}, rulesA, 12, 2},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 19, 5},
+		{"filter", "FORWARD", nil, rulesA, 12, 2},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
 			ctx := context.Background()
@@ -991,7 +998,7 @@ func TestSyncRestoreFailure(t *testing.T) {
 	if !errors.Is(err, errExit) {
 		t.Errorf("error %v does not wrap the exec error", err)
 	}
-	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL", stderr} {
+	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-LISTENERS,UPROXY-FIREWALL", stderr} {
 		if !strings.Contains(err.Error(), s) {
 			t.Errorf("error %q does not mention %q", err, s)
 		}
@@ -1078,14 +1085,14 @@ func TestSyncInsertsOnlyMissingJumps(t *testing.T) {
 	})
 	k.edit("filter", func(order []string, rules map[string][]string) []string {
 		rules["FORWARD"] = []string{"-A FORWARD " + firewallJumpComment}
-		return append(order, "UPROXY-FIREWALL")
+		return append(order, "UPROXY-LISTENERS", "UPROXY-FIREWALL")
 	})
 	s := newFakeSyncer(t, k)
 	if _, err := s.Sync(ctx, rulesA, false); err != nil {
 		t.Fatal(err)
 	}
 	want := concat(callsRead, callSetRestore, callRestore, "Insert nat OUTPUT 1",
-		"Insert filter INPUT 1", "Insert filter OUTPUT 1")
+		"Insert filter INPUT 1", "Insert filter INPUT 1", "Insert filter OUTPUT 1")
 	if diff := cmp.Diff(want, k.takeCalls()); diff != "" {
 		t.Errorf("Sync calls (-want +got):\n%s", diff)
 	}
@@ -1107,7 +1114,7 @@ func TestSyncAdoptsPreviousProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 8, SetMembers: 2}); res != want {
+	if want := (Result{Rules: 12, SetMembers: 2}); res != want {
 		t.Errorf("adopting Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1145,7 +1152,7 @@ func TestSyncIPv6(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 2, WroteSets: true, SetMembers: 1, SetMembersWritten: 1}); res != want {
+	if want := (Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 1, SetMembersWritten: 1}); res != want {
 		t.Errorf("Sync = %+v, want %+v", res, want)
 	}
 	calls := k.takeCalls()
@@ -1227,17 +1234,18 @@ func TestCleanup(t *testing.T) {
 	// either is deleted.
 	wantInput := "*nat\n:UPROXY-SERVICES - [0:0]\n:UPROXY-NODEPORTS - [0:0]\n-X UPROXY-SERVICES\n-X UPROXY-NODEPORTS\nCOMMIT\n" +
 		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-SERVICES-TCP\n-X UPROXY-TPROXY-SERVICES-UDP\n-X UPROXY-TPROXY-NODEPORTS-TCP\n-X UPROXY-TPROXY-NODEPORTS-UDP\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
-		"*filter\n:UPROXY-FIREWALL - [0:0]\n-X UPROXY-FIREWALL\nCOMMIT\n"
+		"*filter\n:UPROXY-LISTENERS - [0:0]\n:UPROXY-FIREWALL - [0:0]\n-X UPROXY-LISTENERS\n-X UPROXY-FIREWALL\nCOMMIT\n"
 	if got := k.restored[len(k.restored)-1]; got != wantInput {
 		t.Errorf("Cleanup restore input = %q, want %q", got, wantInput)
 	}
 	wantCalls := []string{
-		"Exists nat PREROUTING", "Delete nat PREROUTING", "Exists nat PREROUTING",
-		"Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT",
+		// Each chain's current jump, then an earlier version's.
+		"Exists nat PREROUTING", "Delete nat PREROUTING", "Exists nat PREROUTING", "Exists nat PREROUTING",
+		"Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Exists nat OUTPUT",
 		// Redirect mode has no mangle jumps: only the one added above.
-		"Exists mangle PREROUTING",
-		"Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT",
-		// The current jump, then an earlier version's.
+		"Exists mangle PREROUTING", "Exists mangle PREROUTING",
+		"Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT", "Exists mangle OUTPUT",
+		"Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT",
 		"Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT",
 		"Exists filter INPUT",
 		"Exists filter FORWARD", "Delete filter FORWARD", "Exists filter FORWARD",
@@ -1292,7 +1300,7 @@ func TestCleanupErrors(t *testing.T) {
 	}
 	k.failRestore = fmt.Errorf("iptables-restore: %w: referenced", errExit)
 	err = Cleanup(ctx, Config{Exec: k, Jumps: k})
-	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-OUTPUT; filter UPROXY-LISTENERS,UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
 		t.Errorf("Cleanup with failing restore = %v", err)
 	}
 }
@@ -1398,29 +1406,29 @@ func TestSyncListenersIncremental(t *testing.T) {
 	const tcp, udp = "uproxy-listeners-tcp4", "uproxy-listeners-udp4"
 
 	step("first", listeners(IPv4, []uint16{40001, 40002, 40003}, nil),
-		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 3, SetMembersWritten: 3},
+		Result{Wrote: true, Rules: 5, WroteSets: true, SetMembers: 3, SetMembersWritten: 3},
 		concat(callsRead, callSetRestore, callRestore, callsInsertJumps),
 		"create "+tcp+" bitmap:port range 0-65535 -exist\nadd "+tcp+" 40001 -exist\nadd "+tcp+" 40002 -exist\nadd "+tcp+" 40003 -exist\n")
 	step("unchanged", listeners(IPv4, []uint16{40003, 40002, 40001, 40001}, nil),
-		Result{Rules: 3, SetMembers: 3}, nil)
+		Result{Rules: 5, SetMembers: 3}, nil)
 	step("one added, one removed", listeners(IPv4, []uint16{40001, 40003, 40004}, nil),
-		Result{Rules: 3, WroteSets: true, SetMembers: 3, SetMembersWritten: 2},
+		Result{Rules: 5, WroteSets: true, SetMembers: 3, SetMembersWritten: 2},
 		[]string{callSetRestore},
 		"del "+tcp+" 40002 -exist\nadd "+tcp+" 40004 -exist\n")
 	step("unchanged again", listeners(IPv4, []uint16{40001, 40003, 40004}, nil),
-		Result{Rules: 3, SetMembers: 3}, nil)
+		Result{Rules: 5, SetMembers: 3}, nil)
 	// The UDP set is created and filled before the rule that names it.
 	step("first UDP listener", listeners(IPv4, []uint16{40001, 40003, 40004}, []uint16{40005}),
-		Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 4, SetMembersWritten: 1},
+		Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 4, SetMembersWritten: 1},
 		[]string{callSetRestore, callRestore},
 		"create "+udp+" bitmap:port range 0-65535 -exist\nadd "+udp+" 40005 -exist\n")
 	step("changes in both sets", listeners(IPv4, []uint16{40001}, []uint16{40005, 40006}),
-		Result{Rules: 4, WroteSets: true, SetMembers: 3, SetMembersWritten: 3},
+		Result{Rules: 8, WroteSets: true, SetMembers: 3, SetMembersWritten: 3},
 		[]string{callSetRestore},
 		"del "+tcp+" 40003 -exist\ndel "+tcp+" 40004 -exist\nadd "+udp+" 40006 -exist\n")
 	// The UDP set is destroyed after the rule that names it is gone.
 	step("last UDP listener gone", listeners(IPv4, []uint16{40001, 40002}, nil),
-		Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2, SetMembersWritten: 1},
+		Result{Wrote: true, Rules: 5, WroteSets: true, SetMembers: 2, SetMembersWritten: 1},
 		[]string{callSetRestore, callRestore, "ipset destroy " + udp},
 		"add "+tcp+" 40002 -exist\n")
 	step("no listeners", rulesB,
@@ -1468,6 +1476,7 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 		{"chain flushed and set destroyed", func(k *fakeKernel) {
 			k.edit("filter", func(order []string, rules map[string][]string) []string {
 				rules[firewallChain] = nil
+				rules[listenersChain] = nil
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) { delete(sets, tcp) })
@@ -1475,6 +1484,7 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 		{"set replaced by one of another type", func(k *fakeKernel) {
 			k.edit("filter", func(order []string, rules map[string][]string) []string {
 				rules[firewallChain] = nil
+				rules[listenersChain] = nil
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) {
@@ -1497,7 +1507,7 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := Result{Wrote: tt.rules, Rules: 4, Repaired: true, WroteSets: true, SetMembers: 3, SetMembersWritten: 2, SetsRepaired: true}
+			want := Result{Wrote: tt.rules, Rules: 8, Repaired: true, WroteSets: true, SetMembers: 3, SetMembersWritten: 2, SetsRepaired: true}
 			if res != want {
 				t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 			}
@@ -1518,7 +1528,7 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 				t.Errorf("sets after repair (-want +got):\n%s", diff)
 			}
 			// Repaired: the next full Sync finds nothing to do.
-			if res, err := s.Sync(ctx, r, true); err != nil || res != (Result{Rules: 4, SetMembers: 3}) {
+			if res, err := s.Sync(ctx, r, true); err != nil || res != (Result{Rules: 8, SetMembers: 3}) {
 				t.Errorf("full Sync after repair = %+v, %v", res, err)
 			}
 		})
@@ -1541,7 +1551,7 @@ func TestSyncAdoptsStaleSets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 3, WroteSets: true, SetMembers: 2, SetMembersWritten: 1}); res != want {
+	if want := (Result{Wrote: true, Rules: 5, WroteSets: true, SetMembers: 2, SetMembersWritten: 1}); res != want {
 		t.Errorf("adopting Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, "ipset destroy uproxy-listeners-udp4", callsJumps), k.takeCalls()); diff != "" {
@@ -1591,7 +1601,7 @@ func TestSyncSetFailures(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := (Result{Wrote: true, Rules: 4, WroteSets: true, SetMembers: 3, SetMembersWritten: 3}); res != want {
+		if want := (Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 3, SetMembersWritten: 3}); res != want {
 			t.Errorf("Sync after failure = %+v, want %+v", res, want)
 		}
 		if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1662,7 +1672,7 @@ func TestSyncSetFailures(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := (Result{Rules: 3, WroteSets: true, SetMembers: 2}); res != want {
+		if want := (Result{Rules: 5, WroteSets: true, SetMembers: 2}); res != want {
 			t.Errorf("Sync after failure = %+v, want %+v", res, want)
 		}
 		if diff := cmp.Diff(concat(callsRead, "ipset destroy uproxy-listeners-udp4", callsJumps), k.takeCalls()); diff != "" {
@@ -1783,7 +1793,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 15, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 19, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
@@ -1806,7 +1816,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 15, SetMembers: 5}); res != want {
+	if want := (Result{Rules: 19, SetMembers: 5}); res != want {
 		t.Errorf("unchanged full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1822,7 +1832,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 15, Repaired: true, SetMembers: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 19, Repaired: true, SetMembers: 5}); res != want {
 		t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1842,9 +1852,9 @@ func TestSyncTProxy(t *testing.T) {
 		want  Result
 		calls []string
 	}{
-		{"redirect mode", rulesA, Result{Wrote: true, Rules: 8, WroteSets: true, SetMembers: 2},
+		{"redirect mode", rulesA, Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2},
 			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT"})},
-		{"tproxy mode again", tp, Result{Wrote: true, Rules: 15, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+		{"tproxy mode again", tp, Result{Wrote: true, Rules: 19, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
 			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"})},
 	} {
 		res, err := s.Sync(ctx, step.r, false)
@@ -1938,5 +1948,38 @@ func TestCommandsCounted(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestSyncReplacesUnmarkedServiceJumps: the jumps to UPROXY-SERVICES of
+// an earlier version, which the proxy's own packets took too (#30), are
+// replaced by the current ones, which skip packets with OwnMark, by the
+// first sync of a new process.
+func TestSyncReplacesUnmarkedServiceJumps(t *testing.T) {
+	ctx := context.Background()
+	k := newFakeKernel(IPv4)
+	if _, err := newFakeSyncer(t, k).Sync(ctx, rulesA, false); err != nil {
+		t.Fatal(err)
+	}
+	k.edit("nat", func(order []string, rules map[string][]string) []string {
+		for _, from := range []string{"PREROUTING", "OUTPUT"} {
+			i := slices.Index(rules[from], "-A "+from+" "+jumpComment)
+			if i < 0 {
+				t.Fatalf("no service jump in %s: %q", from, rules[from])
+			}
+			rules[from][i] = "-A " + from + " " + oldJumpComment
+		}
+		return order
+	})
+	k.takeCalls()
+	if _, err := newFakeSyncer(t, k).Sync(ctx, rulesA, false); err != nil {
+		t.Fatal(err)
+	}
+	want := concat(callsRead, "Insert nat PREROUTING 1", "Delete nat PREROUTING", "Insert nat OUTPUT 1", "Delete nat OUTPUT")
+	if diff := cmp.Diff(want, k.takeCalls()); diff != "" {
+		t.Errorf("first Sync of a new process, calls (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantSave(IPv4, rulesA), k.save()); diff != "" {
+		t.Errorf("kernel after the first Sync of a new process (-want +got):\n%s", diff)
 	}
 }

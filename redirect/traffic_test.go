@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -133,8 +136,15 @@ func (tl *trafficLab) exec(ns string, args ...string) string {
 
 // serve starts a socat server in namespace ns that answers reply to every
 // TCP connection (or UDP datagram) on port of family f, and waits until
-// it listens.
-func (tl *trafficLab) serve(ns string, f Family, p Protocol, port uint16, reply string) {
+// it listens. Its socket is transparent, as the proxy's listeners are
+// (see UPROXY-LISTENERS).
+func (tl *trafficLab) serve(ns string, f Family, p Protocol, port uint16, reply string) *lab.Proc {
+	tl.t.Helper()
+	return tl.serveSocket(ns, f, p, port, reply, true)
+}
+
+// serveSocket is serve, with a transparent socket or not.
+func (tl *trafficLab) serveSocket(ns string, f Family, p Protocol, port uint16, reply string, transparent bool) *lab.Proc {
 	tl.t.Helper()
 	kind := map[Protocol]string{TCP: "TCP", UDP: "UDP"}[p] + map[Family]string{IPv4: "4", IPv6: "6"}[f]
 	listen := fmt.Sprintf("%s-LISTEN:%d,fork,reuseaddr", kind, port)
@@ -144,12 +154,16 @@ func (tl *trafficLab) serve(ns string, f Family, p Protocol, port uint16, reply 
 	if f == IPv6 {
 		listen += ",ipv6only=1"
 	}
-	if _, err := tl.lab.Start(ns, "socat "+listen, "socat", listen, "SYSTEM:echo "+reply); err != nil {
+	if transparent {
+		listen += ",ip-transparent"
+	}
+	proc, err := tl.lab.Start(ns, "socat "+listen, "socat", listen, "SYSTEM:echo "+reply)
+	if err != nil {
 		tl.t.Fatal(err)
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if strings.TrimSpace(tl.exec(ns, "ss", "-Hltun", "sport = :"+strconv.Itoa(int(port)))) != "" {
-			return
+			return proc
 		}
 		if time.Now().After(deadline) {
 			tl.t.Fatalf("socat does not listen on %s port %d in %s", p, port, ns)
@@ -419,7 +433,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := (Result{Rules: 2, WroteSets: true, SetMembers: 2, SetMembersWritten: 1}); res != want {
+			if want := (Result{Rules: 4, WroteSets: true, SetMembers: 2, SetMembersWritten: 1}); res != want {
 				t.Errorf("adding a listener: Sync = %+v, want %+v (the set only)", res, want)
 			}
 			tl.expect("a port added to the listener set", client, TCP, ap(nodeAddr[f], second), timedOut)
@@ -445,6 +459,94 @@ func TestTrafficListenerGuard(t *testing.T) {
 			tl.expect("listener directly after Cleanup", client, TCP, direct, "hi")
 			if got := tl.dial(client, TCP, vip); got == "hi" {
 				t.Errorf("service after Cleanup: still redirected")
+			}
+		})
+	}
+}
+
+// TestTrafficListenerOwner checks UPROXY-LISTENERS (#30): what the rules
+// redirect to a listener port reaches only a transparent socket, such as
+// the proxy's listeners. A process that binds the port without
+// IP_TRANSPARENT, as any local user can once the proxy has closed it or
+// died (SIGKILL leaves the rules and sets in the kernel), receives none
+// of the service's traffic: the client is refused instead.
+func TestTrafficListenerOwner(t *testing.T) {
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			tl := newTrafficLab(t, 1)
+			client, node := tl.pods[0].NS, tl.lab.Node
+			vipAddr := map[Family]netip.Addr{IPv4: netip.MustParseAddr("10.96.0.10"), IPv6: netip.MustParseAddr("2001:db8:96::10")}[f]
+			tcpPort, udpPort := uint16(40001), uint16(40002)
+			tl.apply(f, Rules{
+				Intercepts: []Intercept{
+					{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: tcpPort},
+					{Comment: "default/dns:dns", Protocol: UDP, Dest: vipAddr, Port: 53, ToPort: udpPort},
+				},
+				Listeners: []Listener{{f, TCP, tcpPort}, {f, UDP, udpPort}},
+			})
+			// The proxy is gone: a local process binds its ports.
+			squatTCP := tl.serveSocket(node, f, TCP, tcpPort, "squatter", false)
+			squatUDP := tl.serveSocket(node, f, UDP, udpPort, "squatter-udp", false)
+			tl.expect("service from a pod, to a squatted TCP port", client, TCP, ap(vipAddr, 80), refused)
+			tl.expect("service from the node, to a squatted TCP port", node, TCP, ap(vipAddr, 80), refused)
+			if got := tl.dial(client, UDP, ap(vipAddr, 53)); got == "squatter-udp" {
+				t.Error("service from a pod, to a squatted UDP port: the squatter answered")
+			}
+			// The proxy is back, with transparent listeners.
+			for _, p := range []*lab.Proc{squatTCP, squatUDP} {
+				p.Signal(syscall.SIGKILL)
+				p.Wait(5 * time.Second)
+			}
+			tl.serve(node, f, TCP, tcpPort, "proxy")
+			tl.serve(node, f, UDP, udpPort, "proxy-udp")
+			tl.expect("service from a pod, to the proxy", client, TCP, ap(vipAddr, 80), "proxy")
+			tl.expect("service from the node, to the proxy", node, TCP, ap(vipAddr, 80), "proxy")
+			tl.expect("UDP service from a pod, to the proxy", client, UDP, ap(vipAddr, 53), "proxy-udp")
+		})
+	}
+}
+
+// TestTrafficOwnMark checks that the proxy's own packets, which carry
+// OwnMark, are not intercepted (#30): a connection from the node to an
+// address and port that a Service intercepts, a pod's own in a tenant's
+// externalIPs, reaches the pod when it carries the mark, and the
+// listener otherwise.
+func TestTrafficOwnMark(t *testing.T) {
+	for _, f := range []Family{IPv4, IPv6} {
+		t.Run(f.String(), func(t *testing.T) {
+			tl := newTrafficLab(t, 1)
+			pod, node := tl.pods[0], tl.lab.Node
+			dest := ap(podAddr(pod, f), 8080)
+			tl.serve(pod.NS, f, TCP, 8080, "pod")
+			tl.serve(node, f, TCP, 40001, "proxy")
+			tl.apply(f, Rules{
+				Intercepts: []Intercept{{Comment: "tenant/loop:http", Protocol: TCP, Dest: dest.Addr(), Port: 8080, ToPort: 40001}},
+				Listeners:  []Listener{{f, TCP, 40001}},
+			})
+			tl.expect("the node, unmarked", node, TCP, dest, "proxy")
+			var got string
+			err := lab.DoInNetns(node, func() error {
+				d := net.Dialer{Timeout: 2 * time.Second, Control: func(_, _ string, c syscall.RawConn) error {
+					var serr error
+					if err := c.Control(func(fd uintptr) {
+						serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_MARK, int(OwnMark))
+					}); err != nil {
+						return err
+					}
+					return serr
+				}}
+				c, err := d.Dial("tcp", dest.String())
+				if err != nil {
+					return err
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(3 * time.Second))
+				b, err := io.ReadAll(c)
+				got = strings.TrimSpace(string(b))
+				return err
+			})
+			if err != nil || got != "pod" {
+				t.Errorf("the node, with the proxy's mark: got %q, %v; want pod", got, err)
 			}
 		})
 	}

@@ -251,7 +251,7 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 		Image:     "uproxy:latest",
 		Args: []string{"run", "--kubeconfig=/var/lib/uproxy/kubeconfig.conf", "--hostname-override=$(NODE_NAME)",
 			"--cluster-cidr=10.244.0.0/16", "--healthz-bind-address=0.0.0.0:10256",
-			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json"},
+			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json", "--proxy-port-range=40000-49999"},
 		Grace: 30,
 	}
 	if spec.DNSPolicy == "" {

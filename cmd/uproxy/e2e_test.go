@@ -368,11 +368,11 @@ func TestE2ELifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 		c.waitRules("the flushed chain to be repaired", func(s string) bool { return strings.Count(s, "-j REDIRECT") == 1 })
-		if _, err := c.lab.Exec(ctx, c.lab.Node, "iptables", "-t", "nat", "-D", "OUTPUT", "-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"); err != nil {
+		if _, err := c.lab.Exec(ctx, c.lab.Node, "iptables", "-t", "nat", "-D", "OUTPUT", "-m", "mark", "!", "--mark", "0x400000/0x400000", "-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"); err != nil {
 			t.Fatal(err)
 		}
 		c.waitRules("the deleted jump to be repaired", func(s string) bool {
-			return strings.Contains(s, `-A OUTPUT -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`)
+			return strings.Contains(s, `-A OUTPUT -m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`)
 		})
 		ok()
 	})
@@ -397,7 +397,7 @@ func TestE2ELifecycle(t *testing.T) {
 			}
 		}
 		s := c.natRules()
-		for _, want := range []string{"-A PREROUTING -m comment --comment \"uproxy service portals\"", "-A OUTPUT -m comment --comment \"uproxy service portals\"", "-j REDIRECT"} {
+		for _, want := range []string{"-A PREROUTING -m mark ! --mark 0x400000/0x400000 -m comment --comment \"uproxy service portals\"", "-A OUTPUT -m mark ! --mark 0x400000/0x400000 -m comment --comment \"uproxy service portals\"", "-j REDIRECT"} {
 			if n := strings.Count(s, want); n != 1 {
 				t.Errorf("%d copies of %q after restart:\n%s", n, want, s)
 			}

@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -293,6 +294,17 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		events = newEventRecorder(ctx, client, o.nodeName)
 		defer events.stop()
 	}
+	if o.ports.Size > 0 {
+		// The rules refuse what reaches a listener port that uproxy does
+		// not hold; reserving the range keeps other processes' ephemeral
+		// sockets off it, so that the listeners can hold it (#30).
+		if n, err := proxy.ExposedPorts(o.ports); err != nil {
+			log.Warn("cannot check that --proxy-port-range is reserved", zap.Error(err))
+		} else if n > 0 {
+			log.Warn("ports of --proxy-port-range are in the kernel's ephemeral range and not reserved: another process's connection may take a listener's port; add the range to net.ipv4.ip_local_reserved_ports (deploy/README.md)",
+				zap.Stringer("range", o.ports), zap.Int("ports", n))
+		}
+	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
 	// upgrade.go), or get ready to hand ours over later.
 	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
@@ -374,6 +386,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		PortRange:       o.ports,
 		Defaults:        proxy.ServiceDefaults{Balancer: o.balancerKind},
 		Sync:            proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
+		OwnMark:         redirect.OwnMark,
+		ServerAddrs:     serverAddrs(o.healthzBindAddress, o.metricsBindAddress),
 		DialTimeout:     o.dialTimeout,
 		DialAttempts:    o.dialAttempts,
 		IdleTimeout:     o.tcpIdleTimeout,
@@ -512,6 +526,29 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	log.Info("stopped; rules left in place for the next instance")
 	return failure
+}
+
+// serverAddrs returns the addresses of uproxy's own servers that no
+// endpoint may be (proxy.Config.ServerAddrs): those of addrs that are
+// set, an empty or unparsable host standing for every address.
+func serverAddrs(addrs ...string) []netip.AddrPort {
+	var out []netip.AddrPort
+	for _, a := range addrs {
+		host, port, err := net.SplitHostPort(a)
+		if err != nil {
+			continue // empty: disabled; validate rejects the rest
+		}
+		n, err := strconv.ParseUint(port, 10, 16)
+		if err != nil {
+			continue
+		}
+		ip, err := netip.ParseAddr(host)
+		if err != nil {
+			ip = netip.IPv4Unspecified() // a name or empty: every address
+		}
+		out = append(out, netip.AddrPortFrom(ip.Unmap(), uint16(n)))
+	}
+	return out
 }
 
 // fileWatch adapts a FileSource to the sources' Run signature.

@@ -1,0 +1,181 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestE2ESelfInterception makes the Service of #30: a tenant's
+// externalIPs holds its own pod's address, with port equal to targetPort,
+// so that the node intercepts the pod's own address. Before the fix, each
+// connection to it went round the proxy until descriptors ran out. Now,
+// in both modes:
+//   - the Service's only endpoint, its own intercepted address, is
+//     refused with a log line naming it, so a connection to the address
+//     is refused after one hop;
+//   - another Service whose endpoint is that pod reaches it, once per
+//     request: the proxy's own connections (marked) are not intercepted;
+//   - the proxy's descriptors stay bounded.
+func TestE2ESelfInterception(t *testing.T) {
+	for _, mode := range []string{"redirect", "tproxy"} {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t, 1)
+			pod := c.pods[0]
+			c.serveUDP(pod)
+			// A client routed through the node: bridged pods reach each
+			// other past iptables in tproxy mode (bridge-nf-call off).
+			rpod, err := c.lab.AddRoutedPod("rpod")
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.write("loop.yaml", fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata: {name: loop}
+spec:
+  clusterIP: 10.96.0.20
+  externalIPs: [%[1]q]
+  ports:
+  - {name: http, port: 8080, targetPort: 8080}
+  - {name: dns, port: 5353, protocol: UDP, targetPort: 5353}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: loop-x, labels: {kubernetes.io/service-name: loop}}
+addressType: IPv4
+ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]
+endpoints:
+- addresses: [%[1]q]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: via}
+spec:
+  clusterIP: 10.96.0.21
+  ports:
+  - {name: http, port: 80, targetPort: 8080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: via-x, labels: {kubernetes.io/service-name: via}}
+addressType: IPv4
+ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]
+endpoints:
+- addresses: [%[1]q]
+`, pod.IP))
+			if mode == "tproxy" {
+				// As in TestE2EModes: TPROXY needs bridged frames kept
+				// from iptables.
+				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
+					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
+				}
+			}
+			c.start(0, "--mode", mode, "--cluster-cidr", "10.244.0.0/16")
+			c.waitSynced()
+			pid := c.upPID()
+			before := countFDs(t, pid)
+
+			clients := []string{c.client.NS, rpod.NS, c.lab.Node}
+			for _, ns := range clients {
+				if r := c.get(ns, "http://10.96.0.21/", 5, "--timeout", "3s"); r.Errors > 0 || r.Counts[pod.Name] != 5 {
+					t.Errorf("the other Service from %s: %+v; want 5 answers from %s", ns, r, pod.Name)
+				}
+				if r := c.query(ns, "10.96.0.21:53", 5, "--timeout", "2s"); r.Errors > 0 || r.Counts[pod.Name] != 5 {
+					t.Errorf("the other Service over UDP from %s: %+v; want 5 answers from %s", ns, r, pod.Name)
+				}
+			}
+			for _, ns := range clients[1:] {
+				for range 5 {
+					if r := c.get(ns, fmt.Sprintf("http://%s:8080/", pod.IP), 1, "--timeout", "3s"); r.Errors != 1 {
+						t.Errorf("the intercepted pod address answered %v from %s; want a refusal (its Service has no usable endpoint)", r.Counts, ns)
+					}
+				}
+				c.query(ns, fmt.Sprintf("%s:5353", pod.IP), 5, "--timeout", "1s")
+			}
+			time.Sleep(500 * time.Millisecond)
+			// A loop held two descriptors per hop; the requests above,
+			// done, hold none.
+			if after := countFDs(t, pid); after > before+20 {
+				t.Errorf("uproxy holds %d descriptors, %d before the requests", after, before)
+			}
+			out := c.up.Output()
+			for _, w := range []string{"refusing an endpoint", `"object": "default/loop-x"`, `"field": "endpoints[0].addresses[0]"`} {
+				if !strings.Contains(out, w) {
+					t.Errorf("uproxy's log lacks %q", w)
+				}
+			}
+		})
+	}
+}
+
+// TestE2EListenerPortNotSquatted kills uproxy (SIGKILL: its rules and sets
+// stay, its ports come free) and binds its listener port with another
+// local process: the Service's clients get no answer from it (#30). In
+// redirect mode UPROXY-LISTENERS refuses them; in tproxy mode TPROXY
+// drops what no transparent socket takes.
+func TestE2EListenerPortNotSquatted(t *testing.T) {
+	for _, mode := range []string{"redirect", "tproxy"} {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t, 1)
+			c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+			if mode == "tproxy" {
+				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
+					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
+				}
+				c.start(0, "--mode", mode)
+			} else {
+				c.start(1)
+			}
+			c.waitSynced()
+			if r := c.get(c.client.NS, "http://10.96.0.10/", 3); r.Errors > 0 {
+				t.Fatalf("before the kill: %+v", r)
+			}
+			var port string
+			if mode == "tproxy" {
+				out, err := c.lab.Exec(t.Context(), c.lab.Node, "iptables-save", "-t", "mangle")
+				if err != nil {
+					t.Fatal(err)
+				}
+				for line := range strings.Lines(out) {
+					if _, rest, ok := strings.Cut(line, "-d 10.96.0.10/32 "); ok {
+						if _, p, ok := strings.Cut(rest, "--on-port "); ok {
+							port, _, _ = strings.Cut(p, " ")
+						}
+					}
+				}
+				if port == "" {
+					t.Fatalf("no TPROXY rule for 10.96.0.10:\n%s", out)
+				}
+			} else {
+				port = listenerPort(t, c.natRules(), "10.96.0.10/32")
+			}
+			if err := c.up.Signal(syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			c.up.Wait(5 * time.Second)
+			squatter, err := c.lab.Start(c.lab.Node, "squatter", c.bench, "serve", "--name", "squatter", "--listen", ":"+port)
+			if err != nil {
+				t.Fatal(err)
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				out, err := c.lab.Exec(t.Context(), c.lab.Node, "ss", "-Hltn", "sport = :"+port)
+				if err == nil && strings.TrimSpace(out) != "" {
+					break
+				}
+				if time.Now().After(deadline) || squatter.Exited() {
+					t.Fatalf("the squatter does not serve on port %s:\n%s", port, squatter.Output())
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			for _, ns := range []string{c.client.NS, c.lab.Node} {
+				if r := c.get(ns, "http://10.96.0.10/", 3, "--timeout", "2s"); r.Errors != 3 || r.Counts["squatter"] > 0 {
+					t.Errorf("the Service from %s after the kill: %+v; want 3 failures, none answered by the squatter", ns, r)
+				}
+			}
+		})
+	}
+}

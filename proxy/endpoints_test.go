@@ -1,0 +1,195 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+)
+
+// TestEndpointRefusal checks which endpoint addresses a service port
+// refuses (#30): addresses no Service may send to, the service port's own
+// intercepted addresses, and the node's own service ports on its
+// addresses; and that the rest, a host-network pod on the node's address
+// included, are used.
+func TestEndpointRefusal(t *testing.T) {
+	p := NewProxier(Config{
+		LocalAddrs: func() ([]netip.Addr, error) {
+			return []netip.Addr{netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("2001:db8::1")}, nil
+		},
+		ServerAddrs: []netip.AddrPort{netip.MustParseAddrPort("0.0.0.0:10256"), netip.MustParseAddrPort("127.0.0.1:10249")},
+	})
+	p.refreshLocalAddrs()
+	p.ports.used = map[string]map[uint16]bool{"tcp4": {40000: true}}
+	s := svc("web", "10.96.0.10", "http:80")
+	s.Spec.Type = v1.ServiceTypeLoadBalancer
+	s.Spec.ExternalIPs = []string{"192.0.2.50"}
+	s.Spec.Ports[0].NodePort = 30080
+	s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "192.0.2.60"}}
+	sp := ServicePorts(s, ServiceDefaults{})[0]
+
+	for _, tt := range []struct {
+		ep   string
+		want string // "" when the endpoint is used
+	}{
+		{"10.244.0.5:8080", ""},
+		{"192.0.2.1:8080", ""},   // a host-network pod on this node
+		{"192.0.2.50:8080", ""},  // the external IP, on another port
+		{"10.96.0.10:8080", ""},  // the cluster IP, on another port
+		{"192.0.2.9:30080", ""},  // another node's node port
+		{"[2001:db8::5]:80", ""}, // an IPv6 pod
+		{"[::ffff:10.244.0.6]:80", ""},
+		{"127.0.0.1:10249", "a loopback address"},
+		{"127.0.0.53:53", "a loopback address"},
+		{"[::1]:80", "a loopback address"},
+		{"169.254.169.254:80", "a link-local address"},
+		{"[fe80::1]:80", "a link-local address"},
+		{"0.0.0.0:80", "an unspecified address"},
+		{"[::]:80", "an unspecified address"},
+		{"224.0.0.251:5353", "a multicast address"},
+		{"[ff02::fb]:5353", "a multicast address"},
+		{"255.255.255.255:80", "the broadcast address"},
+		{"10.96.0.10:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
+		{"192.0.2.50:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
+		{"192.0.2.60:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
+		{"[::ffff:192.0.2.50]:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
+		{"192.0.2.1:30080", "the service port's own node port on an address of this node"},
+		{"192.0.2.1:40000", "a listener port of the proxy on an address of this node"},
+		{"192.0.2.1:10256", "an address of the proxy's own servers"},
+		{"[2001:db8::1]:10256", "an address of the proxy's own servers"},
+	} {
+		t.Run(tt.ep, func(t *testing.T) {
+			ap := netip.MustParseAddrPort(tt.ep)
+			ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+			if got := p.endpointRefusal(sp, ap); got != tt.want {
+				t.Errorf("endpointRefusal(%s) = %q, want %q", ap, got, tt.want)
+			}
+		})
+	}
+
+	// Loopback endpoints are let through for tests, nothing else is.
+	p.cfg.LoopbackEndpoints = true
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("127.0.0.1:8080")); got != "" {
+		t.Errorf("with LoopbackEndpoints, 127.0.0.1:8080 refused: %q", got)
+	}
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("127.0.0.1:10249")); got == "" {
+		t.Error("with LoopbackEndpoints, the metrics server 127.0.0.1:10249 is used")
+	}
+}
+
+// TestRefusedEndpointIsLogged checks that a refused endpoint is left out
+// with a log line naming its EndpointSlice and field, and that the
+// service's other endpoints serve.
+func TestRefusedEndpointIsLogged(t *testing.T) {
+	be := nameBackend(t, "good")
+	core, logs := observer.New(zap.WarnLevel)
+	p, rules := startProxier(t, Config{Logger: zap.New(core)})
+	sl := slice("web-x", "web", "http", int32(be.addr.Port()), ep{ip: "169.254.169.254"}, ep{ip: be.addr.Addr().String()})
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, []*discovery.EndpointSlice{sl})
+	port := rules.port(t, "default/web:http")
+	for range 4 {
+		if got, err := get(t, port); err != nil || got != "good" {
+			t.Fatalf("got %q, %v; want good", got, err)
+		}
+	}
+	waitUntil(t, "the refusal is logged", func() bool {
+		return logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").Len() > 0
+	})
+	got := logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").All()[0].ContextMap()
+	want := map[string]any{
+		"kind": "EndpointSlice", "object": "default/web-x", "field": "endpoints[0].addresses[0]",
+		"endpoint": fmt.Sprintf("169.254.169.254:%d", be.addr.Port()), "servicePort": "default/web:http", "reason": "a link-local address",
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("log line (-want +got):\n%s", diff)
+	}
+}
+
+// probeRules is a RuleSyncer that runs probe with every set of
+// intercepts before it takes them.
+type probeRules struct {
+	recordingRules
+	probe func(in []Intercept)
+}
+
+func (r *probeRules) SyncRules(ctx context.Context, in []Intercept, full bool) (RuleStats, error) {
+	r.probe(in)
+	return r.recordingRules.SyncRules(ctx, in, full)
+}
+
+// TestSyncWritesRulesBeforeClosingListeners checks that a listener a
+// service lets go stays open until the rules that send traffic to it are
+// rewritten: closed first, its port would be free, while those rules
+// still redirect the service's traffic there, for any local process to
+// bind (#30).
+func TestSyncWritesRulesBeforeClosingListeners(t *testing.T) {
+	be := nameBackend(t, "a")
+	var (
+		mu       sync.Mutex
+		old      int // the listener port of default/web:http, once known
+		checked  bool
+		boundErr error
+	)
+	rules := &probeRules{probe: func(in []Intercept) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, i := range in {
+			if i.Service.String() == "default/web:http" {
+				old = int(i.ListenPort)
+				return
+			}
+		}
+		if old == 0 || checked {
+			return
+		}
+		// The rules are about to lose the service: its port must still
+		// be held.
+		checked = true
+		ln, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", old))
+		if err == nil {
+			ln.Close()
+		}
+		boundErr = err
+	}}
+	p := NewProxier(Config{Rules: rules, LoopbackEndpoints: true, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx); close(done) }()
+	defer func() {
+		cancel()
+		<-done
+		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer scancel()
+		p.Shutdown(sctx)
+	}()
+	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+	port := rules.port(t, "default/web:http")
+	p.Tracker().Replace(nil, nil)
+	waitUntil(t, "the service's rules are gone", func() bool { return !rules.has("default/web:http") })
+	mu.Lock()
+	if !checked {
+		t.Fatal("the rules never lost the service")
+	}
+	if !errors.Is(boundErr, syscall.EADDRINUSE) {
+		t.Errorf("binding the listener port %d while the rules still sent traffic there: %v; want EADDRINUSE", port, boundErr)
+	}
+	mu.Unlock()
+	waitUntil(t, "the listener port is free once the rules are gone", func() bool {
+		ln, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port))
+		if err == nil {
+			ln.Close()
+		}
+		return err == nil
+	})
+}
