@@ -61,7 +61,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzConntrackEntry$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/
 	$(GO) test -run '^$$' -fuzz '^FuzzIptablesSave$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/
 	$(GO) test -run '^$$' -fuzz '^FuzzIpsetSave$$' -fuzztime $(or $(FUZZTIME),50000x) -timeout 10m ./redirect/
-	$(GO) test -run '^$$' -fuzz '^FuzzUpgradeMessage$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./cmd/uproxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzUpgradeMessage$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./internal/upgrade/
 
 # kube-binaries: the real kube-apiserver, kube-proxy and kubectl that the
 # API-server tests and the benchmarks run, built once from bench/tools into

@@ -30,9 +30,6 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	if path := os.Getenv(upgradePeerEnv); path != "" {
-		os.Exit(upgradePeerMain(path)) // the test binary as a peer (upgrade_test.go)
-	}
 	code := m.Run()
 	if binDir != "" {
 		os.RemoveAll(binDir)

@@ -22,6 +22,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/upgrade"
 )
 
 // TestE2EUpgrade replaces a running uproxy by a second one started with
@@ -200,12 +201,14 @@ func TestE2EUpgradeStaleSocket(t *testing.T) {
 	}
 	defer conn.Close()
 	conn.SetDeadline(time.Now().Add(5 * time.Second))
-	if err := sendUpgradeMessage(conn, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: "0:0", Mode: "redirect"}, nil); err != nil {
+	if err := upgrade.Send(conn, upgrade.Message{Type: "hello", PID: os.Getpid(), Netns: "0:0", Mode: "redirect"}, nil); err != nil {
 		t.Fatal(err)
 	}
-	offer, files, err := recvUpgradeMessage(conn)
-	closeFiles(files)
-	if err != nil || offer.Type != "offer" || offer.Error != offerForeign || len(files) != 0 {
+	offer, files, err := upgrade.Recv(conn)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil || offer.Type != "offer" || offer.Error != upgrade.OfferForeign || len(files) != 0 {
 		t.Errorf("hello from another namespace: %+v, %d descriptors, %v; want a refusal", offer, len(files), err)
 	}
 	if r := c.get(c.client.NS, "http://10.96.0.10/", 4); r.Errors > 0 {

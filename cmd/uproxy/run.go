@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
 	"github.com/uproxy/uproxy/redirect"
@@ -107,7 +108,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
 	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where the Services and EndpointSlices of the last successful sync are saved (API server source only). A uproxy restarted while the API server is unreachable serves them, on the listener ports its predecessor's rules still name, until the initial lists arrive; it writes no rule before them. Empty disables.")
-	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", defaultUpgradeReadyTimeout, "How long a running uproxy that handed its sockets to a new one waits for the new one's first sync, with its own sync loop paused. Past it the old process takes the handover back and syncs again, and the new one exits with an error.")
+	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", upgrade.DefaultReadyTimeout, "How long a running uproxy that handed its sockets to a new one waits for the new one's first sync, with its own sync loop paused. Past it the old process takes the handover back and syncs again, and the new one exits with an error.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
 }
 
@@ -306,13 +307,17 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	}
 	// Take the sockets over from a running uproxy (hitless upgrade; see
-	// upgrade.go), or get ready to hand ours over later.
-	up := newUpgrader(o.upgradeSocket, o.mode, log.Named("upgrade"))
-	up.readyTimeout = o.upgradeReadyTime
-	if err := up.start(); err != nil {
+	// internal/upgrade), or get ready to hand ours over later.
+	up := upgrade.New(upgrade.Config{
+		Path:         o.upgradeSocket,
+		Mode:         o.mode,
+		ReadyTimeout: o.upgradeReadyTime,
+		Logger:       log.Named("upgrade"),
+	})
+	if err := up.Start(); err != nil {
 		return err
 	}
-	defer up.close()
+	defer up.Close()
 
 	// A registry of our own: the Go runtime's and the process's collectors
 	// and the proxier's, nothing that a library registered globally. The
@@ -328,13 +333,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		WaitForNode:   client != nil,
 		Registerer:    reg,
 		Logger:        log.Named("healthz"),
-		Listen:        up.servers.listen("healthz"),
+		Listen:        up.Listen("healthz"),
 	})
 	svcHealth := healthcheck.NewServiceHealth(healthcheck.ServiceHealthConfig{
 		Addresses:   o.nodePortCIDRs,
 		Logger:      log.Named("healthcheck"),
 		ProxyHealth: health,
-		Listen:      up.servers.listen("healthcheck"),
+		Listen:      up.Listen("healthcheck"),
 	})
 	defer svcHealth.Close()
 	tproxy := o.mode == "tproxy"
@@ -375,7 +380,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if o.config != "" {
 		stateFile = "" // the manifests are read before the first sync
 	}
-	servePrevious := stateFile != "" && previous != nil && up.pred == nil
+	servePrevious := stateFile != "" && previous != nil && !up.TookOver()
 	p := proxy.NewProxier(proxy.Config{
 		Metrics:         metrics,
 		Rules:           rules,
@@ -401,7 +406,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		OnSync:          func() { health.Updated(); firstSync() },
 		OnChange:        health.QueuedUpdate,
 		OnReject:        events.rejected(),
-		Inherited:       up.inherited(),
+		Inherited:       up.Inherited(),
 		PreviousPort:    previous,
 		StateFile:       stateFile,
 		Logger:          log.Named("proxy"),
@@ -464,21 +469,21 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	defer cancel(nil)
 	var wg sync.WaitGroup
 	if o.healthzBindAddress != "" {
-		up.servers.expect("healthz")
+		up.Expect("healthz")
 	}
 	if o.metricsBindAddress != "" {
-		up.servers.expect("metrics")
+		up.Expect("metrics")
 	}
 	if o.debugBindAddress != "" {
-		up.servers.expect("debug")
+		up.Expect("debug")
 	}
-	syncLoop := newPausableRun(p)
-	wg.Go(func() { syncLoop.run(ctx) })
-	var handedOver *handover // set when a successor has taken the sockets over
+	syncLoop := upgrade.NewSyncLoop(p)
+	wg.Go(func() { syncLoop.Run(ctx) })
+	var handedOver *upgrade.Handover // set when a successor has taken the sockets over
 	wg.Go(func() {
-		if h := up.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners, abort: cancel}); h != nil {
+		if h := up.Serve(ctx, synced, upgrade.Hooks{Sync: syncLoop, Export: p.ExportListeners, Abort: cancel}); h != nil {
 			handedOver = h
-			cancel(errHandedOver)
+			cancel(upgrade.ErrHandedOver)
 		}
 	})
 	wg.Go(func() {
@@ -492,13 +497,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg), up.servers.listen("metrics")); err != nil {
+		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg), up.Listen("metrics")); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
 	wg.Go(func() {
 		debug := debugHandler(p, explainHandler(p, tproxy), newExplainLimit(), o.profiling)
-		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.servers.listen("debug")); err != nil {
+		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.Listen("debug")); err != nil {
 			cancel(fmt.Errorf("debug server: %w", err))
 		}
 	})

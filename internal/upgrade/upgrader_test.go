@@ -1,4 +1,4 @@
-package main
+package upgrade
 
 import (
 	"context"
@@ -50,7 +50,7 @@ func fakePredecessor(t *testing.T, path string, answer func(c *net.UnixConn) []s
 	return got
 }
 
-// rawSend writes m as is, without the version sendUpgradeMessage sets.
+// rawSend writes m as is, without the version Send sets.
 func rawSend(t *testing.T, c *net.UnixConn, m map[string]any) {
 	b, _ := json.Marshal(m)
 	if _, err := c.Write(b); err != nil {
@@ -88,42 +88,42 @@ func TestUpgraderStart(t *testing.T) {
 		}, outcome{Bound: true}},
 		{"another network namespace", func(t *testing.T, path string) <-chan []string {
 			return fakePredecessor(t, path, func(c *net.UnixConn) []string {
-				m, _, _ := recvUpgradeMessage(c)
-				sendUpgradeMessage(c, upgradeMessage{Type: "offer", Netns: "1:2", Error: offerForeign}, nil)
+				m, _, _ := Recv(c)
+				Send(c, Message{Type: "offer", Netns: "1:2", Error: OfferForeign}, nil)
 				return []string{m.Type}
 			})
 		}, outcome{Disabled: true, Received: []string{"hello"}}},
 		{"busy", func(t *testing.T, path string) <-chan []string {
 			return fakePredecessor(t, path, func(c *net.UnixConn) []string {
-				m, _, _ := recvUpgradeMessage(c)
-				sendUpgradeMessage(c, upgradeMessage{Type: "offer", Netns: netns, Mode: "redirect", Error: offerBusy}, nil)
+				m, _, _ := Recv(c)
+				Send(c, Message{Type: "offer", Netns: netns, Mode: "redirect", Error: OfferBusy}, nil)
 				return []string{m.Type}
 			})
 		}, outcome{Err: true, Received: []string{"hello"}}},
 		{"another protocol version", func(t *testing.T, path string) <-chan []string {
 			return fakePredecessor(t, path, func(c *net.UnixConn) []string {
-				hello, _, _ := recvUpgradeMessage(c)
-				rawSend(t, c, map[string]any{"type": "offer", "version": upgradeProtocolVersion + 1, "netns": netns, "mode": "redirect", "somethingNew": true})
-				release, _, _ := recvUpgradeMessage(c)
-				rawSend(t, c, map[string]any{"type": "released", "version": upgradeProtocolVersion + 1})
+				hello, _, _ := Recv(c)
+				rawSend(t, c, map[string]any{"type": "offer", "version": ProtocolVersion + 1, "netns": netns, "mode": "redirect", "somethingNew": true})
+				release, _, _ := Recv(c)
+				rawSend(t, c, map[string]any{"type": "released", "version": ProtocolVersion + 1})
 				return []string{hello.Type, release.Type}
 			})
 		}, outcome{Bound: true, Received: []string{"hello", "release"}}},
 		{"another mode", func(t *testing.T, path string) <-chan []string {
 			return fakePredecessor(t, path, func(c *net.UnixConn) []string {
-				hello, _, _ := recvUpgradeMessage(c)
-				sendUpgradeMessage(c, upgradeMessage{Type: "offer", Netns: netns, Mode: "tproxy"}, nil)
-				release, _, _ := recvUpgradeMessage(c)
-				sendUpgradeMessage(c, upgradeMessage{Type: "released"}, nil)
+				hello, _, _ := Recv(c)
+				Send(c, Message{Type: "offer", Netns: netns, Mode: "tproxy"}, nil)
+				release, _, _ := Recv(c)
+				Send(c, Message{Type: "released"}, nil)
 				return []string{hello.Type, release.Type}
 			})
 		}, outcome{Bound: true, Received: []string{"hello", "release"}}},
 		{"not serving yet", func(t *testing.T, path string) <-chan []string {
 			return fakePredecessor(t, path, func(c *net.UnixConn) []string {
-				hello, _, _ := recvUpgradeMessage(c)
-				sendUpgradeMessage(c, upgradeMessage{Type: "offer", Netns: netns, Mode: "redirect", Error: offerNotReady}, nil)
-				release, _, _ := recvUpgradeMessage(c)
-				sendUpgradeMessage(c, upgradeMessage{Type: "released"}, nil)
+				hello, _, _ := Recv(c)
+				Send(c, Message{Type: "offer", Netns: netns, Mode: "redirect", Error: OfferNotReady}, nil)
+				release, _, _ := Recv(c)
+				Send(c, Message{Type: "released"}, nil)
 				return []string{hello.Type, release.Type}
 			})
 		}, outcome{Bound: true, Received: []string{"hello", "release"}}},
@@ -132,9 +132,9 @@ func TestUpgraderStart(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "upgrade.sock")
 			received := tc.setup(t, path)
 			before := pathID(path)
-			u := newUpgrader(path, "redirect", zaptest.NewLogger(t))
-			err := u.start()
-			defer u.close()
+			u := New(Config{Path: path, Mode: "redirect", Logger: zaptest.NewLogger(t)})
+			err := u.Start()
+			defer u.Close()
 			got := outcome{Err: err != nil, Disabled: u.path == "", Bound: u.ln != nil && pathID(path) != before}
 			if received != nil {
 				got.Received = <-received
@@ -156,11 +156,11 @@ func TestUpgraderStart(t *testing.T) {
 func TestUpgradeHandsOverInProcess(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "upgrade.sock")
 	log := zaptest.NewLogger(t)
-	old := newUpgrader(path, "redirect", log.Named("old"))
-	if err := old.start(); err != nil || old.ln == nil {
+	old := New(Config{Path: path, Mode: "redirect", Logger: log.Named("old")})
+	if err := old.Start(); err != nil || old.ln == nil {
 		t.Fatalf("start: %v, socket %v", err, old.ln)
 	}
-	defer old.close()
+	defer old.Close()
 
 	oldSynced := make(chan struct{})
 	p := proxy.NewProxier(proxy.Config{Sync: proxy.RunnerConfig{MinInterval: 10 * time.Millisecond}, OnSync: sync.OnceFunc(func() { close(oldSynced) })})
@@ -177,15 +177,15 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	syncLoop := newPausableRun(p)
+	syncLoop := NewSyncLoop(p)
 	syncDone := make(chan struct{})
-	go func() { syncLoop.run(ctx); close(syncDone) }() // ends with cancel
-	handed := make(chan *handover, 1)
-	go func() { handed <- old.serve(ctx, oldSynced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}) }() // ends with a handover or cancel
+	go func() { syncLoop.Run(ctx); close(syncDone) }() // ends with cancel
+	handed := make(chan *Handover, 1)
+	go func() { handed <- old.Serve(ctx, oldSynced, Hooks{Sync: syncLoop, Export: p.ExportListeners}) }() // ends with a handover or cancel
 
 	// A predecessor whose first sync has not completed has nothing worth
 	// handing over (it answers "not serving yet"): wait for it, and for
-	// its upgrader to have seen it (afterFirstSync sets ready after the
+	// its Upgrader to have seen it (afterFirstSync sets ready after the
 	// sync, on a goroutine of its own).
 	select {
 	case <-oldSynced:
@@ -200,14 +200,14 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the predecessor's upgrader did not see its first sync")
+			t.Fatal("the predecessor's Upgrader did not see its first sync")
 		}
 	}
-	next := newUpgrader(path, "redirect", log.Named("new"))
-	if err := next.start(); err != nil {
+	next := New(Config{Path: path, Mode: "redirect", Logger: log.Named("new")})
+	if err := next.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer next.close()
+	defer next.Close()
 	var keys []string
 	for _, l := range next.listeners {
 		keys = append(keys, fmt.Sprintf("%s %s", kindListener, l.Key))
@@ -241,10 +241,10 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 	close(nextSynced)
 	nctx, ncancel := context.WithCancel(context.Background())
 	nextDone := make(chan struct{})
-	go func() { next.serve(nctx, nextSynced, upgradeHooks{}); close(nextDone) }() // ends with ncancel
+	go func() { next.Serve(nctx, nextSynced, Hooks{}); close(nextDone) }() // ends with ncancel
 	select {
 	case h := <-handed:
-		if h == nil || h.pid != os.Getpid() || h.conn != nil {
+		if h == nil || h.PID != os.Getpid() || h.conn != nil {
 			t.Errorf("handover = %+v, want one to pid %d after ready", h, os.Getpid())
 		}
 	case <-time.After(5 * time.Second):
@@ -267,24 +267,25 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 }
 
 // predecessor is a running process's side of the handover, in this
-// process: an upgrader that has synced once and serves the upgrade
+// process: an Upgrader that has synced once and serves the upgrade
 // socket, over a proxier with one service.
 type predecessor struct {
-	u     *upgrader
+	u     *Upgrader
 	path  string
 	syncs atomic.Int32 // successful syncs of its proxier
 }
 
-// startPredecessor starts a predecessor; configure adjusts its upgrader
-// before it starts. Everything ends with the test.
-func startPredecessor(t *testing.T, configure func(u *upgrader)) *predecessor {
+// startPredecessor starts a predecessor; configure adjusts its
+// upgrader's configuration. Everything ends with the test.
+func startPredecessor(t *testing.T, configure func(c *Config)) *predecessor {
 	t.Helper()
 	pr := &predecessor{path: filepath.Join(t.TempDir(), "upgrade.sock")}
-	pr.u = newUpgrader(pr.path, "redirect", zaptest.NewLogger(t).Named("old"))
+	cfg := Config{Path: pr.path, Mode: "redirect", Logger: zaptest.NewLogger(t).Named("old")}
 	if configure != nil {
-		configure(pr.u)
+		configure(&cfg)
 	}
-	if err := pr.u.start(); err != nil || pr.u.ln == nil {
+	pr.u = New(cfg)
+	if err := pr.u.Start(); err != nil || pr.u.ln == nil {
 		t.Fatalf("start: %v, socket %v", err, pr.u.ln)
 	}
 	synced := make(chan struct{})
@@ -297,14 +298,14 @@ func startPredecessor(t *testing.T, configure func(u *upgrader)) *predecessor {
 			Ports: []v1.ServicePort{{Name: "http", Port: 80, Protocol: v1.ProtocolTCP, TargetPort: intstr.FromInt32(8080)}}},
 	}}, nil)
 	ctx, cancel := context.WithCancel(context.Background())
-	syncLoop := newPausableRun(p)
+	syncLoop := NewSyncLoop(p)
 	var wg sync.WaitGroup
-	wg.Go(func() { syncLoop.run(ctx) })
-	wg.Go(func() { pr.u.serve(ctx, synced, upgradeHooks{sync: syncLoop, export: p.ExportListeners}) })
+	wg.Go(func() { syncLoop.Run(ctx) })
+	wg.Go(func() { pr.u.Serve(ctx, synced, Hooks{Sync: syncLoop, Export: p.ExportListeners}) })
 	t.Cleanup(func() {
 		cancel()
 		wg.Wait()
-		pr.u.close()
+		pr.u.Close()
 		p.StopListening()
 		p.Drain(context.Background())
 	})
@@ -348,7 +349,7 @@ func sayHello(t *testing.T, path, netns string) (*net.UnixConn, error) {
 	}
 	t.Cleanup(func() { c.Close() })
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	return c, sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: netns, Mode: "redirect"}, nil)
+	return c, Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: netns, Mode: "redirect"}, nil)
 }
 
 // TestUpgradeRefusesPeers checks that the old process hands nothing to a
@@ -361,32 +362,32 @@ func TestUpgradeRefusesPeers(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name      string
-		configure func(u *upgrader)
+		configure func(c *Config)
 		wantOffer bool // an offer (refusing) rather than no answer
 	}{
-		{"another uid, as the kernel tells", func(u *upgrader) { u.uid = uint32(os.Geteuid()) + 1 }, false},
-		{"another uid, injected", func(u *upgrader) {
-			u.peerCred = func(*net.UnixConn) (*unix.Ucred, error) {
+		{"another uid, as the kernel tells", func(c *Config) { c.UID = ptr(uint32(os.Geteuid()) + 1) }, false},
+		{"another uid, injected", func(c *Config) {
+			c.PeerCred = func(*net.UnixConn) (*unix.Ucred, error) {
 				return &unix.Ucred{Pid: int32(os.Getpid()), Uid: 1000, Gid: 1000}, nil
 			}
 		}, false},
-		{"credentials unreadable", func(u *upgrader) {
-			u.peerCred = func(*net.UnixConn) (*unix.Ucred, error) { return nil, errors.New("injected") }
+		{"credentials unreadable", func(c *Config) {
+			c.PeerCred = func(*net.UnixConn) (*unix.Ucred, error) { return nil, errors.New("injected") }
 		}, false},
-		{"another network namespace than claimed", func(u *upgrader) {
-			u.peerNetns = func(int32) (string, error) { return "1:2", nil }
+		{"another network namespace than claimed", func(c *Config) {
+			c.PeerNetns = func(int32) (string, error) { return "1:2", nil }
 		}, true},
-		{"network namespace unknown", func(u *upgrader) {
-			u.peerNetns = func(int32) (string, error) { return "", errors.New("injected") }
+		{"network namespace unknown", func(c *Config) {
+			c.PeerNetns = func(int32) (string, error) { return "", errors.New("injected") }
 		}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pr := startPredecessor(t, tc.configure)
 			c, err := sayHello(t, pr.path, netns) // claims the right netns
-			var m upgradeMessage
+			var m Message
 			var files []*os.File
 			if err == nil {
-				m, files, err = recvUpgradeMessage(c)
+				m, files, err = Recv(c)
 				closeFiles(files)
 			}
 			if len(files) > 0 {
@@ -396,8 +397,8 @@ func TestUpgradeRefusesPeers(t *testing.T) {
 				if !errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.EPIPE) {
 					t.Errorf("got %+v, %v; want the connection closed unanswered", m, err)
 				}
-			} else if err != nil || m.Type != "offer" || m.Error != offerForeign || m.Count != 0 {
-				t.Errorf("got %+v, %v; want an offer refusing with %q", m, err, offerForeign)
+			} else if err != nil || m.Type != "offer" || m.Error != OfferForeign || m.Count != 0 {
+				t.Errorf("got %+v, %v; want an offer refusing with %q", m, err, OfferForeign)
 			}
 			// No handover started: the sync loop was not paused.
 			pr.u.mu.Lock()
@@ -419,15 +420,15 @@ func TestUpgradeSilentSuccessor(t *testing.T) {
 	if err != nil {
 		t.Skip(err)
 	}
-	pr := startPredecessor(t, func(u *upgrader) { u.readyTimeout = 300 * time.Millisecond })
+	pr := startPredecessor(t, func(c *Config) { c.ReadyTimeout = 300 * time.Millisecond })
 	c := dialPredecessor(t, pr.path, netns)
-	offer, files, err := recvUpgradeMessage(c)
+	offer, files, err := Recv(c)
 	closeFiles(files)
 	if err != nil || offer.Type != "offer" || offer.Error != "" || offer.Count == 0 {
 		t.Fatalf("got %+v, %v; want an offer of sockets", offer, err)
 	}
 	for received := 0; received < offer.Count; {
-		m, files, err := recvUpgradeMessage(c)
+		m, files, err := Recv(c)
 		closeFiles(files)
 		if err != nil || m.Type != "sockets" {
 			t.Fatalf("got %+v, %v; want sockets", m, err)
@@ -438,7 +439,7 @@ func TestUpgradeSilentSuccessor(t *testing.T) {
 	paused := pr.syncs.Load()
 	start := time.Now()
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if m, _, err := recvUpgradeMessage(c); !errors.Is(err, io.EOF) {
+	if m, _, err := Recv(c); !errors.Is(err, io.EOF) {
 		t.Fatalf("got %+v, %v; want the old process to close the connection", m, err)
 	}
 	if waited := time.Since(start); waited > 5*time.Second {
@@ -463,16 +464,16 @@ func TestUpgradeSuccessorStopsWhenAborted(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "upgrade.sock")
 	abortNow := make(chan struct{})
 	received := fakePredecessor(t, path, func(c *net.UnixConn) []string {
-		m, _, _ := recvUpgradeMessage(c)
-		sendUpgradeMessage(c, upgradeMessage{Type: "offer", PID: 1, Netns: netns, Mode: "redirect"}, nil)
+		m, _, _ := Recv(c)
+		Send(c, Message{Type: "offer", PID: 1, Netns: netns, Mode: "redirect"}, nil)
 		<-abortNow
 		return []string{m.Type} // closes the connection: the ready timeout
 	})
-	next := newUpgrader(path, "redirect", zaptest.NewLogger(t).Named("new"))
-	if err := next.start(); err != nil {
+	next := New(Config{Path: path, Mode: "redirect", Logger: zaptest.NewLogger(t).Named("new")})
+	if err := next.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer next.close()
+	defer next.Close()
 	if next.pred == nil {
 		t.Fatal("no handover in progress")
 	}
@@ -482,7 +483,7 @@ func TestUpgradeSuccessorStopsWhenAborted(t *testing.T) {
 	never := make(chan struct{}) // the first sync never completes
 	done := make(chan struct{})
 	go func() { // ends with cancel
-		next.serve(ctx, never, upgradeHooks{abort: func(err error) { aborted <- err }})
+		next.Serve(ctx, never, Hooks{Abort: func(err error) { aborted <- err }})
 		close(done)
 	}()
 	select {
@@ -500,11 +501,20 @@ func TestUpgradeSuccessorStopsWhenAborted(t *testing.T) {
 	}
 	cancel()
 	<-done
-	next.close()
+	next.Close()
 	if _, err := os.Stat(path); err != nil {
 		t.Errorf("the predecessor's upgrade socket file was removed: %v", err)
 	}
 }
+
+func TestMain(m *testing.M) {
+	if path := os.Getenv(upgradePeerEnv); path != "" {
+		os.Exit(upgradePeerMain(path)) // the test binary as a peer
+	}
+	os.Exit(m.Run())
+}
+
+func ptr[T any](v T) *T { return &v }
 
 // upgradePeerEnv names, in the environment of the test binary run as a
 // peer, the upgrade socket to connect to (see TestMain).
@@ -521,17 +531,17 @@ func upgradePeerMain(path string) int {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if err := sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: os.Getenv("UPROXY_TEST_UPGRADE_NETNS"), Mode: "redirect"}, nil); err != nil {
+	if err := Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: os.Getenv("UPROXY_TEST_UPGRADE_NETNS"), Mode: "redirect"}, nil); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	m, files, err := recvUpgradeMessage(c)
+	m, files, err := Recv(c)
 	closeFiles(files)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	m.Sockets = make([]upgradeSocket, len(files)) // what it got
+	m.Sockets = make([]Socket, len(files)) // what it got
 	json.NewEncoder(os.Stdout).Encode(m)
 	return 0
 }
@@ -556,12 +566,12 @@ func TestUpgradeRefusesPeerInAnotherNetns(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the peer: %v", err)
 	}
-	var m upgradeMessage
+	var m Message
 	if err := json.Unmarshal(out, &m); err != nil {
 		t.Fatalf("the peer's answer %q: %v", out, err)
 	}
-	if m.Type != "offer" || m.Error != offerForeign || len(m.Sockets) != 0 {
-		t.Errorf("the peer got %+v; want an offer refusing with %q and no descriptors", m, offerForeign)
+	if m.Type != "offer" || m.Error != OfferForeign || len(m.Sockets) != 0 {
+		t.Errorf("the peer got %+v; want an offer refusing with %q and no descriptors", m, OfferForeign)
 	}
 }
 
@@ -572,19 +582,18 @@ func TestUpgradeRefusesPeerInAnotherNetns(t *testing.T) {
 func TestUpgraderRefusesPredecessorOfAnotherUser(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "upgrade.sock")
 	received := fakePredecessor(t, path, func(c *net.UnixConn) []string {
-		m, _, err := recvUpgradeMessage(c)
+		m, _, err := Recv(c)
 		if err != nil {
 			return nil
 		}
 		return []string{m.Type}
 	})
 	before := pathID(path)
-	u := newUpgrader(path, "redirect", zaptest.NewLogger(t))
-	u.uid = uint32(os.Geteuid()) + 1
-	if err := u.start(); err != nil {
+	u := New(Config{Path: path, Mode: "redirect", Logger: zaptest.NewLogger(t), UID: ptr(uint32(os.Geteuid()) + 1)})
+	if err := u.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer u.close()
+	defer u.Close()
 	if u.path != "" || u.pred != nil || u.ln != nil {
 		t.Errorf("path %q, predecessor %v, socket %v: want a cold start without the upgrade socket", u.path, u.pred, u.ln)
 	}

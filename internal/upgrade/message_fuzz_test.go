@@ -1,4 +1,4 @@
-package main
+package upgrade
 
 import (
 	"encoding/json"
@@ -36,7 +36,7 @@ func FuzzUpgradeMessage(f *testing.F) {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, packet []byte) {
-		if len(packet) > upgradeMaxMessage {
+		if len(packet) > maxMessage {
 			return // the kernel delivers it truncated, which is refused before decoding
 		}
 		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
@@ -57,7 +57,7 @@ func FuzzUpgradeMessage(f *testing.F) {
 		if _, _, err := conns[0].WriteMsgUnix(packet, nil, nil); err != nil {
 			t.Fatal(err)
 		}
-		m, files, err := recvUpgradeMessage(conns[1])
+		m, files, err := Recv(conns[1])
 		closeFiles(files)
 		if len(files) != 0 {
 			t.Fatalf("%d descriptors from a packet that carried none", len(files))
@@ -68,7 +68,7 @@ func FuzzUpgradeMessage(f *testing.F) {
 			}
 			return
 		}
-		direct, derr := decodeUpgradeMessage(packet)
+		direct, derr := decode(packet)
 		if (err == nil) != (derr == nil) || !cmp.Equal(m, direct) {
 			t.Fatalf("over the socket %+v, %v; decoded directly %+v, %v", m, err, direct, derr)
 		}
@@ -78,14 +78,14 @@ func FuzzUpgradeMessage(f *testing.F) {
 			}
 			return
 		}
-		if m.Type == "" || m.PID < 0 || m.Count < 0 || m.Count > upgradeMaxSockets || len(m.Sockets) > upgradeFDsPerMessage {
+		if m.Type == "" || m.PID < 0 || m.Count < 0 || m.Count > maxSockets || len(m.Sockets) > fdsPerMessage {
 			t.Fatalf("accepted a message out of bounds: %+v", m)
 		}
 		b, err := json.Marshal(m)
 		if err != nil {
 			t.Fatal(err)
 		}
-		again, err := decodeUpgradeMessage(b)
+		again, err := decode(b)
 		if err != nil {
 			t.Fatalf("re-decoding %s: %v", b, err)
 		}

@@ -1,4 +1,4 @@
-package main
+package upgrade
 
 import (
 	"context"
@@ -28,61 +28,61 @@ import (
 // described in docs/upgrade-protocol.md, which changes with this file.
 
 const (
-	// upgradeProtocolVersion is the version of the handover messages.
-	upgradeProtocolVersion = 1
-	// upgradeHandshakeTimeout bounds each step of the handshake (not the
+	// ProtocolVersion is the version of the handover messages.
+	ProtocolVersion = 1
+	// defaultHandshakeTimeout bounds each step of the handshake (not the
 	// wait for ready, which lasts the new process's first sync).
-	upgradeHandshakeTimeout = 10 * time.Second
-	// upgradeReleaseTimeout bounds the wait for released: the old process
+	defaultHandshakeTimeout = 10 * time.Second
+	// defaultReleaseTimeout bounds the wait for released: the old process
 	// stops its servers, source and sync loop first.
-	upgradeReleaseTimeout = 30 * time.Second
-	// upgradeFDsPerMessage is how many descriptors a packet carries, well
+	defaultReleaseTimeout = 30 * time.Second
+	// fdsPerMessage is how many descriptors a packet carries, well
 	// below the kernel's SCM_MAX_FD (253).
-	upgradeFDsPerMessage = 64
-	// upgradeMaxMessage bounds a packet's JSON.
-	upgradeMaxMessage = 1 << 16
-	// upgradeMaxSockets bounds an offer's count: more listeners than a
+	fdsPerMessage = 64
+	// maxMessage bounds a packet's JSON.
+	maxMessage = 1 << 16
+	// maxSockets bounds an offer's count: more listeners than a
 	// process can hold descriptors.
-	upgradeMaxSockets = 1 << 22
-	// defaultUpgradeReadyTimeout bounds the old process's wait for
+	maxSockets = 1 << 22
+	// DefaultReadyTimeout bounds the old process's wait for
 	// ready: its sync loop is paused meanwhile (#30).
-	defaultUpgradeReadyTimeout = 2 * time.Minute
+	DefaultReadyTimeout = 2 * time.Minute
 )
 
-// Socket kinds in upgradeSocket.Kind.
+// Socket kinds in Socket.Kind.
 const (
 	kindListener = "listener"
 	kindServer   = "server"
 	kindUpgrade  = "upgrade"
 )
 
-// errHandedOver is the cause of the run context's end when a successor
+// ErrHandedOver is the cause of the run context's end when a successor
 // has taken the sockets over.
-var errHandedOver = errors.New("handed over to a new process")
+var ErrHandedOver = errors.New("handed over to a new process")
 
-// upgradeMessage is one packet of the handover protocol.
-type upgradeMessage struct {
-	Type    string          `json:"type"`
-	Version int             `json:"version"`
-	PID     int             `json:"pid,omitempty"`
-	Netns   string          `json:"netns,omitempty"`
-	Mode    string          `json:"mode,omitempty"`
-	Count   int             `json:"count,omitempty"`
-	Error   string          `json:"error,omitempty"`
-	Sockets []upgradeSocket `json:"sockets,omitempty"`
+// Message is one packet of the handover protocol.
+type Message struct {
+	Type    string   `json:"type"`
+	Version int      `json:"version"`
+	PID     int      `json:"pid,omitempty"`
+	Netns   string   `json:"netns,omitempty"`
+	Mode    string   `json:"mode,omitempty"`
+	Count   int      `json:"count,omitempty"`
+	Error   string   `json:"error,omitempty"`
+	Sockets []Socket `json:"sockets,omitempty"`
 }
 
-// upgradeSocket describes one descriptor of a sockets message.
-type upgradeSocket struct {
+// Socket describes one descriptor of a sockets message.
+type Socket struct {
 	Kind string `json:"kind"`
 	Key  string `json:"key"`
 	Port uint16 `json:"port,omitempty"`
 }
 
-// sendUpgradeMessage sends m with files' descriptors. The files must be
+// Send sends m with files' descriptors. The files must be
 // ones whose Fd leaves the socket's mode alone (proxy.SocketFile's).
-func sendUpgradeMessage(c *net.UnixConn, m upgradeMessage, files []*os.File) error {
-	m.Version = upgradeProtocolVersion
+func Send(c *net.UnixConn, m Message, files []*os.File) error {
+	m.Version = ProtocolVersion
 	b, err := json.Marshal(m)
 	if err != nil {
 		return err
@@ -101,12 +101,12 @@ func sendUpgradeMessage(c *net.UnixConn, m upgradeMessage, files []*os.File) err
 	return nil
 }
 
-// recvUpgradeMessage reads one message and the descriptors it carries,
+// Recv reads one message and the descriptors it carries,
 // which the caller closes (also when an error is returned).
-func recvUpgradeMessage(c *net.UnixConn) (upgradeMessage, []*os.File, error) {
-	var m upgradeMessage
-	buf := make([]byte, upgradeMaxMessage)
-	oob := make([]byte, unix.CmsgSpace(4*upgradeFDsPerMessage))
+func Recv(c *net.UnixConn) (Message, []*os.File, error) {
+	var m Message
+	buf := make([]byte, maxMessage)
+	oob := make([]byte, unix.CmsgSpace(4*fdsPerMessage))
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
 		return m, nil, err
@@ -133,27 +133,27 @@ func recvUpgradeMessage(c *net.UnixConn) (upgradeMessage, []*os.File, error) {
 	if n == 0 {
 		return m, files, io.EOF // the peer closed the connection
 	}
-	m, err = decodeUpgradeMessage(buf[:n])
+	m, err = decode(buf[:n])
 	return m, files, err
 }
 
-// decodeUpgradeMessage decodes one packet. Unknown fields are ignored, as
+// decode decodes one packet. Unknown fields are ignored, as
 // a newer version may add some; fields that no version can send are
 // refused, so that the handshake never acts on them.
-func decodeUpgradeMessage(b []byte) (upgradeMessage, error) {
-	var m upgradeMessage
+func decode(b []byte) (Message, error) {
+	var m Message
 	if err := json.Unmarshal(b, &m); err != nil {
-		return upgradeMessage{}, fmt.Errorf("decoding a message: %w", err)
+		return Message{}, fmt.Errorf("decoding a message: %w", err)
 	}
 	switch {
 	case m.Type == "":
-		return upgradeMessage{}, errors.New("decoding a message: no type")
+		return Message{}, errors.New("decoding a message: no type")
 	case m.PID < 0:
-		return upgradeMessage{}, fmt.Errorf("decoding a %s message: pid %d", m.Type, m.PID)
-	case m.Count < 0 || m.Count > upgradeMaxSockets:
-		return upgradeMessage{}, fmt.Errorf("decoding a %s message: count %d is not within 0-%d", m.Type, m.Count, upgradeMaxSockets)
-	case len(m.Sockets) > upgradeFDsPerMessage:
-		return upgradeMessage{}, fmt.Errorf("decoding a %s message: %d sockets, more than the %d a packet carries", m.Type, len(m.Sockets), upgradeFDsPerMessage)
+		return Message{}, fmt.Errorf("decoding a %s message: pid %d", m.Type, m.PID)
+	case m.Count < 0 || m.Count > maxSockets:
+		return Message{}, fmt.Errorf("decoding a %s message: count %d is not within 0-%d", m.Type, m.Count, maxSockets)
+	case len(m.Sockets) > fdsPerMessage:
+		return Message{}, fmt.Errorf("decoding a %s message: %d sockets, more than the %d a packet carries", m.Type, len(m.Sockets), fdsPerMessage)
 	}
 	return m, nil
 }
@@ -173,38 +173,63 @@ func netnsID() (string, error) {
 	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
 }
 
-// upgrader is this process's side of the hitless upgrade: taking the
+// Config configures an Upgrader. Its zero value disables hitless
+// upgrades (no Path); any other field left zero takes the default its
+// comment gives.
+type Config struct {
+	// Path is the upgrade socket's path. Empty disables upgrades: Start
+	// neither connects nor binds, and Serve only waits for its context.
+	Path string
+	// Mode is the proxy mode (redirect, tproxy). Sockets pass only
+	// between processes of the same mode; it is compared as is.
+	Mode string
+	// ReadyTimeout bounds how long, after handing its sockets over, the
+	// old process waits for ready with its sync loop paused; past it the
+	// handover is aborted and the old process syncs again. Zero means
+	// DefaultReadyTimeout.
+	ReadyTimeout time.Duration
+	// HandshakeTimeout bounds each step of the handshake before the
+	// sockets have arrived, on both sides (not the wait for ready,
+	// which lasts the new process's first sync). Zero means 10s.
+	HandshakeTimeout time.Duration
+	// ReleaseTimeout bounds a starting process's wait for released: the
+	// old process stops its servers, source and sync loop first. Zero
+	// means 30s.
+	ReleaseTimeout time.Duration
+	// UID is the only user whose processes may take the sockets over,
+	// or hand theirs to us. Nil means our own effective uid (root,
+	// normally). The socket's mode alone does not do: a process of
+	// another user that holds an open descriptor of it, or a socket file
+	// created by another user at the path, would pass.
+	UID *uint32
+	// PeerCred returns a connection's peer credentials. Nil means
+	// SO_PEERCRED, which the kernel fills in at connect(2) and the peer
+	// cannot forge.
+	PeerCred func(c *net.UnixConn) (*unix.Ucred, error)
+	// PeerNetns identifies the network namespace of the process pid, as
+	// "dev:ino". Nil means the device and inode of /proc/<pid>/ns/net.
+	PeerNetns func(pid int32) (string, error)
+	// Logger receives the handshakes' progress and failures. Nil means
+	// none.
+	Logger *zap.Logger
+}
+
+// Upgrader is this process's side of the hitless upgrade: taking the
 // sockets over from a predecessor when it starts, and handing them to a
-// successor later. The run goroutine calls start, inherited, close and
-// the handover's methods; serve runs on a goroutine of its own.
-type upgrader struct {
+// successor later. The goroutine that runs the process calls Start,
+// Inherited, TookOver, Close and the Handover's methods; Serve runs on a
+// goroutine of its own, which that goroutine owns. Listen and Expect are
+// safe for concurrent use.
+type Upgrader struct {
 	path  string // empty: disabled
 	mode  string
 	netns string
 	log   *zap.Logger
 
-	// uid is the only user whose processes may take the sockets over,
-	// or hand theirs to us: newUpgrader sets our own effective uid
-	// (root, normally). The socket's mode alone does not do: a process
-	// of another user that holds an open descriptor of it, or a socket
-	// file created by another user at the path, would pass.
-	uid uint32
-	// peerCred returns a connection's peer credentials; nil means
-	// SO_PEERCRED, which the kernel fills in at connect(2) and the peer
-	// cannot forge.
-	peerCred func(c *net.UnixConn) (*unix.Ucred, error)
-	// peerNetns identifies the network namespace of the process pid, as
-	// netnsID does ours; nil means the device and inode of
-	// /proc/<pid>/ns/net.
-	peerNetns func(pid int32) (string, error)
-	// readyTimeout bounds how long, after handing its sockets over, the
-	// old process waits for ready with its sync loop paused; past it the
-	// handover is aborted and the old process syncs again. Zero means
-	// defaultUpgradeReadyTimeout.
-	readyTimeout time.Duration
+	cfg Config // its seams and time-outs, through the accessors
 
 	servers   *serverSockets
-	listeners []proxy.HandoffSocket // inherited; passed on by inherited()
+	listeners []proxy.HandoffSocket // inherited; passed on by Inherited()
 
 	ln      *net.UnixListener // the upgrade socket; nil when there is none
 	lnFile  fileID            // the socket file we own
@@ -217,21 +242,71 @@ type upgrader struct {
 	gone    bool          // handed over: the path is the successor's
 }
 
-func newUpgrader(path, mode string, log *zap.Logger) *upgrader {
-	return &upgrader{path: path, mode: mode, log: log, servers: newServerSockets(log), uid: uint32(os.Geteuid())}
+// New returns the Upgrader that cfg describes. It does nothing until
+// Start.
+func New(cfg Config) *Upgrader {
+	log := cfg.logger()
+	return &Upgrader{path: cfg.Path, mode: cfg.Mode, log: log, cfg: cfg, servers: newServerSockets(log)}
 }
 
-func (u *upgrader) getReadyTimeout() time.Duration {
-	if u.readyTimeout <= 0 {
-		return defaultUpgradeReadyTimeout
+func (c Config) logger() *zap.Logger {
+	if c.Logger == nil {
+		return zap.NewNop()
 	}
-	return u.readyTimeout
+	return c.Logger
+}
+
+func (c Config) uid() uint32 {
+	if c.UID == nil {
+		return uint32(os.Geteuid())
+	}
+	return *c.UID
+}
+
+func (c Config) readyTimeout() time.Duration {
+	if c.ReadyTimeout <= 0 {
+		return DefaultReadyTimeout
+	}
+	return c.ReadyTimeout
+}
+
+func (c Config) handshakeTimeout() time.Duration {
+	if c.HandshakeTimeout <= 0 {
+		return defaultHandshakeTimeout
+	}
+	return c.HandshakeTimeout
+}
+
+func (c Config) releaseTimeout() time.Duration {
+	if c.ReleaseTimeout <= 0 {
+		return defaultReleaseTimeout
+	}
+	return c.ReleaseTimeout
+}
+
+// Listen returns the Listen function of the server called role (healthz,
+// metrics, healthcheck, debug): it adopts the inherited socket of the
+// same role, network and address, or binds, and it hands the socket to a
+// successor later.
+func (u *Upgrader) Listen(role string) healthcheck.ListenFunc { return u.servers.listen(role) }
+
+// Expect announces that the server called role will Listen: the
+// predecessor is told ready only once it has, so that the inherited
+// server sockets left then are the unclaimed ones.
+func (u *Upgrader) Expect(role string) { u.servers.expect(role) }
+
+// TookOver tells whether Start took the sockets over from a predecessor
+// that has not been told ready yet.
+func (u *Upgrader) TookOver() bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.pred != nil
 }
 
 // credentials returns the peer credentials of c.
-func (u *upgrader) credentials(c *net.UnixConn) (*unix.Ucred, error) {
-	if u.peerCred != nil {
-		return u.peerCred(c)
+func (u *Upgrader) credentials(c *net.UnixConn) (*unix.Ucred, error) {
+	if u.cfg.PeerCred != nil {
+		return u.cfg.PeerCred(c)
 	}
 	rc, err := c.SyscallConn()
 	if err != nil {
@@ -250,19 +325,19 @@ func (u *upgrader) credentials(c *net.UnixConn) (*unix.Ucred, error) {
 	return cred, nil
 }
 
-// checkUID refuses a peer that runs as another user than u.uid.
-func (u *upgrader) checkUID(cred *unix.Ucred) error {
-	if cred.Uid != u.uid {
-		return fmt.Errorf("the peer (pid %d) runs as uid %d, not %d", cred.Pid, cred.Uid, u.uid)
+// checkUID refuses a peer that runs as another user than Config.UID.
+func (u *Upgrader) checkUID(cred *unix.Ucred) error {
+	if cred.Uid != u.cfg.uid() {
+		return fmt.Errorf("the peer (pid %d) runs as uid %d, not %d", cred.Pid, cred.Uid, u.cfg.uid())
 	}
 	return nil
 }
 
 // netnsOf identifies the network namespace that the process pid is in
 // now: what the peer is, not what it says it is.
-func (u *upgrader) netnsOf(pid int32) (string, error) {
-	if u.peerNetns != nil {
-		return u.peerNetns(pid)
+func (u *Upgrader) netnsOf(pid int32) (string, error) {
+	if u.cfg.PeerNetns != nil {
+		return u.cfg.PeerNetns(pid)
 	}
 	if pid <= 0 {
 		// A peer of another PID namespace that ours cannot name.
@@ -276,12 +351,12 @@ func (u *upgrader) netnsOf(pid int32) (string, error) {
 	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
 }
 
-// start takes the sockets over from the process behind the upgrade
+// Start takes the sockets over from the process behind the upgrade
 // socket, if there is one and it is compatible, and otherwise gets the
 // upgrade socket ready for a successor. It fails only when a predecessor
 // answers but the handover breaks off, or does not answer at all: a cold
 // start would then fight it over the rules.
-func (u *upgrader) start() error {
+func (u *Upgrader) Start() error {
 	if u.path == "" {
 		return nil
 	}
@@ -317,7 +392,7 @@ func (u *upgrader) start() error {
 
 // takeOver runs the new process's side of the handshake up to the
 // sockets' arrival.
-func (u *upgrader) takeOver(c *net.UnixConn) (err error) {
+func (u *Upgrader) takeOver(c *net.UnixConn) (err error) {
 	defer func() {
 		if err != nil {
 			c.Close() // the predecessor carries on
@@ -338,11 +413,11 @@ func (u *upgrader) takeOver(c *net.UnixConn) (err error) {
 		u.path = ""
 		return nil
 	}
-	c.SetDeadline(time.Now().Add(upgradeHandshakeTimeout))
-	if err := sendUpgradeMessage(c, upgradeMessage{Type: "hello", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}, nil); err != nil {
+	c.SetDeadline(time.Now().Add(u.cfg.handshakeTimeout()))
+	if err := Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}, nil); err != nil {
 		return fmt.Errorf("hitless upgrade through %s: %w", u.path, err)
 	}
-	offer, files, err := recvUpgradeMessage(c)
+	offer, files, err := Recv(c)
 	closeFiles(files)
 	if err == nil && offer.Type != "offer" {
 		err = fmt.Errorf("got %q, want an offer", offer.Type)
@@ -359,15 +434,15 @@ func (u *upgrader) takeOver(c *net.UnixConn) (err error) {
 		u.path = ""
 		return nil
 	}
-	if offer.Error == offerBusy {
+	if offer.Error == OfferBusy {
 		return fmt.Errorf("hitless upgrade: the running uproxy (pid %d) is in another upgrade; start again when it is over", offer.PID)
 	}
-	if offer.Version != upgradeProtocolVersion || offer.Mode != u.mode || offer.Error != "" {
+	if offer.Version != ProtocolVersion || offer.Mode != u.mode || offer.Error != "" {
 		u.release(c, log, offer)
 		return nil
 	}
 	for received := 0; received < offer.Count; {
-		m, files, err := recvUpgradeMessage(c)
+		m, files, err := Recv(c)
 		if err == nil && (m.Type != "sockets" || len(files) == 0 || len(m.Sockets) != len(files)) {
 			err = fmt.Errorf("got %q with %d entries and %d descriptors, want sockets", m.Type, len(m.Sockets), len(files))
 		}
@@ -392,7 +467,7 @@ func (u *upgrader) takeOver(c *net.UnixConn) (err error) {
 }
 
 // keep files an inherited socket by kind; it owns f.
-func (u *upgrader) keep(s upgradeSocket, f *os.File) {
+func (u *Upgrader) keep(s Socket, f *os.File) {
 	switch s.Kind {
 	case kindListener:
 		u.listeners = append(u.listeners, proxy.HandoffSocket{Key: s.Key, Port: s.Port, File: f})
@@ -419,17 +494,17 @@ func (u *upgrader) keep(s upgradeSocket, f *os.File) {
 
 // release asks an incompatible predecessor to close its sockets, then
 // takes the upgrade socket's path over for a cold start.
-func (u *upgrader) release(c *net.UnixConn, log *zap.Logger, offer upgradeMessage) {
+func (u *Upgrader) release(c *net.UnixConn, log *zap.Logger, offer Message) {
 	defer c.Close()
 	log.Warn("cannot take the running uproxy's sockets over (another upgrade protocol version, another mode, or it failed to export them): asking it to release them and starting cold (new listener ports; fixed ports it still holds fail to bind)",
-		zap.Int("theirVersion", offer.Version), zap.Int("ourVersion", upgradeProtocolVersion),
+		zap.Int("theirVersion", offer.Version), zap.Int("ourVersion", ProtocolVersion),
 		zap.String("theirMode", offer.Mode), zap.String("ourMode", u.mode), zap.String("theirError", offer.Error))
-	c.SetDeadline(time.Now().Add(upgradeReleaseTimeout))
-	err := sendUpgradeMessage(c, upgradeMessage{Type: "release"}, nil)
+	c.SetDeadline(time.Now().Add(u.cfg.releaseTimeout()))
+	err := Send(c, Message{Type: "release"}, nil)
 	if err == nil {
-		var m upgradeMessage
+		var m Message
 		var files []*os.File
-		m, files, err = recvUpgradeMessage(c)
+		m, files, err = Recv(c)
 		closeFiles(files)
 		if err == nil && m.Type != "released" {
 			err = fmt.Errorf("got %q, want released", m.Type)
@@ -448,7 +523,7 @@ func (u *upgrader) release(c *net.UnixConn, log *zap.Logger, offer upgradeMessag
 
 // bind creates the upgrade socket. Failing is not fatal: the process
 // runs, without hitless upgrades.
-func (u *upgrader) bind() {
+func (u *Upgrader) bind() {
 	if err := os.MkdirAll(filepath.Dir(u.path), 0o700); err != nil {
 		u.log.Warn("cannot create the upgrade socket's folder; hitless upgrades of this process are disabled", zap.Error(err))
 		return
@@ -484,9 +559,9 @@ func pathID(path string) fileID {
 	return fileID{st.Ino, st.Ctim}
 }
 
-// inherited returns the listeners to adopt, for proxy.Config.Inherited;
+// Inherited returns the listeners to adopt, for proxy.Config.Inherited;
 // nil after a cold start. The proxier owns them from then on.
-func (u *upgrader) inherited() *proxy.Inherited {
+func (u *Upgrader) Inherited() *proxy.Inherited {
 	if u.pred == nil {
 		return nil
 	}
@@ -496,16 +571,16 @@ func (u *upgrader) inherited() *proxy.Inherited {
 }
 
 // closeInherited closes what was inherited and not passed on.
-func (u *upgrader) closeInherited() {
+func (u *Upgrader) closeInherited() {
 	proxy.CloseHandoffSockets(u.listeners)
 	u.listeners = nil
 	u.servers.closeInherited()
 }
 
-// close ends the upgrader when run returns: a predecessor not yet told
-// we are ready carries on; the upgrade socket is closed, and its file
-// removed unless a successor owns it now.
-func (u *upgrader) close() {
+// Close ends the Upgrader when the process stops: a predecessor not yet
+// told we are ready carries on; the upgrade socket is closed, and its
+// file removed unless a successor owns it now.
+func (u *Upgrader) Close() {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.pred != nil {
@@ -522,57 +597,76 @@ func (u *upgrader) close() {
 	}
 }
 
-// upgradeHooks connect the upgrade server to the proxier.
-type upgradeHooks struct {
-	sync   *pausableRun
-	export func() ([]proxy.HandoffSocket, error)
-	// abort ends this process's run with an error: the predecessor took
+// Hooks connect the upgrade server to the proxier. A successor's
+// upgrader, which hands nothing over, needs only Abort.
+type Hooks struct {
+	// Sync pauses the sync loop while a handover is in progress.
+	Sync Pauser
+	// Export duplicates the proxier's listeners, which the caller owns
+	// (the upgrader closes them once sent). It is called with the sync
+	// loop paused.
+	Export func() ([]proxy.HandoffSocket, error)
+	// Abort ends this process's run with an error: the predecessor took
 	// its sockets back before we were ready. Nil means nothing is done.
-	abort func(error)
+	Abort func(error)
 }
 
-// handover is a finished handshake with a successor.
-type handover struct {
-	pid  int
+// Pauser stops and restarts the sync loop, so that the set of listeners
+// stays the one exported while a handover is in progress. Serve calls
+// it from one handshake's goroutine at a time; SyncLoop implements it.
+type Pauser interface {
+	// Pause stops the sync loop and returns once no sync runs; false if
+	// ctx ended first.
+	Pause(ctx context.Context) bool
+	// Resume starts the sync loop again after Pause.
+	Resume(ctx context.Context)
+}
+
+// Handover is a finished handshake with a successor: it has taken the
+// sockets over, or asked for their release.
+type Handover struct {
+	PID  int           // the successor's, as its hello gives it
 	conn *net.UnixConn // for released; nil after ready
 }
 
-// done tells a successor that asked for a release that every socket is
-// closed.
-func (h *handover) done(log *zap.Logger) {
+// Done tells a successor that asked for a release that every socket is
+// closed; the caller has closed them. It does nothing after a handover
+// on ready.
+func (h *Handover) Done(log *zap.Logger) {
 	if h.conn == nil {
 		return
 	}
-	if err := sendUpgradeMessage(h.conn, upgradeMessage{Type: "released"}, nil); err != nil {
+	if err := Send(h.conn, Message{Type: "released"}, nil); err != nil {
 		log.Warn("cannot confirm the release to the new process", zap.Error(err))
 	}
 	h.conn.Close()
 }
 
-// serve serves successors on the upgrade socket, and once the first sync
-// is done tells the predecessor we are ready. It returns when ctx is
-// done, or when a successor has taken the sockets over (or asked for a
-// release), which it returns. It runs on its own goroutine, owned by run;
+// Serve serves successors on the upgrade socket, and once the first sync
+// is done (synced is closed) tells the predecessor we are ready. It
+// returns when ctx is done, or when a successor has taken the sockets
+// over (or asked for a release), which it returns. It runs on a
+// goroutine of its own, owned by the caller;
 // the goroutines it starts (one per connection, one for the first sync)
 // end before it returns.
-func (u *upgrader) serve(ctx context.Context, synced <-chan struct{}, h upgradeHooks) *handover {
+func (u *Upgrader) Serve(ctx context.Context, synced <-chan struct{}, h Hooks) *Handover {
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	wg.Go(func() { u.afterFirstSync(ctx, synced, h.abort) })
+	wg.Go(func() { u.afterFirstSync(ctx, synced, h.Abort) })
 	u.mu.Lock()
 	pred := u.pred
 	u.mu.Unlock()
 	if pred != nil {
-		wg.Go(func() { u.watchPredecessor(ctx, pred, h.abort) })
+		wg.Go(func() { u.watchPredecessor(ctx, pred, h.Abort) })
 	}
 	if u.ln == nil {
 		<-ctx.Done()
 		return nil
 	}
 	ln := u.ln
-	result := make(chan *handover, 1)
+	result := make(chan *Handover, 1)
 	wg.Go(func() { <-ctx.Done(); ln.Close() })
 	var delay time.Duration
 	for {
@@ -610,7 +704,7 @@ func (u *upgrader) serve(ctx context.Context, synced <-chan struct{}, h upgradeH
 // afterFirstSync waits for the first successful sync, closes the
 // inherited server sockets nothing claimed, and tells the predecessor we
 // are ready.
-func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, abort func(error)) {
+func (u *Upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, abort func(error)) {
 	select {
 	case <-ctx.Done():
 		return
@@ -623,7 +717,7 @@ func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, a
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.pred != nil {
-		if err := sendUpgradeMessage(u.pred, upgradeMessage{Type: "ready"}, nil); err != nil {
+		if err := Send(u.pred, Message{Type: "ready"}, nil); err != nil {
 			// It gave up on us (the ready timeout) and syncs again.
 			u.pred.Close()
 			u.pred = nil
@@ -644,12 +738,12 @@ func (u *upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, a
 // end the handover before we are ready: it gave up waiting for our first
 // sync and syncs again itself, and two processes must not both program
 // the rules. The upgrade socket's path stays the predecessor's.
-func (u *upgrader) watchPredecessor(ctx context.Context, pred *net.UnixConn, abort func(error)) {
+func (u *Upgrader) watchPredecessor(ctx context.Context, pred *net.UnixConn, abort func(error)) {
 	// The predecessor sends nothing after the sockets: any answer to this
 	// read is its end of the connection.
 	stop := context.AfterFunc(ctx, func() { pred.SetReadDeadline(time.Now()) })
 	defer stop()
-	_, files, err := recvUpgradeMessage(pred)
+	_, files, err := Recv(pred)
 	closeFiles(files)
 	if ctx.Err() != nil {
 		return
@@ -678,14 +772,14 @@ func errPredecessorResumed(err error) error {
 
 // Errors of an offer that the new process handles differently.
 const (
-	offerBusy     = "another upgrade is in progress"
-	offerNotReady = "not serving yet: its first sync has not completed"
-	offerForeign  = "another network namespace"
+	OfferBusy     = "another upgrade is in progress"
+	OfferNotReady = "not serving yet: its first sync has not completed"
+	OfferForeign  = "another network namespace"
 )
 
 // handle runs the old process's side of one handshake; it returns the
 // handover if the successor took the sockets over or asked for a release.
-func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) *handover {
+func (u *Upgrader) handle(ctx context.Context, c *net.UnixConn, h Hooks) *Handover {
 	keep := false
 	defer func() {
 		if !keep {
@@ -706,8 +800,8 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		u.log.Warn("refusing a connection on the upgrade socket", zap.Error(err))
 		return nil
 	}
-	c.SetDeadline(time.Now().Add(upgradeHandshakeTimeout))
-	hello, files, err := recvUpgradeMessage(c)
+	c.SetDeadline(time.Now().Add(u.cfg.handshakeTimeout()))
+	hello, files, err := Recv(c)
 	closeFiles(files)
 	if err == nil && hello.Type != "hello" {
 		err = fmt.Errorf("got %q, want hello", hello.Type)
@@ -717,10 +811,10 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		return nil
 	}
 	log := u.log.With(zap.Int("successor", hello.PID), zap.Int32("peerPID", cred.Pid))
-	offer := upgradeMessage{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}
-	refuse := func(why string) *handover {
+	offer := Message{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}
+	refuse := func(why string) *Handover {
 		offer.Error = why
-		if err := sendUpgradeMessage(c, offer, nil); err != nil {
+		if err := Send(c, offer, nil); err != nil {
 			log.Warn("answering on the upgrade socket failed", zap.Error(err))
 		}
 		return nil
@@ -731,27 +825,27 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 	if err != nil || theirs != u.netns || hello.Netns != u.netns {
 		log.Info("refusing a handover to a process in another network namespace",
 			zap.String("theirs", theirs), zap.String("claimed", hello.Netns), zap.String("ours", u.netns), zap.Error(err))
-		return refuse(offerForeign)
+		return refuse(OfferForeign)
 	}
 	u.mu.Lock()
 	state := ""
 	switch {
 	case u.handing || u.pred != nil:
-		state = offerBusy
+		state = OfferBusy
 	case !u.ready:
-		state = offerNotReady
+		state = OfferNotReady
 	default:
 		u.handing = true
 	}
 	u.mu.Unlock()
 	switch state {
-	case offerBusy:
+	case OfferBusy:
 		log.Warn("refusing a handover: another upgrade is in progress")
-		return refuse(offerBusy)
-	case offerNotReady:
+		return refuse(OfferBusy)
+	case OfferNotReady:
 		// Nothing worth keeping yet: the new process asks us to release
 		// and starts cold.
-		refuse(offerNotReady)
+		refuse(OfferNotReady)
 		return u.awaitRelease(c, log, hello.PID, &keep)
 	}
 	handedOver := false
@@ -762,7 +856,7 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 			u.mu.Unlock()
 		}
 	}()
-	if !h.sync.pause(ctx) {
+	if !h.Sync.Pause(ctx) {
 		return nil
 	}
 	defer func() {
@@ -778,25 +872,25 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		u.mu.Lock()
 		u.gone = false
 		u.mu.Unlock()
-		h.sync.resume(ctx)
+		h.Sync.Resume(ctx)
 	}()
-	var socks []upgradeSocket
+	var socks []Socket
 	var out []*os.File
 	defer func() { closeFiles(out) }() // ours: the successor got duplicates
-	if hello.Version == upgradeProtocolVersion && hello.Mode == u.mode {
+	if hello.Version == ProtocolVersion && hello.Mode == u.mode {
 		if socks, out, err = u.export(h); err != nil {
 			log.Error("cannot export the sockets; the new process starts cold", zap.Error(err))
 			offer.Error = err.Error()
 		}
 		offer.Count = len(out)
 	}
-	if err := sendUpgradeMessage(c, offer, nil); err != nil {
+	if err := Send(c, offer, nil); err != nil {
 		log.Warn("handover failed", zap.Error(err))
 		return nil
 	}
-	for i := 0; i < len(out); i += upgradeFDsPerMessage {
-		j := min(i+upgradeFDsPerMessage, len(out))
-		if err := sendUpgradeMessage(c, upgradeMessage{Type: "sockets", Sockets: socks[i:j]}, out[i:j]); err != nil {
+	for i := 0; i < len(out); i += fdsPerMessage {
+		j := min(i+fdsPerMessage, len(out))
+		if err := Send(c, Message{Type: "sockets", Sockets: socks[i:j]}, out[i:j]); err != nil {
 			log.Warn("handover failed", zap.Error(err))
 			return nil
 		}
@@ -811,12 +905,12 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 	// initial lists), but our sync loop is paused meanwhile: past the
 	// ready timeout we close the connection, which tells the successor
 	// to stop, and sync again.
-	c.SetDeadline(time.Now().Add(u.getReadyTimeout()))
-	m, files, err := recvUpgradeMessage(c)
+	c.SetDeadline(time.Now().Add(u.cfg.readyTimeout()))
+	m, files, err := Recv(c)
 	closeFiles(files)
 	switch {
 	case errors.Is(err, os.ErrDeadlineExceeded):
-		log.Warn("the new process did not become ready in time: aborting the handover and syncing again", zap.Duration("timeout", u.getReadyTimeout()))
+		log.Warn("the new process did not become ready in time: aborting the handover and syncing again", zap.Duration("timeout", u.cfg.readyTimeout()))
 		return nil
 	case err != nil:
 		log.Info("handover aborted", zap.Error(err))
@@ -827,14 +921,14 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 		u.mu.Lock()
 		u.handOver()
 		u.mu.Unlock()
-		return &handover{pid: hello.PID}
+		return &Handover{PID: hello.PID}
 	case m.Type == "release":
 		handedOver, keep = true, true
 		log.Info("the new process starts cold: releasing every socket")
 		u.mu.Lock()
 		u.handOver()
 		u.mu.Unlock()
-		return &handover{pid: hello.PID, conn: c}
+		return &Handover{PID: hello.PID, conn: c}
 	default:
 		log.Warn("unexpected message on the upgrade socket", zap.String("type", m.Type))
 		return nil
@@ -843,8 +937,8 @@ func (u *upgrader) handle(ctx context.Context, c *net.UnixConn, h upgradeHooks) 
 
 // awaitRelease waits, after an offer it cannot follow with sockets, for
 // the new process to ask for a release.
-func (u *upgrader) awaitRelease(c *net.UnixConn, log *zap.Logger, pid int, keep *bool) *handover {
-	m, files, err := recvUpgradeMessage(c)
+func (u *Upgrader) awaitRelease(c *net.UnixConn, log *zap.Logger, pid int, keep *bool) *Handover {
+	m, files, err := Recv(c)
 	closeFiles(files)
 	if err != nil || m.Type != "release" {
 		return nil
@@ -858,12 +952,12 @@ func (u *upgrader) awaitRelease(c *net.UnixConn, log *zap.Logger, pid int, keep 
 	u.handing = true
 	*keep = true
 	u.handOver()
-	return &handover{pid: pid, conn: c}
+	return &Handover{PID: pid, conn: c}
 }
 
 // handOver closes our descriptor of the upgrade socket, whose path is the
 // successor's now. u.mu is held.
-func (u *upgrader) handOver() {
+func (u *Upgrader) handOver() {
 	u.gone = true
 	u.ln.Close()
 	u.ln = nil
@@ -871,15 +965,15 @@ func (u *upgrader) handOver() {
 
 // export duplicates every socket to hand over: the proxier's listeners,
 // the servers' and the upgrade socket itself.
-func (u *upgrader) export(h upgradeHooks) ([]upgradeSocket, []*os.File, error) {
-	listeners, err := h.export()
+func (u *Upgrader) export(h Hooks) ([]Socket, []*os.File, error) {
+	listeners, err := h.Export()
 	if err != nil {
 		return nil, nil, err
 	}
-	var socks []upgradeSocket
+	var socks []Socket
 	var files []*os.File
 	for _, l := range listeners {
-		socks = append(socks, upgradeSocket{Kind: kindListener, Key: l.Key, Port: l.Port})
+		socks = append(socks, Socket{Kind: kindListener, Key: l.Key, Port: l.Port})
 		files = append(files, l.File)
 	}
 	ss, sf, err := u.servers.export()
@@ -889,7 +983,7 @@ func (u *upgrader) export(h upgradeHooks) ([]upgradeSocket, []*os.File, error) {
 	}
 	socks, files = append(socks, ss...), append(files, sf...)
 	if f, err := proxy.SocketFile(u.ln, u.path); err == nil {
-		socks = append(socks, upgradeSocket{Kind: kindUpgrade, Key: u.path})
+		socks = append(socks, Socket{Kind: kindUpgrade, Key: u.path})
 		files = append(files, f)
 	} else {
 		u.log.Warn("cannot export the upgrade socket; the new process binds its own", zap.Error(err))
@@ -1005,10 +1099,10 @@ func (s *serverSockets) listen(role string) healthcheck.ListenFunc {
 }
 
 // export duplicates the open server sockets.
-func (s *serverSockets) export() ([]upgradeSocket, []*os.File, error) {
+func (s *serverSockets) export() ([]Socket, []*os.File, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var socks []upgradeSocket
+	var socks []Socket
 	var files []*os.File
 	for l := range s.open {
 		sc, ok := l.Listener.(syscall.Conn)
@@ -1020,7 +1114,7 @@ func (s *serverSockets) export() ([]upgradeSocket, []*os.File, error) {
 			closeFiles(files)
 			return nil, nil, fmt.Errorf("exporting %s: %w", l.key, err)
 		}
-		socks = append(socks, upgradeSocket{Kind: kindServer, Key: l.key})
+		socks = append(socks, Socket{Kind: kindServer, Key: l.key})
 		files = append(files, f)
 	}
 	return socks, files, nil
@@ -1044,22 +1138,31 @@ func (l *serverListener) Close() error {
 	return l.Listener.Close()
 }
 
-// pausableRun runs the proxier's sync loop, and lets the upgrade server
+// SyncLoop runs the proxier's sync loop, and lets the upgrade server
 // stop it while it exports the listeners (the sync goroutine owns them)
 // and start it again if the handover fails.
-type pausableRun struct {
-	p       *proxy.Proxier
+type SyncLoop struct {
+	p       Syncer
 	pauses  chan chan struct{}
 	resumes chan struct{}
 }
 
-func newPausableRun(p *proxy.Proxier) *pausableRun {
-	return &pausableRun{p: p, pauses: make(chan chan struct{}), resumes: make(chan struct{})}
+// Syncer is the sync loop that SyncLoop runs: the proxier. Run syncs
+// until its context ends; Resync asks for a full sync at once. SyncLoop
+// calls both from the goroutine it owns.
+type Syncer interface {
+	Run(ctx context.Context)
+	Resync()
 }
 
-// run syncs until ctx is done. It owns the goroutine that runs p.Run,
-// which it ends on pause and on ctx's end.
-func (r *pausableRun) run(ctx context.Context) {
+// NewSyncLoop returns the SyncLoop of p; it syncs once Run is called.
+func NewSyncLoop(p Syncer) *SyncLoop {
+	return &SyncLoop{p: p, pauses: make(chan chan struct{}), resumes: make(chan struct{})}
+}
+
+// Run syncs until ctx is done. It owns the goroutine that runs p.Run,
+// which it ends on Pause and on ctx's end.
+func (r *SyncLoop) Run(ctx context.Context) {
 	for {
 		rctx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})
@@ -1084,9 +1187,9 @@ func (r *pausableRun) run(ctx context.Context) {
 	}
 }
 
-// pause stops the sync loop and returns once no sync runs; false if ctx
+// Pause stops the sync loop and returns once no sync runs; false if ctx
 // ended first.
-func (r *pausableRun) pause(ctx context.Context) bool {
+func (r *SyncLoop) Pause(ctx context.Context) bool {
 	ack := make(chan struct{})
 	select {
 	case r.pauses <- ack:
@@ -1097,33 +1200,10 @@ func (r *pausableRun) pause(ctx context.Context) bool {
 	}
 }
 
-// resume starts the sync loop again after pause.
-func (r *pausableRun) resume(ctx context.Context) {
+// Resume starts the sync loop again after Pause.
+func (r *SyncLoop) Resume(ctx context.Context) {
 	select {
 	case r.resumes <- struct{}{}:
 	case <-ctx.Done():
 	}
-}
-
-// drainHandedOver ends a process whose sockets a successor has taken
-// over: it stops accepting (the sockets live on in the successor),
-// confirms a release, drains its connections for up to --drain-timeout,
-// and returns; with --linger-after-upgrade it first waits for a signal.
-// The rules are the successor's.
-func drainHandedOver(signals context.Context, o *runOptions, p *proxy.Proxier, svcHealth *healthcheck.ServiceHealth, h *handover, log *zap.Logger) error {
-	svcHealth.Close() // the other servers closed when run's context ended
-	p.StopListening()
-	h.done(log)
-	log.Info("handed over: draining connections", zap.Int("successor", h.pid), zap.Int("active", p.ActiveConnections()), zap.Duration("timeout", o.drainTimeout))
-	dctx, cancel := context.WithTimeout(context.Background(), o.drainTimeout)
-	defer cancel()
-	if err := p.Drain(dctx); err != nil {
-		log.Warn("drain incomplete", zap.Error(err))
-	}
-	log.Info("stopped; the new process serves", zap.Int("successor", h.pid))
-	if o.lingerAfterUpgrade {
-		log.Info("waiting for SIGTERM (--linger-after-upgrade)")
-		<-signals.Done()
-	}
-	return nil
 }
