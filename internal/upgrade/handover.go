@@ -1,0 +1,403 @@
+package upgrade
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/uproxy/uproxy/proxy"
+)
+
+// Hooks connect the upgrade server to the proxier. A successor's
+// upgrader, which hands nothing over, needs only Abort.
+type Hooks struct {
+	// Sync pauses the sync loop while a handover is in progress.
+	Sync Pauser
+	// Export duplicates the proxier's listeners, which the caller owns
+	// (the upgrader closes them once sent). It is called with the sync
+	// loop paused.
+	Export func() ([]proxy.HandoffSocket, error)
+	// Abort ends this process's run with an error: the predecessor took
+	// its sockets back before we were ready. Nil means nothing is done.
+	Abort func(error)
+}
+
+// Pauser stops and restarts the sync loop, so that the set of listeners
+// stays the one exported while a handover is in progress. Serve calls
+// it from one handshake's goroutine at a time; SyncLoop implements it.
+type Pauser interface {
+	// Pause stops the sync loop and returns once no sync runs; false if
+	// ctx ended first.
+	Pause(ctx context.Context) bool
+	// Resume starts the sync loop again after Pause.
+	Resume(ctx context.Context)
+}
+
+// Handover is a finished handshake with a successor: it has taken the
+// sockets over, or asked for their release.
+type Handover struct {
+	PID  int           // the successor's, as its hello gives it
+	conn *net.UnixConn // for released; nil after ready
+}
+
+// Done tells a successor that asked for a release that every socket is
+// closed; the caller has closed them. It does nothing after a handover
+// on ready.
+func (h *Handover) Done(log *zap.Logger) {
+	if h.conn == nil {
+		return
+	}
+	if err := Send(h.conn, Message{Type: "released"}, nil); err != nil {
+		log.Warn("cannot confirm the release to the new process", zap.Error(err))
+	}
+	h.conn.Close()
+}
+
+// Serve serves successors on the upgrade socket, and once the first sync
+// is done (synced is closed) tells the predecessor we are ready. It
+// returns when ctx is done, or when a successor has taken the sockets
+// over (or asked for a release), which it returns. It runs on a
+// goroutine of its own, owned by the caller;
+// the goroutines it starts (one per connection, one for the first sync)
+// end before it returns.
+func (u *Upgrader) Serve(ctx context.Context, synced <-chan struct{}, h Hooks) *Handover {
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { u.afterFirstSync(ctx, synced, h.Abort) })
+	u.mu.Lock()
+	pred := u.pred
+	u.mu.Unlock()
+	if pred != nil {
+		wg.Go(func() { u.watchPredecessor(ctx, pred, h.Abort) })
+	}
+	if u.ln == nil {
+		<-ctx.Done()
+		return nil
+	}
+	ln := u.ln
+	result := make(chan *Handover, 1)
+	wg.Go(func() { <-ctx.Done(); ln.Close() })
+	var delay time.Duration
+	for {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				break
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			u.log.Warn("accepting on the upgrade socket failed; backing off", zap.Duration("delay", delay), zap.Error(err))
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		// Each connection on its own, so that a process of another
+		// namespace (sharing the path) is answered at once even while a
+		// handover waits for its successor's first sync.
+		wg.Go(func() {
+			if ho := u.handle(ctx, c, h); ho != nil {
+				result <- ho // at most one: handle hands over once
+				stop()
+			}
+		})
+	}
+	stop()
+	wg.Wait()
+	select {
+	case ho := <-result:
+		return ho
+	default:
+		return nil
+	}
+}
+
+// afterFirstSync waits for the first successful sync, closes the
+// inherited server sockets nothing claimed, and tells the predecessor we
+// are ready.
+func (u *Upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, abort func(error)) {
+	select {
+	case <-ctx.Done():
+		return
+	case <-synced:
+	}
+	if !u.servers.settled(ctx) {
+		return
+	}
+	u.servers.closeInherited()
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.pred != nil {
+		if err := Send(u.pred, Message{Type: "ready"}, nil); err != nil {
+			// It gave up on us (the ready timeout) and syncs again.
+			u.pred.Close()
+			u.pred = nil
+			u.gone = true
+			if abort != nil {
+				abort(fmt.Errorf("hitless upgrade: cannot tell the predecessor (pid %d) we are ready; it serves on: %w", u.predPID, err))
+			}
+			return
+		}
+		u.pred.Close()
+		u.pred = nil
+		u.log.Info("serving; the predecessor stops accepting and drains", zap.Int("predecessor", u.predPID))
+	}
+	u.ready = true
+}
+
+// watchPredecessor ends our run, through abort, should the predecessor
+// end the handover before we are ready: it gave up waiting for our first
+// sync and syncs again itself, and two processes must not both program
+// the rules. The upgrade socket's path stays the predecessor's.
+func (u *Upgrader) watchPredecessor(ctx context.Context, pred *net.UnixConn, abort func(error)) {
+	// The predecessor sends nothing after the sockets: any answer to this
+	// read is its end of the connection.
+	stop := context.AfterFunc(ctx, func() { pred.SetReadDeadline(time.Now()) })
+	defer stop()
+	_, files, err := Recv(pred)
+	closeFiles(files)
+	if ctx.Err() != nil {
+		return
+	}
+	u.mu.Lock()
+	aborted := u.pred == pred // not told ready yet
+	if aborted {
+		u.pred.Close()
+		u.pred = nil
+		u.gone = true
+	}
+	u.mu.Unlock()
+	if aborted && abort != nil {
+		abort(fmt.Errorf("hitless upgrade: the predecessor (pid %d) ended the handover before our first sync completed, and serves on: %w", u.predPID, errPredecessorResumed(err)))
+	}
+}
+
+// errPredecessorResumed is the cause given when the predecessor's
+// connection ended: the read's error, or a plain one at EOF.
+func errPredecessorResumed(err error) error {
+	if err == nil || errors.Is(err, io.EOF) {
+		return errors.New("connection closed")
+	}
+	return err
+}
+
+// handle runs the old process's side of one handshake; it returns the
+// handover if the successor took the sockets over or asked for a release.
+func (u *Upgrader) handle(ctx context.Context, c *net.UnixConn, h Hooks) *Handover {
+	keep := false
+	defer func() {
+		if !keep {
+			c.Close()
+		}
+	}()
+	// A signal meanwhile ends the handshake: we stop as usual, and the
+	// successor keeps whatever it already holds.
+	stopClose := context.AfterFunc(ctx, func() { c.Close() })
+	defer stopClose()
+	// Who the peer is, from the kernel: a process of another user gets
+	// no answer at all.
+	cred, err := u.credentials(c)
+	if err == nil {
+		err = u.checkUID(cred)
+	}
+	if err != nil {
+		u.log.Warn("refusing a connection on the upgrade socket", zap.Error(err))
+		return nil
+	}
+	c.SetDeadline(time.Now().Add(u.cfg.handshakeTimeout()))
+	hello, files, err := Recv(c)
+	closeFiles(files)
+	if err == nil && hello.Type != "hello" {
+		err = fmt.Errorf("got %q, want hello", hello.Type)
+	}
+	if err != nil {
+		u.log.Warn("bad handshake on the upgrade socket", zap.Error(err))
+		return nil
+	}
+	log := u.log.With(zap.Int("successor", hello.PID), zap.Int32("peerPID", cred.Pid))
+	offer := Message{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}
+	refuse := func(why string) *Handover {
+		offer.Error = why
+		if err := Send(c, offer, nil); err != nil {
+			log.Warn("answering on the upgrade socket failed", zap.Error(err))
+		}
+		return nil
+	}
+	// The namespace the peer is in, not the one its hello names: our
+	// sockets would serve another namespace's traffic in it.
+	theirs, err := u.netnsOf(cred.Pid)
+	if err != nil || theirs != u.netns || hello.Netns != u.netns {
+		log.Info("refusing a handover to a process in another network namespace",
+			zap.String("theirs", theirs), zap.String("claimed", hello.Netns), zap.String("ours", u.netns), zap.Error(err))
+		return refuse(OfferForeign)
+	}
+	u.mu.Lock()
+	state := ""
+	switch {
+	case u.handing || u.pred != nil:
+		state = OfferBusy
+	case !u.ready:
+		state = OfferNotReady
+	default:
+		u.handing = true
+	}
+	u.mu.Unlock()
+	switch state {
+	case OfferBusy:
+		log.Warn("refusing a handover: another upgrade is in progress")
+		return refuse(OfferBusy)
+	case OfferNotReady:
+		// Nothing worth keeping yet: the new process asks us to release
+		// and starts cold.
+		refuse(OfferNotReady)
+		return u.awaitRelease(c, log, hello.PID, &keep)
+	}
+	handedOver := false
+	defer func() {
+		if !handedOver {
+			u.mu.Lock()
+			u.handing = false
+			u.mu.Unlock()
+		}
+	}()
+	if !h.Sync.Pause(ctx) {
+		return nil
+	}
+	defer func() {
+		if handedOver {
+			return
+		}
+		if ctx.Err() != nil {
+			// We stop meanwhile: the successor, if it lives on, holds the
+			// upgrade socket, so its path stays (gone, if set, stays set).
+			return
+		}
+		log.Info("the new process went away before it was ready; carrying on")
+		u.mu.Lock()
+		u.gone = false
+		u.mu.Unlock()
+		h.Sync.Resume(ctx)
+	}()
+	var socks []Socket
+	var out []*os.File
+	defer func() { closeFiles(out) }() // ours: the successor got duplicates
+	if hello.Version == ProtocolVersion && hello.Mode == u.mode {
+		if socks, out, err = u.export(h); err != nil {
+			log.Error("cannot export the sockets; the new process starts cold", zap.Error(err))
+			offer.Error = err.Error()
+		}
+		offer.Count = len(out)
+	}
+	if err := Send(c, offer, nil); err != nil {
+		log.Warn("handover failed", zap.Error(err))
+		return nil
+	}
+	for i := 0; i < len(out); i += fdsPerMessage {
+		j := min(i+fdsPerMessage, len(out))
+		if err := Send(c, Message{Type: "sockets", Sockets: socks[i:j]}, out[i:j]); err != nil {
+			log.Warn("handover failed", zap.Error(err))
+			return nil
+		}
+	}
+	if len(out) > 0 {
+		log.Info("sockets handed to a new process; serving until it is ready", zap.Int("sockets", len(out)))
+		u.mu.Lock()
+		u.gone = true // should we stop before it is ready, the path is its own
+		u.mu.Unlock()
+	}
+	// The successor's first sync may take a while (an API server's
+	// initial lists), but our sync loop is paused meanwhile: past the
+	// ready timeout we close the connection, which tells the successor
+	// to stop, and sync again.
+	c.SetDeadline(time.Now().Add(u.cfg.readyTimeout()))
+	m, files, err := Recv(c)
+	closeFiles(files)
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		log.Warn("the new process did not become ready in time: aborting the handover and syncing again", zap.Duration("timeout", u.cfg.readyTimeout()))
+		return nil
+	case err != nil:
+		log.Info("handover aborted", zap.Error(err))
+		return nil
+	case m.Type == "ready":
+		handedOver = true
+		log.Info("the new process is ready: handing over")
+		u.mu.Lock()
+		u.handOver()
+		u.mu.Unlock()
+		return &Handover{PID: hello.PID}
+	case m.Type == "release":
+		handedOver, keep = true, true
+		log.Info("the new process starts cold: releasing every socket")
+		u.mu.Lock()
+		u.handOver()
+		u.mu.Unlock()
+		return &Handover{PID: hello.PID, conn: c}
+	default:
+		log.Warn("unexpected message on the upgrade socket", zap.String("type", m.Type))
+		return nil
+	}
+}
+
+// awaitRelease waits, after an offer it cannot follow with sockets, for
+// the new process to ask for a release.
+func (u *Upgrader) awaitRelease(c *net.UnixConn, log *zap.Logger, pid int, keep *bool) *Handover {
+	m, files, err := Recv(c)
+	closeFiles(files)
+	if err != nil || m.Type != "release" {
+		return nil
+	}
+	log.Info("a new process starts cold: releasing every socket")
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.handing {
+		return nil
+	}
+	u.handing = true
+	*keep = true
+	u.handOver()
+	return &Handover{PID: pid, conn: c}
+}
+
+// handOver closes our descriptor of the upgrade socket, whose path is the
+// successor's now. u.mu is held.
+func (u *Upgrader) handOver() {
+	u.gone = true
+	u.ln.Close()
+	u.ln = nil
+}
+
+// export duplicates every socket to hand over: the proxier's listeners,
+// the servers' and the upgrade socket itself.
+func (u *Upgrader) export(h Hooks) ([]Socket, []*os.File, error) {
+	listeners, err := h.Export()
+	if err != nil {
+		return nil, nil, err
+	}
+	var socks []Socket
+	var files []*os.File
+	for _, l := range listeners {
+		socks = append(socks, Socket{Kind: kindListener, Key: l.Key, Port: l.Port})
+		files = append(files, l.File)
+	}
+	ss, sf, err := u.servers.export()
+	if err != nil {
+		closeFiles(files)
+		return nil, nil, err
+	}
+	socks, files = append(socks, ss...), append(files, sf...)
+	if f, err := proxy.SocketFile(u.ln, u.path); err == nil {
+		socks = append(socks, Socket{Kind: kindUpgrade, Key: u.path})
+		files = append(files, f)
+	} else {
+		u.log.Warn("cannot export the upgrade socket; the new process binds its own", zap.Error(err))
+	}
+	return socks, files, nil
+}
