@@ -411,48 +411,6 @@ func TestUpgradeRefusesPeers(t *testing.T) {
 	}
 }
 
-// TestUpgradeSilentSuccessor checks that a successor which takes the
-// sockets and never says ready does not stop the old process's syncing
-// for good: past the ready timeout the old process closes the connection
-// and syncs again (#30).
-func TestUpgradeSilentSuccessor(t *testing.T) {
-	netns, err := netnsID()
-	if err != nil {
-		t.Skip(err)
-	}
-	pr := startPredecessor(t, func(c *Config) { c.ReadyTimeout = 300 * time.Millisecond })
-	c := dialPredecessor(t, pr.path, netns)
-	offer, files, err := Recv(c)
-	closeFiles(files)
-	if err != nil || offer.Type != "offer" || offer.Error != "" || offer.Count == 0 {
-		t.Fatalf("got %+v, %v; want an offer of sockets", offer, err)
-	}
-	for received := 0; received < offer.Count; {
-		m, files, err := Recv(c)
-		closeFiles(files)
-		if err != nil || m.Type != "sockets" {
-			t.Fatalf("got %+v, %v; want sockets", m, err)
-		}
-		received += len(files)
-	}
-	// The old process has paused its sync loop; now say nothing.
-	paused := pr.syncs.Load()
-	start := time.Now()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if m, _, err := Recv(c); !errors.Is(err, io.EOF) {
-		t.Fatalf("got %+v, %v; want the old process to close the connection", m, err)
-	}
-	if waited := time.Since(start); waited > 5*time.Second {
-		t.Errorf("the old process waited %v", waited)
-	}
-	waitUntil(t, "a sync after the aborted handover", func() bool { return pr.syncs.Load() > paused })
-	pr.u.mu.Lock()
-	defer pr.u.mu.Unlock()
-	if pr.u.handing || pr.u.gone || pr.u.ln == nil {
-		t.Errorf("after the aborted handover: handing %v, gone %v, socket %v; want it serving its upgrade socket", pr.u.handing, pr.u.gone, pr.u.ln)
-	}
-}
-
 // TestUpgradeSuccessorStopsWhenAborted checks that a successor whose
 // predecessor ends the handover before ready (its ready timeout) stops,
 // and leaves the predecessor's upgrade socket file alone.
