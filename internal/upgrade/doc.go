@@ -26,7 +26,7 @@
 //     then closes its descriptors and drains. Past its ready time-out old
 //     closes the connection and syncs again; new, seeing that, exits.
 //
-// Each step before the sockets have arrived has the handshake time-out.
+// The handshake time-out bounds the exchange up to the sockets' arrival.
 // An Upgrader runs both sides; SyncLoop lets it pause the proxier's sync
 // loop.
 package upgrade

@@ -15,8 +15,9 @@ import (
 const (
 	// ProtocolVersion is the version of the handover messages.
 	ProtocolVersion = 1
-	// defaultHandshakeTimeout bounds each step of the handshake (not the
-	// wait for ready, which lasts the new process's first sync).
+	// defaultHandshakeTimeout bounds the handshake up to the sockets'
+	// arrival (not the wait for ready, which lasts the new process's
+	// first sync).
 	defaultHandshakeTimeout = 10 * time.Second
 	// defaultReleaseTimeout bounds the wait for released: the old process
 	// stops its servers, source and sync loop first.

@@ -14,7 +14,7 @@ import (
 )
 
 // A peer that goes silent must not hold the other side for longer than
-// the time-out of the step it stopped at: the old process's sync loop is
+// the time-out of the phase it stopped in: the old process's sync loop is
 // paused during a handover, and a starting process that waits forever
 // never serves (#30).
 

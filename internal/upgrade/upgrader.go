@@ -33,9 +33,9 @@ type Config struct {
 	// handover is aborted and the old process syncs again. Zero means
 	// DefaultReadyTimeout.
 	ReadyTimeout time.Duration
-	// HandshakeTimeout bounds each step of the handshake before the
-	// sockets have arrived, on both sides (not the wait for ready,
-	// which lasts the new process's first sync). Zero means 10s.
+	// HandshakeTimeout bounds the handshake from the connection to the
+	// sockets' arrival, on both sides (not the wait for ready, which
+	// lasts the new process's first sync). Zero means 10s.
 	HandshakeTimeout time.Duration
 	// ReleaseTimeout bounds a starting process's wait for released: the
 	// old process stops its servers, source and sync loop first. Zero
