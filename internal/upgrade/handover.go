@@ -20,9 +20,9 @@ import (
 type Hooks struct {
 	// Sync pauses the sync loop while a handover is in progress.
 	Sync Pauser
-	// Export duplicates the proxier's listeners, which the caller owns
-	// (the upgrader closes them once sent). It is called with the sync
-	// loop paused.
+	// Export returns duplicates of the proxier's listeners, which the
+	// upgrader owns from then on and closes once sent. It is called with
+	// the sync loop paused.
 	Export func() ([]proxy.HandoffSocket, error)
 	// Abort ends this process's run with an error: the predecessor took
 	// its sockets back before we were ready. Nil means nothing is done.
