@@ -17,7 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // newDemoCommand tells uproxy's story in a throw-away lab: pods, the
@@ -69,7 +69,7 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	defer os.RemoveAll(sockDir)
 
 	step("1. A node and four pods, each in its own network namespace")
-	l, err := lab.New(lab.Options{})
+	l, err := testlab.New(testlab.Options{})
 	if err != nil {
 		return err
 	}
@@ -185,7 +185,7 @@ func indent(s string) string {
 }
 
 // get runs `bench get` inside ns and decodes its answer.
-func get(ctx context.Context, l *lab.Lab, ns, self, url string, n int) (GetResult, error) {
+func get(ctx context.Context, l *testlab.Lab, ns, self, url string, n int) (GetResult, error) {
 	var res GetResult
 	out, err := l.Exec(ctx, ns, self, "get", "-n", fmt.Sprint(n), url)
 	if err != nil {
@@ -212,7 +212,7 @@ func spread(counts map[string]int) string {
 // as it fails or uproxy exits, with uproxy's own error: a newcomer's first
 // run must say what is wrong (a missing package, a rule the kernel refused)
 // rather than time out.
-func waitFirstSync(ctx context.Context, up *lab.Proc, timeout time.Duration) error {
+func waitFirstSync(ctx context.Context, up *testlab.Proc, timeout time.Duration) error {
 	var failed string
 	err := waitFor(ctx, timeout, func() bool {
 		for _, line := range strings.Split(up.Output(), "\n") {

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // TestDemo runs `make demo`'s program, as a newcomer would, and checks that
@@ -20,7 +20,7 @@ func TestDemo(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: the demo builds namespaces and runs uproxy (not -short)")
 	}
-	lab.RequireRoot(t, "iptables-save", "curl")
+	testlab.RequireRoot(t, "iptables-save", "curl")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dir := t.TempDir()

@@ -19,7 +19,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/internal/testkube"
 )
 
 // Config configures the benchmark parts (datapath, controlplane, gobench,
@@ -75,7 +75,7 @@ type Config struct {
 	// NoProfile skips the CPU profiles (perf, pprof).
 	NoProfile bool
 	// Root is the uproxy module root; empty means the one above the
-	// working directory (kube.ModuleRoot).
+	// working directory (testkube.ModuleRoot).
 	Root string
 	// Log receives one progress line per measurement; nil means stderr.
 	Log io.Writer
@@ -138,7 +138,7 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	var err error
 	if c.Root == "" {
-		if c.Root, err = kube.ModuleRoot(); err != nil {
+		if c.Root, err = testkube.ModuleRoot(); err != nil {
 			return c, err
 		}
 	}
