@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testpeer"
 )
 
 // newDemoCommand tells uproxy's story in a throw-away lab: pods, the
@@ -185,8 +186,8 @@ func indent(s string) string {
 }
 
 // get runs `bench get` inside ns and decodes its answer.
-func get(ctx context.Context, l *testlab.Lab, ns, self, url string, n int) (GetResult, error) {
-	var res GetResult
+func get(ctx context.Context, l *testlab.Lab, ns, self, url string, n int) (testpeer.GetResult, error) {
+	var res testpeer.GetResult
 	out, err := l.Exec(ctx, ns, self, "get", "-n", fmt.Sprint(n), url)
 	if err != nil {
 		return res, err

@@ -10,6 +10,8 @@ import (
 	"os"
 
 	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/internal/testpeer"
 )
 
 func main() {
@@ -19,7 +21,8 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand(), newUDPServeCommand(), newUDPQueryCommand())
+	root.AddCommand(testpeer.Commands()...)
+	root.AddCommand(newDemoCommand())
 	root.AddCommand(newBackendCommand(), newLoadCommand(), newIOCopyCommand(), newURingCommand())
 	root.AddCommand(newPartCommands()...)
 	if err := root.Execute(); err != nil {

@@ -40,7 +40,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// binaries builds uproxy and the bench tool once per test run.
+// binaries builds uproxy and the lab's peer program (testpeer) once per test run.
 func binaries(t *testing.T) (string, string) {
 	t.Helper()
 	buildOnce.Do(func() {
