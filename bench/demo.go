@@ -17,6 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/uproxy/uproxy/internal/testkube"
 	"github.com/uproxy/uproxy/internal/testlab"
 	"github.com/uproxy/uproxy/internal/testpeer"
 )
@@ -37,8 +38,8 @@ func newDemoCommand() *cobra.Command {
 			return demo(ctx, cmd.OutOrStdout(), uproxyBin, manifests, keep)
 		},
 	}
-	cmd.Flags().StringVar(&uproxyBin, "uproxy", "bin/uproxy", "The uproxy binary to run.")
-	cmd.Flags().StringVar(&manifests, "manifests", "deploy/examples", "The manifests uproxy serves.")
+	cmd.Flags().StringVar(&uproxyBin, "uproxy", "", "The uproxy binary to run (default bin/uproxy in the uproxy checkout).")
+	cmd.Flags().StringVar(&manifests, "manifests", "", "The manifests uproxy serves (default deploy/examples in the uproxy checkout).")
 	cmd.Flags().BoolVar(&keep, "pause", false, "Wait for Ctrl-C before tearing the lab down, to explore it (ip netns exec <node> …).")
 	return cmd
 }
@@ -49,6 +50,20 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	self, err := os.Executable()
 	if err != nil {
 		return err
+	}
+	// The bench is a module of its own, run from bench/ or from the
+	// checkout's root: the defaults are found from the checkout's root.
+	if uproxyBin == "" || manifests == "" {
+		root, err := testkube.ModuleRoot()
+		if err != nil {
+			return err
+		}
+		if uproxyBin == "" {
+			uproxyBin = filepath.Join(root, "bin", "uproxy")
+		}
+		if manifests == "" {
+			manifests = filepath.Join(root, "deploy", "examples")
+		}
 	}
 	if uproxyBin, err = filepath.Abs(uproxyBin); err != nil {
 		return err

@@ -91,9 +91,9 @@ type Config struct {
 }
 
 // commandLine returns how this process was started, as a user would type
-// it from the module root.
+// it from the checkout's root (the bench is a module of its own in bench/).
 func commandLine() string {
-	return strings.Join(append([]string{"go run ./bench"}, os.Args[1:]...), " ")
+	return strings.Join(append([]string{"cd bench && go run ."}, os.Args[1:]...), " ")
 }
 
 // withDefaults returns c with every zero field set to its default.
@@ -383,7 +383,7 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 	}
 	start := time.Now()
 	self := filepath.Join(dir, "ubench")
-	if err := goBuild(ctx, cfg.Root, self, "./bench"); err != nil {
+	if err := goBuild(ctx, filepath.Join(cfg.Root, "bench"), self, "."); err != nil {
 		e.close()
 		return nil, err
 	}

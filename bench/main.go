@@ -2,7 +2,7 @@
 // backends and load generators that run inside it, the demo, and the
 // side-by-side benchmarks.
 //
-//	go run ./bench <part> [flags]
+//	cd bench && go run . <part> [flags]
 package main
 
 import (

@@ -748,7 +748,7 @@ func madeBy(metas ...*RunMeta) string {
 		}
 	}
 	if len(cmds) == 0 {
-		return "`go run ./bench all` (`make bench`)"
+		return "`cd bench && go run . all` (`make bench`)"
 	}
 	for i, c := range cmds {
 		cmds[i] = "`" + c + "`"
