@@ -31,12 +31,15 @@ image:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/image/uproxy ./cmd/uproxy
 	deploy/image/build.sh $(BIN)/image/uproxy $(BIN)/uproxy-image.tar $(IMAGE)
 
-# make test: vet, then every test with the race detector, then the fuzz
-# targets for a bounded time. Root-only tests skip (saying why) when not run
-# as root; CI runs as root.
+# make test: vet, then every test with the race detector, in the main
+# module and then in the bench's own (bench/go.mod: the harness, the demo
+# and its TestDemo), then the fuzz targets for a bounded time. Root-only
+# tests skip (saying why) when not run as root; CI runs as root.
 test: deps-test kube-binaries
 	$(GO) vet ./...
+	cd bench && $(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
+	cd bench && $(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
 	$(MAKE) fuzz
 
 # fuzz: each fuzz target of proxy/fuzz_test.go and redirect/fuzz_test.go
@@ -73,9 +76,10 @@ kube-binaries:
 # test-short: the unit tests only (no root needed).
 test-short:
 	$(GO) test -race -count=1 -short ./...
+	cd bench && $(GO) test -race -count=1 -short ./...
 
 demo: deps-demo build
-	$(GO) run ./bench demo --uproxy $(BIN)/uproxy --manifests deploy/examples
+	cd bench && $(GO) run . demo --uproxy $(abspath $(BIN))/uproxy --manifests $(CURDIR)/deploy/examples
 
 # apt-ensure: as root, install the missing packages; otherwise print the
 # exact command and carry on (the tests that need them skip, saying why).
@@ -107,7 +111,7 @@ fmt:
 clean:
 	rm -rf $(BIN)
 
-# The benchmarks (bench/, see `go run ./bench --help`) need, beyond the
+# The benchmarks (bench/, a module of its own: see `cd bench && go run . --help`) need, beyond the
 # tests' packages, the proxies they compare and perf for the CPU profiles.
 BENCH_PKGS := $(TEST_PKGS) linux-perf
 BENCHFLAGS ?=
@@ -118,10 +122,10 @@ BENCHFLAGS ?=
 # bench/results/DATE-HOST.md and its charts. About half an hour.
 bench:
 	$(call apt-ensure,$(BENCH_PKGS))
-	$(GO) run ./bench all $(BENCHFLAGS)
+	cd bench && $(GO) run . all $(BENCHFLAGS)
 
 # bench-smoke: the same with tiny durations and counts, into a temporary
 # folder: checks that the harness works end to end, in about a minute.
 bench-smoke:
 	$(call apt-ensure,$(BENCH_PKGS))
-	$(GO) run ./bench all --smoke $(BENCHFLAGS)
+	cd bench && $(GO) run . all --smoke $(BENCHFLAGS)

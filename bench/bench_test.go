@@ -14,7 +14,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // TestSmoke runs every benchmark part in smoke mode (tiny durations and
@@ -26,7 +26,7 @@ func TestSmoke(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: the smoke benchmarks build namespaces and start real proxies (not -short)")
 	}
-	lab.RequireRoot(t, "iptables-restore", "iptables-save", "curl")
+	testlab.RequireRoot(t, "iptables-restore", "iptables-save", "curl")
 	out := t.TempDir()
 	var log bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)

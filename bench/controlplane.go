@@ -21,8 +21,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/bench/kube"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // cpMetrics are the control-plane figures, in report order.
@@ -92,13 +92,13 @@ func (r *ControlPlaneResults) setNA(proxy string, scale int, reason string, metr
 
 // scaleSet is one scale's objects, as the proxies see them.
 type scaleSet struct {
-	gen       []kube.Generated
+	gen       []testkube.Generated
 	endpoints []netip.Addr // every service's endpoints
 	changes   []netip.Addr // the last service's endpoint, change after change
 	targets   string       // file of every service's VIP:port, for the sweep
 }
 
-func (s *scaleSet) last() kube.Generated { return s.gen[len(s.gen)-1] }
+func (s *scaleSet) last() testkube.Generated { return s.gen[len(s.gen)-1] }
 
 func (s *scaleSet) dnatPorts() []dnatPort {
 	ports := make([]dnatPort, len(s.gen))
@@ -124,7 +124,7 @@ type cpProxy struct {
 	na func(e *env, k *kubeEnv) error
 	// start begins programming every service of s in t and returns the
 	// proxy process (nil when the harness programs the kernel itself).
-	start func(ctx context.Context, e *env, t *topo, k *kubeEnv, s *scaleSet) (*lab.Proc, error)
+	start func(ctx context.Context, e *env, t *topo, k *kubeEnv, s *scaleSet) (*testlab.Proc, error)
 	// change moves the last service to the single endpoint to, from the
 	// endpoints from.
 	change func(ctx context.Context, t *topo, k *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr) error
@@ -141,7 +141,7 @@ var cpProxies = []cpProxy{
 			}
 			return nil
 		},
-		start: func(ctx context.Context, _ *env, t *topo, _ *kubeEnv, s *scaleSet) (*lab.Proc, error) {
+		start: func(ctx context.Context, _ *env, t *topo, _ *kubeEnv, s *scaleSet) (*testlab.Proc, error) {
 			return nil, restore(ctx, t.lab, t.lab.Node, renderDNAT(s.dnatPorts(), clusterCIDR), false)
 		},
 		change: func(ctx context.Context, t *topo, _ *kubeEnv, s *scaleSet, from []netip.Addr, to netip.Addr) error {
@@ -229,8 +229,8 @@ func cpProxyIDs() []string {
 }
 
 // startUproxy runs uproxy against the lab's API server with extra flags.
-func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
-	return func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*testlab.Proc, error) {
+	return func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*testlab.Proc, error) {
 		args := append([]string{e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
 			"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR,
 			"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock"), "--state-file", filepath.Join(t.dir, "state.json")}, extra...)
@@ -238,8 +238,8 @@ func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *
 	}
 }
 
-func startKubeProxy(mode string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
-	return func(ctx context.Context, _ *env, t *topo, k *kubeEnv, _ *scaleSet) (*lab.Proc, error) {
+func startKubeProxy(mode string) func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*testlab.Proc, error) {
+	return func(ctx context.Context, _ *env, t *topo, k *kubeEnv, _ *scaleSet) (*testlab.Proc, error) {
 		return t.lab.Start(t.lab.Node, "kube-proxy", kubeProxyArgs(k.kubeProxy, k.cp.Kubeconfig, mode)...)
 	}
 }
@@ -364,7 +364,7 @@ func growScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kubeEnv
 	more := n - len(s.gen)
 	start := time.Now()
 	if k.err == nil {
-		gen, err := kube.Generate(ctx, patientDialer(k.cp.RESTConfig), kube.GenerateSpec{
+		gen, err := testkube.Generate(ctx, patientDialer(k.cp.RESTConfig), testkube.GenerateSpec{
 			Services: more, Endpoints: s.endpoints, Prefix: fmt.Sprintf("scale%d", si)})
 		if err != nil {
 			return fmt.Errorf("creating the services: %w", err)
@@ -378,7 +378,7 @@ func growScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kubeEnv
 			base = base.Next()
 		}
 		for i := range more {
-			s.gen = append(s.gen, kube.Generated{Name: fmt.Sprintf("scale%d-%05d", si, i), ClusterIP: base, Port: rrPort})
+			s.gen = append(s.gen, testkube.Generated{Name: fmt.Sprintf("scale%d-%05d", si, i), ClusterIP: base, Port: rrPort})
 			base = base.Next()
 		}
 	}
@@ -683,7 +683,7 @@ func timeChange(ctx context.Context, e *env, t *topo, p cpProxy, k *kubeEnv, s *
 // after started, from proc's (uproxy's) log, waiting a moment for the
 // line: the sync logs once it has ended, after the traffic may already
 // have followed.
-func waitChangeSync(proc *lab.Proc, after time.Time) (syncLine, error) {
+func waitChangeSync(proc *testlab.Proc, after time.Time) (syncLine, error) {
 	sl, err := changeSync(proc.Output(), after)
 	for wait := time.Now().Add(5 * time.Second); err != nil && time.Now().Before(wait); {
 		time.Sleep(20 * time.Millisecond)
@@ -767,7 +767,7 @@ func patientDialer(cfg *rest.Config) *rest.Config {
 // programmed n services in time: its output goes to a file in the data
 // folder, and what it was still running (kube-proxy's iptables-restore, say)
 // becomes a note in the report.
-func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *lab.Proc, n int, at string) {
+func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *testlab.Proc, n int, at string) {
 	name := fmt.Sprintf("cp-%s-%d.log", p.ID, n)
 	if err := keepOutput(filepath.Join(e.cfg.dataDir(), name), proc.Output()); err != nil {
 		e.logf("%s: %v; its last lines:\n%s", at, err, tail(proc.Output(), 10))

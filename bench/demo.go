@@ -17,7 +17,9 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testpeer"
 )
 
 // newDemoCommand tells uproxy's story in a throw-away lab: pods, the
@@ -36,8 +38,8 @@ func newDemoCommand() *cobra.Command {
 			return demo(ctx, cmd.OutOrStdout(), uproxyBin, manifests, keep)
 		},
 	}
-	cmd.Flags().StringVar(&uproxyBin, "uproxy", "bin/uproxy", "The uproxy binary to run.")
-	cmd.Flags().StringVar(&manifests, "manifests", "deploy/examples", "The manifests uproxy serves.")
+	cmd.Flags().StringVar(&uproxyBin, "uproxy", "", "The uproxy binary to run (default bin/uproxy in the uproxy checkout).")
+	cmd.Flags().StringVar(&manifests, "manifests", "", "The manifests uproxy serves (default deploy/examples in the uproxy checkout).")
 	cmd.Flags().BoolVar(&keep, "pause", false, "Wait for Ctrl-C before tearing the lab down, to explore it (ip netns exec <node> …).")
 	return cmd
 }
@@ -48,6 +50,20 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	self, err := os.Executable()
 	if err != nil {
 		return err
+	}
+	// The bench is a module of its own, run from bench/ or from the
+	// checkout's root: the defaults are found from the checkout's root.
+	if uproxyBin == "" || manifests == "" {
+		root, err := testkube.ModuleRoot()
+		if err != nil {
+			return err
+		}
+		if uproxyBin == "" {
+			uproxyBin = filepath.Join(root, "bin", "uproxy")
+		}
+		if manifests == "" {
+			manifests = filepath.Join(root, "deploy", "examples")
+		}
 	}
 	if uproxyBin, err = filepath.Abs(uproxyBin); err != nil {
 		return err
@@ -69,7 +85,7 @@ func demo(ctx context.Context, out io.Writer, uproxyBin, manifests string, pause
 	defer os.RemoveAll(sockDir)
 
 	step("1. A node and four pods, each in its own network namespace")
-	l, err := lab.New(lab.Options{})
+	l, err := testlab.New(testlab.Options{})
 	if err != nil {
 		return err
 	}
@@ -185,8 +201,8 @@ func indent(s string) string {
 }
 
 // get runs `bench get` inside ns and decodes its answer.
-func get(ctx context.Context, l *lab.Lab, ns, self, url string, n int) (GetResult, error) {
-	var res GetResult
+func get(ctx context.Context, l *testlab.Lab, ns, self, url string, n int) (testpeer.GetResult, error) {
+	var res testpeer.GetResult
 	out, err := l.Exec(ctx, ns, self, "get", "-n", fmt.Sprint(n), url)
 	if err != nil {
 		return res, err
@@ -212,7 +228,7 @@ func spread(counts map[string]int) string {
 // as it fails or uproxy exits, with uproxy's own error: a newcomer's first
 // run must say what is wrong (a missing package, a rule the kernel refused)
 // rather than time out.
-func waitFirstSync(ctx context.Context, up *lab.Proc, timeout time.Duration) error {
+func waitFirstSync(ctx context.Context, up *testlab.Proc, timeout time.Duration) error {
 	var failed string
 	err := waitFor(ctx, timeout, func() bool {
 		for _, line := range strings.Split(up.Output(), "\n") {

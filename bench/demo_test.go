@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // TestDemo runs `make demo`'s program, as a newcomer would, and checks that
@@ -20,15 +20,18 @@ func TestDemo(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: the demo builds namespaces and runs uproxy (not -short)")
 	}
-	lab.RequireRoot(t, "iptables-save", "curl")
+	testlab.RequireRoot(t, "iptables-save", "curl")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dir := t.TempDir()
 	benchBin, uproxyBin := filepath.Join(dir, "bench"), filepath.Join(dir, "uproxy")
-	for out, pkg := range map[string]string{benchBin: "./bench", uproxyBin: "./cmd/uproxy"} {
-		if err := goBuild(ctx, "..", out, pkg); err != nil {
-			t.Fatal(err)
-		}
+	// The bench is a module of its own, built here; uproxy from the
+	// main module above it.
+	if err := goBuild(ctx, ".", benchBin, "."); err != nil {
+		t.Fatal(err)
+	}
+	if err := goBuild(ctx, "..", uproxyBin, "./cmd/uproxy"); err != nil {
+		t.Fatal(err)
 	}
 	// The demo runs with every program on PATH traced, so that the test
 	// knows each package a fresh machine needs for it (see

@@ -19,7 +19,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/internal/testkube"
 )
 
 // Config configures the benchmark parts (datapath, controlplane, gobench,
@@ -75,7 +75,7 @@ type Config struct {
 	// NoProfile skips the CPU profiles (perf, pprof).
 	NoProfile bool
 	// Root is the uproxy module root; empty means the one above the
-	// working directory (kube.ModuleRoot).
+	// working directory (testkube.ModuleRoot).
 	Root string
 	// Log receives one progress line per measurement; nil means stderr.
 	Log io.Writer
@@ -91,9 +91,9 @@ type Config struct {
 }
 
 // commandLine returns how this process was started, as a user would type
-// it from the module root.
+// it from the checkout's root (the bench is a module of its own in bench/).
 func commandLine() string {
-	return strings.Join(append([]string{"go run ./bench"}, os.Args[1:]...), " ")
+	return strings.Join(append([]string{"cd bench && go run ."}, os.Args[1:]...), " ")
 }
 
 // withDefaults returns c with every zero field set to its default.
@@ -138,7 +138,7 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	var err error
 	if c.Root == "" {
-		if c.Root, err = kube.ModuleRoot(); err != nil {
+		if c.Root, err = testkube.ModuleRoot(); err != nil {
 			return c, err
 		}
 	}
@@ -383,7 +383,7 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 	}
 	start := time.Now()
 	self := filepath.Join(dir, "ubench")
-	if err := goBuild(ctx, cfg.Root, self, "./bench"); err != nil {
+	if err := goBuild(ctx, filepath.Join(cfg.Root, "bench"), self, "."); err != nil {
 		e.close()
 		return nil, err
 	}

@@ -17,15 +17,15 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/bench/kube"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // kubeEnv is a real etcd and kube-apiserver in a lab of their own, which
 // the labs of the kube-proxy (and uproxy) runs reach through a relay.
 type kubeEnv struct {
-	lab       *lab.Lab
-	cp        *kube.ControlPlane
+	lab       *testlab.Lab
+	cp        *testkube.ControlPlane
 	kubeProxy string
 	// err says why there is no control plane (an *naError when it cannot
 	// run here); the other fields are then unset.
@@ -39,7 +39,7 @@ type kubeEnv struct {
 // why it cannot. It registers the Node the proxies run as.
 func startKube(ctx context.Context, e *env) *kubeEnv {
 	k := &kubeEnv{}
-	if _, err := os.Stat(kube.EtcdPath); err != nil {
+	if _, err := os.Stat(testkube.EtcdPath); err != nil {
 		k.err = na("etcd is not installed (Debian package etcd-server)")
 		return k
 	}
@@ -48,19 +48,19 @@ func startKube(ctx context.Context, e *env) *kubeEnv {
 		return k
 	}
 	start := time.Now()
-	_, kp, err := kube.Binaries(e.cfg.Root)
+	_, kp, err := testkube.Binaries(e.cfg.Root)
 	if err != nil {
 		k.err = fmt.Errorf("building kube-apiserver and kube-proxy: %w", err)
 		return k
 	}
 	k.kubeProxy = kp
-	if k.lab, err = lab.New(lab.Options{Logf: e.labLogf()}); err != nil {
+	if k.lab, err = testlab.New(testlab.Options{Logf: e.labLogf()}); err != nil {
 		k.err = err
 		return k
 	}
 	sctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
 	defer cancel()
-	if k.cp, err = kube.Start(sctx, kube.Options{Lab: k.lab, Root: e.cfg.Root, Logf: e.labLogf()}); err != nil {
+	if k.cp, err = testkube.Start(sctx, testkube.Options{Lab: k.lab, Root: e.cfg.Root, Logf: e.labLogf()}); err != nil {
 		k.close()
 		k.err = err
 		return k
@@ -91,17 +91,17 @@ func kubeVersion(bin string) string {
 	return strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(string(out)), "Kubernetes "))
 }
 
-// connect makes the API server reachable at kube.Server (127.0.0.1:6443)
+// connect makes the API server reachable at testkube.Server (127.0.0.1:6443)
 // inside l's node namespace, where the proxies run: a socat there relays
 // to the control plane's unix socket.
-func (k *kubeEnv) connect(ctx context.Context, l *lab.Lab) error {
+func (k *kubeEnv) connect(ctx context.Context, l *testlab.Lab) error {
 	if _, err := l.Start(l.Node, "apiserver-relay", "socat",
-		fmt.Sprintf("TCP-LISTEN:%d,bind=127.0.0.1,fork,reuseaddr,nodelay", kube.APIServerPort), "UNIX-CONNECT:"+k.cp.Socket); err != nil {
+		fmt.Sprintf("TCP-LISTEN:%d,bind=127.0.0.1,fork,reuseaddr,nodelay", testkube.APIServerPort), "UNIX-CONNECT:"+k.cp.Socket); err != nil {
 		return err
 	}
 	var last error
 	for range 100 {
-		if _, last = l.Exec(ctx, l.Node, "curl", "-sk", "--max-time", "2", kube.Server+"/livez"); last == nil {
+		if _, last = l.Exec(ctx, l.Node, "curl", "-sk", "--max-time", "2", testkube.Server+"/livez"); last == nil {
 			return nil
 		}
 		time.Sleep(50 * time.Millisecond)

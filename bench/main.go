@@ -2,7 +2,7 @@
 // backends and load generators that run inside it, the demo, and the
 // side-by-side benchmarks.
 //
-//	go run ./bench <part> [flags]
+//	cd bench && go run . <part> [flags]
 package main
 
 import (
@@ -10,6 +10,8 @@ import (
 	"os"
 
 	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/internal/testpeer"
 )
 
 func main() {
@@ -19,7 +21,8 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCommand(), newGetCommand(), newDemoCommand(), newUDPServeCommand(), newUDPQueryCommand())
+	root.AddCommand(testpeer.Commands()...)
+	root.AddCommand(newDemoCommand())
 	root.AddCommand(newBackendCommand(), newLoadCommand(), newIOCopyCommand(), newURingCommand())
 	root.AddCommand(newPartCommands()...)
 	if err := root.Execute(); err != nil {

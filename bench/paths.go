@@ -12,7 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 	"github.com/uproxy/uproxy/internal/uring"
 )
 
@@ -32,7 +32,7 @@ type pathRun struct {
 	udpNA string
 	// proc is the proxy process (or kube-proxy, which only programs the
 	// kernel); nil when the harness programs the kernel itself.
-	proc *lab.Proc
+	proc *testlab.Proc
 	// userspace is true when proc carries the connections.
 	userspace bool
 	// comm is the proxy's process name, for perf; empty for kernel paths.
@@ -407,7 +407,7 @@ func lastMatching(s, sub string) string {
 
 // waitProc waits for p to end, up to timeout or until ctx is done, and
 // returns its error.
-func waitProc(ctx context.Context, p *lab.Proc, timeout time.Duration) error {
+func waitProc(ctx context.Context, p *testlab.Proc, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for !p.Exited() {
 		if time.Now().After(deadline) {
@@ -423,7 +423,7 @@ func waitProc(ctx context.Context, p *lab.Proc, timeout time.Duration) error {
 }
 
 // stopProc stops a proxy we started (SIGTERM, then SIGKILL), by its pid.
-func stopProc(p *lab.Proc, grace time.Duration) {
+func stopProc(p *testlab.Proc, grace time.Duration) {
 	if p == nil || p.Exited() {
 		return
 	}

@@ -343,7 +343,7 @@ func writeMachine(b *strings.Builder, m Machine) {
 func writeMethod(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, haveCP bool) {
 	fmt.Fprintf(b, `## How it was measured
 
-Every measurement runs in network namespaces that the harness creates and deletes (bench/lab): a **node**
+Every measurement runs in network namespaces that the harness creates and deletes (internal/testlab): a **node**
 namespace with a bridge (10.244.0.1/24), **backend pods** on the bridge (10.244.0.10, .11), and a **client pod**
 on a routed veth of its own (10.244.1.2, gateway 10.244.1.1), so that every packet between client and backends is
 routed by the node in both directions, as with a routed CNI. Each data path gets a fresh lab in every run. The
@@ -371,7 +371,7 @@ Runs are interleaved (every path in run 1, then every path in run 2, …), %d ru
 	for _, p := range dp.Paths {
 		fmt.Fprintf(b, "| %s | %s |\n", p.Title, p.How)
 	}
-	b.WriteString("\nkube-proxy runs with its defaults except `--conntrack-max-per-core=0 --conntrack-min=0 --conntrack-tcp-timeout-established=0\n--conntrack-tcp-timeout-close-wait=0 --oom-score-adj=0` (the conntrack table size is shared by the whole machine: it must not change it),\nand `--cluster-cidr=10.244.0.0/16`, against a real etcd and kube-apiserver in a lab of their own (bench/kube).\n\n")
+	b.WriteString("\nkube-proxy runs with its defaults except `--conntrack-max-per-core=0 --conntrack-min=0 --conntrack-tcp-timeout-established=0\n--conntrack-tcp-timeout-close-wait=0 --oom-score-adj=0` (the conntrack table size is shared by the whole machine: it must not change it),\nand `--cluster-cidr=10.244.0.0/16`, against a real etcd and kube-apiserver in a lab of their own (internal/testkube).\n\n")
 	if haveCP {
 		fmt.Fprintf(b, "**Control plane**: for each scale, a fresh API server gets N Services (ClusterIP, port 80) each with one EndpointSlice of %d\nendpoints (addresses on one backend pod). Then, per run and proxy, in a fresh lab: a probe polls the **last** service from the\nclient pod, the proxy starts, and the time until the last service answers is taken; a sweep then checks that every service\nanswers (retrying those that do not, in which case the time is when the last of them answered). Then the last service's\nendpoints are replaced by one new endpoint, %d times, 1.2 s apart; each time, a probe (a new connection every 5 ms) times\nthe change from the API write until a connection reaches the new endpoint.\n\n",
 			cp.Endpoints, cp.Changes)
@@ -748,7 +748,7 @@ func madeBy(metas ...*RunMeta) string {
 		}
 	}
 	if len(cmds) == 0 {
-		return "`go run ./bench all` (`make bench`)"
+		return "`cd bench && go run . all` (`make bench`)"
 	}
 	for i, c := range cmds {
 		cmds[i] = "`" + c + "`"

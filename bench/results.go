@@ -65,7 +65,7 @@ type RunMeta struct {
 	Commit   string    `json:"commit"`
 	Settings string    `json:"settings"`
 	// Command is the command line that made the part, as
-	// "go run ./bench datapath --runs 5 …"; empty in older results.
+	// "cd bench && go run . datapath --runs 5 …"; empty in older results.
 	Command string `json:"command,omitempty"`
 	// Errors are failures that are not a known limitation: a part with
 	// errors is reported, but `bench all` exits non-zero.

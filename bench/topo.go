@@ -14,7 +14,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // The service every data path serves, whatever carries it.
@@ -34,9 +34,9 @@ const (
 // topo is one fresh lab: a node, backend pods on its bridge, and a client
 // pod routed through it.
 type topo struct {
-	lab      *lab.Lab
-	backends []*lab.Pod
-	client   *lab.Pod
+	lab      *testlab.Lab
+	backends []*testlab.Pod
+	client   *testlab.Pod
 	// dir holds the proxies' configuration files; close removes it.
 	dir string
 }
@@ -46,7 +46,7 @@ type topo struct {
 // routed client pod (10.244.1.2). extra adds addresses to the first
 // backend (for services with many endpoints). The caller must close it.
 func newTopo(ctx context.Context, e *env, n int, extra []netip.Addr) (_ *topo, err error) {
-	l, err := lab.New(lab.Options{Logf: e.labLogf()})
+	l, err := testlab.New(testlab.Options{Logf: e.labLogf()})
 	if err != nil {
 		return nil, err
 	}
@@ -244,7 +244,7 @@ func command(ctx context.Context, name string, args ...string) (string, error) {
 }
 
 // restore feeds rules to iptables-restore in ns (--noflush if noflush).
-func restore(ctx context.Context, l *lab.Lab, ns, rules string, noflush bool) error {
+func restore(ctx context.Context, l *testlab.Lab, ns, rules string, noflush bool) error {
 	args := []string{"netns", "exec", ns, "iptables-restore", "-w", "5"}
 	if noflush {
 		args = append(args, "--noflush")
@@ -258,7 +258,7 @@ func restore(ctx context.Context, l *lab.Lab, ns, rules string, noflush bool) er
 }
 
 // countLines counts the lines a command prints in ns.
-func countLines(ctx context.Context, l *lab.Lab, ns string, args ...string) (int, error) {
+func countLines(ctx context.Context, l *testlab.Lab, ns string, args ...string) (int, error) {
 	out, err := l.Exec(ctx, ns, args...)
 	if err != nil {
 		return 0, err

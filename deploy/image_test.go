@@ -21,7 +21,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // backend prepares a namespace's rules through one iptables backend.
@@ -76,21 +76,21 @@ var detectCases = []struct {
 // host's iptables in namespaces whose rules live in one backend or the
 // other (#29).
 func TestDetectIptablesMode(t *testing.T) {
-	lab.RequireRoot(t, "iptables-legacy-restore", "iptables-nft-restore")
+	testlab.RequireRoot(t, "iptables-legacy-restore", "iptables-nft-restore")
 	script, err := filepath.Abs(filepath.Join("image", "detect-iptables-mode"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	got, want := map[string]string{}, map[string]string{}
 	for _, tc := range detectCases {
-		ns := lab.NewNetns(t, "upimg-")
+		ns := testlab.NewNetns(t, "upimg-")
 		iptablesRestore(t, ns, tc.rules)
 		out, err := exec.Command("ip", "netns", "exec", ns, "sh", script).CombinedOutput()
 		if err != nil {
 			t.Fatalf("%s: %v\n%s", tc.name, err, out)
 		}
 		got[tc.name], want[tc.name] = strings.TrimSpace(string(out)), tc.want
-		lab.DeleteNetns(ns)
+		testlab.DeleteNetns(ns)
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("detected backend (-want +got):\n%s", diff)
@@ -225,7 +225,7 @@ func TestImage(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: downloads Debian packages and builds an image (not -short)")
 	}
-	lab.RequireRoot(t, "apt-get", "dpkg-deb", "chroot", "unshare", "iptables-legacy-restore", "iptables-nft-restore")
+	testlab.RequireRoot(t, "apt-get", "dpkg-deb", "chroot", "unshare", "iptables-legacy-restore", "iptables-nft-restore")
 	tmp := t.TempDir()
 	uproxy := filepath.Join(tmp, "uproxy")
 	build := exec.Command("go", "build", "-trimpath", "-o", uproxy, "../cmd/uproxy")
@@ -282,7 +282,7 @@ func TestImage(t *testing.T) {
 	// the name kube-proxy: with kube-proxy's --version once uproxy takes
 	// kube-proxy's command line under that name (#29), with uproxy's
 	// version subcommand before.
-	ns := lab.NewNetns(t, "upimg-")
+	ns := testlab.NewNetns(t, "upimg-")
 	if out, err := run(ns, "/usr/local/bin/uproxy-entrypoint", "version"); err != nil || !strings.HasPrefix(out, "uproxy ") {
 		t.Errorf("uproxy-entrypoint version: %v\n%s", err, out)
 	}
@@ -299,7 +299,7 @@ func TestImage(t *testing.T) {
 	chain := "*nat\n:UPROXY-SERVICES - [0:0]\n-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -j RETURN\nCOMMIT\n"
 	for _, host := range []string{"legacy", "nft"} {
 		other := map[string]string{"legacy": "nft", "nft": "legacy"}[host]
-		ns := lab.NewNetns(t, "upimg-")
+		ns := testlab.NewNetns(t, "upimg-")
 		// The same chain in the other backend, which must be left alone.
 		iptablesRestore(t, ns, []backend{{host, kubeletHint + chain}, {other, chain}})
 		if out, err := run(ns, "/usr/local/bin/uproxy-entrypoint", "cleanup"); err != nil {
@@ -319,6 +319,6 @@ func TestImage(t *testing.T) {
 		if err != nil || !strings.Contains(out, "KUBE-IPTABLES-HINT") {
 			t.Errorf("host on %s: iptables-save in the image does not see kubelet's hint: %v\n%s", host, err, out)
 		}
-		lab.DeleteNetns(ns)
+		testlab.DeleteNetns(ns)
 	}
 }

@@ -16,7 +16,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 	"golang.org/x/sys/unix"
 )
 
@@ -315,7 +315,7 @@ func TestConntrackLookupKernel(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if !lab.RunInNetns(t, tt.family.command("")) {
+			if !testlab.RunInNetns(t, tt.family.command("")) {
 				return
 			}
 			ct, err := NewConntrackLookup()

@@ -14,18 +14,18 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // The tests in this file run real iptables and ipset, each in a network
-// namespace of its own (lab.RunInNetns), never in the root namespace: ipsets
+// namespace of its own (testlab.RunInNetns), never in the root namespace: ipsets
 // are per network namespace too.
 
 // nsCommand runs a command inside the test's namespace and returns its
 // stdout. It refuses to run outside one.
 func nsCommand(t *testing.T, name string, args ...string) string {
 	t.Helper()
-	if !lab.InNetns() {
+	if !testlab.InNetns() {
 		t.Fatalf("refusing to run %s outside a test network namespace", name)
 	}
 	out, err := exec.Command(name, args...).Output()
@@ -216,13 +216,13 @@ func checkSets(t *testing.T, step string, f Family, r Rules, others ...string) {
 }
 
 // inEachFamilyNetns runs test once per family, each as a subtest inside
-// a network namespace of its own (lab.RunInNetns) with the family's
+// a network namespace of its own (testlab.RunInNetns) with the family's
 // iptables tools and ipset; it skips, saying why, where they are missing
 // or the test is not root.
 func inEachFamilyNetns(t *testing.T, test func(t *testing.T, f Family)) {
 	for _, f := range []Family{IPv4, IPv6} {
 		t.Run(f.String(), func(t *testing.T) {
-			if lab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
+			if testlab.RunInNetns(t, f.command(""), f.command("-save"), f.command("-restore"), "ipset") {
 				test(t, f)
 			}
 		})
@@ -636,7 +636,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 // one namespace, with the same listener ports, each own their sets: one
 // family's Sync and Cleanup leave the other's sets and rules alone.
 func TestKernelFamiliesShareNothing(t *testing.T) {
-	if !lab.RunInNetns(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "ipset") {
+	if !testlab.RunInNetns(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "ipset") {
 		return
 	}
 	ctx := context.Background()

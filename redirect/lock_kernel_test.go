@@ -14,7 +14,7 @@ import (
 	"github.com/coreos/go-iptables/iptables"
 	"golang.org/x/sys/unix"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // legacyExec runs the legacy iptables tools (iptables-legacy-save and
@@ -30,7 +30,7 @@ type legacyExec struct {
 }
 
 func (x *legacyExec) Run(ctx context.Context, name string, args []string, stdin []byte) ([]byte, error) {
-	if !lab.InNetns() {
+	if !testlab.InNetns() {
 		return nil, errors.New("refusing to run iptables outside a test network namespace")
 	}
 	restore := name == "iptables-restore"
@@ -83,7 +83,7 @@ func holdLock(t *testing.T, path string) (release func()) {
 // Sync fails over to its retries and succeeds once the lock is released,
 // or gives up with an error that says why.
 func TestKernelSyncWaitsForXtablesLock(t *testing.T) {
-	if !lab.RunInNetns(t, "iptables-legacy", "iptables-legacy-save", "iptables-legacy-restore", "ipset") {
+	if !testlab.RunInNetns(t, "iptables-legacy", "iptables-legacy-save", "iptables-legacy-restore", "ipset") {
 		return
 	}
 	if out, err := exec.Command("iptables-legacy-save", "-t", "nat").CombinedOutput(); err != nil {

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 func TestOriginalDst(t *testing.T) {
@@ -34,7 +34,7 @@ func TestOriginalDst(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if !lab.RunInNetns(t, tt.family.command("")) {
+			if !testlab.RunInNetns(t, tt.family.command("")) {
 				return
 			}
 			ln, err := net.Listen(tt.network, tt.listen)

@@ -5,11 +5,11 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 func TestRoutingEnsureAndRemove(t *testing.T) {
-	if !lab.RunInNetns(t) {
+	if !testlab.RunInNetns(t) {
 		return
 	}
 	show := func(args ...string) string {

@@ -14,12 +14,12 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 	"golang.org/x/sys/unix"
 )
 
 // The tests in this file send real traffic through tproxy mode, in a lab
-// (bench/lab) as traffic_test.go does. The rules are synced through `ip
+// (internal/testlab) as traffic_test.go does. The rules are synced through `ip
 // netns exec` like there; what must happen inside the node namespace
 // itself (the policy routing, which netlink installs in the namespace of
 // the calling thread, and the transparent sockets, which belong to the
@@ -110,7 +110,7 @@ type tproxyLab struct {
 	*trafficLab
 	f Family
 	// external is a host outside the cluster, routed through the node.
-	external *lab.Pod
+	external *testlab.Pod
 }
 
 // The listener ports of the tproxy labs.
@@ -170,7 +170,7 @@ func newTProxyLab(t *testing.T, f Family, pods int, bridgeNetfilter bool) *tprox
 // node runs fn in the node namespace, failing the test if it fails.
 func (tl *tproxyLab) node(fn func() error) {
 	tl.t.Helper()
-	if err := lab.DoInNetns(tl.lab.Node, fn); err != nil {
+	if err := testlab.DoInNetns(tl.lab.Node, fn); err != nil {
 		tl.t.Fatal(err)
 	}
 }
@@ -234,7 +234,7 @@ func (tl *tproxyLab) listenUDP() {
 			}
 			// The reply socket is bound to an address that is not the
 			// node's: it must be created in the node's namespace.
-			_ = lab.DoInNetns(tl.lab.Node, func() error {
+			_ = testlab.DoInNetns(tl.lab.Node, func() error {
 				lc := transparentConfig(tl.f, false)
 				c, err := lc.ListenPacket(context.Background(), network(UDP, tl.f), dst.String())
 				if err != nil {
@@ -274,7 +274,7 @@ func (tl *tproxyLab) expectNotHandedOver(what, ns string, dest netip.AddrPort) {
 func (tl *tproxyLab) expectUDP(what, ns string, dest netip.AddrPort, want string) {
 	tl.t.Helper()
 	var c *net.UDPConn
-	if err := lab.DoInNetns(ns, func() (err error) {
+	if err := testlab.DoInNetns(ns, func() (err error) {
 		c, err = net.DialUDP(network(UDP, tl.f), nil, net.UDPAddrFromAddrPort(dest))
 		return err
 	}); err != nil {
@@ -509,7 +509,7 @@ func TestTrafficTProxyTransparentDial(t *testing.T) {
 			client := podAddr(tl.external, f)
 			dial := func() (string, error) {
 				var c net.Conn
-				if err := lab.DoInNetns(tl.lab.Node, func() (err error) {
+				if err := testlab.DoInNetns(tl.lab.Node, func() (err error) {
 					d := net.Dialer{
 						Timeout:   2 * time.Second,
 						LocalAddr: &net.TCPAddr{IP: client.AsSlice()},

@@ -17,11 +17,11 @@ import (
 	"time"
 
 	"github.com/coreos/go-iptables/iptables"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // The tests in this file send real traffic through the rules, between the
-// network namespaces of a lab (bench/lab): a node namespace with a bridge,
+// network namespaces of a lab (internal/testlab): a node namespace with a bridge,
 // and pod namespaces hanging off it. The Syncer and Cleanup work on the
 // node namespace through `ip netns exec`, so nothing but ip itself runs in
 // the root namespace, and a command for a namespace that is gone fails
@@ -43,8 +43,8 @@ func (x netnsExec) Run(ctx context.Context, name string, args []string, stdin []
 // the proxy's listeners, and a Config per family that acts on the node.
 type trafficLab struct {
 	t    *testing.T
-	lab  *lab.Lab
-	pods []*lab.Pod
+	lab  *testlab.Lab
+	pods []*testlab.Pod
 	cfg  map[Family]Config
 	sync map[Family]*Syncer
 }
@@ -59,8 +59,8 @@ var nodeAddr = map[Family]netip.Addr{
 // (namespaces deleted, processes killed) when t ends, failed or not.
 func newTrafficLab(t *testing.T, pods int) *trafficLab {
 	t.Helper()
-	lab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "ipset", "socat", "ss")
-	l, err := lab.New(lab.Options{Logf: t.Logf})
+	testlab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore", "ipset", "socat", "ss")
+	l, err := testlab.New(testlab.Options{Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func newTrafficLab(t *testing.T, pods int) *trafficLab {
 }
 
 // podAddr returns pod p's address of family f.
-func podAddr(p *lab.Pod, f Family) netip.Addr {
+func podAddr(p *testlab.Pod, f Family) netip.Addr {
 	if f == IPv6 {
 		return p.IP6
 	}
@@ -138,13 +138,13 @@ func (tl *trafficLab) exec(ns string, args ...string) string {
 // TCP connection (or UDP datagram) on port of family f, and waits until
 // it listens. Its socket is transparent, as the proxy's listeners are
 // (see UPROXY-LISTENERS).
-func (tl *trafficLab) serve(ns string, f Family, p Protocol, port uint16, reply string) *lab.Proc {
+func (tl *trafficLab) serve(ns string, f Family, p Protocol, port uint16, reply string) *testlab.Proc {
 	tl.t.Helper()
 	return tl.serveSocket(ns, f, p, port, reply, true)
 }
 
 // serveSocket is serve, with a transparent socket or not.
-func (tl *trafficLab) serveSocket(ns string, f Family, p Protocol, port uint16, reply string, transparent bool) *lab.Proc {
+func (tl *trafficLab) serveSocket(ns string, f Family, p Protocol, port uint16, reply string, transparent bool) *testlab.Proc {
 	tl.t.Helper()
 	kind := map[Protocol]string{TCP: "TCP", UDP: "UDP"}[p] + map[Family]string{IPv4: "4", IPv6: "6"}[f]
 	listen := fmt.Sprintf("%s-LISTEN:%d,fork,reuseaddr", kind, port)
@@ -493,7 +493,7 @@ func TestTrafficListenerOwner(t *testing.T) {
 				t.Error("service from a pod, to a squatted UDP port: the squatter answered")
 			}
 			// The proxy is back, with transparent listeners.
-			for _, p := range []*lab.Proc{squatTCP, squatUDP} {
+			for _, p := range []*testlab.Proc{squatTCP, squatUDP} {
 				p.Signal(syscall.SIGKILL)
 				p.Wait(5 * time.Second)
 			}
@@ -525,7 +525,7 @@ func TestTrafficOwnMark(t *testing.T) {
 			})
 			tl.expect("the node, unmarked", node, TCP, dest, "proxy")
 			var got string
-			err := lab.DoInNetns(node, func() error {
+			err := testlab.DoInNetns(node, func() error {
 				d := net.Dialer{Timeout: 2 * time.Second, Control: func(_, _ string, c syscall.RawConn) error {
 					var serr error
 					if err := c.Control(func(fd uintptr) {

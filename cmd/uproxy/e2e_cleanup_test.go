@@ -16,7 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
-	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/internal/testkube"
 )
 
 // kubeletChains are the KUBE-* chains kubelet owns, which a cleanup of
@@ -75,7 +75,7 @@ func TestE2ECleanupKubeProxy(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	client := c.cp.Client
-	_, kubeProxy, err := kube.Binaries("../..")
+	_, kubeProxy, err := testkube.Binaries("../..")
 	if err != nil {
 		t.Fatal(err)
 	}

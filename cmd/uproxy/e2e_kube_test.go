@@ -13,15 +13,15 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/bench/kube"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // kubeCluster is a lab with a real etcd and kube-apiserver, and uproxy
 // watching it.
 type kubeCluster struct {
 	*cluster
-	cp *kube.ControlPlane
+	cp *testkube.ControlPlane
 }
 
 // apiserverArgs are extra kube-apiserver flags.
@@ -33,7 +33,7 @@ func newKubeCluster(t *testing.T, pods int, apiserverArgs ...string) *kubeCluste
 	c := newCluster(t, pods)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cp, err := kube.Start(ctx, kube.Options{Lab: c.lab, Root: "../..", Logf: t.Logf, APIServerArgs: apiserverArgs})
+	cp, err := testkube.Start(ctx, testkube.Options{Lab: c.lab, Root: "../..", Logf: t.Logf, APIServerArgs: apiserverArgs})
 	if err != nil {
 		if kubeUnavailable(err) {
 			t.Skipf("skipping: %v", err)
@@ -60,7 +60,7 @@ func kubeSlice(name, svc string, eps ...discovery.Endpoint) *discovery.EndpointS
 	}
 }
 
-func endpoint(p *lab.Pod, ready, serving, terminating bool) discovery.Endpoint {
+func endpoint(p *testlab.Pod, ready, serving, terminating bool) discovery.Endpoint {
 	return discovery.Endpoint{
 		Addresses:  []string{p.IP.String()},
 		Conditions: discovery.EndpointConditions{Ready: &ready, Serving: &serving, Terminating: &terminating},
@@ -68,7 +68,7 @@ func endpoint(p *lab.Pod, ready, serving, terminating bool) discovery.Endpoint {
 	}
 }
 
-func readyEP(p *lab.Pod) discovery.Endpoint { return endpoint(p, true, true, false) }
+func readyEP(p *testlab.Pod) discovery.Endpoint { return endpoint(p, true, true, false) }
 
 // TestE2EKubernetes runs uproxy against a real API server and checks that
 // traffic follows every kind of change within the sync bound, and that an
@@ -177,7 +177,7 @@ func TestE2EKubernetes(t *testing.T) {
 	}
 
 	// Topology: the node's zone comes from its Node object.
-	withZone := func(p *lab.Pod, zone string) discovery.Endpoint {
+	withZone := func(p *testlab.Pod, zone string) discovery.Endpoint {
 		e := readyEP(p)
 		e.Hints = &discovery.EndpointHints{ForZones: []discovery.ForZone{{Name: zone}}}
 		return e

@@ -22,8 +22,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/bench/kube"
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // familyShape is what the metrics diff compares of a metric family: its
@@ -123,7 +123,7 @@ func listed(list map[string]string, name string) (string, bool) {
 func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 	c := newKubeCluster(t, 2)
 	ctx := context.Background()
-	_, kubeProxy, err := kube.Binaries("../..")
+	_, kubeProxy, err := testkube.Binaries("../..")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,13 +132,13 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 	}
 	// kube-proxy's lab reaches the API server as the benchmarks' do: a
 	// socat on its loopback relays to the control plane's socket.
-	kl, err := lab.New(lab.Options{Logf: t.Logf})
+	kl, err := testlab.New(testlab.Options{Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(kl.Close)
 	if _, err := kl.Start(kl.Node, "apiserver-relay", "socat",
-		fmt.Sprintf("TCP-LISTEN:%d,bind=127.0.0.1,fork,reuseaddr,nodelay", kube.APIServerPort), "UNIX-CONNECT:"+c.cp.Socket); err != nil {
+		fmt.Sprintf("TCP-LISTEN:%d,bind=127.0.0.1,fork,reuseaddr,nodelay", testkube.APIServerPort), "UNIX-CONNECT:"+c.cp.Socket); err != nil {
 		t.Fatal(err)
 	}
 	kp, err := kl.Start(kl.Node, "kube-proxy", kubeProxy,
@@ -165,7 +165,7 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 	c.waitSynced()
 	// Give kube-proxy its start too: its metrics server answers once it
 	// has its Node.
-	curlIn := func(l *lab.Lab, url string) (string, error) {
+	curlIn := func(l *testlab.Lab, url string) (string, error) {
 		return l.Exec(ctx, l.Node, "curl", "-sS", "--max-time", "5", url)
 	}
 	for end := time.Now().Add(time.Minute); ; time.Sleep(200 * time.Millisecond) {
@@ -211,7 +211,7 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 
 	// Both have programmed both services (and observed the trigger), and
 	// both health servers have answered each endpoint once.
-	scrape := func(l *lab.Lab, metricsURL, healthURL string) map[string]*dto.MetricFamily {
+	scrape := func(l *testlab.Lab, metricsURL, healthURL string) map[string]*dto.MetricFamily {
 		t.Helper()
 		var mfs map[string]*dto.MetricFamily
 		for end := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {

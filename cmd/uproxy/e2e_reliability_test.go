@@ -36,7 +36,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // The reliability tests' backends speak a request/response protocol: the
@@ -103,7 +103,7 @@ func startEcho(t *testing.T, name, ns string, port int) *echoServer {
 // loop, which ends when the listener is closed (kill).
 func (s *echoServer) listen() error {
 	var ln net.Listener
-	err := lab.DoInNetns(s.ns, func() error {
+	err := testlab.DoInNetns(s.ns, func() error {
 		var err error
 		ln, err = net.Listen("tcp4", s.addr)
 		return err
@@ -412,7 +412,7 @@ func withoutPorts(rules []string) []string {
 // request succeeds or the deadline passes, and returns when it succeeded.
 func firstSuccess(ns, addr string, deadline time.Time) (time.Time, error) {
 	var ok time.Time
-	err := lab.DoInNetns(ns, func() error {
+	err := testlab.DoInNetns(ns, func() error {
 		var last error
 		for time.Now().Before(deadline) {
 			if last = getOnce(addr); last == nil {
@@ -728,7 +728,7 @@ func holdConnections(t *testing.T, ns, addr string, n int) []*net.TCPConn {
 	var wg sync.WaitGroup
 	for w := range openers {
 		wg.Go(func() {
-			err := lab.DoInNetns(ns, func() error {
+			err := testlab.DoInNetns(ns, func() error {
 				for i := w; i < n; i += openers {
 					c, err := dialVIP(addr, 10*time.Second)
 					if err != nil {
@@ -770,7 +770,7 @@ func sequential(t *testing.T, ns, addr string, workers, perWorker int, seedBase 
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {
-			err := lab.DoInNetns(ns, func() error {
+			err := testlab.DoInNetns(ns, func() error {
 				for i := range perWorker {
 					seed := seedBase + uint64(w*perWorker+i)
 					c, err := dialVIP(addr, 10*time.Second)

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/internal/testkube"
 )
 
 // TestE2EScale creates 5,000 Services × 10 endpoints in a real API server
@@ -33,7 +33,7 @@ func TestE2EScale(t *testing.T) {
 	}
 
 	start := time.Now()
-	gen, err := kube.Generate(ctx, c.cp.RESTConfig, kube.GenerateSpec{Services: services, Endpoints: addrs})
+	gen, err := testkube.Generate(ctx, c.cp.RESTConfig, testkube.GenerateSpec{Services: services, Endpoints: addrs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +65,7 @@ func TestE2EScale(t *testing.T) {
 
 	// Spot-check: the first, the last and random services answer, spread
 	// over their ten endpoints.
-	check := []kube.Generated{gen[0], gen[len(gen)-1]}
+	check := []testkube.Generated{gen[0], gen[len(gen)-1]}
 	for range 18 {
 		check = append(check, gen[rand.IntN(len(gen))])
 	}

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // slice renders an EndpointSlice of one family for service svc, port
@@ -24,7 +24,7 @@ func sliceYAML(name, svc, family string, eps ...string) string {
 }
 
 // epOn renders one endpoint of sliceYAML on a node, with extra fields.
-func epOn(p *lab.Pod, node string, extra ...string) string {
+func epOn(p *testlab.Pod, node string, extra ...string) string {
 	s := fmt.Sprintf("addresses: [%q]", p.IP)
 	if node != "" {
 		s += ", nodeName: " + node
@@ -113,7 +113,7 @@ spec:
 		epOn(p0, "node-b", "hints: {forZones: [{name: z1}], forNodes: [{name: node-b}]}"),
 		epOn(p1, "node-a", "hints: {forZones: [{name: z1}], forNodes: [{name: node-a}]}"),
 		epOn(p2, "node-a", "hints: {forZones: [{name: z1}], forNodes: [{name: node-a}]}")))
-	v6 := func(p *lab.Pod) string { return fmt.Sprintf("{addresses: [%q]}", p.IP6) }
+	v6 := func(p *testlab.Pod) string { return fmt.Sprintf("{addresses: [%q]}", p.IP6) }
 	c.write("dualstack.yaml", `apiVersion: v1
 kind: Service
 metadata: {name: ds}

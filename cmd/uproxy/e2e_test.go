@@ -1,7 +1,7 @@
 package main
 
 // End-to-end tests: the real uproxy binary, real iptables rules and real
-// backends, in a namespace lab (see bench/lab). They need root and the
+// backends, in a namespace lab (see internal/testlab). They need root and the
 // iptables tools, and skip with the reason otherwise.
 
 import (
@@ -19,7 +19,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 var (
@@ -37,7 +37,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// binaries builds uproxy and the bench tool once per test run.
+// binaries builds uproxy and the lab's peer program (testpeer) once per test run.
 func binaries(t *testing.T) (string, string) {
 	t.Helper()
 	buildOnce.Do(func() {
@@ -45,7 +45,7 @@ func binaries(t *testing.T) (string, string) {
 		if buildErr != nil {
 			return
 		}
-		uproxyBin, benchBin, buildErr = lab.BuildBinaries("../..", binDir)
+		uproxyBin, benchBin, buildErr = testlab.BuildBinaries("../..", binDir)
 	})
 	if buildErr != nil {
 		t.Fatal(buildErr)
@@ -57,14 +57,14 @@ func binaries(t *testing.T) (string, string) {
 // HTTP backends in pods.
 type cluster struct {
 	t       *testing.T
-	lab     *lab.Lab
+	lab     *testlab.Lab
 	dir     string
-	up      *lab.Proc
+	up      *testlab.Proc
 	bench   string
 	uproxy  string
-	pods    []*lab.Pod
-	servers []*lab.Proc // one per pod
-	client  *lab.Pod
+	pods    []*testlab.Pod
+	servers []*testlab.Proc // one per pod
+	client  *testlab.Pod
 	// launcher, if set, is the command uproxy runs under (prlimit, to
 	// give it a small open-files limit).
 	launcher []string
@@ -74,9 +74,9 @@ type cluster struct {
 // and a client pod. uproxy is not started yet.
 func newCluster(t *testing.T, n int) *cluster {
 	t.Helper()
-	lab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore")
+	testlab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore")
 	up, bench := binaries(t)
-	l, err := lab.New(lab.Options{Logf: t.Logf})
+	l, err := testlab.New(testlab.Options{Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,7 +203,7 @@ type getResult struct {
 }
 
 // service renders a Service and its EndpointSlice over the given pods.
-func service(name, vip string, port int, annotations map[string]string, affinity bool, pods ...*lab.Pod) string {
+func service(name, vip string, port int, annotations map[string]string, affinity bool, pods ...*testlab.Pod) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "apiVersion: v1\nkind: Service\nmetadata:\n  name: %s\n", name)
 	if len(annotations) > 0 {

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 type udpResult struct {
@@ -34,7 +34,7 @@ func (c *cluster) query(ns, addr string, n int, extra ...string) udpResult {
 
 // serveUDP starts the UDP echo the dns service points at (bench
 // udp-serve, on :5353) in each of pods.
-func (c *cluster) serveUDP(pods ...*lab.Pod) {
+func (c *cluster) serveUDP(pods ...*testlab.Pod) {
 	c.t.Helper()
 	for _, p := range pods {
 		if _, err := c.lab.Start(p.NS, p.Name+"-udp", c.bench, "udp-serve", "--name", p.Name, "--listen", ":5353"); err != nil {
@@ -45,7 +45,7 @@ func (c *cluster) serveUDP(pods ...*lab.Pod) {
 
 // dnsService returns the manifests of the dns service, 10.96.0.53:53/UDP,
 // over port 5353 of pods, with node port nodePort unless it is zero.
-func dnsService(nodePort int, pods ...*lab.Pod) string {
+func dnsService(nodePort int, pods ...*testlab.Pod) string {
 	typ, np := "", ""
 	if nodePort != 0 {
 		typ, np = "\n  type: NodePort", fmt.Sprintf(", nodePort: %d", nodePort)

@@ -21,7 +21,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 	"github.com/uproxy/uproxy/internal/upgrade"
 )
 
@@ -72,7 +72,7 @@ endpoints: [{addresses: [%q]}]
 	c.start(rules, args...)
 	c.waitSynced()
 	old := c.up
-	var next *lab.Proc
+	var next *testlab.Proc
 	t.Cleanup(func() {
 		if next != nil {
 			t.Logf("new uproxy output:\n%s", next.Output())
@@ -243,7 +243,7 @@ func (c *cluster) kernelState() string {
 
 // waitOutput waits until p has written want, failing if any of procs
 // exits meanwhile.
-func waitOutput(t *testing.T, p *lab.Proc, want string, procs ...*lab.Proc) {
+func waitOutput(t *testing.T, p *testlab.Proc, want string, procs ...*testlab.Proc) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for !strings.Contains(p.Output(), want) {
@@ -350,7 +350,7 @@ type stream struct {
 func startStream(t *testing.T, ns, addr string) *stream {
 	t.Helper()
 	var c net.Conn
-	if err := lab.DoInNetns(ns, func() (err error) {
+	if err := testlab.DoInNetns(ns, func() (err error) {
 		c, err = net.DialTimeout("tcp4", addr, 5*time.Second)
 		return err
 	}); err != nil {
@@ -413,7 +413,7 @@ func (s *stream) finish(t *testing.T) (sent, received digest) {
 func echoInNetns(t *testing.T, ns, addr string) {
 	t.Helper()
 	var ln net.Listener
-	if err := lab.DoInNetns(ns, func() (err error) {
+	if err := testlab.DoInNetns(ns, func() (err error) {
 		ln, err = net.Listen("tcp4", addr)
 		return err
 	}); err != nil {

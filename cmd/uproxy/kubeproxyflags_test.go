@@ -16,7 +16,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/uproxy/uproxy/bench/kube"
+	"github.com/uproxy/uproxy/internal/testkube"
 )
 
 // kubeProxySource is kube-proxy v1.37.2's flag definitions in the module
@@ -47,7 +47,7 @@ func TestKubeProxyFlagsAccepted(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: needs kube-proxy, built by bench/tools/build.sh")
 	}
-	_, kubeProxy, err := kube.Binaries("../..")
+	_, kubeProxy, err := testkube.Binaries("../..")
 	if err != nil {
 		if kubeUnavailable(err) {
 			t.Skipf("skipping: %v", err)

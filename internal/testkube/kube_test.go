@@ -1,4 +1,4 @@
-package kube
+package testkube
 
 import (
 	"context"
@@ -17,18 +17,18 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // startControlPlane starts a lab and a control plane in it, with extra
 // kube-apiserver flags, skipping (or, under CI, failing) when a requirement
 // is missing. Both are closed when t ends.
-func startControlPlane(t *testing.T, apiserverArgs ...string) (*lab.Lab, *ControlPlane) {
+func startControlPlane(t *testing.T, apiserverArgs ...string) (*testlab.Lab, *ControlPlane) {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("skipping: starts a real etcd and kube-apiserver (not -short)")
 	}
-	lab.RequireRoot(t, "socat", "curl")
+	testlab.RequireRoot(t, "socat", "curl")
 	if _, err := os.Stat(EtcdPath); err != nil {
 		t.Skipf("skipping: %s is missing (install the Debian package etcd-server)", EtcdPath)
 	}
@@ -45,7 +45,7 @@ func startControlPlane(t *testing.T, apiserverArgs ...string) (*lab.Lab, *Contro
 	}
 	t.Logf("binaries ready after %v", time.Since(start).Round(time.Millisecond))
 
-	l, err := lab.New(lab.Options{Logf: t.Logf})
+	l, err := testlab.New(testlab.Options{Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,9 +1,9 @@
-// Package lab builds throw-away network namespaces for tests, demos and
+// Package testlab builds throw-away network namespaces for tests, demos and
 // benchmarks, so that nothing touches the root namespace's rules or routes.
 //
 // Every namespace it creates has a unique name with the "uplab-" prefix and
 // is deleted when the test (or the Lab) that made it ends, even on failure.
-package lab
+package testlab
 
 import (
 	"bytes"

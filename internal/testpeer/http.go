@@ -1,4 +1,4 @@
-package main
+package testpeer
 
 import (
 	"context"
@@ -18,10 +18,10 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// newServeCommand is a backend: an HTTP server that answers every request
+// NewServeCommand is a backend: an HTTP server that answers every request
 // with its name and the client address it sees, so tests can count the
 // spread and check which source address reached the pod.
-func newServeCommand() *cobra.Command {
+func NewServeCommand() *cobra.Command {
 	var name string
 	var listen []string
 	cmd := &cobra.Command{
@@ -59,7 +59,7 @@ func newServeCommand() *cobra.Command {
 	return cmd
 }
 
-// GetResult is what `bench get` prints, as JSON.
+// GetResult is what `get` prints, as JSON.
 type GetResult struct {
 	// Counts maps the first word of each answer (a backend's name) to how
 	// many answers it gave.
@@ -72,9 +72,9 @@ type GetResult struct {
 	FirstError string `json:"firstError,omitempty"`
 }
 
-// newGetCommand is a client: it sends n requests, each on a new
+// NewGetCommand is a client: it sends n requests, each on a new
 // connection, and prints how the answers spread.
-func newGetCommand() *cobra.Command {
+func NewGetCommand() *cobra.Command {
 	var (
 		n, conc int
 		timeout time.Duration

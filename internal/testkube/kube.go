@@ -1,4 +1,4 @@
-// Package kube runs a real Kubernetes control plane (etcd and
+// Package testkube runs a real Kubernetes control plane (etcd and
 // kube-apiserver) inside a lab's node namespace, for uproxy's tests and
 // benchmarks.
 //
@@ -14,7 +14,7 @@
 // The kube-apiserver and kube-proxy binaries come from bench/tools (a
 // separate module pinning k8s.io/kubernetes); Binaries builds them on first
 // use. etcd is Debian's etcd-server, and socat Debian's socat.
-package kube
+package testkube
 
 import (
 	"context"
@@ -40,7 +40,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/bench/lab"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 const (
@@ -49,7 +49,7 @@ const (
 	// Server is kube-apiserver's URL from inside the node namespace.
 	Server = "https://127.0.0.1:6443"
 	// AdvertiseAddress is the address kube-apiserver advertises: the node
-	// namespace's bridge address (see lab.New). It listens there too.
+	// namespace's bridge address (see testlab.New). It listens there too.
 	AdvertiseAddress = "10.244.0.1"
 	// DefaultServiceCIDR is the service range when Options.ServiceCIDR is
 	// empty.
@@ -131,7 +131,7 @@ func upToDate(targets, sources []string) bool {
 // Options configures Start.
 type Options struct {
 	// Lab is required: etcd and kube-apiserver run in Lab.Node.
-	Lab *lab.Lab
+	Lab *testlab.Lab
 	// Root is the uproxy module root, for Binaries; empty means
 	// ModuleRoot().
 	Root string
@@ -175,10 +175,10 @@ type ControlPlane struct {
 	logf                   func(format string, args ...any)
 	ownDir                 bool
 	caPEM                  []byte
-	etcd, apiserver, socat *lab.Proc
+	etcd, apiserver, socat *testlab.Proc
 	closeOnce              sync.Once
 
-	lab           *lab.Lab
+	lab           *testlab.Lab
 	apiserverArgv []string // to restart it
 }
 
@@ -190,10 +190,10 @@ type ControlPlane struct {
 // stops what it started and the error includes the processes' log tails.
 func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 	if opts.Lab == nil {
-		return nil, errors.New("kube.Start: Options.Lab is required")
+		return nil, errors.New("testkube.Start: Options.Lab is required")
 	}
 	if _, err := exec.LookPath("socat"); err != nil {
-		return nil, fmt.Errorf("kube.Start: socat is not installed (install the Debian package socat): %w", err)
+		return nil, fmt.Errorf("testkube.Start: socat is not installed (install the Debian package socat): %w", err)
 	}
 	logf := opts.Logf
 	if logf == nil {
@@ -202,7 +202,7 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 	root := opts.Root
 	if root == "" {
 		if root, err = ModuleRoot(); err != nil {
-			return nil, fmt.Errorf("kube.Start: %w", err)
+			return nil, fmt.Errorf("testkube.Start: %w", err)
 		}
 	}
 	cidr := opts.ServiceCIDR
@@ -211,13 +211,13 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 	}
 	svcRange, err := netip.ParsePrefix(cidr)
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: service CIDR: %w", err)
+		return nil, fmt.Errorf("testkube.Start: service CIDR: %w", err)
 	}
 	kubernetesIP := svcRange.Masked().Addr().Next() // the kubernetes Service's ClusterIP
 
 	apiserverBin, _, err := Binaries(root)
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 
 	cp := &ControlPlane{Server: Server, Dir: opts.Dir, logf: logf}
@@ -227,7 +227,7 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 			base = "/dev/shm"
 		}
 		if cp.Dir, err = os.MkdirTemp(base, "uproxy-kube-"); err != nil {
-			return nil, fmt.Errorf("kube.Start: %w", err)
+			return nil, fmt.Errorf("testkube.Start: %w", err)
 		}
 		cp.ownDir = true
 	}
@@ -241,32 +241,32 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 		[]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, net.ParseIP(AdvertiseAddress), net.ParseIP("2001:db8:244::1"), kubernetesIP.AsSlice()},
 		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 	cp.CAFile, cp.caPEM = pk.caFile, pk.caPEM
 	token := randomToken()
 	tokens := filepath.Join(cp.Dir, "tokens.csv")
 	if err := os.WriteFile(tokens, fmt.Appendf(nil, "%s,%s,%s,\"system:masters\"\n", token, AdminUser, AdminUser), 0o600); err != nil {
-		return nil, fmt.Errorf("kube.Start: writing the token file: %w", err)
+		return nil, fmt.Errorf("testkube.Start: writing the token file: %w", err)
 	}
 
 	node := opts.Lab.Node
 	cp.etcd, err = opts.Lab.Start(node, "etcd", etcdArgs(filepath.Join(cp.Dir, "etcd"))...)
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 	args := append([]string{apiserverBin}, apiserverArgs(pk, tokens, cidr)...)
 	cp.lab, cp.apiserverArgv = opts.Lab, append(args, opts.APIServerArgs...)
 	cp.apiserver, err = opts.Lab.Start(node, "kube-apiserver", cp.apiserverArgv...)
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 	cp.Socket = filepath.Join(cp.Dir, "apiserver.sock")
 	cp.socat, err = opts.Lab.Start(node, "apiserver-socket", "socat",
 		"UNIX-LISTEN:"+cp.Socket+",fork,unlink-early,mode=600,backlog=256",
 		fmt.Sprintf("TCP:127.0.0.1:%d,nodelay", APIServerPort))
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 
 	cp.RESTConfig = &rest.Config{
@@ -279,17 +279,17 @@ func Start(ctx context.Context, opts Options) (_ *ControlPlane, err error) {
 	}
 	client, err := kubernetes.NewForConfig(cp.RESTConfig)
 	if err != nil {
-		return nil, fmt.Errorf("kube.Start: building the client: %w", err)
+		return nil, fmt.Errorf("testkube.Start: building the client: %w", err)
 	}
 	cp.Client = client
 	if cp.Kubeconfig, err = cp.TokenKubeconfig(AdminUser, token); err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 
 	start := time.Now()
 	logf("waiting for kube-apiserver in %s to become ready", node)
 	if err := cp.waitReady(ctx); err != nil {
-		return nil, fmt.Errorf("kube.Start: %w", err)
+		return nil, fmt.Errorf("testkube.Start: %w", err)
 	}
 	logf("kube-apiserver ready after %v (kubeconfig %s)", time.Since(start).Round(time.Millisecond), cp.Kubeconfig)
 	return cp, nil
@@ -353,7 +353,7 @@ func (cp *ControlPlane) waitReady(ctx context.Context) error {
 	defer tick.Stop()
 	var last error
 	for {
-		for _, p := range []*lab.Proc{cp.etcd, cp.apiserver, cp.socat} {
+		for _, p := range []*testlab.Proc{cp.etcd, cp.apiserver, cp.socat} {
 			if p.Exited() {
 				return fmt.Errorf("%s exited (%v) before kube-apiserver was ready\n%s", p.Name, p.Wait(time.Second), cp.logTails())
 			}
@@ -389,7 +389,7 @@ func (cp *ControlPlane) ready(ctx context.Context) error {
 func (cp *ControlPlane) logTails() string {
 	var b strings.Builder
 	for _, p := range []struct {
-		proc  *lab.Proc
+		proc  *testlab.Proc
 		lines int
 	}{{cp.apiserver, 40}, {cp.etcd, 10}, {cp.socat, 10}} {
 		if p.proc != nil {
@@ -419,7 +419,7 @@ func (cp *ControlPlane) Close() {
 	cp.closeOnce.Do(func() {
 		// The apiserver first: socat's per-connection children, which hold
 		// its output pipe, exit when the apiserver closes their connections.
-		for _, p := range []*lab.Proc{cp.apiserver, cp.socat, cp.etcd} {
+		for _, p := range []*testlab.Proc{cp.apiserver, cp.socat, cp.etcd} {
 			if p != nil {
 				start := time.Now()
 				stop(p)
@@ -457,7 +457,7 @@ func (cp *ControlPlane) StartAPIServer(ctx context.Context) error {
 }
 
 // stop ends p, which the Lab started for us, by its pid.
-func stop(p *lab.Proc) {
+func stop(p *testlab.Proc) {
 	if p == nil || p.Exited() {
 		return
 	}

@@ -1,4 +1,4 @@
-package main
+package testpeer
 
 import (
 	"context"
@@ -14,9 +14,9 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// newUDPServeCommand is a UDP backend, like a DNS server: it answers each
+// NewUDPServeCommand is a UDP backend, like a DNS server: it answers each
 // datagram with "<name> <client address> <size>".
-func newUDPServeCommand() *cobra.Command {
+func NewUDPServeCommand() *cobra.Command {
 	var name, listen string
 	cmd := &cobra.Command{
 		Use:   "udp-serve",
@@ -50,7 +50,7 @@ func newUDPServeCommand() *cobra.Command {
 	return cmd
 }
 
-// UDPQueryResult is what `bench udp-query` prints, as JSON.
+// UDPQueryResult is what `udp-query` prints, as JSON.
 type UDPQueryResult struct {
 	Counts     map[string]int `json:"counts"`
 	Peers      map[string]int `json:"peers"`
@@ -58,10 +58,10 @@ type UDPQueryResult struct {
 	FirstError string         `json:"firstError,omitempty"`
 }
 
-// newUDPQueryCommand is a UDP client like a stub resolver: each query is
+// NewUDPQueryCommand is a UDP client like a stub resolver: each query is
 // sent from a new connected socket, which accepts only replies whose
 // source is the address it sent to.
-func newUDPQueryCommand() *cobra.Command {
+func NewUDPQueryCommand() *cobra.Command {
 	var (
 		n, size int
 		timeout time.Duration

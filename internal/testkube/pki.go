@@ -1,4 +1,4 @@
-package kube
+package testkube
 
 import (
 	"crypto/ecdsa"

@@ -1,4 +1,4 @@
-package lab
+package testlab
 
 import (
 	"bytes"
@@ -303,17 +303,17 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// BuildBinaries builds uproxy and the bench tool (which serves as the
-// lab's backends and clients) into dir, and returns their paths. root is
-// the module root.
-func BuildBinaries(root, dir string) (uproxy, bench string, err error) {
-	uproxy, bench = filepath.Join(dir, "uproxy"), filepath.Join(dir, "uproxy-bench")
-	for _, b := range []struct{ out, pkg string }{{uproxy, "./cmd/uproxy"}, {bench, "./bench"}} {
+// BuildBinaries builds uproxy and testpeer (the backends and clients that
+// run in the lab's pods, see internal/testpeer) into dir, and returns their
+// paths. root is the module root.
+func BuildBinaries(root, dir string) (uproxy, peer string, err error) {
+	uproxy, peer = filepath.Join(dir, "uproxy"), filepath.Join(dir, "testpeer")
+	for _, b := range []struct{ out, pkg string }{{uproxy, "./cmd/uproxy"}, {peer, "./internal/testpeer/cmd/testpeer"}} {
 		cmd := exec.Command("go", "build", "-o", b.out, b.pkg)
 		cmd.Dir = root
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return "", "", fmt.Errorf("go build %s: %w: %s", b.pkg, err, out)
 		}
 	}
-	return uproxy, bench, nil
+	return uproxy, peer, nil
 }
