@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/redirect"
 )
 
 // Explanation says what happens to a connection (or datagram) to one
@@ -140,7 +141,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		if !client.IsValid() {
 			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges %v apply: give --from to check the client", caught.SourceRanges)
 		} else if !slices.ContainsFunc(caught.SourceRanges, func(r netip.Prefix) bool { return r.Contains(client) }) {
-			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges reject the client: %s is not in %v (UPROXY-FIREWALL drops it)", client, caught.SourceRanges)
+			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges reject the client: %s is not in %v (%s drops it)", client, caught.SourceRanges, redirect.FirewallChain)
 			return ex
 		}
 	}

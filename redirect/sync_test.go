@@ -1276,7 +1276,7 @@ func TestCleanup(t *testing.T) {
 	if _, err := newFakeSyncer(t, k).Sync(ctx, tproxied(rulesA, Routing{}), false); err != nil {
 		t.Fatal(err)
 	}
-	if st := parseState([]byte(k.save())); len(st[chainKey{"mangle", tproxyChain}].rules) == 0 {
+	if st := parseState([]byte(k.save())); len(st[chainKey{"mangle", TProxyChain}].rules) == 0 {
 		t.Fatal("tproxy mode left UPROXY-TPROXY empty")
 	}
 	if err := Cleanup(ctx, cfg); err != nil {
@@ -1475,16 +1475,16 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 		// the rules are restored, or iptables-restore would fail.
 		{"chain flushed and set destroyed", func(k *fakeKernel) {
 			k.edit("filter", func(order []string, rules map[string][]string) []string {
-				rules[firewallChain] = nil
-				rules[listenersChain] = nil
+				rules[FirewallChain] = nil
+				rules[ListenersChain] = nil
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) { delete(sets, tcp) })
 		}, "create " + tcp + " bitmap:port range 0-65535 -exist\nadd " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", true},
 		{"set replaced by one of another type", func(k *fakeKernel) {
 			k.edit("filter", func(order []string, rules map[string][]string) []string {
-				rules[firewallChain] = nil
-				rules[listenersChain] = nil
+				rules[FirewallChain] = nil
+				rules[ListenersChain] = nil
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) {
@@ -1806,7 +1806,7 @@ func TestSyncTProxy(t *testing.T) {
 	for _, c := range []struct {
 		table, chain string
 		rules        int
-	}{{"nat", servicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", tproxyChain, 5}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", tproxyOutputChain, 2}, {"filter", firewallChain, 2}} {
+	}{{"nat", ServicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", TProxyChain, 5}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", TProxyOutputChain, 2}, {"filter", FirewallChain, 2}} {
 		if n := len(st[chainKey{c.table, c.chain}].rules); n != c.rules {
 			t.Errorf("%s %s holds %d rules, want %d", c.table, c.chain, n, c.rules)
 		}
@@ -1824,8 +1824,8 @@ func TestSyncTProxy(t *testing.T) {
 	}
 
 	k.edit("mangle", func(order []string, rules map[string][]string) []string {
-		rules[tproxyChain] = slices.Delete(rules[tproxyChain], 1, 2)
-		rules[tproxyOutputChain] = nil
+		rules[TProxyChain] = slices.Delete(rules[TProxyChain], 1, 2)
+		rules[TProxyOutputChain] = nil
 		return order
 	})
 	res, err = s.Sync(ctx, tp, true)
