@@ -147,7 +147,8 @@ func (k *fakeKernel) Run(ctx context.Context, name string, args []string, stdin 
 	return nil, fmt.Errorf("fake: unexpected command %s", name)
 }
 
-// ipsetLocked runs ipset restore, save NAME or destroy NAME.
+// ipsetLocked runs ipset restore, save NAME, test NAME MEMBER or destroy
+// NAME.
 func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
 	fail := func(format string, a ...any) error {
 		return fmt.Errorf("ipset %s: %w: %s", strings.Join(args, " "), errExit, fmt.Sprintf(format, a...))
@@ -209,6 +210,19 @@ func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
 			return nil, fail(errSetMissing)
 		}
 		return []byte(saveSet(args[1], set)), nil
+	case len(args) == 3 && args[0] == "test":
+		set := k.sets[args[1]]
+		if set == nil {
+			return nil, fail(errSetMissing)
+		}
+		m, ok := parseMember(args[2])
+		if !ok || (m.addr.IsValid() != strings.HasPrefix(set.header, "hash:ip,port ")) {
+			return nil, fail("Syntax error: cannot parse %s", args[2])
+		}
+		if !set.members[m] {
+			return nil, fail("Warning: %s is NOT in set %s.", args[2], args[1])
+		}
+		return nil, nil
 	case len(args) == 2 && args[0] == "destroy":
 		if err := k.destroySetLocked(args[1]); err != "" {
 			return nil, fail("%s", err)
