@@ -140,7 +140,9 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		if !client.IsValid() {
 			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges %v apply: give --from to check the client", caught.SourceRanges)
 		} else if !slices.ContainsFunc(caught.SourceRanges, func(r netip.Prefix) bool { return r.Contains(client) }) {
-			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges reject the client: %s is not in %v (UPROXY-FIREWALL drops it)", client, caught.SourceRanges)
+			// The kernel rules that drop it are the rules section's to
+			// name: proxy knows the model, not redirect's chains.
+			ex.Reason = fmt.Sprintf("loadBalancerSourceRanges reject the client: %s is not in %v (uproxy's firewall rules drop it)", client, caught.SourceRanges)
 			return ex
 		}
 	}

@@ -196,7 +196,7 @@ func (p *Proxier) rebuildRoutes() {
 				if prev := t[k]; prev != nil && prev != l {
 					// Two services claim one external address and port;
 					// the rules send it to the first in the proxier's
-					// order (cmd's toRedirectRules), and so does this.
+					// order (redirect.ServiceRules), and so does this.
 					if servicePortLess(prev.key.name, l.key.name) {
 						continue
 					}

@@ -53,6 +53,12 @@
 // the chain table in render.go, and every set in the set table in sets.go;
 // Render, Sync and Cleanup all walk them.
 //
+// ServiceRules builds the Rules from the destinations that the proxy's
+// service ports claim, and decides which of two claims on one
+// destination wins. MatchingRules reads back which of the rules in the
+// kernel, and which set memberships, catch a given destination, for
+// uproxy explain.
+//
 // The package is Linux-only: it drives iptables and ipset and reads
 // conntrack.
 //

@@ -366,11 +366,11 @@ func testKernelSync(t *testing.T, f Family) {
 	for _, from := range []string{"INPUT", "FORWARD", "OUTPUT"} {
 		ipt(append([]string{"-t", "filter", "-D", from}, fwJump...)...)
 	}
-	ipt("-t", "filter", "-D", "INPUT", "-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "uproxy listener owners", "-j", listenersChain)
+	ipt("-t", "filter", "-D", "INPUT", "-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "uproxy listener owners", "-j", ListenersChain)
 	ipt("-t", "filter", "-F", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
-	ipt("-t", "filter", "-F", listenersChain)
-	ipt("-t", "filter", "-X", listenersChain)
+	ipt("-t", "filter", "-F", ListenersChain)
+	ipt("-t", "filter", "-X", ListenersChain)
 	// Redirect mode: nothing jumps to the mangle chains.
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
 	for _, c := range []string{tproxyServicesTCP, tproxyServicesUDP, tproxyNodePortsTCP, tproxyNodePortsUDP} {
@@ -441,17 +441,17 @@ func testKernelSync(t *testing.T, f Family) {
 	}
 	sync("tproxy mode", s3, x3, tp, false, Result{Wrote: true, Rules: k, WroteSets: true, SetMembers: tm, SetMembersWritten: tm}, map[string]int{save: 1, restore: 1, "ipset": reads + 3})
 	check("tproxy mode", tp, true)
-	if st := parseState(Render(f, tp)); len(st[chainKey{"nat", servicesChain}].rules) != 0 || len(st[chainKey{"mangle", tproxyChain}].rules) == 0 {
+	if st := parseState(Render(f, tp)); len(st[chainKey{"nat", ServicesChain}].rules) != 0 || len(st[chainKey{"mangle", TProxyChain}].rules) == 0 {
 		t.Fatalf("tproxy mode renders %+v", st)
 	}
 	// Nothing to write: TPROXY, MARK, socket, addrtype and comment
 	// are rendered exactly as iptables-save prints them.
 	sync("tproxy mode, unchanged full Sync", s3, x3, tp, true, Result{Rules: k, SetMembers: tm}, map[string]int{save: 1, "ipset": reads})
-	ipt("-t", "mangle", "-D", tproxyChain, "1")
+	ipt("-t", "mangle", "-D", TProxyChain, "1")
 	sync("tproxy mode, repair a deleted rule", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm}, map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted rule", tp, true)
-	ipt(slices.Concat([]string{"-t", "mangle", "-D", "OUTPUT"}, notOwnMatch, []string{"-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", tproxyOutputChain})...)
-	ipt("-t", "mangle", "-F", tproxyOutputChain)
+	ipt(slices.Concat([]string{"-t", "mangle", "-D", "OUTPUT"}, notOwnMatch, []string{"-m", "comment", "--comment", "uproxy tproxy node traffic", "-j", TProxyOutputChain})...)
+	ipt("-t", "mangle", "-F", TProxyOutputChain)
 	sync("tproxy mode, repair a deleted jump and a flushed chain", s3, x3, tp, true, Result{Wrote: true, Rules: k, Repaired: true, SetMembers: tm},
 		map[string]int{save: 1, "ipset": reads, restore: 1})
 	check("tproxy mode, repair a deleted jump and a flushed chain", tp, true)
@@ -498,7 +498,7 @@ func manyListeners(f Family, n int) Rules {
 // firewallRuleCount returns the number of rules in UPROXY-FIREWALL.
 func firewallRuleCount(t *testing.T, f Family) int {
 	t.Helper()
-	return strings.Count(nsCommand(t, f.command("-save"), "-t", "filter"), "\n-A "+firewallChain+" ")
+	return strings.Count(nsCommand(t, f.command("-save"), "-t", "filter"), "\n-A "+FirewallChain+" ")
 }
 
 // setEntries returns the number of members of set name, as ipset list says.
@@ -554,7 +554,7 @@ func testKernelManyListeners(t *testing.T, f Family) {
 			t.Errorf("%s: commands run (-want +got):\n%s", step, diff)
 		}
 		if n := firewallRuleCount(t, f); n != 2 {
-			t.Errorf("%s: %d rules in %s, want 2", step, n, firewallChain)
+			t.Errorf("%s: %d rules in %s, want 2", step, n, FirewallChain)
 		}
 		checkSets(t, step, f, r)
 	}
@@ -598,8 +598,8 @@ func testKernelManyListeners(t *testing.T, f Family) {
 	if out, err := exec.Command("ipset", "destroy", tcpSet).CombinedOutput(); err == nil || !strings.Contains(string(out), "in use") {
 		t.Errorf("ipset destroy of a set in use: %v: %s", err, out)
 	}
-	nsCommand(t, f.command(""), "-t", "filter", "-F", firewallChain)
-	nsCommand(t, f.command(""), "-t", "filter", "-F", listenersChain)
+	nsCommand(t, f.command(""), "-t", "filter", "-F", FirewallChain)
+	nsCommand(t, f.command(""), "-t", "filter", "-F", ListenersChain)
 	nsCommand(t, "ipset", "destroy", tcpSet)
 	sync("chain flushed, set destroyed", moved, true,
 		Result{Wrote: true, Rules: 7, Repaired: true, WroteSets: true, SetMembers: n + 1, SetMembersWritten: n, SetsRepaired: true},

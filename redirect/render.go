@@ -44,14 +44,20 @@ type chainSpec struct {
 	rules func(c chainSpec, f Family, r Rules) []string
 }
 
-// The names of uproxy's chains.
+// The names of the chains that the built-in chains jump to, which
+// operators see first and tests and diagnostics name: the chain table
+// (chains) is their only other user. Each is described there.
 const (
-	servicesChain     = "UPROXY-SERVICES"
+	ServicesChain     = "UPROXY-SERVICES"
+	FirewallChain     = "UPROXY-FIREWALL"
+	ListenersChain    = "UPROXY-LISTENERS"
+	TProxyChain       = "UPROXY-TPROXY"
+	TProxyOutputChain = "UPROXY-TPROXY-OUTPUT"
+)
+
+// The names of the chains that only uproxy's own chains jump to.
+const (
 	nodePortsChain    = "UPROXY-NODEPORTS"
-	firewallChain     = "UPROXY-FIREWALL"
-	listenersChain    = "UPROXY-LISTENERS"
-	tproxyChain       = "UPROXY-TPROXY"
-	tproxyOutputChain = "UPROXY-TPROXY-OUTPUT"
 	tproxyDivertChain = "UPROXY-TPROXY-DIVERT"
 	// These hold tproxy mode's per-service rules, one protocol each,
 	// behind the gates of UPROXY-TPROXY (see tproxyServicesChain and
@@ -84,7 +90,7 @@ var notOwnMatch = []string{"-m", "mark", "!", "--mark", fmt.Sprintf("0x%x/0x%x",
 var chains = []chainSpec{
 	{
 		table:          "nat",
-		name:           servicesChain,
+		name:           ServicesChain,
 		from:           []string{"PREROUTING", "OUTPUT"},
 		jumpComment:    "uproxy service portals",
 		jumpMatch:      notOwnMatch,
@@ -105,7 +111,7 @@ var chains = []chainSpec{
 		// local address comes back through lo, and PREROUTING, with
 		// its mark.
 		table:          "mangle",
-		name:           tproxyChain,
+		name:           TProxyChain,
 		from:           []string{"PREROUTING"},
 		jumpComment:    "uproxy tproxy",
 		jumpMatch:      notOwnMatch,
@@ -128,7 +134,7 @@ var chains = []chainSpec{
 	},
 	{
 		table:          "mangle",
-		name:           tproxyOutputChain,
+		name:           TProxyOutputChain,
 		from:           []string{"OUTPUT"},
 		jumpComment:    "uproxy tproxy node traffic",
 		jumpMatch:      notOwnMatch,
@@ -144,7 +150,7 @@ var chains = []chainSpec{
 		// table, so that its jump comes after UPROXY-FIREWALL's in INPUT
 		// (each is inserted at position 1).
 		table:       "filter",
-		name:        listenersChain,
+		name:        ListenersChain,
 		from:        []string{"INPUT"},
 		jumpComment: "uproxy listener owners",
 		jumpMatch:   []string{"-m", "conntrack", "--ctstate", "NEW"},
@@ -157,7 +163,7 @@ var chains = []chainSpec{
 		// the chain; see "The firewall chain" in the package
 		// documentation for the hooks and their order.
 		table:          "filter",
-		name:           firewallChain,
+		name:           FirewallChain,
 		from:           []string{"INPUT", "FORWARD", "OUTPUT"},
 		jumpComment:    "uproxy firewall",
 		jumpMatch:      []string{"-m", "conntrack", "--ctstate", "NEW,UNTRACKED"},

@@ -777,7 +777,7 @@ func TestRenderListenerGuardIsConstant(t *testing.T) {
 	}
 	for _, f := range []Family{IPv4, IPv6} {
 		st := parseState(Render(f, r))
-		if n := len(st[chainKey{"filter", firewallChain}].rules); n != 1 {
+		if n := len(st[chainKey{"filter", FirewallChain}].rules); n != 1 {
 			t.Errorf("%s: %d rules for 5000 listeners, want 1", f, n)
 		}
 		if n := wantSets(f, r).memberCount(); n != 5000 {

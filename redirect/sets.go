@@ -145,6 +145,20 @@ func setOf(k setKind, f Family, p Protocol) setSpec {
 	panic(fmt.Sprintf("redirect: no set of kind %d for %s %q", k, f, p))
 }
 
+// ListenerSet returns the name of the set that holds the listener ports
+// of family f and protocol p (see Listener).
+func ListenerSet(f Family, p Protocol) string { return setOf(listenerSet, f, p).name }
+
+// ServiceSet returns the name of the hash:ip,port set that holds the
+// service addresses of family f (see Rules.Shared). It panics for an
+// unknown family.
+func ServiceSet(f Family) string { return setOf(serviceSet, f, "").name }
+
+// NodePortSet returns the name of the set that holds the node ports of
+// family f and protocol p (see Rules.Shared). It panics for an unknown
+// family or protocol.
+func NodePortSet(f Family, p Protocol) string { return setOf(nodePortSet, f, p).name }
+
 // header returns the type and options s is created with, as ipset save
 // prints them (less what normHeader drops).
 func (s setSpec) header() string {

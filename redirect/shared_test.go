@@ -555,7 +555,7 @@ func TestSyncShared(t *testing.T) {
 	// Someone flushed the chain and destroyed the service set: the set
 	// comes back before the rules that name it.
 	k.edit("nat", func(order []string, rules map[string][]string) []string {
-		rules[servicesChain] = nil
+		rules[ServicesChain] = nil
 		return order
 	})
 	k.editSets(func(sets map[string]*fakeSet) { delete(sets, svcs) })
@@ -568,7 +568,7 @@ func TestSyncShared(t *testing.T) {
 	// A set of another type under the name: made anew (once no rule
 	// names it, which whoever made it saw to).
 	k.edit("nat", func(order []string, rules map[string][]string) []string {
-		rules[servicesChain] = nil
+		rules[ServicesChain] = nil
 		return order
 	})
 	k.editSets(func(sets map[string]*fakeSet) {

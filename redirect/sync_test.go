@@ -147,7 +147,8 @@ func (k *fakeKernel) Run(ctx context.Context, name string, args []string, stdin 
 	return nil, fmt.Errorf("fake: unexpected command %s", name)
 }
 
-// ipsetLocked runs ipset restore, save NAME or destroy NAME.
+// ipsetLocked runs ipset restore, save NAME, test NAME MEMBER or destroy
+// NAME.
 func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
 	fail := func(format string, a ...any) error {
 		return fmt.Errorf("ipset %s: %w: %s", strings.Join(args, " "), errExit, fmt.Sprintf(format, a...))
@@ -209,6 +210,19 @@ func (k *fakeKernel) ipsetLocked(args []string, stdin []byte) ([]byte, error) {
 			return nil, fail(errSetMissing)
 		}
 		return []byte(saveSet(args[1], set)), nil
+	case len(args) == 3 && args[0] == "test":
+		set := k.sets[args[1]]
+		if set == nil {
+			return nil, fail(errSetMissing)
+		}
+		m, ok := parseMember(args[2])
+		if !ok || (m.addr.IsValid() != strings.HasPrefix(set.header, "hash:ip,port ")) {
+			return nil, fail("Syntax error: cannot parse %s", args[2])
+		}
+		if !set.members[m] {
+			return nil, fail("Warning: %s is NOT in set %s.", args[2], args[1])
+		}
+		return nil, nil
 	case len(args) == 2 && args[0] == "destroy":
 		if err := k.destroySetLocked(args[1]); err != "" {
 			return nil, fail("%s", err)
@@ -1276,7 +1290,7 @@ func TestCleanup(t *testing.T) {
 	if _, err := newFakeSyncer(t, k).Sync(ctx, tproxied(rulesA, Routing{}), false); err != nil {
 		t.Fatal(err)
 	}
-	if st := parseState([]byte(k.save())); len(st[chainKey{"mangle", tproxyChain}].rules) == 0 {
+	if st := parseState([]byte(k.save())); len(st[chainKey{"mangle", TProxyChain}].rules) == 0 {
 		t.Fatal("tproxy mode left UPROXY-TPROXY empty")
 	}
 	if err := Cleanup(ctx, cfg); err != nil {
@@ -1475,16 +1489,16 @@ func TestSyncFullRepairsSetDrift(t *testing.T) {
 		// the rules are restored, or iptables-restore would fail.
 		{"chain flushed and set destroyed", func(k *fakeKernel) {
 			k.edit("filter", func(order []string, rules map[string][]string) []string {
-				rules[firewallChain] = nil
-				rules[listenersChain] = nil
+				rules[FirewallChain] = nil
+				rules[ListenersChain] = nil
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) { delete(sets, tcp) })
 		}, "create " + tcp + " bitmap:port range 0-65535 -exist\nadd " + tcp + " 40001 -exist\nadd " + tcp + " 40002 -exist\n", true},
 		{"set replaced by one of another type", func(k *fakeKernel) {
 			k.edit("filter", func(order []string, rules map[string][]string) []string {
-				rules[firewallChain] = nil
-				rules[listenersChain] = nil
+				rules[FirewallChain] = nil
+				rules[ListenersChain] = nil
 				return order
 			})
 			k.editSets(func(sets map[string]*fakeSet) {
@@ -1806,7 +1820,7 @@ func TestSyncTProxy(t *testing.T) {
 	for _, c := range []struct {
 		table, chain string
 		rules        int
-	}{{"nat", servicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", tproxyChain, 5}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", tproxyOutputChain, 2}, {"filter", firewallChain, 2}} {
+	}{{"nat", ServicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", TProxyChain, 5}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", TProxyOutputChain, 2}, {"filter", FirewallChain, 2}} {
 		if n := len(st[chainKey{c.table, c.chain}].rules); n != c.rules {
 			t.Errorf("%s %s holds %d rules, want %d", c.table, c.chain, n, c.rules)
 		}
@@ -1824,8 +1838,8 @@ func TestSyncTProxy(t *testing.T) {
 	}
 
 	k.edit("mangle", func(order []string, rules map[string][]string) []string {
-		rules[tproxyChain] = slices.Delete(rules[tproxyChain], 1, 2)
-		rules[tproxyOutputChain] = nil
+		rules[TProxyChain] = slices.Delete(rules[TProxyChain], 1, 2)
+		rules[TProxyOutputChain] = nil
 		return order
 	})
 	res, err = s.Sync(ctx, tp, true)

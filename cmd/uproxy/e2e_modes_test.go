@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/redirect"
 )
 
 // TestE2EModes runs every combination the modes must serve: redirect and
@@ -100,7 +101,7 @@ endpoints:
 				if strings.Contains(save, "default/kept") || strings.Contains(save, "default/plain") {
 					t.Errorf("--listener=shared: a rule names a service:\n%s", save)
 				}
-				members, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "list", "uproxy-services4")
+				members, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "list", redirect.ServiceSet(redirect.IPv4))
 				if err != nil {
 					t.Fatal(err)
 				}

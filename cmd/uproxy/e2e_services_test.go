@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/redirect"
 )
 
 // slice renders an EndpointSlice of one family for service svc, port
@@ -231,7 +232,7 @@ spec:
 		}
 		// Without the guard (its set flushed), uproxy refuses them
 		// itself: the connection is made and closed with no answer.
-		if _, err := c.lab.Exec(context.Background(), node, "ipset", "flush", "uproxy-listeners-tcp4"); err != nil {
+		if _, err := c.lab.Exec(context.Background(), node, "ipset", "flush", redirect.ListenerSet(redirect.IPv4, redirect.TCP)); err != nil {
 			t.Fatal(err)
 		}
 		for _, d := range direct {

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/redirect"
 )
 
 var (
@@ -361,11 +362,11 @@ func TestE2ELifecycle(t *testing.T) {
 
 	t.Run("drift is repaired", func(t *testing.T) {
 		ctx := context.Background()
-		if _, err := c.lab.Exec(ctx, c.lab.Node, "iptables", "-t", "nat", "-F", "UPROXY-SERVICES"); err != nil {
+		if _, err := c.lab.Exec(ctx, c.lab.Node, "iptables", "-t", "nat", "-F", redirect.ServicesChain); err != nil {
 			t.Fatal(err)
 		}
 		c.waitRules("the flushed chain to be repaired", func(s string) bool { return strings.Count(s, "-j REDIRECT") == 1 })
-		if _, err := c.lab.Exec(ctx, c.lab.Node, "iptables", "-t", "nat", "-D", "OUTPUT", "-m", "mark", "!", "--mark", "0x400000/0x400000", "-m", "comment", "--comment", "uproxy service portals", "-j", "UPROXY-SERVICES"); err != nil {
+		if _, err := c.lab.Exec(ctx, c.lab.Node, "iptables", "-t", "nat", "-D", "OUTPUT", "-m", "mark", "!", "--mark", "0x400000/0x400000", "-m", "comment", "--comment", "uproxy service portals", "-j", redirect.ServicesChain); err != nil {
 			t.Fatal(err)
 		}
 		c.waitRules("the deleted jump to be repaired", func(s string) bool {

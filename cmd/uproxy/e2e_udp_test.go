@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/redirect"
 )
 
 type udpResult struct {
@@ -180,7 +181,7 @@ func TestE2EUDPListenerPortNotReachable(t *testing.T) {
 			if got := c.refusedDestinations(); got != refused {
 				t.Errorf("uproxy refused %v datagrams that the listener guard should have dropped", got-refused)
 			}
-			if _, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "flush", "uproxy-listeners-udp4"); err != nil {
+			if _, err := c.lab.Exec(t.Context(), c.lab.Node, "ipset", "flush", redirect.ListenerSet(redirect.IPv4, redirect.UDP)); err != nil {
 				t.Fatal(err)
 			}
 			for _, d := range direct {
@@ -219,7 +220,7 @@ func (c *cluster) refusedDestinations() float64 {
 // the node's IPv4 listener guard set.
 func (c *cluster) listenerPorts(proto string) []string {
 	c.t.Helper()
-	out, err := c.lab.Exec(context.Background(), c.lab.Node, "ipset", "list", "uproxy-listeners-"+proto+"4")
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "ipset", "list", redirect.ListenerSet(redirect.IPv4, redirect.Protocol(proto)))
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -232,12 +233,12 @@ func (c *cluster) listenerPorts(proto string) []string {
 // UPROXY-FIREWALL.
 func (c *cluster) guardDrops(proto string) int {
 	c.t.Helper()
-	out, err := c.lab.Exec(context.Background(), c.lab.Node, "iptables", "-w", "-t", "filter", "-L", "UPROXY-FIREWALL", "-n", "-v", "-x")
+	out, err := c.lab.Exec(context.Background(), c.lab.Node, "iptables", "-w", "-t", "filter", "-L", redirect.FirewallChain, "-n", "-v", "-x")
 	if err != nil {
 		c.t.Fatal(err)
 	}
 	for _, line := range strings.Split(out, "\n") {
-		if strings.Contains(line, "match-set uproxy-listeners-"+proto+"4 ") {
+		if strings.Contains(line, "match-set "+redirect.ListenerSet(redirect.IPv4, redirect.Protocol(proto))+" ") {
 			if f := strings.Fields(line); len(f) > 0 {
 				if n, err := strconv.Atoi(f[0]); err == nil {
 					return n
@@ -245,6 +246,6 @@ func (c *cluster) guardDrops(proto string) int {
 			}
 		}
 	}
-	c.t.Fatalf("no listener guard for %s in UPROXY-FIREWALL:\n%s", proto, out)
+	c.t.Fatalf("no listener guard for %s in %s:\n%s", proto, redirect.FirewallChain, out)
 	return 0
 }

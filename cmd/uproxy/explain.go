@@ -11,7 +11,6 @@ import (
 	"net/url"
 	"os/exec"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -19,6 +18,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/redirect"
 )
 
 // explainHandler answers /explain?dst=IP:PORT&proto=TCP|UDP&from=IP from
@@ -50,7 +50,10 @@ func explainHandler(p *proxy.Proxier, tproxy bool) http.HandlerFunc {
 		ex := p.Explain(dst, proto, from)
 		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 		defer cancel()
-		ex.KernelRules = kernelRulesFor(ctx, dst, proto, from, tproxy)
+		ex.KernelRules = redirect.MatchingRules(ctx, redirect.OSExec{}, dst, redirect.Protocol(strings.ToLower(string(proto))), from, tproxy)
+		// The routes to the endpoints are the node's own routing, which
+		// redirect neither writes nor reads (it owns uproxy's rules, sets
+		// and TPROXY policy routing only), so ip route get stays here.
 		var targets []string
 		if ex.Backend != "" {
 			targets = []string{ex.Backend}
@@ -79,84 +82,6 @@ func explainHandler(p *proxy.Proxier, tproxy bool) http.HandlerFunc {
 		enc.SetIndent("", "  ")
 		_ = enc.Encode(ex)
 	}
-}
-
-// kernelRulesFor returns uproxy's iptables-save lines that match traffic
-// to dst over proto from client (invalid: any client): the intercepts
-// (nat REDIRECT or mangle TPROXY) and the firewall's drops.
-func kernelRulesFor(ctx context.Context, dst netip.AddrPort, proto v1.Protocol, client netip.Addr, tproxy bool) []string {
-	save, bits := "iptables-save", 32
-	if dst.Addr().Is6() {
-		save, bits = "ip6tables-save", 128
-	}
-	tables := []string{"nat", "filter"}
-	if tproxy {
-		tables = []string{"mangle", "filter"}
-	}
-	p := strings.ToLower(string(proto))
-	dstMatch := "-d " + netip.PrefixFrom(dst.Addr(), bits).String() + " "
-	// In the shared layout (--listener=shared) a rule matches a set of
-	// destinations: it catches dst when dst is a member, which ipset test
-	// answers (exit status 0), once per set.
-	inSet := map[string]bool{}
-	member := func(set, dir string) bool {
-		m := strconv.Itoa(int(dst.Port())) // bitmap:port: "dst"
-		if dir == "dst,dst" {
-			m = dst.Addr().String() + "," + p + ":" + m // hash:ip,port
-		}
-		key := set + " " + m
-		if v, ok := inSet[key]; ok {
-			return v
-		}
-		v := exec.CommandContext(ctx, "ipset", "test", set, m).Run() == nil
-		inSet[key] = v
-		return v
-	}
-	var out []string
-	for _, table := range tables {
-		text, err := exec.CommandContext(ctx, save, "-t", table).Output()
-		if err != nil {
-			out = append(out, fmt.Sprintf("# %s -t %s: %v", save, table, err))
-			continue
-		}
-		for _, line := range strings.Split(string(text), "\n") {
-			if !strings.HasPrefix(line, "-A UPROXY") || !strings.Contains(line, "-p "+p+" ") {
-				continue
-			}
-			if !strings.Contains(line, "--dport "+strconv.Itoa(int(dst.Port()))+" ") {
-				set, ok := flagValue(line, "--match-set")
-				if !ok || !strings.HasPrefix(set, "uproxy-services") && !strings.HasPrefix(set, "uproxy-nodeports") {
-					continue
-				}
-				f := strings.Fields(line[strings.Index(line, "--match-set "+set):])
-				if len(f) < 3 || !member(set, f[2]) {
-					continue
-				}
-			}
-			// Address rules name the address; node-port rules name none.
-			if !strings.Contains(line, dstMatch) && strings.Contains(line, "-d ") {
-				continue
-			}
-			if src, ok := flagValue(line, "-s"); ok && client.IsValid() {
-				if pfx, err := netip.ParsePrefix(src); err == nil && !pfx.Contains(client) {
-					continue
-				}
-			}
-			out = append(out, "["+table+"] "+line)
-		}
-	}
-	return out
-}
-
-// flagValue returns the value following flag in an iptables-save line.
-func flagValue(line, flag string) (string, bool) {
-	f := strings.Fields(line)
-	for i := 0; i+1 < len(f); i++ {
-		if f[i] == flag && (i == 0 || f[i-1] != "!") {
-			return f[i+1], true
-		}
-	}
-	return "", false
 }
 
 func newExplainCommand() *cobra.Command {

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -79,12 +78,11 @@ func (k *kernelRules) init(cfg redirect.Config) error {
 func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
 	var stats proxy.RuleStats
 	commandsBefore := k.ran.Load()
-	rules := toRedirectRules(in, k.nodePortAddresses)
-	rules.Shared = k.shared
+	opts := redirect.ServiceOptions{NodePortAddresses: k.nodePortAddresses, Shared: k.shared}
 	if k.tproxy {
-		rules.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
-		rules.Listeners = nil // on loopback: unreachable from outside without a guard
+		opts.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
 	}
+	rules := redirect.ServiceRules(claims(in), opts)
 	hasV6 := slices.ContainsFunc(in, func(i proxy.Intercept) bool { return i.VIP.Is6() })
 	// The families sync side by side: each has its own tables and sets,
 	// and a sync mostly waits for iptables and ipset processes, IPv6's
@@ -146,60 +144,23 @@ func (k *kernelRules) syncFamily(ctx context.Context, f redirect.Family, s *redi
 	return s.Sync(ctx, rules, full)
 }
 
-// toRedirectRules translates the proxier's intercepts into the redirect
-// package's rule set: exact destinations, node ports, source-range
-// firewalls for load-balancer IPs, and a guard for every listener port.
-func toRedirectRules(in []proxy.Intercept, nodePortAddresses []netip.Prefix) redirect.Rules {
-	r := redirect.Rules{NodePortAddresses: nodePortAddresses}
-	listeners := map[redirect.Listener]bool{}
-	// Two services may claim the same external or load-balancer IP and
-	// port (the API server does not forbid it); the kernel can send such
-	// traffic to one listener only. The first in the proxier's order wins,
-	// the rest are left out rather than failing every service's sync.
-	type key struct {
-		kind  proxy.InterceptKind
-		ip    netip.Addr
-		proto v1.Protocol
-		port  uint16
-	}
-	seen := map[key]bool{}
-	for _, i := range in {
-		k := key{i.Kind, i.VIP, i.Protocol, i.Port}
-		if i.Kind != proxy.NodePort {
-			k.kind = proxy.ClusterIP // exact destinations conflict whatever their kind
-		}
-		if seen[k] {
-			continue
-		}
-		seen[k] = true
+// claims translates the proxier's intercepts into the redirect package's
+// claims, in the same order: the first of two that conflict wins (see
+// redirect.ServiceRules).
+func claims(in []proxy.Intercept) []redirect.Claim {
+	out := make([]redirect.Claim, len(in))
+	for n, i := range in {
 		proto := redirect.TCP
 		if i.Protocol == v1.ProtocolUDP {
 			proto = redirect.UDP
 		}
-		family := redirect.IPv4
-		if i.VIP.Is6() {
-			family = redirect.IPv6
-		}
-		comment := i.Service.String()
-		for port := int(i.ListenPort); port <= int(max(i.ListenPort, i.ListenPortEnd)); port++ {
-			listeners[redirect.Listener{Family: family, Protocol: proto, Port: uint16(port)}] = true
-		}
-		if i.Kind == proxy.NodePort {
-			r.NodePorts = append(r.NodePorts, redirect.NodePort{Comment: comment, Family: family, Protocol: proto, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd})
-			continue
-		}
-		r.Intercepts = append(r.Intercepts, redirect.Intercept{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd})
-		if i.Kind == proxy.LoadBalancerIP && len(i.SourceRanges) > 0 {
-			r.Firewalls = append(r.Firewalls, redirect.Firewall{Comment: comment, Protocol: proto, Dest: i.VIP, Port: i.Port, Allow: i.SourceRanges})
+		out[n] = redirect.Claim{Comment: i.Service.String(), NodePort: i.Kind == proxy.NodePort, Protocol: proto,
+			Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd}
+		if i.Kind == proxy.LoadBalancerIP {
+			out[n].SourceRanges = i.SourceRanges
 		}
 	}
-	for l := range listeners {
-		r.Listeners = append(r.Listeners, l)
-	}
-	slices.SortFunc(r.Listeners, func(a, b redirect.Listener) int {
-		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Port, b.Port))
-	})
-	return r
+	return out
 }
 
 // previousPorts reads the listener ports that the rules of a previous

@@ -1,0 +1,127 @@
+package redirect
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+)
+
+// Claim is one destination whose traffic a service port asks the kernel
+// to send to one of the proxy's listeners: what the proxier calls an
+// intercept. ServiceRules turns a list of claims into Rules.
+type Claim struct {
+	// Comment names the service port, e.g. "default/web:http"; it becomes
+	// the comment of the claim's rules.
+	Comment string
+	// NodePort, when true, claims Port on the node's own addresses of
+	// Dest's family, as far as ServiceOptions.NodePortAddresses admits
+	// them; only Dest's family counts (the proxier passes the family's
+	// unspecified address). When false, the claim is Dest:Port exactly: a
+	// ClusterIP, an external IP or a load-balancer IP.
+	NodePort bool
+	// Protocol is TCP or UDP.
+	Protocol Protocol
+	// Dest is the destination address. An IPv4-mapped IPv6 address
+	// counts as IPv4.
+	Dest netip.Addr
+	// Port is the service port, or the node port.
+	Port uint16
+	// ToPort and ToPortEnd are the listener's port or ports, as in
+	// Intercept.
+	ToPort, ToPortEnd uint16
+	// SourceRanges, when not empty, are the only sources that may reach
+	// Dest:Port (a load balancer's loadBalancerSourceRanges): the claim
+	// gets a Firewall. Empty lets every source in. A node port ignores
+	// them.
+	SourceRanges []netip.Prefix
+}
+
+// ServiceOptions are the choices that ServiceRules copies into the
+// Rules it returns. The zero value is redirect mode in the per-service
+// layout, with node ports on every local address but loopback.
+type ServiceOptions struct {
+	// NodePortAddresses is Rules.NodePortAddresses.
+	NodePortAddresses []netip.Prefix
+	// Shared is Rules.Shared: the claims of one family and protocol all
+	// name one listener.
+	Shared bool
+	// TProxy is Rules.TProxy; nil selects redirect mode.
+	TProxy *TProxy
+}
+
+// claimKey identifies the traffic a Claim catches: two claims with the
+// same key conflict. An exact destination and a node port never share a
+// key (a node port's addr is its family's unspecified address), but
+// exact destinations conflict whatever kind of address each service
+// gives them (one's ClusterIP, another's external IP).
+type claimKey struct {
+	nodePort bool
+	addr     netip.Addr
+	proto    Protocol
+	port     uint16
+}
+
+func (c Claim) key() claimKey {
+	k := claimKey{nodePort: c.NodePort, addr: c.Dest.Unmap(), proto: c.Protocol, port: c.Port}
+	if c.NodePort {
+		k.addr = netip.IPv4Unspecified()
+		if familyOf(c.Dest.Unmap()) == IPv6 {
+			k.addr = netip.IPv6Unspecified()
+		}
+	}
+	return k
+}
+
+// ServiceRules returns the Rules that send the traffic of each claim to
+// its listener: an Intercept per exact destination, with a Firewall when
+// it has source ranges; a NodePort per node port, of the claim's family;
+// and a Listener for every port of every listener, of the claim's
+// family, sorted by family, protocol and port. In tproxy mode the
+// listeners get no Listener guard: they listen on loopback, which no
+// other host can reach.
+//
+// Two claims may catch the same traffic: the same address (whatever its
+// kind), protocol and port, or the same node port of one family and
+// protocol. The API server lets two services claim one external or
+// load-balancer IP and port, but the kernel can send that traffic to
+// one listener only. The first of them in claims wins; the others are
+// left out, their listener ports too, rather than making the Rules
+// invalid and failing the sync of every service. The proxier orders its
+// intercepts so that its shared listeners route to the same winner.
+//
+// ServiceRules neither keeps nor changes claims, and the Rules share no
+// memory with them but the SourceRanges slices.
+func ServiceRules(claims []Claim, opts ServiceOptions) Rules {
+	r := Rules{NodePortAddresses: opts.NodePortAddresses, Shared: opts.Shared, TProxy: opts.TProxy}
+	listeners := map[Listener]bool{}
+	seen := make(map[claimKey]bool, len(claims))
+	for _, c := range claims {
+		k := c.key()
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		family := familyOf(c.Dest.Unmap())
+		for port := int(c.ToPort); port <= int(max(c.ToPort, c.ToPortEnd)); port++ {
+			listeners[Listener{Family: family, Protocol: c.Protocol, Port: uint16(port)}] = true
+		}
+		if c.NodePort {
+			r.NodePorts = append(r.NodePorts, NodePort{Comment: c.Comment, Family: family, Protocol: c.Protocol, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+			continue
+		}
+		r.Intercepts = append(r.Intercepts, Intercept{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+		if len(c.SourceRanges) > 0 {
+			r.Firewalls = append(r.Firewalls, Firewall{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, Allow: c.SourceRanges})
+		}
+	}
+	if opts.TProxy != nil {
+		return r
+	}
+	for l := range listeners {
+		r.Listeners = append(r.Listeners, l)
+	}
+	slices.SortFunc(r.Listeners, func(a, b Listener) int {
+		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Port, b.Port))
+	})
+	return r
+}
