@@ -152,20 +152,17 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	if !client.IsValid() {
 		internal = func(netip.Addr) bool { return true }
 	}
-	// The traffic policies, as snapshot.route applies them.
-	useLocal := s.sp.ExternalPolicyLocal && !internal(client)
-	if !known || caught.Kind == ClusterIP {
-		useLocal = s.sp.InternalPolicyLocal
-	}
+	choice := policySet(s.sp, !known || caught.Kind == ClusterIP, client, internal)
 	backends, set := s.clusterBackends, s.cluster
-	switch {
-	case useLocal && s.sp.InternalPolicyLocal && (caught.Kind == ClusterIP || !known):
+	if choice.local() {
+		backends, set = s.localBackends, s.local
+	}
+	switch choice {
+	case localInternal:
 		ex.EndpointSet = "local: internalTrafficPolicy Local"
-		backends, set = s.localBackends, s.local
-	case useLocal:
+	case localExternal:
 		ex.EndpointSet = "local: externalTrafficPolicy Local, and the client is outside the cluster"
-		backends, set = s.localBackends, s.local
-	case caught.Kind != ClusterIP && known && s.sp.ExternalPolicyLocal:
+	case clusterShortCircuit:
 		ex.EndpointSet = "cluster: externalTrafficPolicy Local, but the client is a pod or the node (kube-proxy's short circuit)"
 		if !client.IsValid() {
 			ex.EndpointSet = "cluster if the client is a pod or the node, else local (externalTrafficPolicy Local; give --from)"
@@ -173,7 +170,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	default:
 		ex.EndpointSet = "cluster"
 	}
-	if s.sets.TopologyMode != "" && !useLocal {
+	if s.sets.TopologyMode != "" && !choice.local() {
 		ex.EndpointSet += ", filtered by topology (" + s.sets.TopologyMode + ")"
 	}
 	if len(backends) == 0 {

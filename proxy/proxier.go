@@ -1068,21 +1068,58 @@ type snapshot struct {
 // destination is unknown (no OriginalDst configured): the cluster IP is
 // assumed.
 func (s *snapshot) route(dst netip.AddrPort, known bool, client netip.Addr, internal func(netip.Addr) bool) balancer.Balancer {
-	if !known || (dst.Addr().Unmap() == s.vip.Addr() && dst.Port() == s.vip.Port()) {
-		if s.sp.InternalPolicyLocal {
-			return s.local
+	toClusterIP := !known || (dst.Addr().Unmap() == s.vip.Addr() && dst.Port() == s.vip.Port())
+	if !toClusterIP {
+		external := (s.nodePort != 0 && dst.Port() == s.nodePort) ||
+			(dst.Port() == s.vip.Port() && slices.Contains(s.external, dst.Addr().Unmap()))
+		if !external {
+			return nil
 		}
-		return s.cluster
 	}
-	external := (s.nodePort != 0 && dst.Port() == s.nodePort) ||
-		(dst.Port() == s.vip.Port() && slices.Contains(s.external, dst.Addr().Unmap()))
-	if !external {
-		return nil
-	}
-	if s.sp.ExternalPolicyLocal && !internal(client) {
+	if policySet(s.sp, toClusterIP, client, internal).local() {
 		return s.local
 	}
 	return s.cluster
+}
+
+// endpointSet is the traffic policies' choice of a service port's
+// endpoints for one flow, with the reason for it.
+type endpointSet uint8
+
+const (
+	// clusterSet: no Local policy applies to the flow.
+	clusterSet endpointSet = iota
+	// localInternal: internalTrafficPolicy Local, for traffic to the
+	// cluster IP.
+	localInternal
+	// localExternal: externalTrafficPolicy Local, for external traffic
+	// from a client outside the cluster.
+	localExternal
+	// clusterShortCircuit: externalTrafficPolicy Local, but the client is
+	// a pod or the node, which kube-proxy sends to the cluster set so that
+	// a pod can reach a service whose endpoints are all on other nodes.
+	clusterShortCircuit
+)
+
+// local reports whether the choice is the local endpoint set.
+func (e endpointSet) local() bool { return e == localInternal || e == localExternal }
+
+// policySet applies sp's traffic policies to a flow from client, sent to
+// the cluster IP (toClusterIP) or to one of the external addresses (an
+// external or load-balancer IP, or a node port). internal reports whether
+// a client is a pod or the node; it is called only under
+// externalTrafficPolicy Local. The data path (snapshot.route) and Explain
+// both decide with it, so that Explain reports what the data path does.
+func policySet(sp *ServicePort, toClusterIP bool, client netip.Addr, internal func(netip.Addr) bool) endpointSet {
+	switch {
+	case toClusterIP && sp.InternalPolicyLocal:
+		return localInternal
+	case toClusterIP || !sp.ExternalPolicyLocal:
+		return clusterSet
+	case internal(client):
+		return clusterShortCircuit
+	}
+	return localExternal
 }
 
 // serves reports whether b is one of the backends that balancer set picks
