@@ -1483,9 +1483,10 @@ func (p *Proxier) newLoopListener(l *listener, fd int) *loopListener {
 }
 
 // Shutdown stops accepting on every listener, then waits for established
-// connections to finish until ctx is done, and then closes the rest. It
-// leaves the kernel rules in place for the next instance to adopt. Call it
-// after Run has returned.
+// connections to finish until ctx is done, and then closes the rest
+// (Drain). Unlike StopListening it refuses, from the start, connections
+// that were accepted but not yet proxied. It leaves the kernel rules in
+// place for the next instance to adopt. Call it after Run has returned.
 func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.sessMu.Lock()
 	p.closing = true
@@ -1498,22 +1499,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.closeRetired()
 	p.closeShared()
 	p.cfg.Inherited.stop(p.log)
-	done := make(chan struct{})
-	go func() { p.wg.Wait(); close(done) }() // exits when every session has ended (forced below)
-	defer p.loops.stop()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-	}
-	p.sessMu.Lock()
-	n := len(p.sessions)
-	for s := range p.sessions {
-		s.abort()
-	}
-	p.sessMu.Unlock()
-	<-done
-	return fmt.Errorf("drain timeout: closed %d connections", n)
+	return p.Drain(ctx)
 }
 
 // ActiveConnections returns the number of proxied connections in progress.
