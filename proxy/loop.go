@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -112,7 +113,13 @@ func (g *loopGroup) stop() {
 // has none) the loop carries everything on epoll.
 type loopOptions struct {
 	idle, dialTimeout time.Duration
-	ring              bool
+	// keepAliveEvery is how often the loop turns keep-alive on for the
+	// backend sockets that lack it (Config.BackendKeepAliveEvery).
+	keepAliveEvery time.Duration
+	ring           bool
+	// ringBufs is the number of the ring's provided buffers
+	// (Config.IOURingBuffers).
+	ringBufs int
 	// ringFailed, if set, hears why a loop gave up its ring while running
 	// (abandonRing); it runs on the loop's goroutine.
 	ringFailed func(error)
@@ -217,10 +224,12 @@ func newEventLoop(o loopOptions) (*eventLoop, error) {
 	if idle > 0 {
 		l.nextSweep = now.Add(idle)
 	}
-	l.keepAliveEvery = backendKeepAliveEvery
+	// Loops built without a Config (tests) get the Config's defaults.
+	l.keepAliveEvery = cmp.Or(o.keepAliveEvery, defaultKeepAliveEvery)
+	ringBufs := cmp.Or(o.ringBufs, defaultRingBufs)
 	l.nextKeepAlive = now.Add(l.keepAliveEvery)
 	started := make(chan struct{})
-	go l.run(o.ring, started) // exits after stop
+	go l.run(o.ring, ringBufs, started) // exits after stop
 	<-started
 	return l, nil
 }
@@ -265,12 +274,12 @@ func (l *eventLoop) stop() {
 //
 // With ring, it sets up its io_uring first, and waits in it; it closes
 // started once the ring is set up, or has failed to.
-func (l *eventLoop) run(ring bool, started chan<- struct{}) {
+func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 	defer close(l.done)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if ring {
-		if err := l.setupRing(); err != nil {
+		if err := l.setupRing(ringBufs); err != nil {
 			l.ringErr = err
 		}
 	}
@@ -949,13 +958,13 @@ func (l *eventLoop) sweep() {
 	}
 }
 
-// backendKeepAliveEvery is how often a loop turns keep-alive on for the
-// backend sockets that lack it (armKeepAlive).
-var backendKeepAliveEvery = 15 * time.Second
+// defaultKeepAliveEvery is how often a loop arms keep-alive unless
+// Config.BackendKeepAliveEvery says otherwise.
+const defaultKeepAliveEvery = 15 * time.Second
 
 // armKeepAlive turns TCP keep-alive on, with Go's default timing, for the
 // backend sockets that do not have it yet. The loop connects backends
-// without it, and comes here every backendKeepAliveEvery.
+// without it, and comes here every Config.BackendKeepAliveEvery.
 //
 // A connection that ends sooner, as most short ones do, never pays the
 // four setsockopt calls, a visible part of a short connection's cost. It
@@ -963,7 +972,7 @@ var backendKeepAliveEvery = 15 * time.Second
 // would have gone out.
 // HAProxy, nginx and Envoy set no keep-alive on backend sockets at all.
 //
-// A connection that lasts gets keep-alive within backendKeepAliveEvery.
+// A connection that lasts gets keep-alive within that period.
 // Setting TCP_KEEPIDLE counts the idle time already passed
 // (tcp_sock_set_keepidle), so a dead backend is found at most that much
 // later than if the socket had had keep-alive from the start.

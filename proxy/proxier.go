@@ -135,6 +135,17 @@ type Config struct {
 	// only. Where the kernel lacks what the loops need (Linux 5.19), the
 	// proxier logs why and uses epoll.
 	IOURing bool
+	// IOURingBuffers is how many receive buffers each event loop's
+	// io_uring provides the kernel, a power of two up to 32768; a loop
+	// holds a buffer only while its bytes wait to be sent on. Zero means
+	// 256. A count the ring refuses leaves the loops on epoll, as any ring
+	// that cannot be set up does (logged).
+	IOURingBuffers int
+	// BackendKeepAliveEvery is how often an event loop turns TCP
+	// keep-alive on for the backend sockets it connected without it
+	// (eventLoop.armKeepAlive): a connection that lasts gets keep-alive
+	// within that time. Zero means 15s.
+	BackendKeepAliveEvery time.Duration
 	// IdleTimeout closes a TCP connection after neither side has sent or
 	// received anything for about that long (between one and two periods).
 	// Zero means no idle timeout.
@@ -195,6 +206,20 @@ type Config struct {
 	// Clock is the time source for sync and ejection timing; nil means the
 	// real clock. Socket deadlines always use the real clock.
 	Clock clock.WithTickerAndDelayedExecution
+}
+
+func (c *Config) ioURingBuffers() int {
+	if c.IOURingBuffers == 0 {
+		return defaultRingBufs
+	}
+	return c.IOURingBuffers
+}
+
+func (c *Config) backendKeepAliveEvery() time.Duration {
+	if c.BackendKeepAliveEvery <= 0 {
+		return defaultKeepAliveEvery
+	}
+	return c.BackendKeepAliveEvery
 }
 
 func (c *Config) dialTimeout() time.Duration {
@@ -300,7 +325,10 @@ func NewProxier(cfg Config) *Proxier {
 		hcLocal:  map[types.NamespacedName]int{},
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
-		loops:    loopGroup{n: cfg.eventLoops(), opts: loopOptions{idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()}},
+		loops: loopGroup{n: cfg.eventLoops(), opts: loopOptions{
+			idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout(),
+			keepAliveEvery: cfg.backendKeepAliveEvery(), ringBufs: cfg.ioURingBuffers(),
+		}},
 	}
 	if cfg.IOURing && p.loops.n > 0 {
 		if err := IOURingSupported(); err != nil {
