@@ -32,8 +32,6 @@ type loopGroup struct {
 	// noRing, if set, hears why a loop asked for a ring has none, and
 	// carries everything on epoll.
 	noRing func(error)
-	// stats counts what the loops carried, when opts.stats points to it.
-	stats loopStats
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -127,17 +125,21 @@ type loopOptions struct {
 	stats *loopStats
 }
 
-// loopStats counts, across a group's loops, the sessions the ring could
-// have carried and those it did, so that a test of the ring data path
-// can tell it from epoll (a ring that failed to set up leaves the
-// sessions on epoll, and the traffic flows all the same). Safe for
-// concurrent use.
+// loopStats counts, across a proxier's data path, the sessions the ring
+// could have carried and those it did, so that a test of the ring data
+// path can tell it from epoll (a ring that failed to set up leaves the
+// sessions on epoll, and the traffic flows all the same), and the bytes
+// that went through userspace buffers rather than splice, so that a test
+// can tell that bulk transfers splice (with TCP_INQ the reads are
+// recvmsg(2), which the kernel's per-process read counters do not see).
+// Only tests keep one (Config.stats). Safe for concurrent use.
 type loopStats struct {
 	// eligible: sessions a ring would take (no PROXY protocol header);
 	// onRing: those put on a ring; ringServed: those whose bytes a ring
 	// received; carried: sessions that moved bytes, by any path. noRing:
-	// loops that could not set up their ring.
-	eligible, onRing, ringServed, carried, noRing atomic.Int64
+	// loops that could not set up their ring. copied: bytes moved through
+	// userspace buffers, on any path.
+	eligible, onRing, ringServed, carried, noRing, copied atomic.Int64
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)
@@ -797,7 +799,9 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 			empty = inq == 0
 		}
 	}
-	copiedBytes.Add(int64(n))
+	if l.stats != nil {
+		l.stats.copied.Add(int64(n))
+	}
 	full := n == len(l.buf)
 	flags := 0
 	if eof {

@@ -492,7 +492,9 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 			}
 		}
 		ls.moved = true
-		copiedBytes.Add(int64(res))
+		if l.stats != nil {
+			l.stats.copied.Add(int64(res))
+		}
 		if ls.leaving || int(res) == rs.bufs.Size() {
 			// A bulk transfer, or the session is leaving the ring: the
 			// bytes go out on the epoll path.

@@ -378,7 +378,7 @@ func TestIOURingBuffersReachTheRing(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := p.loops.stats.noRing.Load(); got != tt.noRing {
+			if got := p.cfg.stats.noRing.Load(); got != tt.noRing {
 				t.Errorf("%d loops without a ring (%v), want %d", got, l.ringErr, tt.noRing)
 			}
 		})

@@ -92,6 +92,9 @@ func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 	cfg.Rules = rules
 	cfg.Sync.MinInterval = 10 * time.Millisecond
 	cfg.LoopbackEndpoints = true // the test backends listen on 127.0.0.1
+	if cfg.stats == nil {
+		cfg.stats = new(loopStats) // for the tests that tell the data paths apart
+	}
 	p := NewProxier(cfg)
 	startedProxiers.add(t, p)
 	ctx, cancel := context.WithCancel(context.Background())
