@@ -225,23 +225,8 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 			ex.Pick += "; rendezvous because the source-hash tables reached their memory bound"
 		}
 	case balancer.LeastConn, balancer.WeightedLeastConn:
-		var best []*balancer.Backend
-		var bestLoad float64
-		for _, b := range backends {
-			if !usable(b) {
-				continue
-			}
-			load := float64(b.Active()) / float64(max(b.Weight, 1))
-			if balancer.Kind(sp.info.Balancer) == balancer.LeastConn {
-				load = float64(b.Active())
-			}
-			switch {
-			case len(best) == 0 || load < bestLoad:
-				best, bestLoad = []*balancer.Backend{b}, load
-			case load == bestLoad:
-				best = append(best, b)
-			}
-		}
+		// The balancer's own comparison, without taking its turn.
+		best := balancer.LeastLoaded(set)
 		ex.Pick = "the fewest active connections"
 		if balancer.Kind(sp.info.Balancer) == balancer.WeightedLeastConn {
 			ex.Pick += " per unit of weight"
