@@ -42,41 +42,83 @@ func newLeastConn(backends []*Backend, weighted bool) *leastConn {
 // zero, are common with short connections; without weighted turns a
 // weighted-least-conn balancer would then ignore the weights.
 func (l *leastConn) Pick(netip.Addr) *Backend {
-	skipEjected := anyHealthy(l.backends)
-	best := -1
-	var bestLoad, tieWeight uint64
+	s := l.scan()
+	if s.best < 0 {
+		return l.backends[0] // every backend was ejected during the scan
+	}
+	if s.tieWeight == l.weights[s.best] {
+		return l.backends[s.best]
+	}
+	r := (l.next.Add(1) - 1) % s.tieWeight
 	for i, b := range l.backends {
-		if skipEjected && b.Ejected() {
+		if !l.tied(i, s) {
+			continue
+		}
+		w := l.weights[i]
+		if r < w {
+			return b
+		}
+		r -= w
+	}
+	return l.backends[s.best] // loads changed since the first pass
+}
+
+// lcScan is the outcome of leastConn.scan.
+type lcScan struct {
+	best                int // a least loaded backend; -1 if none is eligible
+	bestLoad, tieWeight uint64
+	skipEjected         bool
+}
+
+// scan finds a backend with the lowest Active()/weight among the
+// non-ejected backends (all of them if every one is ejected), and the sum
+// of the weights of the backends tied with it.
+func (l *leastConn) scan() lcScan {
+	s := lcScan{best: -1, skipEjected: anyHealthy(l.backends)}
+	for i, b := range l.backends {
+		if s.skipEjected && b.Ejected() {
 			continue
 		}
 		// load/w < bestLoad/bestW, without division, as nginx's
 		// ngx_http_upstream_get_least_conn_peer compares them.
 		load, w := l.load(i), l.weights[i]
 		switch {
-		case best < 0 || load*l.weights[best] < bestLoad*w:
-			best, bestLoad, tieWeight = i, load, w
-		case load*l.weights[best] == bestLoad*w:
-			tieWeight += w
+		case s.best < 0 || load*l.weights[s.best] < s.bestLoad*w:
+			s.best, s.bestLoad, s.tieWeight = i, load, w
+		case load*l.weights[s.best] == s.bestLoad*w:
+			s.tieWeight += w
 		}
 	}
-	if best < 0 {
-		return l.backends[0] // every backend was ejected during the scan
+	return s
+}
+
+// tied reports whether backend i is, still, one of the least loaded that
+// s found.
+func (l *leastConn) tied(i int, s lcScan) bool {
+	return !(s.skipEjected && l.backends[i].Ejected()) && l.load(i)*l.weights[s.best] == s.bestLoad*l.weights[i]
+}
+
+// LeastLoaded returns the backends among which b, a least-conn or
+// weighted-least-conn balancer (possibly wrapped for affinity), would
+// pick next: those with the lowest Active()/weight, skipping ejected ones
+// as Pick does. It takes no turn. Nil when b is another kind of balancer.
+// Explanations use it to say what Pick would do.
+func LeastLoaded(b Balancer) []*Backend {
+	l, ok := Unwrap(b).(*leastConn)
+	if !ok {
+		return nil
 	}
-	if tieWeight == l.weights[best] {
-		return l.backends[best]
+	s := l.scan()
+	if s.best < 0 {
+		return nil
 	}
-	r := (l.next.Add(1) - 1) % tieWeight
+	var ties []*Backend
 	for i, b := range l.backends {
-		w := l.weights[i]
-		if skipEjected && b.Ejected() || l.load(i)*l.weights[best] != bestLoad*w {
-			continue
+		if l.tied(i, s) {
+			ties = append(ties, b)
 		}
-		if r < w {
-			return b
-		}
-		r -= w
 	}
-	return l.backends[best] // loads changed since the first pass
+	return ties
 }
 
 // load returns backend i's active connection count, clamped at zero in

@@ -2,6 +2,7 @@ package balancer
 
 import (
 	"math"
+	"net/netip"
 	"slices"
 	"testing"
 )
@@ -84,5 +85,55 @@ func TestLeastConnHeld(t *testing.T) {
 		if !slices.Equal(got, tt.want) {
 			t.Errorf("%s %v: active connections = %v, want %v", tt.kind, tt.weights, got, tt.want)
 		}
+	}
+}
+
+// TestLeastLoaded checks that LeastLoaded names the backends a least-conn
+// balancer picks among, by the balancer's own comparison, and that the
+// picks that follow stay among them.
+func TestLeastLoaded(t *testing.T) {
+	tests := []struct {
+		name    string
+		kind    Kind
+		weights []int
+		active  []int
+		ejected []int
+		want    []int // indexes
+	}{
+		{"one least loaded", LeastConn, []int{1, 1, 1}, []int{2, 1, 0}, nil, []int{2}},
+		{"ties", LeastConn, []int{1, 1, 1}, []int{1, 0, 0}, nil, []int{1, 2}},
+		{"unweighted ignores weights", LeastConn, []int{3, 1}, []int{2, 1}, nil, []int{1}},
+		{"per unit of weight", WeightedLeastConn, []int{3, 1}, []int{2, 1}, nil, []int{0}},
+		{"weighted ties", WeightedLeastConn, []int{2, 1}, []int{2, 1}, nil, []int{0, 1}},
+		{"ejected skipped", LeastConn, []int{1, 1, 1}, []int{0, 1, 2}, []int{0}, []int{1}},
+		{"all ejected: all count", LeastConn, []int{1, 1}, []int{1, 0}, []int{0, 1}, []int{1}},
+		{"round robin is not least-conn", RoundRobin, []int{1, 1}, []int{0, 0}, nil, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			bs := testBackends(tt.weights...)
+			for i, n := range tt.active {
+				for range n {
+					bs[i].Acquire()
+				}
+			}
+			for _, i := range tt.ejected {
+				bs[i].SetEjected(true)
+			}
+			bal := New(tt.kind, bs)
+			var want []*Backend
+			for _, i := range tt.want {
+				want = append(want, bs[i])
+			}
+			got := LeastLoaded(NewAffinityTable(AffinityConfig{}).Wrap(bal, bs))
+			if !slices.Equal(got, want) {
+				t.Fatalf("LeastLoaded = %v, want %v", got, want)
+			}
+			for range 2 * len(bs) {
+				if want != nil && !slices.Contains(want, bal.Pick(netip.Addr{})) {
+					t.Fatalf("Pick left the least loaded %v", want)
+				}
+			}
+		})
 	}
 }

@@ -152,20 +152,17 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	if !client.IsValid() {
 		internal = func(netip.Addr) bool { return true }
 	}
-	// The traffic policies, as snapshot.route applies them.
-	useLocal := s.sp.ExternalPolicyLocal && !internal(client)
-	if !known || caught.Kind == ClusterIP {
-		useLocal = s.sp.InternalPolicyLocal
-	}
+	choice := policySet(s.sp, !known || caught.Kind == ClusterIP, client, internal)
 	backends, set := s.clusterBackends, s.cluster
-	switch {
-	case useLocal && s.sp.InternalPolicyLocal && (caught.Kind == ClusterIP || !known):
+	if choice.local() {
+		backends, set = s.localBackends, s.local
+	}
+	switch choice {
+	case localInternal:
 		ex.EndpointSet = "local: internalTrafficPolicy Local"
-		backends, set = s.localBackends, s.local
-	case useLocal:
+	case localExternal:
 		ex.EndpointSet = "local: externalTrafficPolicy Local, and the client is outside the cluster"
-		backends, set = s.localBackends, s.local
-	case caught.Kind != ClusterIP && known && s.sp.ExternalPolicyLocal:
+	case clusterShortCircuit:
 		ex.EndpointSet = "cluster: externalTrafficPolicy Local, but the client is a pod or the node (kube-proxy's short circuit)"
 		if !client.IsValid() {
 			ex.EndpointSet = "cluster if the client is a pod or the node, else local (externalTrafficPolicy Local; give --from)"
@@ -173,7 +170,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	default:
 		ex.EndpointSet = "cluster"
 	}
-	if s.sets.TopologyMode != "" && !useLocal {
+	if s.sets.TopologyMode != "" && !choice.local() {
 		ex.EndpointSet += ", filtered by topology (" + s.sets.TopologyMode + ")"
 	}
 	if len(backends) == 0 {
@@ -228,23 +225,8 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 			ex.Pick += "; rendezvous because the source-hash tables reached their memory bound"
 		}
 	case balancer.LeastConn, balancer.WeightedLeastConn:
-		var best []*balancer.Backend
-		var bestLoad float64
-		for _, b := range backends {
-			if !usable(b) {
-				continue
-			}
-			load := float64(b.Active()) / float64(max(b.Weight, 1))
-			if balancer.Kind(sp.info.Balancer) == balancer.LeastConn {
-				load = float64(b.Active())
-			}
-			switch {
-			case len(best) == 0 || load < bestLoad:
-				best, bestLoad = []*balancer.Backend{b}, load
-			case load == bestLoad:
-				best = append(best, b)
-			}
-		}
+		// The balancer's own comparison, without taking its turn.
+		best := balancer.LeastLoaded(set)
 		ex.Pick = "the fewest active connections"
 		if balancer.Kind(sp.info.Balancer) == balancer.WeightedLeastConn {
 			ex.Pick += " per unit of weight"

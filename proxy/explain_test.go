@@ -1,9 +1,14 @@
 package proxy
 
 import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 )
@@ -79,5 +84,51 @@ func TestExplain(t *testing.T) {
 	// Explaining picked nothing: the affinity table still has one client.
 	if ex := explain("10.96.0.12:80", v1.ProtocolTCP, netip.MustParseAddr("10.1.1.1")); ex.Backend != "" {
 		t.Errorf("explain recorded an affinity: %+v", ex)
+	}
+}
+
+// TestExplainLeastConn checks that Explain names the endpoint that a
+// least-conn service picks next, as the balancer compares loads, and
+// that the next connection does go there.
+func TestExplainLeastConn(t *testing.T) {
+	hold := func(name string) *backend {
+		return startBackend(t, func(c net.Conn) { fmt.Fprintln(c, name); io.Copy(io.Discard, c) })
+	}
+	a, b := hold("a"), hold("b")
+	addrOf := map[string]string{"a": a.addr.String(), "b": b.addr.String()}
+	p, rules := startProxier(t, Config{})
+	lc := svc("lc", "10.96.0.14", "http:80")
+	lc.Annotations = map[string]string{AnnotationBalancer: "least-conn"}
+	p.Tracker().Replace([]*v1.Service{lc}, slicesFor("lc", "http", a, b))
+	port := rules.port(t, "default/lc:http")
+	waitUntil(t, "a sync", func() bool { return p.Status().Ports != nil })
+	explain := func() Explanation {
+		ex := p.Explain(netip.MustParseAddrPort("10.96.0.14:80"), v1.ProtocolTCP, netip.MustParseAddr("127.0.0.1"))
+		t.Logf("%+v", ex)
+		return ex
+	}
+	if ex := explain(); ex.Backend != "" || !strings.Contains(ex.Pick, "fewest active connections; 2 tie") {
+		t.Fatalf("idle endpoints: %+v", ex)
+	}
+	open := func() string {
+		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		line, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.TrimSpace(line)
+	}
+	first := open()
+	ex := explain()
+	if ex.Backend == "" || ex.Backend == addrOf[first] || strings.Contains(ex.Pick, "tie") {
+		t.Fatalf("with a connection held on %s: %+v", first, ex)
+	}
+	if second := open(); addrOf[second] != ex.Backend {
+		t.Errorf("Explain named %s, the next connection went to %s (%s)", ex.Backend, second, addrOf[second])
 	}
 }

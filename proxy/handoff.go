@@ -150,9 +150,11 @@ func (p *Proxier) StopListening() {
 	p.cfg.Inherited.stop(p.log)
 }
 
-// Drain waits, after StopListening, for the established connections to
-// finish until ctx is done, then closes the rest, as Shutdown does. It
-// leaves the kernel rules to the process that took the sockets over.
+// Drain waits, after StopListening or as the end of Shutdown, for every
+// loop and established connection to finish until ctx is done, then
+// refuses connections still being accepted, closes the established ones
+// and waits for them to end. It then stops the event loops. It leaves the
+// kernel rules alone: they belong to the next process.
 func (p *Proxier) Drain(ctx context.Context) error {
 	done := make(chan struct{})
 	go func() { p.wg.Wait(); close(done) }() // exits when every loop and session has ended (forced below)

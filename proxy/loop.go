@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -31,8 +32,6 @@ type loopGroup struct {
 	// noRing, if set, hears why a loop asked for a ring has none, and
 	// carries everything on epoll.
 	noRing func(error)
-	// stats counts what the loops carried, when opts.stats points to it.
-	stats loopStats
 
 	mu    sync.Mutex
 	loops []*eventLoop
@@ -112,7 +111,13 @@ func (g *loopGroup) stop() {
 // has none) the loop carries everything on epoll.
 type loopOptions struct {
 	idle, dialTimeout time.Duration
-	ring              bool
+	// keepAliveEvery is how often the loop turns keep-alive on for the
+	// backend sockets that lack it (Config.BackendKeepAliveEvery).
+	keepAliveEvery time.Duration
+	ring           bool
+	// ringBufs is the number of the ring's provided buffers
+	// (Config.IOURingBuffers).
+	ringBufs int
 	// ringFailed, if set, hears why a loop gave up its ring while running
 	// (abandonRing); it runs on the loop's goroutine.
 	ringFailed func(error)
@@ -120,17 +125,21 @@ type loopOptions struct {
 	stats *loopStats
 }
 
-// loopStats counts, across a group's loops, the sessions the ring could
-// have carried and those it did, so that a test of the ring data path
-// can tell it from epoll (a ring that failed to set up leaves the
-// sessions on epoll, and the traffic flows all the same). Safe for
-// concurrent use.
+// loopStats counts, across a proxier's data path, the sessions the ring
+// could have carried and those it did, so that a test of the ring data
+// path can tell it from epoll (a ring that failed to set up leaves the
+// sessions on epoll, and the traffic flows all the same), and the bytes
+// that went through userspace buffers rather than splice, so that a test
+// can tell that bulk transfers splice (with TCP_INQ the reads are
+// recvmsg(2), which the kernel's per-process read counters do not see).
+// Only tests keep one (Config.stats). Safe for concurrent use.
 type loopStats struct {
 	// eligible: sessions a ring would take (no PROXY protocol header);
 	// onRing: those put on a ring; ringServed: those whose bytes a ring
 	// received; carried: sessions that moved bytes, by any path. noRing:
-	// loops that could not set up their ring.
-	eligible, onRing, ringServed, carried, noRing atomic.Int64
+	// loops that could not set up their ring. copied: bytes moved through
+	// userspace buffers, on any path.
+	eligible, onRing, ringServed, carried, noRing, copied atomic.Int64
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)
@@ -217,10 +226,12 @@ func newEventLoop(o loopOptions) (*eventLoop, error) {
 	if idle > 0 {
 		l.nextSweep = now.Add(idle)
 	}
-	l.keepAliveEvery = backendKeepAliveEvery
+	// Loops built without a Config (tests) get the Config's defaults.
+	l.keepAliveEvery = cmp.Or(o.keepAliveEvery, defaultKeepAliveEvery)
+	ringBufs := cmp.Or(o.ringBufs, defaultRingBufs)
 	l.nextKeepAlive = now.Add(l.keepAliveEvery)
 	started := make(chan struct{})
-	go l.run(o.ring, started) // exits after stop
+	go l.run(o.ring, ringBufs, started) // exits after stop
 	<-started
 	return l, nil
 }
@@ -265,12 +276,12 @@ func (l *eventLoop) stop() {
 //
 // With ring, it sets up its io_uring first, and waits in it; it closes
 // started once the ring is set up, or has failed to.
-func (l *eventLoop) run(ring bool, started chan<- struct{}) {
+func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 	defer close(l.done)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if ring {
-		if err := l.setupRing(); err != nil {
+		if err := l.setupRing(ringBufs); err != nil {
 			l.ringErr = err
 		}
 	}
@@ -788,7 +799,9 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 			empty = inq == 0
 		}
 	}
-	copiedBytes.Add(int64(n))
+	if l.stats != nil {
+		l.stats.copied.Add(int64(n))
+	}
 	full := n == len(l.buf)
 	flags := 0
 	if eof {
@@ -949,13 +962,13 @@ func (l *eventLoop) sweep() {
 	}
 }
 
-// backendKeepAliveEvery is how often a loop turns keep-alive on for the
-// backend sockets that lack it (armKeepAlive).
-var backendKeepAliveEvery = 15 * time.Second
+// defaultKeepAliveEvery is how often a loop arms keep-alive unless
+// Config.BackendKeepAliveEvery says otherwise.
+const defaultKeepAliveEvery = 15 * time.Second
 
 // armKeepAlive turns TCP keep-alive on, with Go's default timing, for the
 // backend sockets that do not have it yet. The loop connects backends
-// without it, and comes here every backendKeepAliveEvery.
+// without it, and comes here every Config.BackendKeepAliveEvery.
 //
 // A connection that ends sooner, as most short ones do, never pays the
 // four setsockopt calls, a visible part of a short connection's cost. It
@@ -963,7 +976,7 @@ var backendKeepAliveEvery = 15 * time.Second
 // would have gone out.
 // HAProxy, nginx and Envoy set no keep-alive on backend sockets at all.
 //
-// A connection that lasts gets keep-alive within backendKeepAliveEvery.
+// A connection that lasts gets keep-alive within that period.
 // Setting TCP_KEEPIDLE counts the idle time already passed
 // (tcp_sock_set_keepidle), so a dead backend is found at most that much
 // later than if the socket had had keep-alive from the start.

@@ -173,7 +173,6 @@ func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
 // at its next keep-alive round (armKeepAlive): a short connection never
 // pays for it, a lasting one gets it.
 func TestBackendKeepAliveComesLater(t *testing.T) {
-	defer func(d time.Duration) { backendKeepAliveEvery = d }(backendKeepAliveEvery)
 	for _, tt := range []struct {
 		name  string
 		every time.Duration
@@ -183,9 +182,8 @@ func TestBackendKeepAliveComesLater(t *testing.T) {
 		{"after the round", 50 * time.Millisecond, acceptOptions},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			backendKeepAliveEvery = tt.every // read when the loops start
 			be := echoBackend(t)
-			_, port := proxyWeb(t, Config{}, be)
+			_, port := proxyWeb(t, Config{BackendKeepAliveEvery: tt.every}, be)
 			c := echoOnce(t, port, 0)
 			defer c.Close()
 			fd := connectedSocket(t, int(be.addr.Port()))

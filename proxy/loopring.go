@@ -19,12 +19,14 @@ import (
 // and UDP flows stay on epoll. See "The loops' io_uring" in the package
 // documentation.
 
-// ringBufSize and ringBufCount size a loop's provided buffers: 4 MiB,
-// held only while a receive's bytes wait to be sent on. Tests change
-// ringBufCount (a power of two) before the loops start.
-const ringBufSize = copyBufSize
-
-var ringBufCount = 256
+// ringBufSize is the size of a loop's provided buffers, and
+// defaultRingBufs their number unless Config.IOURingBuffers says
+// otherwise. A buffer is held only while a receive's bytes wait to be
+// sent on.
+const (
+	ringBufSize     = copyBufSize
+	defaultRingBufs = 256
+)
 
 // Operation kinds, in the low bits of an operation's user data.
 const (
@@ -142,12 +144,12 @@ func IOURingSupported() error {
 // setupRing gives l its ring, or says why it cannot have one. Runs on the
 // loop's goroutine, locked to its thread: the ring is single-issuer, and
 // its issuer is the thread that sets it up.
-func (l *eventLoop) setupRing() error {
+func (l *eventLoop) setupRing(bufCount int) error {
 	r, err := uring.New(4096)
 	if err != nil {
 		return err
 	}
-	bufs, err := uring.NewBufRing(r, ringBufCount, ringBufSize)
+	bufs, err := uring.NewBufRing(r, bufCount, ringBufSize)
 	if err != nil {
 		r.Close()
 		return err
@@ -490,7 +492,9 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 			}
 		}
 		ls.moved = true
-		copiedBytes.Add(int64(res))
+		if l.stats != nil {
+			l.stats.copied.Add(int64(res))
+		}
 		if ls.leaving || int(res) == rs.bufs.Size() {
 			// A bulk transfer, or the session is leaving the ring: the
 			// bytes go out on the epoll path.

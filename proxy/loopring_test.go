@@ -116,10 +116,8 @@ func TestRingCarriesMessagesThenHandsBulkToEpoll(t *testing.T) {
 // every exchange completes, byte for byte.
 func TestRingStarvedReceivesResume(t *testing.T) {
 	skipWithoutRing(t)
-	defer func(n int) { ringBufCount = n }(ringBufCount)
-	ringBufCount = 1
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: 1, IdleTimeout: time.Hour}, be)
 	const clients, rounds = 8, 200
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
@@ -258,7 +256,7 @@ func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
 	}
 	defer unix.Close(epfd)
 	l := &eventLoop{epfd: epfd, sessions: map[*loopSession]struct{}{}, connecting: map[*loopSession]struct{}{}}
-	if err := l.setupRing(); err != nil {
+	if err := l.setupRing(defaultRingBufs); err != nil {
 		t.Fatal(err)
 	}
 	defer l.closeRing()
@@ -355,6 +353,33 @@ func TestRingErrorsNeverPanic(t *testing.T) {
 			}
 			for i := range 3 {
 				echoOnce(t, port, 10+i).Close()
+			}
+		})
+	}
+}
+
+// TestIOURingBuffersReachTheRing checks that Config.IOURingBuffers sizes
+// the loops' provided buffers: a count that is not a power of two cannot
+// be registered, and the loop goes on with epoll only.
+func TestIOURingBuffersReachTheRing(t *testing.T) {
+	skipWithoutRing(t)
+	for _, tt := range []struct {
+		name    string
+		buffers int
+		noRing  int64
+	}{
+		{"default", 0, 0},
+		{"a power of two", 4, 0},
+		{"not a power of two", 3, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := startProxier(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers})
+			l, err := p.loops.loopFor()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := p.cfg.stats.noRing.Load(); got != tt.noRing {
+				t.Errorf("%d loops without a ring (%v), want %d", got, l.ringErr, tt.noRing)
 			}
 		})
 	}

@@ -135,6 +135,17 @@ type Config struct {
 	// only. Where the kernel lacks what the loops need (Linux 5.19), the
 	// proxier logs why and uses epoll.
 	IOURing bool
+	// IOURingBuffers is how many receive buffers each event loop's
+	// io_uring provides the kernel, a power of two up to 32768; a loop
+	// holds a buffer only while its bytes wait to be sent on. Zero means
+	// 256. A count the ring refuses leaves the loops on epoll, as any ring
+	// that cannot be set up does (logged).
+	IOURingBuffers int
+	// BackendKeepAliveEvery is how often an event loop turns TCP
+	// keep-alive on for the backend sockets it connected without it
+	// (eventLoop.armKeepAlive): a connection that lasts gets keep-alive
+	// within that time. Zero means 15s.
+	BackendKeepAliveEvery time.Duration
 	// IdleTimeout closes a TCP connection after neither side has sent or
 	// received anything for about that long (between one and two periods).
 	// Zero means no idle timeout.
@@ -195,6 +206,24 @@ type Config struct {
 	// Clock is the time source for sync and ejection timing; nil means the
 	// real clock. Socket deadlines always use the real clock.
 	Clock clock.WithTickerAndDelayedExecution
+	// stats, if set, counts what the data path carried and how, for the
+	// tests that must tell the data paths apart although traffic flows
+	// the same on each. Nil means nothing is counted.
+	stats *loopStats
+}
+
+func (c *Config) ioURingBuffers() int {
+	if c.IOURingBuffers == 0 {
+		return defaultRingBufs
+	}
+	return c.IOURingBuffers
+}
+
+func (c *Config) backendKeepAliveEvery() time.Duration {
+	if c.BackendKeepAliveEvery <= 0 {
+		return defaultKeepAliveEvery
+	}
+	return c.BackendKeepAliveEvery
 }
 
 func (c *Config) dialTimeout() time.Duration {
@@ -300,14 +329,17 @@ func NewProxier(cfg Config) *Proxier {
 		hcLocal:  map[types.NamespacedName]int{},
 		sessions: map[*session]struct{}{},
 		ports:    portAllocator{r: cfg.PortRange},
-		loops:    loopGroup{n: cfg.eventLoops(), opts: loopOptions{idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout()}},
+		loops: loopGroup{n: cfg.eventLoops(), opts: loopOptions{
+			idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout(),
+			keepAliveEvery: cfg.backendKeepAliveEvery(), ringBufs: cfg.ioURingBuffers(),
+			stats: cfg.stats,
+		}},
 	}
 	if cfg.IOURing && p.loops.n > 0 {
 		if err := IOURingSupported(); err != nil {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
 			p.loops.opts.ring = true
-			p.loops.opts.stats = &p.loops.stats
 			p.loops.noRing = func(err error) {
 				p.log.Warn("an event loop could not set up its io_uring; it uses epoll only", zap.Error(err))
 			}
@@ -1068,21 +1100,58 @@ type snapshot struct {
 // destination is unknown (no OriginalDst configured): the cluster IP is
 // assumed.
 func (s *snapshot) route(dst netip.AddrPort, known bool, client netip.Addr, internal func(netip.Addr) bool) balancer.Balancer {
-	if !known || (dst.Addr().Unmap() == s.vip.Addr() && dst.Port() == s.vip.Port()) {
-		if s.sp.InternalPolicyLocal {
-			return s.local
+	toClusterIP := !known || (dst.Addr().Unmap() == s.vip.Addr() && dst.Port() == s.vip.Port())
+	if !toClusterIP {
+		external := (s.nodePort != 0 && dst.Port() == s.nodePort) ||
+			(dst.Port() == s.vip.Port() && slices.Contains(s.external, dst.Addr().Unmap()))
+		if !external {
+			return nil
 		}
-		return s.cluster
 	}
-	external := (s.nodePort != 0 && dst.Port() == s.nodePort) ||
-		(dst.Port() == s.vip.Port() && slices.Contains(s.external, dst.Addr().Unmap()))
-	if !external {
-		return nil
-	}
-	if s.sp.ExternalPolicyLocal && !internal(client) {
+	if policySet(s.sp, toClusterIP, client, internal).local() {
 		return s.local
 	}
 	return s.cluster
+}
+
+// endpointSet is the traffic policies' choice of a service port's
+// endpoints for one flow, with the reason for it.
+type endpointSet uint8
+
+const (
+	// clusterSet: no Local policy applies to the flow.
+	clusterSet endpointSet = iota
+	// localInternal: internalTrafficPolicy Local, for traffic to the
+	// cluster IP.
+	localInternal
+	// localExternal: externalTrafficPolicy Local, for external traffic
+	// from a client outside the cluster.
+	localExternal
+	// clusterShortCircuit: externalTrafficPolicy Local, but the client is
+	// a pod or the node, which kube-proxy sends to the cluster set so that
+	// a pod can reach a service whose endpoints are all on other nodes.
+	clusterShortCircuit
+)
+
+// local reports whether the choice is the local endpoint set.
+func (e endpointSet) local() bool { return e == localInternal || e == localExternal }
+
+// policySet applies sp's traffic policies to a flow from client, sent to
+// the cluster IP (toClusterIP) or to one of the external addresses (an
+// external or load-balancer IP, or a node port). internal reports whether
+// a client is a pod or the node; it is called only under
+// externalTrafficPolicy Local. The data path (snapshot.route) and Explain
+// both decide with it, so that Explain reports what the data path does.
+func policySet(sp *ServicePort, toClusterIP bool, client netip.Addr, internal func(netip.Addr) bool) endpointSet {
+	switch {
+	case toClusterIP && sp.InternalPolicyLocal:
+		return localInternal
+	case toClusterIP || !sp.ExternalPolicyLocal:
+		return clusterSet
+	case internal(client):
+		return clusterShortCircuit
+	}
+	return localExternal
 }
 
 // serves reports whether b is one of the backends that balancer set picks
@@ -1446,9 +1515,10 @@ func (p *Proxier) newLoopListener(l *listener, fd int) *loopListener {
 }
 
 // Shutdown stops accepting on every listener, then waits for established
-// connections to finish until ctx is done, and then closes the rest. It
-// leaves the kernel rules in place for the next instance to adopt. Call it
-// after Run has returned.
+// connections to finish until ctx is done, and then closes the rest
+// (Drain). Unlike StopListening it refuses, from the start, connections
+// that were accepted but not yet proxied. It leaves the kernel rules in
+// place for the next instance to adopt. Call it after Run has returned.
 func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.sessMu.Lock()
 	p.closing = true
@@ -1461,22 +1531,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.closeRetired()
 	p.closeShared()
 	p.cfg.Inherited.stop(p.log)
-	done := make(chan struct{})
-	go func() { p.wg.Wait(); close(done) }() // exits when every session has ended (forced below)
-	defer p.loops.stop()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-	}
-	p.sessMu.Lock()
-	n := len(p.sessions)
-	for s := range p.sessions {
-		s.abort()
-	}
-	p.sessMu.Unlock()
-	<-done
-	return fmt.Errorf("drain timeout: closed %d connections", n)
+	return p.Drain(ctx)
 }
 
 // ActiveConnections returns the number of proxied connections in progress.

@@ -92,6 +92,9 @@ func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 	cfg.Rules = rules
 	cfg.Sync.MinInterval = 10 * time.Millisecond
 	cfg.LoopbackEndpoints = true // the test backends listen on 127.0.0.1
+	if cfg.stats == nil {
+		cfg.stats = new(loopStats) // for the tests that tell the data paths apart
+	}
 	p := NewProxier(cfg)
 	startedProxiers.add(t, p)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -459,31 +462,46 @@ func TestShutdownDrains(t *testing.T) {
 	}
 }
 
+// TestShutdownForcesAfterDeadline covers both ways of stopping, which end
+// in the one drain: Shutdown, and a handover's StopListening then Drain.
 func TestShutdownForcesAfterDeadline(t *testing.T) {
-	be := echoBackend(t)
-	rules := &recordingRules{}
-	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { p.Run(ctx); close(done) }()
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	port := rules.port(t, "default/web:http")
-	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
-	cancel()
-	<-done
-	sctx, scancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer scancel()
-	if err := p.Shutdown(sctx); err == nil || !strings.Contains(err.Error(), "closed 1 connections") {
-		t.Fatalf("Shutdown = %v, want a drain timeout that closed 1 connection", err)
-	}
-	c.SetDeadline(time.Now().Add(time.Second))
-	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
-		t.Errorf("forced connection not closed: %v", err)
+	for _, tt := range []struct {
+		name string
+		stop func(*Proxier, context.Context) error
+	}{
+		{"Shutdown", (*Proxier).Shutdown},
+		{"StopListening and Drain", func(p *Proxier, ctx context.Context) error { p.StopListening(); return p.Drain(ctx) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			be := echoBackend(t)
+			rules := &recordingRules{}
+			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { p.Run(ctx); close(done) }()
+			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
+			port := rules.port(t, "default/web:http")
+			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
+			cancel()
+			<-done
+			sctx, scancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer scancel()
+			if err := tt.stop(p, sctx); err == nil || !strings.Contains(err.Error(), "closed 1 connections") {
+				t.Fatalf("stop = %v, want a drain timeout that closed 1 connection", err)
+			}
+			c.SetDeadline(time.Now().Add(time.Second))
+			if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Errorf("forced connection not closed: %v", err)
+			}
+			if _, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", port), time.Second); err == nil {
+				t.Error("listener still accepts after stopping")
+			}
+		})
 	}
 }
 

@@ -246,12 +246,6 @@ const maxSplice = 1 << 20
 // read that fills it means a bulk transfer, which goes back to splice.
 const copyBufSize = 16 << 10
 
-// copiedBytes counts the bytes that went through userspace buffers
-// (copyMessages) rather than splice, process-wide. Read by the tests to
-// check that bulk transfers splice: with TCP_INQ the reads are recvmsg(2),
-// which the kernel's per-process read counters do not see.
-var copiedBytes atomic.Int64
-
 // copyBufs lends buffers to the userspace path. A buffer is held only
 // between a read and the write of what it read, never across a wait, so an
 // idle connection holds none.
@@ -279,8 +273,9 @@ const inqAfter = 2
 // move waits until src has data and moves what it can to dst, by splice or
 // by copyMessages as the traffic so far suggests. It returns the bytes
 // written to dst, eof at src's EOF, and the error of the wait (a deadline,
-// a close) or of the transfer.
-func (h *halfState) move(dst, src syscall.RawConn) (n int, eof bool, err error) {
+// a close) or of the transfer. copied, if set, counts the bytes that go
+// through the userspace buffer (loopStats.copied).
+func (h *halfState) move(dst, src syscall.RawConn, copied *atomic.Int64) (n int, eof bool, err error) {
 	if h.splicing {
 		n, eof, err = tcpPipes.spliceOnce(dst, src)
 		if n >= spliceAtLeast {
@@ -294,6 +289,9 @@ func (h *halfState) move(dst, src syscall.RawConn) (n int, eof bool, err error) 
 		}
 	}
 	n, eof, h.splicing, err = h.copyMessages(dst, src)
+	if copied != nil {
+		copied.Add(int64(n))
+	}
 	return n, eof, err
 }
 
@@ -387,7 +385,6 @@ func (h *halfState) copyMessages(dst, src syscall.RawConn) (written int, eof, fu
 	if buf != nil {
 		copyBufs.Put(buf)
 	}
-	copiedBytes.Add(int64(written))
 	if rerr != nil {
 		return written, false, false, rerr
 	}

@@ -231,7 +231,11 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 		p.connLog.Warn("no event loop for connection; copying on goroutines",
 			zap.Stringer("servicePort", d.name), zap.Error(err))
 	}
-	finish(s.pipe(p.cfg.IdleTimeout))
+	var copied *atomic.Int64
+	if p.cfg.stats != nil {
+		copied = &p.cfg.stats.copied
+	}
+	finish(s.pipe(p.cfg.IdleTimeout, copied))
 }
 
 // startTCP starts a connection that event loop el accepted (newLoopListener),
@@ -432,15 +436,16 @@ func dialAs[T net.Conn](c net.Conn, err error) (T, error) {
 // connections, and returns the bytes copied each way. It owns one extra
 // goroutine, which exits when its copy ends (at EOF, on error, or when
 // abort closes its sockets). It is the data path without event loops.
-func (s *session) pipe(idle time.Duration) (up, down int64) {
+// copied, if set, counts the bytes that go through userspace buffers.
+func (s *session) pipe(idle time.Duration, copied *atomic.Int64) (up, down int64) {
 	tcpPipes.enter()
 	defer tcpPipes.leave()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		up = s.copyHalf(s.backend, s.client, idle)
+		up = s.copyHalf(s.backend, s.client, idle, copied)
 	}()
-	down = s.copyHalf(s.client, s.backend, idle)
+	down = s.copyHalf(s.client, s.backend, idle, copied)
 	<-done
 	s.client.Close()
 	s.backend.Close()
@@ -461,7 +466,7 @@ func (s *session) pipe(idle time.Duration) (up, down int64) {
 // that wait, never a write to dst, so no byte is lost when the copy
 // resumes. A period in which bytes moved, or in which either socket made
 // progress (stillActive), starts another period.
-func (s *session) copyHalf(dst, src *net.TCPConn, idle time.Duration) int64 {
+func (s *session) copyHalf(dst, src *net.TCPConn, idle time.Duration, copied *atomic.Int64) int64 {
 	srcRC, err := src.SyscallConn()
 	if err != nil {
 		s.abort()
@@ -480,7 +485,7 @@ func (s *session) copyHalf(dst, src *net.TCPConn, idle time.Duration) int64 {
 		_ = src.SetReadDeadline(time.Now().Add(idle))
 	}
 	for {
-		n, eof, err := h.move(dstRC, srcRC)
+		n, eof, err := h.move(dstRC, srcRC, copied)
 		total += int64(n)
 		period += int64(n)
 		switch {

@@ -118,3 +118,42 @@ func TestSnapshotRouteAppliesTrafficPolicies(t *testing.T) {
 		})
 	}
 }
+
+// TestPolicySet covers the traffic-policy decision that the data path
+// (snapshot.route) and Explain share.
+func TestPolicySet(t *testing.T) {
+	pod := netip.MustParseAddr("10.244.1.5")
+	outsider := netip.MustParseAddr("192.0.2.99")
+	internal := func(ip netip.Addr) bool { return netip.MustParsePrefix("10.244.0.0/16").Contains(ip) }
+	everyone := func(netip.Addr) bool { return true } // Explain without --from
+	tests := []struct {
+		name        string
+		sp          ServicePort
+		toClusterIP bool
+		client      netip.Addr
+		internal    func(netip.Addr) bool
+		want        endpointSet
+	}{
+		{"cluster IP, no policy", ServicePort{}, true, pod, internal, clusterSet},
+		{"cluster IP, internal Local", ServicePort{InternalPolicyLocal: true}, true, pod, internal, localInternal},
+		{"cluster IP ignores external Local", ServicePort{ExternalPolicyLocal: true}, true, outsider, internal, clusterSet},
+		{"cluster IP, both Local", ServicePort{InternalPolicyLocal: true, ExternalPolicyLocal: true}, true, outsider, internal, localInternal},
+		{"external, no policy", ServicePort{}, false, outsider, internal, clusterSet},
+		{"external ignores internal Local", ServicePort{InternalPolicyLocal: true}, false, outsider, internal, clusterSet},
+		{"external Local, outside client", ServicePort{ExternalPolicyLocal: true}, false, outsider, internal, localExternal},
+		{"external Local, pod client short-circuits", ServicePort{ExternalPolicyLocal: true}, false, pod, internal, clusterShortCircuit},
+		{"both Local, outside client", ServicePort{InternalPolicyLocal: true, ExternalPolicyLocal: true}, false, outsider, internal, localExternal},
+		{"external Local, client not given", ServicePort{ExternalPolicyLocal: true}, false, netip.Addr{}, everyone, clusterShortCircuit},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := policySet(&tt.sp, tt.toClusterIP, tt.client, tt.internal)
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("policySet (-want +got):\n%s", diff)
+			}
+			if got.local() != (tt.want == localInternal || tt.want == localExternal) {
+				t.Errorf("local() = %v for %v", got.local(), got)
+			}
+		})
+	}
+}
