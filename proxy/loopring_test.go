@@ -203,19 +203,29 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	// The session leaves the ring when a send finds the client full (a
+	// slow leave), or earlier, when a receive fills a whole buffer: on a
+	// loaded machine the backend's small writes can arrive together, and
+	// the loop then takes the transfer for bulk. Either way, once off the
+	// ring it must hold none of the ring's buffers.
 	var slow, held, ringSessions, sessions int
+	var served int64
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
 		onLoops(t, p, func(l *eventLoop) {
 			slow, held = l.ring.slowLeaves, l.ring.bufs.Held()
 			ringSessions, sessions = len(l.ring.sessions), len(l.sessions)
+			served = l.stats.ringServed.Load()
 		})
-		if slow > 0 {
+		if slow > 0 || (served > 0 && sessions == 1 && ringSessions == 0) {
 			break
 		}
 		if time.Now().After(deadline) {
 			close(stop)
-			t.Fatalf("the session never left the ring for its slow reader (%d buffers held, %d of the loop's %d sessions on the ring)", held, ringSessions, sessions)
+			t.Fatalf("the session never left the ring (%d buffers held, %d of the loop's %d sessions on the ring, %d served by it)", held, ringSessions, sessions, served)
 		}
+	}
+	if slow == 0 {
+		t.Logf("the session left the ring as a bulk transfer, before a send found the client full")
 	}
 	close(stop)
 	if held != 0 {
