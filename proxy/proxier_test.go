@@ -421,7 +421,11 @@ func TestReloadKeepsUnchangedConnections(t *testing.T) {
 	}
 }
 
-func TestShutdownDrains(t *testing.T) {
+// stoppedWithOneSession starts a proxier for one echo Service, opens one
+// connection through it, and stops its sync loop, leaving the listener and
+// the session for the test to stop.
+func stoppedWithOneSession(t *testing.T) (*Proxier, net.Conn, int) {
+	t.Helper()
 	be := echoBackend(t)
 	rules := &recordingRules{}
 	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
@@ -434,10 +438,15 @@ func TestShutdownDrains(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	t.Cleanup(func() { c.Close() })
 	waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
 	cancel()
 	<-done
+	return p, c, port
+}
+
+func TestShutdownDrains(t *testing.T) {
+	p, c, port := stoppedWithOneSession(t)
 
 	// The client finishes its exchange during the drain.
 	go func() {
@@ -473,22 +482,7 @@ func TestShutdownForcesAfterDeadline(t *testing.T) {
 		{"StopListening and Drain", func(p *Proxier, ctx context.Context) error { p.StopListening(); return p.Drain(ctx) }},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			be := echoBackend(t)
-			rules := &recordingRules{}
-			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan struct{})
-			go func() { p.Run(ctx); close(done) }()
-			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-			port := rules.port(t, "default/web:http")
-			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
-			cancel()
-			<-done
+			p, c, port := stoppedWithOneSession(t)
 			sctx, scancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 			defer scancel()
 			if err := tt.stop(p, sctx); err == nil || !strings.Contains(err.Error(), "closed 1 connections") {
