@@ -243,7 +243,7 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 			}
 			defer log.Sync()
 			for _, n := range o.kubeProxy.notes {
-				n.log(log)
+				logNote(log, n)
 			}
 			if path := o.kubeProxy.writeConfigTo; path != "" {
 				log.Info("--write-config-to: writing the configuration and exiting", zap.String("file", path))
@@ -411,15 +411,17 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		StateFile:       stateFile,
 		Logger:          log.Named("proxy"),
 	})
-	var src interface{ Run(context.Context) error }
+	// runSource runs the source until ctx is done: the folder's watch
+	// (after its first load), or the informers.
+	var runSource func(context.Context) error
 	if o.config != "" {
 		fs := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
 		if err := fs.Load(); err != nil {
 			return fmt.Errorf("loading manifests: %w", err)
 		}
-		src = fileWatch{fs}
+		runSource = fs.Watch
 	} else {
-		src = &proxy.KubeSource{
+		ks := &proxy.KubeSource{
 			Client:   client,
 			Tracker:  p.Tracker(),
 			NodeName: o.nodeName,
@@ -432,6 +434,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			},
 			Logger: log.Named("kube"),
 		}
+		runSource = ks.Run
 	}
 	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
 		return err
@@ -487,7 +490,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := src.Run(ctx); err != nil {
+		if err := runSource(ctx); err != nil {
 			cancel(fmt.Errorf("source: %w", err))
 		}
 	})
@@ -555,11 +558,6 @@ func serverAddrs(addrs ...string) []netip.AddrPort {
 	}
 	return out
 }
-
-// fileWatch adapts a FileSource to the sources' Run signature.
-type fileWatch struct{ fs *proxy.FileSource }
-
-func (f fileWatch) Run(ctx context.Context) error { return f.fs.Watch(ctx) }
 
 // defaultDebugAddress is where the debug server listens by default:
 // loopback only, and a port no Kubernetes component takes (kubelet's are
