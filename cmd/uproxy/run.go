@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/internal/httplimit"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
@@ -505,7 +506,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		debug := debugHandler(p, explainHandler(p, tproxy), newExplainLimit(), o.profiling)
+		debug := debugHandler(p, explainHandler(p, tproxy), explainBucket(), o.profiling)
 		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.Listen("debug")); err != nil {
 			cancel(fmt.Errorf("debug server: %w", err))
 		}
@@ -575,9 +576,9 @@ func metricsHandler(reg *prometheus.Registry) http.Handler {
 }
 
 // debugHandler serves p's /status and explain at /explain (for `uproxy
-// status` and `uproxy explain`), the latter through limit, and pprof when
-// profiling is set.
-func debugHandler(p interface{ Status() proxy.Status }, explain http.Handler, limit *explainLimit, profiling bool) http.Handler {
+// status` and `uproxy explain`), the latter one at a time and within
+// bucket, and pprof when profiling is set.
+func debugHandler(p interface{ Status() proxy.Status }, explain http.Handler, bucket *rate.Limiter, profiling bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
@@ -585,7 +586,7 @@ func debugHandler(p interface{ Status() proxy.Status }, explain http.Handler, li
 		enc.SetIndent("", "  ")
 		_ = enc.Encode(p.Status())
 	})
-	mux.Handle("GET /explain", limit.wrap(explain))
+	mux.Handle("GET /explain", httplimit.OneAtATime("explain", explain, bucket))
 	if profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
 		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -596,37 +597,10 @@ func debugHandler(p interface{ Status() proxy.Status }, explain http.Handler, li
 	return mux
 }
 
-// explainLimit bounds the /explain requests, each of which runs up to a
-// dozen iptables-save, ipset and ip processes: one at a time, and a
-// token bucket over them. Past either, a request is answered 429.
-type explainLimit struct {
-	one    chan struct{} // holds a token while a request runs
-	bucket *rate.Limiter
-}
-
-// newExplainLimit allows bursts of 5 requests, then one a second.
-func newExplainLimit() *explainLimit {
-	return &explainLimit{one: make(chan struct{}, 1), bucket: rate.NewLimiter(rate.Every(time.Second), 5)}
-}
-
-func (l *explainLimit) wrap(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		select {
-		case l.one <- struct{}{}:
-			defer func() { <-l.one }()
-		default:
-			w.Header().Set("Retry-After", "1")
-			http.Error(w, "another explain is running; retry later", http.StatusTooManyRequests)
-			return
-		}
-		if !l.bucket.Allow() {
-			w.Header().Set("Retry-After", "1")
-			http.Error(w, "too many explain requests; retry later", http.StatusTooManyRequests)
-			return
-		}
-		next.ServeHTTP(w, r)
-	})
-}
+// explainBucket bounds the /explain requests, each of which runs up to a
+// dozen iptables-save, ipset and ip processes: bursts of 5, then one a
+// second (and httplimit.OneAtATime runs one at a time).
+func explainBucket() *rate.Limiter { return rate.NewLimiter(rate.Every(time.Second), 5) }
 
 // serveHTTP serves h on addr until ctx is done. An empty addr disables
 // it.
