@@ -30,6 +30,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/internal/httplimit"
+	"github.com/uproxy/uproxy/internal/kubeevents"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
@@ -291,10 +292,10 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return err
 		}
 	}
-	var events *eventRecorder // nil without an API server
+	var events *kubeevents.Recorder // nil without an API server
 	if client != nil {
-		events = newEventRecorder(ctx, client, o.nodeName)
-		defer events.stop()
+		events = kubeevents.New(ctx, client, o.nodeName)
+		defer events.Stop()
 	}
 	if o.ports.Size > 0 {
 		// The rules refuse what reaches a listener port that uproxy does
@@ -406,7 +407,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		ServiceHealth:   svcHealth,
 		OnSync:          func() { health.Updated(); firstSync() },
 		OnChange:        health.QueuedUpdate,
-		OnReject:        events.rejected(),
+		OnReject:        events.Rejected(),
 		Inherited:       up.Inherited(),
 		PreviousPort:    previous,
 		StateFile:       stateFile,
@@ -515,7 +516,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if source == "" {
 		source = "API server"
 	}
-	events.starting()
+	events.Starting()
 	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()
