@@ -346,7 +346,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	defer svcHealth.Close()
 	tproxy := o.mode == "tproxy"
 	shared := o.listener == "shared"
-	rules := &kernelRules{log: log.Named("rules"), nodePortAddresses: o.nodePortCIDRs, tproxy: tproxy, shared: shared}
 	var (
 		sharedProtocols []v1.Protocol
 		udpOriginalDst  func(client, local netip.AddrPort) (netip.AddrPort, error)
@@ -373,7 +372,21 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		originalDst = redirect.TProxyDst
 	}
 	metrics := proxy.NewMetrics(reg)
-	rules.commands = newRuleCommands(reg)
+	ruleCommands := newRuleCommands(reg)
+	// The rules of both families, synced side by side. NewFamilies, which
+	// checks the iptables tools, runs below, once the manifests have
+	// loaded.
+	rulesCfg := redirect.FamiliesConfig{
+		IPv4:     redirect.Config{Wait: o.iptablesWait},
+		IPv6:     redirect.Config{Wait: o.iptablesWait},
+		Services: redirect.ServiceOptions{NodePortAddresses: o.nodePortCIDRs, Shared: shared},
+		Commands: func(name string) { ruleCommands.WithLabelValues(name).Inc() },
+		Logger:   log.Named("rules"),
+	}
+	if tproxy {
+		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
+	}
+	var rules *redirect.Families // set below, before the sync loop starts
 	synced := make(chan struct{})
 	restoreGC := startupGC()
 	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
@@ -384,8 +397,10 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	servePrevious := stateFile != "" && previous != nil && !up.TookOver()
 	p := proxy.NewProxier(proxy.Config{
-		Metrics:         metrics,
-		Rules:           rules,
+		Metrics: metrics,
+		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
+			return syncRules(ctx, rules, in, full)
+		}),
 		OriginalDst:     originalDst,
 		Transparent:     tproxy,
 		SharedListeners: sharedProtocols,
@@ -438,11 +453,12 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 		runSource = ks.Run
 	}
-	if err := rules.init(redirect.Config{Wait: o.iptablesWait}); err != nil {
+	rules, err := redirect.NewFamilies(rulesCfg)
+	if err != nil {
 		return err
 	}
-	health.SetIPFamilies(rules.families()...)
-	metrics.SetIPFamilies(rules.families()...)
+	health.SetIPFamilies(ipFamilies(rules)...)
+	metrics.SetIPFamilies(ipFamilies(rules)...)
 	if host, _, err := net.SplitHostPort(o.debugBindAddress); err == nil {
 		if ip, err := netip.ParseAddr(host); (err != nil && host != "localhost") || (err == nil && !ip.IsLoopback()) {
 			log.Warn("--debug-bind-address is not a loopback address: /status and /explain (and pprof with --profiling) have no authentication, and show every Service's endpoints to whoever reaches it",
