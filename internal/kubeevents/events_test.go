@@ -16,7 +16,7 @@ import (
 // event is what the tests compare of an events.k8s.io Event.
 type event struct {
 	Type, Reason, Action, Controller, Note string
-	Kind, Namespace, Name                 string
+	Kind, Namespace, Name                  string
 }
 
 // waitEvents waits until the fake API server holds n events, and returns
