@@ -1,4 +1,5 @@
-// Package balancer chooses a backend for each new connection.
+// Package balancer owns the choice of a backend for each new connection: the
+// balancing algorithms, session affinity and passive-health ejection.
 //
 // It is a leaf package: it imports only the standard library. The proxy
 // builds one Balancer per service port from the port's ready endpoints and

@@ -1,6 +1,5 @@
-// Package deploy holds the tests of deploy/'s image: the iptables backend
-// detection of deploy/image, and the image build.sh makes without a
-// container engine.
+// Package deploy owns the tests of deploy/'s image: its iptables backend
+// detection, and the image build.sh makes without a container engine.
 package deploy
 
 import (

@@ -226,6 +226,15 @@ type RuleSyncer interface {
 	SyncRules(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error)
 }
 
+// RuleSyncerFunc is a function that is a RuleSyncer, so that the command
+// can wire the proxier to the kernel's rules without a type of its own.
+type RuleSyncerFunc func(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error)
+
+// SyncRules calls f.
+func (f RuleSyncerFunc) SyncRules(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error) {
+	return f(ctx, intercepts, full)
+}
+
 // RuleStats is what one SyncRules call did, for the sync's log line.
 type RuleStats struct {
 	// Rules is the number of kernel rules the intercepts render to.

@@ -91,6 +91,11 @@
 // built-in chain (never a second copy), and deletes the jumps of earlier
 // versions and, in redirect mode, those to tproxy mode's mangle chains.
 //
+// Families is the proxier's rule syncer: it turns the service ports'
+// claims into Rules (ServiceRules), and syncs them with one Syncer per
+// family, side by side, each after its family's TPROXY policy routing in
+// tproxy mode.
+//
 // # The firewall chain
 //
 // The filter hooks run after nat's (NF_IP_PRI_FILTER 0 after

@@ -81,7 +81,8 @@ type note struct {
 	fields []zap.Field
 }
 
-func (n note) log(log *zap.Logger) {
+// logNote logs n, once the logger exists.
+func logNote(log *zap.Logger, n note) {
 	log = log.WithOptions(zap.AddCallerSkip(1))
 	if n.warn {
 		log.Warn(n.msg, n.fields...)

@@ -147,7 +147,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 	}
 	core, logs := observer.New(zap.DebugLevel)
 	for _, n := range o.kubeProxy.notes {
-		n.log(zap.New(core))
+		logNote(zap.New(core), n)
 	}
 	var notes []string
 	for _, e := range logs.All() {

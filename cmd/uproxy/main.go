@@ -1,10 +1,12 @@
-// Command uproxy is a userspace Kubernetes service proxy: it watches
-// Services and EndpointSlices (or a folder of their manifests), installs
-// iptables rules that send each Service's virtual IP to a local listener,
-// and carries the connections to endpoints chosen by pluggable balancers.
+// Command uproxy owns the flags, the environment and the wiring of uproxy,
+// and the clients of a running one (status, explain, cleanup).
 //
-// This is the only package that reads flags and the environment and wires
-// concrete types together.
+// uproxy is a userspace Kubernetes service proxy: it watches Services and
+// EndpointSlices (or a folder of their manifests), installs iptables rules
+// that send each Service's virtual IP to a local listener, and carries the
+// connections to endpoints chosen by pluggable balancers. This is the only
+// package that reads flags and the environment and wires concrete types
+// together.
 package main
 
 import (

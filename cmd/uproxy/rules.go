@@ -2,13 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"net/netip"
-	"os/exec"
-	"slices"
-	"sync"
-	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -17,24 +10,6 @@ import (
 	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/redirect"
 )
-
-// kernelRules connects the proxier's sync hook to the redirect package:
-// one Syncer per IP family. It is called only from the proxier's sync
-// goroutine.
-type kernelRules struct {
-	v4, v6            *redirect.Syncer // v6 is nil when ip6tables is unavailable
-	nodePortAddresses []netip.Prefix
-	tproxy            bool // TPROXY in mangle instead of REDIRECT in nat
-	shared            bool // the shared listener layout: service addresses in kernel sets
-	routed            [2]bool
-	log               *zap.Logger
-	warned            bool
-	// commands counts the processes the Syncers run, by command; nil
-	// counts none. ran counts them for SyncRules' stats: the two
-	// families' Syncers add to it side by side.
-	commands *prometheus.CounterVec
-	ran      atomic.Int64
-}
 
 // newRuleCommands registers uproxy_rule_commands_total with reg.
 func newRuleCommands(reg prometheus.Registerer) *prometheus.CounterVec {
@@ -46,102 +21,21 @@ func newRuleCommands(reg prometheus.Registerer) *prometheus.CounterVec {
 	return c
 }
 
-// countCommand is the Syncers' redirect.Config.Commands.
-func (k *kernelRules) countCommand(name string) {
-	k.ran.Add(1)
-	if k.commands != nil {
-		k.commands.WithLabelValues(name).Inc()
-	}
+// syncRules is the proxier's RuleSyncer: it hands the intercepts to k,
+// which syncs them into both families' tables.
+func syncRules(ctx context.Context, k *redirect.Families, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
+	res, err := k.Sync(ctx, claims(in), full)
+	return proxy.RuleStats{Rules: res.Rules, Written: res.Written, Commands: res.Commands}, err
 }
 
-var _ proxy.RuleSyncer = (*kernelRules)(nil)
-
-// init checks that the iptables tools are usable. IPv4 is required; IPv6
-// is optional (a node without ip6tables serves IPv4 only, and says so once
-// if an IPv6 service shows up).
-func (k *kernelRules) init(cfg redirect.Config) error {
-	cfg.Family = redirect.IPv4
-	cfg.Commands = k.countCommand
-	var err error
-	if k.v4, err = redirect.New(cfg); err != nil {
-		return fmt.Errorf("iptables: %w", err)
+// ipFamilies returns the families k syncs, as health and metrics report
+// them (kube-proxy reports the families of the proxiers it runs).
+func ipFamilies(k *redirect.Families) []v1.IPFamily {
+	var out []v1.IPFamily
+	for _, f := range k.Available() {
+		out = append(out, map[redirect.Family]v1.IPFamily{redirect.IPv4: v1.IPv4Protocol, redirect.IPv6: v1.IPv6Protocol}[f])
 	}
-	if _, err := exec.LookPath("ip6tables"); err == nil {
-		cfg.Family = redirect.IPv6
-		if k.v6, err = redirect.New(cfg); err != nil {
-			k.log.Warn("ip6tables is not usable; IPv6 service addresses will not be proxied", zap.Error(err))
-		}
-	}
-	return nil
-}
-
-func (k *kernelRules) SyncRules(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
-	var stats proxy.RuleStats
-	commandsBefore := k.ran.Load()
-	opts := redirect.ServiceOptions{NodePortAddresses: k.nodePortAddresses, Shared: k.shared}
-	if k.tproxy {
-		opts.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
-	}
-	rules := redirect.ServiceRules(claims(in), opts)
-	hasV6 := slices.ContainsFunc(in, func(i proxy.Intercept) bool { return i.VIP.Is6() })
-	// The families sync side by side: each has its own tables and sets,
-	// and a sync mostly waits for iptables and ipset processes, IPv6's
-	// too when it has nothing to write, so the two waits overlap. The
-	// goroutines end when their Sync returns, before SyncRules does.
-	var (
-		results [2]redirect.Result
-		errs    [2]error
-		ran     [2]bool
-		wg      sync.WaitGroup
-	)
-	for f, s := range []*redirect.Syncer{k.v4, k.v6} {
-		if s == nil {
-			if hasV6 && !k.warned {
-				k.log.Error("IPv6 services present but ip6tables is unavailable; their IPv6 addresses are not proxied")
-				k.warned = true
-			}
-			continue
-		}
-		ran[f] = true
-		wg.Go(func() { results[f], errs[f] = k.syncFamily(ctx, redirect.Family(f), s, rules, full) })
-	}
-	wg.Wait()
-	for f := range ran {
-		if !ran[f] || errs[f] != nil {
-			continue
-		}
-		res := results[f]
-		stats.Rules += res.Rules
-		if res.Wrote {
-			stats.Written += res.Rules
-		}
-		if res.Repaired {
-			k.log.Warn("iptables rules had drifted (changed or deleted by someone else); repaired", zap.Stringer("family", redirect.Family(f)), zap.Int("rules", res.Rules))
-		} else if res.Wrote {
-			k.log.Debug("iptables rules written", zap.Stringer("family", redirect.Family(f)), zap.Int("rules", res.Rules))
-		}
-	}
-	stats.Commands = int(k.ran.Load() - commandsBefore)
-	return stats, errors.Join(errs[:]...)
-}
-
-// syncFamily syncs rules into family f's tables with s, after the TPROXY
-// policy routing that tproxy mode needs. It runs on a goroutine of
-// SyncRules, beside the other family's.
-func (k *kernelRules) syncFamily(ctx context.Context, f redirect.Family, s *redirect.Syncer, rules redirect.Rules, full bool) (redirect.Result, error) {
-	if k.tproxy && (full || !k.routed[f]) {
-		// TPROXY needs the policy routing that delivers marked packets
-		// locally; check it, and repair it, as often as the rules.
-		repaired, err := redirect.DefaultRouting.Ensure(f)
-		if err != nil {
-			return redirect.Result{}, err
-		}
-		if repaired && k.routed[f] {
-			k.log.Warn("TPROXY policy routing had been removed; repaired", zap.Stringer("family", f))
-		}
-		k.routed[f] = true
-	}
-	return s.Sync(ctx, rules, full)
+	return out
 }
 
 // claims translates the proxier's intercepts into the redirect package's

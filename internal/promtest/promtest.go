@@ -1,4 +1,5 @@
-// Package promtest reads gathered or scraped Prometheus metrics in tests.
+// Package promtest owns how tests read Prometheus metrics: the sum of a
+// gathered or scraped metric family's samples that carry given labels.
 package promtest
 
 import (

@@ -1,6 +1,5 @@
-// Package testkube runs a real Kubernetes control plane (etcd and
-// kube-apiserver) inside a lab's node namespace, for uproxy's tests and
-// benchmarks.
+// Package testkube owns the real control plane (etcd and kube-apiserver)
+// that uproxy's tests and benchmarks run inside a lab's node namespace.
 //
 // The control plane's processes live in the node namespace and listen on
 // its loopback (and, for the apiserver, on its bridge address too), so

@@ -1,6 +1,8 @@
-// Package testpeer holds the programs that run inside a lab's pods: HTTP
-// and UDP backends that answer with their name and the client address they
-// see, and clients that count how the answers spread.
+// Package testpeer owns the programs that run inside a lab's pods: HTTP and
+// UDP backends that answer with who they are and who asked, and their clients.
+//
+// A backend answers with its name and the client address it sees; a
+// client counts how the answers spread.
 //
 // The end-to-end tests run them as the testpeer command (cmd/testpeer,
 // built by testlab.BuildBinaries); the bench tool serves the same

@@ -1,4 +1,5 @@
-// Package healthcheck serves kube-proxy-compatible health checks.
+// Package healthcheck owns uproxy's health checks, byte for byte kube-proxy's:
+// the proxy's /healthz and /livez, and the services' health-check node ports.
 //
 // Two servers are provided, with the wire behaviour of kube-proxy's
 // pkg/proxy/healthcheck (k8s.io/kubernetes v1.37.2, files proxy_health.go

@@ -1,0 +1,189 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/internal/upgrade"
+	"github.com/uproxy/uproxy/proxy"
+)
+
+// runOptions are the flags of `uproxy run`. Names follow kube-proxy's
+// where the concept is the same.
+type runOptions struct {
+	config             string // --manifests, a manifest file or folder
+	kubeconfig         string
+	master             string
+	hostnameOverride   string
+	clusterCIDR        string
+	nodePortAddresses  []string
+	healthzBindAddress string
+	metricsBindAddress string
+	debugBindAddress   string
+	profiling          bool
+	mode               string
+	listener           string
+	portRange          string
+	balancer           string
+	syncPeriod         time.Duration
+	minSyncPeriod      time.Duration
+	drainTimeout       time.Duration
+	tcpIdleTimeout     time.Duration
+	ioURing            bool
+	eventLoops         int
+	dialTimeout        time.Duration
+	dialAttempts       int
+	udpTimeout         time.Duration
+	udpMaxFlows        int
+	iptablesWait       time.Duration
+	cleanupAndExit     bool
+	upgradeSocket      string
+	stateFile          string
+	upgradeReadyTime   time.Duration
+	lingerAfterUpgrade bool
+	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
+
+	// Parsed by validate.
+	ports         proxy.PortRange
+	balancerKind  balancer.Kind
+	clusterCIDRs  []netip.Prefix
+	nodePortCIDRs []netip.Prefix
+	nodeName      string
+}
+
+func (o *runOptions) register(fs *pflag.FlagSet) {
+	fs.StringVar(&o.config, "manifests", "", "Serve the Services and EndpointSlices in this manifest file or folder (YAML or JSON, multi-document) instead of an API server. Reloaded when it changes. At startup it must hold at least one Service or EndpointSlice.")
+	o.kubeProxy.register(fs)
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file. Without it, and without --master, uproxy uses the in-cluster configuration.")
+	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig's).")
+	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "This node's name, as endpoints' nodeName and the Node object give it. Empty means the hostname.")
+	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pod network(s), comma-separated for dual-stack. Pods reaching a service's external address are sent to all its endpoints even under externalTrafficPolicy: Local, as kube-proxy does.")
+	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic (and serve health-check node ports), comma-separated, and kube-proxy's keywords: primary (the Node's IPs, or --bind-address), localhost (127.0.0.0/8 and ::1/128), all (0.0.0.0/0 and ::/0). A family without a CIDR accepts node ports on all its addresses, as in kube-proxy. Empty means all, or primary with --proxy-mode nftables, as in kube-proxy.")
+	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "Address of the /healthz and /livez server. Empty disables it.")
+	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "Address of the /metrics server. Empty disables it.")
+	fs.StringVar(&o.debugBindAddress, "debug-bind-address", defaultDebugAddress, "Address of the server that answers `uproxy status` (/status) and `uproxy explain` (/explain), and /debug/pprof with --profiling. It has no authentication: keep it on loopback. Empty disables it.")
+	fs.BoolVar(&o.profiling, "profiling", false, "Serve Go's profiles at /debug/pprof on --debug-bind-address.")
+	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT in the nat table; backends see the node's address) or tproxy (TPROXY in the mangle table with policy routing; listeners on loopback, and services that ask for it are dialled from the client's own address).")
+	fs.StringVar(&o.listener, "listener", "per-service", "How service ports map to listeners: per-service (a listener and a kernel rule per service port and family) or shared (one listener per family and protocol, every service address in a kernel set behind one rule per protocol, so the rule count stays constant as services grow; under REDIRECT the TCP listener has 16 consecutive ports, so that connections from one client port to different services get different tuples, and a UDP flow's service, which REDIRECT hides, is looked up in conntrack).")
+	fs.StringVar(&o.portRange, "proxy-port-range", "", "Local ports for the listeners: begin-end, begin+offset or a single port. Empty means the kernel's range for bind(0) (net.ipv4.ip_local_port_range, less ip_local_reserved_ports).")
+	fs.StringVar(&o.balancer, "balancer", string(balancer.RoundRobin), fmt.Sprintf("Default balancer for services without the %s annotation: one of %v.", proxy.AnnotationBalancer, balancer.Kinds))
+	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "The longest time between two full syncs: rules deleted or changed by someone else are repaired within this period.")
+	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "The shortest time between two syncs: changes arriving faster are applied together.")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 25*time.Second, "On SIGTERM or SIGINT, how long established connections may take to finish before they are closed.")
+	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", time.Hour, "Close a proxied TCP connection after it has been idle in both directions for this long (detected within twice the period). 0 disables.")
+	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying TCP connections and UDP flows: each accepts on the TCP listeners, dials backends and moves bytes for its connections with epoll, splicing bulk transfers, and reads some of the UDP listeners, forwarding their datagrams and relaying their flows' replies. 0 means one less than the CPUs the process may use (GOMAXPROCS), at least one; -1 means none: each TCP connection is carried by goroutines of its own, which costs a goroutine stack per direction of an idle connection, each UDP listener by a goroutine, and each UDP flow by a goroutine.")
+	fs.BoolVar(&o.ioURing, "io-uring", false, "Make each event loop wait in an io_uring and carry its TCP connections' small messages through it: one system call per turn of the loop submits every receive and send and waits for the next, where epoll takes one per read, write and wait. Bulk transfers still splice. Needs Linux 5.19; without it the loops use epoll, and say so.")
+	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
+	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
+	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
+	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, across all services; past it the least recently used flow ends. Each flow holds a socket. 0 means 65,536, or half the open-files limit if that is lower, so that flows cannot take the descriptors the TCP connections need.")
+	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
+	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
+	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
+	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where the Services and EndpointSlices of the last successful sync are saved (API server source only). A uproxy restarted while the API server is unreachable serves them, on the listener ports its predecessor's rules still name, until the initial lists arrive; it writes no rule before them. Empty disables.")
+	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", upgrade.DefaultReadyTimeout, "How long a running uproxy that handed its sockets to a new one waits for the new one's first sync, with its own sync loop paused. Past it the old process takes the handover back and syncs again, and the new one exits with an error.")
+	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing the sockets to a new uproxy and draining, wait for SIGTERM instead of exiting. Defaults to true when uproxy is PID 1, a container's entrypoint: its exit would restart the container, and the restarted old version would take the sockets back.")
+}
+
+// validate checks the options once and parses what needs parsing.
+func (o *runOptions) validate() error {
+	if o.cleanupAndExit {
+		return nil
+	}
+	var errs []error
+	if o.config != "" && (o.kubeconfig != "" || o.master != "") {
+		errs = append(errs, errors.New("--manifests and --kubeconfig/--master are exclusive: serve manifests or an API server, not both"))
+	}
+	if o.mode != "redirect" && o.mode != "tproxy" {
+		errs = append(errs, fmt.Errorf("--mode: %q is not supported (want redirect or tproxy)", o.mode))
+	}
+	if o.listener != "per-service" && o.listener != "shared" {
+		errs = append(errs, fmt.Errorf("--listener: %q is not supported (want per-service or shared)", o.listener))
+	}
+	var err error
+	if o.ports, err = proxy.ParsePortRange(o.portRange); err != nil {
+		errs = append(errs, fmt.Errorf("--proxy-port-range: %w", err))
+	}
+	if o.balancerKind, err = balancer.ParseKind(o.balancer); err != nil {
+		errs = append(errs, fmt.Errorf("--balancer: %w", err))
+	}
+	if o.clusterCIDRs, err = parseCIDRs(strings.Split(o.clusterCIDR, ",")); err != nil {
+		errs = append(errs, fmt.Errorf("--cluster-cidr: %w", err))
+	}
+	// Without the Node's IPs yet: resolveNodeAddresses completes
+	// 'primary' once the API client exists.
+	if o.nodePortCIDRs, err = nodePortPrefixes(o.nodePortAddresses, withBindAddress(nil, o.kubeProxy.bindAddress)); err != nil {
+		errs = append(errs, fmt.Errorf("--nodeport-addresses: %w", err))
+	}
+	for _, a := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}, {"--debug-bind-address", o.debugBindAddress}} {
+		if a.v == "" {
+			continue
+		}
+		if _, _, err := net.SplitHostPort(a.v); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", a.flag, err))
+		}
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+		zero bool // zero allowed
+	}{
+		{"--iptables-sync-period", o.syncPeriod, false},
+		{"--iptables-min-sync-period", o.minSyncPeriod, true},
+		{"--drain-timeout", o.drainTimeout, true},
+		{"--upgrade-ready-timeout", o.upgradeReadyTime, false},
+		{"--tcp-idle-timeout", o.tcpIdleTimeout, true},
+		{"--endpoint-dial-timeout", o.dialTimeout, false},
+		{"--iptables-wait", o.iptablesWait, false},
+		{"--udp-timeout", o.udpTimeout, false},
+	} {
+		if d.v < 0 || (d.v == 0 && !d.zero) {
+			errs = append(errs, fmt.Errorf("%s: %v must be positive", d.name, d.v))
+		}
+	}
+	if o.udpMaxFlows < 0 {
+		errs = append(errs, fmt.Errorf("--udp-max-flows: %d must be positive, or 0 for the default", o.udpMaxFlows))
+	}
+	if o.eventLoops < -1 {
+		errs = append(errs, fmt.Errorf("--event-loops: %d is neither a count nor -1 (none)", o.eventLoops))
+	}
+	if o.minSyncPeriod > o.syncPeriod && o.syncPeriod > 0 {
+		errs = append(errs, fmt.Errorf("--iptables-min-sync-period (%v) is longer than --iptables-sync-period (%v)", o.minSyncPeriod, o.syncPeriod))
+	}
+	if o.dialAttempts < 1 {
+		errs = append(errs, fmt.Errorf("--endpoint-dial-attempts: %d must be at least 1", o.dialAttempts))
+	}
+	o.nodeName = strings.ToLower(strings.TrimSpace(o.hostnameOverride))
+	if o.nodeName == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("--hostname-override is empty and the hostname is unknown: %w", err))
+		}
+		o.nodeName = strings.ToLower(h)
+	}
+	return errors.Join(errs...)
+}
+
+func parseCIDRs(raw []string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, r := range raw {
+		r = strings.TrimSpace(r)
+		if r == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(r)
+		if err != nil {
+			return nil, fmt.Errorf("%q is not a CIDR", r)
+		}
+		out = append(out, p.Masked())
+	}
+	return out, nil
+}
