@@ -63,25 +63,12 @@ func cleanupKubeProxy(ctx context.Context, x redirect.Exec) (int, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	var errs []error
 	total := 0
-	for _, f := range []redirect.Family{redirect.IPv4, redirect.IPv6} {
-		tool := "iptables"
-		if f == redirect.IPv6 {
-			tool = "ip6tables"
-		}
-		if _, err := exec.LookPath(tool); err != nil {
-			if f == redirect.IPv4 {
-				errs = append(errs, fmt.Errorf("%s is not installed", tool))
-			}
-			continue
-		}
+	errs := eachInstalledFamily(func(f redirect.Family) error {
 		n, err := redirect.CleanupKubeProxy(ctx, redirect.Config{Family: f})
 		total += n
-		if err != nil {
-			errs = append(errs, err)
-		}
-	}
+		return err
+	})
 	if _, err := exec.LookPath("nft"); err == nil {
 		// kube-proxy's nftables mode keeps everything in one table per
 		// family, which its own cleanup deletes whole.
@@ -104,6 +91,17 @@ func cleanup(ctx context.Context) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
+	return errors.Join(eachInstalledFamily(func(f redirect.Family) error {
+		// tproxy mode's policy routing is absent in redirect mode, which
+		// is fine.
+		return errors.Join(redirect.Cleanup(ctx, redirect.Config{Family: f}), redirect.DefaultRouting.Remove(f))
+	})...)
+}
+
+// eachInstalledFamily calls fn for each IP family whose iptables tool is
+// installed, and returns fn's errors; a missing iptables is an error of
+// its own, a missing ip6tables only means an IPv4-only node.
+func eachInstalledFamily(fn func(redirect.Family) error) []error {
 	var errs []error
 	for _, f := range []redirect.Family{redirect.IPv4, redirect.IPv6} {
 		tool := "iptables"
@@ -116,13 +114,9 @@ func cleanup(ctx context.Context) error {
 			}
 			continue
 		}
-		if err := redirect.Cleanup(ctx, redirect.Config{Family: f}); err != nil {
-			errs = append(errs, err)
-		}
-		// tproxy mode's policy routing; absent in redirect mode, which is fine.
-		if err := redirect.DefaultRouting.Remove(f); err != nil {
+		if err := fn(f); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	return errors.Join(errs...)
+	return errs
 }
