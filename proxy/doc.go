@@ -1,7 +1,8 @@
-// Package proxy holds uproxy's service model, the change tracker that
-// sources feed, the bounded-frequency sync runner, and the data path: one
-// listener per service port and family, carrying TCP connections to the
-// endpoints a balancer picks.
+// Package proxy owns the Service model, its sources and change tracker, the
+// sync runner, and (until it gets a package of its own) the data path.
+//
+// The data path is one listener per service port and family, carrying TCP
+// connections and UDP flows to the endpoints a balancer picks.
 //
 // The package never touches the kernel's packet rules itself: the Proxier
 // hands the intercepts it wants to a RuleSyncer, which the command wires to
