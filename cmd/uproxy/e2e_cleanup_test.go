@@ -152,11 +152,11 @@ func TestE2ECleanupKubeProxy(t *testing.T) {
 		t.Fatalf("%v\n%s", err, out)
 	}
 
-	argv := []string{c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
+	argv := []string{"--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16",
 		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249",
 		"--upgrade-socket", c.dir + "-upgrade.sock"}
-	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+	if c.up, err = c.run("uproxy", argv...); err != nil {
 		t.Fatal(err)
 	}
 	c.waitRules("uproxy's rule for web", func(s string) bool {

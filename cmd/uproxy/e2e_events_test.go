@@ -34,7 +34,7 @@ func TestE2EKubeHealthAndEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The Node does not exist yet.
-	c.up, err = c.lab.Start(c.lab.Node, "uproxy", c.uproxy, "run", "--kubeconfig", kubeconfig, "--hostname-override", "node-a",
+	c.up, err = c.run("uproxy", "--kubeconfig", kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr,
 		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"))
 	if err != nil {

@@ -65,7 +65,7 @@ current-context: lab
 		t.Fatal(err)
 	}
 	var err error
-	c.up, err = c.lab.Start(c.lab.Node, "uproxy", c.uproxy, "run", "--kubeconfig", kubeconfig,
+	c.up, err = c.run("uproxy", "--kubeconfig", kubeconfig,
 		"--hostname-override", "node-a", "--upgrade-socket", filepath.Join(c.dir, "upgrade.sock"),
 		"--iptables-sync-period", "2s", "--iptables-min-sync-period", "50ms")
 	if err != nil {

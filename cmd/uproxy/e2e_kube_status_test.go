@@ -38,10 +38,10 @@ func TestE2EKubernetesLoadBalancerStatus(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	argv := []string{c.uproxy, "run", "--kubeconfig", kubeconfig, "--hostname-override", "node-a",
+	argv := []string{"--kubeconfig", kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16",
 		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock")}
-	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+	if c.up, err = c.run("uproxy", argv...); err != nil {
 		t.Fatal(err)
 	}
 

@@ -156,7 +156,7 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 			t.Logf("kube-proxy output:\n%s", kp.Output())
 		}
 	})
-	c.up, err = c.lab.Start(c.lab.Node, "uproxy", c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
+	c.up, err = c.run("uproxy", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
 		"--cluster-cidr", "10.244.0.0/16", "--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr,
 		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"))
 	if err != nil {

@@ -36,11 +36,11 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 	}
 	dir := t.TempDir()
 	state := filepath.Join(dir, "state.json")
-	argv := []string{c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
+	argv := []string{"--kubeconfig", c.cp.Kubeconfig, "--hostname-override", "node-a",
 		"--iptables-min-sync-period", "50ms", "--cluster-cidr", "10.244.0.0/16",
 		"--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--state-file", state, "--listener", layout}
 	var err error
-	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+	if c.up, err = c.run("uproxy", argv...); err != nil {
 		t.Fatal(err)
 	}
 	vips := map[string]string{}
@@ -82,7 +82,7 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 	c.cp.StopAPIServer()
 
 	start := time.Now()
-	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+	if c.up, err = c.run("uproxy", argv...); err != nil {
 		t.Fatal(err)
 	}
 	ok, err := firstSuccess(c.client.NS, vips["web"]+":80", start.Add(10*time.Second))

@@ -464,7 +464,7 @@ func TestE2ERelSIGKILLRestart(t *testing.T) {
 func testSIGKILLRestart(t *testing.T, layout string) {
 	c := newCluster(t, 2)
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
-	argv := []string{c.uproxy, "run", "--manifests", c.dir, "--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr, "--listener", layout}
+	argv := []string{"--manifests", c.dir, "--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr, "--listener", layout}
 	c.start(1, argv[6:]...)
 	c.waitSynced()
 	if r := c.get(c.client.NS, "http://10.96.0.10/", 10); r.Errors > 0 || len(r.Counts) != 2 {
@@ -483,7 +483,7 @@ func testSIGKILLRestart(t *testing.T, layout string) {
 
 		start := time.Now()
 		var err error
-		if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+		if c.up, err = c.run("uproxy", argv...); err != nil {
 			t.Fatal(err)
 		}
 		ok, err := firstSuccess(c.client.NS, "10.96.0.10:80", start.Add(10*time.Second))

@@ -41,7 +41,7 @@ func TestE2EScale(t *testing.T) {
 
 	start = time.Now()
 	var err2 error
-	if c.up, err2 = c.lab.Start(c.lab.Node, "uproxy", c.uproxy, "run", "--kubeconfig", c.cp.Kubeconfig,
+	if c.up, err2 = c.run("uproxy", "--kubeconfig", c.cp.Kubeconfig,
 		"--hostname-override", "node-a", "--iptables-min-sync-period", "1s",
 		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"), "--state-file", filepath.Join(t.TempDir(), "state.json")); err2 != nil {
 		t.Fatal(err2)

@@ -122,16 +122,22 @@ func (c *cluster) write(name, content string) {
 // installed n REDIRECT rules.
 func (c *cluster) start(rules int, args ...string) {
 	c.t.Helper()
-	// Each cluster gets an upgrade socket of its own: the default path is
-	// one per host, and tests of other labs run at the same time (args may
-	// still name another; the last one wins).
-	sock := filepath.Join(c.dir, "..", filepath.Base(c.dir)+"-upgrade.sock")
-	argv := append(append(slices.Clone(c.launcher), c.uproxy, "run", "--manifests", c.dir, "--iptables-min-sync-period", "50ms", "--upgrade-socket", sock), args...)
 	var err error
-	if c.up, err = c.lab.Start(c.lab.Node, "uproxy", argv...); err != nil {
+	if c.up, err = c.run("uproxy", append([]string{"--manifests", c.dir, "--iptables-min-sync-period", "50ms"}, args...)...); err != nil {
 		c.t.Fatal(err)
 	}
 	c.waitRules("uproxy to install its rules", func(s string) bool { return strings.Count(s, "-j REDIRECT") == rules })
+}
+
+// run starts `uproxy run args...` (under c.launcher, if set) in the node
+// namespace, as process name. The upgrade socket and the state file are
+// the cluster's own, beside its manifest folder: the binary's defaults are
+// one per host, under /run/uproxy, and tests of other labs run at the same
+// time. args may still name others: the last flag wins.
+func (c *cluster) run(name string, args ...string) (*testlab.Proc, error) {
+	base := filepath.Join(c.dir, "..", filepath.Base(c.dir))
+	argv := append(slices.Clone(c.launcher), c.uproxy, "run", "--upgrade-socket", base+"-upgrade.sock", "--state-file", base+"-state.json")
+	return c.lab.Start(c.lab.Node, name, append(argv, args...)...)
 }
 
 // waitSynced waits until uproxy has completed a sync.

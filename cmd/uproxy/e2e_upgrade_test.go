@@ -90,9 +90,9 @@ endpoints: [{addresses: [%q]}]
 	loops := []*getLoop{c.startGetLoop(c.client.NS, "http://10.96.0.10/"), c.startGetLoop(c.lab.Node, "http://10.96.0.10/")}
 	time.Sleep(time.Second) // load on the old process alone
 
-	argv := append([]string{c.uproxy, "run", "--manifests", c.dir, "--iptables-min-sync-period", "50ms"}, args...)
+	argv := append([]string{"--manifests", c.dir, "--iptables-min-sync-period", "50ms"}, args...)
 	var err error
-	if next, err = c.lab.Start(c.lab.Node, "uproxy-new", argv...); err != nil {
+	if next, err = c.run("uproxy-new", argv...); err != nil {
 		t.Fatal(err)
 	}
 	upgradeStart := time.Now()

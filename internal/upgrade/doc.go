@@ -9,7 +9,7 @@
 // its failure handling, and changes with this package):
 //
 //   - The running ("old") process listens on a SOCK_SEQPACKET socket, mode
-//     0600. Each packet is one JSON Message of at most 64 KiB; descriptors
+//     0600. Each packet is one JSON Message of at most maxMessage bytes; descriptors
 //     travel as SCM_RIGHTS on the packet that lists them, at most 64 each.
 //   - The starting ("new") process connects and sends hello (its version,
 //     pid, network namespace and mode). Old checks the peer's uid and
