@@ -436,7 +436,7 @@ func TestE2EMalformedManifestAtStartup(t *testing.T) {
 	dir := t.TempDir()
 	os.WriteFile(filepath.Join(dir, "a.yaml"), []byte(service("a", "10.96.0.10", 80, nil, false)), 0o644)
 	os.WriteFile(filepath.Join(dir, "b.yaml"), []byte(service("b", "10.96.0.11", 80, nil, false)+"---\nkind: Service\nspec: [\n"), 0o644)
-	out, err := exec.Command(up, "run", "--manifests", dir).CombinedOutput()
+	out, err := exec.Command(up, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"), "--state-file", "").CombinedOutput()
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() == 0 {
 		t.Fatalf("uproxy run with a malformed manifest: %v, want a non-zero exit", err)
