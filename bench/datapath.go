@@ -71,6 +71,17 @@ type DataPathResults struct {
 	IdleConns int    `json:"idleConns"`
 	// IdleNote says why IdleConns is lower than asked, if it is.
 	IdleNote string `json:"idleNote,omitempty"`
+	// Baseline is the binary that the <id>-baseline paths ran, if any.
+	Baseline *BaselineInfo `json:"baseline,omitempty"`
+}
+
+// BaselineInfo says which uproxy binary the baseline paths ran.
+type BaselineInfo struct {
+	// From is the flag that named it: "--baseline PATH" or
+	// "--baseline-rev REV".
+	From string `json:"from"`
+	// Commit is the commit it was built from, or "unknown".
+	Commit string `json:"commit"`
 }
 
 func (r *DataPathResults) series(metric, path string) *Series {
@@ -103,12 +114,7 @@ func (r *DataPathResults) setNA(path, reason string, metrics ...string) {
 
 func runDataPath(ctx context.Context, e *env) error {
 	cfg := e.cfg
-	var paths []dataPath
-	for _, p := range dataPaths {
-		if len(cfg.Paths) == 0 || contains(cfg.Paths, p.ID) {
-			paths = append(paths, p)
-		}
-	}
+	paths := cfg.selectedPaths()
 	res := &DataPathResults{
 		Meta:          newRunMeta(e, fmt.Sprintf("%d runs, %v per workload, %d connections, %d idle connections", cfg.Runs, cfg.Duration, cfg.Conns, cfg.IdleConns)),
 		Metrics:       dataMetrics,
@@ -124,6 +130,9 @@ func runDataPath(ctx context.Context, e *env) error {
 	}
 	for _, p := range paths {
 		res.Paths = append(res.Paths, p.Subject)
+	}
+	if e.baseline != nil {
+		res.Baseline = &BaselineInfo{From: e.baseline.from, Commit: e.baseline.commit}
 	}
 	var k *kubeEnv
 	for _, p := range paths {

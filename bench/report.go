@@ -80,6 +80,9 @@ func writeReport(cfg Config) (reportSummary, error) {
 			len(gb.Benchmarks), len(gb.Packages), missingHotPaths(&gb))
 	}
 
+	if haveDP && dp.hasBaselinePaths() {
+		writeBeforeAfter(&b, &dp)
+	}
 	writeMachine(&b, machine)
 	if haveDP {
 		writeMethod(&b, &dp, &cp, haveCP)
