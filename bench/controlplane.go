@@ -804,7 +804,7 @@ func keepOutput(path, output string) error {
 	return nil
 }
 
-// userHZ is the unit of /proc/PID/stat's start time: USER_HZ, 100 ticks a
+// userHZ is the unit of /proc/PID/stat's start and CPU times: USER_HZ, 100 ticks a
 // second on every architecture that Go supports on Linux (proc(5), "divide
 // by sysconf(_SC_CLK_TCK)").
 const userHZ = 100

@@ -68,6 +68,7 @@ func writeReport(cfg Config) (reportSummary, error) {
 	w("## Summary\n\n")
 	if haveDP {
 		writeDataSummary(&b, &dp)
+		writeCostSummary(&b, &dp)
 	}
 	if haveCP {
 		writeCPSummary(&b, &cp)
@@ -223,18 +224,20 @@ func writeDataSummary(b *strings.Builder, dp *DataPathResults) {
 	if dp.IdleNote != "" {
 		fmt.Fprintf(b, "Note: %s.\n\n", dp.IdleNote)
 	}
+	// The CPU costs have a table of their own (writeCostSummary).
+	metrics := slices.DeleteFunc(slices.Clone(dp.Metrics), func(m Metric) bool { return isCost(m.ID) })
 	b.WriteString("| data path |")
-	for _, m := range dp.Metrics {
+	for _, m := range metrics {
 		fmt.Fprintf(b, " %s |", shortTitle(m))
 	}
 	b.WriteString("\n|---|")
-	for range dp.Metrics {
+	for range metrics {
 		b.WriteString("---:|")
 	}
 	b.WriteString("\n")
 	for _, p := range dp.Paths {
 		fmt.Fprintf(b, "| %s |", p.Title)
-		for _, m := range dp.Metrics {
+		for _, m := range metrics {
 			s := dp.Figures[m.ID][p.ID]
 			if s == nil || len(s.Values) == 0 {
 				b.WriteString(" n/a |")
@@ -252,6 +255,51 @@ func writeDataSummary(b *strings.Builder, dp *DataPathResults) {
 	b.WriteString("\nWhy a cell is n/a: [Not measured](#not-measured). Memory and descriptors per idle connection are the proxy process's growth (RSS, open files)\ndivided by the connections; for kernel DNAT the memory is the size of the one conntrack entry the kernel keeps per connection (its\nslab object size), since no process carries the connection.\n\n")
 }
 
+// writeCostSummary writes the table of the proxy's CPU per unit of work,
+// each next to its rate; results from before these were measured have
+// none, and no table.
+func writeCostSummary(b *strings.Builder, dp *DataPathResults) {
+	type pair struct{ rate, cpu Metric }
+	var pairs []pair
+	for _, c := range costMetrics {
+		ri := slices.IndexFunc(dp.Metrics, func(m Metric) bool { return m.ID == c.rate })
+		ci := slices.IndexFunc(dp.Metrics, func(m Metric) bool { return m.ID == c.cpu })
+		if ri >= 0 && ci >= 0 {
+			pairs = append(pairs, pair{dp.Metrics[ri], dp.Metrics[ci]})
+		}
+	}
+	if len(pairs) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "### CPU per unit of work\n\nThe proxy process's CPU time (user and system, its child processes included, from /proc/PID/stat) over each workload's\n"+
+		"whole run, divided by the work done in it (every request or connection, warm-up included; or every MiB), next to the rate;\n"+
+		"median of %d runs. The kernel paths have no figure: no process carries their traffic, and the cost is softirq work in\n"+
+		"whichever process sends a packet, which [Where the CPU goes](#where-the-cpu-goes) shows.\n\n", dp.Meta.Runs)
+	b.WriteString("| data path |")
+	for _, p := range pairs {
+		fmt.Fprintf(b, " %s | %s |", shortTitle(p.rate), shortTitle(p.cpu))
+	}
+	b.WriteString("\n|---|")
+	for range pairs {
+		b.WriteString("---:|---:|")
+	}
+	b.WriteString("\n")
+	cell := func(s *Series) string {
+		if !s.measured() {
+			return "n/a"
+		}
+		return fmtNum(median(s))
+	}
+	for _, p := range dp.Paths {
+		fmt.Fprintf(b, "| %s |", p.Title)
+		for _, pr := range pairs {
+			fmt.Fprintf(b, " %s | %s |", cell(dp.Figures[pr.rate.ID][p.ID]), cell(dp.Figures[pr.cpu.ID][p.ID]))
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("\n")
+}
+
 // shortTitle is a metric's summary-table header.
 func shortTitle(m Metric) string {
 	names := map[string]string{
@@ -266,6 +314,12 @@ func shortTitle(m Metric) string {
 		"dns_p99_us": "UDP, new port, p99",
 		"idle_kib":   "memory/conn",
 		"idle_fds":   "fds/conn",
+		// The CPU costs, in the cost table's header next to their rates.
+		"bulk_cpu_us":  "bulk CPU",
+		"rr_cpu_us":    "keep-alive CPU",
+		"short_cpu_us": "short conns CPU",
+		"udp_cpu_us":   "UDP CPU",
+		"dns_cpu_us":   "UDP, new port, CPU",
 	}
 	n := names[m.ID]
 	if n == "" {

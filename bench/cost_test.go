@@ -1,0 +1,105 @@
+package main
+
+import (
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestStatCPUTicks(t *testing.T) {
+	for _, c := range []struct {
+		name, stat string
+		want       int64
+		wantErr    bool
+	}{
+		// utime 300, stime 20 (fields 14 and 15).
+		{"plain", "201 (iptables-restor) R 100 201 100 0 -1 4194304 1 0 0 0 300 20 0 0 20 0 1 0 90000", 320, false},
+		// A command name with spaces and a parenthesis.
+		{"odd name", "202 (a b) c) S 100 202 100 0 -1 0 0 0 0 0 7 5 0 0 20 0 1 0 119950", 12, false},
+		{"short", "203 (x) S 1 2 3", 0, true},
+		{"no name", "garbage", 0, true},
+		{"not a number", "204 (x) S 100 204 100 0 -1 0 0 0 0 0 x 5 0", 0, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := statCPUTicks(c.stat)
+			if (err != nil) != c.wantErr || got != c.want {
+				t.Errorf("statCPUTicks = %d, %v; want %d, error %v", got, err, c.want, c.wantErr)
+			}
+		})
+	}
+}
+
+// TestCPUTime checks that this process's CPU time, read from /proc, grows
+// while it spins, and by no more than the wall time on every core.
+func TestCPUTime(t *testing.T) {
+	pid := os.Getpid()
+	before, err := cpuTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	for x := 0; time.Since(start) < 300*time.Millisecond; x++ {
+	}
+	after, err := cpuTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wall := time.Since(start)
+	if d := after - before; d <= 0 || d > wall*time.Duration(runtime.NumCPU())+20*time.Millisecond {
+		t.Errorf("spinning for %v used %v of CPU", wall, d)
+	}
+}
+
+// TestCostSummary writes the summary's cost table from synthetic results:
+// each CPU cost next to its rate, n/a for a kernel path.
+func TestCostSummary(t *testing.T) {
+	dp := &DataPathResults{
+		Meta:    RunMeta{Runs: 3},
+		Metrics: dataMetrics,
+		Figures: map[string]map[string]*Series{},
+		Paths:   []Subject{{ID: "dnat", Title: "kernel DNAT"}, {ID: "uproxy", Title: "uproxy redirect"}},
+	}
+	set := func(metric, path string, v ...float64) { dp.series(metric, path).Values = v }
+	set("bulk_gbps", "dnat", 20)
+	set("rr_rps", "dnat", 50000)
+	set("bulk_gbps", "uproxy", 10, 12, 11)
+	set("bulk_cpu_us", "uproxy", 90, 100, 110)
+	set("rr_rps", "uproxy", 30000, 31000, 29000)
+	set("rr_cpu_us", "uproxy", 8, 9, 10)
+	set("short_cps", "uproxy", 5000)
+	set("short_cpu_us", "uproxy", 40)
+	dp.setNA("dnat", kernelCPU, "bulk_cpu_us", "rr_cpu_us")
+	var b strings.Builder
+	writeCostSummary(&b, dp)
+	var rows []string
+	for _, l := range strings.Split(b.String(), "\n") {
+		if strings.HasPrefix(l, "| ") {
+			rows = append(rows, l)
+		}
+	}
+	want := []string{
+		"| data path | bulk (Gbit/s) | bulk CPU (µs/MiB) | keep-alive (req/s) | keep-alive CPU (µs/req) | short conns (conn/s) | short conns CPU (µs/conn) | UDP (req/s) | UDP CPU (µs/req) | UDP, new port per query (req/s) | UDP, new port, CPU (µs/req) |",
+		"| kernel DNAT | 20.0 | n/a | 50,000 | n/a | n/a | n/a | n/a | n/a | n/a | n/a |",
+		"| uproxy redirect | 11.0 | 100 | 30,000 | 9.00 | 5000 | 40.0 | n/a | n/a | n/a | n/a |",
+	}
+	if diff := cmp.Diff(want, rows); diff != "" {
+		t.Errorf("cost table (-want +got):\n%s\n%s", diff, b.String())
+	}
+	// The rates' table leaves the costs to this one.
+	var sum strings.Builder
+	writeDataSummary(&sum, dp)
+	if strings.Contains(sum.String(), "CPU (µs") {
+		t.Errorf("the rates' summary table has CPU columns:\n%s", sum.String())
+	}
+	// Results from before the costs were measured have no cost table.
+	old := &DataPathResults{Metrics: dataMetrics[:11], Figures: dp.Figures, Paths: dp.Paths}
+	var none strings.Builder
+	writeCostSummary(&none, old)
+	if none.Len() != 0 {
+		t.Errorf("results without CPU costs got a cost table:\n%s", none.String())
+	}
+}
