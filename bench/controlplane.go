@@ -304,7 +304,7 @@ func runControlPlane(ctx context.Context, e *env) error {
 		return writeJSON(cfg, "controlplane.json", res)
 	}
 	// One API server for every scale: each scale adds services to the
-	// previous one's (the scales are nested, 1,000 ⊂ 5,000 ⊂ 10,000), which
+	// previous one's (the scales are nested, 1,000 ⊂ 5,000 ⊂ … ⊂ 20,000), which
 	// saves creating them again.
 	k := e.kube(ctx)
 	if k.err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -101,5 +102,75 @@ func TestCostSummary(t *testing.T) {
 	writeCostSummary(&none, old)
 	if none.Len() != 0 {
 		t.Errorf("results without CPU costs got a cost table:\n%s", none.String())
+	}
+}
+
+// TestCostCurves draws the control plane's cost curves (RSS and time to
+// program every service against the number of services) from synthetic
+// results at the default scales, and checks the summary's text, the charts'
+// files and the points they are drawn through.
+func TestCostCurves(t *testing.T) {
+	cfg, err := Config{Out: t.TempDir(), Stem: "curves"}.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]int{1000, 5000, 10000, 20000}, cfg.Scales); diff != "" {
+		t.Fatalf("default scales (-want +got):\n%s", diff)
+	}
+	if err := os.MkdirAll(cfg.dataDir(), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cp := &ControlPlaneResults{
+		Metrics: cpMetrics,
+		Scales:  cfg.Scales,
+		Figures: map[string]map[string]map[string]*Series{},
+		Proxies: []Subject{{ID: "dnat", Title: "kernel DNAT"}, {ID: "uproxy", Title: "uproxy redirect"}, {ID: "kp-iptables", Title: "kube-proxy iptables"}},
+	}
+	for i, n := range cfg.Scales {
+		cp.series("program_s", "uproxy", n).Values = []float64{0.4 * float64(i+1), 0.5 * float64(i+1), 0.6 * float64(i+1)}
+		cp.series("rss_mib", "uproxy", n).Values = []float64{50 * float64(i+1)}
+		cp.series("program_s", "dnat", n).Values = []float64{float64(n) / 1000}
+		cp.setNA("dnat", n, "no process: the rules live in the kernel", "rss_mib")
+	}
+	cp.series("program_s", "kp-iptables", 1000).Values = []float64{5}
+	cp.series("rss_mib", "kp-iptables", 1000).Values = []float64{90}
+	cp.setNA("kp-iptables", 5000, "over 5m0s: did not program 5,000 services", "program_s", "rss_mib")
+	var b strings.Builder
+	if err := writeCostCurves(&b, cfg, cp); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{"(1,000, 5,000, 10,000, 20,000)", "](curves/cp_rss_mib.png)", "](curves/cp_program_s.png)"} {
+		if !strings.Contains(b.String(), s) {
+			t.Errorf("the cost curves lack %q:\n%s", s, b.String())
+		}
+	}
+	for _, f := range []string{"cp_rss_mib.png", "cp_program_s.png"} {
+		png, err := os.ReadFile(filepath.Join(cfg.dataDir(), f))
+		if err != nil || !strings.HasPrefix(string(png), "\x89PNG") {
+			t.Errorf("%s is not a PNG (%v)", f, err)
+		}
+	}
+	points := func(metric, proxy string) []float64 {
+		var out []float64
+		for _, n := range cp.Scales {
+			if v, ok := cpValue(cp, metric, proxy, n); ok {
+				out = append(out, v)
+			}
+		}
+		return out
+	}
+	if diff := cmp.Diff([]float64{0.5, 1, 1.5, 2}, points("program_s", "uproxy")); diff != "" {
+		t.Errorf("uproxy's programming curve (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]float64{90}, points("rss_mib", "kp-iptables")); diff != "" {
+		t.Errorf("a proxy that timed out: RSS curve (-want +got):\n%s", diff)
+	}
+	if got := points("rss_mib", "dnat"); len(got) != 0 {
+		t.Errorf("kernel DNAT has no process, yet an RSS curve: %v", got)
+	}
+	// Without any figure, no charts and no text.
+	var none strings.Builder
+	if err := writeCostCurves(&none, cfg, &ControlPlaneResults{Metrics: cpMetrics, Scales: cfg.Scales, Proxies: cp.Proxies, Figures: map[string]map[string]map[string]*Series{}}); err != nil || none.Len() != 0 {
+		t.Errorf("no figures: %q, %v", none.String(), err)
 	}
 }

@@ -68,7 +68,8 @@ type Config struct {
 	// means all.
 	Proxies []string
 	// Scales are the control plane's service counts; empty means 1000,
-	// 5000 and 10000, or 50 in smoke mode.
+	// 5000, 10000 and 20000 (the points of issue #31's cost curves), or 50
+	// in smoke mode.
 	Scales []int
 	// Endpoints is the number of endpoints of every generated service;
 	// zero means 10, or 3 in smoke mode.
@@ -143,7 +144,7 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	if len(c.Scales) == 0 {
-		c.Scales = []int{1000, 5000, 10000}
+		c.Scales = []int{1000, 5000, 10000, 20000}
 		if c.Smoke {
 			c.Scales = []int{50}
 		}
@@ -226,7 +227,7 @@ func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
 	fs.IntVar(&c.Conns, "conns", 0, "Connections of the keep-alive workload, sockets of the UDP one. Default 32.")
 	fs.IntVar(&c.IdleConns, "idle-conns", 0, "Concurrent idle connections for the memory workload. Default 10000 (200 with --smoke).")
 	fs.StringSliceVar(&c.Proxies, "proxies", nil, "Control plane: proxies to measure, by id: "+strings.Join(cpProxyIDs(), ",")+". Default all.")
-	fs.IntSliceVar(&c.Scales, "scales", nil, "Control plane: service counts. Default 1000,5000,10000 (50 with --smoke).")
+	fs.IntSliceVar(&c.Scales, "scales", nil, "Control plane: service counts. Default 1000,5000,10000,20000 (50 with --smoke).")
 	fs.IntVar(&c.Endpoints, "endpoints", 0, "Control plane: endpoints per service. Default 10 (3 with --smoke).")
 	fs.IntVar(&c.Changes, "changes", 0, "Control plane: endpoint changes timed per proxy, scale and run. Default 5 (1 with --smoke).")
 	fs.DurationVar(&c.ProgramTimeout, "program-timeout", 0, "Control plane: longest wait for a proxy to program every service (it is not run again at larger scales). Default 5m (2m with --smoke).")

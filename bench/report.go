@@ -72,6 +72,9 @@ func writeReport(cfg Config) (reportSummary, error) {
 	}
 	if haveCP {
 		writeCPSummary(&b, &cp)
+		if err := writeCostCurves(&b, cfg, &cp); err != nil {
+			return sum, err
+		}
 	}
 	if haveDP || haveCP {
 		writeTargets(&b, &dp, &cp, haveDP, haveCP)
@@ -483,6 +486,63 @@ func writeDataDetails(b *strings.Builder, cfg Config, dp *DataPathResults) (int,
 	return charts, nil
 }
 
+// cpValue is the figure of metric that the control plane's charts and
+// ratios use: the median of the runs, or of every change.
+func cpValue(cp *ControlPlaneResults, metric, proxy string, n int) (float64, bool) {
+	s := cp.Figures[metric][proxy][strconv.Itoa(n)]
+	if s == nil || len(s.Values) == 0 {
+		return 0, false
+	}
+	if perChange(metric) {
+		return s.quantile(0.5), true
+	}
+	return median(s), true
+}
+
+// cpChart draws metric against the number of services, a line per proxy,
+// and returns the file's name in the data folder ("" when no proxy has
+// the figure).
+func cpChart(cfg Config, cp *ControlPlaneResults, m Metric) (string, error) {
+	title := m.Title
+	if perChange(m.ID) {
+		title += " (p50)"
+	}
+	return scaleChart(cfg.dataDir(), "cp_"+m.ID, title, m.Unit, cp.Scales, cp.Proxies,
+		func(proxy string, n int) (float64, bool) { return cpValue(cp, m.ID, proxy, n) })
+}
+
+// cpCostCurves are the figures that the summary charts against the number
+// of services: what a proxy costs as its work grows.
+var cpCostCurves = []string{"rss_mib", "program_s"}
+
+// writeCostCurves writes the summary's charts of cpCostCurves.
+func writeCostCurves(b *strings.Builder, cfg Config, cp *ControlPlaneResults) error {
+	var charts []string
+	for _, id := range cpCostCurves {
+		i := slices.IndexFunc(cp.Metrics, func(m Metric) bool { return m.ID == id })
+		if i < 0 {
+			continue
+		}
+		file, err := cpChart(cfg, cp, cp.Metrics[i])
+		if err != nil {
+			return err
+		}
+		if file != "" {
+			charts = append(charts, fmt.Sprintf("![%s](%s/%s)", cp.Metrics[i].Title, cfg.Stem, file))
+		}
+	}
+	if len(charts) == 0 {
+		return nil
+	}
+	scales := make([]string, len(cp.Scales))
+	for i, n := range cp.Scales {
+		scales[i] = thousands(int64(n))
+	}
+	fmt.Fprintf(b, "How each proxy's memory and its time to program every service grow with the number of services (%s): the\n"+
+		"median at each scale, a line per proxy; a proxy that timed out has no point there and beyond.\n\n%s\n\n", strings.Join(scales, ", "), strings.Join(charts, "\n\n"))
+	return nil
+}
+
 func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (int, error) {
 	b.WriteString("## Control plane results\n\n")
 	charts := 0
@@ -509,21 +569,8 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 			b.WriteString(" Min, median and max of the runs.")
 		}
 		b.WriteString("\n\n")
-		value := func(proxy string, n int) (float64, bool) {
-			s := cp.Figures[m.ID][proxy][strconv.Itoa(n)]
-			if s == nil || len(s.Values) == 0 {
-				return 0, false
-			}
-			if perChange(m.ID) {
-				return s.quantile(0.5), true
-			}
-			return median(s), true
-		}
-		title := m.Title
-		if perChange(m.ID) {
-			title += " (p50)"
-		}
-		file, err := scaleChart(cfg.dataDir(), "cp_"+m.ID, title, m.Unit, cp.Scales, cp.Proxies, value)
+		value := func(proxy string, n int) (float64, bool) { return cpValue(cp, m.ID, proxy, n) }
+		file, err := cpChart(cfg, cp, m)
 		if err != nil {
 			return charts, err
 		}
