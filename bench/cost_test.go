@@ -174,3 +174,26 @@ func TestCostCurves(t *testing.T) {
 		t.Errorf("no figures: %q, %v", none.String(), err)
 	}
 }
+
+// TestNotMeasuredGrouped checks that "Not measured" gives one line per
+// data path and reason, naming every figure it holds for.
+func TestNotMeasuredGrouped(t *testing.T) {
+	dp := &DataPathResults{Metrics: dataMetrics, Figures: map[string]map[string]*Series{}, Paths: []Subject{{ID: "dnat", Title: "kernel DNAT"}}}
+	dp.setNA("dnat", kernelCPU, "rr_cpu_us", "short_cpu_us")
+	dp.setNA("dnat", "no process carries the connections", "idle_fds")
+	var b strings.Builder
+	writeNA(&b, dp, &ControlPlaneResults{}, &GoBenchResults{}, true, false, false)
+	var lines []string
+	for _, l := range strings.Split(b.String(), "\n") {
+		if strings.HasPrefix(l, "- ") {
+			lines = append(lines, l)
+		}
+	}
+	want := []string{
+		"- kernel DNAT, fds/conn (fd/conn): no process carries the connections",
+		"- kernel DNAT, keep-alive CPU (µs/req), short conns CPU (µs/conn): " + kernelCPU,
+	}
+	if diff := cmp.Diff(want, lines); diff != "" {
+		t.Errorf("not measured (-want +got):\n%s", diff)
+	}
+}

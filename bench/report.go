@@ -904,10 +904,19 @@ func writeNA(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, g
 	}
 	if haveDP {
 		for _, p := range dp.Paths {
+			// One line per reason, naming the figures it holds for.
+			var reasons []string
+			which := map[string][]string{}
 			for _, m := range dp.Metrics {
 				if s := dp.Figures[m.ID][p.ID]; s != nil && len(s.Values) == 0 && s.NA != "" {
-					add(fmt.Sprintf("%s, %s: %s", p.Title, shortTitle(m), s.NA))
+					if which[s.NA] == nil {
+						reasons = append(reasons, s.NA)
+					}
+					which[s.NA] = append(which[s.NA], shortTitle(m))
 				}
+			}
+			for _, r := range reasons {
+				add(fmt.Sprintf("%s, %s: %s", p.Title, strings.Join(which[r], ", "), r))
 			}
 		}
 		if dp.ProfileNA != "" {
