@@ -126,10 +126,13 @@ func writeBeforeAfter(b *strings.Builder, dp *DataPathResults) {
 		counts[v] = append(counts[v], fmt.Sprintf("%s, %s (%s)", r.path.Title, shortTitle(r.metric), ratio(median(r.cur), median(r.base))))
 	}
 	fmt.Fprintf(b, "%d of %d figures within noise.", len(counts[verdictNoise]), len(rows))
-	for _, v := range []string{verdictWorse, verdictBetter, verdictUnknown} {
+	for _, v := range []string{verdictWorse, verdictBetter} {
 		if len(counts[v]) > 0 {
 			fmt.Fprintf(b, " %s: %s.", strings.ToUpper(v[:1])+v[1:], strings.Join(counts[v], "; "))
 		}
+	}
+	if n := len(counts[verdictUnknown]); n > 0 {
+		fmt.Fprintf(b, " %d without a verdict (the table says why).", n)
 	}
 	b.WriteString("\n\n| figure | data path | baseline: median (min – max) | current: median (min – max) | current ÷ baseline | noise | ranges overlap | verdict |\n" +
 		"|---|---|---:|---:|---:|---:|---|---|\n")
@@ -143,7 +146,7 @@ func writeBeforeAfter(b *strings.Builder, dp *DataPathResults) {
 			overlap = map[bool]string{true: "yes", false: "no"}[r.overlap()]
 		}
 		noise := "–"
-		if n := r.noise(); !math.IsNaN(n) && r.base.measured() && r.cur.measured() {
+		if n := r.noise(); !math.IsNaN(n) && len(r.base.Values) > 1 && len(r.cur.Values) > 1 {
 			noise = fmt.Sprintf("±%.1f%%", 100*n)
 		}
 		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s | %s | %s |\n", shortTitle(r.metric), r.path.Title,

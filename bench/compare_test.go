@@ -102,7 +102,7 @@ func TestBeforeAfterSection(t *testing.T) {
 		t.Errorf("rows (-want +got):\n%s\nsection:\n%s", diff, out)
 	}
 	for _, s := range []string{"## Before and after", "`--baseline /tmp/uproxy-old` (commit 0123456)", "current binary (commit abc1234)", "1 of 4 figures within noise.",
-		"Worse: uproxy tproxy, keep-alive (req/s) (0.80×).", "Better: uproxy redirect, memory/conn (KiB/conn) (0.80×)."} {
+		"Worse: uproxy tproxy, keep-alive (req/s) (0.80×).", "Better: uproxy redirect, memory/conn (KiB/conn) (0.80×).", "1 without a verdict (the table says why)."} {
 		if !strings.Contains(out, s) {
 			t.Errorf("the section lacks %q:\n%s", s, out)
 		}
