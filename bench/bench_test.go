@@ -41,7 +41,8 @@ func TestSmoke(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"## Summary", "## The machine", "## Data path results", "## Control plane results", "## Go benchmarks", "## Where the CPU goes", "### Targets", "### Short connections", "### UDP requests", "### Bulk transfers", "## Not measured", "| one system call (getppid)"} {
+	for _, want := range []string{"## Summary", "## The machine", "## Data path results", "## Control plane results", "## Go benchmarks", "## Where the CPU goes", "### Targets", "### Short connections", "### UDP requests", "### Bulk transfers", "## Not measured", "| one system call (getppid)",
+		"### CPU per unit of work", "How each proxy's memory and its time to program every service grow"} {
 		if !bytes.Contains(report, []byte(want)) {
 			t.Errorf("the report has no %q", want)
 		}

@@ -304,7 +304,7 @@ func runControlPlane(ctx context.Context, e *env) error {
 		return writeJSON(cfg, "controlplane.json", res)
 	}
 	// One API server for every scale: each scale adds services to the
-	// previous one's (the scales are nested, 1,000 ⊂ 5,000 ⊂ 10,000), which
+	// previous one's (the scales are nested, 1,000 ⊂ 5,000 ⊂ … ⊂ 20,000), which
 	// saves creating them again.
 	k := e.kube(ctx)
 	if k.err != nil {
@@ -804,7 +804,7 @@ func keepOutput(path, output string) error {
 	return nil
 }
 
-// userHZ is the unit of /proc/PID/stat's start time: USER_HZ, 100 ticks a
+// userHZ is the unit of /proc/PID/stat's start and CPU times: USER_HZ, 100 ticks a
 // second on every architecture that Go supports on Linux (proc(5), "divide
 // by sysconf(_SC_CLK_TCK)").
 const userHZ = 100

@@ -23,18 +23,41 @@ var dataMetrics = []Metric{
 	{"dns_p99_us", "UDP queries from a new port each, latency p99", "µs", false},
 	{"idle_kib", "Memory per idle connection", "KiB/conn", false},
 	{"idle_fds", "File descriptors per idle connection", "fd/conn", false},
+	{"bulk_cpu_us", "Proxy CPU per MiB carried (bulk)", "µs/MiB", false},
+	{"rr_cpu_us", "Proxy CPU per keep-alive request", "µs/req", false},
+	{"short_cpu_us", "Proxy CPU per short connection", "µs/conn", false},
+	{"udp_cpu_us", "Proxy CPU per UDP request", "µs/req", false},
+	{"dns_cpu_us", "Proxy CPU per UDP query from a new port", "µs/req", false},
 }
+
+// costMetrics maps a rate to the proxy's CPU per unit of it, which the
+// summary's cost table puts next to it.
+var costMetrics = []struct{ rate, cpu string }{
+	{"bulk_gbps", "bulk_cpu_us"},
+	{"rr_rps", "rr_cpu_us"},
+	{"short_cps", "short_cpu_us"},
+	{"udp_rps", "udp_cpu_us"},
+	{"dns_rps", "dns_cpu_us"},
+}
+
+// isCost reports whether metric is a CPU cost per unit of work.
+func isCost(metric string) bool {
+	return slices.ContainsFunc(costMetrics, func(c struct{ rate, cpu string }) bool { return c.cpu == metric })
+}
+
+// kernelCPU says why a path has no CPU cost per unit of work.
+const kernelCPU = "no process carries the traffic: the kernel does, in the softirq of whichever process sends a packet (see Where the CPU goes)"
 
 // workloadIDs are the data-path workloads, in the order they run;
 // workloadMetrics maps each to the metrics it measures.
 var (
 	workloadIDs     = []string{"bulk", "rr", "short", "udp", "dns", "idle"}
 	workloadMetrics = map[string][]string{
-		"bulk":  {"bulk_gbps"},
-		"rr":    {"rr_rps", "rr_p50_us", "rr_p99_us"},
-		"short": {"short_cps"},
-		"udp":   {"udp_rps", "udp_p99_us"},
-		"dns":   {"dns_rps", "dns_p99_us"},
+		"bulk":  {"bulk_gbps", "bulk_cpu_us"},
+		"rr":    {"rr_rps", "rr_p50_us", "rr_p99_us", "rr_cpu_us"},
+		"short": {"short_cps", "short_cpu_us"},
+		"udp":   {"udp_rps", "udp_p99_us", "udp_cpu_us"},
+		"dns":   {"dns_rps", "dns_p99_us", "dns_cpu_us"},
 		"idle":  {"idle_kib", "idle_fds"},
 	}
 )
@@ -71,6 +94,17 @@ type DataPathResults struct {
 	IdleConns int    `json:"idleConns"`
 	// IdleNote says why IdleConns is lower than asked, if it is.
 	IdleNote string `json:"idleNote,omitempty"`
+	// Baseline is the binary that the <id>-baseline paths ran, if any.
+	Baseline *BaselineInfo `json:"baseline,omitempty"`
+}
+
+// BaselineInfo says which uproxy binary the baseline paths ran.
+type BaselineInfo struct {
+	// From is the flag that named it: "--baseline PATH" or
+	// "--baseline-rev REV".
+	From string `json:"from"`
+	// Commit is the commit it was built from, or "unknown".
+	Commit string `json:"commit"`
 }
 
 func (r *DataPathResults) series(metric, path string) *Series {
@@ -103,12 +137,7 @@ func (r *DataPathResults) setNA(path, reason string, metrics ...string) {
 
 func runDataPath(ctx context.Context, e *env) error {
 	cfg := e.cfg
-	var paths []dataPath
-	for _, p := range dataPaths {
-		if len(cfg.Paths) == 0 || contains(cfg.Paths, p.ID) {
-			paths = append(paths, p)
-		}
-	}
+	paths := cfg.selectedPaths()
 	res := &DataPathResults{
 		Meta:          newRunMeta(e, fmt.Sprintf("%d runs, %v per workload, %d connections, %d idle connections", cfg.Runs, cfg.Duration, cfg.Conns, cfg.IdleConns)),
 		Metrics:       dataMetrics,
@@ -124,6 +153,9 @@ func runDataPath(ctx context.Context, e *env) error {
 	}
 	for _, p := range paths {
 		res.Paths = append(res.Paths, p.Subject)
+	}
+	if e.baseline != nil {
+		res.Baseline = &BaselineInfo{From: e.baseline.from, Commit: e.baseline.commit}
 	}
 	var k *kubeEnv
 	for _, p := range paths {
@@ -268,6 +300,20 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 			res.Notes = append(res.Notes, fmt.Sprintf("run %d, %s, %s: %d errors (first: %s)", run, p.ID, workload, lr.Errors, lr.FirstError))
 		}
 	}
+	// cost records the proxy's CPU per unit of work over one workload's
+	// run (units: every op, or MiB), or why there is none.
+	cost := func(metric string, m *cpuMeter, units float64) {
+		if m == nil {
+			res.setNA(p.ID, kernelCPU, metric)
+			return
+		}
+		v, err := m.per(units)
+		if err != nil {
+			res.Notes = append(res.Notes, fmt.Sprintf("run %d, %s, %s: %v", run, p.ID, metric, err))
+			return
+		}
+		res.series(metric, p.ID).add(v)
+	}
 	targets := func(ts []string) []string {
 		var out []string
 		for _, t := range ts {
@@ -279,17 +325,20 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	var lr LoadResult
 	// Bulk.
 	if cfg.measures("bulk") {
+		m := startCPU(r)
 		lr, err = t.load(ctx, e, "bulk", append(targets(r.bulk), "--duration", d)...)
 		if err != nil || lr.Bytes == 0 {
 			return false, fmt.Errorf("bulk: %v %s", err, lr.FirstError)
 		}
 		res.series("bulk_gbps", p.ID).add(lr.Gbps)
+		cost("bulk_cpu_us", m, float64(lr.Bytes)/(1<<20))
 		note("bulk", lr)
 		e.logf("%s bulk: %.2f Gbit/s", where, lr.Gbps)
 	}
 
 	// Keep-alive request/response.
 	if cfg.measures("rr") {
+		m := startCPU(r)
 		lr, err = t.load(ctx, e, "rr", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
 		if err != nil || lr.Ops == 0 {
 			return false, fmt.Errorf("keep-alive: %v %s", err, lr.FirstError)
@@ -297,17 +346,20 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 		res.series("rr_rps", p.ID).add(lr.Rate)
 		res.series("rr_p50_us", p.ID).add(lr.P50us)
 		res.series("rr_p99_us", p.ID).add(lr.P99us)
+		cost("rr_cpu_us", m, float64(lr.AllOps))
 		note("keep-alive", lr)
 		e.logf("%s keep-alive: %.0f req/s, p50 %.0fµs, p99 %.0fµs", where, lr.Rate, lr.P50us, lr.P99us)
 	}
 
 	// Short connections.
 	if cfg.measures("short") {
+		m := startCPU(r)
 		lr, err = t.load(ctx, e, "short", append(targets(r.rr), "--duration", d, "--warmup", warm, "--conns", conns)...)
 		if err != nil || lr.Ops == 0 {
 			return false, fmt.Errorf("short connections: %v %s", err, lr.FirstError)
 		}
 		res.series("short_cps", p.ID).add(lr.Rate)
+		cost("short_cpu_us", m, float64(lr.AllOps))
 		note("short", lr)
 		e.logf("%s short connections: %.0f conn/s", where, lr.Rate)
 	}
@@ -315,17 +367,17 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	// UDP: long-lived sockets, then one new socket per query.
 	udpOK := false
 	for _, u := range []struct {
-		workload, rate, p99, what string
-		extra                     []string
+		workload, rate, p99, cpu, what string
+		extra                          []string
 	}{
-		{"udp", "udp_rps", "udp_p99_us", "udp", nil},
-		{"dns", "dns_rps", "dns_p99_us", "udp, a new port per query", []string{"--new-socket"}},
+		{"udp", "udp_rps", "udp_p99_us", "udp_cpu_us", "udp", nil},
+		{"dns", "dns_rps", "dns_p99_us", "dns_cpu_us", "udp, a new port per query", []string{"--new-socket"}},
 	} {
 		if !cfg.measures(u.workload) {
 			continue
 		}
 		if len(r.udp) == 0 {
-			res.setNA(p.ID, r.udpNA, u.rate, u.p99)
+			res.setNA(p.ID, r.udpNA, u.rate, u.p99, u.cpu)
 			e.logf("%s %s: n/a: %s", where, u.what, r.udpNA)
 			continue
 		}
@@ -334,17 +386,19 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 				return false, fmt.Errorf("%s: the service does not answer: %w", u.what, err)
 			}
 			reason := "not implemented (a UDP service through uproxy does not answer)"
-			res.setNA(p.ID, reason, u.rate, u.p99)
+			res.setNA(p.ID, reason, u.rate, u.p99, u.cpu)
 			e.logf("%s %s: n/a: %s", where, u.what, reason)
 			continue
 		}
 		args := append(append(targets(r.udp), "--duration", d, "--warmup", warm, "--conns", conns), u.extra...)
+		m := startCPU(r)
 		lr, err = t.load(ctx, e, "udp", args...)
 		if err != nil || lr.Ops == 0 {
 			return false, fmt.Errorf("%s: %v %s", u.what, err, lr.FirstError)
 		}
 		res.series(u.rate, p.ID).add(lr.Rate)
 		res.series(u.p99, p.ID).add(lr.P99us)
+		cost(u.cpu, m, float64(lr.AllOps))
 		note(u.workload, lr)
 		udpOK = udpOK || u.workload == "udp"
 		e.logf("%s %s: %.0f req/s, p99 %.0fµs", where, u.what, lr.Rate, lr.P99us)

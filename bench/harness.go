@@ -37,7 +37,8 @@ type Config struct {
 	// works end to end.
 	Smoke bool
 	// Runs is how many times each measurement is repeated (the report
-	// gives min, median and max); zero means 3, or 1 in smoke mode.
+	// gives min, median and max); zero means 3 (5 with a baseline, as
+	// issue #28's before-and-after comparison asks), or 1 in smoke mode.
 	Runs int
 	// Duration is the length of each timed data-path workload, warm-up
 	// included; zero means 5s, or 300ms in smoke mode.
@@ -53,11 +54,22 @@ type Config struct {
 	// IdleConns is the idle-connection workload's count; zero means
 	// 10,000, or 200 in smoke mode.
 	IdleConns int
+	// Baseline is a uproxy binary built from an older commit: every
+	// selected uproxy data path is also measured with it, as a path of its
+	// own (<id>-baseline: the same flags, the other binary) interleaved
+	// with the current one, and the report compares the two ("Before and
+	// after"). Empty means no baseline, unless BaselineRev is set.
+	Baseline string
+	// BaselineRev is a git revision of the checkout at Root to build the
+	// baseline from (git archive into a temporary folder, then go build);
+	// empty means none. At most one of Baseline and BaselineRev is set.
+	BaselineRev string
 	// Proxies selects control-plane proxies by id (see cpProxies); empty
 	// means all.
 	Proxies []string
 	// Scales are the control plane's service counts; empty means 1000,
-	// 5000 and 10000, or 50 in smoke mode.
+	// 5000, 10000 and 20000 (the points of issue #31's cost curves), or 50
+	// in smoke mode.
 	Scales []int
 	// Endpoints is the number of endpoints of every generated service;
 	// zero means 10, or 3 in smoke mode.
@@ -107,7 +119,11 @@ func (c Config) withDefaults() (Config, error) {
 		}
 		return full
 	}
-	c.Runs = pick(c.Runs, 3, 1)
+	fullRuns := 3
+	if c.hasBaseline() {
+		fullRuns = 5
+	}
+	c.Runs = pick(c.Runs, fullRuns, 1)
 	c.Conns = pick(c.Conns, 32, 32)
 	c.IdleConns = pick(c.IdleConns, 10000, 200)
 	c.Endpoints = pick(c.Endpoints, 10, 3)
@@ -128,7 +144,7 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	if len(c.Scales) == 0 {
-		c.Scales = []int{1000, 5000, 10000}
+		c.Scales = []int{1000, 5000, 10000, 20000}
 		if c.Smoke {
 			c.Scales = []int{50}
 		}
@@ -170,9 +186,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Changes > 50 {
 		return c, fmt.Errorf("%d endpoint changes: at most 50 (addresses 10.244.0.150-199)", c.Changes)
 	}
+	if c.Baseline != "" && c.BaselineRev != "" {
+		return c, errors.New("--baseline and --baseline-rev: give one baseline, not both")
+	}
 	for _, p := range c.Paths {
-		if pathByID(p) == nil {
-			return c, fmt.Errorf("unknown data path %q (have %s)", p, strings.Join(pathIDs(), ", "))
+		if err := c.checkPath(p); err != nil {
+			return c, err
 		}
 	}
 	for _, w := range c.Workloads {
@@ -199,14 +218,16 @@ func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
 	fs.StringVar(&c.Out, "out", "", "Results folder (the report is OUT/STEM.md, charts and raw data in OUT/STEM/). Default bench/results, or a new temporary folder with --smoke.")
 	fs.StringVar(&c.Stem, "stem", "", "Report name. Default YYYY-MM-DD-HOST.")
 	fs.BoolVar(&c.Smoke, "smoke", false, "Tiny durations and counts: check that the harness works end to end in seconds (the figures mean nothing).")
-	fs.IntVar(&c.Runs, "runs", 0, "Repetitions of every measurement (min, median and max are reported). Default 3 (1 with --smoke).")
+	fs.IntVar(&c.Runs, "runs", 0, "Repetitions of every measurement (min, median and max are reported). Default 3, 5 with a baseline (1 with --smoke).")
 	fs.DurationVar(&c.Duration, "duration", 0, "Length of each timed data-path workload, warm-up included. Default 5s (300ms with --smoke).")
 	fs.StringSliceVar(&c.Paths, "paths", nil, "Data paths to measure, by id: "+strings.Join(pathIDs(), ",")+". Default all.")
+	fs.StringVar(&c.Baseline, "baseline", "", "Data paths: a uproxy binary built from an older commit. Every selected uproxy path is also measured with it (as <id>-baseline, same flags), interleaved in the same run, and the report gets a \"Before and after\" section. Default runs become 5.")
+	fs.StringVar(&c.BaselineRev, "baseline-rev", "", "Data paths: as --baseline, with uproxy built from this git revision of the checkout (git archive, then go build ./cmd/uproxy).")
 	fs.StringSliceVar(&c.Workloads, "workloads", nil, "Data-path workloads to run, by id: "+strings.Join(workloadIDs, ",")+". Default all; the others' figures are reported as not measured.")
 	fs.IntVar(&c.Conns, "conns", 0, "Connections of the keep-alive workload, sockets of the UDP one. Default 32.")
 	fs.IntVar(&c.IdleConns, "idle-conns", 0, "Concurrent idle connections for the memory workload. Default 10000 (200 with --smoke).")
 	fs.StringSliceVar(&c.Proxies, "proxies", nil, "Control plane: proxies to measure, by id: "+strings.Join(cpProxyIDs(), ",")+". Default all.")
-	fs.IntSliceVar(&c.Scales, "scales", nil, "Control plane: service counts. Default 1000,5000,10000 (50 with --smoke).")
+	fs.IntSliceVar(&c.Scales, "scales", nil, "Control plane: service counts. Default 1000,5000,10000,20000 (50 with --smoke).")
 	fs.IntVar(&c.Endpoints, "endpoints", 0, "Control plane: endpoints per service. Default 10 (3 with --smoke).")
 	fs.IntVar(&c.Changes, "changes", 0, "Control plane: endpoint changes timed per proxy, scale and run. Default 5 (1 with --smoke).")
 	fs.DurationVar(&c.ProgramTimeout, "program-timeout", 0, "Control plane: longest wait for a proxy to program every service (it is not run again at larger scales). Default 5m (2m with --smoke).")
@@ -340,6 +361,8 @@ type env struct {
 	// uproxyBin is built from the working tree; uproxyErr says why not.
 	uproxyBin string
 	uproxyErr error
+	// baseline is the --baseline or --baseline-rev binary, if any.
+	baseline *baselineBin
 	// noFile is the open-files limit of every process we start.
 	noFile uint64
 	mu     sync.Mutex
@@ -397,6 +420,13 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 	e.uproxyBin = filepath.Join(dir, "uproxy")
 	if e.uproxyErr = goBuild(ctx, cfg.Root, e.uproxyBin, "./cmd/uproxy"); e.uproxyErr != nil {
 		e.logf("uproxy does not build; its rows will say so: %v", e.uproxyErr)
+	}
+	if cfg.hasBaseline() {
+		if e.baseline, err = prepareBaseline(ctx, cfg, filepath.Join(dir, "baseline")); err != nil {
+			e.close()
+			return nil, err
+		}
+		e.logf("baseline uproxy: %s", e.baseline.describe())
 	}
 	e.logf("built the load generator, backends and uproxy in %v", time.Since(start).Round(100*time.Millisecond))
 	return e, nil

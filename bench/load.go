@@ -29,6 +29,10 @@ type LoadResult struct {
 	// Ops counts requests (rr, udp), connections (short) or answered
 	// datagrams completed in the window.
 	Ops uint64 `json:"ops"`
+	// AllOps counts every op completed, warm-up and the window's edges
+	// included: what the harness divides the proxy's CPU time over the
+	// whole run by.
+	AllOps uint64 `json:"allOps,omitempty"`
 	// Rate is Ops per second.
 	Rate float64 `json:"rate"`
 	// Latency quantiles of the ops, in microseconds.
@@ -123,9 +127,9 @@ func newWindow(f *loadFlags) window {
 
 // runWorkers runs one worker per connection and merges their histograms
 // into a result.
-func runWorkers(name string, f *loadFlags, w window, worker func(i int, h *hist, ops *uint64, errs *errCounter)) LoadResult {
+func runWorkers(name string, f *loadFlags, w window, worker func(i int, h *hist, ops *opCount, errs *errCounter)) LoadResult {
 	hs := make([]hist, f.conns)
-	ops := make([]uint64, f.conns)
+	ops := make([]opCount, f.conns)
 	var errs errCounter
 	var wg sync.WaitGroup
 	for i := range f.conns {
@@ -133,16 +137,31 @@ func runWorkers(name string, f *loadFlags, w window, worker func(i int, h *hist,
 	}
 	wg.Wait()
 	var all hist
-	var total uint64
+	var total, every uint64
 	for i := range hs {
 		all.merge(&hs[i])
-		total += ops[i]
+		total += ops[i].window
+		every += ops[i].all
 	}
 	secs := w.end.Sub(w.start).Seconds()
-	r := LoadResult{Workload: name, Seconds: secs, Ops: total, Rate: float64(total) / secs}
+	r := LoadResult{Workload: name, Seconds: secs, Ops: total, AllOps: every, Rate: float64(total) / secs}
 	fillLatency(&r, &all)
 	errs.fill(&r)
 	return r
+}
+
+// opCount counts one worker's completed ops: those in the measured
+// window, and all of them.
+type opCount struct{ window, all uint64 }
+
+// record counts an op that started at t and has just completed, and
+// times it if it lies in w.
+func (o *opCount) record(w window, h *hist, t time.Time) {
+	o.all++
+	if done := time.Now(); t.After(w.start) && done.Before(w.end) {
+		h.record(done.Sub(t))
+		o.window++
+	}
 }
 
 func fillLatency(r *LoadResult, h *hist) {
@@ -189,7 +208,7 @@ func newLoadRRCommand() *cobra.Command {
 
 func loadRR(f *loadFlags) LoadResult {
 	w := newWindow(f)
-	return runWorkers("rr", f, w, func(i int, h *hist, ops *uint64, errs *errCounter) {
+	return runWorkers("rr", f, w, func(i int, h *hist, ops *opCount, errs *errCounter) {
 		req, resp := rrRequest(rrKeepAlive), make([]byte, rrResponseSize)
 		d := net.Dialer{Timeout: f.timeout}
 		var c net.Conn
@@ -218,10 +237,7 @@ func loadRR(f *loadFlags) LoadResult {
 				c = nil
 				continue
 			}
-			if done := time.Now(); t.After(w.start) && done.Before(w.end) {
-				h.record(done.Sub(t))
-				*ops++
-			}
+			ops.record(w, h, t)
 		}
 	})
 }
@@ -237,7 +253,7 @@ func newLoadShortCommand() *cobra.Command {
 				return err
 			}
 			w := newWindow(&f)
-			res := runWorkers("short", &f, w, func(i int, h *hist, ops *uint64, errs *errCounter) {
+			res := runWorkers("short", &f, w, func(i int, h *hist, ops *opCount, errs *errCounter) {
 				req, resp := rrRequest(rrClose), make([]byte, rrResponseSize+1)
 				d := net.Dialer{Timeout: f.timeout}
 				for n := 0; time.Now().Before(w.end); n++ {
@@ -249,10 +265,7 @@ func newLoadShortCommand() *cobra.Command {
 						}
 						continue
 					}
-					if done := time.Now(); t.After(w.start) && done.Before(w.end) {
-						h.record(done.Sub(t))
-						*ops++
-					}
+					ops.record(w, h, t)
 				}
 			})
 			return printJSON(cmd, res)
@@ -361,7 +374,7 @@ func loadUDP(f *loadFlags, newSocket bool) LoadResult {
 	if newSocket {
 		name = "udp-new"
 	}
-	return runWorkers(name, f, w, func(i int, h *hist, ops *uint64, errs *errCounter) {
+	return runWorkers(name, f, w, func(i int, h *hist, ops *opCount, errs *errCounter) {
 		c, err := net.Dial("udp", f.targets[i%len(f.targets)])
 		if err != nil {
 			errs.add(err)
@@ -397,10 +410,7 @@ func loadUDP(f *loadFlags, newSocket bool) LoadResult {
 				if n < 8 || binary.BigEndian.Uint64(in) != seq {
 					continue // a late answer to an earlier datagram
 				}
-				if done := time.Now(); t.After(w.start) && done.Before(w.end) {
-					h.record(done.Sub(t))
-					*ops++
-				}
+				ops.record(w, h, t)
 				break
 			}
 		}

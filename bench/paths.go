@@ -22,6 +22,9 @@ type dataPath struct {
 	// setup builds the path in t and returns how to use it, or an
 	// *naError when it cannot be measured here.
 	setup func(ctx context.Context, e *env, t *topo, k *kubeEnv) (*pathRun, error)
+	// baseline, set for uproxy's paths, sets the path up as setup does but
+	// with the baseline binary (--baseline); see baselineTwin.
+	baseline func(ctx context.Context, e *env, t *topo, k *kubeEnv) (*pathRun, error)
 }
 
 // pathRun is a data path set up in one lab.
@@ -85,18 +88,18 @@ func waitReady(ctx context.Context, e *env, t *topo, r *pathRun, timeout time.Du
 }
 
 var dataPaths = []dataPath{
-	{Subject{"direct", "direct to the pod", "The client connects to the backend pods' own addresses (round-robin over them); no service address, no NAT. The ceiling."}, setupDirect},
-	{Subject{"dnat", "kernel DNAT (iptables rules)", "The harness installs kube-proxy's iptables-mode rule shapes in the node: KUBE-SERVICES → KUBE-SVC (statistic random) → KUBE-SEP (DNAT). The baseline of every ratio."}, setupDNAT},
-	{Subject{"kp-iptables", "kube-proxy iptables", "The real kube-proxy (--proxy-mode iptables, defaults otherwise) against the real API server; the Service and EndpointSlice live there."}, setupKubeProxy("iptables")},
-	{Subject{"kp-nftables", "kube-proxy nftables", "The real kube-proxy (--proxy-mode nftables, defaults otherwise) against the real API server."}, setupKubeProxy("nftables")},
-	{Subject{"haproxy", "HAProxy", "HAProxy in the node (mode tcp, option splice-auto, balance roundrobin, maxpipes 16), reached through an iptables REDIRECT from the VIP to its port: the same rule shape as uproxy's."}, setupHAProxy},
-	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx},
-	{Subject{"iocopy", "Go io.Copy proxy", "The reference Go proxy (bench iocopy, about 30 lines): accept, dial the next backend round-robin, one goroutine per direction with io.Copy, which Go carries with splice(2) between TCP sockets; reached through the same REDIRECT rules. What a Go proxy gets for free."}, setupIOCopy},
-	{Subject{"uring", "Go io_uring loop", "A yardstick (bench uring): one goroutine, locked to its thread, drives one io_uring. Accept (multishot), connect, recv, send, shutdown and close are ring operations, and one io_uring_enter per turn of the loop submits them all and waits. A receive takes a 16 KiB buffer from a provided-buffer ring when data arrives, and gives it back once sent on, so an idle connection holds none. No splice: bulk is copied through the buffers. What a Go data path on io_uring could carry; reached through the same REDIRECT rules."}, setupURing},
-	{Subject{"uproxy", "uproxy redirect", "uproxy run --manifests <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, setupUproxy("redirect")},
-	{Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --manifests <manifests>, when uproxy supports that mode."}, setupUproxy("tproxy")},
-	{Subject{"uproxy-uring", "uproxy redirect, io_uring loops", "uproxy run --io-uring --manifests <manifests>: the event loops wait in an io_uring each and carry small messages on it; bulk transfers leave the ring for the epoll splice path."}, setupUproxy("redirect", "--io-uring")},
-	{Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --manifests <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, setupUproxy("redirect", "--event-loops=-1")},
+	{Subject{"direct", "direct to the pod", "The client connects to the backend pods' own addresses (round-robin over them); no service address, no NAT. The ceiling."}, setupDirect, nil},
+	{Subject{"dnat", "kernel DNAT (iptables rules)", "The harness installs kube-proxy's iptables-mode rule shapes in the node: KUBE-SERVICES → KUBE-SVC (statistic random) → KUBE-SEP (DNAT). The baseline of every ratio."}, setupDNAT, nil},
+	{Subject{"kp-iptables", "kube-proxy iptables", "The real kube-proxy (--proxy-mode iptables, defaults otherwise) against the real API server; the Service and EndpointSlice live there."}, setupKubeProxy("iptables"), nil},
+	{Subject{"kp-nftables", "kube-proxy nftables", "The real kube-proxy (--proxy-mode nftables, defaults otherwise) against the real API server."}, setupKubeProxy("nftables"), nil},
+	{Subject{"haproxy", "HAProxy", "HAProxy in the node (mode tcp, option splice-auto, balance roundrobin, maxpipes 16), reached through an iptables REDIRECT from the VIP to its port: the same rule shape as uproxy's."}, setupHAProxy, nil},
+	{Subject{"nginx", "nginx stream", "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx, nil},
+	{Subject{"iocopy", "Go io.Copy proxy", "The reference Go proxy (bench iocopy, about 30 lines): accept, dial the next backend round-robin, one goroutine per direction with io.Copy, which Go carries with splice(2) between TCP sockets; reached through the same REDIRECT rules. What a Go proxy gets for free."}, setupIOCopy, nil},
+	{Subject{"uring", "Go io_uring loop", "A yardstick (bench uring): one goroutine, locked to its thread, drives one io_uring. Accept (multishot), connect, recv, send, shutdown and close are ring operations, and one io_uring_enter per turn of the loop submits them all and waits. A receive takes a 16 KiB buffer from a provided-buffer ring when data arrives, and gives it back once sent on, so an idle connection holds none. No splice: bulk is copied through the buffers. What a Go data path on io_uring could carry; reached through the same REDIRECT rules."}, setupURing, nil},
+	uproxyPath(Subject{"uproxy", "uproxy redirect", "uproxy run --manifests <manifests> (default flags: --mode redirect), built from the working tree; it installs its own REDIRECT rules."}, "redirect"),
+	uproxyPath(Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --manifests <manifests>, when uproxy supports that mode."}, "tproxy"),
+	uproxyPath(Subject{"uproxy-uring", "uproxy redirect, io_uring loops", "uproxy run --io-uring --manifests <manifests>: the event loops wait in an io_uring each and carry small messages on it; bulk transfers leave the ring for the epoll splice path."}, "redirect", "--io-uring"),
+	uproxyPath(Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --manifests <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, "redirect", "--event-loops=-1"),
 }
 
 func pathByID(id string) *dataPath {
@@ -359,20 +362,44 @@ endpoints:
 	return b.String()
 }
 
-// setupUproxy runs uproxy in the given mode over manifests of the
-// benchmark service. A mode that uproxy does not support is "n/a: not
-// implemented", so that the row fills in by itself once it is.
-func setupUproxy(mode string, extra ...string) func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
+// uproxyPath is a data path through uproxy run with the given mode and
+// flags: by the binary built from the working tree, or by the baseline.
+func uproxyPath(s Subject, mode string, extra ...string) dataPath {
+	return dataPath{Subject: s, setup: setupUproxy(currentUproxy, mode, extra...), baseline: setupUproxy(baselineUproxy, mode, extra...)}
+}
+
+// currentUproxy returns the uproxy built from the working tree.
+func currentUproxy(e *env) (string, error) {
+	if e.uproxyErr != nil {
+		return "", fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
+	}
+	return e.uproxyBin, nil
+}
+
+// baselineUproxy returns the baseline uproxy (--baseline).
+func baselineUproxy(e *env) (string, error) {
+	if e.baseline == nil {
+		return "", errors.New("no baseline binary (--baseline or --baseline-rev)")
+	}
+	return e.baseline.path, nil
+}
+
+// setupUproxy runs uproxy (the binary that bin returns) in the given mode
+// over manifests of the benchmark service. A mode that uproxy does not
+// support is "n/a: not implemented", so that the row fills in by itself
+// once it is.
+func setupUproxy(bin func(*env) (string, error), mode string, extra ...string) func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
 	return func(ctx context.Context, e *env, t *topo, _ *kubeEnv) (*pathRun, error) {
-		if e.uproxyErr != nil {
-			return nil, fmt.Errorf("uproxy does not build: %w", e.uproxyErr)
+		uproxyBin, err := bin(e)
+		if err != nil {
+			return nil, err
 		}
 		dir := t.dir
 		if err := os.WriteFile(filepath.Join(dir, "bench.yaml"), []byte(benchManifests(t)), 0o644); err != nil {
 			return nil, err
 		}
 		// The socket is the lab's own, not the host's default.
-		args := []string{e.uproxyBin, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling"}
+		args := []string{uproxyBin, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling"}
 		if mode != "redirect" {
 			args = append(args, "--mode="+mode)
 		}
@@ -382,7 +409,7 @@ func setupUproxy(mode string, extra ...string) func(ctx context.Context, e *env,
 			return nil, err
 		}
 		r := vipRun()
-		r.proc, r.userspace, r.comm, r.pprof, r.binary = p, true, "uproxy", true, e.uproxyBin
+		r.proc, r.userspace, r.comm, r.pprof, r.binary = p, true, "uproxy", true, uproxyBin
 		// A mode that uproxy does not know makes it exit at once, saying so.
 		r.exitNA = func(out string) error {
 			if strings.Contains(out, "is not supported") {

@@ -68,9 +68,13 @@ func writeReport(cfg Config) (reportSummary, error) {
 	w("## Summary\n\n")
 	if haveDP {
 		writeDataSummary(&b, &dp)
+		writeCostSummary(&b, &dp)
 	}
 	if haveCP {
 		writeCPSummary(&b, &cp)
+		if err := writeCostCurves(&b, cfg, &cp); err != nil {
+			return sum, err
+		}
 	}
 	if haveDP || haveCP {
 		writeTargets(&b, &dp, &cp, haveDP, haveCP)
@@ -80,6 +84,9 @@ func writeReport(cfg Config) (reportSummary, error) {
 			len(gb.Benchmarks), len(gb.Packages), missingHotPaths(&gb))
 	}
 
+	if haveDP && dp.hasBaselinePaths() {
+		writeBeforeAfter(&b, &dp)
+	}
 	writeMachine(&b, machine)
 	if haveDP {
 		writeMethod(&b, &dp, &cp, haveCP)
@@ -220,18 +227,20 @@ func writeDataSummary(b *strings.Builder, dp *DataPathResults) {
 	if dp.IdleNote != "" {
 		fmt.Fprintf(b, "Note: %s.\n\n", dp.IdleNote)
 	}
+	// The CPU costs have a table of their own (writeCostSummary).
+	metrics := slices.DeleteFunc(slices.Clone(dp.Metrics), func(m Metric) bool { return isCost(m.ID) })
 	b.WriteString("| data path |")
-	for _, m := range dp.Metrics {
+	for _, m := range metrics {
 		fmt.Fprintf(b, " %s |", shortTitle(m))
 	}
 	b.WriteString("\n|---|")
-	for range dp.Metrics {
+	for range metrics {
 		b.WriteString("---:|")
 	}
 	b.WriteString("\n")
 	for _, p := range dp.Paths {
 		fmt.Fprintf(b, "| %s |", p.Title)
-		for _, m := range dp.Metrics {
+		for _, m := range metrics {
 			s := dp.Figures[m.ID][p.ID]
 			if s == nil || len(s.Values) == 0 {
 				b.WriteString(" n/a |")
@@ -249,6 +258,51 @@ func writeDataSummary(b *strings.Builder, dp *DataPathResults) {
 	b.WriteString("\nWhy a cell is n/a: [Not measured](#not-measured). Memory and descriptors per idle connection are the proxy process's growth (RSS, open files)\ndivided by the connections; for kernel DNAT the memory is the size of the one conntrack entry the kernel keeps per connection (its\nslab object size), since no process carries the connection.\n\n")
 }
 
+// writeCostSummary writes the table of the proxy's CPU per unit of work,
+// each next to its rate; results from before these were measured have
+// none, and no table.
+func writeCostSummary(b *strings.Builder, dp *DataPathResults) {
+	type pair struct{ rate, cpu Metric }
+	var pairs []pair
+	for _, c := range costMetrics {
+		ri := slices.IndexFunc(dp.Metrics, func(m Metric) bool { return m.ID == c.rate })
+		ci := slices.IndexFunc(dp.Metrics, func(m Metric) bool { return m.ID == c.cpu })
+		if ri >= 0 && ci >= 0 {
+			pairs = append(pairs, pair{dp.Metrics[ri], dp.Metrics[ci]})
+		}
+	}
+	if len(pairs) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "### CPU per unit of work\n\nThe proxy process's CPU time (user and system, its child processes included, from /proc/PID/stat) over each workload's\n"+
+		"whole run, divided by the work done in it (every request or connection, warm-up included; or every MiB), next to the rate;\n"+
+		"median of %d runs. The kernel paths have no figure: no process carries their traffic, and the cost is softirq work in\n"+
+		"whichever process sends a packet, which [Where the CPU goes](#where-the-cpu-goes) shows.\n\n", dp.Meta.Runs)
+	b.WriteString("| data path |")
+	for _, p := range pairs {
+		fmt.Fprintf(b, " %s | %s |", shortTitle(p.rate), shortTitle(p.cpu))
+	}
+	b.WriteString("\n|---|")
+	for range pairs {
+		b.WriteString("---:|---:|")
+	}
+	b.WriteString("\n")
+	cell := func(s *Series) string {
+		if !s.measured() {
+			return "n/a"
+		}
+		return fmtNum(median(s))
+	}
+	for _, p := range dp.Paths {
+		fmt.Fprintf(b, "| %s |", p.Title)
+		for _, pr := range pairs {
+			fmt.Fprintf(b, " %s | %s |", cell(dp.Figures[pr.rate.ID][p.ID]), cell(dp.Figures[pr.cpu.ID][p.ID]))
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("\n")
+}
+
 // shortTitle is a metric's summary-table header.
 func shortTitle(m Metric) string {
 	names := map[string]string{
@@ -263,6 +317,12 @@ func shortTitle(m Metric) string {
 		"dns_p99_us": "UDP, new port, p99",
 		"idle_kib":   "memory/conn",
 		"idle_fds":   "fds/conn",
+		// The CPU costs, in the cost table's header next to their rates.
+		"bulk_cpu_us":  "bulk CPU",
+		"rr_cpu_us":    "keep-alive CPU",
+		"short_cpu_us": "short conns CPU",
+		"udp_cpu_us":   "UDP CPU",
+		"dns_cpu_us":   "UDP, new port, CPU",
 	}
 	n := names[m.ID]
 	if n == "" {
@@ -426,6 +486,63 @@ func writeDataDetails(b *strings.Builder, cfg Config, dp *DataPathResults) (int,
 	return charts, nil
 }
 
+// cpValue is the figure of metric that the control plane's charts and
+// ratios use: the median of the runs, or of every change.
+func cpValue(cp *ControlPlaneResults, metric, proxy string, n int) (float64, bool) {
+	s := cp.Figures[metric][proxy][strconv.Itoa(n)]
+	if s == nil || len(s.Values) == 0 {
+		return 0, false
+	}
+	if perChange(metric) {
+		return s.quantile(0.5), true
+	}
+	return median(s), true
+}
+
+// cpChart draws metric against the number of services, a line per proxy,
+// and returns the file's name in the data folder ("" when no proxy has
+// the figure).
+func cpChart(cfg Config, cp *ControlPlaneResults, m Metric) (string, error) {
+	title := m.Title
+	if perChange(m.ID) {
+		title += " (p50)"
+	}
+	return scaleChart(cfg.dataDir(), "cp_"+m.ID, title, m.Unit, cp.Scales, cp.Proxies,
+		func(proxy string, n int) (float64, bool) { return cpValue(cp, m.ID, proxy, n) })
+}
+
+// cpCostCurves are the figures that the summary charts against the number
+// of services: what a proxy costs as its work grows.
+var cpCostCurves = []string{"rss_mib", "program_s"}
+
+// writeCostCurves writes the summary's charts of cpCostCurves.
+func writeCostCurves(b *strings.Builder, cfg Config, cp *ControlPlaneResults) error {
+	var charts []string
+	for _, id := range cpCostCurves {
+		i := slices.IndexFunc(cp.Metrics, func(m Metric) bool { return m.ID == id })
+		if i < 0 {
+			continue
+		}
+		file, err := cpChart(cfg, cp, cp.Metrics[i])
+		if err != nil {
+			return err
+		}
+		if file != "" {
+			charts = append(charts, fmt.Sprintf("![%s](%s/%s)", cp.Metrics[i].Title, cfg.Stem, file))
+		}
+	}
+	if len(charts) == 0 {
+		return nil
+	}
+	scales := make([]string, len(cp.Scales))
+	for i, n := range cp.Scales {
+		scales[i] = thousands(int64(n))
+	}
+	fmt.Fprintf(b, "How each proxy's memory and its time to program every service grow with the number of services (%s): the\n"+
+		"median at each scale, a line per proxy; a proxy that timed out has no point there and beyond.\n\n%s\n\n", strings.Join(scales, ", "), strings.Join(charts, "\n\n"))
+	return nil
+}
+
 func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (int, error) {
 	b.WriteString("## Control plane results\n\n")
 	charts := 0
@@ -452,21 +569,8 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 			b.WriteString(" Min, median and max of the runs.")
 		}
 		b.WriteString("\n\n")
-		value := func(proxy string, n int) (float64, bool) {
-			s := cp.Figures[m.ID][proxy][strconv.Itoa(n)]
-			if s == nil || len(s.Values) == 0 {
-				return 0, false
-			}
-			if perChange(m.ID) {
-				return s.quantile(0.5), true
-			}
-			return median(s), true
-		}
-		title := m.Title
-		if perChange(m.ID) {
-			title += " (p50)"
-		}
-		file, err := scaleChart(cfg.dataDir(), "cp_"+m.ID, title, m.Unit, cp.Scales, cp.Proxies, value)
+		value := func(proxy string, n int) (float64, bool) { return cpValue(cp, m.ID, proxy, n) }
+		file, err := cpChart(cfg, cp, m)
 		if err != nil {
 			return charts, err
 		}
@@ -800,10 +904,19 @@ func writeNA(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, g
 	}
 	if haveDP {
 		for _, p := range dp.Paths {
+			// One line per reason, naming the figures it holds for.
+			var reasons []string
+			which := map[string][]string{}
 			for _, m := range dp.Metrics {
 				if s := dp.Figures[m.ID][p.ID]; s != nil && len(s.Values) == 0 && s.NA != "" {
-					add(fmt.Sprintf("%s, %s: %s", p.Title, shortTitle(m), s.NA))
+					if which[s.NA] == nil {
+						reasons = append(reasons, s.NA)
+					}
+					which[s.NA] = append(which[s.NA], shortTitle(m))
 				}
+			}
+			for _, r := range reasons {
+				add(fmt.Sprintf("%s, %s: %s", p.Title, strings.Join(which[r], ", "), r))
 			}
 		}
 		if dp.ProfileNA != "" {

@@ -71,11 +71,13 @@ func (t dataTarget) met(r float64) bool {
 	return r >= t.bound
 }
 
-// uproxyPaths returns the subjects whose id starts with "uproxy", in order.
+// uproxyPaths returns the subjects whose id starts with "uproxy", in order,
+// but for the baseline binary's (--baseline): the targets are the current
+// code's.
 func uproxyPaths(subjects []Subject) []Subject {
 	var out []Subject
 	for _, s := range subjects {
-		if strings.HasPrefix(s.ID, "uproxy") {
+		if strings.HasPrefix(s.ID, "uproxy") && !strings.HasSuffix(s.ID, baselineSuffix) {
 			out = append(out, s)
 		}
 	}

@@ -43,10 +43,12 @@ func TestTargetsTable(t *testing.T) {
 	series := func(v ...float64) *Series { return &Series{Values: v} }
 	dp := &DataPathResults{
 		Paths: []Subject{{ID: "dnat", Title: "DNAT"}, {ID: "haproxy", Title: "HAProxy"}, {ID: "nginx", Title: "nginx"},
-			{ID: "uproxy", Title: "uproxy A"}, {ID: "uproxy-b", Title: "uproxy B"}},
+			{ID: "uproxy", Title: "uproxy A"}, {ID: "uproxy-b", Title: "uproxy B"},
+			// An older binary (--baseline) meets no target for the current one.
+			{ID: "uproxy-baseline", Title: "uproxy A, baseline"}},
 		Figures: map[string]map[string]*Series{
 			"bulk_gbps": {"dnat": series(20, 10), "uproxy": series(10, 6), "uproxy-b": series(12, 5)},
-			"rr_rps":    {"haproxy": series(100, 100), "uproxy": series(130, 120), "uproxy-b": series(100, 90)},
+			"rr_rps":    {"haproxy": series(100, 100), "uproxy": series(130, 120), "uproxy-b": series(100, 90), "uproxy-baseline": series(200, 200)},
 			"rr_p99_us": {"haproxy": series(100, 100), "uproxy": series(90, 100), "uproxy-b": series(110, 120)},
 			"short_cps": {"haproxy": series(10, 10), "uproxy": series(9, 9)},
 			"udp_rps":   {"dnat": series(200, 200), "nginx": series(100, 100), "uproxy": series(150, 160), "uproxy-b": series(140, 140)},

@@ -175,6 +175,84 @@ func rssKiB(pid int) (int64, error) {
 	return total, nil
 }
 
+// cpuTime returns the CPU time, user and system, that pid and its
+// descendants have used so far (nginx's master and workers, say).
+func cpuTime(pid int) (time.Duration, error) {
+	var ticks int64
+	for _, p := range append([]int{pid}, descendants(pid)...) {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p))
+		if err != nil {
+			if p == pid {
+				return 0, fmt.Errorf("reading the CPU time of pid %d: %w", p, err)
+			}
+			continue // a child that just ended
+		}
+		t, err := statCPUTicks(string(b))
+		if err != nil {
+			return 0, fmt.Errorf("pid %d: %w", p, err)
+		}
+		ticks += t
+	}
+	return time.Duration(ticks) * time.Second / userHZ, nil // see userHZ
+}
+
+// statCPUTicks returns utime + stime (fields 14 and 15) of a
+// /proc/PID/stat line, in clock ticks.
+func statCPUTicks(stat string) (int64, error) {
+	// pid (comm) state …; comm may hold spaces and parentheses.
+	i := strings.LastIndexByte(stat, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("no command name in stat %q", firstLine(stat))
+	}
+	f := strings.Fields(stat[i+1:])
+	if len(f) < 13 {
+		return 0, fmt.Errorf("stat has %d fields after the command name, want at least 13", len(f))
+	}
+	var sum int64
+	for _, v := range f[11:13] {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("stat: CPU time %q: %w", v, err)
+		}
+		sum += n
+	}
+	return sum, nil
+}
+
+// cpuMeter measures the CPU time a proxy process uses over one workload.
+type cpuMeter struct {
+	pid   int
+	start time.Duration
+	err   error
+}
+
+// startCPU starts measuring r's proxy process, or returns nil when no
+// process carries the traffic (the kernel paths, and kube-proxy, which only
+// programs the kernel).
+func startCPU(r *pathRun) *cpuMeter {
+	if r.proc == nil || !r.userspace {
+		return nil
+	}
+	m := &cpuMeter{pid: r.proc.Cmd.Process.Pid}
+	m.start, m.err = cpuTime(m.pid)
+	return m
+}
+
+// per returns the CPU time used since startCPU, in µs per unit of work.
+func (m *cpuMeter) per(units float64) (float64, error) {
+	if m.err != nil {
+		return 0, m.err
+	}
+	end, err := cpuTime(m.pid)
+	if err != nil {
+		return 0, err
+	}
+	if units <= 0 {
+		return 0, fmt.Errorf("no work to divide the CPU time by")
+	}
+	return float64(end-m.start) / float64(time.Microsecond) / units, nil
+}
+
 // descendants lists the processes whose ancestor is pid.
 func descendants(pid int) []int {
 	ents, err := os.ReadDir("/proc")
