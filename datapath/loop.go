@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"cmp"
@@ -84,7 +84,7 @@ func (g *loopGroup) start() error {
 				g.noRing(l.ringErr)
 			}
 			if l.ringErr != nil && g.opts.stats != nil {
-				g.opts.stats.noRing.Add(1)
+				g.opts.stats.NoRing.Add(1)
 			}
 			loops = append(loops, l)
 		}
@@ -122,24 +122,24 @@ type loopOptions struct {
 	// (abandonRing); it runs on the loop's goroutine.
 	ringFailed func(error)
 	// stats, if set, counts what the loops carried and how.
-	stats *loopStats
+	stats *Stats
 }
 
-// loopStats counts, across a proxier's data path, the sessions the ring
+// Stats counts, across a proxier's data path, the sessions the ring
 // could have carried and those it did, so that a test of the ring data
 // path can tell it from epoll (a ring that failed to set up leaves the
 // sessions on epoll, and the traffic flows all the same), and the bytes
 // that went through userspace buffers rather than splice, so that a test
 // can tell that bulk transfers splice (with TCP_INQ the reads are
 // recvmsg(2), which the kernel's per-process read counters do not see).
-// Only tests keep one (Config.stats). Safe for concurrent use.
-type loopStats struct {
-	// eligible: sessions a ring would take (no PROXY protocol header);
-	// onRing: those put on a ring; ringServed: those whose bytes a ring
-	// received; carried: sessions that moved bytes, by any path. noRing:
-	// loops that could not set up their ring. copied: bytes moved through
+// Only tests keep one (Config.Stats). Safe for concurrent use.
+type Stats struct {
+	// Eligible: sessions a ring would take (no PROXY protocol header);
+	// OnRing: those put on a ring; RingServed: those whose bytes a ring
+	// received; Carried: sessions that moved bytes, by any path. NoRing:
+	// loops that could not set up their ring. Copied: bytes moved through
 	// userspace buffers, on any path.
-	eligible, onRing, ringServed, carried, noRing, copied atomic.Int64
+	Eligible, OnRing, RingServed, Carried, NoRing, Copied atomic.Int64
 }
 
 // eventLoop carries sessions on one epoll instance. Its goroutine (run)
@@ -189,7 +189,7 @@ type eventLoop struct {
 	ringErr    error
 	epollDue   bool
 	ringFailed func(error) // loopOptions.ringFailed
-	stats      *loopStats  // loopOptions.stats; nil: none kept
+	stats      *Stats      // loopOptions.stats; nil: none kept
 }
 
 // newEventLoop creates the loop's epoll instance and starts its
@@ -432,7 +432,7 @@ type loopSession struct {
 	// leaving: it goes over to epoll once they have completed.
 	// connectArmed: the ring's connect of backend connection attempt
 	// number attempt is in flight. ringServed: a ring receive has carried
-	// bytes of the session (loopStats.ringServed).
+	// bytes of the session (Stats.RingServed).
 	onRing, leaving, connectArmed, ringServed bool
 	ringID                                    uint64
 	ringOps                                   int
@@ -474,9 +474,9 @@ func (l *eventLoop) add(ls *loopSession) {
 	// A backend connected before the hand-over was dialled by
 	// net.Dialer, with Go's keep-alive, or by Config.Dial, which chooses.
 	ls.keepAlive = ls.dial == nil
-	eligible := ls.dial == nil || ls.dial.snap.sp.ProxyProtocol == 0
+	eligible := ls.dial == nil || ls.dial.snap.ProxyProtocol == 0
 	if eligible && l.stats != nil {
-		l.stats.eligible.Add(1)
+		l.stats.Eligible.Add(1)
 	}
 	if l.ring != nil && eligible {
 		l.ringAdd(ls)
@@ -800,7 +800,7 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 		}
 	}
 	if l.stats != nil {
-		l.stats.copied.Add(int64(n))
+		l.stats.Copied.Add(int64(n))
 	}
 	full := n == len(l.buf)
 	flags := 0
@@ -915,7 +915,7 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 	}
 	tcpPipes.leave()
 	if l.stats != nil && ls.dir[0].total+ls.dir[1].total > 0 {
-		l.stats.carried.Add(1)
+		l.stats.Carried.Add(1)
 	}
 	ls.finish(ls.dir[0].total, ls.dir[1].total)
 }

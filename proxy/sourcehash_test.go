@@ -60,9 +60,9 @@ func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 	name := types.NamespacedName{Namespace: "default", Name: "web"}
 	ports = map[string]string{}
 	for k, l := range p.services[name] {
-		bal := l.snap.Load().cluster
+		bal := l.snap.Load().Cluster
 		desc := balancer.SourceHashMethod(bal)
-		if t := p.hash.byService[name][balancer.MaglevKey(l.snap.Load().clusterBackends)]; t != nil && desc == "Maglev" {
+		if t := p.hash.byService[name][balancer.MaglevKey(l.snap.Load().ClusterBackends)]; t != nil && desc == "Maglev" {
 			desc = fmt.Sprintf("Maglev %d", t.Len())
 		}
 		ports[k.name.Port] = desc
@@ -141,7 +141,7 @@ func TestSourceHashTablesBound(t *testing.T) {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.10:"+tt.port), v1.ProtocolTCP, client)
 		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}][portKey{name: ServicePortName{
 			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}}]
-		if want := l.snap.Load().cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
+		if want := l.snap.Load().Cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
 			t.Errorf("explain %s: backend %s by %q; want %s %s", tt.key, ex.Backend, ex.Pick, want, tt.hashing)
 		}
 	}
