@@ -18,6 +18,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // rawListening returns a duplicate of a listening socket on 127.0.0.1, as
@@ -327,7 +329,7 @@ func TestLoopUDPReadBacksOff(t *testing.T) {
 func TestListenerWithoutLoopIsRetried(t *testing.T) {
 	be := nameBackend(t, "a")
 	core, logs := observer.New(zap.ErrorLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core)})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}})
 	fail := failLoops(p)
 	const name = "default/a:http"
 	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80")}, slicesFor("a", "http", be))
@@ -344,7 +346,7 @@ func TestAdoptedListenerWithoutLoopIsRetried(t *testing.T) {
 	be := nameBackend(t, "web")
 	f, inheritedPort := inheritedTCP4(t)
 	core, logs := observer.New(zap.InfoLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core), Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}})})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}})})
 	fail := failLoops(p)
 	const name = "default/web:http"
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))

@@ -16,6 +16,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/uring"
 )
 
@@ -70,7 +71,7 @@ func skipWithoutRing(t *testing.T) {
 func TestRingCarriesMessagesThenHandsBulkToEpoll(t *testing.T) {
 	skipWithoutRing(t)
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}}, be)
 	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)
@@ -117,7 +118,7 @@ func TestRingCarriesMessagesThenHandsBulkToEpoll(t *testing.T) {
 func TestRingStarvedReceivesResume(t *testing.T) {
 	skipWithoutRing(t)
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: 1, IdleTimeout: time.Hour}, be)
+	p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IOURingBuffers: 1, IdleTimeout: time.Hour}}, be)
 	const clients, rounds = 8, 200
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
@@ -194,7 +195,7 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 			time.Sleep(100 * time.Microsecond) // small receives, not a bulk transfer
 		}
 	})
-	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+	p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}}, be)
 	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
 		return rc.Control(func(fd uintptr) { syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
 	}}
@@ -330,7 +331,7 @@ func TestRingErrorsNeverPanic(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-			p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
+			p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}}, be)
 			first := echoOnce(t, port, 0)
 			defer first.Close()
 			if s := ringSessions(t, p); s.OnRing != 1 {
@@ -383,7 +384,7 @@ func TestIOURingBuffersReachTheRing(t *testing.T) {
 		{"not a power of two", 3, 1},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := startProxier(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers})
+			p, _ := startProxier(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers}})
 			l, err := p.loops.loopFor()
 			if err != nil {
 				t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // hashService is a source-hash Service with ports http (80), https (443)
@@ -43,11 +44,13 @@ func hashService(httpPods, metricsPods int) (*v1.Service, []*discovery.EndpointS
 func hashProxier(t *testing.T, bound int64) (*Proxier, *observer.ObservedLogs) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	p := NewProxier(Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
+			Logger:      zap.New(core),
+		},
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst:     func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		Rules:           &recordingRules{},
 		SourceHashBytes: bound,
-		Logger:          zap.New(core),
 	})
 	t.Cleanup(func() { p.Shutdown(context.Background()) })
 	return p, logs

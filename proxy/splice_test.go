@@ -20,6 +20,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // readSyscalls returns this process's count of read-family syscalls
@@ -81,8 +83,8 @@ func TestTCPPathSplices(t *testing.T) {
 			return n
 		}
 
-		p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
-		receive(port)                                                                                      // warm up: pipes, goroutines
+		p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}}, be) // deadlines must not disable splice
+		receive(port)                                                                                                               // warm up: pipes, goroutines
 		before, copiedBefore := readSyscalls(t), p.cfg.stats.copied.Load()
 		receive(port)
 		proxied, copied := readSyscalls(t)-before, p.cfg.stats.copied.Load()-copiedBefore
@@ -252,7 +254,7 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 		// An echo through a userspace buffer: io.Copy on the bare conn would
 		// splice, and hold a pipe in the backend while it waits.
 		be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-		p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be)
+		p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}}, be)
 
 		const n = 100
 		// The event loops' own descriptors (an epoll and an eventfd each)
@@ -301,7 +303,7 @@ func TestSplicePathKeepsEveryByte(t *testing.T) {
 		be := echoBackend(t)
 		// A short idle timeout, so that deadlines fire in the middle of
 		// transfers and the copy has to resume without losing a byte.
-		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
+		_, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Second}, Metrics: NewMetrics(reg)}, be)
 
 		const conns = 40
 		var (
@@ -426,7 +428,7 @@ func TestMessagesThenHalfClose(t *testing.T) {
 			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
 			c.Write([]byte("bye"))
 		})
-		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be)
+		_, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}}, be)
 		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
 			t.Fatal(err)
@@ -487,7 +489,7 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 		defer release()
 		baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
 		func() {
-			p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond}, be)
+			p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond}}, be)
 			payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 			// More than the kernel's socket buffers on both sides can hold.
 			flood := make([]byte, 32<<20)

@@ -11,6 +11,8 @@ import (
 
 	"github.com/hashicorp/golang-lru/v2/expirable"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // BenchmarkUDPFlowLookup measures the flow table's work for one datagram
@@ -54,7 +56,7 @@ func BenchmarkUDPRequestResponse(b *testing.B) {
 	for _, clients := range []int{1, 32} {
 		for _, batch := range []int{1, 8} {
 			b.Run(fmt.Sprintf("clients=%d/batch=%d", clients, batch), func(b *testing.B) {
-				benchUDPRequestResponse(b, Config{UDPReadBatch: batch}, clients)
+				benchUDPRequestResponse(b, Config{Config: datapath.Config{UDPReadBatch: batch}}, clients)
 			})
 		}
 	}

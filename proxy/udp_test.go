@@ -20,6 +20,8 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/ptr"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // udpBackend answers every datagram with "name:" and the datagram's
@@ -104,7 +106,7 @@ func dialUDP(t testing.TB, port int) *net.UDPConn {
 func TestUDPFlows(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
-		p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, UDPTimeout: 300 * time.Millisecond})
+		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPTimeout: 300 * time.Millisecond}})
 		dns := svc("dns", "10.96.0.10", "dns:53/UDP")
 		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", a, b))
 		port := rules.port(t, "default/dns:dns")
@@ -161,7 +163,7 @@ func TestUDPListenerOnItsLoop(t *testing.T) {
 				}
 			}
 			echo := udpBackend(t, "", true)
-			p, rules := startProxier(t, Config{EventLoops: 2, IOURing: ring, UDPTimeout: time.Minute})
+			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: 2, IOURing: ring, UDPTimeout: time.Minute}})
 			dns, dns2 := svc("dns", "10.96.0.10", "dns:53/UDP"), svc("dns2", "10.96.0.11", "dns:53/UDP")
 			p.Tracker().Replace([]*v1.Service{dns, dns2}, append(udpSlices("dns", echo), udpSlices("dns2", echo)...))
 			for _, name := range []string{"default/dns:dns", "default/dns2:dns"} {
@@ -235,7 +237,7 @@ func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
 				}()
 				t.Cleanup(func() { pc.Close() })
 				echo := netip.MustParseAddrPort(pc.LocalAddr().String())
-				p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring})
+				p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring}})
 				sl := udpSlice("dns", "dns", echo)
 				if echo.Addr().Is6() {
 					sl.AddressType = discovery.AddressTypeIPv6
@@ -288,7 +290,7 @@ func TestUDPEjectsRefusingBackend(t *testing.T) {
 		}
 		deadAddr := netip.MustParseAddrPort(dead.LocalAddr().String())
 		dead.Close()
-		p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, EjectBase: time.Minute})
+		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, EjectBase: time.Minute}})
 		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", deadAddr, good))
 		port := rules.port(t, "default/dns:dns")
 		// Whichever client lands on the dead backend first loses that datagram
@@ -316,7 +318,7 @@ func TestUDPNoLeaks(t *testing.T) {
 		baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
 		func() {
 			reg := prometheus.NewRegistry()
-			p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50, Metrics: NewMetrics(reg)})
+			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50}, Metrics: NewMetrics(reg)})
 			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
 			port := rules.port(t, "default/dns:dns")
 			for range 200 {

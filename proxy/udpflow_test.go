@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // TestFlowTouchNeverRevivesAReplacedFlow races a flow's touch, as its reply
@@ -96,17 +98,20 @@ func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 		lookups := 0
 		reg := prometheus.NewRegistry()
 		p, rules := startProxier(t, Config{
-			EventLoops: dp.loops, IOURing: dp.ring, Metrics: NewMetrics(reg),
-			UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
-				mu.Lock()
-				defer mu.Unlock()
-				lookups++
-				d, ok := dsts[client.Port()]
-				if !ok {
-					return d, errors.New("no conntrack entry")
-				}
-				return d, nil
+			Config: datapath.Config{
+				EventLoops: dp.loops, IOURing: dp.ring,
+				UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+					mu.Lock()
+					defer mu.Unlock()
+					lookups++
+					d, ok := dsts[client.Port()]
+					if !ok {
+						return d, errors.New("no conntrack entry")
+					}
+					return d, nil
+				},
 			},
+			Metrics: NewMetrics(reg),
 		})
 		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.53", "dns:53/UDP")}, udpSlices("dns", a))
 		port := rules.port(t, "default/dns:dns")
