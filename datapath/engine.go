@@ -123,6 +123,11 @@ type Config struct {
 	// tests that must tell the data paths apart although traffic flows
 	// the same on each. Nil means nothing is counted.
 	Stats *Stats
+	// StartLoop, if set, runs before each event loop starts, and an
+	// error from it fails the start as the kernel's would (no descriptor
+	// left for an epoll instance): for the tests of what the control
+	// plane does then. Nil means nothing runs.
+	StartLoop func() error
 }
 
 func (c *Config) ioURingBuffers() int {
@@ -215,6 +220,14 @@ func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
 			keepAliveEvery: cfg.backendKeepAliveEvery(), ringBufs: cfg.ioURingBuffers(),
 			stats: cfg.Stats,
 		}},
+	}
+	if cfg.StartLoop != nil {
+		p.loops.newLoop = func(o loopOptions) (*eventLoop, error) {
+			if err := cfg.StartLoop(); err != nil {
+				return nil, err
+			}
+			return newEventLoop(o)
+		}
 	}
 	if cfg.IOURing && p.loops.n > 0 {
 		if err := IOURingSupported(); err != nil {

@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"context"
@@ -14,8 +14,6 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
-
-	"github.com/uproxy/uproxy/datapath"
 )
 
 // acceptOptions are the options setAcceptOptions sets, as getsockopt
@@ -82,7 +80,7 @@ func TestAcceptedSocketsInheritOptions(t *testing.T) {
 func TestListenersCarryAcceptOptions(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		be := nameBackend(t, "a")
-		_, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring}}, be)
+		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring}, be)
 		fd := listeningSocket(t, port)
 		if diff := cmp.Diff(acceptOptions, socketOptions(t, fd)); diff != "" {
 			t.Errorf("listener's options (-want +got):\n%s", diff)
@@ -139,7 +137,7 @@ func findSocket(t *testing.T, what string, match func(fd int) bool) int {
 // goroutine for them (with a goroutine per direction it held two each).
 func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{Config: datapath.Config{IdleTimeout: time.Hour}}, be)
+	p, port := proxyWeb(t, Config{IdleTimeout: time.Hour}, be)
 	const n = 200
 	conns := make([]net.Conn, 0, n+1)
 	defer func() {
@@ -185,7 +183,7 @@ func TestBackendKeepAliveComesLater(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			be := echoBackend(t)
-			_, port := proxyWeb(t, Config{Config: datapath.Config{BackendKeepAliveEvery: tt.every}}, be)
+			_, port := proxyWeb(t, Config{BackendKeepAliveEvery: tt.every}, be)
 			c := echoOnce(t, port, 0)
 			defer c.Close()
 			fd := connectedSocket(t, int(be.addr.Port()))

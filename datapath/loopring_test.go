@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"bytes"
@@ -16,12 +16,11 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 
-	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/uring"
 )
 
 // onLoops runs f on each of p's event loops, in turn, and waits for it.
-func onLoops(t *testing.T, p *Proxier, f func(l *eventLoop)) {
+func onLoops(t *testing.T, p *Engine, f func(l *eventLoop)) {
 	t.Helper()
 	loops, err := p.loops.running()
 	if err != nil {
@@ -42,7 +41,7 @@ type ringState struct {
 	OnRing, Total int // sessions on the ring; sessions of the loop
 }
 
-func ringSessions(t *testing.T, p *Proxier) ringState {
+func ringSessions(t *testing.T, p *Engine) ringState {
 	t.Helper()
 	var s ringState
 	onLoops(t, p, func(l *eventLoop) {
@@ -71,7 +70,7 @@ func skipWithoutRing(t *testing.T) {
 func TestRingCarriesMessagesThenHandsBulkToEpoll(t *testing.T) {
 	skipWithoutRing(t)
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}}, be)
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
 	c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)
@@ -118,7 +117,7 @@ func TestRingCarriesMessagesThenHandsBulkToEpoll(t *testing.T) {
 func TestRingStarvedReceivesResume(t *testing.T) {
 	skipWithoutRing(t)
 	be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-	p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IOURingBuffers: 1, IdleTimeout: time.Hour}}, be)
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: 1, IdleTimeout: time.Hour}, be)
 	const clients, rounds = 8, 200
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
@@ -195,7 +194,7 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 			time.Sleep(100 * time.Microsecond) // small receives, not a bulk transfer
 		}
 	})
-	p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}}, be)
+	p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
 	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
 		return rc.Control(func(fd uintptr) { syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
 	}}
@@ -215,7 +214,7 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 		onLoops(t, p, func(l *eventLoop) {
 			slow, held = l.ring.slowLeaves, l.ring.bufs.Held()
 			ringSessions, sessions = len(l.ring.sessions), len(l.sessions)
-			served = l.stats.ringServed.Load()
+			served = l.stats.RingServed.Load()
 		})
 		if slow > 0 || (served > 0 && sessions == 1 && ringSessions == 0) {
 			break
@@ -331,7 +330,7 @@ func TestRingErrorsNeverPanic(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-			p, port := proxyWeb(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}}, be)
+			p, port := proxyWeb(t, Config{EventLoops: 1, IOURing: true, IdleTimeout: time.Hour}, be)
 			first := echoOnce(t, port, 0)
 			defer first.Close()
 			if s := ringSessions(t, p); s.OnRing != 1 {
@@ -384,12 +383,12 @@ func TestIOURingBuffersReachTheRing(t *testing.T) {
 		{"not a power of two", 3, 1},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := startProxier(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers}})
+			p := startEngine(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers})
 			l, err := p.loops.loopFor()
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := p.cfg.stats.noRing.Load(); got != tt.noRing {
+			if got := p.cfg.Stats.NoRing.Load(); got != tt.noRing {
 				t.Errorf("%d loops without a ring (%v), want %d", got, l.ringErr, tt.noRing)
 			}
 		})
