@@ -177,10 +177,10 @@ func (f *udpFlow) drop() {
 	l.post(func() { l.dropFlow(f) })
 }
 
-// flowTable holds every UDP flow of a Proxier, bounded in size, each
+// flowTable holds every UDP flow of an Engine, bounded in size, each
 // expiring after the UDP timeout without traffic. It is an expirable LRU
 // from hashicorp/golang-lru; that LRU runs one expiry goroutine that never
-// exits, so the table is created once per Proxier, with its first UDP
+// exits, so the table is created once per Engine, with its first UDP
 // listener, and lives as long as the process.
 type flowTable struct {
 	once sync.Once

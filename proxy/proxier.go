@@ -7,8 +7,6 @@ import (
 	"net/netip"
 	"runtime"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,7 +17,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 
-	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
 )
 
@@ -128,12 +125,12 @@ func (c *Config) logger() *zap.Logger {
 }
 
 // Proxier turns the tracked Services and EndpointSlices into listeners,
-// balancers and intercept rules, and carries the connections.
+// balancers and intercept rules, and publishes each listener's routing to
+// the data path (datapath.Engine), which carries the connections.
 //
-// Run owns the sync goroutine; each listener owns an accept goroutine that
-// exits when the listener is closed; each connection owns one goroutine
-// (plus one for its second copy direction) that exits when both directions
-// have ended. Shutdown stops them all.
+// Run owns the sync goroutine, which owns the listeners and builds their
+// snapshots; the Engine owns the goroutines of the data path. Shutdown
+// stops them all.
 type Proxier struct {
 	cfg     Config
 	tracker *Tracker
@@ -282,27 +279,6 @@ func (p *Proxier) LastSync() time.Time {
 		return time.Time{}
 	}
 	return time.Unix(0, n)
-}
-
-// portKey names one listener: a service port in one address family.
-type portKey struct {
-	name ServicePortName
-	v6   bool
-	// slot numbers the further sockets of a shared listener that listens
-	// on a range of ports (sharedRedirectPorts): slot i listens on the
-	// shared listener's port + i. Zero on every other listener.
-	slot int
-}
-
-func (k portKey) network() string {
-	n := "tcp"
-	if k.name.Protocol == v1.ProtocolUDP {
-		n = "udp"
-	}
-	if k.v6 {
-		return n + "6"
-	}
-	return n + "4"
 }
 
 // sync applies the tracker's changes. It runs only on the runner's goroutine.
@@ -628,226 +604,6 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	}
 }
 
-// buildSnapshot builds a listener's next data-path state. Backends that
-// survive keep their identity, so active counts and ejections carry over.
-// Source-hash balancers take their tables from hashing.
-func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot, hashing *serviceHashing) *snapshot {
-	s := &snapshot{sp: sp, Snapshot: &datapath.Snapshot{
-		Name: sp.Name, VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
-		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
-		MaxConnections: sp.MaxConnections, MaxConnectionsPerEndpoint: sp.MaxConnectionsPerEndpoint,
-		ProxyProtocol: sp.ProxyProtocol, PreserveSourceIP: sp.PreserveSourceIP,
-	}}
-	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
-		if ip.Is6() == l.key.v6 {
-			s.External = append(s.External, ip)
-		}
-	}
-	eps, refused := portEndpoints(sp, st.Slices, func(ap netip.AddrPort) string { return p.endpointRefusal(sp, ap) })
-	for _, r := range refused {
-		if r.addr.Addr().Is6() == l.key.v6 { // once, by the listener of its family
-			p.log.Warn("refusing an endpoint; the service's other endpoints are used",
-				zap.String("kind", "EndpointSlice"), zap.String("object", r.slice), zap.String("field", r.field),
-				zap.Stringer("endpoint", r.addr), zap.Stringer("servicePort", sp.Name), zap.String("reason", r.reason))
-		}
-	}
-	otherFamily := func(e Endpoint) bool { return e.Addr.Addr().Is6() != l.key.v6 }
-	if !slices.ContainsFunc(eps, otherFamily) {
-		s.endpoints = eps // all of the listener's family: no copy (snapshots are immutable)
-	} else {
-		s.endpoints = slices.DeleteFunc(eps, otherFamily) // eps is this call's own
-	}
-	s.sets = CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
-
-	// One Backend per endpoint address, shared by both sets, found by a
-	// scan of s.Backends while there are few (smallSet).
-	var byAddr map[netip.AddrPort]*balancer.Backend
-	if len(s.endpoints) > smallSet {
-		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.endpoints))
-	}
-	find := func(a netip.AddrPort) *balancer.Backend {
-		if byAddr == nil {
-			return s.Backend(a)
-		}
-		return byAddr[a]
-	}
-	backendsOf := func(eps []Endpoint) []*balancer.Backend {
-		out := make([]*balancer.Backend, 0, len(eps))
-		for _, e := range eps {
-			b := find(e.Addr)
-			if b == nil {
-				w := sp.Weights[e.Addr.Addr()]
-				if old != nil {
-					if ob := old.Backend(e.Addr); ob != nil && ob.Weight == w {
-						b = ob
-					}
-				}
-				if b == nil {
-					b = balancer.NewBackend(e.Addr, w)
-				}
-				if byAddr != nil {
-					byAddr[e.Addr] = b
-				}
-				s.Backends = append(s.Backends, b)
-			}
-			out = append(out, b)
-		}
-		return out
-	}
-	cluster, local := backendsOf(s.sets.Cluster), backendsOf(s.sets.Local)
-	if old != nil {
-		for _, ob := range old.Backends {
-			if find(ob.Addr) != ob {
-				p.dp.Forget(ob)
-			}
-		}
-	}
-	if sp.AffinityTimeout > 0 {
-		if l.affinity == nil || l.affinityTimeout != sp.AffinityTimeout {
-			l.affinity = balancer.NewAffinityTable(balancer.AffinityConfig{
-				Timeout: sp.AffinityTimeout,
-				Now:     p.cfg.clock().Now,
-			})
-			l.affinityTimeout = sp.AffinityTimeout
-		}
-	} else {
-		l.affinity = nil
-	}
-	build := func(bs []*balancer.Backend) balancer.Balancer {
-		var bal balancer.Balancer
-		if sp.Balancer == balancer.SourceHash {
-			bal = hashing.balancer(bs)
-		} else {
-			bal = balancer.New(sp.Balancer, bs)
-		}
-		if l.affinity != nil {
-			bal = l.affinity.Wrap(bal, bs)
-		}
-		return bal
-	}
-	s.Cluster, s.Local = build(cluster), build(local)
-	s.ClusterBackends, s.LocalBackends = cluster, local
-	s.Affinity = l.affinity
-	s.Metrics = p.cfg.Metrics.forPort(sp, s.Backends)
-	return s
-}
-
-// endpointRefusal returns why sp must not send traffic to the endpoint
-// ap, or "" when it may (see portEndpoints). Besides the addresses that
-// no Service may use (endpointAddrRefusal), it refuses:
-//   - an address and port that sp itself intercepts: the proxy's own
-//     dial skips this node's rules (Config.OwnMark) but not another
-//     node's, which would send it back, and so on (#30);
-//   - on an address of this node, the proxy's own ports: sp's node
-//     port, a listener port, or a server of ServerAddrs, which a pod
-//     must not reach through a Service address.
-//
-// Called by the sync goroutine, which owns the port allocator.
-func (p *Proxier) endpointRefusal(sp *ServicePort, ap netip.AddrPort) string {
-	ip, port := ap.Addr(), ap.Port()
-	if why := endpointAddrRefusal(ip, p.cfg.LoopbackEndpoints); why != "" {
-		return why
-	}
-	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.ExternalIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip)) {
-		return "the service port's own address and port: the proxy's connections to it would be intercepted again"
-	}
-	for _, s := range p.cfg.ServerAddrs {
-		if sp.Name.Protocol == v1.ProtocolTCP && s.Port() == port && (s.Addr().Unmap() == ip || s.Addr().IsUnspecified() && p.localAddr(ip)) {
-			return "an address of the proxy's own servers"
-		}
-	}
-	if !p.localAddr(ip) {
-		return ""
-	}
-	if sp.NodePort != 0 && port == sp.NodePort {
-		return "the service port's own node port on an address of this node"
-	}
-	if p.ports.inUse(portKey{name: sp.Name, v6: ip.Is6()}.network(), port) {
-		return "a listener port of the proxy on an address of this node"
-	}
-	return ""
-}
-
-// localAddr reports whether ip is one of the node's addresses, as the
-// last sync read them.
-func (p *Proxier) localAddr(ip netip.Addr) bool {
-	if addrs := p.localAddrs.Load(); addrs != nil {
-		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
-		return found
-	}
-	return false
-}
-
-// intercepts returns the addresses whose traffic the kernel must send to
-// l, given its snapshot s.
-func (l *listener) intercepts(s *snapshot) []Intercept {
-	proto := s.sp.Name.Protocol
-	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: l.Port, ListenPortEnd: l.portEnd}
-	out := []Intercept{with(base, ClusterIP, s.VIP.Addr())}
-	for _, ip := range s.sp.ExternalIPs {
-		if ip.Is6() == l.key.v6 {
-			out = append(out, with(base, ExternalIP, ip))
-		}
-	}
-	for _, ip := range s.sp.LoadBalancerIPs {
-		if ip.Is6() == l.key.v6 {
-			i := with(base, LoadBalancerIP, ip)
-			i.SourceRanges = s.sp.SourceRanges
-			out = append(out, i)
-		}
-	}
-	if s.NodePort != 0 {
-		any := netip.IPv4Unspecified()
-		if l.key.v6 {
-			any = netip.IPv6Unspecified()
-		}
-		i := with(base, NodePort, any)
-		i.Port = s.NodePort
-		out = append(out, i)
-	}
-	return out
-}
-
-func with(i Intercept, k InterceptKind, ip netip.Addr) Intercept {
-	i.Kind, i.VIP = k, ip
-	return i
-}
-
-func interceptEqual(a, b Intercept) bool {
-	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol && a.VIP == b.VIP &&
-		a.Port == b.Port && a.ListenPort == b.ListenPort && a.ListenPortEnd == b.ListenPortEnd &&
-		slices.Equal(a.SourceRanges, b.SourceRanges)
-}
-
-// Intercepts returns the intercepts of every listener, sorted. It must be
-// called from the sync goroutine (or before Run).
-func (p *Proxier) Intercepts() []Intercept {
-	var out []Intercept
-	for _, ls := range p.services {
-		for _, l := range ls {
-			out = append(out, l.intercepts(l.snap.Load())...)
-		}
-	}
-	slices.SortFunc(out, func(a, b Intercept) int {
-		if c := a.VIP.Compare(b.VIP); c != 0 {
-			return c
-		}
-		if a.Port != b.Port {
-			return int(a.Port) - int(b.Port)
-		}
-		if a.Protocol != b.Protocol {
-			return strings.Compare(string(a.Protocol), string(b.Protocol))
-		}
-		if a.Kind != b.Kind {
-			return int(a.Kind) - int(b.Kind)
-		}
-		// Two services claiming one destination: the first wins in the
-		// rules, and in a shared listener's routes (servicePortLess).
-		return strings.Compare(a.Service.String(), b.Service.String())
-	})
-	return out
-}
-
 // updateServiceHealth records service name's health-check port and
 // ready local endpoints, as its listeners now have them, and marks them
 // for the ServiceHealth server if they changed. It looks at that one
@@ -908,173 +664,6 @@ func (p *Proxier) syncServiceHealth(full bool) {
 		p.hcDirty = true
 		p.log.Error("updating health-check node ports", zap.Error(err))
 	}
-}
-
-// snapshot is a listener's state as the sync goroutine built it: the
-// data path's routing (datapath.Snapshot), which the listener publishes
-// to the data path, with the model it was built from, for Status and
-// Explain. Immutable, replaced whole.
-type snapshot struct {
-	*datapath.Snapshot
-	sp        *ServicePort
-	endpoints []Endpoint // all endpoints of the listener's family
-	sets      EndpointSets
-}
-
-// listener is one service port's socket in one family, or, in the shared
-// layout, either a service port hosted by a shared listener (host set, no
-// socket of its own) or a shared listener itself (routes set, no
-// snapshot).
-type listener struct {
-	// Listener is the data path's part: the socket, its port, and the
-	// routing it publishes (Snap, Routes).
-	*datapath.Listener
-	key portKey
-	// portEnd, above port, is the last of the consecutive ports that a
-	// shared listener listens on, itself on port and its siblings on the
-	// rest; a hosted listener has its host's. Zero means port alone.
-	portEnd uint16
-	// siblings are a shared listener's further sockets, on port+1 to
-	// portEnd (slots 1 and up), each accepted on as the listener is, with
-	// the same route table.
-	siblings []*listener
-	// snap is what the listener's Snap was built from; nil until the
-	// first sync that applies it.
-	snap atomic.Pointer[snapshot]
-	// host is the shared listener that receives this service port's
-	// traffic; nil when the listener has its own socket.
-	host *listener
-
-	// Owned by the sync goroutine.
-	affinity        *balancer.AffinityTable
-	affinityTimeout time.Duration
-}
-
-// newListener returns the listener of k, without a socket.
-func newListener(k portKey) *listener {
-	return &listener{key: k, Listener: &datapath.Listener{
-		Name: k.name, Network: k.network(), V6: k.v6,
-		UDP: k.name.Protocol == v1.ProtocolUDP, Shared: k.name.IsShared(),
-	}}
-}
-
-// openListener binds a listener for k on all addresses of its family (the
-// kernel's REDIRECT rewrites the destination to a local address: 127.0.0.1
-// or ::1 for OUTPUT, the incoming interface's address for PREROUTING) and
-// starts accepting on it (startAccepting).
-func (p *Proxier) openListener(ctx context.Context, k portKey) (*listener, error) {
-	return p.openListenerAt(ctx, k, 0)
-}
-
-// openListenerAt is openListener on port exactly, or, when exact is zero,
-// on the port that adoptOrAllocate finds.
-func (p *Proxier) openListenerAt(ctx context.Context, k portKey, exact uint16) (*listener, error) {
-	l, err := p.bindListener(ctx, k, exact)
-	if err != nil {
-		return nil, err
-	}
-	if err := p.startListener(l); err != nil {
-		p.unbindListener(l)
-		return nil, err
-	}
-	return l, nil
-}
-
-// unbindListener closes a listener that startListener could not start,
-// and frees its port. It runs on the sync goroutine, which owns the port
-// allocator.
-func (p *Proxier) unbindListener(l *listener) {
-	l.Close()
-	p.ports.release(l.key.network(), l.Port)
-}
-
-// bindListener is the first half of openListenerAt: it binds (or adopts)
-// l's socket. It runs on the sync goroutine, which owns the port
-// allocator.
-func (p *Proxier) bindListener(ctx context.Context, k portKey, exact uint16) (*listener, error) {
-	host := "0.0.0.0"
-	if k.v6 {
-		host = "::"
-	}
-	if p.cfg.Transparent {
-		// TPROXY --on-ip hands packets to the loopback listener whatever
-		// their destination; nothing else can reach it.
-		host = "127.0.0.1"
-		if k.v6 {
-			host = "::1"
-		}
-	}
-	network := k.network()
-	l := newListener(k)
-	udp := l.UDP
-	port, err := p.adoptOrAllocate(l, host, exact, func(port uint16) (uint16, error) {
-		addr := net.JoinHostPort(host, strconv.Itoa(int(port)))
-		var local net.Addr
-		if udp {
-			pc, err := p.dp.ListenUDP(ctx, network, addr)
-			if err != nil {
-				return 0, err
-			}
-			l.PC, local = pc, pc.LocalAddr()
-		} else {
-			ln, err := p.dp.Listen(ctx, network, addr)
-			if err != nil {
-				return 0, err
-			}
-			l.LN, local = ln, ln.Addr()
-		}
-		ap, err := netip.ParseAddrPort(local.String())
-		if err != nil {
-			l.Close()
-			return 0, fmt.Errorf("listener address %s: %w", local, err)
-		}
-		return ap.Port(), nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
-	}
-	l.Port = port
-	return l, nil
-}
-
-// startListener is the second half of openListenerAt: it readies l's
-// bound socket for accepting and starts its accept or read loop. It is
-// safe to call for different listeners concurrently, and concurrently
-// with bindListener. An error means that nothing accepts on l: the caller
-// closes it (unbindListener), and the service port is reported and
-// retried as one whose listener could not be opened.
-func (p *Proxier) startListener(l *listener) error {
-	k, network, port := l.key, l.key.network(), l.Port
-	if p.cfg.Rules != nil && !p.cfg.Transparent {
-		p.dp.Claim(l.Listener)
-	}
-	if err := p.dp.Prepare(l.Listener); err != nil {
-		return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
-	}
-	adopted, err := p.startAdopted(l)
-	if err == nil && !adopted {
-		err = p.dp.StartAccepting(l.Listener)
-	}
-	if err != nil {
-		return fmt.Errorf("listening for %s (%s): %w", k.name, network, err)
-	}
-	p.log.Info("listening", zap.Stringer("servicePort", k.name), zap.String("network", network), zap.Uint16("port", port))
-	return nil
-}
-
-// closeListener stops accepting for l. Its established connections go on.
-// A hosted service port only leaves its shared listener: the next route
-// table no longer has it, and its UDP flows end now, as a closed socket's
-// would.
-func (p *Proxier) closeListener(l *listener) {
-	if l.host != nil {
-		p.dp.Closed(l.Listener)
-		p.log.Info("removed service port from the shared listener", zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.Port))
-		return
-	}
-	l.Close()
-	p.ports.release(l.key.network(), l.Port)
-	p.log.Info("closed listener", zap.Stringer("servicePort", l.key.name), zap.Uint16("port", l.Port))
 }
 
 // Shutdown stops accepting on every listener, then waits for established
