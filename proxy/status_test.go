@@ -6,13 +6,15 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 func TestStatus(t *testing.T) {
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
 	refused := nameBackend(t, "refused")
 	refused.ln.Close()
-	p, rules := startProxier(t, Config{EjectBase: time.Minute})
+	p, rules := startProxier(t, Config{Config: datapath.Config{EjectBase: time.Minute}})
 	if st := p.Status(); len(st.Ports) != 0 || st.Mode != "redirect" {
 		t.Errorf("before the first sync: %+v", st)
 	}
