@@ -90,6 +90,7 @@ type Metrics struct {
 	active      *prometheus.Desc // service, port
 	bytes       *prometheus.Desc // service, port, direction
 	picks       *prometheus.Desc // service, backend
+	fallbacks   *prometheus.Desc // service, port, reason
 
 	// source walks the metrics of every live snapshot, for Collect; set
 	// by NewProxier, nil until then.
@@ -118,6 +119,9 @@ type portCounters struct {
 	active                                     atomic.Int64
 	upstream, downstream                       atomic.Uint64
 	noEndpoints, refused, limit, endpointLimit atomic.Uint64
+	// srcFallbacks count, by reason, the connections and flows dialled
+	// from the node's address though the port asks to keep the client's.
+	srcFallbacks [numFallbackReasons]atomic.Uint64
 }
 
 // metricLabels names the children of one service port.
@@ -208,6 +212,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		picks: prometheus.NewDesc("uproxy_balancer_picks_total",
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
+		fallbacks: prometheus.NewDesc("uproxy_source_ip_fallbacks_total",
+			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply).",
+			[]string{"service", "port", "reason"}, nil),
 		ports: map[string]map[string]*portState{},
 	}
 	dialErrors := prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -392,6 +399,7 @@ func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
 type portMetrics struct {
 	labels   metricLabels // service and port
 	c        *portCounters
+	keeps    bool // the port asks to keep the client's address: its fallbacks are reported
 	m        *Metrics
 	backends map[*balancer.Backend]*backendMetrics
 }
@@ -436,6 +444,7 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *portMe
 	pm := &portMetrics{
 		labels:   metricLabels{service: svc, port: port},
 		c:        st.c,
+		keeps:    sp.PreserveSourceIP,
 		m:        m,
 		backends: make(map[*balancer.Backend]*backendMetrics, len(backends)),
 	}
@@ -497,17 +506,19 @@ func (m *Metrics) setSource(walk func(yield func(*portMetrics) bool)) {
 
 // dataPathCollector turns the data path counters into the samples of
 // uproxy_connections_total, uproxy_active_connections,
-// uproxy_bytes_total and uproxy_balancer_picks_total when scraped.
+// uproxy_bytes_total, uproxy_balancer_picks_total and
+// uproxy_source_ip_fallbacks_total when scraped.
 type dataPathCollector struct{ m *Metrics }
 
 var _ prometheus.Collector = dataPathCollector{}
 
-// Describe sends the four families' descriptors.
+// Describe sends the families' descriptors.
 func (c dataPathCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.m.connections
 	ch <- c.m.active
 	ch <- c.m.bytes
 	ch <- c.m.picks
+	ch <- c.m.fallbacks
 }
 
 // Collect walks the live snapshots (safe for concurrent use with syncs:
@@ -541,6 +552,11 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(m.connections, pm.c.refused.Load(), svc, port, "", resultRefusedDestination)
 			counter(m.connections, pm.c.limit.Load(), svc, port, "", resultLimit)
 			counter(m.connections, pm.c.endpointLimit.Load(), svc, port, "", resultEndpointLimit)
+			if pm.keeps {
+				for r := fallbackSameSegment; r < numFallbackReasons; r++ {
+					counter(m.fallbacks, pm.c.srcFallbacks[r].Load(), svc, port, fallbackReasonNames[r])
+				}
+			}
 		}
 		for _, bm := range pm.backends {
 			if seenBackend[bm] {
@@ -591,6 +607,14 @@ func (pm *portMetrics) limited() {
 func (pm *portMetrics) endpointsFull() {
 	if pm != nil {
 		pm.c.endpointLimit.Add(1)
+	}
+}
+
+// sourceFallback counts a connection or flow dialled from the node's
+// address though the port asks to keep the client's, for reason.
+func (pm *portMetrics) sourceFallback(reason int) {
+	if pm != nil {
+		pm.c.srcFallbacks[reason].Add(1)
 	}
 }
 

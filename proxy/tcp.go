@@ -337,7 +337,7 @@ func (p *Proxier) admitTCP(l *listener, a accepted, s *session) *tcpDial {
 	}
 	d := &tcpDial{p: p, name: l.key.name, snap: snap, bal: bal, client: client, dst: dst}
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
-		d.from = client.Addr()
+		d.src.keep = client.Addr()
 	}
 	return d
 }

@@ -426,7 +426,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	bm.picked()
 	var from netip.Addr
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
-		from = client.Addr()
+		from = p.keepSource(pm, snap.sp.Name, client.Addr(), b.Addr.Addr())
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
