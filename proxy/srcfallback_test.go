@@ -1,0 +1,213 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/internal/testlab"
+)
+
+// fakeRoutes answers route lookups from a table, and counts them.
+type fakeRoutes struct {
+	mu      sync.Mutex
+	table   map[netip.Addr]segment
+	lookups map[netip.Addr]int
+}
+
+func (f *fakeRoutes) lookup(a netip.Addr) (segment, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.lookups == nil {
+		f.lookups = map[netip.Addr]int{}
+	}
+	f.lookups[a]++
+	s, ok := f.table[a]
+	if !ok {
+		return segment{}, errors.New("network is unreachable")
+	}
+	return s, nil
+}
+
+func TestSourceKeeperReason(t *testing.T) {
+	const bridge, flannel, lo = 3, 4, 1
+	routes := &fakeRoutes{table: map[netip.Addr]segment{
+		netip.MustParseAddr("10.244.0.10"):  {link: bridge, direct: true},  // a pod on the node's bridge
+		netip.MustParseAddr("10.244.0.11"):  {link: bridge, direct: true},  // another one
+		netip.MustParseAddr("10.244.1.5"):   {link: flannel, direct: false}, // a pod of another node, via a gateway
+		netip.MustParseAddr("10.244.0.1"):   {link: lo, direct: false},      // the node's own address (a local route)
+		netip.MustParseAddr("192.0.2.7"):    {link: 2, direct: false},       // an external client, via the default gateway
+		netip.MustParseAddr("10.244.9.2"):   {link: 9, direct: true},        // a routed pod on a veth of its own
+		netip.MustParseAddr("2001:db8::10"): {link: bridge, direct: true},
+		netip.MustParseAddr("2001:db8::11"): {link: bridge, direct: true},
+	}}
+	now := time.Unix(1000, 0)
+	k := &sourceKeeper{lookup: routes.lookup}
+	k.noReplyFrom(now, netip.MustParseAddr("10.244.9.2"), netip.MustParseAddr("10.244.1.5"))
+	k.noReplyFrom(now.Add(-noReplyTTL), netip.MustParseAddr("192.0.2.7"), netip.MustParseAddr("10.244.1.5"))
+
+	for _, tt := range []struct {
+		name, client, backend string
+		want                  string
+	}{
+		{"both pods on the bridge", "10.244.0.10", "10.244.0.11", "same_segment"},
+		{"a pod calling itself", "10.244.0.10", "10.244.0.10", "same_segment"},
+		{"IPv6 pods on the bridge", "2001:db8::10", "2001:db8::11", "same_segment"},
+		{"backend on another node", "10.244.0.10", "10.244.1.5", ""},
+		{"client is the node", "10.244.0.1", "10.244.0.11", ""},
+		{"external client", "192.0.2.7", "10.244.0.11", ""},
+		{"routed client, bridged backend", "10.244.9.2", "10.244.0.11", ""},
+		{"no route to the client: try, and fall back on no reply", "198.51.100.1", "10.244.0.11", ""},
+		{"a recent missing reply", "10.244.9.2", "10.244.1.5", "no_reply"},
+		{"a missing reply that has expired", "192.0.2.7", "10.244.1.5", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := k.reason(now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
+			if diff := cmp.Diff(tt.want, fallbackReasonNames[r]); diff != "" {
+				t.Errorf("reason(%s, %s) (-want +got):\n%s", tt.client, tt.backend, diff)
+			}
+		})
+	}
+}
+
+// TestSourceKeeperCaches checks that the route lookups, netlink round
+// trips, are made once per address per segmentTTL, not per connection.
+func TestSourceKeeperCaches(t *testing.T) {
+	a, b := netip.MustParseAddr("10.244.0.10"), netip.MustParseAddr("10.244.0.11")
+	routes := &fakeRoutes{table: map[netip.Addr]segment{a: {link: 3, direct: true}, b: {link: 3, direct: true}}}
+	k := &sourceKeeper{lookup: routes.lookup}
+	now := time.Unix(1000, 0)
+	for i := range 100 {
+		if r := k.reason(now.Add(time.Duration(i)*time.Millisecond), a, b); r != fallbackSameSegment {
+			t.Fatalf("connection %d: reason %q, want same_segment", i, fallbackReasonNames[r])
+		}
+	}
+	if diff := cmp.Diff(map[netip.Addr]int{a: 1, b: 1}, routes.lookups); diff != "" {
+		t.Errorf("lookups within the TTL (-want +got):\n%s", diff)
+	}
+	// The pod moved off the bridge: noticed once the entry expires.
+	routes.mu.Lock()
+	routes.table[b] = segment{link: 4}
+	routes.mu.Unlock()
+	if r := k.reason(now.Add(segmentTTL), a, b); r != fallbackNone {
+		t.Errorf("after the TTL, with the backend routed elsewhere: reason %q, want none", fallbackReasonNames[r])
+	}
+	if diff := cmp.Diff(map[netip.Addr]int{a: 2, b: 2}, routes.lookups); diff != "" {
+		t.Errorf("lookups after the TTL (-want +got):\n%s", diff)
+	}
+}
+
+// TestPreserveSourceIPFallsBackWhenNoReply runs a proxier in tproxy mode
+// in a namespace of its own, with a backend in another namespace that has
+// no route back to the client's address: a dial from the client's address
+// never gets its SYN-ACK, as when the backend shares a bridge with the
+// client and answers it directly (#32). The route lookup cannot tell, so
+// it is the timeout that must fall back: the connection works, from the
+// node's address, within about one dial timeout, and the next connection
+// of the same client does not wait at all.
+func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", args, err, out)
+		}
+	}
+	bns := testlab.NewNetns(t, "uplab-be-")
+	run("ip", "link", "add", "vbe0", "type", "veth", "peer", "name", "eth0", "netns", bns)
+	run("ip", "addr", "add", "10.244.0.1/24", "dev", "vbe0")
+	run("ip", "link", "set", "vbe0", "up")
+	run("ip", "-n", bns, "addr", "add", "10.244.0.2/24", "dev", "eth0")
+	run("ip", "-n", bns, "link", "set", "eth0", "up")
+	// The client's address: local to the node, unknown to the backend.
+	run("ip", "addr", "add", "192.0.2.7/32", "dev", "lo")
+
+	var ln net.Listener
+	if err := testlab.DoInNetns(bns, func() (err error) {
+		ln, err = net.Listen("tcp4", "10.244.0.2:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	be := startBackendOn(t, ln, func(c net.Conn) {
+		host, _, _ := net.SplitHostPort(c.RemoteAddr().String())
+		fmt.Fprintln(c, host)
+	})
+
+	for _, tt := range []struct {
+		name  string
+		loops int
+		ring  bool
+	}{{"event loops", 1, false}, {"io_uring", 1, true}, {"goroutines", -1, false}} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.ring {
+				if err := IOURingSupported(); err != nil {
+					t.Skipf("skipping: %v", err)
+				}
+			}
+			const dialTimeout = 300 * time.Millisecond
+			reg := prometheus.NewRegistry()
+			p, rules := startProxier(t, Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout, Metrics: NewMetrics(reg)})
+			s := svc("web", "10.96.0.10", "http:80")
+			s.Annotations = map[string]string{AnnotationPreserveSourceIP: "true"}
+			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
+			port := rules.port(t, "default/web:http")
+
+			get := func() (string, time.Duration) {
+				t.Helper()
+				start := time.Now()
+				d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("192.0.2.7")}, Timeout: 2 * time.Second}
+				c, err := d.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				buf := make([]byte, 64)
+				n, err := c.Read(buf)
+				if err != nil {
+					t.Fatalf("after %v, the connection failed: %v", time.Since(start), err)
+				}
+				return strings.TrimSpace(string(buf[:n])), time.Since(start)
+			}
+			seen, took := get()
+			if seen != "10.244.0.1" {
+				t.Errorf("first connection: the backend saw %q, want the node's 10.244.0.1", seen)
+			}
+			if took < dialTimeout || took > 2*dialTimeout+time.Second {
+				t.Errorf("first connection took %v, want one dial timeout (%v) and a retry", took, dialTimeout)
+			}
+			seen, took = get()
+			if seen != "10.244.0.1" || took >= dialTimeout {
+				t.Errorf("second connection: the backend saw %q after %v; want the node's address at once (the missing reply remembered)", seen, took)
+			}
+			labels := map[string]string{"service": "default/web", "port": "http"}
+			if got, _ := scrape(t, reg, "uproxy_source_ip_fallbacks_total", plusLabel(labels, "reason", "no_reply")); got != 2 {
+				t.Errorf("no_reply fallbacks = %v, want 2", got)
+			}
+			if got, _ := scrape(t, reg, "uproxy_connections_total", plusLabel(labels, "result", "dial_error")); got != 0 {
+				t.Errorf("dial errors = %v, want none: the backend answers from the node's address", got)
+			}
+		})
+	}
+}
+
+func plusLabel(m map[string]string, k, v string) map[string]string {
+	out := map[string]string{k: v}
+	for a, b := range m {
+		out[a] = b
+	}
+	return out
+}
