@@ -42,8 +42,8 @@ func (f *fakeRoutes) lookup(a netip.Addr) (segment, error) {
 func TestSourceKeeperReason(t *testing.T) {
 	const bridge, flannel, lo = 3, 4, 1
 	routes := &fakeRoutes{table: map[netip.Addr]segment{
-		netip.MustParseAddr("10.244.0.10"):  {link: bridge, direct: true},  // a pod on the node's bridge
-		netip.MustParseAddr("10.244.0.11"):  {link: bridge, direct: true},  // another one
+		netip.MustParseAddr("10.244.0.10"):  {link: bridge, direct: true},   // a pod on the node's bridge
+		netip.MustParseAddr("10.244.0.11"):  {link: bridge, direct: true},   // another one
 		netip.MustParseAddr("10.244.1.5"):   {link: flannel, direct: false}, // a pod of another node, via a gateway
 		netip.MustParseAddr("10.244.0.1"):   {link: lo, direct: false},      // the node's own address (a local route)
 		netip.MustParseAddr("192.0.2.7"):    {link: 2, direct: false},       // an external client, via the default gateway
