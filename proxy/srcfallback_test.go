@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"net"
@@ -113,8 +114,9 @@ func TestSourceKeeperCaches(t *testing.T) {
 // never gets its SYN-ACK, as when the backend shares a bridge with the
 // client and answers it directly (#32). The route lookup cannot tell, so
 // it is the timeout that must fall back: the connection works, from the
-// node's address, within about one dial timeout, and the next connection
-// of the same client does not wait at all.
+// node's address, within about one dial timeout, with the client's
+// address still in the PROXY protocol header, and the next connection of
+// the same client does not wait at all.
 func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 	if !testlab.RunInNetns(t) {
 		return
@@ -141,9 +143,15 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
+	// The backend answers with the address it sees and the client's
+	// address from the PROXY protocol header.
 	be := startBackendOn(t, ln, func(c net.Conn) {
 		host, _, _ := net.SplitHostPort(c.RemoteAddr().String())
-		fmt.Fprintln(c, host)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		hdr, _ := bufio.NewReader(c).ReadString('\n') // PROXY TCP4 src dst sport dport
+		var proto, src string
+		fmt.Sscan(hdr, &proto, &proto, &src)
+		fmt.Fprintln(c, host, src)
 	})
 
 	for _, tt := range []struct {
@@ -161,7 +169,7 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 			reg := prometheus.NewRegistry()
 			p, rules := startProxier(t, Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout, Metrics: NewMetrics(reg)})
 			s := svc("web", "10.96.0.10", "http:80")
-			s.Annotations = map[string]string{AnnotationPreserveSourceIP: "true"}
+			s.Annotations = map[string]string{AnnotationPreserveSourceIP: "true", AnnotationProxyProtocol: "v1"}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
 
@@ -175,23 +183,23 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 				}
 				defer c.Close()
 				c.SetDeadline(time.Now().Add(5 * time.Second))
-				buf := make([]byte, 64)
-				n, err := c.Read(buf)
+				line, err := bufio.NewReader(c).ReadString('\n')
 				if err != nil {
 					t.Fatalf("after %v, the connection failed: %v", time.Since(start), err)
 				}
-				return strings.TrimSpace(string(buf[:n])), time.Since(start)
+				return strings.TrimSpace(line), time.Since(start)
 			}
+			const want = "10.244.0.1 192.0.2.7" // the node's address; the client's in the PROXY header
 			seen, took := get()
-			if seen != "10.244.0.1" {
-				t.Errorf("first connection: the backend saw %q, want the node's 10.244.0.1", seen)
+			if seen != want {
+				t.Errorf("first connection: the backend saw %q, want %q", seen, want)
 			}
 			if took < dialTimeout || took > 2*dialTimeout+time.Second {
 				t.Errorf("first connection took %v, want one dial timeout (%v) and a retry", took, dialTimeout)
 			}
 			seen, took = get()
-			if seen != "10.244.0.1" || took >= dialTimeout {
-				t.Errorf("second connection: the backend saw %q after %v; want the node's address at once (the missing reply remembered)", seen, took)
+			if seen != want || took >= dialTimeout {
+				t.Errorf("second connection: the backend saw %q after %v; want %q at once (the missing reply remembered)", seen, took, want)
 			}
 			labels := map[string]string{"service": "default/web", "port": "http"}
 			if got, _ := scrape(t, reg, "uproxy_source_ip_fallbacks_total", plusLabel(labels, "reason", "no_reply")); got != 2 {
