@@ -219,3 +219,34 @@ func plusLabel(m map[string]string, k, v string) map[string]string {
 	}
 	return out
 }
+
+// TestSourceKeeperConcurrent runs the keeper from many diallers at once,
+// for the race detector: every connection's goroutine or event loop
+// shares one.
+func TestSourceKeeperConcurrent(t *testing.T) {
+	routes := &fakeRoutes{table: map[netip.Addr]segment{}}
+	for i := range 16 {
+		routes.table[netip.AddrFrom4([4]byte{10, 244, 0, byte(i)})] = segment{link: 3, direct: true}
+	}
+	k := &sourceKeeper{lookup: routes.lookup}
+	now := time.Unix(1000, 0)
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Add(1)
+		go func() { // ends after its loop
+			defer wg.Done()
+			for i := range 200 {
+				c, b := netip.AddrFrom4([4]byte{10, 244, 0, byte(i % 16)}), netip.AddrFrom4([4]byte{10, 244, 0, byte(g)})
+				if r := k.reason(now.Add(time.Duration(i)*time.Second), c, b); r == fallbackNone {
+					t.Errorf("%s → %s: no fallback, want one", c, b)
+					return
+				}
+				if i%10 == 0 {
+					k.noReplyFrom(now, c, b)
+				}
+				k.firstFallback(ServicePortName{}.NamespacedName)
+			}
+		}()
+	}
+	wg.Wait()
+}
