@@ -213,7 +213,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
 		fallbacks: prometheus.NewDesc("uproxy_source_ip_fallbacks_total",
-			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply).",
+			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply; transparent_error: the socket could not take the client's address).",
 			[]string{"service", "port", "reason"}, nil),
 		ports: map[string]map[string]*portState{},
 	}

@@ -39,10 +39,14 @@ const (
 	// fallbackNoReply: a dial from the client's address got no SYN-ACK,
 	// on this connection or recently for the same client and backend.
 	fallbackNoReply
+	// fallbackTransparentError: the socket could not be made to dial
+	// from the client's address (IP_TRANSPARENT or bind refused: a
+	// missing capability, or the address's ports exhausted).
+	fallbackTransparentError
 	numFallbackReasons
 )
 
-var fallbackReasonNames = [numFallbackReasons]string{"", "same_segment", "no_reply"}
+var fallbackReasonNames = [numFallbackReasons]string{"", "same_segment", "no_reply", "transparent_error"}
 
 const (
 	// segmentTTL bounds how long a route lookup is trusted: routes and
@@ -207,9 +211,10 @@ type srcAttempt struct {
 	// reason is why the current attempt dials from the node's address
 	// though keep is set (fallbackNone: it does not).
 	reason int
-	// retry: the current backend's transparent attempt got no reply, and
-	// the next attempt dials it again from the node's address.
-	retry bool
+	// retry, when not fallbackNone, is why the current backend's
+	// transparent attempt failed: the next attempt dials it again from
+	// the node's address.
+	retry int
 }
 
 // chooseSource sets the address the attempt at d.b dials from (d.from):
@@ -230,25 +235,25 @@ func (d *tcpDial) chooseSource() {
 // there is none. The retry is not an attempt of its own (dialAttempts):
 // it is the same attempt, from another address.
 func (d *tcpDial) retryFromNode() (netip.AddrPort, bool) {
-	if !d.src.retry {
+	if d.src.retry == fallbackNone {
 		return netip.AddrPort{}, false
 	}
-	d.src.retry = false
-	d.from, d.src.reason = netip.Addr{}, fallbackNoReply
+	d.from, d.src.reason, d.src.retry = netip.Addr{}, d.src.retry, fallbackNone
 	return d.b.Addr, true
 }
 
 // fallBack reports whether the failed attempt at d.b is retried from the
 // node's address before it counts as failed: a dial from the client's
-// address that timed out, the sign of a SYN-ACK that went elsewhere. d.b
+// address that timed out or could not take that address
+// (transparentFailure). d.b
 // stays acquired for the retry (retryFromNode). A backend that fails from
 // the node's address too is a real failure.
 func (d *tcpDial) fallBack(err error) bool {
-	if !d.from.IsValid() || d.from != d.src.keep || !dialTimedOut(err) {
+	if !d.from.IsValid() || d.from != d.src.keep {
 		return false
 	}
-	d.src.retry = true
-	return true
+	d.src.retry = transparentFailure(err)
+	return d.src.retry != fallbackNone
 }
 
 // sourceConnected records, once the attempt at d.b connected, a fallback
@@ -265,8 +270,19 @@ func (d *tcpDial) sourceConnected() {
 	d.p.sourceFellBack(d.snap.metrics, d.name, d.src.reason, d.src.keep, d.b.Addr.Addr())
 }
 
-// dialTimedOut reports whether a backend dial ended at the dial timeout:
-// the event loops' deadline, or the dialer's context.
-func dialTimedOut(err error) bool {
-	return errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded) || isNetTimeout(err)
+// transparentFailure returns why a dial from the client's address that
+// failed with err may work from the node's: it timed out (the event
+// loops' deadline, or the dialer's context), the sign of a SYN-ACK that
+// went elsewhere; or the socket could not take the client's address. Any
+// other error is the backend's, and fallbackNone.
+func transparentFailure(err error) int {
+	var se *os.SyscallError
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded) || isNetTimeout(err):
+		return fallbackNoReply
+	case errors.As(err, &se) && se.Syscall == "bind",
+		errors.Is(err, unix.EPERM), errors.Is(err, unix.EACCES), errors.Is(err, unix.EADDRNOTAVAIL), errors.Is(err, unix.EADDRINUSE):
+		return fallbackTransparentError
+	}
+	return fallbackNone
 }

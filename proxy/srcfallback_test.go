@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/internal/testlab"
@@ -249,4 +251,25 @@ func TestSourceKeeperConcurrent(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+}
+
+func TestTransparentFailure(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		err  error
+		want string
+	}{
+		{"event loop's deadline", errConnectTimeout, "no_reply"},
+		{"dialer's context", &net.OpError{Op: "dial", Net: "tcp", Err: os.ErrDeadlineExceeded}, "no_reply"},
+		{"no capability", fmt.Errorf("setting IP_TRANSPARENT: %w", unix.EPERM), "transparent_error"},
+		{"the client's ports in use", &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("bind", unix.EADDRINUSE)}, "transparent_error"},
+		{"bind, raw", os.NewSyscallError("bind", unix.EADDRNOTAVAIL), "transparent_error"},
+		{"refused", os.NewSyscallError("connect", unix.ECONNREFUSED), ""},
+		{"refused, dialer", &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", unix.ECONNREFUSED)}, ""},
+		{"unreachable", os.NewSyscallError("connect", unix.EHOSTUNREACH), ""},
+	} {
+		if diff := cmp.Diff(tt.want, fallbackReasonNames[transparentFailure(tt.err)]); diff != "" {
+			t.Errorf("%s: transparentFailure(%v) (-want +got):\n%s", tt.name, tt.err, diff)
+		}
+	}
 }
