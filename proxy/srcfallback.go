@@ -22,9 +22,9 @@ import (
 // bridge, as flannel and the bridge CNI attach them), the backend reaches
 // the client directly, the client drops the SYN-ACK of a connection it
 // never opened, and the dial times out (#32). A bridge rule could send
-// those replies up to the node's IP layer, but it cannot tell them from the
-// backend's own traffic to the same client, and the bridge is the CNI's,
-// not uproxy's. So uproxy keeps the client's address wherever the replies
+// those replies up to the node's IP layer, but one on addresses and ports
+// cannot tell them from the pods' own connections, and the bridge is the
+// CNI's, not uproxy's. So uproxy keeps the client's address wherever the replies
 // come back through the node, and elsewhere dials from the node's address:
 // the annotation is a request, never a reason to fail a connection.
 
