@@ -197,7 +197,7 @@ func (p *Proxier) keepSource(pm *portMetrics, name ServicePortName, client, back
 func (p *Proxier) sourceFellBack(pm *portMetrics, name ServicePortName, reason int, client, backend netip.Addr) {
 	pm.sourceFallback(reason)
 	if p.src.firstFallback(name.NamespacedName) {
-		p.log.Info("preserve-source-ip: the backend's replies to the client would not come back through the node, so uproxy dials it from the node's address (the PROXY protocol header, if the service asks for one, still carries the client's); logged once per service",
+		p.log.Info("preserve-source-ip: the client's address cannot be kept for this backend, so uproxy dials it from the node's address (the PROXY protocol header, if the service asks for one, still carries the client's); logged once per service, counted in uproxy_source_ip_fallbacks_total",
 			zap.Stringer("servicePort", name), zap.String("reason", fallbackReasonNames[reason]),
 			zap.Stringer("client", client), zap.Stringer("backend", backend))
 	}
@@ -215,13 +215,17 @@ type srcAttempt struct {
 	// transparent attempt failed: the next attempt dials it again from
 	// the node's address.
 	retry int
+	// timedOut: the current attempt is such a retry after a transparent
+	// dial timed out, which the connection, if it works, teaches the
+	// sourceKeeper (noReplyFrom).
+	timedOut bool
 }
 
 // chooseSource sets the address the attempt at d.b dials from (d.from):
 // the client's when the service port asks to keep it and the backend's
 // replies come back through the node, else the node's.
 func (d *tcpDial) chooseSource() {
-	d.from, d.src.reason = d.src.keep, fallbackNone
+	d.from, d.src.reason, d.src.timedOut = d.src.keep, fallbackNone, false
 	if !d.src.keep.IsValid() {
 		return
 	}
@@ -230,8 +234,8 @@ func (d *tcpDial) chooseSource() {
 	}
 }
 
-// retryFromNode returns the backend whose transparent attempt just got
-// no reply (fallBack), to dial again from the node's address; false when
+// retryFromNode returns the backend whose transparent attempt just
+// failed (fallBack), to dial again from the node's address; false when
 // there is none. The retry is not an attempt of its own (dialAttempts):
 // it is the same attempt, from another address.
 func (d *tcpDial) retryFromNode() (netip.AddrPort, bool) {
@@ -239,15 +243,15 @@ func (d *tcpDial) retryFromNode() (netip.AddrPort, bool) {
 		return netip.AddrPort{}, false
 	}
 	d.from, d.src.reason, d.src.retry = netip.Addr{}, d.src.retry, fallbackNone
+	d.src.timedOut = d.src.reason == fallbackNoReply
 	return d.b.Addr, true
 }
 
 // fallBack reports whether the failed attempt at d.b is retried from the
 // node's address before it counts as failed: a dial from the client's
 // address that timed out or could not take that address
-// (transparentFailure). d.b
-// stays acquired for the retry (retryFromNode). A backend that fails from
-// the node's address too is a real failure.
+// (transparentFailure). d.b stays acquired for the retry (retryFromNode).
+// A backend that fails from the node's address too is a real failure.
 func (d *tcpDial) fallBack(err error) bool {
 	if !d.from.IsValid() || d.from != d.src.keep {
 		return false
@@ -257,14 +261,16 @@ func (d *tcpDial) fallBack(err error) bool {
 }
 
 // sourceConnected records, once the attempt at d.b connected, a fallback
-// that made it: counted, logged once per service, and for a missing reply
-// remembered, so that the client's next connections to the backend do not
-// wait for a reply that will not come.
+// that made it: counted, logged once per service, and after a dial that
+// timed out remembered, so that the client's next connections to the
+// backend do not wait for a reply that will not come. Only a timeout
+// teaches it, so the pair is tried again from the client's address once
+// noReplyTTL has passed.
 func (d *tcpDial) sourceConnected() {
 	if d.src.reason == fallbackNone {
 		return
 	}
-	if d.src.reason == fallbackNoReply {
+	if d.src.timedOut {
 		d.p.src.noReplyFrom(d.p.cfg.clock().Now(), d.src.keep, d.b.Addr.Addr())
 	}
 	d.p.sourceFellBack(d.snap.metrics, d.name, d.src.reason, d.src.keep, d.b.Addr.Addr())
