@@ -32,6 +32,7 @@ type tcpDial struct {
 	bal         balancer.Balancer
 	client, dst netip.AddrPort // dst: the original destination, if known
 	from        netip.Addr     // valid: dial from this address (tproxy mode)
+	src         srcAttempt     // preserve-source-ip: whether from keeps the client's address
 
 	tries int
 	errs  []error
@@ -47,6 +48,9 @@ type tcpDial struct {
 // next picks the backend of the next attempt and Acquires it; an error
 // when there is none, or no attempt left.
 func (d *tcpDial) next() (netip.AddrPort, error) {
+	if addr, ok := d.retryFromNode(); ok {
+		return addr, nil
+	}
 	pm := d.snap.Metrics
 	if d.tries >= d.p.cfg.dialAttempts() {
 		d.last.failed()
@@ -76,12 +80,16 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 	d.b, d.bm = b, pm.backend(b)
 	d.bm.picked()
 	d.start = pm.dialStart()
+	d.chooseSource()
 	return b.Addr, nil
 }
 
 // failed reports that the attempt at next's backend failed. A failure
 // of the node's own (localDialFailure) does not eject the backend.
 func (d *tcpDial) failed(err error) {
+	if d.fallBack(err) {
+		return
+	}
 	d.snap.Metrics.dialDone(d.start, err)
 	d.b.Release()
 	if !localDialFailure(err) {
@@ -98,6 +106,7 @@ func (d *tcpDial) connected() {
 	pm.dialDone(d.start, nil)
 	d.p.health.success(d.b)
 	d.bm.connected()
+	d.sourceConnected()
 	d.ok = true
 	pm.connStart()
 }

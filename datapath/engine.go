@@ -199,6 +199,8 @@ type Engine struct {
 
 	flows flowTable // UDP flows, created with the first UDP listener
 
+	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
+
 	loops    loopGroup // the TCP data path's event loops, started on first use
 	sessMu   sync.Mutex
 	sessions map[*session]struct{}

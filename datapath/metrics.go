@@ -48,8 +48,11 @@ type PortMetrics struct {
 	// labels of the port's samples.
 	Service, Port string
 	C             *PortCounters
-	M             *Meters
-	Backends      map[*balancer.Backend]*BackendMetrics
+	// KeepsSource: the port asks to keep the client's address, so its
+	// C.SourceFallbacks are reported.
+	KeepsSource bool
+	M           *Meters
+	Backends    map[*balancer.Backend]*BackendMetrics
 }
 
 // PortCounters count one service port's traffic.
@@ -57,6 +60,10 @@ type PortCounters struct {
 	Active                                     atomic.Int64
 	Upstream, Downstream                       atomic.Uint64
 	NoEndpoints, Refused, Limit, EndpointLimit atomic.Uint64
+	// SourceFallbacks count, by reason (FallbackReasons), the connections
+	// and flows dialled from the node's address though the port asks to
+	// keep the client's.
+	SourceFallbacks [numFallbackReasons]atomic.Uint64
 }
 
 // BackendMetrics count one backend of a service port.
@@ -101,6 +108,14 @@ func (pm *PortMetrics) limited() {
 func (pm *PortMetrics) endpointsFull() {
 	if pm != nil {
 		pm.C.EndpointLimit.Add(1)
+	}
+}
+
+// sourceFallback counts a connection or flow dialled from the node's
+// address though the port asks to keep the client's, for reason.
+func (pm *PortMetrics) sourceFallback(reason int) {
+	if pm != nil {
+		pm.C.SourceFallbacks[reason].Add(1)
 	}
 }
 

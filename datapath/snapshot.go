@@ -15,6 +15,9 @@ import (
 type Snapshot struct {
 	// Name is the service port, for logs and errors.
 	Name fmt.Stringer
+	// Service is the service's "namespace/name", which logs that are
+	// written once per service go by; empty means none.
+	Service string
 	// VIP is the cluster IP and port of the listener's family.
 	VIP netip.AddrPort
 	// External are the external and load-balancer IPs of the family, at

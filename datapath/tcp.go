@@ -337,7 +337,7 @@ func (p *Engine) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 	}
 	d := &tcpDial{p: p, name: l.Name, snap: snap, bal: bal, client: client, dst: dst}
 	if p.cfg.Transparent && snap.PreserveSourceIP {
-		d.from = client.Addr()
+		d.src.keep = client.Addr()
 	}
 	return d
 }

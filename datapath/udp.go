@@ -427,7 +427,7 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	bm.picked()
 	var from netip.Addr
 	if p.cfg.Transparent && snap.PreserveSourceIP {
-		from = client.Addr()
+		from = p.keepSource(snap, client.Addr(), b.Addr.Addr())
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()

@@ -75,6 +75,7 @@ type Metrics struct {
 	active      *prometheus.Desc // service, port
 	bytes       *prometheus.Desc // service, port, direction
 	picks       *prometheus.Desc // service, backend
+	fallbacks   *prometheus.Desc // service, port, reason
 
 	// source walks the metrics of every live snapshot, for Collect; set
 	// by NewProxier, nil until then.
@@ -183,6 +184,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		picks: prometheus.NewDesc("uproxy_balancer_picks_total",
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
+		fallbacks: prometheus.NewDesc("uproxy_source_ip_fallbacks_total",
+			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply; transparent_error: the socket could not take the client's address).",
+			[]string{"service", "port", "reason"}, nil),
 		ports: map[string]map[string]*portState{},
 	}
 	dialErrors := prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -390,11 +394,12 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *datapa
 	}
 	st.round = m.round
 	pm := &datapath.PortMetrics{
-		Service:  svc,
-		Port:     port,
-		C:        st.c,
-		M:        &m.dp,
-		Backends: make(map[*balancer.Backend]*datapath.BackendMetrics, len(backends)),
+		Service:     svc,
+		Port:        port,
+		C:           st.c,
+		M:           &m.dp,
+		KeepsSource: sp.PreserveSourceIP,
+		Backends:    make(map[*balancer.Backend]*datapath.BackendMetrics, len(backends)),
 	}
 	for _, b := range backends {
 		addr := b.Addr.String()
@@ -454,17 +459,19 @@ func (m *Metrics) setSource(walk func(yield func(*datapath.PortMetrics) bool)) {
 
 // dataPathCollector turns the data path counters into the samples of
 // uproxy_connections_total, uproxy_active_connections,
-// uproxy_bytes_total and uproxy_balancer_picks_total when scraped.
+// uproxy_bytes_total, uproxy_balancer_picks_total and
+// uproxy_source_ip_fallbacks_total when scraped.
 type dataPathCollector struct{ m *Metrics }
 
 var _ prometheus.Collector = dataPathCollector{}
 
-// Describe sends the four families' descriptors.
+// Describe sends the families' descriptors.
 func (c dataPathCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.m.connections
 	ch <- c.m.active
 	ch <- c.m.bytes
 	ch <- c.m.picks
+	ch <- c.m.fallbacks
 }
 
 // Collect walks the live snapshots (safe for concurrent use with syncs:
@@ -498,6 +505,13 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(m.connections, pm.C.Refused.Load(), svc, port, "", resultRefusedDestination)
 			counter(m.connections, pm.C.Limit.Load(), svc, port, "", resultLimit)
 			counter(m.connections, pm.C.EndpointLimit.Load(), svc, port, "", resultEndpointLimit)
+			if pm.KeepsSource {
+				for r, name := range datapath.FallbackReasons() {
+					if name != "" {
+						counter(m.fallbacks, pm.C.SourceFallbacks[r].Load(), svc, port, name)
+					}
+				}
+			}
 		}
 		for _, bm := range pm.Backends {
 			if seenBackend[bm] {

@@ -28,7 +28,7 @@ type snapshot struct {
 // Source-hash balancers take their tables from hashing.
 func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot, hashing *serviceHashing) *snapshot {
 	s := &snapshot{sp: sp, Snapshot: &datapath.Snapshot{
-		Name: sp.Name, VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
+		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
 		MaxConnections: sp.MaxConnections, MaxConnectionsPerEndpoint: sp.MaxConnectionsPerEndpoint,
 		ProxyProtocol: sp.ProxyProtocol, PreserveSourceIP: sp.PreserveSourceIP,
