@@ -64,8 +64,11 @@ func (s *KubeSource) Run(ctx context.Context) error {
 		return err
 	}
 	selector := labels.NewSelector().Add(*noProxyName, *noHeadless).String()
+	// The caches keep only what uproxy reads of each object (TrimObject):
+	// a node agent holds every Service and EndpointSlice of the cluster.
 	factory := informers.NewSharedInformerFactoryWithOptions(s.Client, s.Resync,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }))
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }),
+		informers.WithTransform(TrimObject))
 
 	svcInformer := factory.Core().V1().Services().Informer()
 	svcReg, err := svcInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -105,7 +108,8 @@ func (s *KubeSource) Run(ctx context.Context) error {
 		nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.Client, s.Resync,
 			informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 				o.FieldSelector = fields.OneTermEqualSelector("metadata.name", s.NodeName).String()
-			}))
+			}),
+			informers.WithTransform(TrimObject))
 		nodeInformer := nodeFactory.Core().V1().Nodes().Informer()
 		if _, err := nodeInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 			AddFunc:    func(obj any) { s.OnNode(obj.(*v1.Node)) },

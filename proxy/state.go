@@ -55,6 +55,14 @@ func LoadState(path string) ([]*v1.Service, []*discovery.EndpointSlice, error) {
 	if st.Version != stateFileVersion {
 		return nil, nil, fmt.Errorf("the state file %s has version %d, not %d", path, st.Version, stateFileVersion)
 	}
+	// A file written before the informers trimmed their objects holds
+	// whole ones: trim them as the informers would.
+	for _, svc := range st.Services {
+		TrimService(svc)
+	}
+	for _, sl := range st.EndpointSlices {
+		TrimSlice(sl)
+	}
 	return st.Services, st.EndpointSlices, nil
 }
 
