@@ -56,7 +56,7 @@ func filledService(seed int64) *v1.Service {
 	}{{"http", v1.ProtocolTCP, 80}, {"dns", v1.ProtocolUDP, 53}, {"assoc", v1.ProtocolSCTP, 9}}
 	s.Ports = make([]v1.ServicePort, len(ports))
 	for i, p := range ports {
-		randfill.NewWithSeed(seed+int64(i)).NilChance(0).Fill(&s.Ports[i])
+		randfill.NewWithSeed(seed + int64(i)).NilChance(0).Fill(&s.Ports[i])
 		s.Ports[i].Name, s.Ports[i].Protocol, s.Ports[i].Port = p.name, p.proto, p.port
 		s.Ports[i].TargetPort = intstr.FromInt32(8000 + int32(i))
 		s.Ports[i].NodePort = 30080 + int32(i)
