@@ -278,7 +278,7 @@ type Proxier struct {
 
 	// Owned by the sync goroutine.
 	ports      portAllocator
-	services   map[types.NamespacedName]map[portKey]*listener
+	services   map[types.NamespacedName]listenerSet
 	shared     map[portKey]*listener // the shared listeners, by family and protocol
 	endpoints  int                   // the endpoints of every listener (counts)
 	rulesDirty bool
@@ -324,7 +324,7 @@ func NewProxier(cfg Config) *Proxier {
 	p := &Proxier{
 		cfg:      cfg,
 		log:      cfg.logger(),
-		services: map[types.NamespacedName]map[portKey]*listener{},
+		services: map[types.NamespacedName]listenerSet{},
 		hcPorts:  map[types.NamespacedName]uint16{},
 		hcLocal:  map[types.NamespacedName]int{},
 		sessions: map[*session]struct{}{},
@@ -450,6 +450,21 @@ func (p *Proxier) LastSync() time.Time {
 }
 
 // portKey names one listener: a service port in one address family.
+// listenerSet holds one service's listeners, one per port and family.
+// A service has few, so they are scanned: a map per service held more
+// memory than its listeners at scale (#31).
+type listenerSet []*listener
+
+// get returns the listener of k, or nil.
+func (ls listenerSet) get(k portKey) *listener {
+	for _, l := range ls {
+		if l.key == k {
+			return l
+		}
+	}
+	return nil
+}
+
 type portKey struct {
 	name ServicePortName
 	v6   bool
@@ -674,7 +689,7 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 	for _, w := range wants {
 		have := p.services[w.st.Name]
 		for _, wp := range w.ports {
-			if have[wp.key] == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
+			if have.get(wp.key) == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
 				need = append(need, wp.key)
 			}
 		}
@@ -728,24 +743,25 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	p.cfg.Metrics.beginService()
 	p.endpoints -= p.serviceEndpoints(st.Name)
 	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
-	have := p.services[st.Name]
-	for k, l := range have {
-		if !w.want(k) {
-			p.retired = append(p.retired, l)
-			delete(have, k)
-			p.rulesDirty = true
-			if !w.want(portKey{name: k.name, v6: !k.v6}) {
-				delete(p.slots, k.name) // the port is gone in both families
-			}
+	have := slices.DeleteFunc(p.services[st.Name], func(l *listener) bool {
+		k := l.key
+		if w.want(k) {
+			return false
 		}
-	}
+		p.retired = append(p.retired, l)
+		p.rulesDirty = true
+		if !w.want(portKey{name: k.name, v6: !k.v6}) {
+			delete(p.slots, k.name) // the port is gone in both families
+		}
+		return true
+	})
 	failed := false
 	var noLocal noLocalCounts
 	hashing := p.beginHashing(st.Name)
 	defer p.endHashing(st.Name, hashing)
 	for _, wp := range w.ports {
 		k, sp := wp.key, wp.sp
-		l := have[k]
+		l := have.get(k)
 		if l == nil {
 			var err error
 			switch o, ok := opened[k]; {
@@ -761,11 +777,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 				failed = true
 				continue
 			}
-			if have == nil {
-				have = map[portKey]*listener{}
-				p.services[st.Name] = have
-			}
-			have[k] = l
+			have = append(have, l)
 		}
 		old := l.snap.Load()
 		next := p.buildSnapshot(l, sp, wp.vip, st, zone, old, hashing)
@@ -782,6 +794,8 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	p.cfg.Metrics.setNoLocal(st.Name, noLocal)
 	if len(have) == 0 {
 		delete(p.services, st.Name)
+	} else {
+		p.services[st.Name] = have
 	}
 	p.cfg.Metrics.retainService(st.Name.String())
 	p.updateStatus(st.Name)

@@ -139,6 +139,13 @@ func TrimSlice(s *discovery.EndpointSlice) {
 		e := &s.Endpoints[i]
 		*e = discovery.Endpoint{Addresses: e.Addresses, Conditions: e.Conditions, NodeName: e.NodeName, Zone: e.Zone, Hints: e.Hints}
 	}
+	// Decoding appends the endpoints one by one, so their array has up to
+	// twice the room they need; a slice is kept until it changes.
+	if cap(s.Endpoints) > len(s.Endpoints) {
+		eps := make([]discovery.Endpoint, len(s.Endpoints)) // cap is len: trimming again allocates nothing
+		copy(eps, s.Endpoints)
+		s.Endpoints = eps
+	}
 }
 
 // TrimNode keeps what uproxy reads of its own Node: its deletion, its

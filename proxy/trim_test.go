@@ -435,6 +435,12 @@ func TestTrimDrops(t *testing.T) {
 			}
 		}
 	}
+	grown := filledSlice(1, "web-c", discovery.AddressTypeIPv4)
+	grown.Endpoints = slices.Grow(grown.Endpoints, 13) // as decoding appends them
+	TrimSlice(grown)
+	if cap(grown.Endpoints) != len(grown.Endpoints) {
+		t.Errorf("the trimmed slice keeps room for %d endpoints, holding %d", cap(grown.Endpoints), len(grown.Endpoints))
+	}
 	if got, want := slices.Sorted(maps.Keys(tsvc.Annotations)), 6; len(got) != want {
 		t.Errorf("the trimmed Service's annotations are %q, want uproxy's %d", got, want)
 	}
