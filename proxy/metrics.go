@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync/atomic"
@@ -96,21 +97,67 @@ type Metrics struct {
 	source atomic.Pointer[func(yield func(*portMetrics) bool)]
 
 	// Owned by the sync goroutine: the counters of each service
-	// ("namespace/name") by port label, which snapshots share (both
-	// families of a service port) and pass on to their successors.
-	ports map[string]map[string]*portState
+	// ("namespace/name"), one portState per port label, which snapshots
+	// share (both families of a service port) and pass on to their
+	// successors. A service has few ports, found by a scan.
+	ports map[string][]*portState
 	// round numbers the services the sync goroutine applies
 	// (beginService); forPort marks what it hands out with it, and
 	// retainService drops what the round did not mark.
 	round uint64
 }
 
-// portState is one service port's counters and those of its backends,
-// by address.
+// portState is one service port's counters and those of its backends.
+// The backends are found by address with a scan while there are few
+// (smallSet), through byAddr past that: at 10,000 services of 10
+// endpoints, maps per port held more than the counters they indexed
+// (#31).
 type portState struct {
+	port     string // the port label
 	c        *portCounters
-	backends map[string]*backendMetrics
-	round    uint64 // the last round that used it (Metrics.round)
+	backends []*backendMetrics
+	byAddr   map[netip.AddrPort]*backendMetrics // nil up to smallSet backends
+	round    uint64                             // the last round that used it (Metrics.round)
+}
+
+// backend returns the counters of the backend at ap, or nil.
+func (st *portState) backend(ap netip.AddrPort) *backendMetrics {
+	if st.byAddr != nil {
+		return st.byAddr[ap]
+	}
+	for _, bm := range st.backends {
+		if bm.addr == ap {
+			return bm
+		}
+	}
+	return nil
+}
+
+func (st *portState) add(bm *backendMetrics) {
+	st.backends = append(st.backends, bm)
+	switch {
+	case st.byAddr != nil:
+		st.byAddr[bm.addr] = bm
+	case len(st.backends) > smallSet:
+		st.byAddr = make(map[netip.AddrPort]*backendMetrics, len(st.backends))
+		for _, b := range st.backends {
+			st.byAddr[b.addr] = b
+		}
+	}
+}
+
+// retain drops the backends that round did not use.
+func (st *portState) retain(round uint64) {
+	st.backends = slices.DeleteFunc(st.backends, func(bm *backendMetrics) bool {
+		if bm.round == round {
+			return false
+		}
+		delete(st.byAddr, bm.addr)
+		return true
+	})
+	if len(st.backends) <= smallSet {
+		st.byAddr = nil
+	}
 }
 
 // portCounters count one service port's traffic.
@@ -208,7 +255,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		picks: prometheus.NewDesc("uproxy_balancer_picks_total",
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
-		ports: map[string]map[string]*portState{},
+		ports: map[string][]*portState{},
 	}
 	dialErrors := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_errors_total",
@@ -390,15 +437,20 @@ func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
 // what a snapshot holds. A nil *portMetrics (metrics disabled) records
 // nothing.
 type portMetrics struct {
-	labels   metricLabels // service and port
-	c        *portCounters
-	m        *Metrics
-	backends map[*balancer.Backend]*backendMetrics
+	labels metricLabels // service and port
+	c      *portCounters
+	m      *Metrics
+	// backends are the counters of each of keys (the snapshot's
+	// backends), in the same order; byBackend indexes them past
+	// smallSet, as portState does.
+	keys      []*balancer.Backend
+	backends  []*backendMetrics
+	byBackend map[*balancer.Backend]*backendMetrics
 }
 
 // backendMetrics count one backend of a service port.
 type backendMetrics struct {
-	addr                 string // the backend label
+	addr                 netip.AddrPort // the backend label
 	ok, dialError, picks atomic.Uint64
 	// round is the last round that used it (Metrics.round); only the
 	// sync goroutine reads or writes it.
@@ -422,32 +474,39 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *portMe
 		return nil
 	}
 	svc, port := sp.Name.NamespacedName.String(), portLabel(sp)
-	byPort := m.ports[svc]
-	if byPort == nil {
-		byPort = map[string]*portState{}
-		m.ports[svc] = byPort
+	var st *portState
+	for _, s := range m.ports[svc] {
+		if s.port == port {
+			st = s
+			break
+		}
 	}
-	st := byPort[port]
 	if st == nil {
-		st = &portState{c: &portCounters{}, backends: make(map[string]*backendMetrics, len(backends))}
-		byPort[port] = st
+		st = &portState{port: port, c: &portCounters{}, backends: make([]*backendMetrics, 0, len(backends))}
+		m.ports[svc] = append(m.ports[svc], st)
 	}
 	st.round = m.round
 	pm := &portMetrics{
 		labels:   metricLabels{service: svc, port: port},
 		c:        st.c,
 		m:        m,
-		backends: make(map[*balancer.Backend]*backendMetrics, len(backends)),
+		keys:     backends,
+		backends: make([]*backendMetrics, len(backends)),
 	}
-	for _, b := range backends {
-		addr := b.Addr.String()
-		bm := st.backends[addr]
+	if len(backends) > smallSet {
+		pm.byBackend = make(map[*balancer.Backend]*backendMetrics, len(backends))
+	}
+	for i, b := range backends {
+		bm := st.backend(b.Addr)
 		if bm == nil {
-			bm = &backendMetrics{addr: addr}
-			st.backends[addr] = bm
+			bm = &backendMetrics{addr: b.Addr}
+			st.add(bm)
 		}
 		bm.round = m.round
-		pm.backends[b] = bm
+		pm.backends[i] = bm
+		if pm.byBackend != nil {
+			pm.byBackend[b] = bm
+		}
 	}
 	return pm
 }
@@ -471,20 +530,14 @@ func (m *Metrics) retainService(service string) {
 	if m == nil {
 		return
 	}
-	byPort := m.ports[service]
-	for port, st := range byPort {
-		if st.round != m.round {
-			delete(byPort, port)
-			continue
-		}
-		for addr, bm := range st.backends {
-			if bm.round != m.round {
-				delete(st.backends, addr)
-			}
-		}
+	sts := slices.DeleteFunc(m.ports[service], func(st *portState) bool { return st.round != m.round })
+	for _, st := range sts {
+		st.retain(m.round)
 	}
-	if len(byPort) == 0 {
+	if len(sts) == 0 {
 		delete(m.ports, service)
+	} else {
+		m.ports[service] = sts
 	}
 }
 
@@ -525,7 +578,10 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	seenPort := map[*portCounters]bool{}
 	seenBackend := map[*backendMetrics]bool{}
-	type pickKey struct{ service, backend string }
+	type pickKey struct {
+		service string
+		backend netip.AddrPort
+	}
 	picks := map[pickKey]uint64{}
 	(*walk)(func(pm *portMetrics) bool {
 		if pm == nil {
@@ -547,14 +603,17 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 				continue
 			}
 			seenBackend[bm] = true
-			counter(m.connections, bm.ok.Load(), svc, port, bm.addr, resultOK)
-			counter(m.connections, bm.dialError.Load(), svc, port, bm.addr, resultDialError)
+			// The label is formatted here, per scrape, rather than held
+			// by every backend of every service.
+			addr := bm.addr.String()
+			counter(m.connections, bm.ok.Load(), svc, port, addr, resultOK)
+			counter(m.connections, bm.dialError.Load(), svc, port, addr, resultDialError)
 			picks[pickKey{svc, bm.addr}] += bm.picks.Load()
 		}
 		return true
 	})
 	for k, v := range picks {
-		counter(m.picks, v, k.service, k.backend)
+		counter(m.picks, v, k.service, k.backend.String())
 	}
 }
 
@@ -563,7 +622,15 @@ func (pm *portMetrics) backend(b *balancer.Backend) *backendMetrics {
 	if pm == nil {
 		return nil
 	}
-	return pm.backends[b]
+	if pm.byBackend != nil {
+		return pm.byBackend[b]
+	}
+	for i, k := range pm.keys {
+		if k == b {
+			return pm.backends[i]
+		}
+	}
+	return nil
 }
 
 func (pm *portMetrics) refusedDestination() {

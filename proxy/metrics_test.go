@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -264,8 +263,13 @@ func TestMetricsRetainService(t *testing.T) {
 	}
 	state := func() map[string][]string {
 		out := map[string][]string{}
-		for port, st := range m.ports[web.String()] {
-			out[port] = slices.Sorted(maps.Keys(st.backends))
+		for _, st := range m.ports[web.String()] {
+			var addrs []string
+			for _, bm := range st.backends {
+				addrs = append(addrs, bm.addr.String())
+			}
+			slices.Sort(addrs)
+			out[st.port] = addrs
 		}
 		return out
 	}
@@ -298,5 +302,45 @@ func TestMetricsRetainService(t *testing.T) {
 	round(nil)
 	if _, ok := m.ports[web.String()]; ok {
 		t.Errorf("the service's counters outlived a round without ports: %v", state())
+	}
+}
+
+// TestMetricsManyBackends checks that a port's backend counters are found
+// past smallSet backends (by map) as below it (by scan), and carried over
+// when the port shrinks back below it.
+func TestMetricsManyBackends(t *testing.T) {
+	m := NewMetrics(prometheus.NewRegistry())
+	web := types.NamespacedName{Namespace: "default", Name: "web"}
+	sp := &ServicePort{Name: ServicePortName{NamespacedName: web, Port: "http"}, Port: 80}
+	var bs []*balancer.Backend
+	for i := range 3 * smallSet {
+		bs = append(bs, balancer.NewBackend(netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, 0, byte(i + 1)}), 8080), 0))
+	}
+	round := func(bs []*balancer.Backend) *portMetrics {
+		m.beginService()
+		pm := m.forPort(sp, bs)
+		m.retainService(web.String())
+		return pm
+	}
+	many := round(bs)
+	for i, b := range bs {
+		bm := many.backend(b)
+		if bm == nil || bm.addr != b.Addr {
+			t.Fatalf("backend %d (%s): counters %+v", i, b.Addr, bm)
+		}
+		bm.ok.Add(uint64(i))
+	}
+	few := round(bs[:3])
+	st := m.ports[web.String()][0]
+	if len(st.backends) != 3 || st.byAddr != nil {
+		t.Errorf("after shrinking to 3 backends the port holds %d, indexed %v", len(st.backends), st.byAddr != nil)
+	}
+	for i, b := range bs[:3] {
+		if bm := few.backend(b); bm == nil || bm.ok.Load() != uint64(i) {
+			t.Errorf("backend %d (%s) lost its counters: %+v", i, b.Addr, bm)
+		}
+	}
+	if bm := few.backend(bs[5]); bm != nil {
+		t.Errorf("a backend the port no longer has still has counters: %+v", bm)
 	}
 }
