@@ -307,7 +307,7 @@ type Proxier struct {
 	zone        atomic.Pointer[string]
 	forceFull   atomic.Bool
 	localAddrs  atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
-	statusPorts sync.Map                     // types.NamespacedName → []statusPort, replaced per applied service
+	statusPorts sync.Map                     // types.NamespacedName → []statusEntry, replaced per applied service
 
 	flows flowTable // UDP flows, created with the first UDP listener
 
@@ -596,9 +596,9 @@ func (p *Proxier) closeRetired() bool {
 // walkMetrics yields the metrics of every service port's snapshots, as
 // the status entries hold them. Safe for concurrent use.
 func (p *Proxier) walkMetrics(yield func(*portMetrics) bool) {
-	p.statusPorts.Range(func(_, ports any) bool {
-		for _, sp := range ports.([]statusPort) {
-			if !yield(sp.snap.metrics) {
+	p.statusPorts.Range(func(_, entries any) bool {
+		for _, e := range entries.([]statusEntry) {
+			if !yield(e.snap.metrics) {
 				return false
 			}
 		}
@@ -954,16 +954,22 @@ func (p *Proxier) localAddr(ip netip.Addr) bool {
 // intercepts returns the addresses whose traffic the kernel must send to
 // l, given its snapshot s.
 func (l *listener) intercepts(s *snapshot) []Intercept {
+	return interceptsOf(s, l.port, l.portEnd, l.key.v6)
+}
+
+// interceptsOf returns the intercepts of a listener of family v6 on
+// port (to portEnd), given its snapshot s.
+func interceptsOf(s *snapshot, port, portEnd uint16, v6 bool) []Intercept {
 	proto := s.sp.Name.Protocol
-	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: l.port, ListenPortEnd: l.portEnd}
+	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: port, ListenPortEnd: portEnd}
 	out := []Intercept{with(base, ClusterIP, s.vip.Addr())}
 	for _, ip := range s.sp.ExternalIPs {
-		if ip.Is6() == l.key.v6 {
+		if ip.Is6() == v6 {
 			out = append(out, with(base, ExternalIP, ip))
 		}
 	}
 	for _, ip := range s.sp.LoadBalancerIPs {
-		if ip.Is6() == l.key.v6 {
+		if ip.Is6() == v6 {
 			i := with(base, LoadBalancerIP, ip)
 			i.SourceRanges = s.sp.SourceRanges
 			out = append(out, i)
@@ -971,7 +977,7 @@ func (l *listener) intercepts(s *snapshot) []Intercept {
 	}
 	if s.nodePort != 0 {
 		any := netip.IPv4Unspecified()
-		if l.key.v6 {
+		if v6 {
 			any = netip.IPv6Unspecified()
 		}
 		i := with(base, NodePort, any)
