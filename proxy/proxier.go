@@ -834,6 +834,9 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 
 	// One Backend per endpoint address, shared by both sets, found by a
 	// scan of s.backends while there are few (smallSet).
+	// Sized once: every endpoint has at most one backend, and appending
+	// left the array with up to twice the room, held by the snapshot (#31).
+	s.backends = make([]*balancer.Backend, 0, len(s.endpoints))
 	var byAddr map[netip.AddrPort]*balancer.Backend
 	if len(s.endpoints) > smallSet {
 		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.endpoints))
