@@ -42,8 +42,9 @@ func TrimObject(obj any) (any, error) {
 }
 
 // trimMeta keeps the identity of an object (what an Event's reference
-// and the tracker's keys use) and the labels and annotations that keep
-// says uproxy reads.
+// and the tracker's keys use), its deletion, and the labels and
+// annotations that keepLabel and keepAnnotation accept: those uproxy
+// reads.
 func trimMeta(m *metav1.ObjectMeta, keepLabel, keepAnnotation func(string) bool) {
 	*m = metav1.ObjectMeta{
 		Name:              m.Name,
