@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/netip"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -52,7 +53,29 @@ type PortMetrics struct {
 	// C.SourceFallbacks are reported.
 	KeepsSource bool
 	M           *Meters
-	Backends    map[*balancer.Backend]*BackendMetrics
+	// Backends are the counters of each of keys (the snapshot's
+	// backends), in the same order; byBackend indexes them past a few,
+	// where a scan of keys costs more than a map (NewPortMetrics).
+	Backends  []*BackendMetrics
+	keys      []*balancer.Backend
+	byBackend map[*balancer.Backend]*BackendMetrics
+}
+
+// smallSet is how many backends a PortMetrics finds by a scan.
+const smallSet = 16
+
+// NewPortMetrics returns pm with the counters bms of the backends keys
+// (the same length and order): maps per port held more than the counters
+// they indexed at scale, so few backends are found by a scan (#31).
+func NewPortMetrics(pm PortMetrics, keys []*balancer.Backend, bms []*BackendMetrics) *PortMetrics {
+	pm.keys, pm.Backends = keys, bms
+	if len(keys) > smallSet {
+		pm.byBackend = make(map[*balancer.Backend]*BackendMetrics, len(keys))
+		for i, b := range keys {
+			pm.byBackend[b] = bms[i]
+		}
+	}
+	return &pm
 }
 
 // PortCounters count one service port's traffic.
@@ -68,7 +91,7 @@ type PortCounters struct {
 
 // BackendMetrics count one backend of a service port.
 type BackendMetrics struct {
-	Addr                 string // the backend label
+	Addr                 netip.AddrPort // the backend label
 	OK, DialError, Picks atomic.Uint64
 	// Round is the last round of the control plane's that used it; only
 	// the control plane's sync goroutine reads or writes it.
@@ -76,11 +99,23 @@ type BackendMetrics struct {
 }
 
 // backend returns b's children; nil when metrics are disabled.
+// Backend returns the counters of b, one of the snapshot's backends; nil
+// when metrics are disabled or b is not one of them.
+func (pm *PortMetrics) Backend(b *balancer.Backend) *BackendMetrics { return pm.backend(b) }
+
 func (pm *PortMetrics) backend(b *balancer.Backend) *BackendMetrics {
 	if pm == nil {
 		return nil
 	}
-	return pm.Backends[b]
+	if pm.byBackend != nil {
+		return pm.byBackend[b]
+	}
+	for i, k := range pm.keys {
+		if k == b {
+			return pm.Backends[i]
+		}
+	}
+	return nil
 }
 
 func (pm *PortMetrics) refusedDestination() {

@@ -25,11 +25,11 @@ func testPortMetrics(bs ...*balancer.Backend) *PortMetrics {
 	for i := range m.DialErrors {
 		m.DialErrors[i] = prometheus.NewCounter(prometheus.CounterOpts{Name: "dial_errors"})
 	}
-	pm := &PortMetrics{Service: "default/web", Port: "http", C: &PortCounters{}, M: m, Backends: map[*balancer.Backend]*BackendMetrics{}}
-	for _, b := range bs {
-		pm.Backends[b] = &BackendMetrics{Addr: b.Addr.String()}
+	bms := make([]*BackendMetrics, len(bs))
+	for i, b := range bs {
+		bms[i] = &BackendMetrics{Addr: b.Addr}
 	}
-	return pm
+	return NewPortMetrics(PortMetrics{Service: "default/web", Port: "http", C: &PortCounters{}, M: m}, bs, bms)
 }
 
 // TestMetricsDataPathDoesNotAllocate checks the hot path rule: everything

@@ -586,12 +586,13 @@ func portEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice, refuse fu
 			if ep.Zone != nil {
 				e.Zone = *ep.Zone
 			}
-			if h := ep.Hints; h != nil {
+			if h := ep.Hints; h != nil && len(h.ForZones)+len(h.ForNodes) > 0 {
+				e.Hints = &EndpointHints{}
 				for _, z := range h.ForZones {
-					e.ZoneHints = append(e.ZoneHints, z.Name)
+					e.Hints.Zones = append(e.Hints.Zones, z.Name)
 				}
 				for _, n := range h.ForNodes {
-					e.NodeHints = append(e.NodeHints, n.Name)
+					e.Hints.Nodes = append(e.Hints.Nodes, n.Name)
 				}
 			}
 			out = append(out, e)

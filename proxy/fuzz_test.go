@@ -667,12 +667,13 @@ func checkEndpoints(t *testing.T, sp *ServicePort, s *discovery.EndpointSlice, e
 			Zone:        ptr.Deref(src.Zone, ""),
 		}
 		want.Serving = ptr.Deref(src.Conditions.Serving, want.Ready)
-		if h := src.Hints; h != nil {
+		if h := src.Hints; h != nil && len(h.ForZones)+len(h.ForNodes) > 0 {
+			want.Hints = &EndpointHints{}
 			for _, z := range h.ForZones {
-				want.ZoneHints = append(want.ZoneHints, z.Name)
+				want.Hints.Zones = append(want.Hints.Zones, z.Name)
 			}
 			for _, n := range h.ForNodes {
-				want.NodeHints = append(want.NodeHints, n.Name)
+				want.Hints.Nodes = append(want.Hints.Nodes, n.Name)
 			}
 		}
 		if diff := cmp.Diff(want, e, cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
@@ -1014,9 +1015,9 @@ func FuzzTopologyHints(f *testing.F) {
 			switch sets.TopologyMode {
 			case "":
 			case v1.ServiceTrafficDistributionPreferSameNode, v1.ServiceTrafficDistributionPreferSameZone:
-				hints, want := func(e Endpoint) []string { return e.NodeHints }, node
+				hints, want := func(e Endpoint) []string { return e.Hints.nodes() }, node
 				if sets.TopologyMode == v1.ServiceTrafficDistributionPreferSameZone {
-					hints, want = func(e Endpoint) []string { return e.ZoneHints }, zone
+					hints, want = func(e Endpoint) []string { return e.Hints.zones() }, zone
 				}
 				for _, e := range sets.Cluster {
 					if !e.Ready || !slices.Contains(hints(e), want) {

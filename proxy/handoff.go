@@ -119,9 +119,8 @@ func CloseHandoffSockets(socks []HandoffSocket) {
 // only while Run is not running; then call Drain, not Shutdown.
 func (p *Proxier) StopListening() {
 	for name, ls := range p.services {
-		for k, l := range ls {
+		for _, l := range ls {
 			p.closeListener(l)
-			delete(ls, k)
 		}
 		delete(p.services, name)
 		p.statusPorts.Delete(name)

@@ -14,6 +14,8 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
+	discoveryinformers "k8s.io/client-go/informers/discovery/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 )
@@ -64,10 +66,17 @@ func (s *KubeSource) Run(ctx context.Context) error {
 		return err
 	}
 	selector := labels.NewSelector().Add(*noProxyName, *noHeadless).String()
+	// The caches keep only what uproxy reads of each object (TrimObject):
+	// a node agent holds every Service and EndpointSlice of the cluster.
+	// For the same reason they have no index: the factory's own informers
+	// index every object by namespace, which nothing here looks up.
+	tweak := func(o *metav1.ListOptions) { o.LabelSelector = selector }
 	factory := informers.NewSharedInformerFactoryWithOptions(s.Client, s.Resync,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }))
+		informers.WithTweakListOptions(tweak), informers.WithTransform(TrimObject))
 
-	svcInformer := factory.Core().V1().Services().Informer()
+	svcInformer := factory.InformerFor(&v1.Service{}, func(c kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return coreinformers.NewFilteredServiceInformer(c, metav1.NamespaceAll, resync, cache.Indexers{}, tweak)
+	})
 	svcReg, err := svcInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { s.Tracker.OnServiceUpsert(obj.(*v1.Service)) },
 		UpdateFunc: func(_, obj any) { s.Tracker.OnServiceUpsert(obj.(*v1.Service)) },
@@ -80,7 +89,9 @@ func (s *KubeSource) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("watching Services: %w", err)
 	}
-	sliceInformer := factory.Discovery().V1().EndpointSlices().Informer()
+	sliceInformer := factory.InformerFor(&discovery.EndpointSlice{}, func(c kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return discoveryinformers.NewFilteredEndpointSliceInformer(c, metav1.NamespaceAll, resync, cache.Indexers{}, tweak)
+	})
 	sliceReg, err := sliceInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { s.Tracker.OnSliceUpsert(obj.(*discovery.EndpointSlice)) },
 		UpdateFunc: func(_, obj any) { s.Tracker.OnSliceUpsert(obj.(*discovery.EndpointSlice)) },
@@ -105,7 +116,8 @@ func (s *KubeSource) Run(ctx context.Context) error {
 		nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.Client, s.Resync,
 			informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 				o.FieldSelector = fields.OneTermEqualSelector("metadata.name", s.NodeName).String()
-			}))
+			}),
+			informers.WithTransform(TrimObject))
 		nodeInformer := nodeFactory.Core().V1().Nodes().Informer()
 		if _, err := nodeInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 			AddFunc:    func(obj any) { s.OnNode(obj.(*v1.Node)) },

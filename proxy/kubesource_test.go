@@ -2,62 +2,47 @@ package proxy
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
-	"k8s.io/apimachinery/pkg/runtime"
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 )
 
-// TestKubeSourceSyncedAfterEveryObject checks that the initial lists
-// count as received only once the handlers have seen every object in
-// them: an informer has synced as soon as its cache holds the lists,
-// while its handlers may still be working through them, and a first sync
-// would then program services without their endpoints. The tracker is
-// held locked, so the handlers cannot record anything: the lists must
-// not be reported received until it is released.
-func TestKubeSourceSyncedAfterEveryObject(t *testing.T) {
-	const n = 2000
-	var objs []runtime.Object
-	for i := range n {
-		name := fmt.Sprintf("svc-%04d", i)
-		objs = append(objs, svc(name, fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), "http:80"),
-			slice(name+"-1", name, "http", 8080, ep{ip: fmt.Sprintf("10.244.%d.%d", i/250, i%250+1)}))
-	}
-	core, logs := observer.New(zap.InfoLevel)
-	tr := NewTracker(zap.NewNop(), func() {})
-	src := &KubeSource{Client: fake.NewClientset(objs...), Tracker: tr, Logger: zap.New(core)}
-	received := func() bool { return logs.FilterMessage("initial lists received").Len() > 0 }
-
-	tr.mu.Lock()
+// TestKubeSourceTrims checks that the objects the informers hand the
+// tracker are trimmed (#31): no managed fields, no foreign annotations,
+// no target references, while what uproxy reads is kept.
+func TestKubeSourceTrims(t *testing.T) {
+	svc, sls := filledService(1), filledSlices(1)
+	svc.Namespace, sls[0].Namespace, sls[1].Namespace = "default", "default", "default"
+	client := fake.NewClientset(svc, sls[0], sls[1])
+	tr := NewTracker(nil, nil)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }() // ends with ctx
-	// The informers list 4,000 fake objects in far less than this.
-	time.Sleep(500 * time.Millisecond)
-	early := received()
-	tr.mu.Unlock()
-	if early {
-		t.Errorf("the initial lists were reported received while the handlers could not record a single object")
-	}
-	for deadline := time.Now().Add(10 * time.Second); !tr.Synced(); time.Sleep(time.Millisecond) {
+	go func() { done <- (&KubeSource{Client: client, Tracker: tr}).Run(ctx) }() // ends with ctx
+	defer func() { cancel(); <-done }()
+	for deadline := time.Now().Add(10 * time.Second); !tr.Synced(); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal("the tracker was not marked synced within 10s")
+			t.Fatal("the initial lists did not arrive")
 		}
 	}
-	ch := tr.Take(true, nil)
-	slices := 0
-	for _, st := range ch.Services {
-		slices += len(st.Slices)
+	gotSvcs, gotSls := tr.objects()
+	if len(gotSvcs) != 1 || len(gotSls) != 2 {
+		t.Fatalf("the tracker holds %d Services and %d EndpointSlices, want 1 and 2", len(gotSvcs), len(gotSls))
 	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("Run: %v", err)
+	wantSvc, wantSls := trimmedCopy(svc, sls)
+	opts := cmpopts.IgnoreTypes(metav1.TypeMeta{})
+	if diff := cmp.Diff(wantSvc, gotSvcs[0], opts); diff != "" {
+		t.Errorf("the Service the tracker holds is not the trimmed one (-want +got):\n%s", diff)
 	}
-	if len(ch.Services) != n || slices != n {
-		t.Errorf("synced with %d services and %d slices, want %d of each", len(ch.Services), slices, n)
+	for i := range wantSls {
+		if diff := cmp.Diff(wantSls[i], gotSls[i], opts); diff != "" {
+			t.Errorf("EndpointSlice %d the tracker holds is not the trimmed one (-want +got):\n%s", i, diff)
+		}
+	}
+	if len(gotSvcs[0].ManagedFields) != 0 || gotSls[0].Endpoints[0].TargetRef != nil {
+		t.Errorf("managed fields or target references reached the tracker")
 	}
 }

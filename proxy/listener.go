@@ -16,6 +16,21 @@ import (
 	"github.com/uproxy/uproxy/datapath"
 )
 
+// listenerSet holds one service's listeners, one per port and family.
+// A service has few, so they are scanned: a map per service held more
+// memory than its listeners at scale (#31).
+type listenerSet []*listener
+
+// get returns the listener of k, or nil.
+func (ls listenerSet) get(k portKey) *listener {
+	for _, l := range ls {
+		if l.key == k {
+			return l
+		}
+	}
+	return nil
+}
+
 // portKey names one listener: a service port in one address family.
 type portKey struct {
 	name ServicePortName

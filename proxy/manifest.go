@@ -34,6 +34,17 @@ type Objects struct {
 	IgnoredKinds []string
 }
 
+// trim trims the objects as the informers do (TrimObject), so that a
+// manifest's object compares and converts as the API server's would.
+func (o *Objects) trim() {
+	for _, svc := range o.Services {
+		TrimService(svc)
+	}
+	for _, sl := range o.Slices {
+		TrimSlice(sl)
+	}
+}
+
 func (o *Objects) add(obj runtime.Object) error {
 	switch t := obj.(type) {
 	case *v1.Service:
@@ -262,6 +273,7 @@ func isManifestName(name string) bool {
 // most limit bytes (zero or less means DefaultMaxManifestBytes). The file
 // is opened without blocking and checked once open, so that one swapped
 // for a FIFO or a device after ManifestFiles listed it is refused too.
+// The objects are trimmed as the informers trim theirs (TrimObject).
 func LoadManifestFile(file string, limit int64) (Objects, error) {
 	if limit <= 0 {
 		limit = DefaultMaxManifestBytes
@@ -288,5 +300,10 @@ func LoadManifestFile(file string, limit int64) (Objects, error) {
 	if int64(len(data)) > limit {
 		return Objects{}, &ManifestError{File: file, Doc: -1, Cause: fmt.Errorf("larger than the %d-byte limit for one manifest file", limit)}
 	}
-	return DecodeManifests(file, bytes.NewReader(data))
+	objs, err := DecodeManifests(file, bytes.NewReader(data))
+	if err != nil {
+		return Objects{}, err
+	}
+	objs.trim()
+	return objs, nil
 }

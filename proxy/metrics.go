@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync/atomic"
@@ -82,21 +83,67 @@ type Metrics struct {
 	source atomic.Pointer[func(yield func(*datapath.PortMetrics) bool)]
 
 	// Owned by the sync goroutine: the counters of each service
-	// ("namespace/name") by port label, which snapshots share (both
-	// families of a service port) and pass on to their successors.
-	ports map[string]map[string]*portState
+	// ("namespace/name"), one portState per port label, which snapshots
+	// share (both families of a service port) and pass on to their
+	// successors. A service has few ports, found by a scan.
+	ports map[string][]*portState
 	// round numbers the services the sync goroutine applies
 	// (beginService); forPort marks what it hands out with it, and
 	// retainService drops what the round did not mark.
 	round uint64
 }
 
-// portState is one service port's counters and those of its backends,
-// by address.
+// portState is one service port's counters and those of its backends.
+// The backends are found by address with a scan while there are few
+// (smallSet), through byAddr past that: at 10,000 services of 10
+// endpoints, maps per port held more than the counters they indexed
+// (#31).
 type portState struct {
+	port     string // the port label
 	c        *datapath.PortCounters
-	backends map[string]*datapath.BackendMetrics
-	round    uint64 // the last round that used it (Metrics.round)
+	backends []*datapath.BackendMetrics
+	byAddr   map[netip.AddrPort]*datapath.BackendMetrics // nil up to smallSet backends
+	round    uint64                                      // the last round that used it (Metrics.round)
+}
+
+// backend returns the counters of the backend at ap, or nil.
+func (st *portState) backend(ap netip.AddrPort) *datapath.BackendMetrics {
+	if st.byAddr != nil {
+		return st.byAddr[ap]
+	}
+	for _, bm := range st.backends {
+		if bm.Addr == ap {
+			return bm
+		}
+	}
+	return nil
+}
+
+func (st *portState) add(bm *datapath.BackendMetrics) {
+	st.backends = append(st.backends, bm)
+	switch {
+	case st.byAddr != nil:
+		st.byAddr[bm.Addr] = bm
+	case len(st.backends) > smallSet:
+		st.byAddr = make(map[netip.AddrPort]*datapath.BackendMetrics, len(st.backends))
+		for _, b := range st.backends {
+			st.byAddr[b.Addr] = b
+		}
+	}
+}
+
+// retain drops the backends that round did not use.
+func (st *portState) retain(round uint64) {
+	st.backends = slices.DeleteFunc(st.backends, func(bm *datapath.BackendMetrics) bool {
+		if bm.Round == round {
+			return false
+		}
+		delete(st.byAddr, bm.Addr)
+		return true
+	})
+	if len(st.backends) <= smallSet {
+		st.byAddr = nil
+	}
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not
@@ -187,7 +234,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		fallbacks: prometheus.NewDesc("uproxy_source_ip_fallbacks_total",
 			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply; transparent_error: the socket could not take the client's address).",
 			[]string{"service", "port", "reason"}, nil),
-		ports: map[string]map[string]*portState{},
+		ports: map[string][]*portState{},
 	}
 	dialErrors := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_errors_total",
@@ -382,36 +429,35 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *datapa
 		return nil
 	}
 	svc, port := sp.Name.NamespacedName.String(), portLabel(sp)
-	byPort := m.ports[svc]
-	if byPort == nil {
-		byPort = map[string]*portState{}
-		m.ports[svc] = byPort
+	var st *portState
+	for _, s := range m.ports[svc] {
+		if s.port == port {
+			st = s
+			break
+		}
 	}
-	st := byPort[port]
 	if st == nil {
-		st = &portState{c: &datapath.PortCounters{}, backends: make(map[string]*datapath.BackendMetrics, len(backends))}
-		byPort[port] = st
+		st = &portState{port: port, c: &datapath.PortCounters{}, backends: make([]*datapath.BackendMetrics, 0, len(backends))}
+		m.ports[svc] = append(m.ports[svc], st)
 	}
 	st.round = m.round
-	pm := &datapath.PortMetrics{
+	bms := make([]*datapath.BackendMetrics, len(backends))
+	for i, b := range backends {
+		bm := st.backend(b.Addr)
+		if bm == nil {
+			bm = &datapath.BackendMetrics{Addr: b.Addr}
+			st.add(bm)
+		}
+		bm.Round = m.round
+		bms[i] = bm
+	}
+	return datapath.NewPortMetrics(datapath.PortMetrics{
 		Service:     svc,
 		Port:        port,
 		C:           st.c,
 		M:           &m.dp,
 		KeepsSource: sp.PreserveSourceIP,
-		Backends:    make(map[*balancer.Backend]*datapath.BackendMetrics, len(backends)),
-	}
-	for _, b := range backends {
-		addr := b.Addr.String()
-		bm := st.backends[addr]
-		if bm == nil {
-			bm = &datapath.BackendMetrics{Addr: addr}
-			st.backends[addr] = bm
-		}
-		bm.Round = m.round
-		pm.Backends[b] = bm
-	}
-	return pm
+	}, backends, bms)
 }
 
 // beginService starts a round: the service that the sync goroutine
@@ -433,20 +479,14 @@ func (m *Metrics) retainService(service string) {
 	if m == nil {
 		return
 	}
-	byPort := m.ports[service]
-	for port, st := range byPort {
-		if st.round != m.round {
-			delete(byPort, port)
-			continue
-		}
-		for addr, bm := range st.backends {
-			if bm.Round != m.round {
-				delete(st.backends, addr)
-			}
-		}
+	sts := slices.DeleteFunc(m.ports[service], func(st *portState) bool { return st.round != m.round })
+	for _, st := range sts {
+		st.retain(m.round)
 	}
-	if len(byPort) == 0 {
+	if len(sts) == 0 {
 		delete(m.ports, service)
+	} else {
+		m.ports[service] = sts
 	}
 }
 
@@ -489,7 +529,10 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	seenPort := map[*datapath.PortCounters]bool{}
 	seenBackend := map[*datapath.BackendMetrics]bool{}
-	type pickKey struct{ service, backend string }
+	type pickKey struct {
+		service string
+		backend netip.AddrPort
+	}
 	picks := map[pickKey]uint64{}
 	(*walk)(func(pm *datapath.PortMetrics) bool {
 		if pm == nil {
@@ -518,14 +561,17 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 				continue
 			}
 			seenBackend[bm] = true
-			counter(m.connections, bm.OK.Load(), svc, port, bm.Addr, resultOK)
-			counter(m.connections, bm.DialError.Load(), svc, port, bm.Addr, resultDialError)
+			// The label is formatted here, per scrape, rather than held
+			// by every backend of every service.
+			addr := bm.Addr.String()
+			counter(m.connections, bm.OK.Load(), svc, port, addr, resultOK)
+			counter(m.connections, bm.DialError.Load(), svc, port, addr, resultDialError)
 			picks[pickKey{svc, bm.Addr}] += bm.Picks.Load()
 		}
 		return true
 	})
 	for k, v := range picks {
-		counter(m.picks, v, k.service, k.backend)
+		counter(m.picks, v, k.service, k.backend.String())
 	}
 }
 

@@ -3,7 +3,6 @@ package proxy
 import (
 	"fmt"
 	"io"
-	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -182,8 +181,13 @@ func TestMetricsRetainService(t *testing.T) {
 	}
 	state := func() map[string][]string {
 		out := map[string][]string{}
-		for port, st := range m.ports[web.String()] {
-			out[port] = slices.Sorted(maps.Keys(st.backends))
+		for _, st := range m.ports[web.String()] {
+			var addrs []string
+			for _, bm := range st.backends {
+				addrs = append(addrs, bm.Addr.String())
+			}
+			slices.Sort(addrs)
+			out[st.port] = addrs
 		}
 		return out
 	}
@@ -198,7 +202,7 @@ func TestMetricsRetainService(t *testing.T) {
 	}
 
 	first := round(map[string][]*balancer.Backend{"http": {a, b}, "admin": {a}})
-	first["http"].Backends[b].Picks.Add(1)
+	first["http"].Backend(b).Picks.Add(1)
 	if diff := cmp.Diff(map[string][]string{"http": {"10.244.0.1:8080", "10.244.0.2:8080"}, "admin": {"10.244.0.1:8080"}}, state()); diff != "" {
 		t.Errorf("after the first round (-want +got):\n%s", diff)
 	}
@@ -208,7 +212,7 @@ func TestMetricsRetainService(t *testing.T) {
 	if diff := cmp.Diff(map[string][]string{"http": {"10.244.0.2:8080"}}, state()); diff != "" {
 		t.Errorf("after the second round (-want +got):\n%s", diff)
 	}
-	if got := second["http"].Backends[b].Picks.Load(); got != 1 {
+	if got := second["http"].Backend(b).Picks.Load(); got != 1 {
 		t.Errorf("b's picks = %d after a round that kept it, want 1", got)
 	}
 
@@ -216,5 +220,45 @@ func TestMetricsRetainService(t *testing.T) {
 	round(nil)
 	if _, ok := m.ports[web.String()]; ok {
 		t.Errorf("the service's counters outlived a round without ports: %v", state())
+	}
+}
+
+// TestMetricsManyBackends checks that a port's backend counters are found
+// past smallSet backends (by map) as below it (by scan), and carried over
+// when the port shrinks back below it.
+func TestMetricsManyBackends(t *testing.T) {
+	m := NewMetrics(prometheus.NewRegistry())
+	web := types.NamespacedName{Namespace: "default", Name: "web"}
+	sp := &ServicePort{Name: ServicePortName{NamespacedName: web, Port: "http"}, Port: 80}
+	var bs []*balancer.Backend
+	for i := range 3 * smallSet {
+		bs = append(bs, balancer.NewBackend(netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, 0, byte(i + 1)}), 8080), 0))
+	}
+	round := func(bs []*balancer.Backend) *datapath.PortMetrics {
+		m.beginService()
+		pm := m.forPort(sp, bs)
+		m.retainService(web.String())
+		return pm
+	}
+	many := round(bs)
+	for i, b := range bs {
+		bm := many.Backend(b)
+		if bm == nil || bm.Addr != b.Addr {
+			t.Fatalf("backend %d (%s): counters %+v", i, b.Addr, bm)
+		}
+		bm.OK.Add(uint64(i))
+	}
+	few := round(bs[:3])
+	st := m.ports[web.String()][0]
+	if len(st.backends) != 3 || st.byAddr != nil {
+		t.Errorf("after shrinking to 3 backends the port holds %d, indexed %v", len(st.backends), st.byAddr != nil)
+	}
+	for i, b := range bs[:3] {
+		if bm := few.Backend(b); bm == nil || bm.OK.Load() != uint64(i) {
+			t.Errorf("backend %d (%s) lost its counters: %+v", i, b.Addr, bm)
+		}
+	}
+	if bm := few.Backend(bs[5]); bm != nil {
+		t.Errorf("a backend the port no longer has still has counters: %+v", bm)
 	}
 }

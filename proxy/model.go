@@ -159,11 +159,33 @@ type Endpoint struct {
 	Terminating bool
 	NodeName    string
 	Zone        string
-	// ZoneHints and NodeHints are the slice's topology hints (forZones,
-	// forNodes), set by the EndpointSlice controller for
-	// trafficDistribution and topology-aware routing.
-	ZoneHints []string
-	NodeHints []string
+	// Hints are the slice's topology hints, set by the EndpointSlice
+	// controller for trafficDistribution and topology-aware routing; nil
+	// when there are none, as for most endpoints: a pointer keeps an
+	// endpoint small (#31).
+	Hints *EndpointHints
+}
+
+// EndpointHints are an endpoint's topology hints: the zones (forZones)
+// and nodes (forNodes) it is meant for.
+type EndpointHints struct {
+	Zones, Nodes []string
+}
+
+// zones returns the zone hints; nil for none.
+func (h *EndpointHints) zones() []string {
+	if h == nil {
+		return nil
+	}
+	return h.Zones
+}
+
+// nodes returns the node hints; nil for none.
+func (h *EndpointHints) nodes() []string {
+	if h == nil {
+		return nil
+	}
+	return h.Nodes
 }
 
 // InterceptKind says which kind of service address an intercept catches.

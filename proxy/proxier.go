@@ -141,7 +141,7 @@ type Proxier struct {
 
 	// Owned by the sync goroutine.
 	ports      portAllocator
-	services   map[types.NamespacedName]map[portKey]*listener
+	services   map[types.NamespacedName]listenerSet
 	shared     map[portKey]*listener // the shared listeners, by family and protocol
 	endpoints  int                   // the endpoints of every listener (counts)
 	rulesDirty bool
@@ -170,7 +170,7 @@ type Proxier struct {
 	zone        atomic.Pointer[string]
 	forceFull   atomic.Bool
 	localAddrs  atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
-	statusPorts sync.Map                     // types.NamespacedName → []statusPort, replaced per applied service
+	statusPorts sync.Map                     // types.NamespacedName → []statusEntry, replaced per applied service
 }
 
 // NewProxier returns a Proxier with an empty Tracker. Feed the tracker
@@ -179,7 +179,7 @@ func NewProxier(cfg Config) *Proxier {
 	p := &Proxier{
 		cfg:      cfg,
 		log:      cfg.logger(),
-		services: map[types.NamespacedName]map[portKey]*listener{},
+		services: map[types.NamespacedName]listenerSet{},
 		hcPorts:  map[types.NamespacedName]uint16{},
 		hcLocal:  map[types.NamespacedName]int{},
 		ports:    portAllocator{r: cfg.PortRange},
@@ -392,9 +392,9 @@ func (p *Proxier) closeRetired() bool {
 // walkMetrics yields the metrics of every service port's snapshots, as
 // the status entries hold them. Safe for concurrent use.
 func (p *Proxier) walkMetrics(yield func(*datapath.PortMetrics) bool) {
-	p.statusPorts.Range(func(_, ports any) bool {
-		for _, sp := range ports.([]statusPort) {
-			if !yield(sp.snap.Metrics) {
+	p.statusPorts.Range(func(_, entries any) bool {
+		for _, e := range entries.([]statusEntry) {
+			if !yield(e.snap.Metrics) {
 				return false
 			}
 		}
@@ -485,7 +485,7 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 	for _, w := range wants {
 		have := p.services[w.st.Name]
 		for _, wp := range w.ports {
-			if have[wp.key] == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
+			if have.get(wp.key) == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
 				need = append(need, wp.key)
 			}
 		}
@@ -539,24 +539,25 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	p.cfg.Metrics.beginService()
 	p.endpoints -= p.serviceEndpoints(st.Name)
 	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
-	have := p.services[st.Name]
-	for k, l := range have {
-		if !w.want(k) {
-			p.retired = append(p.retired, l)
-			delete(have, k)
-			p.rulesDirty = true
-			if !w.want(portKey{name: k.name, v6: !k.v6}) {
-				delete(p.slots, k.name) // the port is gone in both families
-			}
+	have := slices.DeleteFunc(p.services[st.Name], func(l *listener) bool {
+		k := l.key
+		if w.want(k) {
+			return false
 		}
-	}
+		p.retired = append(p.retired, l)
+		p.rulesDirty = true
+		if !w.want(portKey{name: k.name, v6: !k.v6}) {
+			delete(p.slots, k.name) // the port is gone in both families
+		}
+		return true
+	})
 	failed := false
 	var noLocal noLocalCounts
 	hashing := p.beginHashing(st.Name)
 	defer p.endHashing(st.Name, hashing)
 	for _, wp := range w.ports {
 		k, sp := wp.key, wp.sp
-		l := have[k]
+		l := have.get(k)
 		if l == nil {
 			var err error
 			switch o, ok := opened[k]; {
@@ -572,11 +573,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 				failed = true
 				continue
 			}
-			if have == nil {
-				have = map[portKey]*listener{}
-				p.services[st.Name] = have
-			}
-			have[k] = l
+			have = append(have, l)
 		}
 		old := l.snap.Load()
 		next := p.buildSnapshot(l, sp, wp.vip, st, zone, old, hashing)
@@ -594,6 +591,8 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	p.cfg.Metrics.setNoLocal(st.Name, noLocal)
 	if len(have) == 0 {
 		delete(p.services, st.Name)
+	} else {
+		p.services[st.Name] = have
 	}
 	p.cfg.Metrics.retainService(st.Name.String())
 	p.updateStatus(st.Name)

@@ -56,6 +56,9 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 
 	// One Backend per endpoint address, shared by both sets, found by a
 	// scan of s.Backends while there are few (smallSet).
+	// Sized once: every endpoint has at most one backend, and appending
+	// left the array with up to twice the room, held by the snapshot (#31).
+	s.Backends = make([]*balancer.Backend, 0, len(s.endpoints))
 	var byAddr map[netip.AddrPort]*balancer.Backend
 	if len(s.endpoints) > smallSet {
 		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.endpoints))
@@ -176,16 +179,22 @@ func (p *Proxier) localAddr(ip netip.Addr) bool {
 // intercepts returns the addresses whose traffic the kernel must send to
 // l, given its snapshot s.
 func (l *listener) intercepts(s *snapshot) []Intercept {
+	return interceptsOf(s, l.Port, l.portEnd, l.key.v6)
+}
+
+// interceptsOf returns the intercepts of a listener of family v6 on
+// port (to portEnd), given its snapshot s.
+func interceptsOf(s *snapshot, port, portEnd uint16, v6 bool) []Intercept {
 	proto := s.sp.Name.Protocol
-	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: l.Port, ListenPortEnd: l.portEnd}
+	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: port, ListenPortEnd: portEnd}
 	out := []Intercept{with(base, ClusterIP, s.VIP.Addr())}
 	for _, ip := range s.sp.ExternalIPs {
-		if ip.Is6() == l.key.v6 {
+		if ip.Is6() == v6 {
 			out = append(out, with(base, ExternalIP, ip))
 		}
 	}
 	for _, ip := range s.sp.LoadBalancerIPs {
-		if ip.Is6() == l.key.v6 {
+		if ip.Is6() == v6 {
 			i := with(base, LoadBalancerIP, ip)
 			i.SourceRanges = s.sp.SourceRanges
 			out = append(out, i)
@@ -193,7 +202,7 @@ func (l *listener) intercepts(s *snapshot) []Intercept {
 	}
 	if s.NodePort != 0 {
 		any := netip.IPv4Unspecified()
-		if l.key.v6 {
+		if v6 {
 			any = netip.IPv6Unspecified()
 		}
 		i := with(base, NodePort, any)

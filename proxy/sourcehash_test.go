@@ -62,13 +62,13 @@ func hashProxier(t *testing.T, bound int64) (*Proxier, *observer.ObservedLogs) {
 func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 	name := types.NamespacedName{Namespace: "default", Name: "web"}
 	ports = map[string]string{}
-	for k, l := range p.services[name] {
+	for _, l := range p.services[name] {
 		bal := l.snap.Load().Cluster
 		desc := balancer.SourceHashMethod(bal)
 		if t := p.hash.byService[name][balancer.MaglevKey(l.snap.Load().ClusterBackends)]; t != nil && desc == "Maglev" {
 			desc = fmt.Sprintf("Maglev %d", t.Len())
 		}
-		ports[k.name.Port] = desc
+		ports[l.key.name.Port] = desc
 	}
 	return ports, len(p.hash.byService[name]), p.hash.bytes
 }
@@ -142,8 +142,8 @@ func TestSourceHashTablesBound(t *testing.T) {
 	client := netip.MustParseAddr("192.0.2.7")
 	for _, tt := range []struct{ port, key, hashing string }{{"80", "http", "(Maglev)"}, {"9090", "metrics", "(rendezvous)"}} {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.10:"+tt.port), v1.ProtocolTCP, client)
-		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}][portKey{name: ServicePortName{
-			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}}]
+		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}].get(portKey{name: ServicePortName{
+			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}})
 		if want := l.snap.Load().Cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
 			t.Errorf("explain %s: backend %s by %q; want %s %s", tt.key, ex.Backend, ex.Pick, want, tt.hashing)
 		}

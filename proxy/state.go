@@ -55,6 +55,14 @@ func LoadState(path string) ([]*v1.Service, []*discovery.EndpointSlice, error) {
 	if st.Version != stateFileVersion {
 		return nil, nil, fmt.Errorf("the state file %s has version %d, not %d", path, st.Version, stateFileVersion)
 	}
+	// A file written before the informers trimmed their objects holds
+	// whole ones: trim them as the informers would.
+	for _, svc := range st.Services {
+		TrimService(svc)
+	}
+	for _, sl := range st.EndpointSlices {
+		TrimSlice(sl)
+	}
 	return st.Services, st.EndpointSlices, nil
 }
 
@@ -71,7 +79,7 @@ func saveState(path string, services []*v1.Service, slices []*discovery.Endpoint
 	}
 	defer os.Remove(tmp.Name()) // after the rename, nothing is there
 	w := bufio.NewWriter(tmp)
-	err = json.NewEncoder(w).Encode(stateFile{Version: stateFileVersion, Services: services, EndpointSlices: slices})
+	err = writeState(w, services, slices)
 	if err == nil {
 		err = w.Flush()
 	}
@@ -85,6 +93,33 @@ func saveState(path string, services []*v1.Service, slices []*discovery.Endpoint
 		return fmt.Errorf("saving the state to %s: %w", path, err)
 	}
 	return nil
+}
+
+// writeState writes a stateFile of services and slices to w one object
+// at a time: encoding the whole file at once would hold all of it in
+// memory, as large as the objects themselves, at every save (#31).
+func writeState(w *bufio.Writer, services []*v1.Service, slices []*discovery.EndpointSlice) error {
+	enc := json.NewEncoder(w)
+	fmt.Fprintf(w, `{"version":%d,"services":[`, stateFileVersion)
+	for i, svc := range services {
+		if i > 0 {
+			w.WriteByte(',')
+		}
+		if err := enc.Encode(svc); err != nil {
+			return fmt.Errorf("encoding Service %s/%s: %w", svc.Namespace, svc.Name, err)
+		}
+	}
+	w.WriteString(`],"endpointSlices":[`)
+	for i, sl := range slices {
+		if i > 0 {
+			w.WriteByte(',')
+		}
+		if err := enc.Encode(sl); err != nil {
+			return fmt.Errorf("encoding EndpointSlice %s/%s: %w", sl.Namespace, sl.Name, err)
+		}
+	}
+	_, err := w.WriteString("]}\n")
+	return err
 }
 
 // ServePrevious records the Services and EndpointSlices of a previous

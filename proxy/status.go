@@ -102,57 +102,71 @@ type statusPort struct {
 // sync goroutine calls it for each service it applies, so that a sync's
 // cost follows the services that changed: at 10,000 services, rebuilding
 // every entry took most of an endpoint change's sync
-// (BenchmarkSyncEndpointChange).
+// (BenchmarkSyncEndpointChange). An entry holds only the snapshot and
+// the listener's ports; statusView builds the rest when asked, rather
+// than every service holding it between requests (#31).
 func (p *Proxier) updateStatus(name types.NamespacedName) {
 	ls := p.services[name]
 	if len(ls) == 0 {
 		p.statusPorts.Delete(name)
 		return
 	}
-	ports := make([]statusPort, 0, len(ls))
+	entries := make([]statusEntry, 0, len(ls))
 	for _, l := range ls {
-		s := l.snap.Load()
-		sp := s.sp
-		info := ServicePortInfo{
-			Service:               sp.Name.NamespacedName.String(),
-			Port:                  sp.Name.Port,
-			Protocol:              string(sp.Name.Protocol),
-			Family:                "IPv4",
-			ListenPort:            l.Port,
-			ListenPortEnd:         l.portEnd,
-			Mode:                  p.mode(),
-			Balancer:              string(sp.Balancer),
-			Affinity:              "None",
-			InternalTrafficPolicy: "Cluster",
-			TopologyMode:          s.sets.TopologyMode,
-		}
-		if l.key.v6 {
-			info.Family = "IPv6"
-		}
-		if sp.AffinityTimeout > 0 {
-			info.Affinity = "ClientIP"
-			info.AffinityTimeoutSeconds = int(sp.AffinityTimeout / time.Second)
-		}
-		if sp.InternalPolicyLocal {
-			info.InternalTrafficPolicy = "Local"
-		}
-		if sp.ExternallyAccessible() {
-			info.ExternalTrafficPolicy = "Cluster"
-			if sp.ExternalPolicyLocal {
-				info.ExternalTrafficPolicy = "Local"
-			}
-		}
-		intercepts := l.intercepts(s)
-		for _, i := range intercepts {
-			a := i.Kind.String() + " " + netip.AddrPortFrom(i.VIP, i.Port).String()
-			if i.Kind == NodePort {
-				a = i.Kind.String() + " :" + strconv.Itoa(int(i.Port))
-			}
-			info.Addresses = append(info.Addresses, a)
-		}
-		ports = append(ports, statusPort{info: info, snap: s, intercepts: intercepts})
+		entries = append(entries, statusEntry{snap: l.snap.Load(), port: l.Port, portEnd: l.portEnd, v6: l.key.v6})
 	}
-	p.statusPorts.Store(name, ports)
+	p.statusPorts.Store(name, entries)
+}
+
+// statusEntry is what a sync stores of one listener for the status.
+type statusEntry struct {
+	snap          *snapshot
+	port, portEnd uint16 // the listener's
+	v6            bool
+}
+
+// statusPort builds the status of the listener of e.
+func (p *Proxier) statusPort(e statusEntry) statusPort {
+	s := e.snap
+	sp := s.sp
+	info := ServicePortInfo{
+		Service:               sp.Name.NamespacedName.String(),
+		Port:                  sp.Name.Port,
+		Protocol:              string(sp.Name.Protocol),
+		Family:                "IPv4",
+		ListenPort:            e.port,
+		ListenPortEnd:         e.portEnd,
+		Mode:                  p.mode(),
+		Balancer:              string(sp.Balancer),
+		Affinity:              "None",
+		InternalTrafficPolicy: "Cluster",
+		TopologyMode:          s.sets.TopologyMode,
+	}
+	if e.v6 {
+		info.Family = "IPv6"
+	}
+	if sp.AffinityTimeout > 0 {
+		info.Affinity = "ClientIP"
+		info.AffinityTimeoutSeconds = int(sp.AffinityTimeout / time.Second)
+	}
+	if sp.InternalPolicyLocal {
+		info.InternalTrafficPolicy = "Local"
+	}
+	if sp.ExternallyAccessible() {
+		info.ExternalTrafficPolicy = "Cluster"
+		if sp.ExternalPolicyLocal {
+			info.ExternalTrafficPolicy = "Local"
+		}
+	}
+	intercepts := interceptsOf(s, e.port, e.portEnd, e.v6)
+	for _, i := range intercepts {
+		a := i.Kind.String() + " " + netip.AddrPortFrom(i.VIP, i.Port).String()
+		if i.Kind == NodePort {
+			a = i.Kind.String() + " :" + strconv.Itoa(int(i.Port))
+		}
+		info.Addresses = append(info.Addresses, a)
+	}
+	return statusPort{info: info, snap: s, intercepts: intercepts}
 }
 
 // statusView collects every service's status entries, sorted. Safe for
@@ -163,8 +177,10 @@ func (p *Proxier) statusView() *statusView {
 		return nil
 	}
 	var v statusView
-	p.statusPorts.Range(func(_, ports any) bool {
-		v.ports = append(v.ports, ports.([]statusPort)...)
+	p.statusPorts.Range(func(_, entries any) bool {
+		for _, e := range entries.([]statusEntry) {
+			v.ports = append(v.ports, p.statusPort(e))
+		}
 		return true
 	})
 	slices.SortFunc(v.ports, func(a, b statusPort) int {

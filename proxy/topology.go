@@ -84,14 +84,14 @@ func topologyMode(eps []Endpoint, node, zone string) string {
 			continue
 		}
 		ready = true
-		if len(e.NodeHints) == 0 {
+		if len(e.Hints.nodes()) == 0 {
 			allNode = false
-		} else if slices.Contains(e.NodeHints, node) {
+		} else if slices.Contains(e.Hints.nodes(), node) {
 			forNode = true
 		}
-		if len(e.ZoneHints) == 0 {
+		if len(e.Hints.zones()) == 0 {
 			allZone = false
-		} else if slices.Contains(e.ZoneHints, zone) {
+		} else if slices.Contains(e.Hints.zones(), zone) {
 			forZone = true
 		}
 	}
@@ -109,9 +109,9 @@ func topologyMode(eps []Endpoint, node, zone string) string {
 func availableForTopology(e Endpoint, mode, node, zone string) bool {
 	switch mode {
 	case v1.ServiceTrafficDistributionPreferSameNode:
-		return slices.Contains(e.NodeHints, node)
+		return slices.Contains(e.Hints.nodes(), node)
 	case v1.ServiceTrafficDistributionPreferSameZone:
-		return slices.Contains(e.ZoneHints, zone)
+		return slices.Contains(e.Hints.zones(), zone)
 	}
 	return true
 }

@@ -12,7 +12,10 @@ func TestCategorizeEndpoints(t *testing.T) {
 	// e builds an endpoint: name's last octet, flags r(eady) s(erving)
 	// t(erminating), node, zone hints, node hints.
 	e := func(n int, flags, node string, zones, nodes []string) Endpoint {
-		ep := Endpoint{Addr: netip.MustParseAddrPort(fmt.Sprintf("10.244.0.%d:80", n)), NodeName: node, ZoneHints: zones, NodeHints: nodes}
+		ep := Endpoint{Addr: netip.MustParseAddrPort(fmt.Sprintf("10.244.0.%d:80", n)), NodeName: node}
+		if zones != nil || nodes != nil {
+			ep.Hints = &EndpointHints{Zones: zones, Nodes: nodes}
+		}
 		for _, f := range flags {
 			switch f {
 			case 'r':

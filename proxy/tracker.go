@@ -35,10 +35,13 @@ type Tracker struct {
 	// it must not block. Set it before the first event.
 	OnReject func(obj runtime.Object, err error)
 
-	mu                           sync.Mutex
-	services                     map[types.NamespacedName]*v1.Service
-	slices                       map[types.NamespacedName]*discovery.EndpointSlice
-	slicesBySvc                  map[types.NamespacedName]map[types.NamespacedName]bool
+	mu       sync.Mutex
+	services map[types.NamespacedName]*v1.Service
+	slices   map[types.NamespacedName]*discovery.EndpointSlice
+	// slicesBySvc lists each service's slices. A service has few, most
+	// often one: a slice of names costs a fraction of a map per service
+	// (#31).
+	slicesBySvc                  map[types.NamespacedName][]types.NamespacedName
 	dirty                        map[types.NamespacedName]bool
 	servicesSynced, slicesSynced bool
 	serviceChanges, sliceChanges int
@@ -72,7 +75,7 @@ func NewTracker(log *zap.Logger, notify func()) *Tracker {
 		Logger:      log,
 		services:    map[types.NamespacedName]*v1.Service{},
 		slices:      map[types.NamespacedName]*discovery.EndpointSlice{},
-		slicesBySvc: map[types.NamespacedName]map[types.NamespacedName]bool{},
+		slicesBySvc: map[types.NamespacedName][]types.NamespacedName{},
 		dirty:       map[types.NamespacedName]bool{},
 		triggers:    map[types.NamespacedName][]TriggerTime{},
 		start:       time.Now(),
@@ -244,10 +247,9 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 	}
 	t.slices[key] = s
 	if svc := sliceService(s); svc.Name != "" {
-		if t.slicesBySvc[svc] == nil {
-			t.slicesBySvc[svc] = map[types.NamespacedName]bool{}
+		if !slices.Contains(t.slicesBySvc[svc], key) {
+			t.slicesBySvc[svc] = append(t.slicesBySvc[svc], key)
 		}
-		t.slicesBySvc[svc][key] = true
 		t.dirty[svc] = true
 		if tt := triggerTime(s); !tt.IsZero() && tt.After(t.start) {
 			t.triggers[svc] = append(t.triggers[svc], TriggerTime{At: tt, Family: sliceFamily(s)})
@@ -289,8 +291,9 @@ func (t *Tracker) unindex(key types.NamespacedName, s *discovery.EndpointSlice) 
 	if svc.Name == "" {
 		return
 	}
-	delete(t.slicesBySvc[svc], key)
-	if len(t.slicesBySvc[svc]) == 0 {
+	if keys := slices.DeleteFunc(t.slicesBySvc[svc], func(k types.NamespacedName) bool { return k == key }); len(keys) > 0 {
+		t.slicesBySvc[svc] = keys
+	} else {
 		delete(t.slicesBySvc, svc)
 	}
 	t.dirty[svc] = true
@@ -462,7 +465,7 @@ func (t *Tracker) Take(all bool, also []types.NamespacedName) Changes {
 	})
 	for _, k := range keys {
 		st := ServiceState{Name: k, Service: t.services[k]}
-		for sk := range t.slicesBySvc[k] {
+		for _, sk := range t.slicesBySvc[k] {
 			st.Slices = append(st.Slices, t.slices[sk])
 		}
 		c.Services = append(c.Services, st)

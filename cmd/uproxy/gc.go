@@ -16,10 +16,21 @@ const startupGCPercent = 400
 // the function that puts the previous one back, to be called once the
 // first sync has ended. A GOGC in the environment is the operator's
 // choice, and left alone.
-func startupGC() (restore func()) {
+//
+// Putting the target back also calls release (debug.FreeOSMemory) on a
+// goroutine of its own, which ends when release returns. The higher
+// target let the heap grow to several times the working set during the
+// first sync, and the runtime's scavenger hands such idle memory back
+// to the kernel only slowly: without release, the node agent would hold
+// its startup peak long after it (#31). The sync goroutine that calls
+// restore does not wait for the collection.
+func startupGC(release func()) (restore func()) {
 	if _, set := os.LookupEnv("GOGC"); set {
 		return func() {}
 	}
 	prev := debug.SetGCPercent(startupGCPercent)
-	return func() { debug.SetGCPercent(prev) }
+	return func() {
+		debug.SetGCPercent(prev)
+		go release()
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
@@ -207,7 +208,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	var rules *redirect.Families // set below, before the sync loop starts
 	synced := make(chan struct{})
-	restoreGC := startupGC()
+	restoreGC := startupGC(debug.FreeOSMemory)
 	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
 	previous := previousPorts(ctx, tproxy, log.Named("proxy"))
 	stateFile := o.stateFile
