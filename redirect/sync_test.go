@@ -944,7 +944,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 		members      int
 	}{
 		{"nat", "OUTPUT", []string{unrelated}, rulesA, 12, 2},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 19, 5},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 22, 5},
 		{"filter", "FORWARD", nil, rulesA, 12, 2},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
@@ -1807,7 +1807,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 19, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 22, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
@@ -1820,7 +1820,7 @@ func TestSyncTProxy(t *testing.T) {
 	for _, c := range []struct {
 		table, chain string
 		rules        int
-	}{{"nat", ServicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", TProxyChain, 5}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", TProxyOutputChain, 2}, {"filter", FirewallChain, 2}} {
+	}{{"nat", ServicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", TProxyChain, 8}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", TProxyOutputChain, 2}, {"filter", FirewallChain, 2}} {
 		if n := len(st[chainKey{c.table, c.chain}].rules); n != c.rules {
 			t.Errorf("%s %s holds %d rules, want %d", c.table, c.chain, n, c.rules)
 		}
@@ -1830,7 +1830,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 19, SetMembers: 5}); res != want {
+	if want := (Result{Rules: 22, SetMembers: 5}); res != want {
 		t.Errorf("unchanged full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1846,7 +1846,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 19, Repaired: true, SetMembers: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 22, Repaired: true, SetMembers: 5}); res != want {
 		t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1868,7 +1868,7 @@ func TestSyncTProxy(t *testing.T) {
 	}{
 		{"redirect mode", rulesA, Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2},
 			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT"})},
-		{"tproxy mode again", tp, Result{Wrote: true, Rules: 19, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+		{"tproxy mode again", tp, Result{Wrote: true, Rules: 22, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
 			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"})},
 	} {
 		res, err := s.Sync(ctx, step.r, false)

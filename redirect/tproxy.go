@@ -31,6 +31,9 @@ func (t *TProxy) validate() error {
 		// inside.
 		return fmt.Errorf("mark 0x%x has bits outside its mask 0x%x", m, mask)
 	}
+	if b, mask := t.Routing.bridgeMark(), t.Routing.mask(); b&mask != 0 || b&(b-1) != 0 {
+		return fmt.Errorf("bridge mark 0x%x is not one bit outside the mask 0x%x", b, mask)
+	}
 	return nil
 }
 
@@ -196,6 +199,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	}
 	t := r.TProxy
 	rules := []string{fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain)}
+	rules = append(rules, t.bridgeMarkRules(c.name)...)
 	if !r.Shared {
 		ns := tproxyNodePorts(f, r)
 		for _, p := range entryProtocols(tproxyEntries(f, r)) {
@@ -206,7 +210,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, nodePortSetMatch(f, p), tproxyNodePortsChain(p)))
 			}
 		}
-		return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+		return append(rules, t.bridgeUnmarkRule(c.name), fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
 	}
 	rules = append(rules, tproxyEntryRules(c.name, f, r, tproxyEntries(f, r))...)
 	rules = append(rules, sharedServiceRules(c.name, f, r, func(port, _ uint16) string { return t.target(f, port) })...)
@@ -216,7 +220,26 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 				c.name, d, st.proto, nodePortSetMatch(f, st.proto), quoteComment(sharedNodePortComment(st.proto)), t.target(f, st.toPort)))
 		}
 	}
-	return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+	return append(rules, t.bridgeUnmarkRule(c.name), fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+}
+
+// bridgeMarkRules are UPROXY-TPROXY's rules before its gates (see
+// BridgeLoopOut): a packet back from the bridge loop loses the bridge
+// mark, and one that br_netfilter shows PREROUTING on the bridge gets it.
+// Packets of the transparent sockets' TCP connections have gone to
+// UPROXY-TPROXY-DIVERT before: they find their socket without the loop.
+func (t *TProxy) bridgeMarkRules(chain string) []string {
+	return []string{
+		fmt.Sprintf("-A %s -i %s -j MARK --set-xmark 0x0/0x%x", chain, BridgeLoopIn, t.Routing.bridgeMark()),
+		fmt.Sprintf("-A %s -m physdev --physdev-is-in -j MARK --set-xmark %s", chain, t.Routing.BridgeMarkString()),
+	}
+}
+
+// bridgeUnmarkRule is UPROXY-TPROXY's rule after its TPROXY rules: a
+// bridged packet that no TPROXY took loses the bridge mark, so that only
+// intercepted packets take the bridge loop.
+func (t *TProxy) bridgeUnmarkRule(chain string) string {
+	return fmt.Sprintf("-A %s -m physdev --physdev-is-in -j MARK --set-xmark 0x0/0x%x", chain, t.Routing.bridgeMark())
 }
 
 // tproxyEntryRules renders the rules of chain for es, entries of f in r
