@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -25,15 +26,6 @@ type Routing struct {
 	Table int
 	// Priority is the rule's priority; zero means 100 (before main).
 	Priority int
-	// BridgeMark is the bit that UPROXY-TPROXY sets on packets that
-	// br_netfilter hands to PREROUTING while they are still on a bridge
-	// (see BridgeLoopOut); zero means 0x100000, or the next bit up outside
-	// Mask and OwnMark. It must lie outside Mask.
-	BridgeMark uint32
-	// BridgeTable is the routing table of the packets that carry both
-	// BridgeMark and Mark; zero means 118. Its rule comes right before
-	// Table's.
-	BridgeTable int
 }
 
 // DefaultRouting is the Routing uproxy uses.
@@ -67,30 +59,6 @@ func (r Routing) priority() int {
 	return r.Priority
 }
 
-func (r Routing) bridgeMark() uint32 {
-	if r.BridgeMark != 0 {
-		return r.BridgeMark
-	}
-	for b := uint32(0x100000); b != 0; b <<= 1 {
-		if b&r.mask() == 0 && b != OwnMark {
-			return b
-		}
-	}
-	return 0x100000 // every bit taken: validate refuses it
-}
-
-func (r Routing) bridgeTable() int {
-	if r.BridgeTable == 0 {
-		return 118
-	}
-	return r.BridgeTable
-}
-
-// BridgeMarkString is the bridge mark as iptables' MARK target takes it.
-func (r Routing) BridgeMarkString() string {
-	return fmt.Sprintf("0x%x/0x%x", r.bridgeMark(), r.bridgeMark())
-}
-
 // MarkString is the mark as iptables' MARK and TPROXY targets take it.
 func (r Routing) MarkString() string { return fmt.Sprintf("0x%x/0x%x", r.mark(), r.mask()) }
 
@@ -102,19 +70,6 @@ func (r Routing) rule(f Family) *netlink.Rule {
 	rule.Mask = &mask
 	rule.Table = r.table()
 	rule.Priority = r.priority()
-	return rule
-}
-
-// bridgeRule is the rule that sends the packets carrying both the mark
-// and the bridge mark to the bridge table.
-func (r Routing) bridgeRule(f Family) *netlink.Rule {
-	rule := netlink.NewRule()
-	rule.Family = netlinkFamily(f)
-	rule.Mark = r.mark() | r.bridgeMark()
-	mask := r.mask() | r.bridgeMark()
-	rule.Mask = &mask
-	rule.Table = r.bridgeTable()
-	rule.Priority = r.priority() - 1
 	return rule
 }
 
@@ -145,13 +100,18 @@ func netlinkFamily(f Family) int {
 }
 
 // Ensure installs the rule and the route for family f if they are
-// missing, and the bridge loop with its rule and route (see
-// BridgeLoopOut). It is idempotent, and repairs a deleted rule, route or
-// link.
+// missing. It is idempotent, and repairs a deleted rule or route.
 func (r Routing) Ensure(f Family) (repaired bool, err error) {
-	repaired, err = ensureRule(f, r.rule(f))
+	rule := r.rule(f)
+	rules, err := netlink.RuleListFiltered(rule.Family, rule, netlink.RT_FILTER_TABLE|netlink.RT_FILTER_MARK|netlink.RT_FILTER_MASK)
 	if err != nil {
-		return repaired, err
+		return false, fmt.Errorf("listing %s policy rules: %w", f, err)
+	}
+	if len(rules) == 0 {
+		if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, os.ErrExist) && !errors.Is(err, unix.EEXIST) {
+			return false, fmt.Errorf("adding %s policy rule fwmark %s lookup %d: %w", f, r.MarkString(), r.table(), err)
+		}
+		repaired = true
 	}
 	route, err := r.route(f)
 	if err != nil {
@@ -173,8 +133,7 @@ func (r Routing) Ensure(f Family) (repaired bool, err error) {
 		}
 		repaired = true
 	}
-	ok, err := r.ensureBridge(f)
-	return repaired || ok, err
+	return repaired, nil
 }
 
 func isDefault(n *net.IPNet) bool {
@@ -182,10 +141,20 @@ func isDefault(n *net.IPNet) bool {
 	return ones == 0
 }
 
-// Remove deletes the rule and the route for family f, and the bridge
-// loop with its rule. Missing ones count as removed.
+// Remove deletes the rule and the route for family f. Missing ones count
+// as removed.
 func (r Routing) Remove(f Family) error {
-	errs := []error{removeRule(f, r.rule(f))}
+	var errs []error
+	rule := r.rule(f)
+	for {
+		err := netlink.RuleDel(rule)
+		if err != nil {
+			if !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
+				errs = append(errs, fmt.Errorf("deleting %s policy rule: %w", f, err))
+			}
+			break
+		}
+	}
 	route, err := r.route(f)
 	if err != nil {
 		return errors.Join(append(errs, err)...)
@@ -193,5 +162,5 @@ func (r Routing) Remove(f Family) error {
 	if err := netlink.RouteDel(route); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
 		errs = append(errs, fmt.Errorf("deleting %s route of table %d: %w", f, r.table(), err))
 	}
-	return errors.Join(append(errs, r.removeBridge(f))...)
+	return errors.Join(errs...)
 }

@@ -31,9 +31,6 @@ func (t *TProxy) validate() error {
 		// inside.
 		return fmt.Errorf("mark 0x%x has bits outside its mask 0x%x", m, mask)
 	}
-	if b, mask := t.Routing.bridgeMark(), t.Routing.mask(); b&mask != 0 || b&(b-1) != 0 {
-		return fmt.Errorf("bridge mark 0x%x is not one bit outside the mask 0x%x", b, mask)
-	}
 	return nil
 }
 
@@ -199,7 +196,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	}
 	t := r.TProxy
 	rules := []string{fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain)}
-	rules = append(rules, t.bridgeMarkRules(c.name)...)
+	rules = append(rules, tproxyBridgedGates(c.name, f, r)...)
 	if !r.Shared {
 		ns := tproxyNodePorts(f, r)
 		for _, p := range entryProtocols(tproxyEntries(f, r)) {
@@ -210,7 +207,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 				rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, nodePortSetMatch(f, p), tproxyNodePortsChain(p)))
 			}
 		}
-		return append(rules, t.bridgeUnmarkRule(c.name), fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+		return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
 	}
 	rules = append(rules, tproxyEntryRules(c.name, f, r, tproxyEntries(f, r))...)
 	rules = append(rules, sharedServiceRules(c.name, f, r, func(port, _ uint16) string { return t.target(f, port) })...)
@@ -220,26 +217,74 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 				c.name, d, st.proto, nodePortSetMatch(f, st.proto), quoteComment(sharedNodePortComment(st.proto)), t.target(f, st.toPort)))
 		}
 	}
-	return append(rules, t.bridgeUnmarkRule(c.name), fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+	return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
 }
 
-// bridgeMarkRules are UPROXY-TPROXY's rules before its gates (see
-// BridgeLoopOut): a packet back from the bridge loop loses the bridge
-// mark, and one that br_netfilter shows PREROUTING on the bridge gets it.
-// Packets of the transparent sockets' TCP connections have gone to
-// UPROXY-TPROXY-DIVERT before: they find their socket without the loop.
-func (t *TProxy) bridgeMarkRules(chain string) []string {
-	return []string{
-		fmt.Sprintf("-A %s -i %s -j MARK --set-xmark 0x0/0x%x", chain, BridgeLoopIn, t.Routing.bridgeMark()),
-		fmt.Sprintf("-A %s -m physdev --physdev-is-in -j MARK --set-xmark %s", chain, t.Routing.BridgeMarkString()),
+// tproxyBridgedGates renders UPROXY-TPROXY's rules that send what it
+// would intercept to UPROXY-TPROXY-BRIDGED while br_netfilter runs
+// PREROUTING on a bridge (the physdev match), before the bridge passes
+// the frame up: a TPROXY there is lost (see "Bridged clients" in the
+// package documentation). The gates are those of the intercepts: with
+// per-service rules, the service set and the node-port sets, per
+// protocol with members; in the shared layout, also each guarded
+// destination, protocol and port. Node ports count only to a local
+// address: a pod's packet to another host's port goes its way. A
+// clone that TEE sent comes back through lo, which no gate matches.
+func tproxyBridgedGates(chain string, f Family, r Rules) []string {
+	var rules []string
+	gate := func(p Protocol, match string) {
+		rules = append(rules, fmt.Sprintf("-A %s ! -i lo -p %s -m physdev --physdev-is-in %s -j %s", chain, p, match, tproxyBridgedChain))
 	}
+	nodePorts := func(p Protocol) string {
+		return nodePortSetMatch(f, p) + " -m addrtype --dst-type LOCAL"
+	}
+	if r.Shared {
+		var prev interceptKey
+		for n, e := range tproxyEntries(f, r) {
+			if n > 0 && e.key == prev {
+				continue
+			}
+			prev = e.key
+			rules = append(rules, fmt.Sprintf("-A %s -d %s/%d ! -i lo -p %s -m physdev --physdev-is-in -m comment --comment %s -m %s --dport %d -j %s",
+				chain, e.key.dest.Unmap(), f.hostBits(), e.key.proto, quoteComment(e.comment), e.key.proto, e.key.port, tproxyBridgedChain))
+		}
+		for _, t := range sharedServiceTargets(f, r) {
+			gate(t.proto, serviceSetMatch(f))
+		}
+		for _, st := range sharedNodePortTargets(f, r) {
+			gate(st.proto, nodePorts(st.proto))
+		}
+		return rules
+	}
+	for _, p := range entryProtocols(tproxyEntries(f, r)) {
+		gate(p, serviceSetMatch(f))
+	}
+	ns := tproxyNodePorts(f, r)
+	for _, p := range protocols {
+		if slices.ContainsFunc(ns, func(n NodePort) bool { return n.Protocol == p }) {
+			gate(p, nodePorts(p))
+		}
+	}
+	return rules
 }
 
-// bridgeUnmarkRule is UPROXY-TPROXY's rule after its TPROXY rules: a
-// bridged packet that no TPROXY took loses the bridge mark, so that only
-// intercepted packets take the bridge loop.
-func (t *TProxy) bridgeUnmarkRule(chain string) string {
-	return fmt.Sprintf("-A %s -m physdev --physdev-is-in -j MARK --set-xmark 0x0/0x%x", chain, t.Routing.bridgeMark())
+// tproxyBridgedRules renders UPROXY-TPROXY-BRIDGED: TEE sends a copy of
+// the packet from the IP layer, towards loopback, and the packet itself
+// is dropped. The copy leaves through OUTPUT, where UPROXY-TPROXY-OUTPUT
+// marks it as the node's own traffic to a service is marked, and comes
+// back in through lo, where PREROUTING runs at the IP layer and TPROXY
+// hands it to its listener, its source the client's. Only a connection's
+// first packet and datagrams take this way: the socket match of
+// UPROXY-TPROXY's first rule sends the rest of a connection to its
+// socket's mark before the gates.
+func tproxyBridgedRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy == nil {
+		return nil
+	}
+	return []string{
+		fmt.Sprintf("-A %s -j TEE --gateway %s", c.name, loopbackOf(f)),
+		fmt.Sprintf("-A %s -j DROP", c.name),
+	}
 }
 
 // tproxyEntryRules renders the rules of chain for es, entries of f in r
