@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
-	"strings"
 	"sync"
 	"syscall"
 
@@ -294,9 +293,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			p.ServePrevious(services, slices)
 		}
 	}
-	if tproxy {
-		warnBridgeNetfilter(log)
-	}
 
 	// Goroutines owned here: the sync loop, the source, the two servers
 	// and the upgrade server. All return when ctx is done; wg waits for
@@ -370,18 +366,4 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	log.Info("stopped; rules left in place for the next instance")
 	return failure
-}
-
-// warnBridgeNetfilter warns when br_netfilter hands bridged frames to
-// iptables: TPROXY's socket assignment made during that bridge-level
-// PREROUTING pass is dropped by ip_rcv, and br_netfilter keeps PREROUTING
-// from running again, so clients attached through a Linux bridge are not
-// intercepted in tproxy mode (openwrt/packages#18850).
-func warnBridgeNetfilter(log *zap.Logger) {
-	for _, f := range []string{"/proc/sys/net/bridge/bridge-nf-call-iptables", "/proc/sys/net/bridge/bridge-nf-call-ip6tables"} {
-		if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == "1" {
-			log.Warn("tproxy mode: clients behind a Linux bridge will not be intercepted while br_netfilter passes bridged frames to iptables; set it to 0 (routed CNIs are unaffected)",
-				zap.String("sysctl", strings.TrimPrefix(f, "/proc/sys/")))
-		}
-	}
 }
