@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"syscall"
@@ -164,8 +165,8 @@ endpoints:
 				}
 			}
 			if t.Failed() {
-				for _, cmd := range [][]string{{"iptables-save", "-c"}, {"ip", "rule"}, {"ip", "route", "show", "table", "118"}, {"ip", "link"}} {
-					out, _ := c.lab.Exec(t.Context(), c.lab.Node, cmd...)
+				for _, cmd := range [][]string{{"iptables-save", "-c", "-t", "mangle"}, {"ip", "rule"}} {
+					out, _ := c.lab.Exec(context.Background(), c.lab.Node, cmd...)
 					t.Logf("%v:\n%s", cmd, out)
 				}
 			}
@@ -181,7 +182,7 @@ endpoints:
 			}
 			for _, cmd := range [][]string{{"iptables-save"}, {"ip6tables-save"}, {"ip", "rule"}, {"ip", "-6", "rule"}, {"ip", "link"}} {
 				out, err := c.lab.Exec(t.Context(), c.lab.Node, cmd...)
-				if err != nil || strings.Contains(strings.ToLower(out), "uproxy") || strings.Contains(out, "lookup 11") {
+				if err != nil || strings.Contains(strings.ToLower(out), "uproxy") || strings.Contains(out, "lookup 117") {
 					t.Errorf("after cleanup, %v shows: %v\n%s", cmd, err, out)
 				}
 			}
