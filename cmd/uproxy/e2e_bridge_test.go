@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"strings"
 	"syscall"
 	"testing"
@@ -85,6 +86,27 @@ endpoints:
 			c.write("near.yaml", svc("near", "21", true, c.pods))
 			c.write("far.yaml", svc("far", "22", true, far))
 			c.write("plain.yaml", svc("plain", "23", false, c.pods))
+			// six: IPv6 only, preserving, on the second node's pods.
+			c.write("six.yaml", fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata:
+  name: six
+  annotations: {uproxy.io/preserve-source-ip: "true"}
+spec:
+  clusterIP: "2001:db8:96::24"
+  clusterIPs: ["2001:db8:96::24"]
+  ipFamilies: [IPv6]
+  ports: [{name: http, port: 80, targetPort: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: six-1, labels: {kubernetes.io/service-name: six}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [%q]
+- addresses: [%q]
+`, far[0].IP6, far[1].IP6))
 			c.start(0, "--mode", mode, "--listener", layout, "--cluster-cidr", "10.244.0.0/16")
 			c.waitSynced()
 
@@ -164,6 +186,22 @@ endpoints:
 					})
 				}
 			}
+			t.Run("IPv6", func(t *testing.T) {
+				for _, cl := range []struct {
+					name, ns string
+					ip       netip.Addr
+				}{{"bridged pod", c.client.NS, c.client.IP6}, {"external", ext.NS, ext.IP6}} {
+					want := "2001:db8:51::1" // the node's address towards the second node
+					if mode == "tproxy" {
+						want = cl.ip.String()
+					}
+					r := c.get(cl.ns, "http://[2001:db8:96::24]/", 4)
+					if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+						t.Errorf("%s → http://[2001:db8:96::24]/: spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
+							cl.name, r.Counts, r.Peers, r.Errors, r.FirstError, want)
+					}
+				}
+			})
 			if t.Failed() {
 				for _, cmd := range [][]string{{"iptables-save", "-c", "-t", "mangle"}, {"ip", "rule"}} {
 					out, _ := c.lab.Exec(context.Background(), c.lab.Node, cmd...)
