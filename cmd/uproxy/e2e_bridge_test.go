@@ -12,6 +12,11 @@ import (
 	"github.com/uproxy/uproxy/internal/testlab"
 )
 
+// sourceIPFallback says whether uproxy dials from the node's address when
+// a preserving Service's client and backend share a bridge (#32 item 2);
+// until it does, TestE2EBridgeCNI skips those cases.
+const sourceIPFallback = false
+
 // TestE2EBridgeCNI runs the Service tests on a node that a bridge CNI set
 // up (#32): pods on cni0 with br_netfilter handing its frames to iptables
 // (testlab's BridgeCNI), pods on a second node behind a route, and an
@@ -164,8 +169,12 @@ endpoints:
 							}
 							if cl.bridged && !s.farBackends {
 								// The backend shares the client's bridge: it
-								// would answer the client straight over it.
-								t.Skip("needs the source-IP fallback (#32 item 2)")
+								// would answer the client straight over it, so
+								// uproxy dials from the node's address instead.
+								want = nodeNear
+								if !sourceIPFallback {
+									t.Skip("needs the source-IP fallback (#32 item 2)")
+								}
 							}
 						}
 						tg := cl.addrs(s.suffix)
