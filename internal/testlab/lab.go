@@ -17,8 +17,8 @@ import (
 
 // Lab is a small cluster node built from network namespaces:
 //
-//	node   the node's namespace: a bridge (10.244.0.1/24, 2001:db8:244::1/64)
-//	       that the pods hang off, and a route for the service range, so
+//	node   the node's namespace: a bridge (Options.Bridge; 10.244.0.1/24,
+//	       2001:db8:244::1/64) that the pods hang off, and a route for the service range, so
 //	       node-originated traffic to a VIP reaches the nat OUTPUT chain.
 //	pods   one namespace each, on a veth whose other end is on the bridge,
 //	       with addresses 10.244.0.N and 2001:db8:244::N and the node as
