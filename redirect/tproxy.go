@@ -21,6 +21,14 @@ import (
 type TProxy struct {
 	// Routing gives the mark; its zero value is DefaultRouting.
 	Routing Routing
+	// NoBridged leaves out the gates for clients behind a Linux bridge
+	// (tproxyBridgedGates) and UPROXY-TPROXY-BRIDGED's rules. Their
+	// physdev match makes the kernel load br_netfilter when it is not
+	// loaded yet (physdev_mt_check, net/netfilter/xt_physdev.c), which
+	// then hands every bridged frame of the node to iptables: set it
+	// where br_netfilter is not loaded, and no bridged packet meets
+	// iptables anyway. False renders them.
+	NoBridged bool
 }
 
 // validate reports why t cannot be rendered, or nil.
@@ -231,6 +239,9 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 // address: a pod's packet to another host's port goes its way. A
 // clone that TEE sent comes back through lo, which no gate matches.
 func tproxyBridgedGates(chain string, f Family, r Rules) []string {
+	if r.TProxy.NoBridged {
+		return nil
+	}
 	var rules []string
 	gate := func(p Protocol, match string) {
 		rules = append(rules, fmt.Sprintf("-A %s ! -i lo -p %s -m physdev --physdev-is-in %s -j %s", chain, p, match, tproxyBridgedChain))
@@ -278,7 +289,7 @@ func tproxyBridgedGates(chain string, f Family, r Rules) []string {
 // UPROXY-TPROXY's first rule sends the rest of a connection to its
 // socket's mark before the gates.
 func tproxyBridgedRules(c chainSpec, f Family, r Rules) []string {
-	if r.TProxy == nil {
+	if r.TProxy == nil || r.TProxy.NoBridged {
 		return nil
 	}
 	return []string{

@@ -201,7 +201,10 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Logger:   log.Named("rules"),
 	}
 	if tproxy {
-		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
+		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting, NoBridged: !brNetfilterLoaded()}
+		if rulesCfg.Services.TProxy.NoBridged {
+			log.Info("br_netfilter is not loaded: no rules for clients behind a Linux bridge, whose match would load it; restart uproxy after loading it")
+		}
 	}
 	var rules *redirect.Families // set below, before the sync loop starts
 	synced := make(chan struct{})
@@ -366,4 +369,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	log.Info("stopped; rules left in place for the next instance")
 	return failure
+}
+
+// brNetfilterLoaded reports whether br_netfilter is loaded, which shows
+// in its sysctls under /proc/sys/net/bridge. Without it no bridged frame
+// meets iptables, and tproxy mode leaves out the rules for bridged
+// clients (redirect.TProxy.NoBridged), whose physdev match would load it.
+func brNetfilterLoaded() bool {
+	_, err := os.Stat("/proc/sys/net/bridge/bridge-nf-call-iptables")
+	return err == nil
 }
