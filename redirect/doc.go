@@ -216,16 +216,22 @@
 // they come back in through PREROUTING and meet TPROXY, or a firewall's
 // DROP, there: TPROXY works only in PREROUTING.
 //
-// TPROXY does not work for packets that reach the node through a Linux
-// bridge while br_netfilter hands bridged traffic to iptables
-// (net.bridge.bridge-nf-call-iptables or -ip6tables set to 1, as kubeadm
-// requires): br_netfilter runs PREROUTING while the frame is still on the
-// bridge, the IP layer then drops the socket TPROXY chose (skb_orphan in
-// ip_rcv), and br_netfilter keeps PREROUTING from running again, so the
-// stack finds no socket for the packet, which keeps its destination, and
-// the connection fails (seen up to Linux 6.18). Such nodes (a bridge CNI)
-// need those sysctls at 0 in tproxy mode; pods on routed veths, clients
-// routed to the node on a plain interface, and the node's own traffic are
-// not affected. The marks, including the transparent sockets' replies,
-// work either way. docs/modes.md describes the choice for operators.
+// Bridged clients. A plain TPROXY loses the packets that reach the node
+// through a Linux bridge while br_netfilter hands bridged traffic to
+// iptables (net.bridge.bridge-nf-call-iptables or -ip6tables set to 1, as
+// bridge CNIs and kubeadm require): br_nf_pre_routing runs PREROUTING
+// while the frame is still on the bridge, ip_rcv_core (ip6_rcv_core) then
+// orphans the packet, dropping the socket TPROXY chose, and ip_sabotage_in
+// keeps PREROUTING from running again, so the stack finds no socket for
+// the packet, which keeps its destination. UPROXY-TPROXY therefore has a
+// second set of gates, after the transparent-socket rule, that match only
+// there (-m physdev --physdev-is-in): what they would intercept goes to
+// UPROXY-TPROXY-BRIDGED, whose TEE sends a copy from the IP layer towards
+// loopback (nf_dup_ipv4, nf_dup_ipv6: untracked, through OUTPUT) and whose
+// DROP ends the frame. UPROXY-TPROXY-OUTPUT marks the copy as the node's
+// own traffic to a service, so it comes back through lo into PREROUTING,
+// where TPROXY works; the gates skip lo, since the copy keeps the frame's
+// bridge information. The later packets of a connection find its socket
+// through the transparent-socket rule, before the gates. docs/modes.md
+// ("Bridge CNIs") describes the choice for operators.
 package redirect

@@ -31,11 +31,14 @@ func TestMatchingRules(t *testing.T) {
 	shared.Firewalls = nil
 
 	const (
-		webRule    = `[nat] -A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001`
-		lbRule     = `[nat] -A UPROXY-SERVICES -s 198.51.100.0/24 -d 192.0.2.20/32 -p tcp -m comment --comment "default/lb:http" -m tcp --dport 80 -j REDIRECT --to-ports 40003`
-		lbDrop     = `[filter] -A UPROXY-FIREWALL -d 192.0.2.20/32 -p tcp -m comment --comment "default/lb:http" -m tcp --dport 80 -j DROP`
-		tproxyGate = `[mangle] -A UPROXY-TPROXY -p tcp -m set --match-set uproxy-services4 dst,dst -j UPROXY-TPROXY-SERVICES-TCP`
-		tproxyMark = `[mangle] -A UPROXY-TPROXY-OUTPUT -p tcp -m set --match-set uproxy-services4 dst,dst -j MARK --set-xmark 0x200000/0x200000`
+		webRule = `[nat] -A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001`
+		lbRule  = `[nat] -A UPROXY-SERVICES -s 198.51.100.0/24 -d 192.0.2.20/32 -p tcp -m comment --comment "default/lb:http" -m tcp --dport 80 -j REDIRECT --to-ports 40003`
+		lbDrop  = `[filter] -A UPROXY-FIREWALL -d 192.0.2.20/32 -p tcp -m comment --comment "default/lb:http" -m tcp --dport 80 -j DROP`
+		// The bridged gate matches too: the explanation cannot know
+		// whether the client is behind a bridge.
+		tproxyBridged = `[mangle] -A UPROXY-TPROXY ! -i lo -p tcp -m physdev --physdev-is-in -m set --match-set uproxy-services4 dst,dst -j UPROXY-TPROXY-BRIDGED`
+		tproxyGate    = `[mangle] -A UPROXY-TPROXY -p tcp -m set --match-set uproxy-services4 dst,dst -j UPROXY-TPROXY-SERVICES-TCP`
+		tproxyMark    = `[mangle] -A UPROXY-TPROXY-OUTPUT -p tcp -m set --match-set uproxy-services4 dst,dst -j MARK --set-xmark 0x200000/0x200000`
 	)
 	tests := []struct {
 		name   string
@@ -108,13 +111,13 @@ func TestMatchingRules(t *testing.T) {
 	}, {
 		name:  "tproxy mode",
 		rules: tproxy, tproxy: true, dst: "10.96.0.10:80", proto: TCP,
-		want: []string{tproxyGate, `[mangle] -A UPROXY-TPROXY-SERVICES-TCP -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j TPROXY --on-port 40001 --on-ip 127.0.0.1 --tproxy-mark 0x200000/0x200000`, tproxyMark},
+		want: []string{tproxyBridged, tproxyGate, `[mangle] -A UPROXY-TPROXY-SERVICES-TCP -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j TPROXY --on-port 40001 --on-ip 127.0.0.1 --tproxy-mark 0x200000/0x200000`, tproxyMark},
 		// Two rules match the service set: one ipset test per set.
 		wantCalls: []string{"iptables-save -t mangle", "ipset test uproxy-services4 10.96.0.10,tcp:80", "ipset test uproxy-nodeports-tcp4 80", "iptables-save -t filter"},
 	}, {
 		name:  "tproxy mode, a firewalled load balancer, a client it drops",
 		rules: tproxy, tproxy: true, dst: "192.0.2.20:80", proto: TCP, client: "203.0.113.7",
-		want: []string{tproxyGate, `[mangle] -A UPROXY-TPROXY-SERVICES-TCP -d 192.0.2.20/32 -p tcp -m comment --comment "default/lb:http" -m tcp --dport 80 -j DROP`, tproxyMark},
+		want: []string{tproxyBridged, tproxyGate, `[mangle] -A UPROXY-TPROXY-SERVICES-TCP -d 192.0.2.20/32 -p tcp -m comment --comment "default/lb:http" -m tcp --dport 80 -j DROP`, tproxyMark},
 	}, {
 		name:  "a table that cannot be read",
 		rules: rules, dst: "192.0.2.20:80", proto: TCP, failSave: true,

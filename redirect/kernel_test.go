@@ -152,7 +152,7 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	b.WriteString("*mangle\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n")
 	// Only tproxy mode jumps to the mangle chains.
 	if synced {
-		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n")
+		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n")
 		if r.TProxy != nil {
 			b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
 		}
@@ -162,7 +162,7 @@ func kernelWant(f Family, r Rules, synced bool) string {
 		if r.TProxy != nil {
 			b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 		}
-		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-OUTPUT", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP"} {
+		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-BRIDGED", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-OUTPUT", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP"} {
 			for _, l := range st[chainKey{"mangle", c}].rules {
 				b.WriteString(l + "\n")
 			}
@@ -377,6 +377,7 @@ func testKernelSync(t *testing.T, f Family) {
 		ipt("-t", "mangle", "-X", c)
 	}
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-DIVERT")
+	ipt("-t", "mangle", "-X", tproxyBridgedChain)
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY-OUTPUT")
 	// Only now, with no rule naming them, can the sets be destroyed.
 	for name, c := range wantSets(f, kernelRules) {

@@ -59,6 +59,9 @@ const (
 const (
 	nodePortsChain    = "UPROXY-NODEPORTS"
 	tproxyDivertChain = "UPROXY-TPROXY-DIVERT"
+	// tproxyBridgedChain re-sends, from the IP layer, what br_netfilter
+	// shows UPROXY-TPROXY on a bridge (tproxyBridgedRules).
+	tproxyBridgedChain = "UPROXY-TPROXY-BRIDGED"
 	// These hold tproxy mode's per-service rules, one protocol each,
 	// behind the gates of UPROXY-TPROXY (see tproxyServicesChain and
 	// tproxyNodePortsChain).
@@ -131,6 +134,12 @@ var chains = []chainSpec{
 		table: "mangle",
 		name:  tproxyDivertChain,
 		rules: tproxyDivertRules,
+	},
+	{
+		// Jumped to from UPROXY-TPROXY's gates for bridged packets.
+		table: "mangle",
+		name:  tproxyBridgedChain,
+		rules: tproxyBridgedRules,
 	},
 	{
 		table:          "mangle",

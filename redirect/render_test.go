@@ -292,6 +292,13 @@ func TestRenderGolden(t *testing.T) {
 		{"tproxy_mark", IPv4, tproxied(Rules{
 			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
 		}, Routing{Mark: 0x10, Mask: 0xf0, Table: 200})},
+		// Without br_netfilter: no gate for bridged clients, whose
+		// physdev match would load it.
+		{"tproxy_no_bridged", IPv4, Rules{
+			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			NodePorts:  []NodePort{{Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 40001, Comment: "default/web:http"}},
+			TProxy:     &TProxy{NoBridged: true},
+		}},
 		{"tproxy_invalid_skipped", IPv4, tproxied(Rules{
 			Intercepts: []Intercept{
 				svc("ok", TCP, "10.96.0.1", 80, 40001),
@@ -448,6 +455,7 @@ func TestParseStateOfRender(t *testing.T) {
 		{"nat", "UPROXY-NODEPORTS"}:        {exists: true},
 		{"mangle", "UPROXY-TPROXY"}:        {exists: true},
 		{"mangle", "UPROXY-TPROXY-DIVERT"}: {exists: true},
+		{"mangle", tproxyBridgedChain}:     {exists: true},
 		{"mangle", tproxyServicesTCP}:      {exists: true},
 		{"mangle", tproxyServicesUDP}:      {exists: true},
 		{"mangle", tproxyNodePortsTCP}:     {exists: true},
@@ -477,6 +485,7 @@ func TestParseStateTables(t *testing.T) {
 		{"nat", "UPROXY-NODEPORTS"}:        {exists: true, rules: []string{"-A UPROXY-NODEPORTS -j RETURN"}},
 		{"mangle", "UPROXY-TPROXY"}:        {},
 		{"mangle", "UPROXY-TPROXY-DIVERT"}: {},
+		{"mangle", tproxyBridgedChain}:     {},
 		{"mangle", tproxyServicesTCP}:      {},
 		{"mangle", tproxyServicesUDP}:      {},
 		{"mangle", tproxyNodePortsTCP}:     {},

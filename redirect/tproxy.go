@@ -21,6 +21,14 @@ import (
 type TProxy struct {
 	// Routing gives the mark; its zero value is DefaultRouting.
 	Routing Routing
+	// NoBridged leaves out the gates for clients behind a Linux bridge
+	// (tproxyBridgedGates) and UPROXY-TPROXY-BRIDGED's rules. Their
+	// physdev match makes the kernel load br_netfilter when it is not
+	// loaded yet (physdev_mt_check, net/netfilter/xt_physdev.c), which
+	// then hands every bridged frame of the node to iptables: set it
+	// where br_netfilter is not loaded, and no bridged packet meets
+	// iptables anyway. False renders them.
+	NoBridged bool
 }
 
 // validate reports why t cannot be rendered, or nil.
@@ -196,6 +204,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	}
 	t := r.TProxy
 	rules := []string{fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain)}
+	rules = append(rules, tproxyBridgedGates(c.name, f, r)...)
 	if !r.Shared {
 		ns := tproxyNodePorts(f, r)
 		for _, p := range entryProtocols(tproxyEntries(f, r)) {
@@ -217,6 +226,76 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 		}
 	}
 	return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
+}
+
+// tproxyBridgedGates renders UPROXY-TPROXY's rules that send what it
+// would intercept to UPROXY-TPROXY-BRIDGED while br_netfilter runs
+// PREROUTING on a bridge (the physdev match), before the bridge passes
+// the frame up: a TPROXY there is lost (see "Bridged clients" in the
+// package documentation). The gates are those of the intercepts: with
+// per-service rules, the service set and the node-port sets, per
+// protocol with members; in the shared layout, also each guarded
+// destination, protocol and port. Node ports count only to a local
+// address: a pod's packet to another host's port goes its way. A
+// clone that TEE sent comes back through lo, which no gate matches.
+func tproxyBridgedGates(chain string, f Family, r Rules) []string {
+	if r.TProxy.NoBridged {
+		return nil
+	}
+	var rules []string
+	gate := func(p Protocol, match string) {
+		rules = append(rules, fmt.Sprintf("-A %s ! -i lo -p %s -m physdev --physdev-is-in %s -j %s", chain, p, match, tproxyBridgedChain))
+	}
+	nodePorts := func(p Protocol) string {
+		return nodePortSetMatch(f, p) + " -m addrtype --dst-type LOCAL"
+	}
+	if r.Shared {
+		var prev interceptKey
+		for n, e := range tproxyEntries(f, r) {
+			if n > 0 && e.key == prev {
+				continue
+			}
+			prev = e.key
+			rules = append(rules, fmt.Sprintf("-A %s -d %s/%d ! -i lo -p %s -m physdev --physdev-is-in -m comment --comment %s -m %s --dport %d -j %s",
+				chain, e.key.dest.Unmap(), f.hostBits(), e.key.proto, quoteComment(e.comment), e.key.proto, e.key.port, tproxyBridgedChain))
+		}
+		for _, t := range sharedServiceTargets(f, r) {
+			gate(t.proto, serviceSetMatch(f))
+		}
+		for _, st := range sharedNodePortTargets(f, r) {
+			gate(st.proto, nodePorts(st.proto))
+		}
+		return rules
+	}
+	for _, p := range entryProtocols(tproxyEntries(f, r)) {
+		gate(p, serviceSetMatch(f))
+	}
+	ns := tproxyNodePorts(f, r)
+	for _, p := range protocols {
+		if slices.ContainsFunc(ns, func(n NodePort) bool { return n.Protocol == p }) {
+			gate(p, nodePorts(p))
+		}
+	}
+	return rules
+}
+
+// tproxyBridgedRules renders UPROXY-TPROXY-BRIDGED: TEE sends a copy of
+// the packet from the IP layer, towards loopback, and the packet itself
+// is dropped. The copy leaves through OUTPUT, where UPROXY-TPROXY-OUTPUT
+// marks it as the node's own traffic to a service is marked, and comes
+// back in through lo, where PREROUTING runs at the IP layer and TPROXY
+// hands it to its listener, its source the client's. Only a connection's
+// first packet and datagrams take this way: the socket match of
+// UPROXY-TPROXY's first rule sends the rest of a connection to its
+// socket's mark before the gates.
+func tproxyBridgedRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy == nil || r.TProxy.NoBridged {
+		return nil
+	}
+	return []string{
+		fmt.Sprintf("-A %s -j TEE --gateway %s", c.name, loopbackOf(f)),
+		fmt.Sprintf("-A %s -j DROP", c.name),
+	}
 }
 
 // tproxyEntryRules renders the rules of chain for es, entries of f in r

@@ -67,8 +67,7 @@ endpoints:
 - addresses: [%[1]q]
 `, pod.IP))
 			if mode == "tproxy" {
-				// As in TestE2EModes: TPROXY needs bridged frames kept
-				// from iptables.
+				// As in TestE2EModes: the lab stands for a routed CNI.
 				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
 				}

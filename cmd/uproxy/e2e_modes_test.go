@@ -76,10 +76,10 @@ endpoints:
 			c.write("kept.yaml", svc("kept", "10.96.0.11", true))
 			c.write("plain.yaml", svc("plain", "10.96.0.12", false))
 			if mode == "tproxy" {
-				// TPROXY's socket assignment does not survive br_netfilter's
-				// PREROUTING pass for frames that enter through a bridge (see
-				// docs/modes.md): clients behind a bridge need
-				// bridge-nf-call-iptables off, as on a routed CNI.
+				// This lab stands for a routed CNI: with br_netfilter off,
+				// bridged frames skip iptables as a routed pod's would meet
+				// TPROXY. TestE2EBridgeCNI runs the same matrix with it on
+				// (#32).
 				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
 				}

@@ -75,9 +75,16 @@ type cluster struct {
 // and a client pod. uproxy is not started yet.
 func newCluster(t *testing.T, n int) *cluster {
 	t.Helper()
+	return newClusterWith(t, n, testlab.Options{})
+}
+
+// newClusterWith is newCluster on a lab built with o (its Logf is t's).
+func newClusterWith(t *testing.T, n int, o testlab.Options) *cluster {
+	t.Helper()
 	testlab.RequireRoot(t, "iptables", "iptables-save", "iptables-restore")
 	up, bench := binaries(t)
-	l, err := testlab.New(testlab.Options{Logf: t.Logf})
+	o.Logf = t.Logf
+	l, err := testlab.New(o)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -62,7 +62,7 @@ endpoints: [{addresses: [%q]}]
 	rules := 3 // REDIRECT rules: web, stream, dns
 	if mode == "tproxy" {
 		rules = 0
-		// See TestE2EModes: clients behind a bridge need this off.
+		// See TestE2EModes: the lab stands for a routed CNI.
 		if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
 			t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
 		}

@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
-	"strings"
 	"sync"
 	"syscall"
 
@@ -204,7 +203,10 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Logger:   log.Named("rules"),
 	}
 	if tproxy {
-		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting}
+		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting, NoBridged: !brNetfilterLoaded()}
+		if rulesCfg.Services.TProxy.NoBridged {
+			log.Info("br_netfilter is not loaded: no rules for clients behind a Linux bridge, whose match would load it; restart uproxy after loading it")
+		}
 	}
 	var rules *redirect.Families // set below, before the sync loop starts
 	synced := make(chan struct{})
@@ -298,9 +300,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			p.ServePrevious(services, slices)
 		}
 	}
-	if tproxy {
-		warnBridgeNetfilter(log)
-	}
 
 	// Goroutines owned here: the sync loop, the source, the two servers
 	// and the upgrade server. All return when ctx is done; wg waits for
@@ -376,16 +375,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	return failure
 }
 
-// warnBridgeNetfilter warns when br_netfilter hands bridged frames to
-// iptables: TPROXY's socket assignment made during that bridge-level
-// PREROUTING pass is dropped by ip_rcv, and br_netfilter keeps PREROUTING
-// from running again, so clients attached through a Linux bridge are not
-// intercepted in tproxy mode (openwrt/packages#18850).
-func warnBridgeNetfilter(log *zap.Logger) {
-	for _, f := range []string{"/proc/sys/net/bridge/bridge-nf-call-iptables", "/proc/sys/net/bridge/bridge-nf-call-ip6tables"} {
-		if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == "1" {
-			log.Warn("tproxy mode: clients behind a Linux bridge will not be intercepted while br_netfilter passes bridged frames to iptables; set it to 0 (routed CNIs are unaffected)",
-				zap.String("sysctl", strings.TrimPrefix(f, "/proc/sys/")))
-		}
-	}
+// brNetfilterLoaded reports whether br_netfilter is loaded, which shows
+// in its sysctls under /proc/sys/net/bridge. Without it no bridged frame
+// meets iptables, and tproxy mode leaves out the rules for bridged
+// clients (redirect.TProxy.NoBridged), whose physdev match would load it.
+func brNetfilterLoaded() bool {
+	_, err := os.Stat("/proc/sys/net/bridge/bridge-nf-call-iptables")
+	return err == nil
 }

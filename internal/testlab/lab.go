@@ -17,8 +17,8 @@ import (
 
 // Lab is a small cluster node built from network namespaces:
 //
-//	node   the node's namespace: a bridge (10.244.0.1/24, 2001:db8:244::1/64)
-//	       that the pods hang off, and a route for the service range, so
+//	node   the node's namespace: a bridge (Options.Bridge; 10.244.0.1/24,
+//	       2001:db8:244::1/64) that the pods hang off, and a route for the service range, so
 //	       node-originated traffic to a VIP reaches the nat OUTPUT chain.
 //	pods   one namespace each, on a veth whose other end is on the bridge,
 //	       with addresses 10.244.0.N and 2001:db8:244::N and the node as
@@ -44,6 +44,10 @@ type Lab struct {
 
 	nextExternal int
 	externalNet  bool // brx exists
+	bridge       string
+
+	node2    string // the second node's namespace (AddRemotePod), or empty
+	nextNode int
 }
 
 // Pod is one pod namespace.
@@ -58,6 +62,8 @@ type Pod struct {
 type Options struct {
 	// Logf receives progress lines; nil means none.
 	Logf func(format string, args ...any)
+	// Bridge is the name of the node's pod bridge; empty means br0.
+	Bridge string
 }
 
 // New builds the node namespace. The caller must Close the Lab.
@@ -68,18 +74,21 @@ func New(o Options) (*Lab, error) {
 	if _, err := exec.LookPath("ip"); err != nil {
 		return nil, errors.New("the lab needs ip (Debian package iproute2)")
 	}
-	l := &Lab{Logf: o.Logf, id: UniqueName("")[:6], pods: map[string]*Pod{}, next: 10}
+	l := &Lab{Logf: o.Logf, id: UniqueName("")[:6], pods: map[string]*Pod{}, next: 10, bridge: o.Bridge}
+	if l.bridge == "" {
+		l.bridge = "br0"
+	}
 	l.Node = "uplab-node-" + l.id
 	if err := l.addNS(l.Node); err != nil {
 		return nil, err
 	}
 	err := l.run(
-		[]string{"ip", "-n", l.Node, "link", "add", "br0", "type", "bridge"},
-		[]string{"ip", "-n", l.Node, "addr", "add", "10.244.0.1/24", "dev", "br0"},
-		[]string{"ip", "-n", l.Node, "addr", "add", "2001:db8:244::1/64", "dev", "br0", "nodad"},
-		[]string{"ip", "-n", l.Node, "link", "set", "br0", "up"},
-		[]string{"ip", "-n", l.Node, "route", "add", "10.96.0.0/16", "dev", "br0"},
-		[]string{"ip", "-n", l.Node, "-6", "route", "add", "2001:db8:96::/64", "dev", "br0"},
+		[]string{"ip", "-n", l.Node, "link", "add", l.bridge, "type", "bridge"},
+		[]string{"ip", "-n", l.Node, "addr", "add", "10.244.0.1/24", "dev", l.bridge},
+		[]string{"ip", "-n", l.Node, "addr", "add", "2001:db8:244::1/64", "dev", l.bridge, "nodad"},
+		[]string{"ip", "-n", l.Node, "link", "set", l.bridge, "up"},
+		[]string{"ip", "-n", l.Node, "route", "add", "10.96.0.0/16", "dev", l.bridge},
+		[]string{"ip", "-n", l.Node, "-6", "route", "add", "2001:db8:96::/64", "dev", l.bridge},
 		[]string{"ip", "netns", "exec", l.Node, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"},
 	)
 	if err != nil {
@@ -131,7 +140,7 @@ func (l *Lab) AddPod(name string) (*Pod, error) {
 	host := fmt.Sprintf("vp%d", n)
 	err := l.run(
 		[]string{"ip", "-n", l.Node, "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", p.NS},
-		[]string{"ip", "-n", l.Node, "link", "set", host, "master", "br0", "up"},
+		[]string{"ip", "-n", l.Node, "link", "set", host, "master", l.bridge, "up"},
 		[]string{"ip", "-n", p.NS, "addr", "add", p.IP.String() + "/24", "dev", "eth0"},
 		[]string{"ip", "-n", p.NS, "addr", "add", p.IP6.String() + "/64", "dev", "eth0", "nodad"},
 		[]string{"ip", "-n", p.NS, "link", "set", "eth0", "up"},
