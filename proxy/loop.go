@@ -173,6 +173,9 @@ type eventLoop struct {
 	// recv and replies relay UDP replies: allocated with the first flow.
 	recv    *flowReceiver
 	replies *replyQueue
+	// pools: the UDP socket pools of request–reply queries (udppool.go),
+	// allocated with the first query.
+	pools *loopPools
 	// accepting: the listeners registered with the loop, by slot
 	// (accept.go); freeSlots: its unused slots. paused: the slots whose
 	// listener is out of the epoll set after a failed accept, the earliest
@@ -334,6 +337,7 @@ func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 		if l.replies != nil {
 			l.replies.flush()
 		}
+		l.tickPools()
 		if l.idle <= 0 && l.nextDeadline.IsZero() && l.nextResume.IsZero() && len(l.sessions) == 0 {
 			continue
 		}
@@ -372,6 +376,7 @@ func (l *eventLoop) timeout() int {
 			next = d
 		}
 	}
+	next = l.poolDeadline(next)
 	if next.IsZero() {
 		return -1
 	}
@@ -1067,6 +1072,10 @@ const flowBudget = 64
 // receive error (ECONNREFUSED after an ICMP port unreachable: udp(7))
 // ends the flow. Runs on the loop.
 func (l *eventLoop) flowReady(f *udpFlow) {
+	if f.slot != nil {
+		l.slotReady(f)
+		return
+	}
 	r := l.recv
 	for relayed := 0; relayed < flowBudget; {
 		if f.closed.Load() {
@@ -1107,7 +1116,7 @@ func (l *eventLoop) dropFlow(f *udpFlow) {
 		l.sides[f.fd] = nil
 	}
 	_ = closeFD(f.fd)
-	f.backend.Release()
+	f.release()
 }
 
 // flowReceiver reads a flow's replies for a loop, two at a time with

@@ -84,6 +84,7 @@ type Metrics struct {
 	dialErrors   [numDialReasons]prometheus.Counter
 	udpFlows     prometheus.Gauge
 	udpEvicted   prometheus.Counter
+	udpPool      [poolResults]prometheus.Counter
 
 	// The families that Collect builds from the counters.
 	connections *prometheus.Desc // service, port, backend, result
@@ -217,6 +218,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for i, r := range dialReasonNames {
 		m.dialErrors[i] = dialErrors.WithLabelValues(r)
 	}
+	udpPool := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_udp_pool_queries_total",
+		Help: "UDP request-reply queries sent through pooled backend sockets, by result: sent, dropped (the endpoint's pool was at its bound), timeout (no reply in time), long_flow (the client sent again, and became a flow).",
+	}, []string{"result"})
+	for i, r := range poolResultNames {
+		m.udpPool[i] = udpPool.WithLabelValues(r)
+	}
 	if reg != nil {
 		endpointsPending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Subsystem: "kubeproxy",
@@ -230,7 +238,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
 			m.netProgramming, m.noLocalEndpoints, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
-			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted)
+			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted, udpPool)
 	}
 	return m
 }

@@ -38,7 +38,35 @@ const (
 	// one endpoint. A full endpoint is skipped; when every endpoint is
 	// full, the connection is reset.
 	AnnotationMaxConnectionsPerEndpoint = "uproxy.io/max-connections-per-endpoint"
+	// AnnotationUDPMode chooses how the service's UDP ports carry their
+	// clients (#31): "request-reply" sends each datagram through a pooled
+	// socket that returns to its pool with the first reply, "flow" gives
+	// each client a socket of its own for as long as it sends, and "auto"
+	// starts a client as request-reply and makes it a flow once it sends
+	// again. Ports numbered 53 (DNS) default to request-reply, the others
+	// to flow.
+	AnnotationUDPMode = "uproxy.io/udp-mode"
 )
+
+// UDPMode is how a UDP service port carries its clients
+// (AnnotationUDPMode). The zero value is UDPFlow.
+type UDPMode uint8
+
+const (
+	// UDPFlow: a socket connected to the backend per client, in the flow
+	// table until the UDP timeout.
+	UDPFlow UDPMode = iota
+	// UDPRequestReply: each datagram is a query that checks a socket out
+	// of the endpoint's pool until the first reply.
+	UDPRequestReply
+	// UDPAuto: request-reply until the client sends a second datagram
+	// from the same port soon after its first: then a flow.
+	UDPAuto
+)
+
+var udpModeNames = map[UDPMode]string{UDPFlow: "flow", UDPRequestReply: "request-reply", UDPAuto: "auto"}
+
+func (m UDPMode) String() string { return udpModeNames[m] }
 
 // Labels uproxy honours, with the meaning kube-proxy gives them.
 const (
@@ -126,6 +154,9 @@ type ServicePort struct {
 	// MaxConnectionsPerEndpoint bounds the TCP connections proxied at once
 	// to any one endpoint of this port; zero means no limit.
 	MaxConnectionsPerEndpoint int
+	// UDPMode is how a UDP port carries its clients: the annotation, else
+	// request-reply for port 53 and flow for the others.
+	UDPMode UDPMode
 }
 
 // ExternallyAccessible reports whether the port takes traffic from outside

@@ -214,7 +214,7 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 		},
 	})
 	p.Tracker().Replace(
-		[]*v1.Service{svc("dns-a", "10.96.0.53", "dns:53/UDP"), svc("dns-b", "10.96.0.54", "dns:53/UDP")},
+		[]*v1.Service{udpMode(svc("dns-a", "10.96.0.53", "dns:53/UDP"), "flow"), udpMode(svc("dns-b", "10.96.0.54", "dns:53/UDP"), "flow")},
 		append(udpSlices("dns-a", a), udpSlices("dns-b", b)...))
 	port := rules.port(t, "default/dns-a:dns")
 	if got := rules.port(t, "default/dns-b:dns"); got != port {

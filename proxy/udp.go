@@ -72,6 +72,10 @@ type udpFlow struct {
 	// refreshed is when the flow's timeout was last pushed back in the
 	// table (monotonic nanoseconds from flowClock): see touch.
 	refreshed atomic.Int64
+	// slot, when set, makes the socket a pooled one, not in the flow
+	// table, that carries one request–reply query at a time (udppool.go).
+	// Owned by loop.
+	slot *poolSlot
 }
 
 // touchInterval bounds how often a flow's traffic pushes its timeout back
@@ -85,6 +89,9 @@ const touchInterval = 250 * time.Millisecond
 // touch pushes the flow's timeout back, at most once per touchInterval,
 // if the flow is still the table's entry for its key.
 func (f *udpFlow) touch(p *Proxier) {
+	if f.slot != nil {
+		return // not in the table
+	}
 	now := flowClock()
 	last := f.refreshed.Load()
 	if now-last < int64(touchInterval) || !f.refreshed.CompareAndSwap(last, now) {
@@ -138,7 +145,9 @@ func (f *udpFlow) close() {
 	if !f.closed.CompareAndSwap(false, true) {
 		return
 	}
-	f.pm.flowClosed()
+	if f.slot == nil {
+		f.pm.flowClosed()
+	}
 	if f.conn != nil {
 		f.conn.Close()
 	} else {
@@ -316,9 +325,15 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	}
 	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
 	cur, _ := p.flowTable().Peek(key)
+	var rq *recentQuery
+	if cur == nil {
+		cur, rq = p.pooledFlow(el, key)
+	}
 	switch {
 	case cur != nil && !l.key.name.IsShared():
 		orig = cur.orig
+	case rq != nil && !l.key.name.IsShared():
+		orig = rq.orig
 	case !l.key.name.IsShared() && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
 		// A listener of its own binds every address, and receives what
 		// anyone sends to its port, the listener guard notwithstanding
@@ -340,6 +355,8 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 		// which, and in redirect mode that means asking conntrack.
 		if cur != nil {
 			svc, orig = cur.svc, cur.orig
+		} else if rq != nil {
+			svc, orig = rq.svc, rq.orig
 		} else {
 			var err error
 			if !p.cfg.Transparent {
@@ -356,7 +373,7 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
-		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur)
+		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur, rq)
 		if err != nil {
 			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
 			return
@@ -391,8 +408,11 @@ func (p *Proxier) notRedirected(l *listener, err error) {
 // destination when known (tproxy mode, or a shared listener's conntrack
 // lookup). A flow whose backend is no longer usable (removed, no longer
 // ready, ejected) is replaced, so no client stays blackholed behind a
-// dead endpoint.
-func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
+// dead endpoint. rq, when set, is the client's query answered moments
+// ago through a pooled socket: the client is a long flow, which goes to
+// the same backend if it can. Otherwise, on an event loop, a new client's
+// datagram is a query sent through a pooled socket (udppool.go).
+func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
 	client := key.client
 	snap := l.snap.Load()
 	if snap == nil {
@@ -417,7 +437,10 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 		}
 		p.removeFlow(f)
 	}
-	b := bal.Pick(client.Addr())
+	b, long := rq.recentBackend(snap, set)
+	if b == nil {
+		b = bal.Pick(client.Addr())
+	}
 	if b == nil {
 		pm.noEndpoint()
 		return nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
@@ -427,6 +450,11 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	var from netip.Addr
 	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
 		from = client.Addr()
+	}
+	if !long && !from.IsValid() {
+		if f, ok, err := p.checkout(el, l, snap.sp.UDPMode, key, sock, orig, b, pm); ok {
+			return f, err
+		}
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
