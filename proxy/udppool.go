@@ -153,7 +153,7 @@ type recentQuery struct {
 // loopPools is an event loop's UDP socket pools and the queries they
 // carry. Owned by the loop.
 type loopPools struct {
-	p       *Proxier
+	p      *Proxier
 	byAddr map[netip.AddrPort]*udpPool
 	busy   map[*udpFlow]struct{} // the checked-out sockets
 	// pending: the checked-out sockets of UDPAuto ports, by client.
