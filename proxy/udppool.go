@@ -5,34 +5,37 @@ package proxy
 // A DNS stub resolver sends each query from a new socket, so to the proxy
 // every query is a new flow: a socket of its own connected to a backend,
 // a flow table entry, epoll registration, and a close once the flow
-// expires. On an event loop a new client therefore starts as a
-// request–reply query instead: its datagram goes out on a socket checked
-// out of a pool of connected sockets that the loop keeps per endpoint,
-// and the socket returns to the pool with the backend's first reply.
-// This is IPVS's one-packet scheduling (--ops), or Envoy's per-host pool
-// of upstream UDP sockets, without parsing the payload: uproxy does not
-// know the protocol, so it cannot match replies to queries by a DNS ID.
-// A pooled socket therefore carries one query at a time, and the reply
-// that arrives on it belongs to the client that checked it out.
+// expires. A service port in request-reply mode (AnnotationUDPMode; the
+// default of port 53, so that kube-dns needs no annotation) carries each
+// datagram as a query instead: it goes out on a socket checked out of a
+// pool of connected sockets that the event loop keeps per endpoint, and
+// the socket returns to the pool with the backend's first reply. This is
+// IPVS's one-packet scheduling (--ops), or Envoy's per-host pool of
+// upstream UDP sockets, without parsing the payload: uproxy does not know
+// the protocol, so it cannot match replies to queries by a DNS ID. A
+// pooled socket therefore carries one query at a time, and the reply that
+// arrives on it belongs to the client that checked it out. A resolver
+// that sends two queries at once from one port (glibc and musl ask for A
+// and AAAA together) has two sockets checked out, one per query.
 //
 // A query that gets no reply within Config.UDPQueryTimeout closes its
 // socket instead of returning it: a late reply could otherwise reach the
 // next client to check that socket out. Replies that reach an idle pooled
-// socket (a second reply to a query) are dropped. Sockets leave the pool
-// oldest first, which gives such stray datagrams the longest time to land
-// on an idle socket.
+// socket (a second reply to one query) are dropped. Sockets leave the
+// pool oldest first, which gives such stray datagrams the longest time to
+// land on an idle socket.
 //
-// Long flows keep their socket of their own (udpFlow in the flow table),
-// and the proxy tells them apart by watching: a client that sends a
-// second datagram while its query is still out, or within
-// longFlowWindow after the reply (a QUIC or WireGuard handshake is
-// followed at once by the client's next packet; a resolver's next query
-// comes from another port), becomes a flow, to the backend that answered
-// it. A second datagram before the reply turns the query's socket itself
-// into the flow's, so the backend sees one source address throughout.
-// A new query that the kernel happens to give a port that another query
-// used a moment before is taken for a long flow too: it works as before
-// pooling, just without its saving.
+// Protocols whose clients keep their port and whose servers answer more
+// than once, or first (QUIC, WireGuard), need a socket per client, for
+// the server sees one source address per client: flow mode, the default
+// of every port but 53. Auto mode tells the two apart by watching: a
+// client starts as a query, and becomes a flow, to the backend that
+// answered it, if it sends a second datagram while its query is still out
+// (its socket then becomes the flow's, so the backend sees one source
+// address throughout) or within longFlowWindow after the reply. A new
+// query that the kernel happens to give a port another query used a
+// moment before is taken for a long flow too: it works as before pooling,
+// just without its saving.
 //
 // Nothing is pooled where a flow needs a socket of its own by design:
 // preserve-source-ip in tproxy mode (a transparent socket bound to the
