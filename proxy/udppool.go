@@ -42,8 +42,9 @@ package proxy
 // client's address), and listeners read by goroutines rather than event
 // loops. Session affinity holds: the balancer picks each query's backend
 // from the client's address, as it picks a flow's. The redirect mode
-// check of new flows (Config.UDPOriginalDst) runs for every query, as a
-// query has no table entry to remember it by.
+// check of new flows (Config.UDPOriginalDst) runs for a client's first
+// query; the loop remembers its answer for the client's later ones for
+// the UDP timeout at most, as the flow table does for a flow.
 //
 // The pools are bounded, per endpoint on each loop (Config.UDPPoolSize)
 // and across the proxier (Config.UDPPoolMax), so that no query rate can
@@ -75,8 +76,9 @@ import (
 // reused after another query is rare within it.
 const longFlowWindow = 50 * time.Millisecond
 
-// maxRecent bounds the queries a loop remembers for longFlowWindow.
-const maxRecent = 1 << 16
+// maxRecent bounds the clients a loop remembers in each of its two
+// generations (loopPools.recent).
+const maxRecent = 1 << 15
 
 // errPoolFull: every socket of an endpoint's pool, or of the proxier's,
 // carries a query in flight.
@@ -144,13 +146,15 @@ type udpPool struct {
 	used time.Time  // the last checkout
 }
 
-// recentQuery is a query whose reply came back less than longFlowWindow
-// ago.
+// recentQuery is a client's last query: where it went, and when.
 type recentQuery struct {
 	at      time.Time
 	backend *balancer.Backend
 	svc     *listener
 	orig    netip.AddrPort
+	// answered: an auto port's query, remembered at its reply (at). long:
+	// the client sent again within longFlowWindow of it.
+	answered, long bool
 }
 
 // loopPools is an event loop's UDP socket pools and the queries they
@@ -161,11 +165,13 @@ type loopPools struct {
 	busy   map[*udpFlow]struct{} // the checked-out sockets
 	// pending: the checked-out sockets of UDPAuto ports, by client.
 	pending map[flowKey]*udpFlow
-	// recent and older remember answered queries for longFlowWindow: a
-	// query goes into recent, which becomes older, and older is emptied,
-	// every longFlowWindow.
+	// recent and older remember clients' last queries, for the UDP
+	// timeout at most: a client goes into recent, which becomes older, and
+	// older is emptied, when recent is full. A client's next datagram
+	// needs no new look at conntrack (Config.UDPOriginalDst), as a flow's
+	// does not; an auto port's client that sends again within
+	// longFlowWindow of its reply is a long flow.
 	recent, older map[flowKey]recentQuery
-	rotated       time.Time
 	nextTick      time.Time
 }
 
@@ -186,11 +192,11 @@ func (l *eventLoop) udpPools(p *Proxier) *loopPools {
 }
 
 // pooledFlow looks at a datagram of key that has no flow in the table,
-// read on event loop el (nil: none): if key's query is still out, the
-// client is a long flow, and its query's socket becomes the flow's,
-// which is returned; if key's query was answered moments ago, it is
-// returned as rq, and the datagram starts a flow to the same backend.
-// On the loop.
+// read on event loop el (nil: none): if key's query is still out on an
+// auto port, the client is a long flow, and its query's socket becomes
+// the flow's, which is returned. Otherwise rq is key's last query, if it
+// is remembered: its destination holds for this datagram, and if rq.long
+// the datagram starts a flow to the same backend. On the loop.
 func (p *Proxier) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *recentQuery) {
 	if el == nil || el.pools == nil {
 		return nil, nil
@@ -205,7 +211,7 @@ func (p *Proxier) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *recent
 	if len(lp.recent) == 0 && len(lp.older) == 0 {
 		return nil, nil
 	}
-	return nil, lp.takeRecent(key, time.Now())
+	return nil, lp.lookup(key, time.Now())
 }
 
 // keepAsFlow takes a checked-out socket out of its pool and makes it the
@@ -226,38 +232,42 @@ func (p *Proxier) keepAsFlow(f *udpFlow) {
 	}
 }
 
-// takeRecent returns, and forgets, key's query if it was answered less
-// than longFlowWindow before now.
-func (lp *loopPools) takeRecent(key flowKey, now time.Time) *recentQuery {
+// lookup returns key's last query, if it is younger than the UDP
+// timeout; it forgets a query that makes the client a long flow.
+func (lp *loopPools) lookup(key flowKey, now time.Time) *recentQuery {
 	for _, m := range [2]map[flowKey]recentQuery{lp.recent, lp.older} {
-		if rq, ok := m[key]; ok {
-			delete(m, key)
-			if now.Sub(rq.at) < longFlowWindow {
-				return &rq
-			}
-			return nil
+		rq, ok := m[key]
+		if !ok {
+			continue
 		}
+		age := now.Sub(rq.at)
+		switch {
+		case age >= lp.p.cfg.udpTimeout():
+			delete(m, key)
+			return nil
+		case rq.answered && age < longFlowWindow:
+			delete(m, key)
+			rq.long = true
+		}
+		return &rq
 	}
 	return nil
 }
 
-// remember records key's answered query.
+// remember records key's query.
 func (lp *loopPools) remember(key flowKey, rq recentQuery) {
-	if rq.at.Sub(lp.rotated) >= longFlowWindow {
+	if len(lp.recent) >= maxRecent {
 		lp.older, lp.recent = lp.recent, lp.older
 		clear(lp.recent)
-		lp.rotated = rq.at
 	}
-	if len(lp.recent) < maxRecent {
-		lp.recent[key] = rq
-	}
+	lp.recent[key] = rq
 }
 
 // recentBackend returns the backend of rq, a client's answered query,
 // if it still serves set; long says whether there was such a query: the
 // client's datagram is then a long flow's.
 func (rq *recentQuery) recentBackend(snap *snapshot, set balancer.Balancer) (b *balancer.Backend, long bool) {
-	if rq == nil {
+	if rq == nil || !rq.long {
 		return nil, false
 	}
 	if rq.backend.Ejected() || !snap.serves(set, rq.backend) {
@@ -297,6 +307,8 @@ func (p *Proxier) checkout(el *eventLoop, l *listener, mode UDPMode, key flowKey
 	lp.busy[f] = struct{}{}
 	if mode == UDPAuto {
 		lp.pending[key] = f
+	} else {
+		lp.remember(key, recentQuery{at: now, backend: b, svc: l, orig: orig})
 	}
 	if lp.nextTick.IsZero() {
 		lp.nextTick = now.Add(p.poolTick())
@@ -383,7 +395,7 @@ func (l *eventLoop) checkin(f *udpFlow) {
 	delete(lp.busy, f)
 	if lp.pending[f.key] == f {
 		delete(lp.pending, f.key)
-		lp.remember(f.key, recentQuery{at: time.Now(), backend: f.backend, svc: f.svc, orig: f.orig})
+		lp.remember(f.key, recentQuery{at: time.Now(), backend: f.backend, svc: f.svc, orig: f.orig, answered: true})
 	}
 	f.backend.Release()
 	f.slot.pool.idle = append(f.slot.pool.idle, f)
