@@ -355,7 +355,9 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 		// which, and in redirect mode that means asking conntrack.
 		if cur != nil {
 			svc, orig = cur.svc, cur.orig
-		} else if rq != nil {
+		} else if rq != nil && l.route(rq.orig) == rq.svc {
+			// A pooled client's service, unless it has left the
+			// listener since.
 			svc, orig = rq.svc, rq.orig
 		} else {
 			var err error
