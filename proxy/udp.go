@@ -410,10 +410,11 @@ func (p *Proxier) notRedirected(l *listener, err error) {
 // destination when known (tproxy mode, or a shared listener's conntrack
 // lookup). A flow whose backend is no longer usable (removed, no longer
 // ready, ejected) is replaced, so no client stays blackholed behind a
-// dead endpoint. rq, when set, is the client's query answered moments
-// ago through a pooled socket: the client is a long flow, which goes to
-// the same backend if it can. Otherwise, on an event loop, a new client's
-// datagram is a query sent through a pooled socket (udppool.go).
+// dead endpoint. rq, when set, is the client's last pooled query
+// (udppool.go): if rq.long, the client has become a long flow, which goes
+// to the same backend if it can. Otherwise, on an event loop, a new
+// client's datagram on a port of request-reply or auto mode is a query
+// sent through a pooled socket.
 func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
 	client := key.client
 	snap := l.snap.Load()

@@ -292,11 +292,15 @@ func (p *Proxier) checkout(el *eventLoop, l *listener, mode UDPMode, key flowKey
 	}
 	now := time.Now()
 	pool.used = now
-	if len(pool.idle) > 0 {
+	for f == nil && len(pool.idle) > 0 {
 		f = pool.idle[0]
 		pool.idle[0] = nil
 		pool.idle = pool.idle[1:]
-	} else {
+		if f.closed.Load() {
+			f = nil // failed while idle (slotReady): the loop closed it
+		}
+	}
+	if f == nil {
 		if f, err = p.openSlot(el, pool, b, pm); err != nil {
 			return nil, true, err
 		}
