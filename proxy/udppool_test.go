@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -437,5 +438,52 @@ func TestUDPPoolAsksConntrackOncePerClient(t *testing.T) {
 	}
 	if got := readPoolCounts(t, reg, p); got.Sent != 5 || got.Flows != 0 {
 		t.Errorf("%v queries pooled and %d flows, want 5 and 0", got.Sent, got.Flows)
+	}
+}
+
+// BenchmarkUDPNewPortPerQuery measures DNS-like traffic on loopback:
+// clients each send a query from a new socket as soon as the previous one
+// was answered through an echo backend, so that every query is a new
+// client to the proxy; ns/op is one query and its reply. It compares a
+// flow per client with pooled sockets (#31).
+func BenchmarkUDPNewPortPerQuery(b *testing.B) {
+	for _, mode := range []string{"flow", "request-reply"} {
+		b.Run("mode="+mode, func(b *testing.B) {
+			echo := udpBackend(b, "", true)
+			p, rules := startProxier(b, Config{EventLoops: 1})
+			p.Tracker().Replace([]*v1.Service{udpMode(svc("dns", "10.96.0.10", "dns:53/UDP"), mode)}, udpSlices("dns", echo))
+			port := rules.port(b, "default/dns:dns")
+			to := &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port}
+			var left, lost atomic.Int64
+			left.Store(int64(b.N))
+			var wg sync.WaitGroup
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range 32 {
+				wg.Add(1)
+				go func() { // ends when the b.N queries are shared out
+					defer wg.Done()
+					msg, buf := make([]byte, 64), make([]byte, 256)
+					for left.Add(-1) >= 0 {
+						c, err := net.DialUDP("udp4", nil, to)
+						if err != nil {
+							b.Error(err)
+							return
+						}
+						c.Write(msg)
+						_ = c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+						if _, err := c.Read(buf); err != nil {
+							lost.Add(1)
+						}
+						c.Close()
+					}
+				}()
+			}
+			wg.Wait()
+			b.StopTimer()
+			if n := lost.Load(); n > int64(b.N)/100 {
+				b.Errorf("%d of %d queries lost", n, b.N)
+			}
+		})
 	}
 }
