@@ -171,6 +171,26 @@ func TestUDPPool(t *testing.T) {
 				want:   [2]int{5, 1},
 				counts: &poolCounts{Sent: 5, Open: 1},
 			}, {
+				name: "two queries at once from one port both get their replies",
+				run: func(t *testing.T, e env) any {
+					// As glibc and musl ask for A and AAAA.
+					c := dialUDP(t, e.port)
+					c.Write([]byte("A"))
+					c.Write([]byte("AAAA"))
+					var got []string
+					buf := make([]byte, 10)
+					for range 2 {
+						c.SetReadDeadline(time.Now().Add(3 * time.Second))
+						n, err := c.Read(buf)
+						if err != nil {
+							t.Fatalf("after %d replies: %v", len(got), err)
+						}
+						got = append(got, string(buf[:n]))
+					}
+					return got
+				},
+				want: []string{"a", "a"},
+			}, {
 				name:   "a query without a reply closes its socket",
 				cfg:    Config{UDPQueryTimeout: 50 * time.Millisecond},
 				silent: true,
