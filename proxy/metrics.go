@@ -85,6 +85,7 @@ type Metrics struct {
 	udpFlows     prometheus.Gauge
 	udpEvicted   prometheus.Counter
 	udpPool      [poolResults]prometheus.Counter
+	udpPoolOpen  prometheus.Gauge
 
 	// The families that Collect builds from the counters.
 	connections *prometheus.Desc // service, port, backend, result
@@ -225,6 +226,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for i, r := range poolResultNames {
 		m.udpPool[i] = udpPool.WithLabelValues(r)
 	}
+	m.udpPoolOpen = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "uproxy_udp_pool_sockets",
+		Help: "Pooled UDP sockets connected to endpoints for request-reply queries, idle or awaiting a reply.",
+	})
 	if reg != nil {
 		endpointsPending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Subsystem: "kubeproxy",
@@ -238,7 +243,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
 			m.netProgramming, m.noLocalEndpoints, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
-			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted, udpPool)
+			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted, udpPool, m.udpPoolOpen)
 	}
 	return m
 }

@@ -223,6 +223,7 @@ func (p *Proxier) keepAsFlow(f *udpFlow) {
 	delete(lp.busy, f)
 	f.slot.pool.open--
 	p.poolOpen.Add(-1)
+	f.pm.poolSockets(-1)
 	f.slot = nil
 	f.pm.pooled(poolLongFlow)
 	f.refreshed.Store(flowClock())
@@ -351,6 +352,8 @@ func (p *Proxier) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm
 	if f.closed.Load() { // the loop could not watch it (udpFailed)
 		return nil, fmt.Errorf("watching a pooled socket to %s: %w", b.Addr, net.ErrClosed)
 	}
+	f.pm = pm
+	pm.poolSockets(1)
 	return f, nil
 }
 
@@ -422,6 +425,7 @@ func (f *udpFlow) release() {
 	}
 	s.pool.open--
 	f.p.poolOpen.Add(-1)
+	f.pm.poolSockets(-1)
 	if s.busy {
 		s.busy = false
 		f.backend.Release()
@@ -480,6 +484,14 @@ func (l *eventLoop) poolDeadline(next time.Time) time.Time {
 		return d
 	}
 	return next
+}
+
+// poolSockets counts pooled sockets opened (1) and closed (-1). Any
+// port's metrics will do: the gauge is the proxier's.
+func (pm *portMetrics) poolSockets(d float64) {
+	if pm != nil {
+		pm.m.udpPoolOpen.Add(d)
+	}
 }
 
 // pooled counts a query's outcome.

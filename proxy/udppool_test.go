@@ -85,8 +85,9 @@ func query(t *testing.T, port int, wait time.Duration) string {
 // poolCounts is what a test reads of the pools.
 type poolCounts struct {
 	Sent, Dropped, Timeout, LongFlow float64
-	Flows                            int   // in the flow table
-	Open                             int64 // pooled sockets
+	Flows                            int     // in the flow table
+	Open                             int64   // pooled sockets
+	Gauge                            float64 // uproxy_udp_pool_sockets
 }
 
 func readPoolCounts(t *testing.T, reg *prometheus.Registry, p *Proxier) poolCounts {
@@ -95,8 +96,10 @@ func readPoolCounts(t *testing.T, reg *prometheus.Registry, p *Proxier) poolCoun
 		v, _ := scrape(t, reg, "uproxy_udp_pool_queries_total", map[string]string{"result": r})
 		return v
 	}
-	return poolCounts{Sent: get("sent"), Dropped: get("dropped"), Timeout: get("timeout"), LongFlow: get("long_flow"),
+	c := poolCounts{Sent: get("sent"), Dropped: get("dropped"), Timeout: get("timeout"), LongFlow: get("long_flow"),
 		Flows: p.UDPFlows(), Open: p.poolOpen.Load()}
+	c.Gauge, _ = scrape(t, reg, "uproxy_udp_pool_sockets", nil)
+	return c
 }
 
 // udpMode sets s's uproxy.io/udp-mode annotation.
@@ -322,12 +325,14 @@ func TestUDPPool(t *testing.T) {
 					if tt.counts == nil {
 						return
 					}
+					want := *tt.counts
+					want.Gauge = float64(want.Open)
 					var counts poolCounts
 					waitUntil(t, "the pools settle", func() bool {
 						counts = readPoolCounts(t, reg, p)
-						return counts == *tt.counts
+						return counts == want
 					})
-					if diff := cmp.Diff(*tt.counts, counts); diff != "" {
+					if diff := cmp.Diff(want, counts); diff != "" {
 						t.Errorf("pool counts (-want +got):\n%s", diff)
 					}
 				})
