@@ -2,12 +2,18 @@ package datapath
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/netip"
+	"runtime"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/internal/testlab"
@@ -97,4 +103,144 @@ func TestUDPPoolNotForPreserveSourceIP(t *testing.T) {
 			}
 		})
 	}
+}
+
+// query sends one datagram from a new client socket, as a stub resolver
+// does, and returns the reply, or "" after wait.
+func query(t *testing.T, port uint16, wait time.Duration) string {
+	c, err := net.DialUDP("udp4", nil, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: int(port)})
+	if err != nil {
+		t.Error(err)
+		return ""
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte("q")); err != nil {
+		t.Error(err)
+		return ""
+	}
+	c.SetReadDeadline(time.Now().Add(wait))
+	buf := make([]byte, 100)
+	n, err := c.Read(buf)
+	if err != nil {
+		return ""
+	}
+	return string(buf[:n])
+}
+
+// serveQueries serves the request-reply port default/dns:dns of engine
+// p from bs, as the control plane does a UDP port numbered 53.
+func serveQueries(t *testing.T, p *Engine, bs ...netip.AddrPort) (*Listener, *Snapshot) {
+	t.Helper()
+	l := serve(t, p, "udp4", "default/dns:dns", bs...)
+	snap := testSnapshot("default/dns:dns", bs...)
+	snap.VIP = netip.MustParseAddrPort("10.96.0.10:53")
+	snap.Metrics = testPortMetrics(snap.Backends...)
+	snap.UDPMode = UDPRequestReply
+	l.Snap.Store(snap)
+	return l, snap
+}
+
+// TestUDPPoolNoLeaks runs many one-query clients through the pools, and
+// checks that every pooled socket and goroutine is gone after shutdown,
+// and that the pool never held more sockets than it needed.
+func TestUDPPoolNoLeaks(t *testing.T) {
+	be := udpBackend(t, "a", false)
+	baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
+	func() {
+		p := startEngine(t, Config{EventLoops: 2})
+		l, snap := serveQueries(t, p, be)
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range 50 {
+					if got := query(t, l.Port, 3*time.Second); got != "a:1" {
+						t.Errorf("reply %q", got)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		if n := p.UDPFlows(); n != 0 {
+			t.Errorf("%d flows after one-query clients, want 0", n)
+		}
+		// At most one socket per query in flight.
+		if open := p.poolOpen.Load(); open < 1 || open > 4 {
+			t.Errorf("%d pooled sockets for 4 clients", open)
+		}
+		if g := value(snap.Metrics.M.UDPPoolSockets); g != float64(p.poolOpen.Load()) {
+			t.Errorf("uproxy_udp_pool_sockets = %v, want %d", g, p.poolOpen.Load())
+		}
+		// As the proxier's Shutdown does.
+		p.Refuse()
+		l.Close()
+		p.Drain(context.Background())
+	}()
+	waitUntil(t, "goroutines and descriptors return to baseline", func() bool {
+		return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD
+	})
+}
+
+// TestUDPPoolAsksConntrackOncePerClient runs a request-reply port in
+// redirect mode, UDPOriginalDst standing for conntrack: a client that
+// keeps its port sends every query through the pool, but its original
+// destination is looked up once, as a flow's is; a client that conntrack
+// knows nothing of is still dropped.
+func TestUDPPoolAsksConntrackOncePerClient(t *testing.T) {
+	be := udpBackend(t, "a", false)
+	var mu sync.Mutex
+	lookups := map[uint16]int{} // by client port
+	known := map[uint16]bool{}
+	p := startEngine(t, Config{
+		EventLoops: 1,
+		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			lookups[client.Port()]++
+			if !known[client.Port()] {
+				return netip.AddrPort{}, errors.New("no conntrack entry")
+			}
+			return netip.MustParseAddrPort("10.96.0.10:53"), nil
+		},
+	})
+	l, snap := serveQueries(t, p, be)
+	c, stranger := dialUDP(t, int(l.Port)), dialUDP(t, int(l.Port))
+	cport := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
+	mu.Lock()
+	known[cport] = true
+	mu.Unlock()
+	for i := range 5 {
+		if got := exchange(t, c, []byte("q")); got != "a:1" {
+			t.Fatalf("query %d: reply %q", i, got)
+		}
+	}
+	stranger.Write([]byte("q"))
+	stranger.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if n, err := stranger.Read(make([]byte, 10)); err == nil {
+		t.Errorf("a datagram that was not redirected got a %d-byte reply", n)
+	}
+	sport := netip.MustParseAddrPort(stranger.LocalAddr().String()).Port()
+	mu.Lock()
+	got := map[string]int{"client": lookups[cport], "stranger": lookups[sport]}
+	mu.Unlock()
+	if diff := cmp.Diff(map[string]int{"client": 1, "stranger": 1}, got); diff != "" {
+		t.Errorf("original destination lookups (-want +got):\n%s", diff)
+	}
+	if sent, flows := value(snap.Metrics.M.UDPPoolQueries[PoolSent]), p.UDPFlows(); sent != 5 || flows != 0 {
+		t.Errorf("%v queries pooled and %d flows, want 5 and 0", sent, flows)
+	}
+}
+
+// value reads a gauge's or a counter's value.
+func value(m prometheus.Metric) float64 {
+	var d dto.Metric
+	if err := m.Write(&d); err != nil {
+		return -1
+	}
+	if d.Gauge != nil {
+		return d.Gauge.GetValue()
+	}
+	return d.Counter.GetValue()
 }

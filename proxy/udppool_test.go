@@ -1,10 +1,8 @@
 package proxy
 
 import (
-	"errors"
 	"net"
 	"net/netip"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -385,100 +383,6 @@ func TestUDPModeAnnotation(t *testing.T) {
 				t.Errorf("UDPMode (-want +got):\n%s", diff)
 			}
 		})
-	}
-}
-
-// TestUDPPoolNoLeaks runs many one-query clients through the pools, and
-// checks that every pooled socket and goroutine is gone after shutdown,
-// and that the pool never held more sockets than it needed.
-func TestUDPPoolNoLeaks(t *testing.T) {
-	a := newPoolBackend(t, "a", false)
-	baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
-	func() {
-		reg := prometheus.NewRegistry()
-		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: 2}, Metrics: NewMetrics(reg)})
-		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", a.addr))
-		port := rules.port(t, "default/dns:dns")
-		var wg sync.WaitGroup
-		for range 4 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for range 50 {
-					if got := query(t, port, 3*time.Second); got != "a" {
-						t.Errorf("reply %q", got)
-						return
-					}
-				}
-			}()
-		}
-		wg.Wait()
-		if n := p.UDPFlows(); n != 0 {
-			t.Errorf("%d flows after one-query clients, want 0", n)
-		}
-		// At most one socket per query in flight.
-		if open := poolSockets(t, reg); open < 1 || open > 4 {
-			t.Errorf("%v pooled sockets for 4 clients", open)
-		}
-		p.Shutdown(t.Context())
-	}()
-	waitUntil(t, "goroutines and descriptors return to baseline", func() bool {
-		return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD
-	})
-}
-
-// TestUDPPoolAsksConntrackOncePerClient runs a request-reply port in
-// redirect mode, UDPOriginalDst standing for conntrack: a client that
-// keeps its port sends every query through the pool, but its original
-// destination is looked up once, as a flow's is; a client that conntrack
-// knows nothing of is still dropped.
-func TestUDPPoolAsksConntrackOncePerClient(t *testing.T) {
-	a := newPoolBackend(t, "a", false)
-	var mu sync.Mutex
-	lookups := map[uint16]int{} // by client port
-	known := map[uint16]bool{}
-	reg := prometheus.NewRegistry()
-	p, rules := startProxier(t, Config{
-		Config: datapath.Config{
-			EventLoops: 1,
-			UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
-				mu.Lock()
-				defer mu.Unlock()
-				lookups[client.Port()]++
-				if !known[client.Port()] {
-					return netip.AddrPort{}, errors.New("no conntrack entry")
-				}
-				return netip.MustParseAddrPort("10.96.0.10:53"), nil
-			},
-		},
-		Metrics: NewMetrics(reg),
-	})
-	p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", a.addr))
-	port := rules.port(t, "default/dns:dns")
-	c, stranger := dialUDP(t, port), dialUDP(t, port)
-	cport := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
-	mu.Lock()
-	known[cport] = true
-	mu.Unlock()
-	for i := range 5 {
-		if got := exchange(t, c, []byte("q")); got != "a" {
-			t.Fatalf("query %d: reply %q", i, got)
-		}
-	}
-	stranger.Write([]byte("q"))
-	stranger.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
-	if n, err := stranger.Read(make([]byte, 10)); err == nil {
-		t.Errorf("a datagram that was not redirected got a %d-byte reply", n)
-	}
-	sport := netip.MustParseAddrPort(stranger.LocalAddr().String()).Port()
-	mu.Lock()
-	got := map[string]int{"client": lookups[cport], "stranger": lookups[sport]}
-	mu.Unlock()
-	if diff := cmp.Diff(map[string]int{"client": 1, "stranger": 1}, got); diff != "" {
-		t.Errorf("original destination lookups (-want +got):\n%s", diff)
-	}
-	if got := readPoolCounts(t, reg, p); got.Sent != 5 || got.Flows != 0 {
-		t.Errorf("%v queries pooled and %d flows, want 5 and 0", got.Sent, got.Flows)
 	}
 }
 
