@@ -33,7 +33,10 @@
 // writes each datagram to its flow's socket. The flow's socket is opened
 // for the same loop, which relays the backend's replies to the client
 // (addFlow, flowReady), so that a request and its reply stay on one
-// thread, with no goroutine per listener or per flow.
+// thread, with no goroutine per listener or per flow. A port in request-reply
+// mode (Snapshot.UDPMode; DNS by default) sends each query through a
+// socket the loop keeps in a pool per endpoint instead of a flow of its
+// own (udppool.go, #31).
 //
 // # Accepting on the loops
 //

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -62,6 +63,19 @@ type Config struct {
 	// UDPMaxFlows bounds the UDP flow table, across all services: past it
 	// the least recently used flow is dropped. Zero means 65536.
 	UDPMaxFlows int
+	// UDPPoolSize bounds, on each event loop, the sockets connected to one
+	// endpoint that carry request–reply queries, one query at a time each
+	// (udppool.go): a new client's first datagram goes out on one, and a
+	// query that finds them all awaiting replies is dropped. Zero means
+	// 256; negative means no pooling: every client is a flow of its own.
+	UDPPoolSize int
+	// UDPPoolMax bounds the pooled sockets across every endpoint and
+	// loop. Zero means 4096.
+	UDPPoolMax int
+	// UDPQueryTimeout is how long a pooled socket waits for the reply to
+	// its query; past it the socket is closed. Zero means 5s, a stub
+	// resolver's default timeout (resolv.conf(5)).
+	UDPQueryTimeout time.Duration
 	// UDPReadBatch is the most datagrams a UDP listener reads with one
 	// recvmmsg(2) when datagrams queue up; zero means 8, one reads them
 	// one at a time. BenchmarkUDPRequestResponse measures the difference.
@@ -198,6 +212,9 @@ type Engine struct {
 	internal func(netip.Addr) bool
 
 	flows flowTable // UDP flows, created with the first UDP listener
+	// poolOpen counts the pooled UDP sockets of every event loop, against
+	// Config.UDPPoolMax.
+	poolOpen atomic.Int64
 
 	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
 

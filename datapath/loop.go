@@ -170,6 +170,9 @@ type eventLoop struct {
 	// recv and replies relay UDP replies: allocated with the first flow.
 	recv    *flowReceiver
 	replies *replyQueue
+	// pools: the UDP socket pools of request–reply queries (udppool.go),
+	// allocated with the first query.
+	pools *loopPools
 	// accepting: the listeners registered with the loop, by slot
 	// (accept.go); freeSlots: its unused slots. paused: the slots whose
 	// listener is out of the epoll set after a failed accept, the earliest
@@ -331,6 +334,7 @@ func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 		if l.replies != nil {
 			l.replies.flush()
 		}
+		l.tickPools()
 		if l.idle <= 0 && l.nextDeadline.IsZero() && l.nextResume.IsZero() && len(l.sessions) == 0 {
 			continue
 		}
@@ -353,8 +357,8 @@ func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 }
 
 // timeout is epoll_wait's: until the next idle sweep, connection deadline,
-// paused listener's turn (resumeAccept) or, while the loop carries
-// sessions, keep-alive round, in milliseconds
+// paused listener's turn (resumeAccept), UDP pool tick (udppool.go) or,
+// while the loop carries sessions, keep-alive round, in milliseconds
 // rounded up; -1 (none) without any.
 func (l *eventLoop) timeout() int {
 	var next time.Time
@@ -369,6 +373,7 @@ func (l *eventLoop) timeout() int {
 			next = d
 		}
 	}
+	next = l.poolDeadline(next)
 	if next.IsZero() {
 		return -1
 	}

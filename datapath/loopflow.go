@@ -32,6 +32,10 @@ const flowBudget = 64
 // receive error (ECONNREFUSED after an ICMP port unreachable: udp(7))
 // ends the flow. Runs on the loop.
 func (l *eventLoop) flowReady(f *udpFlow) {
+	if f.slot != nil {
+		l.slotReady(f)
+		return
+	}
 	r := l.recv
 	for relayed := 0; relayed < flowBudget; {
 		if f.closed.Load() {
@@ -72,7 +76,7 @@ func (l *eventLoop) dropFlow(f *udpFlow) {
 		l.sides[f.fd] = nil
 	}
 	_ = closeFD(f.fd)
-	f.backend.Release()
+	f.release()
 }
 
 // flowReceiver reads a flow's replies for a loop, two at a time with

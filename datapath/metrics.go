@@ -33,12 +33,30 @@ const (
 // DialReasonNames are the reason labels of uproxy_dial_errors_total.
 var DialReasonNames = [NumDialReasons]string{"refused", "timeout", "unreachable", "other"}
 
+// Results of uproxy_udp_pool_queries_total (PoolResultNames): what
+// happened to a UDP query that went to a socket pool (udppool.go).
+const (
+	PoolSent     = iota // went out on a pooled socket
+	PoolDropped         // the pool was at its bound
+	PoolTimedOut        // no reply within the query timeout
+	PoolLongFlow        // its client sent again: now a flow
+	NumPoolResults
+)
+
+// PoolResultNames are the result labels of uproxy_udp_pool_queries_total.
+var PoolResultNames = [NumPoolResults]string{"sent", "dropped", "timeout", "long_flow"}
+
 // Meters are the data path's metrics that are not per service port.
 type Meters struct {
 	DialDuration prometheus.Histogram
 	DialErrors   [NumDialReasons]prometheus.Counter
 	UDPFlows     prometheus.Gauge
 	UDPEvicted   prometheus.Counter
+	// UDPPoolQueries count the queries of request-reply UDP ports by
+	// result (PoolResultNames); UDPPoolSockets gauges their pooled
+	// sockets, idle or awaiting a reply.
+	UDPPoolQueries [NumPoolResults]prometheus.Counter
+	UDPPoolSockets prometheus.Gauge
 }
 
 // PortMetrics are the counters of one service port and of its backends:
@@ -195,6 +213,20 @@ func (pm *PortMetrics) flowClosed() {
 func (pm *PortMetrics) flowEvicted() {
 	if pm != nil {
 		pm.M.UDPEvicted.Inc()
+	}
+}
+
+// poolSockets counts pooled sockets opened (1) and closed (-1).
+func (pm *PortMetrics) poolSockets(d float64) {
+	if pm != nil {
+		pm.M.UDPPoolSockets.Add(d)
+	}
+}
+
+// pooled counts a query's outcome, one of the Pool results.
+func (pm *PortMetrics) pooled(r int) {
+	if pm != nil {
+		pm.M.UDPPoolQueries[r].Inc()
 	}
 }
 

@@ -18,12 +18,16 @@ import (
 // unregistered meters.
 func testPortMetrics(bs ...*balancer.Backend) *PortMetrics {
 	m := &Meters{
-		DialDuration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "dial_duration_seconds"}),
-		UDPFlows:     prometheus.NewGauge(prometheus.GaugeOpts{Name: "udp_flows"}),
-		UDPEvicted:   prometheus.NewCounter(prometheus.CounterOpts{Name: "udp_evicted"}),
+		DialDuration:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "dial_duration_seconds"}),
+		UDPFlows:       prometheus.NewGauge(prometheus.GaugeOpts{Name: "udp_flows"}),
+		UDPEvicted:     prometheus.NewCounter(prometheus.CounterOpts{Name: "udp_evicted"}),
+		UDPPoolSockets: prometheus.NewGauge(prometheus.GaugeOpts{Name: "udp_pool_sockets"}),
 	}
 	for i := range m.DialErrors {
 		m.DialErrors[i] = prometheus.NewCounter(prometheus.CounterOpts{Name: "dial_errors"})
+	}
+	for i := range m.UDPPoolQueries {
+		m.UDPPoolQueries[i] = prometheus.NewCounter(prometheus.CounterOpts{Name: "udp_pool_queries"})
 	}
 	bms := make([]*BackendMetrics, len(bs))
 	for i, b := range bs {
@@ -54,6 +58,9 @@ func TestMetricsDataPathDoesNotAllocate(t *testing.T) {
 		pm.flowClosed()
 		pm.noEndpoint()
 		pm.refusedDestination()
+		pm.poolSockets(1)
+		pm.pooled(PoolSent)
+		pm.poolSockets(-1)
 	}
 	enabled := testPortMetrics(b)
 	for name, pm := range map[string]*PortMetrics{"disabled": nil, "enabled": enabled} {

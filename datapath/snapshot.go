@@ -54,6 +54,47 @@ type Snapshot struct {
 	// PreserveSourceIP dials the backend from the client's address, in
 	// tproxy mode.
 	PreserveSourceIP bool
+	// UDPMode is how a UDP port carries its clients (udppool.go); the
+	// zero value, UDPFlow, gives each a flow.
+	UDPMode UDPMode
+}
+
+// UDPMode is how a UDP service port carries its clients (#31). The zero
+// value is UDPFlow.
+type UDPMode uint8
+
+const (
+	// UDPFlow: a socket connected to the backend per client, in the flow
+	// table until the UDP timeout.
+	UDPFlow UDPMode = iota
+	// UDPRequestReply: each datagram is a query that checks a socket out
+	// of the endpoint's pool until the first reply.
+	UDPRequestReply
+	// UDPAuto: request-reply until the client sends a second datagram
+	// from the same port soon after its first: then a flow.
+	UDPAuto
+	numUDPModes
+)
+
+var udpModeNames = [numUDPModes]string{UDPFlow: "flow", UDPRequestReply: "request-reply", UDPAuto: "auto"}
+
+// String returns the mode's name, as the uproxy.io/udp-mode annotation
+// spells it.
+func (m UDPMode) String() string {
+	if m >= numUDPModes {
+		return fmt.Sprintf("UDPMode(%d)", m)
+	}
+	return udpModeNames[m]
+}
+
+// ParseUDPMode returns the mode that String names.
+func ParseUDPMode(s string) (UDPMode, bool) {
+	for m, name := range udpModeNames {
+		if s == name {
+			return UDPMode(m), true
+		}
+	}
+	return UDPFlow, false
 }
 
 // Policy is a service port's traffic policies.

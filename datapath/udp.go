@@ -72,6 +72,10 @@ type udpFlow struct {
 	// refreshed is when the flow's timeout was last pushed back in the
 	// table (monotonic nanoseconds from flowClock): see touch.
 	refreshed atomic.Int64
+	// slot, when set, makes the socket a pooled one, not in the flow
+	// table, that carries one request–reply query at a time (udppool.go).
+	// Owned by loop.
+	slot *poolSlot
 }
 
 // touchInterval bounds how often a flow's traffic pushes its timeout back
@@ -85,6 +89,9 @@ const touchInterval = 250 * time.Millisecond
 // touch pushes the flow's timeout back, at most once per touchInterval,
 // if the flow is still the table's entry for its key.
 func (f *udpFlow) touch(p *Engine) {
+	if f.slot != nil {
+		return // not in the table
+	}
 	now := flowClock()
 	last := f.refreshed.Load()
 	if now-last < int64(touchInterval) || !f.refreshed.CompareAndSwap(last, now) {
@@ -138,7 +145,9 @@ func (f *udpFlow) close() {
 	if !f.closed.CompareAndSwap(false, true) {
 		return
 	}
-	f.pm.flowClosed()
+	if f.slot == nil {
+		f.pm.flowClosed()
+	}
 	if f.conn != nil {
 		f.conn.Close()
 	} else {
@@ -317,9 +326,15 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 	}
 	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
 	cur, _ := p.flowTable().Peek(key)
+	var rq *recentQuery
+	if cur == nil {
+		cur, rq = p.pooledFlow(el, key)
+	}
 	switch {
 	case cur != nil && !l.Shared:
 		orig = cur.orig
+	case rq != nil && !l.Shared:
+		orig = rq.orig
 	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
 		// A listener of its own binds every address, and receives what
 		// anyone sends to its port, the listener guard notwithstanding
@@ -341,6 +356,10 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 		// which, and in redirect mode that means asking conntrack.
 		if cur != nil {
 			svc, orig = cur.svc, cur.orig
+		} else if rq != nil && l.Route(rq.orig) == rq.svc {
+			// A pooled client's service, unless it has left the
+			// listener since.
+			svc, orig = rq.svc, rq.orig
 		} else {
 			var err error
 			if !p.cfg.Transparent {
@@ -357,7 +376,7 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
-		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur)
+		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur, rq)
 		if err != nil {
 			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.Name), zap.Error(err))
 			return
@@ -392,8 +411,14 @@ func (p *Engine) notRedirected(l *Listener, err error) {
 // destination when known (tproxy mode, or a shared listener's conntrack
 // lookup). A flow whose backend is no longer usable (removed, no longer
 // ready, ejected) is replaced, so no client stays blackholed behind a
-// dead endpoint.
-func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
+// dead endpoint. rq, when set, is the client's last pooled query
+// (udppool.go): if rq.long, the client has become a long flow, which goes
+// to the same backend if it can. Otherwise, on an event loop, a new
+// client's datagram on a port of request-reply or auto mode is a query
+// sent through a pooled socket, unless the port keeps the client's
+// address: such a flow needs a socket of its own, bound to it, whether
+// keepSource grants the address or falls back to the node's.
+func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
 	client := key.client
 	snap := l.Snap.Load()
 	if snap == nil {
@@ -418,7 +443,10 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 		}
 		p.removeFlow(f)
 	}
-	b := bal.Pick(client.Addr())
+	b, long := rq.recentBackend(snap, set)
+	if b == nil {
+		b = bal.Pick(client.Addr())
+	}
 	if b == nil {
 		pm.noEndpoint()
 		return nil, fmt.Errorf("%s: %w", snap.Name, errNoEndpoints)
@@ -426,8 +454,14 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	bm := pm.backend(b)
 	bm.picked()
 	var from netip.Addr
-	if p.cfg.Transparent && snap.PreserveSourceIP {
+	keep := p.cfg.Transparent && snap.PreserveSourceIP
+	if keep {
 		from = p.keepSource(snap, client.Addr(), b.Addr.Addr())
+	}
+	if !long && !keep {
+		if f, ok, err := p.checkout(el, l, snap.UDPMode, key, sock, orig, b, pm); ok {
+			return f, err
+		}
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // skipReason returns why uproxy does not proxy svc at all, or "" when it
@@ -103,6 +104,9 @@ func ValidateService(svc *v1.Service) error {
 		return err
 	}
 	if _, err := parseProxyProtocol(svc.Annotations); err != nil {
+		return err
+	}
+	if _, _, err := parseUDPMode(svc.Annotations); err != nil {
 		return err
 	}
 	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
@@ -256,6 +260,19 @@ func sourceRanges(svc *v1.Service) ([]netip.Prefix, error) {
 		out = append(out, p.Masked())
 	}
 	return out, nil
+}
+
+// parseUDPMode reads the uproxy.io/udp-mode annotation; set is false
+// without one.
+func parseUDPMode(ann map[string]string) (m UDPMode, set bool, err error) {
+	v, ok := ann[AnnotationUDPMode]
+	if !ok {
+		return UDPFlow, false, nil
+	}
+	if m, ok := datapath.ParseUDPMode(strings.TrimSpace(v)); ok {
+		return m, true, nil
+	}
+	return UDPFlow, false, fmt.Errorf("annotation %s: %q is not request-reply, flow or auto", AnnotationUDPMode, v)
 }
 
 func parsePreserveSourceIP(ann map[string]string) (bool, error) {
@@ -425,6 +442,7 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 	ranges, _ := sourceRanges(svc)
 	preserve, _ := parsePreserveSourceIP(svc.Annotations)
 	proxyProto, _ := parseProxyProtocol(svc.Annotations)
+	udpMode, udpModeSet, _ := parseUDPMode(svc.Annotations)
 	maxConns, maxPerEndpoint, _ := connectionLimits(svc.Annotations)
 	internalLocal := svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal
 	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
@@ -450,6 +468,10 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 		sp.ExternalPolicyLocal = svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && sp.ExternallyAccessible()
 		sp.PreserveSourceIP = preserve || sp.ExternalPolicyLocal
 		sp.ProxyProtocol = proxyProto
+		sp.UDPMode = udpMode
+		if !udpModeSet && p.Port == 53 {
+			sp.UDPMode = UDPRequestReply
+		}
 		sp.MaxConnections, sp.MaxConnectionsPerEndpoint = maxConns, maxPerEndpoint
 		if sp.ExternalPolicyLocal && svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.HealthCheckNodePort = uint16(svc.Spec.HealthCheckNodePort)

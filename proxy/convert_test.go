@@ -111,7 +111,7 @@ func TestServicePorts(t *testing.T) {
 	weights := map[netip.Addr]int{netip.MustParseAddr("10.244.0.1"): 3}
 	want := []*ServicePort{
 		{Name: ServicePortName{name, "http", v1.ProtocolTCP}, ClusterIPs: ips, Port: 80, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout},
-		{Name: ServicePortName{name, "dns", v1.ProtocolUDP}, ClusterIPs: ips, Port: 53, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout},
+		{Name: ServicePortName{name, "dns", v1.ProtocolUDP}, ClusterIPs: ips, Port: 53, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout, UDPMode: UDPRequestReply},
 	}
 	got := ServicePorts(s, ServiceDefaults{Balancer: balancer.SourceHash})
 	if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b netip.Addr) bool { return a == b })); diff != "" {

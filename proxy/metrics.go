@@ -227,6 +227,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			UDPEvicted: prometheus.NewCounter(prometheus.CounterOpts{
 				Name: "uproxy_udp_flows_evicted_total",
 				Help: "UDP flows ended before their timeout because the flow table was full (--udp-max-flows): the least recently used flow makes room for a new one.",
+			}),
+			UDPPoolSockets: prometheus.NewGauge(prometheus.GaugeOpts{
+				Name: "uproxy_udp_pool_sockets",
+				Help: "Pooled UDP sockets connected to endpoints for request-reply queries, idle or awaiting a reply.",
 			})},
 		picks: prometheus.NewDesc("uproxy_balancer_picks_total",
 			"Backends picked by the balancers (including failover retries), by service and backend.",
@@ -243,6 +247,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for i, r := range datapath.DialReasonNames {
 		m.dp.DialErrors[i] = dialErrors.WithLabelValues(r)
 	}
+	udpPool := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_udp_pool_queries_total",
+		Help: "UDP request-reply queries sent through pooled backend sockets, by result: sent, dropped (the endpoint's pool was at its bound), timeout (no reply in time), long_flow (the client sent again, and became a flow).",
+	}, []string{"result"})
+	for i, r := range datapath.PoolResultNames {
+		m.dp.UDPPoolQueries[i] = udpPool.WithLabelValues(r)
+	}
 	if reg != nil {
 		endpointsPending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Subsystem: "kubeproxy",
@@ -256,7 +267,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
 			m.netProgramming, m.noLocalEndpoints, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
-			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted)
+			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted, udpPool, m.dp.UDPPoolSockets)
 	}
 	return m
 }

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // Annotations uproxy reads from Services.
@@ -38,6 +39,27 @@ const (
 	// one endpoint. A full endpoint is skipped; when every endpoint is
 	// full, the connection is reset.
 	AnnotationMaxConnectionsPerEndpoint = "uproxy.io/max-connections-per-endpoint"
+	// AnnotationUDPMode chooses how the service's UDP ports carry their
+	// clients (#31): "request-reply" sends each datagram through a pooled
+	// socket that returns to its pool with the first reply, "flow" gives
+	// each client a socket of its own for as long as it sends, and "auto"
+	// starts a client as request-reply and makes it a flow once it sends
+	// again. Ports numbered 53 (DNS) default to request-reply, the others
+	// to flow.
+	AnnotationUDPMode = "uproxy.io/udp-mode"
+)
+
+// UDPMode is how a UDP service port carries its clients
+// (AnnotationUDPMode): the data path's type, which carries it out. The
+// zero value is UDPFlow.
+type UDPMode = datapath.UDPMode
+
+// The UDP modes, as AnnotationUDPMode names them: "flow",
+// "request-reply" and "auto".
+const (
+	UDPFlow         = datapath.UDPFlow
+	UDPRequestReply = datapath.UDPRequestReply
+	UDPAuto         = datapath.UDPAuto
 )
 
 // Labels uproxy honours, with the meaning kube-proxy gives them.
@@ -126,6 +148,9 @@ type ServicePort struct {
 	// MaxConnectionsPerEndpoint bounds the TCP connections proxied at once
 	// to any one endpoint of this port; zero means no limit.
 	MaxConnectionsPerEndpoint int
+	// UDPMode is how a UDP port carries its clients: the annotation, else
+	// request-reply for port 53 and flow for the others.
+	UDPMode UDPMode
 }
 
 // ExternallyAccessible reports whether the port takes traffic from outside

@@ -194,81 +194,103 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 // shared listener in redirect mode, where UDPOriginalDst (conntrack, in
 // uproxy) names each flow's service: each client reaches the service its
 // original destination names, the lookup runs once per flow and not per
-// datagram, and a destination no service has is dropped.
+// datagram, and a destination no service has is dropped; and a client of
+// a service that leaves the listener is refused. In request-reply mode,
+// where no flow remembers a client, the event loop does (datapath/udppool.go).
 func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
-	a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
-	var mu sync.Mutex
-	dsts := map[uint16]netip.AddrPort{} // by client port
-	lookups := map[uint16]int{}
-	var locals []netip.AddrPort // the local addresses asked about
-	p, rules := startProxier(t, Config{
-		Config: datapath.Config{
-			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
-				return netip.AddrPort{}, errors.New("no TCP here")
-			},
-			UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+	for _, tt := range []struct {
+		mode  string
+		flows int
+	}{{"flow", 2}, {"request-reply", 0}} {
+		t.Run(tt.mode, func(t *testing.T) {
+			a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
+			var mu sync.Mutex
+			dsts := map[uint16]netip.AddrPort{} // by client port
+			lookups := map[uint16]int{}
+			var locals []netip.AddrPort // the local addresses asked about
+			p, rules := startProxier(t, Config{
+				Config: datapath.Config{
+					OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+						return netip.AddrPort{}, errors.New("no TCP here")
+					},
+					UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+						mu.Lock()
+						defer mu.Unlock()
+						lookups[client.Port()]++
+						locals = append(locals, local)
+						d, ok := dsts[client.Port()]
+						if !ok {
+							return d, errors.New("no conntrack entry")
+						}
+						return d, nil
+					},
+				},
+				PortRange:       quietPorts(t),
+				SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
+			})
+			p.Tracker().Replace(
+				[]*v1.Service{udpMode(svc("dns-a", "10.96.0.53", "dns:53/UDP"), tt.mode), udpMode(svc("dns-b", "10.96.0.54", "dns:53/UDP"), tt.mode)},
+				append(udpSlices("dns-a", a), udpSlices("dns-b", b)...))
+			port := rules.port(t, "default/dns-a:dns")
+			if got := rules.port(t, "default/dns-b:dns"); got != port {
+				t.Fatalf("dns-b on port %d, dns-a on %d: want one shared listener", got, port)
+			}
+			client := func(dst string) (*net.UDPConn, uint16) {
+				c := dialUDP(t, port)
+				cp := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
 				mu.Lock()
-				defer mu.Unlock()
-				lookups[client.Port()]++
-				locals = append(locals, local)
-				d, ok := dsts[client.Port()]
-				if !ok {
-					return d, errors.New("no conntrack entry")
+				if dst != "" {
+					dsts[cp] = netip.MustParseAddrPort(dst)
 				}
-				return d, nil
-			},
-		},
-		PortRange:       quietPorts(t),
-		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
-	})
-	p.Tracker().Replace(
-		[]*v1.Service{svc("dns-a", "10.96.0.53", "dns:53/UDP"), svc("dns-b", "10.96.0.54", "dns:53/UDP")},
-		append(udpSlices("dns-a", a), udpSlices("dns-b", b)...))
-	port := rules.port(t, "default/dns-a:dns")
-	if got := rules.port(t, "default/dns-b:dns"); got != port {
-		t.Fatalf("dns-b on port %d, dns-a on %d: want one shared listener", got, port)
-	}
-	client := func(dst string) (*net.UDPConn, uint16) {
-		c := dialUDP(t, port)
-		cp := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
-		mu.Lock()
-		if dst != "" {
-			dsts[cp] = netip.MustParseAddrPort(dst)
-		}
-		mu.Unlock()
-		return c, cp
-	}
-	ca, pa := client("10.96.0.53:53")
-	cb, pb := client("10.96.0.54:53")
-	for range 3 {
-		if got := exchange(t, ca, []byte("q")); got != "a:1" {
-			t.Errorf("client of dns-a got %q", got)
-		}
-		if got := exchange(t, cb, []byte("qq")); got != "b:2" {
-			t.Errorf("client of dns-b got %q", got)
-		}
-	}
-	mu.Lock()
-	if diff := cmp.Diff(map[uint16]int{pa: 1, pb: 1}, lookups); diff != "" {
-		t.Errorf("original destination lookups by client port (-want +got):\n%s", diff)
-	}
-	// Conntrack's reply tuple starts at the listener's address and port.
-	want := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
-	for _, l := range locals {
-		if l != want {
-			t.Errorf("asked about local address %s, want %s", l, want)
-		}
-	}
-	mu.Unlock()
+				mu.Unlock()
+				return c, cp
+			}
+			ca, pa := client("10.96.0.53:53")
+			cb, pb := client("10.96.0.54:53")
+			for range 3 {
+				if got := exchange(t, ca, []byte("q")); got != "a:1" {
+					t.Errorf("client of dns-a got %q", got)
+				}
+				if got := exchange(t, cb, []byte("qq")); got != "b:2" {
+					t.Errorf("client of dns-b got %q", got)
+				}
+			}
+			mu.Lock()
+			if diff := cmp.Diff(map[uint16]int{pa: 1, pb: 1}, lookups); diff != "" {
+				t.Errorf("original destination lookups by client port (-want +got):\n%s", diff)
+			}
+			// Conntrack's reply tuple starts at the listener's address and port.
+			want := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
+			for _, l := range locals {
+				if l != want {
+					t.Errorf("asked about local address %s, want %s", l, want)
+				}
+			}
+			mu.Unlock()
 
-	cx, _ := client("") // conntrack knows nothing of it
-	cx.Write([]byte("lost"))
-	cx.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
-	if n, err := cx.Read(make([]byte, 100)); err == nil {
-		t.Errorf("a datagram without an original destination got a %d-byte reply", n)
-	}
-	if p.UDPFlows() != 2 {
-		t.Errorf("%d flows, want 2", p.UDPFlows())
+			cx, _ := client("") // conntrack knows nothing of it
+			cx.Write([]byte("lost"))
+			cx.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+			if n, err := cx.Read(make([]byte, 100)); err == nil {
+				t.Errorf("a datagram without an original destination got a %d-byte reply", n)
+			}
+			if p.UDPFlows() != tt.flows {
+				t.Errorf("%d flows, want %d", p.UDPFlows(), tt.flows)
+			}
+
+			// dns-a leaves the listener: its client is refused, whatever the
+			// listener remembered of it.
+			p.Tracker().Replace([]*v1.Service{udpMode(svc("dns-b", "10.96.0.54", "dns:53/UDP"), tt.mode)}, udpSlices("dns-b", b))
+			waitUntil(t, "dns-a's client is refused", func() bool {
+				ca.Write([]byte("q"))
+				ca.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+				_, err := ca.Read(make([]byte, 100))
+				return err != nil
+			})
+			if got := exchange(t, cb, []byte("qq")); got != "b:2" {
+				t.Errorf("client of dns-b got %q", got)
+			}
+		})
 	}
 }
 

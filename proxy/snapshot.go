@@ -31,7 +31,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
 		MaxConnections: sp.MaxConnections, MaxConnectionsPerEndpoint: sp.MaxConnectionsPerEndpoint,
-		ProxyProtocol: sp.ProxyProtocol, PreserveSourceIP: sp.PreserveSourceIP,
+		ProxyProtocol: sp.ProxyProtocol, PreserveSourceIP: sp.PreserveSourceIP, UDPMode: sp.UDPMode,
 	}}
 	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
 		if ip.Is6() == l.key.v6 {

@@ -101,7 +101,7 @@ func TestUDPFlows(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
 		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPTimeout: 300 * time.Millisecond}})
-		dns := svc("dns", "10.96.0.10", "dns:53/UDP")
+		dns := udpMode(svc("dns", "10.96.0.10", "dns:53/UDP"), "flow")
 		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", a, b))
 		port := rules.port(t, "default/dns:dns")
 
@@ -181,7 +181,9 @@ func TestUDPNoLeaks(t *testing.T) {
 		baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
 		func() {
 			reg := prometheus.NewRegistry()
-			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50}, Metrics: NewMetrics(reg)})
+			// Without pooling, every one-query client is a flow
+			// (TestUDPPoolNoLeaks checks the pools).
+			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50, UDPPoolSize: -1}, Metrics: NewMetrics(reg)})
 			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
 			port := rules.port(t, "default/dns:dns")
 			for range 200 {

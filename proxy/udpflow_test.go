@@ -46,7 +46,7 @@ func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 			},
 			Metrics: NewMetrics(reg),
 		})
-		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.53", "dns:53/UDP")}, udpSlices("dns", a))
+		p.Tracker().Replace([]*v1.Service{udpMode(svc("dns", "10.96.0.53", "dns:53/UDP"), "flow")}, udpSlices("dns", a))
 		port := rules.port(t, "default/dns:dns")
 		client := func(dst string) *net.UDPConn {
 			c := dialUDP(t, port)

@@ -77,3 +77,21 @@ func udpMaxFlows(flag int, noFile uint64) int {
 	}
 	return maxUDPFlows
 }
+
+// maxUDPPool is the bound of pooled UDP sockets when none is asked for.
+const maxUDPPool = 4096
+
+// udpPoolMax is the bound of pooled UDP sockets: flag, the --udp-pool-max
+// value, if set; else maxUDPPool, or a quarter of noFile, the open-files
+// limit (0: unknown), if that is lower. The pools come on top of the flow
+// table, whose default takes half the limit: together they leave a
+// quarter to listeners and TCP connections.
+func udpPoolMax(flag int, noFile uint64) int {
+	if flag > 0 {
+		return flag
+	}
+	if noFile > 0 && noFile/4 < maxUDPPool {
+		return max(int(noFile/4), 1)
+	}
+	return maxUDPPool
+}

@@ -69,3 +69,24 @@ func TestUDPMaxFlows(t *testing.T) {
 		})
 	}
 }
+
+func TestUDPPoolMax(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		flag   int
+		noFile uint64
+		want   int
+	}{
+		{"a large limit", 0, 1 << 20, 4096},
+		{"a quarter of a small limit", 0, 4000, 1000},
+		{"an unknown limit", 0, 0, 4096},
+		{"a limit of one", 0, 1, 1},
+		{"the flag", 10000, 4000, 10000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := udpPoolMax(tt.flag, tt.noFile); got != tt.want {
+				t.Errorf("udpPoolMax(%d, %d) = %d, want %d", tt.flag, tt.noFile, got, tt.want)
+			}
+		})
+	}
+}

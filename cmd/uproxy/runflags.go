@@ -43,6 +43,9 @@ type runOptions struct {
 	dialAttempts       int
 	udpTimeout         time.Duration
 	udpMaxFlows        int
+	udpPoolSize        int
+	udpPoolMax         int
+	udpQueryTimeout    time.Duration
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
 	upgradeSocket      string
@@ -85,6 +88,9 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, across all services; past it the least recently used flow ends. Each flow holds a socket. 0 means 65,536, or half the open-files limit if that is lower, so that flows cannot take the descriptors the TCP connections need.")
+	fs.IntVar(&o.udpPoolSize, "udp-pool-size", 0, "The most sockets each event loop keeps connected to one endpoint for UDP request-reply queries (uproxy.io/udp-mode; DNS by default), each carrying one query at a time; a query that finds them all awaiting replies is dropped. 0 means 256; -1 turns pooling off, so that every UDP client is a flow.")
+	fs.IntVar(&o.udpPoolMax, "udp-pool-max", 0, "The most pooled UDP sockets across all endpoints and event loops. 0 means 4,096, or a quarter of the open-files limit if that is lower.")
+	fs.DurationVar(&o.udpQueryTimeout, "udp-query-timeout", 5*time.Second, "How long a pooled UDP socket waits for the reply to its query before it is closed; 5s is a stub resolver's default timeout.")
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades: a starting uproxy that finds a running one here takes its listening sockets over, and the old one drains and exits. Empty disables.")
@@ -151,6 +157,15 @@ func (o *runOptions) validate() error {
 	}
 	if o.udpMaxFlows < 0 {
 		errs = append(errs, fmt.Errorf("--udp-max-flows: %d must be positive, or 0 for the default", o.udpMaxFlows))
+	}
+	if o.udpPoolSize < -1 {
+		errs = append(errs, fmt.Errorf("--udp-pool-size: %d is neither a count, 0 for the default, nor -1 (no pooling)", o.udpPoolSize))
+	}
+	if o.udpPoolMax < 0 {
+		errs = append(errs, fmt.Errorf("--udp-pool-max: %d must be positive, or 0 for the default", o.udpPoolMax))
+	}
+	if o.udpQueryTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--udp-query-timeout: %v must be positive", o.udpQueryTimeout))
 	}
 	if o.eventLoops < -1 {
 		errs = append(errs, fmt.Errorf("--event-loops: %d is neither a count nor -1 (none)", o.eventLoops))

@@ -1,0 +1,479 @@
+package datapath
+
+// Request–reply UDP through pooled backend sockets (#31).
+//
+// A DNS stub resolver sends each query from a new socket, so to the proxy
+// every query is a new flow: a socket of its own connected to a backend,
+// a flow table entry, epoll registration, and a close once the flow
+// expires. A service port in request-reply mode (Snapshot.UDPMode: the
+// uproxy.io/udp-mode annotation, whose default for port 53 is
+// request-reply, so that kube-dns needs none) carries each datagram as a
+// query instead: it goes out on a socket checked out of a
+// pool of connected sockets that the event loop keeps per endpoint, and
+// the socket returns to the pool with the backend's first reply. This is
+// IPVS's one-packet scheduling (--ops), or Envoy's per-host pool of
+// upstream UDP sockets, without parsing the payload: uproxy does not know
+// the protocol, so it cannot match replies to queries by a DNS ID. A
+// pooled socket therefore carries one query at a time, and the reply that
+// arrives on it belongs to the client that checked it out. A resolver
+// that sends two queries at once from one port (glibc and musl ask for A
+// and AAAA together) has two sockets checked out, one per query.
+//
+// A query that gets no reply within Config.UDPQueryTimeout closes its
+// socket instead of returning it: a late reply could otherwise reach the
+// next client to check that socket out. Replies that reach an idle pooled
+// socket (a second reply to one query) are dropped. Sockets leave the
+// pool oldest first, which gives such stray datagrams the longest time to
+// land on an idle socket.
+//
+// Protocols whose clients keep their port and whose servers answer more
+// than once, or first (QUIC, WireGuard), need a socket per client, for
+// the server sees one source address per client: flow mode, the default
+// of every port but 53. Auto mode tells the two apart by watching: a
+// client starts as a query, and becomes a flow, to the backend that
+// answered it, if it sends a second datagram while its query is still out
+// (its socket then becomes the flow's, so the backend sees one source
+// address throughout) or within longFlowWindow after the reply. A new
+// query that the kernel happens to give a port another query used a
+// moment before is taken for a long flow too: it works as before pooling,
+// just without its saving.
+//
+// Nothing is pooled where a flow needs a socket of its own by design:
+// preserve-source-ip in tproxy mode (a transparent socket bound to the
+// client's address), even where srcfallback.go dials from the node's
+// address instead: that choice is per client and backend and changes with
+// the routes, and a client must not move between a flow and the pools as
+// it does. Nor are the datagrams of listeners read by goroutines rather
+// than event loops.
+// Session affinity holds: the balancer picks each query's backend
+// from the client's address, as it picks a flow's. The redirect mode
+// check of new flows (Config.UDPOriginalDst) runs for a client's first
+// query; the loop remembers its answer for the client's later ones for
+// the UDP timeout at most, as the flow table does for a flow.
+//
+// The pools are bounded, per endpoint on each loop (Config.UDPPoolSize)
+// and across the engine (Config.UDPPoolMax), so that no query rate can
+// run the process out of descriptors: a query that finds its endpoint's
+// pool busy to its bound is dropped and counted
+// (uproxy_udp_pool_queries_total{result="dropped"}), as the kernel drops
+// a datagram that finds a full socket buffer. A pool whose endpoint got
+// no query for the UDP timeout (removed from the Service, or idle) closes
+// its idle sockets; an endpoint removed from the Service gets no queries,
+// as only the current endpoints are picked.
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// longFlowWindow is how soon after its reply a client must send again,
+// from the same port, for the proxy to take it for a long flow rather
+// than a request–reply query. Protocols that keep their port (QUIC,
+// WireGuard) answer a reply at once; a new query from a port the kernel
+// reused after another query is rare within it.
+const longFlowWindow = 50 * time.Millisecond
+
+// maxRecent bounds the clients a loop remembers in each of its two
+// generations (loopPools.recent).
+const maxRecent = 1 << 15
+
+// errPoolFull: every socket of an endpoint's pool, or of the engine's,
+// carries a query in flight.
+var errPoolFull = errors.New("UDP query dropped: the endpoint's socket pool is at its bound, every socket awaiting a reply")
+
+// udpPoolSize is Config.UDPPoolSize with its default; zero: no pooling.
+func (c *Config) udpPoolSize() int {
+	switch {
+	case c.UDPPoolSize < 0:
+		return 0
+	case c.UDPPoolSize == 0:
+		return 256
+	}
+	return c.UDPPoolSize
+}
+
+func (c *Config) udpPoolMax() int64 {
+	if c.UDPPoolMax <= 0 {
+		return 4096
+	}
+	return int64(c.UDPPoolMax)
+}
+
+func (c *Config) udpQueryTimeout() time.Duration {
+	if c.UDPQueryTimeout <= 0 {
+		return 5 * time.Second
+	}
+	return c.UDPQueryTimeout
+}
+
+func (c *Config) udpTimeout() time.Duration {
+	if c.UDPTimeout <= 0 {
+		return 30 * time.Second
+	}
+	return c.UDPTimeout
+}
+
+// poolSlot makes a flow's socket a pooled one. Owned by the flow's loop.
+type poolSlot struct {
+	pool *udpPool
+	// busy: checked out by the client of the flow's key, until deadline.
+	busy     bool
+	deadline time.Time
+}
+
+// udpPool is a loop's sockets connected to one endpoint. Owned by the
+// loop.
+type udpPool struct {
+	addr netip.AddrPort
+	idle []*udpFlow // oldest first
+	open int        // sockets, idle or busy
+	used time.Time  // the last checkout
+}
+
+// recentQuery is a client's last query: where it went, and when.
+type recentQuery struct {
+	at      time.Time
+	backend *balancer.Backend
+	svc     *Listener
+	orig    netip.AddrPort
+	// answered: an auto port's query, remembered at its reply (at). long:
+	// the client sent again within longFlowWindow of it.
+	answered, long bool
+}
+
+// loopPools is an event loop's UDP socket pools and the queries they
+// carry. Owned by the loop.
+type loopPools struct {
+	p      *Engine
+	byAddr map[netip.AddrPort]*udpPool
+	busy   map[*udpFlow]struct{} // the checked-out sockets
+	// pending: the checked-out sockets of UDPAuto ports, by client.
+	pending map[flowKey]*udpFlow
+	// recent and older remember clients' last queries, for the UDP
+	// timeout at most: a client goes into recent, which becomes older, and
+	// older is emptied, when recent is full. A client's next datagram
+	// needs no new look at conntrack (Config.UDPOriginalDst), as a flow's
+	// does not; an auto port's client that sends again within
+	// longFlowWindow of its reply is a long flow.
+	recent, older map[flowKey]recentQuery
+	nextTick      time.Time
+}
+
+// udpPools returns the loop's pools, creating them on first use. On the
+// loop.
+func (l *eventLoop) udpPools(p *Engine) *loopPools {
+	if l.pools == nil {
+		l.pools = &loopPools{
+			p:       p,
+			byAddr:  map[netip.AddrPort]*udpPool{},
+			busy:    map[*udpFlow]struct{}{},
+			pending: map[flowKey]*udpFlow{},
+			recent:  map[flowKey]recentQuery{},
+			older:   map[flowKey]recentQuery{},
+		}
+	}
+	return l.pools
+}
+
+// pooledFlow looks at a datagram of key that has no flow in the table,
+// read on event loop el (nil: none): if key's query is still out on an
+// auto port, the client is a long flow, and its query's socket becomes
+// the flow's, which is returned. Otherwise rq is key's last query, if it
+// is remembered: its destination holds for this datagram, and if rq.long
+// the datagram starts a flow to the same backend. On the loop.
+func (p *Engine) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *recentQuery) {
+	if el == nil || el.pools == nil {
+		return nil, nil
+	}
+	lp := el.pools
+	if len(lp.pending) > 0 {
+		if f := lp.pending[key]; f != nil {
+			p.keepAsFlow(f)
+			return f, nil
+		}
+	}
+	if len(lp.recent) == 0 && len(lp.older) == 0 {
+		return nil, nil
+	}
+	return nil, lp.lookup(key, time.Now())
+}
+
+// keepAsFlow takes a checked-out socket out of its pool and makes it the
+// flow of its query's client, in the flow table. It keeps the backend it
+// holds (Acquire) until the flow ends. On the loop.
+func (p *Engine) keepAsFlow(f *udpFlow) {
+	lp := f.loop.pools
+	delete(lp.pending, f.key)
+	delete(lp.busy, f)
+	f.slot.pool.open--
+	p.poolOpen.Add(-1)
+	f.pm.poolSockets(-1)
+	f.slot = nil
+	f.pm.pooled(PoolLongFlow)
+	f.refreshed.Store(flowClock())
+	f.pm.flowOpened()
+	if p.addFlow(f) {
+		f.pm.flowEvicted()
+	}
+}
+
+// lookup returns key's last query, if it is younger than the UDP
+// timeout; it forgets a query that makes the client a long flow.
+func (lp *loopPools) lookup(key flowKey, now time.Time) *recentQuery {
+	for _, m := range [2]map[flowKey]recentQuery{lp.recent, lp.older} {
+		rq, ok := m[key]
+		if !ok {
+			continue
+		}
+		age := now.Sub(rq.at)
+		switch {
+		case age >= lp.p.cfg.udpTimeout():
+			delete(m, key)
+			return nil
+		case rq.answered && age < longFlowWindow:
+			delete(m, key)
+			rq.long = true
+		}
+		return &rq
+	}
+	return nil
+}
+
+// remember records key's query.
+func (lp *loopPools) remember(key flowKey, rq recentQuery) {
+	if len(lp.recent) >= maxRecent {
+		lp.older, lp.recent = lp.recent, lp.older
+		clear(lp.recent)
+	}
+	lp.recent[key] = rq
+}
+
+// recentBackend returns the backend of rq, a client's answered query,
+// if it still serves set; long says whether there was such a query: the
+// client's datagram is then a long flow's.
+func (rq *recentQuery) recentBackend(snap *Snapshot, set balancer.Balancer) (b *balancer.Backend, long bool) {
+	if rq == nil || !rq.long {
+		return nil, false
+	}
+	if rq.backend.Ejected() || !snap.serves(set, rq.backend) {
+		return nil, true
+	}
+	return rq.backend, true
+}
+
+// checkout sends key's query through a socket of b's pool on event loop
+// el, which it returns; ok is false if the query cannot be pooled
+// (no event loop, pooling off, a port of UDPFlow mode). On the loop.
+func (p *Engine) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, pm *PortMetrics) (f *udpFlow, ok bool, err error) {
+	size := p.cfg.udpPoolSize()
+	if el == nil || size == 0 || mode == UDPFlow {
+		return nil, false, nil
+	}
+	lp := el.udpPools(p)
+	pool := lp.byAddr[b.Addr]
+	if pool == nil {
+		pool = &udpPool{addr: b.Addr}
+		lp.byAddr[b.Addr] = pool
+	}
+	now := time.Now()
+	pool.used = now
+	for f == nil && len(pool.idle) > 0 {
+		f = pool.idle[0]
+		pool.idle[0] = nil
+		pool.idle = pool.idle[1:]
+		if f.closed.Load() {
+			f = nil // failed while idle (slotReady): the loop closed it
+		}
+	}
+	if f == nil {
+		if f, err = p.openSlot(el, pool, b, pm); err != nil {
+			return nil, true, err
+		}
+	}
+	f.key, f.svc, f.orig, f.backend, f.dst, f.sock, f.pm = key, l, orig, b, key.dst, sock, pm
+	f.slot.busy, f.slot.deadline = true, now.Add(p.cfg.udpQueryTimeout())
+	b.Acquire()
+	lp.busy[f] = struct{}{}
+	if mode == UDPAuto {
+		lp.pending[key] = f
+	} else {
+		lp.remember(key, recentQuery{at: now, backend: b, svc: l, orig: orig})
+	}
+	if lp.nextTick.IsZero() {
+		lp.nextTick = now.Add(p.poolTick())
+	}
+	pm.pooled(PoolSent)
+	pm.backend(b).connected()
+	return f, true, nil
+}
+
+// openSlot opens a socket for pool, within the pool's and the
+// engine's bounds, and puts it on loop el.
+func (p *Engine) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm *PortMetrics) (*udpFlow, error) {
+	if pool.open >= p.cfg.udpPoolSize() {
+		pm.pooled(PoolDropped)
+		return nil, errPoolFull
+	}
+	if p.poolOpen.Add(1) > p.cfg.udpPoolMax() {
+		p.poolOpen.Add(-1)
+		pm.pooled(PoolDropped)
+		return nil, errPoolFull
+	}
+	start := pm.dialStart()
+	fd, err := rawDial(unix.SOCK_DGRAM, b.Addr, netip.Addr{}, p.cfg.OwnMark)
+	pm.dialDone(start, err)
+	if err != nil {
+		p.poolOpen.Add(-1)
+		if !localDialFailure(err) {
+			p.health.failure(b)
+		}
+		pm.backend(b).failed()
+		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
+	}
+	pool.open++
+	f := &udpFlow{p: p, fd: fd, loop: el, backend: b, slot: &poolSlot{pool: pool}}
+	el.addFlow(f)
+	if f.closed.Load() { // the loop could not watch it (udpFailed)
+		return nil, fmt.Errorf("watching a pooled socket to %s: %w", b.Addr, net.ErrClosed)
+	}
+	f.pm = pm
+	pm.poolSockets(1)
+	return f, nil
+}
+
+// poolTick is how often a loop looks for queries past their timeout and
+// pools to close.
+func (p *Engine) poolTick() time.Duration {
+	return min(max(p.cfg.udpQueryTimeout()/8, 10*time.Millisecond), time.Second)
+}
+
+// slotReady relays the reply on a pooled socket to the client of its
+// query, and returns the socket to its pool; it drops what arrives on an
+// idle one. On the loop.
+func (l *eventLoop) slotReady(f *udpFlow) {
+	r := l.recv
+	for read := 0; read < flowBudget; read += len(r.hdrs) {
+		if f.closed.Load() {
+			return
+		}
+		n, err := r.receive(f.fd)
+		switch {
+		case err == unix.EAGAIN:
+			return
+		case err != nil:
+			// ECONNREFUSED after an ICMP port unreachable (udp(7)).
+			f.p.udpFailed(f, os.NewSyscallError("recvmmsg", err))
+			return
+		}
+		if f.slot.busy {
+			for i := range n {
+				f.p.queueReply(f, l.replies, r.datagram(i))
+			}
+			l.checkin(f)
+		}
+		if n < len(r.hdrs) {
+			return
+		}
+	}
+	// Edge-triggered: what is left raises no new event (flowReady).
+	l.post(func() { l.flowReady(f) })
+}
+
+// checkin returns f, whose query got its reply, to its pool. On the loop.
+func (l *eventLoop) checkin(f *udpFlow) {
+	lp := l.pools
+	f.slot.busy = false
+	delete(lp.busy, f)
+	if lp.pending[f.key] == f {
+		delete(lp.pending, f.key)
+		lp.remember(f.key, recentQuery{at: time.Now(), backend: f.backend, svc: f.svc, orig: f.orig, answered: true})
+	}
+	f.backend.Release()
+	f.slot.pool.idle = append(f.slot.pool.idle, f)
+}
+
+// release lets go of what f's socket held, as the loop closes it
+// (dropFlow): the backend a flow or a checked-out socket holds, and a
+// pooled socket's place in its pool. An idle pooled socket is out of the
+// pool's idle list already (reap), or the loop is stopping. On the loop.
+func (f *udpFlow) release() {
+	s := f.slot
+	if s == nil {
+		f.backend.Release()
+		return
+	}
+	lp := f.loop.pools
+	delete(lp.busy, f)
+	if lp.pending[f.key] == f {
+		delete(lp.pending, f.key)
+	}
+	s.pool.open--
+	f.p.poolOpen.Add(-1)
+	f.pm.poolSockets(-1)
+	if s.busy {
+		s.busy = false
+		f.backend.Release()
+	}
+}
+
+// tickPools ends the queries past their timeout, closing their sockets
+// (a late reply must not reach the socket's next client), and closes the
+// idle sockets of pools that had no query for the UDP timeout. On the
+// loop, once per turn.
+func (l *eventLoop) tickPools() {
+	lp := l.pools
+	if lp == nil || lp.nextTick.IsZero() {
+		return
+	}
+	now := time.Now()
+	if now.Before(lp.nextTick) {
+		return
+	}
+	p := lp.p
+	for f := range lp.busy {
+		if now.Before(f.slot.deadline) {
+			continue
+		}
+		f.pm.pooled(PoolTimedOut)
+		f.closed.Store(true)
+		l.dropFlow(f)
+	}
+	for addr, pool := range lp.byAddr {
+		if now.Sub(pool.used) < p.cfg.udpTimeout() {
+			continue
+		}
+		idle := pool.idle
+		pool.idle = nil
+		for _, f := range idle {
+			f.closed.Store(true)
+			l.dropFlow(f)
+		}
+		if pool.open == 0 {
+			delete(lp.byAddr, addr)
+		}
+	}
+	lp.nextTick = time.Time{}
+	if len(lp.busy) > 0 || len(lp.byAddr) > 0 {
+		lp.nextTick = now.Add(p.poolTick())
+	}
+}
+
+// poolDeadline returns the earlier of next and the loop's next pool
+// tick; zero times mean none.
+func (l *eventLoop) poolDeadline(next time.Time) time.Time {
+	if l.pools == nil {
+		return next
+	}
+	if d := l.pools.nextTick; !d.IsZero() && (next.IsZero() || d.Before(next)) {
+		return d
+	}
+	return next
+}
