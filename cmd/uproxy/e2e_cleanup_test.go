@@ -162,6 +162,10 @@ func TestE2ECleanupKubeProxy(t *testing.T) {
 	c.waitRules("uproxy's rule for web", func(s string) bool {
 		return strings.Contains(s, "-d "+vip+"/32") && strings.Contains(s, "-j REDIRECT")
 	})
+	// The nat rules are written before the sync inserts its jumps into the
+	// filter table's built-in chains: "before" must hold all of uproxy's
+	// rules, which the cleanup of kube-proxy's must leave alone.
+	c.waitSynced()
 	before := save("iptables-save")
 	if !slices.ContainsFunc(savedChains(before), isKubeProxys) {
 		t.Fatalf("kube-proxy left no chains behind:\n%s", before)
