@@ -23,8 +23,15 @@ type Status struct {
 	// ActiveConnections counts the proxied TCP connections in progress.
 	ActiveConnections int `json:"activeConnections"`
 	// UDPFlows counts the live UDP flows.
-	UDPFlows int               `json:"udpFlows"`
-	Ports    []ServicePortInfo `json:"ports"`
+	UDPFlows int `json:"udpFlows"`
+	// EventLoops counts the event loops (Config.EventLoops); 0 when
+	// goroutines carry the connections.
+	EventLoops int `json:"eventLoops"`
+	// IO is how the event loops wait and carry small messages: io_uring
+	// or epoll; "goroutines" without event loops. A loop whose own ring
+	// could not be set up uses epoll, and the log says so.
+	IO    string            `json:"io"`
+	Ports []ServicePortInfo `json:"ports"`
 }
 
 // ServicePortInfo is one listener: a service port in one address family.
@@ -183,11 +190,22 @@ func (p *Proxier) mode() string {
 	return "redirect"
 }
 
+// io names the event loops' way of waiting (Status.IO).
+func (p *Proxier) io() string {
+	switch {
+	case p.loops.n == 0:
+		return "goroutines"
+	case p.loops.opts.ring:
+		return "io_uring"
+	}
+	return "epoll"
+}
+
 // Status returns the proxier's state as of its last sync, with live
 // connection counts and ejections. Safe for concurrent use: it reads the
 // immutable entries that syncs store, and atomic counters.
 func (p *Proxier) Status() Status {
-	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows()}
+	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows(), EventLoops: p.loops.n, IO: p.io()}
 	v := p.statusView()
 	if v == nil {
 		return st

@@ -214,6 +214,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		stateFile = "" // the manifests are read before the first sync
 	}
 	servePrevious := stateFile != "" && previous != nil && !up.TookOver()
+	useRing, noRing := chooseIOURing(o.ioURing, o.eventLoops, proxy.IOURingSupported)
+	switch {
+	case noRing != nil && o.ioURing == ioURingOn:
+		log.Warn("--io-uring: io_uring is not available for the event loops; they use epoll only", zap.Error(noRing))
+	case noRing != nil:
+		log.Info("io_uring is not available for the event loops; they use epoll", zap.Error(noRing))
+	}
 	p := proxy.NewProxier(proxy.Config{
 		Metrics: metrics,
 		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
@@ -232,7 +239,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		DialAttempts:    o.dialAttempts,
 		IdleTimeout:     o.tcpIdleTimeout,
 		EventLoops:      o.eventLoops,
-		IOURing:         o.ioURing,
+		IOURing:         useRing,
 		UDPTimeout:      o.udpTimeout,
 		UDPMaxFlows:     udpMaxFlows(o.udpMaxFlows, noFile),
 		NodeName:        o.nodeName,
@@ -351,7 +358,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		source = "API server"
 	}
 	events.Starting()
-	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener), zap.Int("pid", os.Getpid()))
+	st := p.Status()
+	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener),
+		zap.Int("eventLoops", st.EventLoops), zap.String("io", st.IO), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()
 	failure := context.Cause(ctx)
