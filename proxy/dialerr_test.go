@@ -10,6 +10,8 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // TestLocalDialFailuresEjectNoBackend has a backend's first dial fail the
@@ -44,7 +46,7 @@ func TestLocalDialFailuresEjectNoBackend(t *testing.T) {
 					var d net.Dialer
 					return d.DialContext(ctx, network, address)
 				}
-				p, rules := startProxier(t, Config{Dial: dial, EjectBase: time.Minute})
+				p, rules := startProxier(t, Config{Config: datapath.Config{Dial: dial, EjectBase: time.Minute}})
 				var port int
 				if proto == v1.ProtocolTCP {
 					p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", nameBackend(t, "a")))

@@ -16,6 +16,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // TestEndpointRefusal checks which endpoint addresses a service port
@@ -94,7 +96,7 @@ func TestEndpointRefusal(t *testing.T) {
 func TestRefusedEndpointIsLogged(t *testing.T) {
 	be := nameBackend(t, "good")
 	core, logs := observer.New(zap.WarnLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core)})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}})
 	sl := slice("web-x", "web", "http", int32(be.addr.Port()), ep{ip: "169.254.169.254"}, ep{ip: be.addr.Addr().String()})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, []*discovery.EndpointSlice{sl})
 	port := rules.port(t, "default/web:http")

@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // Explanation says what happens to a connection (or datagram) to one
@@ -152,17 +153,17 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	if !client.IsValid() {
 		internal = func(netip.Addr) bool { return true }
 	}
-	choice := policySet(s.sp, !known || caught.Kind == ClusterIP, client, internal)
-	backends, set := s.clusterBackends, s.cluster
-	if choice.local() {
-		backends, set = s.localBackends, s.local
+	choice := datapath.PolicySet(s.Policy, !known || caught.Kind == ClusterIP, client, internal)
+	backends, set := s.ClusterBackends, s.Cluster
+	if choice.Local() {
+		backends, set = s.LocalBackends, s.Local
 	}
 	switch choice {
-	case localInternal:
+	case datapath.LocalInternal:
 		ex.EndpointSet = "local: internalTrafficPolicy Local"
-	case localExternal:
+	case datapath.LocalExternal:
 		ex.EndpointSet = "local: externalTrafficPolicy Local, and the client is outside the cluster"
-	case clusterShortCircuit:
+	case datapath.ClusterShortCircuit:
 		ex.EndpointSet = "cluster: externalTrafficPolicy Local, but the client is a pod or the node (kube-proxy's short circuit)"
 		if !client.IsValid() {
 			ex.EndpointSet = "cluster if the client is a pod or the node, else local (externalTrafficPolicy Local; give --from)"
@@ -170,7 +171,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	default:
 		ex.EndpointSet = "cluster"
 	}
-	if s.sets.TopologyMode != "" && !choice.local() {
+	if s.sets.TopologyMode != "" && !choice.Local() {
 		ex.EndpointSet += ", filtered by topology (" + s.sets.TopologyMode + ")"
 	}
 	if len(backends) == 0 {
@@ -195,8 +196,8 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		}
 		ex.Candidates = append(ex.Candidates, c+")")
 	}
-	if s.affinity != nil && client.IsValid() {
-		if addr, expires, ok := s.affinity.Lookup(client); ok {
+	if s.Affinity != nil && client.IsValid() {
+		if addr, expires, ok := s.Affinity.Lookup(client); ok {
 			if i := slices.IndexFunc(backends, func(b *balancer.Backend) bool { return b.Addr == addr }); i >= 0 && usable(backends[i]) {
 				ex.Backend = addr.String()
 				ex.Pick = fmt.Sprintf("ClientIP affinity: the client's recorded endpoint, until %s (refreshed by each new connection)", expires.UTC().Format(time.RFC3339))
@@ -205,7 +206,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		}
 	}
 	then := ""
-	if s.affinity != nil {
+	if s.Affinity != nil {
 		then = "; then recorded for ClientIP affinity"
 	}
 	switch balancer.Kind(sp.info.Balancer) {

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // killableBackend is an echo server that can be killed, as the kernel
@@ -129,7 +131,7 @@ func transfer(c net.Conn, payload []byte, pause time.Duration) error {
 func TestProxyBackendKilledMidTransfer(t *testing.T) {
 	good := startKillable(t)
 	victim := startKillable(t)
-	p, rules := startProxier(t, Config{DialTimeout: 200 * time.Millisecond, EjectBase: 200 * time.Millisecond})
+	p, rules := startProxier(t, Config{Config: datapath.Config{DialTimeout: 200 * time.Millisecond, EjectBase: 200 * time.Millisecond}})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", good.backend(), victim.backend()))
 	port := rules.port(t, "default/web:http")
 	addr := fmt.Sprintf("127.0.0.1:%d", port)
@@ -225,7 +227,7 @@ func TestProxyBackendThatNeverReads(t *testing.T) {
 	})
 	t.Cleanup(func() { close(release) })
 	const idle = 200 * time.Millisecond
-	p, rules := startProxier(t, Config{IdleTimeout: idle})
+	p, rules := startProxier(t, Config{Config: datapath.Config{IdleTimeout: idle}})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", never))
 	port := rules.port(t, "default/web:http")
 

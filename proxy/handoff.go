@@ -15,6 +15,8 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // Handing listeners over from one process to the next (hitless upgrade).
@@ -82,7 +84,7 @@ func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
 			CloseHandoffSockets(out)
 			return nil, fmt.Errorf("exporting the %s listener of %s: %w", l.key.network(), l.key.name, err)
 		}
-		out = append(out, HandoffSocket{Key: l.key.handoffKey(), Port: l.port, File: f})
+		out = append(out, HandoffSocket{Key: l.key.handoffKey(), Port: l.Port, File: f})
 	}
 	slices.SortFunc(out, func(a, b HandoffSocket) int { return strings.Compare(a.Key, b.Key) })
 	return out, nil
@@ -90,34 +92,13 @@ func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
 
 // file duplicates l's socket descriptor.
 func (l *listener) file() (*os.File, error) {
-	var c syscall.Conn
-	if l.raw != nil {
-		fd, err := l.raw.dup()
-		if err != nil {
-			return nil, fmt.Errorf("duplicating the socket descriptor: %w", err)
-		}
-		return os.NewFile(uintptr(fd), l.key.handoffKey()), nil
-	}
-	if l.pc != nil {
-		c = l.pc
-	} else if sc, ok := l.ln.(syscall.Conn); ok {
-		c = sc
-	} else {
-		return nil, fmt.Errorf("%T has no socket descriptor", l.ln)
-	}
-	return SocketFile(c, l.key.handoffKey())
+	return l.File(l.key.handoffKey())
 }
 
 // SocketFile returns a duplicate of c's socket descriptor, close-on-exec,
-// as a File named name. Unlike the File methods of package net's types,
-// whose Fd method puts the socket into blocking mode, for every process
-// sharing it, the duplicate's Fd leaves the socket's mode alone.
+// as a File named name (datapath.SocketFile).
 func SocketFile(c syscall.Conn, name string) (*os.File, error) {
-	nfd, err := dupFD(c)
-	if err != nil {
-		return nil, fmt.Errorf("duplicating the socket descriptor: %w", err)
-	}
-	return os.NewFile(uintptr(nfd), name), nil
+	return datapath.SocketFile(c, name)
 }
 
 // CloseHandoffSockets closes the Files of socks.
@@ -156,23 +137,7 @@ func (p *Proxier) StopListening() {
 // and waits for them to end. It then stops the event loops. It leaves the
 // kernel rules alone: they belong to the next process.
 func (p *Proxier) Drain(ctx context.Context) error {
-	done := make(chan struct{})
-	go func() { p.wg.Wait(); close(done) }() // exits when every loop and session has ended (forced below)
-	defer p.loops.stop()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-	}
-	p.sessMu.Lock()
-	p.closing = true // from here on a connection accepted is refused
-	n := len(p.sessions)
-	for s := range p.sessions {
-		s.abort()
-	}
-	p.sessMu.Unlock()
-	<-done
-	return fmt.Errorf("drain timeout: closed %d connections", n)
+	return p.dp.Drain(ctx)
 }
 
 // Resync asks for a full sync as soon as Run runs: for a process that
@@ -304,7 +269,7 @@ func (p *Proxier) adoptOrAllocate(l *listener, host string, exact uint16, try fu
 	if s, ok := p.cfg.Inherited.take(l.key.handoffKey()); ok {
 		port, err := p.adopt(l, host, s)
 		if err == nil && exact != 0 && port != exact {
-			l.close()
+			l.Close()
 			err = fmt.Errorf("its port is %d, not %d", port, exact)
 		}
 		if err == nil {
@@ -345,7 +310,7 @@ func (p *Proxier) adopt(l *listener, host string, s HandoffSocket) (uint16, erro
 			pc.Close()
 			return 0, fmt.Errorf("not a UDP socket but %T", pc)
 		}
-		l.pc, local = uc, uc.LocalAddr()
+		l.PC, local = uc, uc.LocalAddr()
 	} else {
 		ln, err := net.FileListener(s.File)
 		if err != nil {
@@ -356,12 +321,12 @@ func (p *Proxier) adopt(l *listener, host string, s HandoffSocket) (uint16, erro
 			ln.Close()
 			return 0, fmt.Errorf("not a TCP listener but %T", ln)
 		}
-		l.ln, local = tl, tl.Addr()
+		l.LN, local = tl, tl.Addr()
 	}
 	port, err := p.checkAdopted(l, host, local)
 	if err != nil {
-		l.close()
-		l.ln, l.pc = nil, nil
+		l.Close()
+		l.LN, l.PC = nil, nil
 		return 0, err
 	}
 	p.ports.mark(l.key.network(), port)
@@ -385,8 +350,8 @@ func (p *Proxier) checkAdopted(l *listener, host string, local net.Addr) (uint16
 	if r := p.cfg.PortRange; r.Size > 0 && (ap.Port() < r.Base || int(ap.Port()) >= int(r.Base)+r.Size) {
 		return 0, fmt.Errorf("socket port %d is outside --proxy-port-range %s", ap.Port(), r)
 	}
-	if l.ln != nil {
-		rc, err := l.ln.(*net.TCPListener).SyscallConn()
+	if l.LN != nil {
+		rc, err := l.LN.(*net.TCPListener).SyscallConn()
 		if err != nil {
 			return 0, err
 		}
@@ -436,34 +401,9 @@ func (p *Proxier) startAdopted(l *listener) (bool, error) {
 		return false, nil
 	}
 	in := p.cfg.Inherited
-	if l.raw != nil {
-		if _, err := p.loops.running(); err != nil {
-			in.forget(l)
-			return false, fmt.Errorf("no event loop to accept on it: %w", err)
-		}
+	if err := p.dp.StartAfter(l.Listener, in.ready, in.stopped); err != nil {
+		in.forget(l)
+		return false, err
 	}
-	p.wg.Add(1)
-	go func() {
-		select {
-		case <-in.ready:
-		case <-in.stopped:
-			p.wg.Done()
-			return
-		}
-		switch {
-		case l.raw != nil:
-			if err := p.startAccepting(l); err != nil {
-				// The loops were running when the listener was adopted;
-				// only loops stopped since (Shutdown, Drain) and unable to
-				// start again get here, on a Proxier that is going away.
-				p.log.Error("cannot accept on an adopted listener", zap.Stringer("servicePort", l.key.name), zap.Error(err))
-			}
-			p.wg.Done()
-		case l.key.name.Protocol == v1.ProtocolUDP:
-			p.udpLoop(l)
-		default:
-			p.acceptLoop(l)
-		}
-	}()
 	return true, nil
 }

@@ -19,6 +19,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 func TestConnectionLimitAnnotations(t *testing.T) {
@@ -340,7 +341,7 @@ func TestProxyPerEndpointLimit(t *testing.T) {
 func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	be, _ := holdingBackend(t)
 	core, logs := observer.New(zap.WarnLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core), Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
 	s := svc("web", "10.96.0.10", "http:80")
 	s.Annotations = map[string]string{AnnotationMaxConnections: "unlimited"}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))

@@ -1,13 +1,9 @@
 package proxy
 
 import (
-	"context"
-	"errors"
-	"net"
 	"slices"
 	"strconv"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // Results of uproxy_connections_total.
@@ -26,17 +23,6 @@ const (
 	resultLimit              = "limit"               // the service port was at uproxy.io/max-connections
 	resultEndpointLimit      = "endpoint_limit"      // every endpoint was at uproxy.io/max-connections-per-endpoint
 )
-
-// Reasons of uproxy_dial_errors_total.
-const (
-	dialRefused = iota
-	dialTimeout
-	dialUnreachable
-	dialOther
-	numDialReasons
-)
-
-var dialReasonNames = [numDialReasons]string{"refused", "timeout", "unreachable", "other"}
 
 // Metrics are the Prometheus metrics of a Proxier: kube-proxy's sync
 // metrics, under kube-proxy's names, types and buckets, and uproxy's data
@@ -80,20 +66,20 @@ type Metrics struct {
 	noLocal      map[types.NamespacedName]noLocalCounts
 	noLocalTotal noLocalCounts
 
-	dialDuration prometheus.Histogram
-	dialErrors   [numDialReasons]prometheus.Counter
-	udpFlows     prometheus.Gauge
-	udpEvicted   prometheus.Counter
+	// dp are the data path's own metrics, which every port's counters
+	// point to.
+	dp datapath.Meters
 
 	// The families that Collect builds from the counters.
 	connections *prometheus.Desc // service, port, backend, result
 	active      *prometheus.Desc // service, port
 	bytes       *prometheus.Desc // service, port, direction
 	picks       *prometheus.Desc // service, backend
+	fallbacks   *prometheus.Desc // service, port, reason
 
 	// source walks the metrics of every live snapshot, for Collect; set
 	// by NewProxier, nil until then.
-	source atomic.Pointer[func(yield func(*portMetrics) bool)]
+	source atomic.Pointer[func(yield func(*datapath.PortMetrics) bool)]
 
 	// Owned by the sync goroutine: the counters of each service
 	// ("namespace/name") by port label, which snapshots share (both
@@ -108,20 +94,10 @@ type Metrics struct {
 // portState is one service port's counters and those of its backends,
 // by address.
 type portState struct {
-	c        *portCounters
-	backends map[string]*backendMetrics
+	c        *datapath.PortCounters
+	backends map[string]*datapath.BackendMetrics
 	round    uint64 // the last round that used it (Metrics.round)
 }
-
-// portCounters count one service port's traffic.
-type portCounters struct {
-	active                                     atomic.Int64
-	upstream, downstream                       atomic.Uint64
-	noEndpoints, refused, limit, endpointLimit atomic.Uint64
-}
-
-// metricLabels names the children of one service port.
-type metricLabels struct{ service, port string }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not
 // registered, for tests that read them directly).
@@ -192,30 +168,33 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		bytes: prometheus.NewDesc("uproxy_bytes_total",
 			"Bytes proxied, by service port and direction (upstream: client to backend; downstream: backend to client). TCP counts when a direction ends.",
 			[]string{"service", "port", "direction"}, nil),
-		dialDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+		dp: datapath.Meters{DialDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "uproxy_dial_duration_seconds",
 			Help:    "Time to connect to a backend, successful or not.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 0.1ms to 3.3s
 		}),
-		udpFlows: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "uproxy_udp_flows_active",
-			Help: "Live UDP flows (client to backend associations).",
-		}),
-		udpEvicted: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "uproxy_udp_flows_evicted_total",
-			Help: "UDP flows ended before their timeout because the flow table was full (--udp-max-flows): the least recently used flow makes room for a new one.",
-		}),
+			UDPFlows: prometheus.NewGauge(prometheus.GaugeOpts{
+				Name: "uproxy_udp_flows_active",
+				Help: "Live UDP flows (client to backend associations).",
+			}),
+			UDPEvicted: prometheus.NewCounter(prometheus.CounterOpts{
+				Name: "uproxy_udp_flows_evicted_total",
+				Help: "UDP flows ended before their timeout because the flow table was full (--udp-max-flows): the least recently used flow makes room for a new one.",
+			})},
 		picks: prometheus.NewDesc("uproxy_balancer_picks_total",
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
+		fallbacks: prometheus.NewDesc("uproxy_source_ip_fallbacks_total",
+			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply; transparent_error: the socket could not take the client's address).",
+			[]string{"service", "port", "reason"}, nil),
 		ports: map[string]map[string]*portState{},
 	}
 	dialErrors := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_errors_total",
 		Help: "Failed connection attempts to backends, by reason (refused, timeout, unreachable, other).",
 	}, []string{"reason"})
-	for i, r := range dialReasonNames {
-		m.dialErrors[i] = dialErrors.WithLabelValues(r)
+	for i, r := range datapath.DialReasonNames {
+		m.dp.DialErrors[i] = dialErrors.WithLabelValues(r)
 	}
 	if reg != nil {
 		endpointsPending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -230,7 +209,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
 			m.netProgramming, m.noLocalEndpoints, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
-			dataPathCollector{m}, m.dialDuration, dialErrors, m.udpFlows, m.udpEvicted)
+			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted)
 	}
 	return m
 }
@@ -386,25 +365,6 @@ func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
 	}
 }
 
-// portMetrics are the counters of one service port and of its backends:
-// what a snapshot holds. A nil *portMetrics (metrics disabled) records
-// nothing.
-type portMetrics struct {
-	labels   metricLabels // service and port
-	c        *portCounters
-	m        *Metrics
-	backends map[*balancer.Backend]*backendMetrics
-}
-
-// backendMetrics count one backend of a service port.
-type backendMetrics struct {
-	addr                 string // the backend label
-	ok, dialError, picks atomic.Uint64
-	// round is the last round that used it (Metrics.round); only the
-	// sync goroutine reads or writes it.
-	round uint64
-}
-
 // portLabel is the port label: the port's name, or its number when the
 // service has a single unnamed port.
 func portLabel(sp *ServicePort) string {
@@ -417,7 +377,7 @@ func portLabel(sp *ServicePort) string {
 // forPort returns the counters of sp and of each of its backends, those
 // of the previous snapshots where they exist. Called by the sync
 // goroutine when it builds a snapshot.
-func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *portMetrics {
+func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *datapath.PortMetrics {
 	if m == nil {
 		return nil
 	}
@@ -429,25 +389,27 @@ func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *portMe
 	}
 	st := byPort[port]
 	if st == nil {
-		st = &portState{c: &portCounters{}, backends: make(map[string]*backendMetrics, len(backends))}
+		st = &portState{c: &datapath.PortCounters{}, backends: make(map[string]*datapath.BackendMetrics, len(backends))}
 		byPort[port] = st
 	}
 	st.round = m.round
-	pm := &portMetrics{
-		labels:   metricLabels{service: svc, port: port},
-		c:        st.c,
-		m:        m,
-		backends: make(map[*balancer.Backend]*backendMetrics, len(backends)),
+	pm := &datapath.PortMetrics{
+		Service:     svc,
+		Port:        port,
+		C:           st.c,
+		M:           &m.dp,
+		KeepsSource: sp.PreserveSourceIP,
+		Backends:    make(map[*balancer.Backend]*datapath.BackendMetrics, len(backends)),
 	}
 	for _, b := range backends {
 		addr := b.Addr.String()
 		bm := st.backends[addr]
 		if bm == nil {
-			bm = &backendMetrics{addr: addr}
+			bm = &datapath.BackendMetrics{Addr: addr}
 			st.backends[addr] = bm
 		}
-		bm.round = m.round
-		pm.backends[b] = bm
+		bm.Round = m.round
+		pm.Backends[b] = bm
 	}
 	return pm
 }
@@ -478,7 +440,7 @@ func (m *Metrics) retainService(service string) {
 			continue
 		}
 		for addr, bm := range st.backends {
-			if bm.round != m.round {
+			if bm.Round != m.round {
 				delete(st.backends, addr)
 			}
 		}
@@ -489,7 +451,7 @@ func (m *Metrics) retainService(service string) {
 }
 
 // setSource sets what Collect walks: the metrics of every live snapshot.
-func (m *Metrics) setSource(walk func(yield func(*portMetrics) bool)) {
+func (m *Metrics) setSource(walk func(yield func(*datapath.PortMetrics) bool)) {
 	if m != nil {
 		m.source.Store(&walk)
 	}
@@ -497,17 +459,19 @@ func (m *Metrics) setSource(walk func(yield func(*portMetrics) bool)) {
 
 // dataPathCollector turns the data path counters into the samples of
 // uproxy_connections_total, uproxy_active_connections,
-// uproxy_bytes_total and uproxy_balancer_picks_total when scraped.
+// uproxy_bytes_total, uproxy_balancer_picks_total and
+// uproxy_source_ip_fallbacks_total when scraped.
 type dataPathCollector struct{ m *Metrics }
 
 var _ prometheus.Collector = dataPathCollector{}
 
-// Describe sends the four families' descriptors.
+// Describe sends the families' descriptors.
 func (c dataPathCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.m.connections
 	ch <- c.m.active
 	ch <- c.m.bytes
 	ch <- c.m.picks
+	ch <- c.m.fallbacks
 }
 
 // Collect walks the live snapshots (safe for concurrent use with syncs:
@@ -523,175 +487,46 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
 	}
-	seenPort := map[*portCounters]bool{}
-	seenBackend := map[*backendMetrics]bool{}
+	seenPort := map[*datapath.PortCounters]bool{}
+	seenBackend := map[*datapath.BackendMetrics]bool{}
 	type pickKey struct{ service, backend string }
 	picks := map[pickKey]uint64{}
-	(*walk)(func(pm *portMetrics) bool {
+	(*walk)(func(pm *datapath.PortMetrics) bool {
 		if pm == nil {
 			return true
 		}
-		svc, port := pm.labels.service, pm.labels.port
-		if !seenPort[pm.c] {
-			seenPort[pm.c] = true
-			ch <- prometheus.MustNewConstMetric(m.active, prometheus.GaugeValue, float64(pm.c.active.Load()), svc, port)
-			counter(m.bytes, pm.c.upstream.Load(), svc, port, "upstream")
-			counter(m.bytes, pm.c.downstream.Load(), svc, port, "downstream")
-			counter(m.connections, pm.c.noEndpoints.Load(), svc, port, "", resultNoEndpoints)
-			counter(m.connections, pm.c.refused.Load(), svc, port, "", resultRefusedDestination)
-			counter(m.connections, pm.c.limit.Load(), svc, port, "", resultLimit)
-			counter(m.connections, pm.c.endpointLimit.Load(), svc, port, "", resultEndpointLimit)
+		svc, port := pm.Service, pm.Port
+		if !seenPort[pm.C] {
+			seenPort[pm.C] = true
+			ch <- prometheus.MustNewConstMetric(m.active, prometheus.GaugeValue, float64(pm.C.Active.Load()), svc, port)
+			counter(m.bytes, pm.C.Upstream.Load(), svc, port, "upstream")
+			counter(m.bytes, pm.C.Downstream.Load(), svc, port, "downstream")
+			counter(m.connections, pm.C.NoEndpoints.Load(), svc, port, "", resultNoEndpoints)
+			counter(m.connections, pm.C.Refused.Load(), svc, port, "", resultRefusedDestination)
+			counter(m.connections, pm.C.Limit.Load(), svc, port, "", resultLimit)
+			counter(m.connections, pm.C.EndpointLimit.Load(), svc, port, "", resultEndpointLimit)
+			if pm.KeepsSource {
+				for r, name := range datapath.FallbackReasons() {
+					if name != "" {
+						counter(m.fallbacks, pm.C.SourceFallbacks[r].Load(), svc, port, name)
+					}
+				}
+			}
 		}
-		for _, bm := range pm.backends {
+		for _, bm := range pm.Backends {
 			if seenBackend[bm] {
 				continue
 			}
 			seenBackend[bm] = true
-			counter(m.connections, bm.ok.Load(), svc, port, bm.addr, resultOK)
-			counter(m.connections, bm.dialError.Load(), svc, port, bm.addr, resultDialError)
-			picks[pickKey{svc, bm.addr}] += bm.picks.Load()
+			counter(m.connections, bm.OK.Load(), svc, port, bm.Addr, resultOK)
+			counter(m.connections, bm.DialError.Load(), svc, port, bm.Addr, resultDialError)
+			picks[pickKey{svc, bm.Addr}] += bm.Picks.Load()
 		}
 		return true
 	})
 	for k, v := range picks {
 		counter(m.picks, v, k.service, k.backend)
 	}
-}
-
-// backend returns b's children; nil when metrics are disabled.
-func (pm *portMetrics) backend(b *balancer.Backend) *backendMetrics {
-	if pm == nil {
-		return nil
-	}
-	return pm.backends[b]
-}
-
-func (pm *portMetrics) refusedDestination() {
-	if pm != nil {
-		pm.c.refused.Add(1)
-	}
-}
-
-func (pm *portMetrics) noEndpoint() {
-	if pm != nil {
-		pm.c.noEndpoints.Add(1)
-	}
-}
-
-// limited counts a TCP connection refused at the service port's
-// connection limit.
-func (pm *portMetrics) limited() {
-	if pm != nil {
-		pm.c.limit.Add(1)
-	}
-}
-
-// endpointsFull counts a TCP connection refused because every endpoint
-// was at the per-endpoint connection limit.
-func (pm *portMetrics) endpointsFull() {
-	if pm != nil {
-		pm.c.endpointLimit.Add(1)
-	}
-}
-
-// connStart and connEnd bracket a proxied TCP connection.
-func (pm *portMetrics) connStart() {
-	if pm != nil {
-		pm.c.active.Add(1)
-	}
-}
-
-func (pm *portMetrics) connEnd() {
-	if pm != nil {
-		pm.c.active.Add(-1)
-	}
-}
-
-func (pm *portMetrics) up(n int64) {
-	if pm != nil && n > 0 {
-		pm.c.upstream.Add(uint64(n))
-	}
-}
-
-func (pm *portMetrics) down(n int64) {
-	if pm != nil && n > 0 {
-		pm.c.downstream.Add(uint64(n))
-	}
-}
-
-func (pm *portMetrics) flowOpened() {
-	if pm != nil {
-		pm.m.udpFlows.Inc()
-	}
-}
-
-func (pm *portMetrics) flowClosed() {
-	if pm != nil {
-		pm.m.udpFlows.Dec()
-	}
-}
-
-// flowEvicted counts a flow that a full table ended to make room.
-func (pm *portMetrics) flowEvicted() {
-	if pm != nil {
-		pm.m.udpEvicted.Inc()
-	}
-}
-
-// dialStart returns the time a dial starts, or zero when metrics are
-// disabled (sparing the clock read).
-func (pm *portMetrics) dialStart() time.Time {
-	if pm == nil {
-		return time.Time{}
-	}
-	return time.Now()
-}
-
-// dialDone records one connection attempt that started at start.
-func (pm *portMetrics) dialDone(start time.Time, err error) {
-	if pm == nil {
-		return
-	}
-	pm.m.dialDuration.Observe(time.Since(start).Seconds())
-	if err != nil {
-		pm.m.dialErrors[dialReason(err)].Inc()
-	}
-}
-
-func (bm *backendMetrics) picked() {
-	if bm != nil {
-		bm.picks.Add(1)
-	}
-}
-
-func (bm *backendMetrics) connected() {
-	if bm != nil {
-		bm.ok.Add(1)
-	}
-}
-
-func (bm *backendMetrics) failed() {
-	if bm != nil {
-		bm.dialError.Add(1)
-	}
-}
-
-// dialReason classifies a dial error for uproxy_dial_errors_total.
-func dialReason(err error) int {
-	switch {
-	case errors.Is(err, syscall.ECONNREFUSED):
-		return dialRefused
-	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, syscall.ETIMEDOUT) || isNetTimeout(err):
-		return dialTimeout
-	case errors.Is(err, syscall.EHOSTUNREACH) || errors.Is(err, syscall.ENETUNREACH):
-		return dialUnreachable
-	}
-	return dialOther
-}
-
-func isNetTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout()
 }
 
 func b2i(b bool) int {

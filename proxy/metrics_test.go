@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/promtest"
 )
 
@@ -44,7 +44,7 @@ func TestMetricsCountConnectionsAndSyncs(t *testing.T) {
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
 	refused := nameBackend(t, "refused")
 	refused.ln.Close()
-	p, rules := startProxier(t, Config{Metrics: NewMetrics(reg), EjectBase: time.Minute})
+	p, rules := startProxier(t, Config{Config: datapath.Config{EjectBase: time.Minute}, Metrics: NewMetrics(reg)})
 	web := svc("web", "10.96.0.10", "http:80")
 	sl := slicesFor("web", "http", a, b, refused)
 	// A change triggered now (after uproxy started; older ones are not
@@ -139,11 +139,13 @@ func TestMetricsCountConnectionsAndSyncs(t *testing.T) {
 func TestMetricsNoEndpointsAndRefusedDestination(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p, rules := startProxier(t, Config{
-		Metrics: NewMetrics(reg),
-		// Every connection claims to be for another address.
-		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
-			return netip.MustParseAddrPort("10.1.2.3:80"), nil
+		Config: datapath.Config{
+			// Every connection claims to be for another address.
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+				return netip.MustParseAddrPort("10.1.2.3:80"), nil
+			},
 		},
+		Metrics: NewMetrics(reg),
 	})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", nameBackend(t, "a")))
 	if _, err := get(t, rules.port(t, "default/web:http")); err == nil {
@@ -167,90 +169,6 @@ func TestMetricsNoEndpointsAndRefusedDestination(t *testing.T) {
 	})
 }
 
-// TestMetricsDataPathDoesNotAllocate checks the hot path rule: everything
-// a connection does to the metrics (with children resolved when the
-// snapshot was built) allocates nothing, exactly as with metrics disabled.
-func TestMetricsDataPathDoesNotAllocate(t *testing.T) {
-	b := balancer.NewBackend(netip.MustParseAddrPort("10.0.0.1:8080"), 0)
-	sp := &ServicePort{Name: ServicePortName{Port: "http"}, Port: 80}
-	refusedErr := fmt.Errorf("dial: %w", syscall.ECONNREFUSED)
-	connection := func(pm *portMetrics) {
-		bm := pm.backend(b)
-		bm.picked()
-		start := pm.dialStart()
-		pm.dialDone(start, nil)
-		pm.dialDone(start, refusedErr)
-		bm.connected()
-		bm.failed()
-		pm.connStart()
-		pm.up(1234)
-		pm.down(5678)
-		pm.connEnd()
-		pm.flowOpened()
-		pm.flowClosed()
-		pm.noEndpoint()
-		pm.refusedDestination()
-	}
-	enabled := NewMetrics(prometheus.NewRegistry()).forPort(sp, []*balancer.Backend{b})
-	for name, pm := range map[string]*portMetrics{"disabled": nil, "enabled": enabled} {
-		if allocs := testing.AllocsPerRun(1000, func() { connection(pm) }); allocs != 0 {
-			t.Errorf("metrics %s: %v allocations per connection, want 0", name, allocs)
-		}
-	}
-	if !errors.Is(refusedErr, syscall.ECONNREFUSED) || dialReason(refusedErr) != dialRefused {
-		t.Error("a refused dial is not classified as refused")
-	}
-}
-
-func TestDialReason(t *testing.T) {
-	for _, c := range []struct {
-		err  error
-		want int
-	}{
-		{&net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, dialRefused},
-		{&net.OpError{Op: "dial", Err: syscall.EHOSTUNREACH}, dialUnreachable},
-		{&net.OpError{Op: "dial", Err: syscall.ENETUNREACH}, dialUnreachable},
-		{fmt.Errorf("dial: %w", errTimeout{}), dialTimeout},
-		{errors.New("weird"), dialOther},
-	} {
-		if got := dialReason(c.err); got != c.want {
-			t.Errorf("dialReason(%v) = %s, want %s", c.err, dialReasonNames[got], dialReasonNames[c.want])
-		}
-	}
-}
-
-type errTimeout struct{}
-
-func (errTimeout) Error() string   { return "i/o timeout" }
-func (errTimeout) Timeout() bool   { return true }
-func (errTimeout) Temporary() bool { return true }
-
-// BenchmarkConnectionMetrics measures the metric updates of one
-// connection, with metrics enabled and disabled: both report 0 allocs/op.
-func BenchmarkConnectionMetrics(b *testing.B) {
-	for _, enabled := range []bool{false, true} {
-		b.Run(fmt.Sprintf("metrics=%v", enabled), func(b *testing.B) {
-			var m *Metrics
-			if enabled {
-				m = NewMetrics(prometheus.NewRegistry())
-			}
-			be := balancer.NewBackend(netip.MustParseAddrPort("10.0.0.1:8080"), 0)
-			pm := m.forPort(&ServicePort{Name: ServicePortName{Port: "http"}, Port: 80}, []*balancer.Backend{be})
-			b.ReportAllocs()
-			for b.Loop() {
-				bm := pm.backend(be)
-				bm.picked()
-				pm.dialDone(pm.dialStart(), nil)
-				bm.connected()
-				pm.connStart()
-				pm.up(100)
-				pm.down(100)
-				pm.connEnd()
-			}
-		})
-	}
-}
-
 // TestMetricsRetainService checks that each service's counters outlive
 // its snapshots while a port or backend stays, and go with the last round
 // (beginService … retainService) that did not use them.
@@ -269,9 +187,9 @@ func TestMetricsRetainService(t *testing.T) {
 		}
 		return out
 	}
-	round := func(ports map[string][]*balancer.Backend) map[string]*portMetrics {
+	round := func(ports map[string][]*balancer.Backend) map[string]*datapath.PortMetrics {
 		m.beginService()
-		pms := map[string]*portMetrics{}
+		pms := map[string]*datapath.PortMetrics{}
 		for name, bs := range ports {
 			pms[name] = m.forPort(port(name), bs)
 		}
@@ -280,7 +198,7 @@ func TestMetricsRetainService(t *testing.T) {
 	}
 
 	first := round(map[string][]*balancer.Backend{"http": {a, b}, "admin": {a}})
-	first["http"].backend(b).picked()
+	first["http"].Backends[b].Picks.Add(1)
 	if diff := cmp.Diff(map[string][]string{"http": {"10.244.0.1:8080", "10.244.0.2:8080"}, "admin": {"10.244.0.1:8080"}}, state()); diff != "" {
 		t.Errorf("after the first round (-want +got):\n%s", diff)
 	}
@@ -290,7 +208,7 @@ func TestMetricsRetainService(t *testing.T) {
 	if diff := cmp.Diff(map[string][]string{"http": {"10.244.0.2:8080"}}, state()); diff != "" {
 		t.Errorf("after the second round (-want +got):\n%s", diff)
 	}
-	if got := second["http"].backend(b).picks.Load(); got != 1 {
+	if got := second["http"].Backends[b].Picks.Load(); got != 1 {
 		t.Errorf("b's picks = %d after a round that kept it, want 1", got)
 	}
 

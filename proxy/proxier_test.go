@@ -23,6 +23,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
@@ -92,8 +94,8 @@ func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 	cfg.Rules = rules
 	cfg.Sync.MinInterval = 10 * time.Millisecond
 	cfg.LoopbackEndpoints = true // the test backends listen on 127.0.0.1
-	if cfg.stats == nil {
-		cfg.stats = new(loopStats) // for the tests that tell the data paths apart
+	if cfg.Stats == nil {
+		cfg.Stats = new(datapath.Stats) // for the tests that tell the data paths apart
 	}
 	p := NewProxier(cfg)
 	startedProxiers.add(t, p)
@@ -267,7 +269,7 @@ func TestProxyFailsOverRefusedAndBlackholedEndpoints(t *testing.T) {
 		refused := nameBackend(t, "refused")
 		refused.ln.Close()
 		hole := blackhole(t)
-		p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute})
+		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute}})
 		slices := slicesFor("web", "http", refused, good)
 		slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{ip: "127.0.0.1"}))
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
@@ -308,7 +310,7 @@ func TestProxyPassesHalfClose(t *testing.T) {
 func TestProxyIdleTimeout(t *testing.T) {
 	be := echoBackend(t)
 	const idle = 200 * time.Millisecond
-	_, port := proxyWeb(t, Config{IdleTimeout: idle}, be)
+	_, port := proxyWeb(t, Config{Config: datapath.Config{IdleTimeout: idle}}, be)
 
 	// A connection that talks every idle/4 stays open for many periods.
 	busy, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
@@ -348,11 +350,11 @@ func TestProxyChecksOriginalDestination(t *testing.T) {
 	be := nameBackend(t, "a")
 	dst := netip.MustParseAddrPort("10.96.0.10:80")
 	var mu sync.Mutex
-	p, rules := startProxier(t, Config{OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+	p, rules := startProxier(t, Config{Config: datapath.Config{OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 		mu.Lock()
 		defer mu.Unlock()
 		return dst, nil
-	}})
+	}}})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 	port := rules.port(t, "default/web:http")
 	if name, err := get(t, port); err != nil || name != "a" {
@@ -599,7 +601,7 @@ func TestNoLeaks(t *testing.T) {
 	refused.ln.Close()
 	baseG, baseFD := runtime.NumGoroutine(), countFDs(t)
 	func() {
-		p, rules := startProxier(t, Config{IdleTimeout: time.Second})
+		p, rules := startProxier(t, Config{Config: datapath.Config{IdleTimeout: time.Second}})
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("dead", "10.96.0.11", "http:80")},
 			append(slicesFor("web", "http", be), slicesFor("dead", "http", refused)...))
 		port, dead := rules.port(t, "default/web:http"), rules.port(t, "default/dead:http")
@@ -657,7 +659,7 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 	base := int(freePortRange(t, n))
 	be := nameBackend(t, "a")
 	core, logs := observer.New(zap.ErrorLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core), PortRange: PortRange{Base: uint16(base), Size: n}})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, PortRange: PortRange{Base: uint16(base), Size: n}})
 	var svcs []*v1.Service
 	var eps []*discovery.EndpointSlice
 	for i := range n + 1 { // one more than the range holds
@@ -763,9 +765,9 @@ func proxyProtocolHeader(t *testing.T, dp dataPath) {
 				}
 				fmt.Fprintf(c, "v%d %s %s\n", h.Version, h.SourceAddr, h.DestinationAddr)
 			})
-			p, rules := startProxier(t, Config{EventLoops: dp.loops, IOURing: dp.ring, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 				return netip.MustParseAddrPort("10.96.0.10:80"), nil
-			}})
+			}}})
 			s := svc("web", "10.96.0.10", "http:80")
 			s.Annotations = map[string]string{AnnotationProxyProtocol: version}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))

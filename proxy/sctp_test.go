@@ -11,6 +11,8 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/ptr"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // TestSCTPPortsIgnoredOneByOne checks that an SCTP port costs a Service
@@ -73,7 +75,7 @@ func TestSCTPPortsIgnoredOneByOne(t *testing.T) {
 func TestSCTPPortLeavesTCPPortProxied(t *testing.T) {
 	be, _ := holdingBackend(t)
 	core, logs := observer.New(zap.WarnLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core), Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
 	s := svc("web", "10.96.0.10", "http:80", "sig:3868/SCTP")
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	port := rules.port(t, "default/web:http")

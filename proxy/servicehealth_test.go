@@ -12,6 +12,8 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // fakeServiceHealth records what each call was given.
@@ -44,8 +46,10 @@ var _ ServiceHealthSyncer = (*fakeServiceHealth)(nil)
 func TestServiceHealthFollowsChanges(t *testing.T) {
 	hc := &fakeServiceHealth{}
 	p := NewProxier(Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
+		},
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst:     func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		LocalAddrs:      func() ([]netip.Addr, error) { return nil, nil },
 		Rules:           &recordingRules{},
 		NodeName:        "node-a",

@@ -9,6 +9,8 @@ import (
 
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // The shared listener layout (Config.SharedListeners, --listener=shared).
@@ -54,28 +56,6 @@ func (c *Config) sharedFor(proto v1.Protocol) bool {
 	return slices.Contains(c.SharedListeners, proto)
 }
 
-// routeKey is an original destination as a shared listener's route table
-// keys it: an address and port, or, for a node port, only the port (the
-// kernel sends a node port there whichever local address it was sent to).
-type routeKey struct {
-	addr netip.Addr // unmapped; the zero Addr for a node port
-	port uint16
-}
-
-// routeTable maps the original destinations of a shared listener's
-// traffic to the service port listeners they belong to. Immutable once
-// stored; replaced whole after each sync that changed a destination.
-type routeTable map[routeKey]*listener
-
-// lookup returns the listener of dst: an exact address and port first,
-// then a node port; nil when dst is no service's.
-func (t routeTable) lookup(dst netip.AddrPort) *listener {
-	if l := t[routeKey{dst.Addr().Unmap(), dst.Port()}]; l != nil {
-		return l
-	}
-	return t[routeKey{port: dst.Port()}]
-}
-
 // hostOn returns a listener for k hosted by the shared listener of k's
 // network, opening that first if need be.
 func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
@@ -90,7 +70,7 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 			// An empty table until the first sync routes anything: traffic
 			// that arrives before then (rules a previous instance left) is
 			// refused, not misrouted.
-			sh.routes.Store(&routeTable{})
+			sh.Routes.Store(&datapath.RouteTable{})
 			all := p.openSiblings(ctx, sh)
 			// A port of the range is taken: a new first port, which the
 			// kernel or the port range picks elsewhere, may find a free
@@ -98,7 +78,7 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 			if all || attempt == sharedRangeAttempts || p.adopted(sh) {
 				if 1+len(sh.siblings) < sharedRedirectPorts {
 					p.log.Warn("the shared listener has fewer ports than it should: the next ones are taken or out of range",
-						zap.Stringer("servicePort", sk.name), zap.Uint16("first", sh.port), zap.Int("ports", 1+len(sh.siblings)))
+						zap.Stringer("servicePort", sk.name), zap.Uint16("first", sh.Port), zap.Int("ports", 1+len(sh.siblings)))
 				}
 				break
 			}
@@ -110,7 +90,9 @@ func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
 		}
 		p.shared[sk] = sh
 	}
-	return &listener{key: k, port: sh.port, portEnd: sh.portEnd, host: sh}, nil
+	l := newListener(k)
+	l.Port, l.portEnd, l.host = sh.Port, sh.portEnd, sh
+	return l, nil
 }
 
 // sharedRedirectPorts is how many consecutive ports a shared TCP listener
@@ -139,25 +121,25 @@ func (p *Proxier) openSiblings(ctx context.Context, sh *listener) bool {
 		return true
 	}
 	all := true
-	for slot := 1; slot < sharedRedirectPorts && int(sh.port)+slot <= 0xffff; slot++ {
+	for slot := 1; slot < sharedRedirectPorts && int(sh.Port)+slot <= 0xffff; slot++ {
 		k := sh.key
 		k.slot = slot
-		l, err := p.openListenerAt(ctx, k, sh.port+uint16(slot))
+		l, err := p.openListenerAt(ctx, k, sh.Port+uint16(slot))
 		if errors.Is(err, errOutsideRange) {
 			break
 		}
 		if err != nil {
 			p.log.Debug("a port of the shared listener's range is taken",
-				zap.Stringer("servicePort", sh.key.name), zap.Uint16("first", sh.port), zap.Int("slot", slot), zap.Error(err))
+				zap.Stringer("servicePort", sh.key.name), zap.Uint16("first", sh.Port), zap.Int("slot", slot), zap.Error(err))
 			all = false
 			break
 		}
-		l.routes.Store(sh.routes.Load())
+		l.Routes.Store(sh.Routes.Load())
 		sh.siblings = append(sh.siblings, l)
 	}
 	sh.portEnd = 0
 	if n := len(sh.siblings); n > 0 {
-		sh.portEnd = sh.port + uint16(n)
+		sh.portEnd = sh.Port + uint16(n)
 	}
 	return all
 }
@@ -178,9 +160,9 @@ func (p *Proxier) rebuildRoutes() {
 	if len(p.shared) == 0 {
 		return
 	}
-	tables := make(map[*listener]routeTable, len(p.shared))
+	tables := make(map[*listener]datapath.RouteTable, len(p.shared))
 	for _, sh := range p.shared {
-		tables[sh] = routeTable{}
+		tables[sh] = datapath.RouteTable{}
 	}
 	for _, ls := range p.services {
 		for _, l := range ls {
@@ -189,26 +171,26 @@ func (p *Proxier) rebuildRoutes() {
 			}
 			t := tables[l.host]
 			for _, i := range l.intercepts(l.snap.Load()) {
-				k := routeKey{addr: i.VIP.Unmap(), port: i.Port}
+				k := datapath.RouteKey{Addr: i.VIP.Unmap(), Port: i.Port}
 				if i.Kind == NodePort {
-					k.addr = netip.Addr{}
+					k.Addr = netip.Addr{}
 				}
-				if prev := t[k]; prev != nil && prev != l {
+				if prev := t[k]; prev != nil && prev != l.Listener {
 					// Two services claim one external address and port;
 					// the rules send it to the first in the proxier's
 					// order (redirect.ServiceRules), and so does this.
-					if servicePortLess(prev.key.name, l.key.name) {
+					if servicePortLess(prev.Name.(ServicePortName), l.key.name) {
 						continue
 					}
 				}
-				t[k] = l
+				t[k] = l.Listener
 			}
 		}
 	}
 	for sh, t := range tables {
-		sh.routes.Store(&t)
+		sh.Routes.Store(&t)
 		for _, l := range sh.siblings {
-			l.routes.Store(&t)
+			l.Routes.Store(&t)
 		}
 	}
 }
@@ -217,16 +199,6 @@ func (p *Proxier) rebuildRoutes() {
 // two services claiming one destination.
 func servicePortLess(a, b ServicePortName) bool { return a.String() < b.String() }
 
-// route returns the service port listener of a connection or datagram
-// that a shared listener sh received for dst, or nil.
-func (sh *listener) route(dst netip.AddrPort) *listener {
-	t := sh.routes.Load()
-	if t == nil {
-		return nil
-	}
-	return t.lookup(dst)
-}
-
 // closeShared closes every shared listener (Shutdown, StopListening).
 func (p *Proxier) closeShared() {
 	for k, sh := range p.shared {
@@ -234,18 +206,6 @@ func (p *Proxier) closeShared() {
 		p.closeListener(sh)
 		delete(p.shared, k)
 	}
-}
-
-// sharedRefused logs a connection or datagram that a shared listener
-// received for a destination no service has.
-func (p *Proxier) sharedRefused(sh *listener, dst netip.AddrPort, err error) {
-	if err != nil {
-		p.connLog.Warn("dropping traffic without an original destination (not redirected)",
-			zap.Stringer("listener", sh.key.name), zap.String("network", sh.key.network()), zap.Error(err))
-		return
-	}
-	p.connLog.Warn("dropping traffic for a destination no service has",
-		zap.Stringer("listener", sh.key.name), zap.String("network", sh.key.network()), zap.Stringer("originalDst", dst))
 }
 
 // String of a shared listener's name.

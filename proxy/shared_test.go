@@ -15,6 +15,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // TestSharedListenerRoutesByOriginalDestination runs three services on
@@ -32,13 +34,15 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 		dst = netip.MustParseAddrPort(s)
 	}
 	p, rules := startProxier(t, Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+				mu.Lock()
+				defer mu.Unlock()
+				return dst, nil
+			},
+		},
 		PortRange:       quietPorts(t),
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
-		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
-			mu.Lock()
-			defer mu.Unlock()
-			return dst, nil
-		},
 	})
 	web := svc("web", "10.96.0.10", "http:80")
 	web.Spec.ExternalIPs = []string{"192.0.2.10"}
@@ -129,12 +133,14 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	be := nameBackend(t, "a")
 	cfg := Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+				return netip.MustParseAddrPort("10.96.0.10:80"), nil
+			},
+		},
 		PortRange:         quietPorts(t),
 		LoopbackEndpoints: true,
 		SharedListeners:   []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
-			return netip.MustParseAddrPort("10.96.0.10:80"), nil
-		},
 	}
 	svcs := []*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("api", "10.96.0.11", "http:80")}
 	sl := slicesFor("web", "http", be)
@@ -163,7 +169,7 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	if diff := cmp.Diff(want, keys); diff != "" {
 		t.Errorf("exported sockets (-want +got):\n%s", diff)
 	}
-	first := q.shared[portKey{name: sharedName(v1.ProtocolTCP)}].port
+	first := q.shared[portKey{name: sharedName(v1.ProtocolTCP)}].Port
 	in := NewInherited(socks)
 	q.StopListening()
 
@@ -196,22 +202,24 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 	lookups := map[uint16]int{}
 	var locals []netip.AddrPort // the local addresses asked about
 	p, rules := startProxier(t, Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+				return netip.AddrPort{}, errors.New("no TCP here")
+			},
+			UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+				mu.Lock()
+				defer mu.Unlock()
+				lookups[client.Port()]++
+				locals = append(locals, local)
+				d, ok := dsts[client.Port()]
+				if !ok {
+					return d, errors.New("no conntrack entry")
+				}
+				return d, nil
+			},
+		},
 		PortRange:       quietPorts(t),
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP},
-		OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
-			return netip.AddrPort{}, errors.New("no TCP here")
-		},
-		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
-			mu.Lock()
-			defer mu.Unlock()
-			lookups[client.Port()]++
-			locals = append(locals, local)
-			d, ok := dsts[client.Port()]
-			if !ok {
-				return d, errors.New("no conntrack entry")
-			}
-			return d, nil
-		},
 	})
 	p.Tracker().Replace(
 		[]*v1.Service{svc("dns-a", "10.96.0.53", "dns:53/UDP"), svc("dns-b", "10.96.0.54", "dns:53/UDP")},
@@ -280,11 +288,13 @@ func TestSharedListenerRangeInPortRange(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			base := freePortRange(t, tt.size)
 			p, rules := startProxier(t, Config{
+				Config: datapath.Config{
+					OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+						return netip.MustParseAddrPort("10.96.0.10:80"), nil
+					},
+				},
 				SharedListeners: []v1.Protocol{v1.ProtocolTCP},
 				PortRange:       PortRange{Base: base, Size: tt.size},
-				OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
-					return netip.MustParseAddrPort("10.96.0.10:80"), nil
-				},
 			})
 			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", nameBackend(t, "a")))
 			i := rules.intercept(t, "default/web:http")

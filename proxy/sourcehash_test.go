@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // hashService is a source-hash Service with ports http (80), https (443)
@@ -43,11 +44,13 @@ func hashService(httpPods, metricsPods int) (*v1.Service, []*discovery.EndpointS
 func hashProxier(t *testing.T, bound int64) (*Proxier, *observer.ObservedLogs) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	p := NewProxier(Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
+			Logger:      zap.New(core),
+		},
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst:     func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		Rules:           &recordingRules{},
 		SourceHashBytes: bound,
-		Logger:          zap.New(core),
 	})
 	t.Cleanup(func() { p.Shutdown(context.Background()) })
 	return p, logs
@@ -60,9 +63,9 @@ func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 	name := types.NamespacedName{Namespace: "default", Name: "web"}
 	ports = map[string]string{}
 	for k, l := range p.services[name] {
-		bal := l.snap.Load().cluster
+		bal := l.snap.Load().Cluster
 		desc := balancer.SourceHashMethod(bal)
-		if t := p.hash.byService[name][balancer.MaglevKey(l.snap.Load().clusterBackends)]; t != nil && desc == "Maglev" {
+		if t := p.hash.byService[name][balancer.MaglevKey(l.snap.Load().ClusterBackends)]; t != nil && desc == "Maglev" {
 			desc = fmt.Sprintf("Maglev %d", t.Len())
 		}
 		ports[k.name.Port] = desc
@@ -141,7 +144,7 @@ func TestSourceHashTablesBound(t *testing.T) {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.10:"+tt.port), v1.ProtocolTCP, client)
 		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}][portKey{name: ServicePortName{
 			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}}]
-		if want := l.snap.Load().cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
+		if want := l.snap.Load().Cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
 			t.Errorf("explain %s: backend %s by %q; want %s %s", tt.key, ex.Backend, ex.Pick, want, tt.hashing)
 		}
 	}

@@ -9,8 +9,6 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
-
-	"github.com/uproxy/uproxy/balancer"
 )
 
 // Status is what a running Proxier serves: every service port it
@@ -127,7 +125,7 @@ func (p *Proxier) updateStatus(name types.NamespacedName) {
 			Port:                  sp.Name.Port,
 			Protocol:              string(sp.Name.Protocol),
 			Family:                "IPv4",
-			ListenPort:            l.port,
+			ListenPort:            l.Port,
 			ListenPortEnd:         l.portEnd,
 			Mode:                  p.mode(),
 			Balancer:              string(sp.Balancer),
@@ -190,22 +188,12 @@ func (p *Proxier) mode() string {
 	return "redirect"
 }
 
-// io names the event loops' way of waiting (Status.IO).
-func (p *Proxier) io() string {
-	switch {
-	case p.loops.n == 0:
-		return "goroutines"
-	case p.loops.opts.ring:
-		return "io_uring"
-	}
-	return "epoll"
-}
-
 // Status returns the proxier's state as of its last sync, with live
 // connection counts and ejections. Safe for concurrent use: it reads the
 // immutable entries that syncs store, and atomic counters.
 func (p *Proxier) Status() Status {
-	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows(), EventLoops: p.loops.n, IO: p.io()}
+	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows()}
+	st.EventLoops, st.IO = p.dp.EventLoops()
 	v := p.statusView()
 	if v == nil {
 		return st
@@ -220,13 +208,13 @@ func (p *Proxier) Status() Status {
 				Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving, Terminating: e.Terminating,
 				NodeName: e.NodeName, Zone: e.Zone,
 			}
-			if b := s.backend(e.Addr); b != nil {
-				ei.Cluster = slices.Contains(s.clusterBackends, b)
-				ei.Local = slices.Contains(s.localBackends, b)
+			if b := s.Backend(e.Addr); b != nil {
+				ei.Cluster = slices.Contains(s.ClusterBackends, b)
+				ei.Local = slices.Contains(s.LocalBackends, b)
 				ei.Weight = b.Weight
 				ei.Active = b.Active()
 				ei.Ejected = b.Ejected()
-				ei.RecentDialErrors = p.health.failures(b)
+				ei.RecentDialErrors = p.dp.Failures(b)
 			}
 			info.Endpoints = append(info.Endpoints, ei)
 		}
@@ -235,12 +223,5 @@ func (p *Proxier) Status() Status {
 	return st
 }
 
-// failures returns b's consecutive failures. Safe for concurrent use.
-func (h *health) failures(b *balancer.Backend) int {
-	if h.failing.Load() == 0 {
-		return 0
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.fails[b]
-}
+// UDPFlows returns the number of live UDP flows. Safe for concurrent use.
+func (p *Proxier) UDPFlows() int { return p.dp.UDPFlows() }

@@ -6,13 +6,15 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 func TestStatus(t *testing.T) {
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
 	refused := nameBackend(t, "refused")
 	refused.ln.Close()
-	p, rules := startProxier(t, Config{EjectBase: time.Minute})
+	p, rules := startProxier(t, Config{Config: datapath.Config{EjectBase: time.Minute}})
 	if st := p.Status(); len(st.Ports) != 0 || st.Mode != "redirect" {
 		t.Errorf("before the first sync: %+v", st)
 	}
@@ -86,7 +88,7 @@ func TestServicePortInfoListenPorts(t *testing.T) {
 // TestStatusDataPath: the status says what carries the connections, as
 // `uproxy status` and the startup log show it (#31).
 func TestStatusDataPath(t *testing.T) {
-	ringErr := IOURingSupported()
+	ringErr := datapath.IOURingSupported()
 	for _, tt := range []struct {
 		name      string
 		cfg       Config
@@ -94,10 +96,10 @@ func TestStatusDataPath(t *testing.T) {
 		wantIO    string
 		needRing  bool
 	}{
-		{"goroutines", Config{EventLoops: -1}, 0, "goroutines", false},
-		{"goroutines, io_uring asked", Config{EventLoops: -1, IOURing: true}, 0, "goroutines", false},
-		{"epoll", Config{EventLoops: 2}, 2, "epoll", false},
-		{"io_uring", Config{EventLoops: 2, IOURing: true}, 2, "io_uring", true},
+		{"goroutines", Config{Config: datapath.Config{EventLoops: -1}}, 0, "goroutines", false},
+		{"goroutines, io_uring asked", Config{Config: datapath.Config{EventLoops: -1, IOURing: true}}, 0, "goroutines", false},
+		{"epoll", Config{Config: datapath.Config{EventLoops: 2}}, 2, "epoll", false},
+		{"io_uring", Config{Config: datapath.Config{EventLoops: 2, IOURing: true}}, 2, "io_uring", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.needRing && ringErr != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -100,8 +101,10 @@ func syncedProxier(b *testing.B, n int) (*Proxier, []*discovery.EndpointSlice) {
 // and n services of 10 endpoints each for its tracker.
 func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.EndpointSlice) {
 	p := NewProxier(Config{
+		Config: datapath.Config{
+			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
+		},
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		OriginalDst:     func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		Metrics:         NewMetrics(prometheus.NewRegistry()),
 		Rules:           &recordingRules{},
 		// As uproxy wires it: the node's addresses are listed on every

@@ -8,6 +8,8 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // TestSyncLogLine checks the one-line summary every sync logs: services,
@@ -17,7 +19,7 @@ import (
 func TestSyncLogLine(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
-	p, rules := startProxier(t, Config{Logger: zap.New(core)})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}})
 	web := svc("web", "10.96.0.10", "http:80")
 	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", a, b))
 	rules.port(t, "default/web:http")

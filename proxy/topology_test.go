@@ -6,8 +6,6 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
-
-	"github.com/uproxy/uproxy/balancer"
 )
 
 func TestCategorizeEndpoints(t *testing.T) {
@@ -65,94 +63,6 @@ func TestCategorizeEndpoints(t *testing.T) {
 			got := CategorizeEndpoints(tt.eps, tt.sp, "me", "zone-a")
 			if diff := cmp.Diff([]any{tt.cluster, tt.local, tt.topologyMode}, []any{addrs(got.Cluster), addrs(got.Local), got.TopologyMode}); diff != "" {
 				t.Errorf("(-want +got):\n%s", diff)
-			}
-		})
-	}
-}
-
-// sentinel is a Balancer that only identifies itself.
-type sentinel string
-
-func (sentinel) Pick(netip.Addr) *balancer.Backend { return nil }
-
-func TestSnapshotRouteAppliesTrafficPolicies(t *testing.T) {
-	vip := netip.MustParseAddrPort("10.96.0.10:80")
-	ext := netip.MustParseAddr("192.0.2.10")
-	pod := netip.MustParseAddr("10.244.1.5")
-	node := netip.MustParseAddr("10.244.0.1")
-	outsider := netip.MustParseAddr("192.0.2.99")
-	internal := func(ip netip.Addr) bool { return ip == node || netip.MustParsePrefix("10.244.0.0/16").Contains(ip) }
-	snap := func(sp ServicePort) *snapshot {
-		sp.Port = 80
-		return &snapshot{sp: &sp, vip: vip, external: []netip.Addr{ext}, nodePort: sp.NodePort, cluster: sentinel("cluster"), local: sentinel("local")}
-	}
-	tests := []struct {
-		name   string
-		sp     ServicePort
-		dst    string
-		known  bool
-		client netip.Addr
-		want   balancer.Balancer
-	}{
-		{"cluster IP", ServicePort{NodePort: 30080}, "10.96.0.10:80", true, pod, sentinel("cluster")},
-		{"unknown destination means cluster IP", ServicePort{}, "", false, outsider, sentinel("cluster")},
-		{"internal policy local", ServicePort{InternalPolicyLocal: true}, "10.96.0.10:80", true, pod, sentinel("local")},
-		{"node port, cluster policy", ServicePort{NodePort: 30080}, "10.244.0.1:30080", true, outsider, sentinel("cluster")},
-		{"node port, external local, outside client", ServicePort{NodePort: 30080, ExternalPolicyLocal: true}, "10.244.0.1:30080", true, outsider, sentinel("local")},
-		{"node port, external local, pod client short-circuits", ServicePort{NodePort: 30080, ExternalPolicyLocal: true}, "10.244.0.1:30080", true, pod, sentinel("cluster")},
-		{"node port, external local, node client short-circuits", ServicePort{NodePort: 30080, ExternalPolicyLocal: true}, "10.244.0.1:30080", true, node, sentinel("cluster")},
-		{"external IP, external local", ServicePort{ExternalPolicyLocal: true}, "192.0.2.10:80", true, outsider, sentinel("local")},
-		{"external IP on the wrong port", ServicePort{}, "192.0.2.10:81", true, outsider, nil},
-		{"another service's VIP", ServicePort{}, "10.96.0.11:80", true, pod, nil},
-		{"no node port", ServicePort{}, "10.244.0.1:30080", true, outsider, nil},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			var dst netip.AddrPort
-			if tt.dst != "" {
-				dst = netip.MustParseAddrPort(tt.dst)
-			}
-			if got := snap(tt.sp).route(dst, tt.known, tt.client, internal); got != tt.want {
-				t.Errorf("route() = %v, want %v", got, tt.want)
-			}
-		})
-	}
-}
-
-// TestPolicySet covers the traffic-policy decision that the data path
-// (snapshot.route) and Explain share.
-func TestPolicySet(t *testing.T) {
-	pod := netip.MustParseAddr("10.244.1.5")
-	outsider := netip.MustParseAddr("192.0.2.99")
-	internal := func(ip netip.Addr) bool { return netip.MustParsePrefix("10.244.0.0/16").Contains(ip) }
-	everyone := func(netip.Addr) bool { return true } // Explain without --from
-	tests := []struct {
-		name        string
-		sp          ServicePort
-		toClusterIP bool
-		client      netip.Addr
-		internal    func(netip.Addr) bool
-		want        endpointSet
-	}{
-		{"cluster IP, no policy", ServicePort{}, true, pod, internal, clusterSet},
-		{"cluster IP, internal Local", ServicePort{InternalPolicyLocal: true}, true, pod, internal, localInternal},
-		{"cluster IP ignores external Local", ServicePort{ExternalPolicyLocal: true}, true, outsider, internal, clusterSet},
-		{"cluster IP, both Local", ServicePort{InternalPolicyLocal: true, ExternalPolicyLocal: true}, true, outsider, internal, localInternal},
-		{"external, no policy", ServicePort{}, false, outsider, internal, clusterSet},
-		{"external ignores internal Local", ServicePort{InternalPolicyLocal: true}, false, outsider, internal, clusterSet},
-		{"external Local, outside client", ServicePort{ExternalPolicyLocal: true}, false, outsider, internal, localExternal},
-		{"external Local, pod client short-circuits", ServicePort{ExternalPolicyLocal: true}, false, pod, internal, clusterShortCircuit},
-		{"both Local, outside client", ServicePort{InternalPolicyLocal: true, ExternalPolicyLocal: true}, false, outsider, internal, localExternal},
-		{"external Local, client not given", ServicePort{ExternalPolicyLocal: true}, false, netip.Addr{}, everyone, clusterShortCircuit},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			got := policySet(&tt.sp, tt.toClusterIP, tt.client, tt.internal)
-			if diff := cmp.Diff(tt.want, got); diff != "" {
-				t.Errorf("policySet (-want +got):\n%s", diff)
-			}
-			if got.local() != (tt.want == localInternal || tt.want == localExternal) {
-				t.Errorf("local() = %v for %v", got.local(), got)
 			}
 		})
 	}

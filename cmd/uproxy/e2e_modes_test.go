@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/redirect"
 )
 
@@ -37,7 +37,7 @@ func TestE2EModes(t *testing.T) {
 		}
 		t.Run(variant, func(t *testing.T) {
 			if dataPath == "io-uring" {
-				if err := proxy.IOURingSupported(); err != nil {
+				if err := datapath.IOURingSupported(); err != nil {
 					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
 				}
 			}

@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/kubeevents"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
@@ -214,7 +215,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		stateFile = "" // the manifests are read before the first sync
 	}
 	servePrevious := stateFile != "" && previous != nil && !up.TookOver()
-	useRing, noRing := chooseIOURing(o.ioURing, o.eventLoops, proxy.IOURingSupported)
+	useRing, noRing := chooseIOURing(o.ioURing, o.eventLoops, datapath.IOURingSupported)
 	switch {
 	case noRing != nil && o.ioURing == ioURingOn:
 		log.Warn("--io-uring: io_uring is not available for the event loops; they use epoll only", zap.Error(noRing))
@@ -222,26 +223,29 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		log.Info("io_uring is not available for the event loops; they use epoll", zap.Error(noRing))
 	}
 	p := proxy.NewProxier(proxy.Config{
+		Config: datapath.Config{
+			OriginalDst:    originalDst,
+			Transparent:    tproxy,
+			UDPOriginalDst: udpOriginalDst,
+			OwnMark:        redirect.OwnMark,
+			DialTimeout:    o.dialTimeout,
+			DialAttempts:   o.dialAttempts,
+			IdleTimeout:    o.tcpIdleTimeout,
+			EventLoops:     o.eventLoops,
+			IOURing:        useRing,
+			UDPTimeout:     o.udpTimeout,
+			UDPMaxFlows:    udpMaxFlows(o.udpMaxFlows, noFile),
+			Logger:         log.Named("proxy"),
+		},
 		Metrics: metrics,
 		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
 			return syncRules(ctx, rules, in, full)
 		}),
-		OriginalDst:     originalDst,
-		Transparent:     tproxy,
 		SharedListeners: sharedProtocols,
-		UDPOriginalDst:  udpOriginalDst,
 		PortRange:       o.ports,
 		Defaults:        proxy.ServiceDefaults{Balancer: o.balancerKind},
 		Sync:            proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
-		OwnMark:         redirect.OwnMark,
 		ServerAddrs:     serverAddrs(o.healthzBindAddress, o.metricsBindAddress),
-		DialTimeout:     o.dialTimeout,
-		DialAttempts:    o.dialAttempts,
-		IdleTimeout:     o.tcpIdleTimeout,
-		EventLoops:      o.eventLoops,
-		IOURing:         useRing,
-		UDPTimeout:      o.udpTimeout,
-		UDPMaxFlows:     udpMaxFlows(o.udpMaxFlows, noFile),
 		NodeName:        o.nodeName,
 		ClusterCIDRs:    o.clusterCIDRs,
 		ServiceHealth:   svcHealth,
@@ -251,7 +255,6 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Inherited:       up.Inherited(),
 		PreviousPort:    previous,
 		StateFile:       stateFile,
-		Logger:          log.Named("proxy"),
 	})
 	// runSource runs the source until ctx is done: the folder's watch
 	// (after its first load), or the informers.

@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"bufio"
@@ -18,8 +18,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // readSyscalls returns this process's count of read-family syscalls
@@ -83,9 +81,9 @@ func TestTCPPathSplices(t *testing.T) {
 
 		p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
 		receive(port)                                                                                      // warm up: pipes, goroutines
-		before, copiedBefore := readSyscalls(t), p.cfg.stats.copied.Load()
+		before, copiedBefore := readSyscalls(t), p.cfg.Stats.Copied.Load()
 		receive(port)
-		proxied, copied := readSyscalls(t)-before, p.cfg.stats.copied.Load()-copiedBefore
+		proxied, copied := readSyscalls(t)-before, p.cfg.Stats.Copied.Load()-copiedBefore
 		// Messages go through a userspace buffer, with recvmsg once TCP_INQ is
 		// on, which syscr does not count: the data path counts those bytes.
 		if copied == 0 {
@@ -127,83 +125,6 @@ func TestTCPPathSplices(t *testing.T) {
 			t.Fatalf("the proxy made %d read syscalls for 64 MiB (a userspace copy made %d): it is not splicing", proxied, control)
 		}
 	})
-}
-
-// eachDataPath runs f once per TCP data path: the event loops (the
-// default), the event loops with io_uring (Config.IOURing) and a
-// goroutine per direction (Config.EventLoops < 0).
-func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
-	for _, tt := range []struct {
-		name string
-		dp   dataPath
-	}{{"loops", dataPath{}}, {"ring", dataPath{ring: true}}, {"goroutines", dataPath{loops: -1}}} {
-		t.Run(tt.name, func(t *testing.T) {
-			if tt.dp.ring {
-				if err := IOURingSupported(); err != nil {
-					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
-				}
-			}
-			f(t, tt.dp)
-			if tt.dp.ring {
-				for _, p := range startedProxiers.of(t) {
-					checkRingCarried(t, p.cfg.stats)
-				}
-			}
-		})
-	}
-}
-
-// checkRingCarried fails t unless the ring carried the sessions that s
-// counted: each one a ring could take went on one, and the ring
-// received bytes of some if any session moved bytes. A loop whose ring
-// failed to set up carries its sessions on epoll, and the traffic of a
-// test of the ring would flow all the same.
-func checkRingCarried(t *testing.T, s *loopStats) {
-	t.Helper()
-	eligible, onRing, served, carried := s.eligible.Load(), s.onRing.Load(), s.ringServed.Load(), s.carried.Load()
-	if n := s.noRing.Load(); n > 0 {
-		t.Errorf("%d event loops could not set up their ring, and carried the test's traffic on epoll", n)
-	}
-	if onRing != eligible || (carried > 0 && served == 0) {
-		t.Errorf("the ring did not carry the traffic: of %d sessions it could take, %d went on a ring; %d sessions moved bytes, %d of them on a ring",
-			eligible, onRing, carried, served)
-	}
-}
-
-// startedProxiers records the proxiers each test started (startProxier),
-// so that eachDataPath can check how they carried the test's traffic.
-var startedProxiers proxierRegistry
-
-type proxierRegistry struct {
-	mu sync.Mutex
-	m  map[testing.TB][]*Proxier
-}
-
-func (r *proxierRegistry) add(t testing.TB, p *Proxier) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.m == nil {
-		r.m = map[testing.TB][]*Proxier{}
-	}
-	r.m[t] = append(r.m[t], p)
-	t.Cleanup(func() {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		delete(r.m, t)
-	})
-}
-
-func (r *proxierRegistry) of(t testing.TB) []*Proxier {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.m[t]
-}
-
-// dataPath is a data path of the proxier's: loops is Config.EventLoops,
-// and ring Config.IOURing.
-type dataPath struct {
-	loops int
-	ring  bool
 }
 
 // echoOnce opens a connection to port, which must echo, and exchanges
@@ -297,11 +218,15 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 // from the splice loop's counts, match what was sent.
 func TestSplicePathKeepsEveryByte(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
-		reg := prometheus.NewRegistry()
 		be := echoBackend(t)
 		// A short idle timeout, so that deadlines fire in the middle of
 		// transfers and the copy has to resume without losing a byte.
-		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Second, Metrics: NewMetrics(reg)}, be)
+		p := startEngine(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Second})
+		l := serve(t, p, "tcp4", "default/web:http", be.addr)
+		snap := *l.Snap.Load()
+		snap.Metrics = testPortMetrics(snap.Backends...)
+		l.Snap.Store(&snap)
+		port := int(l.Port)
 
 		const conns = 40
 		var (
@@ -362,12 +287,9 @@ func TestSplicePathKeepsEveryByte(t *testing.T) {
 		for err := range errs {
 			t.Error(err)
 		}
-		want := float64(total.Load())
-		for _, dir := range []string{"upstream", "downstream"} {
-			waitUntil(t, "the byte counters settle", func() bool {
-				got, _ := scrape(t, reg, "uproxy_bytes_total", map[string]string{"direction": dir})
-				return got == want
-			})
+		want := uint64(total.Load())
+		for _, dir := range []*atomic.Uint64{&snap.Metrics.C.Upstream, &snap.Metrics.C.Downstream} {
+			waitUntil(t, "the byte counters settle", func() bool { return dir.Load() == want })
 		}
 	})
 }
@@ -487,7 +409,9 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 		defer release()
 		baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
 		func() {
-			p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond}, be)
+			p := startEngine(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond})
+			l := serve(t, p, "tcp4", "default/web:http", be.addr)
+			port := int(l.Port)
 			payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 			// More than the kernel's socket buffers on both sides can hold.
 			flood := make([]byte, 32<<20)
@@ -528,7 +452,10 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 			}
 			wg.Wait()
 			waitUntil(t, "sessions end", func() bool { return p.ActiveConnections() == 0 })
-			p.Shutdown(context.Background())
+			// As the proxier's Shutdown does.
+			p.Refuse()
+			l.Close()
+			p.Drain(context.Background())
 		}()
 		release() // the stalled backends may go now
 		// The pool closes its free pipes a second after the last session.

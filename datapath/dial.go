@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"errors"
@@ -26,20 +26,21 @@ import (
 // not dialled: the least busy one with room is, and when none has room
 // the connection fails.
 type tcpDial struct {
-	p           *Proxier
-	name        ServicePortName
-	snap        *snapshot
+	p           *Engine
+	name        fmt.Stringer
+	snap        *Snapshot
 	bal         balancer.Balancer
 	client, dst netip.AddrPort // dst: the original destination, if known
 	from        netip.Addr     // valid: dial from this address (tproxy mode)
+	src         srcAttempt     // preserve-source-ip: whether from keeps the client's address
 
 	tries int
 	errs  []error
-	last  *backendMetrics
+	last  *BackendMetrics
 	// b is the backend being dialled or connected, Acquired; ok once
 	// connected.
 	b     *balancer.Backend
-	bm    *backendMetrics
+	bm    *BackendMetrics
 	ok    bool
 	start time.Time
 }
@@ -47,13 +48,16 @@ type tcpDial struct {
 // next picks the backend of the next attempt and Acquires it; an error
 // when there is none, or no attempt left.
 func (d *tcpDial) next() (netip.AddrPort, error) {
-	pm := d.snap.metrics
+	if addr, ok := d.retryFromNode(); ok {
+		return addr, nil
+	}
+	pm := d.snap.Metrics
 	if d.tries >= d.p.cfg.dialAttempts() {
 		d.last.failed()
 		return netip.AddrPort{}, errors.Join(d.errs...)
 	}
 	d.tries++
-	limit := int64(d.snap.sp.MaxConnectionsPerEndpoint)
+	limit := int64(d.snap.MaxConnectionsPerEndpoint)
 	b := d.bal.Pick(d.client.Addr())
 	if b == nil {
 		if d.last == nil {
@@ -61,7 +65,7 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 		} else {
 			d.last.failed()
 		}
-		return netip.AddrPort{}, fmt.Errorf("%s: %w", d.snap.sp.Name, errNoEndpoints)
+		return netip.AddrPort{}, fmt.Errorf("%s: %w", d.snap.Name, errNoEndpoints)
 	}
 	if !b.TryAcquire(limit) {
 		if b = d.snap.spare(d.bal, limit); b == nil {
@@ -70,19 +74,23 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 			} else {
 				d.last.failed()
 			}
-			return netip.AddrPort{}, errors.Join(append(d.errs, fmt.Errorf("%s: %w (%d)", d.snap.sp.Name, errEndpointsFull, limit))...)
+			return netip.AddrPort{}, errors.Join(append(d.errs, fmt.Errorf("%s: %w (%d)", d.snap.Name, errEndpointsFull, limit))...)
 		}
 	}
 	d.b, d.bm = b, pm.backend(b)
 	d.bm.picked()
 	d.start = pm.dialStart()
+	d.chooseSource()
 	return b.Addr, nil
 }
 
 // failed reports that the attempt at next's backend failed. A failure
 // of the node's own (localDialFailure) does not eject the backend.
 func (d *tcpDial) failed(err error) {
-	d.snap.metrics.dialDone(d.start, err)
+	if d.fallBack(err) {
+		return
+	}
+	d.snap.Metrics.dialDone(d.start, err)
 	d.b.Release()
 	if !localDialFailure(err) {
 		d.p.health.failure(d.b)
@@ -94,10 +102,11 @@ func (d *tcpDial) failed(err error) {
 
 // connected reports that next's backend accepted the connection.
 func (d *tcpDial) connected() {
-	pm := d.snap.metrics
+	pm := d.snap.Metrics
 	pm.dialDone(d.start, nil)
 	d.p.health.success(d.b)
 	d.bm.connected()
+	d.sourceConnected()
 	d.ok = true
 	pm.connStart()
 }
@@ -110,13 +119,13 @@ func (d *tcpDial) refused(err error) {
 // header returns the PROXY protocol header to send the backend first, if
 // the service port asks for one.
 func (d *tcpDial) header() ([]byte, error) {
-	v := d.snap.sp.ProxyProtocol
+	v := d.snap.ProxyProtocol
 	if v == 0 {
 		return nil, nil
 	}
 	dst := d.dst
 	if !dst.IsValid() {
-		dst = d.snap.vip
+		dst = d.snap.VIP
 	}
 	return proxyHeader(v, d.client, dst)
 }
@@ -124,7 +133,7 @@ func (d *tcpDial) header() ([]byte, error) {
 // done releases what the connection held, and counts the bytes it
 // carried each way.
 func (d *tcpDial) done(up, down int64) {
-	pm := d.snap.metrics
+	pm := d.snap.Metrics
 	if d.ok {
 		pm.up(up)
 		pm.down(down)
@@ -134,7 +143,7 @@ func (d *tcpDial) done(up, down int64) {
 		d.b.Release()
 		d.b = nil
 	}
-	d.snap.slots.release()
+	d.snap.Slots.release()
 }
 
 // rawDial opens a non-blocking socket of type sotype (SOCK_STREAM or

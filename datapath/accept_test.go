@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"fmt"
@@ -14,10 +14,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
 	"golang.org/x/sys/unix"
-	v1 "k8s.io/api/core/v1"
 )
 
 // rawListening returns a duplicate of a listening socket on 127.0.0.1, as
@@ -250,15 +247,17 @@ func TestLoopListenerClose(t *testing.T) {
 // stacks, at 10,000 services, and so did a reading goroutine per UDP
 // listener.
 func TestListenersHoldNoGoroutine(t *testing.T) {
-	for _, port := range []string{"http:80", "dns:53/UDP"} {
-		t.Run(port, func(t *testing.T) {
+	for _, network := range []string{"tcp4", "udp4"} {
+		t.Run(network, func(t *testing.T) {
 			const n = 50
-			p, rules := startProxier(t, Config{})
-			// A first service starts the loops, and the test's goroutines settle.
-			listenForServicePorts(t, p, rules, 1, port)
+			p := startEngine(t, Config{})
+			// A first listener starts the loops, and the test's goroutines settle.
+			serve(t, p, network, "default/svc0:port")
 			time.Sleep(50 * time.Millisecond)
 			base := runtime.NumGoroutine()
-			listenForServicePorts(t, p, rules, n, port)
+			for i := range n - 1 {
+				serve(t, p, network, fmt.Sprintf("default/svc%d:port", i+1))
+			}
 			if got := runtime.NumGoroutine() - base; got >= n/2 {
 				t.Errorf("%d more listeners hold %d more goroutines; want none", n-1, got)
 			}
@@ -318,92 +317,4 @@ func TestLoopUDPReadBacksOff(t *testing.T) {
 	defer mu.Unlock()
 	// Each failure, then the read.
 	checkBackoff(t, &rec, unix.ENOBUFS, "read", calls, failures+1)
-}
-
-// TestListenerWithoutLoopIsRetried checks that a listener that no event
-// loop can take (none can start: no descriptor for an epoll instance) is
-// closed, reported and retried as one that could not be opened, not left
-// listening with nothing accepting on it.
-func TestListenerWithoutLoopIsRetried(t *testing.T) {
-	be := nameBackend(t, "a")
-	core, logs := observer.New(zap.ErrorLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core)})
-	fail := failLoops(p)
-	const name = "default/a:http"
-	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80")}, slicesFor("a", "http", be))
-	waitForRetry(t, logs, name)
-	expectRetried(t, p, rules, fail, be, "a")
-}
-
-// TestAdoptedListenerWithoutLoopIsRetried checks the same for a listener
-// that adopts a socket handed over by a previous process: it is closed
-// with its socket, reported and retried during the sync that adopts it,
-// not left for the goroutine that starts it after that sync, which
-// could only log the failure.
-func TestAdoptedListenerWithoutLoopIsRetried(t *testing.T) {
-	be := nameBackend(t, "web")
-	f, inheritedPort := inheritedTCP4(t)
-	core, logs := observer.New(zap.InfoLevel)
-	p, rules := startProxier(t, Config{Logger: zap.New(core), Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}})})
-	fail := failLoops(p)
-	const name = "default/web:http"
-	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	waitForRetry(t, logs, name)
-	if logs.FilterMessage("adopted an inherited socket").Len() != 1 {
-		t.Fatal("the inherited socket was not adopted")
-	}
-	if c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", inheritedPort), time.Second); err == nil {
-		c.Close()
-		t.Errorf("the adopted socket on port %d still queues connections that nothing accepts", inheritedPort)
-	}
-	expectRetried(t, p, rules, fail, be, "web")
-}
-
-// expectRetried checks that service port default/<name>:http (10.96.0.10,
-// served by be, whose answer is name), whose listener failed to start
-// while fail was set, has no intercept, and that it is retried and
-// answers once fail is cleared: with the next sync, which another
-// service's arrival starts.
-func expectRetried(t *testing.T, p *Proxier, rules *recordingRules, fail *atomic.Bool, be *backend, name string) {
-	t.Helper()
-	port := "default/" + name + ":http"
-	if rules.has(port) {
-		t.Errorf("%s has an intercept to a listener that nothing accepts on", port)
-	}
-	fail.Store(false)
-	p.Tracker().Replace([]*v1.Service{svc(name, "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
-		append(slicesFor(name, "http", be), slicesFor("b", "http", be)...))
-	if got, err := get(t, rules.port(t, port)); err != nil || got != name {
-		t.Errorf("once the loops could start, %s answered %q, %v; want %s", port, got, err, name)
-	}
-}
-
-// failLoops makes p's event loops fail to start, as with no descriptor
-// left for an epoll instance, until the returned flag is cleared.
-func failLoops(p *Proxier) *atomic.Bool {
-	var fail atomic.Bool
-	fail.Store(true)
-	p.loops.mu.Lock()
-	defer p.loops.mu.Unlock()
-	p.loops.newLoop = func(o loopOptions) (*eventLoop, error) {
-		if fail.Load() {
-			return nil, unix.EMFILE
-		}
-		return newEventLoop(o)
-	}
-	return &fail
-}
-
-// waitForRetry waits until logs say that the listener of service port
-// name could not be opened and will be retried.
-func waitForRetry(t *testing.T, logs *observer.ObservedLogs, name string) {
-	t.Helper()
-	waitUntil(t, "the failure is logged", func() bool {
-		for _, e := range logs.FilterMessage("cannot open listener; will retry").All() {
-			if e.ContextMap()["servicePort"] == name {
-				return true
-			}
-		}
-		return false
-	})
 }

@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"errors"
@@ -286,7 +286,7 @@ func (l *eventLoop) ringAdd(ls *loopSession) {
 	ls.ringID = rs.lastID
 	ls.onRing = true
 	if l.stats != nil {
-		l.stats.onRing.Add(1)
+		l.stats.OnRing.Add(1)
 	}
 	rs.sessions[ls.ringID] = ls
 	if ls.dial != nil {
@@ -488,12 +488,12 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 		if !ls.ringServed {
 			ls.ringServed = true
 			if l.stats != nil {
-				l.stats.ringServed.Add(1)
+				l.stats.RingServed.Add(1)
 			}
 		}
 		ls.moved = true
 		if l.stats != nil {
-			l.stats.copied.Add(int64(res))
+			l.stats.Copied.Add(int64(res))
 		}
 		if ls.leaving || int(res) == rs.bufs.Size() {
 			// A bulk transfer, or the session is leaving the ring: the

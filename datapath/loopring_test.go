@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"bytes"
@@ -20,7 +20,7 @@ import (
 )
 
 // onLoops runs f on each of p's event loops, in turn, and waits for it.
-func onLoops(t *testing.T, p *Proxier, f func(l *eventLoop)) {
+func onLoops(t *testing.T, p *Engine, f func(l *eventLoop)) {
 	t.Helper()
 	loops, err := p.loops.running()
 	if err != nil {
@@ -41,7 +41,7 @@ type ringState struct {
 	OnRing, Total int // sessions on the ring; sessions of the loop
 }
 
-func ringSessions(t *testing.T, p *Proxier) ringState {
+func ringSessions(t *testing.T, p *Engine) ringState {
 	t.Helper()
 	var s ringState
 	onLoops(t, p, func(l *eventLoop) {
@@ -214,7 +214,7 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 		onLoops(t, p, func(l *eventLoop) {
 			slow, held = l.ring.slowLeaves, l.ring.bufs.Held()
 			ringSessions, sessions = len(l.ring.sessions), len(l.sessions)
-			served = l.stats.ringServed.Load()
+			served = l.stats.RingServed.Load()
 		})
 		if slow > 0 || (served > 0 && sessions == 1 && ringSessions == 0) {
 			break
@@ -383,12 +383,12 @@ func TestIOURingBuffersReachTheRing(t *testing.T) {
 		{"not a power of two", 3, 1},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := startProxier(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers})
+			p := startEngine(t, Config{EventLoops: 1, IOURing: true, IOURingBuffers: tt.buffers})
 			l, err := p.loops.loopFor()
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := p.cfg.stats.noRing.Load(); got != tt.noRing {
+			if got := p.cfg.Stats.NoRing.Load(); got != tt.noRing {
 				t.Errorf("%d loops without a ring (%v), want %d", got, l.ringErr, tt.noRing)
 			}
 		})

@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"errors"
@@ -274,7 +274,7 @@ const inqAfter = 2
 // by copyMessages as the traffic so far suggests. It returns the bytes
 // written to dst, eof at src's EOF, and the error of the wait (a deadline,
 // a close) or of the transfer. copied, if set, counts the bytes that go
-// through the userspace buffer (loopStats.copied).
+// through the userspace buffer (Stats.Copied).
 func (h *halfState) move(dst, src syscall.RawConn, copied *atomic.Int64) (n int, eof bool, err error) {
 	if h.splicing {
 		n, eof, err = tcpPipes.spliceOnce(dst, src)

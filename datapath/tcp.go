@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"context"
@@ -173,7 +173,7 @@ func tcpProgress(c *net.TCPConn) uint64 {
 // sockets to an event loop or, without loops, splice both directions on
 // goroutines of its own. With event loops and the default dialer, the
 // loops accept, and the loop that accepted dials (startTCP).
-func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
+func (p *Engine) serveTCP(l *Listener, c *net.TCPConn, s *session) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		s.abort()
@@ -190,7 +190,7 @@ func (p *Proxier) serveTCP(l *listener, c *net.TCPConn, s *session) {
 
 // connectTCP dials d's backend from the calling goroutine, sends the
 // PROXY header, and carries the session to its end.
-func (p *Proxier) connectTCP(s *session, d *tcpDial) {
+func (p *Engine) connectTCP(s *session, d *tcpDial) {
 	finish := func(up, down int64) {
 		d.done(up, down)
 		p.endSession(s)
@@ -232,8 +232,8 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 			zap.Stringer("servicePort", d.name), zap.Error(err))
 	}
 	var copied *atomic.Int64
-	if p.cfg.stats != nil {
-		copied = &p.cfg.stats.copied
+	if p.cfg.Stats != nil {
+		copied = &p.cfg.Stats.Copied
 	}
 	finish(s.pipe(p.cfg.IdleTimeout, copied))
 }
@@ -241,7 +241,7 @@ func (p *Proxier) connectTCP(s *session, d *tcpDial) {
 // startTCP starts a connection that event loop el accepted (newLoopListener),
 // on el: it checks the connection, and el dials the backend
 // (eventLoop.connect) and carries the session.
-func (p *Proxier) startTCP(el *eventLoop, l *listener, a accepted, s *session) {
+func (p *Engine) startTCP(el *eventLoop, l *Listener, a accepted, s *session) {
 	d := p.admitTCP(l, a, s)
 	if d == nil {
 		p.endSession(s)
@@ -278,17 +278,17 @@ type accepted struct {
 // admitTCP does what comes before dialling: it finds the connection's
 // service port and balancer, and takes a connection slot. Nil means the
 // connection was refused and aborted; only the session remains to end.
-func (p *Proxier) admitTCP(l *listener, a accepted, s *session) *tcpDial {
+func (p *Engine) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 	var dst netip.AddrPort
 	known := p.cfg.OriginalDst != nil
-	if l.key.name.IsShared() {
+	if l.Shared {
 		// A shared listener: the original destination says which service
 		// port the connection is for (shared.go).
 		var err error
 		if known {
-			dst, err = p.cfg.OriginalDst(a.rc, l.key.v6)
+			dst, err = p.cfg.OriginalDst(a.rc, l.V6)
 		}
-		svc := l.route(dst)
+		svc := l.Route(dst)
 		if svc == nil || err != nil {
 			p.sharedRefused(l, dst, err)
 			s.abort()
@@ -296,7 +296,7 @@ func (p *Proxier) admitTCP(l *listener, a accepted, s *session) *tcpDial {
 		}
 		l = svc
 	}
-	snap := l.snap.Load()
+	snap := l.Snap.Load()
 	if snap == nil {
 		// The listener is open but its first snapshot not stored yet. Only
 		// a port that someone already sends traffic to can see this: a
@@ -305,22 +305,22 @@ func (p *Proxier) admitTCP(l *listener, a accepted, s *session) *tcpDial {
 		s.abort()
 		return nil
 	}
-	pm := snap.metrics
+	pm := snap.Metrics
 	if known && !dst.IsValid() {
 		var err error
-		if dst, err = p.cfg.OriginalDst(a.rc, l.key.v6); err != nil {
+		if dst, err = p.cfg.OriginalDst(a.rc, l.V6); err != nil {
 			p.connLog.Warn("dropping connection without an original destination (not redirected)",
-				zap.Stringer("servicePort", l.key.name), zap.Error(err))
+				zap.Stringer("servicePort", l.Name), zap.Error(err))
 			pm.refusedDestination()
 			s.abort()
 			return nil
 		}
 	}
 	client := a.client
-	bal := snap.route(dst, known, client.Addr(), p.internalClient)
+	bal := snap.Route(dst, known, client.Addr(), p.internalClient)
 	if bal == nil {
 		p.connLog.Warn("dropping connection not addressed to this listener's service",
-			zap.Stringer("servicePort", l.key.name), zap.Stringer("originalDst", dst))
+			zap.Stringer("servicePort", l.Name), zap.Stringer("originalDst", dst))
 		pm.refusedDestination()
 		s.abort()
 		return nil
@@ -328,16 +328,16 @@ func (p *Proxier) admitTCP(l *listener, a accepted, s *session) *tcpDial {
 	// Over the limit, the connection is reset before any backend is dialled:
 	// abort's linger 0 makes the close send RST, so the client fails at
 	// once instead of waiting on a connection nobody serves.
-	if !snap.slots.acquire(snap.sp.MaxConnections) {
+	if !snap.Slots.acquire(snap.MaxConnections) {
 		p.connLog.Warn("refusing connection: the service port is at its connection limit",
-			zap.Stringer("servicePort", l.key.name), zap.Int("maxConnections", snap.sp.MaxConnections))
+			zap.Stringer("servicePort", l.Name), zap.Int("maxConnections", snap.MaxConnections))
 		pm.limited()
 		s.abort()
 		return nil
 	}
-	d := &tcpDial{p: p, name: l.key.name, snap: snap, bal: bal, client: client, dst: dst}
-	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
-		d.from = client.Addr()
+	d := &tcpDial{p: p, name: l.Name, snap: snap, bal: bal, client: client, dst: dst}
+	if p.cfg.Transparent && snap.PreserveSourceIP {
+		d.src.keep = client.Addr()
 	}
 	return d
 }
@@ -352,7 +352,7 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 
 // dialBackend connects to d's backend from the calling goroutine, trying
 // backends as d's attempts allow (tcpDial.next).
-func (p *Proxier) dialBackend(d *tcpDial) (*net.TCPConn, error) {
+func (p *Engine) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 	for {
 		addr, err := d.next()
 		if err != nil {
@@ -378,7 +378,7 @@ func (p *Proxier) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 //
 // With event loops the session's goroutine exits once the sockets are
 // handed over, stack and all, so the dial runs on it directly.
-func (p *Proxier) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
+func (p *Engine) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
 	if p.loops.n > 0 {
 		r := p.dialTCP(addr, from)
 		return r.c, r.err
@@ -395,7 +395,7 @@ type dialed struct {
 	err error
 }
 
-func (p *Proxier) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
+func (p *Engine) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
 	c, err := dialAs[*net.TCPConn](p.dial("tcp", addr, from))
 	return dialed{c, err}
 }
@@ -404,7 +404,7 @@ func (p *Proxier) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
 // timeout: from the address from when it is valid, else with the
 // configured or default dialer. Its own dialers mark the socket with
 // Config.OwnMark; Config.Dial's are the caller's.
-func (p *Proxier) dial(network string, addr netip.AddrPort, from netip.Addr) (net.Conn, error) {
+func (p *Engine) dial(network string, addr netip.AddrPort, from netip.Addr) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
 	defer cancel()
 	switch {
@@ -518,7 +518,7 @@ func isTimeout(err error) bool {
 
 // newSession registers a connection so Shutdown can find it; nil once
 // shutting down.
-func (p *Proxier) newSession(c *net.TCPConn, fd int) *session {
+func (p *Engine) newSession(c *net.TCPConn, fd int) *session {
 	p.sessMu.Lock()
 	defer p.sessMu.Unlock()
 	if p.closing {
@@ -530,7 +530,7 @@ func (p *Proxier) newSession(c *net.TCPConn, fd int) *session {
 	return s
 }
 
-func (p *Proxier) endSession(s *session) {
+func (p *Engine) endSession(s *session) {
 	p.sessMu.Lock()
 	delete(p.sessions, s)
 	p.sessMu.Unlock()
@@ -647,7 +647,7 @@ func setAcceptOptions(rc syscall.RawConn) error {
 // listenConfig returns the ListenConfig of TCP and UDP listeners. Go's
 // Accept sets no keep-alive (KeepAlive -1): the accepted sockets inherit
 // the listener's (setAcceptOptions).
-func (p *Proxier) listenConfig() net.ListenConfig {
+func (p *Engine) listenConfig() net.ListenConfig {
 	lc := net.ListenConfig{KeepAlive: -1}
 	if p.cfg.Transparent {
 		lc = transparentListenConfig()
@@ -670,4 +670,14 @@ func setKeepAliveFD(fd int) error {
 		}
 	}
 	return nil
+}
+
+// failures returns b's consecutive failures. Safe for concurrent use.
+func (h *health) failures(b *balancer.Backend) int {
+	if h.failing.Load() == 0 {
+		return 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.fails[b]
 }

@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"encoding/binary"

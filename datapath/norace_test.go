@@ -1,6 +1,6 @@
 //go:build !race
 
-package proxy
+package datapath
 
 // raceEnabled: the race detector is on (see race_test.go).
 const raceEnabled = false

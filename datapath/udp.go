@@ -1,4 +1,4 @@
-package proxy
+package datapath
 
 import (
 	"context"
@@ -33,7 +33,7 @@ const maxDatagram = 65535 - 8
 // port (nf_nat's unique-tuple search, since their reply tuples towards
 // the one listener port would otherwise be the same).
 type flowKey struct {
-	l      *listener
+	l      *Listener
 	client netip.AddrPort
 	dst    netip.AddrPort
 }
@@ -42,11 +42,11 @@ type flowKey struct {
 // socket towards the backend, whose replies an event loop relays (or,
 // without event loops, a goroutine of the flow's own).
 type udpFlow struct {
-	p   *Proxier
+	p   *Engine
 	key flowKey
 	// svc is the service port's listener: key.l itself, or the one a
 	// shared listener routed the flow to.
-	svc *listener
+	svc *Listener
 	// orig is the original destination the flow was routed by: dst in
 	// tproxy mode, conntrack's answer for a shared listener in redirect
 	// mode, unknown otherwise.
@@ -68,7 +68,7 @@ type udpFlow struct {
 	dst    netip.AddrPort
 	sock   udpSocket
 	closed atomic.Bool
-	pm     *portMetrics // the metrics of the flow's service port; nil if none
+	pm     *PortMetrics // the metrics of the flow's service port; nil if none
 	// refreshed is when the flow's timeout was last pushed back in the
 	// table (monotonic nanoseconds from flowClock): see touch.
 	refreshed atomic.Int64
@@ -84,7 +84,7 @@ const touchInterval = 250 * time.Millisecond
 
 // touch pushes the flow's timeout back, at most once per touchInterval,
 // if the flow is still the table's entry for its key.
-func (f *udpFlow) touch(p *Proxier) {
+func (f *udpFlow) touch(p *Engine) {
 	now := flowClock()
 	last := f.refreshed.Load()
 	if now-last < int64(touchInterval) || !f.refreshed.CompareAndSwap(last, now) {
@@ -105,7 +105,7 @@ func (f *udpFlow) touch(p *Proxier) {
 // removeFlow removes f from the flow table, which ends it, if it is
 // still its key's flow: a flow that has been replaced leaves its
 // replacement alone.
-func (p *Proxier) removeFlow(f *udpFlow) {
+func (p *Engine) removeFlow(f *udpFlow) {
 	flows := p.flowTable()
 	p.flows.mu.Lock()
 	defer p.flows.mu.Unlock()
@@ -117,7 +117,7 @@ func (p *Proxier) removeFlow(f *udpFlow) {
 // addFlow makes f its key's flow; true if the table was full and ended
 // its least recently used flow to make room. Only the goroutine or loop
 // that reads f's listener adds flows of its keys.
-func (p *Proxier) addFlow(f *udpFlow) bool {
+func (p *Engine) addFlow(f *udpFlow) bool {
 	flows := p.flowTable()
 	p.flows.mu.Lock()
 	defer p.flows.mu.Unlock()
@@ -177,10 +177,10 @@ func (f *udpFlow) drop() {
 	l.post(func() { l.dropFlow(f) })
 }
 
-// flowTable holds every UDP flow of a Proxier, bounded in size, each
+// flowTable holds every UDP flow of an Engine, bounded in size, each
 // expiring after the UDP timeout without traffic. It is an expirable LRU
 // from hashicorp/golang-lru; that LRU runs one expiry goroutine that never
-// exits, so the table is created once per Proxier, with its first UDP
+// exits, so the table is created once per Engine, with its first UDP
 // listener, and lives as long as the process.
 type flowTable struct {
 	once sync.Once
@@ -194,7 +194,7 @@ type flowTable struct {
 	created atomic.Pointer[expirable.LRU[flowKey, *udpFlow]]
 }
 
-func (p *Proxier) flowTable() *expirable.LRU[flowKey, *udpFlow] {
+func (p *Engine) flowTable() *expirable.LRU[flowKey, *udpFlow] {
 	p.flows.once.Do(func() {
 		size, ttl := p.cfg.UDPMaxFlows, p.cfg.UDPTimeout
 		if size <= 0 {
@@ -212,14 +212,15 @@ func (p *Proxier) flowTable() *expirable.LRU[flowKey, *udpFlow] {
 }
 
 // UDPFlows returns the number of live UDP flows. Safe for concurrent use.
-func (p *Proxier) UDPFlows() int {
+func (p *Engine) UDPFlows() int {
 	if lru := p.flows.created.Load(); lru != nil {
 		return lru.Len()
 	}
 	return 0
 }
 
-func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDPConn, error) {
+// ListenUDP opens a UDP listener as Config.ListenUDP says.
+func (p *Engine) ListenUDP(ctx context.Context, network, addr string) (*net.UDPConn, error) {
 	if p.cfg.ListenUDP != nil {
 		return p.cfg.ListenUDP(ctx, network, addr)
 	}
@@ -234,29 +235,29 @@ func (p *Proxier) listenUDP(ctx context.Context, network, addr string) (*net.UDP
 // udpSocket returns the udpSocket of l's socket, rc, and the
 // listenSocket that reads it. With a nil udpSocket the socket is
 // unusable; with an error besides, it cannot tell datagrams' destinations.
-func (p *Proxier) udpSocket(l *listener, rc syscall.RawConn) (udpSocket, *listenSocket, error) {
+func (p *Engine) udpSocket(l *Listener, rc syscall.RawConn) (udpSocket, *listenSocket, error) {
 	if p.cfg.Transparent {
-		ls, err := newListenSocket(rc, l.key.v6, false, p.cfg.udpReadBatch())
+		ls, err := newListenSocket(rc, l.V6, false, p.cfg.udpReadBatch())
 		if err != nil {
 			return nil, nil, err
 		}
 		return &tproxySocket{listenSocket: ls}, ls, nil
 	}
-	ls, err := newListenSocket(rc, l.key.v6, true, p.cfg.udpReadBatch())
+	ls, err := newListenSocket(rc, l.V6, true, p.cfg.udpReadBatch())
 	return ls, ls, err
 }
 
 // udpSocketErr logs why the udpSocket of l, sock, is unusable (nil) or
 // cannot tell datagrams' destinations; false if it is unusable.
-func (p *Proxier) udpSocketErr(l *listener, sock udpSocket, err error) bool {
+func (p *Engine) udpSocketErr(l *Listener, sock udpSocket, err error) bool {
 	switch {
 	case err == nil:
 	case sock == nil:
-		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.Name), zap.Error(err))
 		return false
 	default:
 		p.log.Error("UDP listener cannot see destination addresses; replies may come from the wrong address",
-			zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			zap.Stringer("servicePort", l.Name), zap.Error(err))
 	}
 	return true
 }
@@ -264,11 +265,11 @@ func (p *Proxier) udpSocketErr(l *listener, sock udpSocket, err error) bool {
 // udpLoop reads the listener's datagrams until it is closed, and forwards
 // each to its client's flow, creating the flow on the first datagram. It
 // is the only goroutine that creates flows for l.
-func (p *Proxier) udpLoop(l *listener) {
+func (p *Engine) udpLoop(l *Listener) {
 	defer p.wg.Done()
-	rc, err := l.pc.SyscallConn()
+	rc, err := l.PC.SyscallConn()
 	if err != nil {
-		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.Name), zap.Error(err))
 		return
 	}
 	sock, _, err := p.udpSocket(l, rc)
@@ -286,11 +287,11 @@ func (p *Proxier) udpLoop(l *listener) {
 			p.removeFlows(l)
 			return
 		case errors.Is(err, errNoDestination):
-			p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.key.name))
+			p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.Name))
 			continue
 		case err != nil:
 			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.Name), zap.Error(err))
 			time.Sleep(delay)
 			continue
 		}
@@ -308,7 +309,7 @@ func (p *Proxier) udpLoop(l *listener) {
 // it is ejected and the next one tried, at most DialAttempts times. el
 // is the event loop that read the datagram, which then carries the new
 // flows; nil on the listener's goroutine.
-func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d *datagram) {
+func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *datagram) {
 	key := flowKey{l, d.client, d.dst}
 	svc, orig := l, netip.AddrPort{}
 	if p.cfg.Transparent {
@@ -317,9 +318,9 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
 	cur, _ := p.flowTable().Peek(key)
 	switch {
-	case cur != nil && !l.key.name.IsShared():
+	case cur != nil && !l.Shared:
 		orig = cur.orig
-	case !l.key.name.IsShared() && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
+	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
 		// A listener of its own binds every address, and receives what
 		// anyone sends to its port, the listener guard notwithstanding
 		// (it holds the port only from the next rules write, and not at
@@ -328,14 +329,14 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 		// names the original destination, which must be the service's
 		// (udpFlowFor). A datagram sent straight to the port has its own
 		// entry, whose destination is the listener's (#30).
-		local := netip.AddrPortFrom(d.dst.Addr(), l.port)
+		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
 		var err error
 		if orig, err = p.cfg.UDPOriginalDst(d.client, local); err != nil {
 			p.notRedirected(l, err)
 			return
 		}
 	}
-	if l.key.name.IsShared() {
+	if l.Shared {
 		// The flow remembers its service; only its first datagram asks
 		// which, and in redirect mode that means asking conntrack.
 		if cur != nil {
@@ -345,10 +346,10 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 			if !p.cfg.Transparent {
 				// IP_PKTINFO gives the local address without the port:
 				// the listener's own.
-				local := netip.AddrPortFrom(d.dst.Addr(), l.port)
+				local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
 				orig, err = p.cfg.UDPOriginalDst(d.client, local)
 			}
-			if svc = l.route(orig); svc == nil || err != nil {
+			if svc = l.Route(orig); svc == nil || err != nil {
 				p.sharedRefused(l, orig, err)
 				return
 			}
@@ -358,12 +359,12 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 	for range p.cfg.dialAttempts() {
 		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur)
 		if err != nil {
-			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
+			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.Name), zap.Error(err))
 			return
 		}
 		if err := f.send(payload); err != nil {
 			if errors.Is(err, errDatagramDropped) {
-				p.connLog.Warn("UDP datagram dropped", zap.Stringer("servicePort", svc.key.name), zap.Error(err))
+				p.connLog.Warn("UDP datagram dropped", zap.Stringer("servicePort", svc.Name), zap.Error(err))
 				return
 			}
 			p.udpFailed(f, err)
@@ -378,11 +379,11 @@ func (p *Proxier) forwardDatagram(el *eventLoop, l *listener, sock udpSocket, d 
 
 // notRedirected counts and logs a datagram that service port l's own
 // listener received with no original destination: not redirected.
-func (p *Proxier) notRedirected(l *listener, err error) {
-	if snap := l.snap.Load(); snap != nil {
-		snap.metrics.refusedDestination()
+func (p *Engine) notRedirected(l *Listener, err error) {
+	if snap := l.Snap.Load(); snap != nil {
+		snap.Metrics.refusedDestination()
 	}
-	p.connLog.Warn("dropping a UDP datagram that was not redirected to the service", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+	p.connLog.Warn("dropping a UDP datagram that was not redirected to the service", zap.Stringer("servicePort", l.Name), zap.Error(err))
 }
 
 // udpFlowFor returns cur, the table's flow of key (nil: none), if it is
@@ -392,24 +393,24 @@ func (p *Proxier) notRedirected(l *listener, err error) {
 // lookup). A flow whose backend is no longer usable (removed, no longer
 // ready, ejected) is replaced, so no client stays blackholed behind a
 // dead endpoint.
-func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
+func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow) (*udpFlow, error) {
 	client := key.client
-	snap := l.snap.Load()
+	snap := l.Snap.Load()
 	if snap == nil {
-		return nil, fmt.Errorf("%s: not synced yet", l.key.name)
+		return nil, fmt.Errorf("%s: not synced yet", l.Name)
 	}
-	pm := snap.metrics
+	pm := snap.Metrics
 	// Without an original destination (a listener of its own in redirect
 	// mode, without Config.UDPOriginalDst) a datagram counts as
 	// cluster-IP traffic.
-	bal := snap.route(orig, orig.IsValid(), client.Addr(), p.internalClient)
+	bal := snap.Route(orig, orig.IsValid(), client.Addr(), p.internalClient)
 	if bal == nil {
 		pm.refusedDestination()
-		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.sp.Name, orig)
+		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.Name, orig)
 	}
-	set := snap.cluster
-	if bal == snap.local {
-		set = snap.local
+	set := snap.Cluster
+	if bal == snap.Local {
+		set = snap.Local
 	}
 	if f := cur; f != nil {
 		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
@@ -420,13 +421,13 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 	b := bal.Pick(client.Addr())
 	if b == nil {
 		pm.noEndpoint()
-		return nil, fmt.Errorf("%s: %w", snap.sp.Name, errNoEndpoints)
+		return nil, fmt.Errorf("%s: %w", snap.Name, errNoEndpoints)
 	}
 	bm := pm.backend(b)
 	bm.picked()
 	var from netip.Addr
-	if p.cfg.Transparent && snap.sp.PreserveSourceIP {
-		from = client.Addr()
+	if p.cfg.Transparent && snap.PreserveSourceIP {
+		from = p.keepSource(snap, client.Addr(), b.Addr.Addr())
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
@@ -446,7 +447,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 		// The table was full: its least recently used flow ended.
 		pm.flowEvicted()
 		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
-			zap.Stringer("servicePort", snap.sp.Name))
+			zap.Stringer("servicePort", snap.Name))
 	}
 	if f.conn != nil {
 		p.wg.Add(1)
@@ -463,7 +464,7 @@ func (p *Proxier) udpFlowFor(el *eventLoop, l *listener, key flowKey, sock udpSo
 // its reply are handled by the same thread. Without one (the listener's
 // goroutine reads it: no event loops, a dialer of the caller's, or a
 // socket the loops could not take) the flow gets a goroutine of its own.
-func (p *Proxier) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
+func (p *Engine) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
 	if el == nil {
 		conn, err := p.dialUDP(f.backend.Addr, from)
 		if err != nil {
@@ -486,7 +487,7 @@ func (p *Proxier) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error 
 // udpFailed handles an error sending to or receiving from a flow's
 // backend: ECONNREFUSED (an ICMP port unreachable) ejects the backend;
 // the flow is dropped either way.
-func (p *Proxier) udpFailed(f *udpFlow, err error) {
+func (p *Engine) udpFailed(f *udpFlow, err error) {
 	if errors.Is(err, syscall.ECONNREFUSED) {
 		p.health.failure(f.backend)
 	}
@@ -494,7 +495,7 @@ func (p *Proxier) udpFailed(f *udpFlow, err error) {
 	f.close()
 }
 
-func (p *Proxier) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, error) {
+func (p *Engine) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, error) {
 	return dialAs[*net.UDPConn](p.dial("udp", addr, from))
 }
 
@@ -505,7 +506,7 @@ var replyBuffers bufferPool
 // udpReplies relays the backend's datagrams to the client until the
 // flow's socket is closed (expiry, eviction, replacement, shutdown). It
 // is the flow's goroutine, without event loops.
-func (p *Proxier) udpReplies(f *udpFlow) {
+func (p *Engine) udpReplies(f *udpFlow) {
 	defer p.wg.Done()
 	defer f.backend.Release()
 	rc, err := f.conn.SyscallConn()
@@ -526,7 +527,7 @@ func (p *Proxier) udpReplies(f *udpFlow) {
 }
 
 // relayReply sends one of the backend's datagrams to the flow's client.
-func (p *Proxier) relayReply(f *udpFlow, rs *replySender, b []byte) {
+func (p *Engine) relayReply(f *udpFlow, rs *replySender, b []byte) {
 	path, err := f.sock.replyPath(f.dst)
 	if err == nil {
 		err = rs.send(path, b, f.key.client)
@@ -536,7 +537,7 @@ func (p *Proxier) relayReply(f *udpFlow, rs *replySender, b []byte) {
 
 // queueReply is relayReply on an event loop: the reply goes out when the
 // loop flushes q.
-func (p *Proxier) queueReply(f *udpFlow, q *replyQueue, b []byte) {
+func (p *Engine) queueReply(f *udpFlow, q *replyQueue, b []byte) {
 	path, err := f.sock.replyPath(f.dst)
 	if err != nil {
 		p.replied(f, 0, err)
@@ -547,7 +548,7 @@ func (p *Proxier) queueReply(f *udpFlow, q *replyQueue, b []byte) {
 
 // replied counts a reply of n bytes sent to f's client, or logs why it
 // was not, and pushes the flow's timeout back either way.
-func (p *Proxier) replied(f *udpFlow, n int, err error) {
+func (p *Engine) replied(f *udpFlow, n int, err error) {
 	if err != nil {
 		p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
 	} else {
@@ -558,7 +559,7 @@ func (p *Proxier) replied(f *udpFlow, n int, err error) {
 
 // removeFlows drops every flow of a closed listener: those its socket
 // received, and those a shared listener routed to it.
-func (p *Proxier) removeFlows(l *listener) {
+func (p *Engine) removeFlows(l *Listener) {
 	flows := p.flowTable()
 	for _, k := range flows.Keys() {
 		if f, ok := flows.Peek(k); k.l == l || ok && f.svc == l {
@@ -572,7 +573,7 @@ func (p *Proxier) removeFlows(l *listener) {
 // cannot hold the loop's other sockets up.
 const udpListenBudget = 64
 
-// loopPacketListener moves l's UDP socket, l.pc, to an event loop, which
+// loopPacketListener moves l's UDP socket, l.PC, to an event loop, which
 // reads it from then on in place of the listener's goroutine (udpLoop):
 // without event loops, or with a dialer of the caller's, it leaves l
 // alone. The loop that reads a datagram also writes it to its flow's
@@ -586,8 +587,8 @@ const udpListenBudget = 64
 // reply sent through the socket: the runtime registers a socket for
 // writability too, edge-triggered, and a UDP socket signals it each time
 // the kernel frees a sent datagram (sock_wfree).
-func (p *Proxier) loopPacketListener(l *listener) error {
-	rc, err := l.pc.SyscallConn()
+func (p *Engine) loopPacketListener(l *Listener) error {
+	rc, err := l.PC.SyscallConn()
 	if err != nil {
 		return err
 	}
@@ -602,8 +603,8 @@ func (p *Proxier) loopPacketListener(l *listener) error {
 		return err
 	}
 	ls.seesEmpty()
-	l.pc.Close()
-	l.pc, l.raw = nil, ll
+	l.PC.Close()
+	l.PC, l.raw = nil, ll
 	batch := make([]datagram, p.cfg.udpReadBatch())
 	ll.readable = func(el *eventLoop) (bool, error) {
 		for read := 0; read < udpListenBudget; read += ls.asked {
@@ -612,7 +613,7 @@ func (p *Proxier) loopPacketListener(l *listener) error {
 			case err == unix.EAGAIN || errors.Is(err, net.ErrClosed):
 				return false, nil
 			case errors.Is(err, errNoDestination):
-				p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.key.name))
+				p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.Name))
 			case err != nil:
 				return false, err
 			}
@@ -629,10 +630,10 @@ func (p *Proxier) loopPacketListener(l *listener) error {
 	}
 	ll.failed = func(err error, delay time.Duration) {
 		if delay == 0 {
-			p.log.Error("cannot read the UDP listener: registering it with an event loop failed", zap.Stringer("servicePort", l.key.name), zap.Error(err))
+			p.log.Error("cannot read the UDP listener: registering it with an event loop failed", zap.Stringer("servicePort", l.Name), zap.Error(err))
 			return
 		}
-		p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.key.name), zap.Duration("delay", delay),
+		p.connLog.Warn("UDP read failed; backing off", zap.Stringer("servicePort", l.Name), zap.Duration("delay", delay),
 			zap.Error(os.NewSyscallError("recvmmsg", err)))
 	}
 	ll.closed = func() {

@@ -1,0 +1,525 @@
+package datapath
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/sys/unix"
+	"k8s.io/utils/clock"
+
+	"github.com/uproxy/uproxy/balancer"
+)
+
+// Config configures an Engine: the data path's knobs and test seams. The
+// zero value of each field is documented; the zero Config is a working
+// redirect-mode data path with event loops on epoll.
+type Config struct {
+	// OriginalDst recovers the destination a client connected to before the
+	// kernel redirected it (SO_ORIGINAL_DST in redirect mode), from the
+	// accepted socket c, which it may only read through c.Control; v6 is
+	// the family of the socket's listener. The connection is dropped
+	// unless it equals the listener's service VIP and port, so the
+	// listener cannot be used to reach a service it does not serve. Nil
+	// means no check.
+	OriginalDst func(c syscall.RawConn, v6 bool) (netip.AddrPort, error)
+	// Transparent selects tproxy mode. The kernel's TPROXY rules hand
+	// connections and datagrams to listeners bound to the loopback address
+	// with IP_TRANSPARENT, destination unchanged: the original destination
+	// is a connection's local address, or a datagram's IP_RECVORIGDSTADDR;
+	// UDP replies leave from transparent sockets bound to it; and services
+	// that ask for it are dialled from the client's own address. Listeners
+	// on loopback cannot be reached from outside the node. False is
+	// redirect mode: listeners on every address, destinations rewritten by
+	// REDIRECT.
+	Transparent bool
+	// Listen opens a listener; nil means net.ListenConfig.Listen.
+	Listen func(ctx context.Context, network, address string) (net.Listener, error)
+	// ListenUDP opens a UDP listener; nil means net.ListenConfig.ListenPacket.
+	ListenUDP func(ctx context.Context, network, address string) (*net.UDPConn, error)
+	// OwnMark is the mark (SO_MARK) put on every socket the proxy dials a
+	// backend from, by its own dialers (not Dial's): the kernel rules
+	// let packets that carry it past every interception
+	// (redirect.OwnMark), so the proxy's connections reach the backend
+	// they were dialled to even when its address and port are a
+	// Service's, instead of coming back to the proxy (#30). Setting it
+	// takes CAP_NET_ADMIN. Zero means the sockets are not marked.
+	OwnMark uint32
+	// Dial connects to a backend; nil means net.Dialer.DialContext.
+	Dial func(ctx context.Context, network, address string) (net.Conn, error)
+	// UDPTimeout is how long a UDP flow lives without traffic in either
+	// direction (kube-proxy's --udp-timeout); zero means 30s, conntrack's
+	// default for UDP streams.
+	UDPTimeout time.Duration
+	// UDPMaxFlows bounds the UDP flow table, across all services: past it
+	// the least recently used flow is dropped. Zero means 65536.
+	UDPMaxFlows int
+	// UDPReadBatch is the most datagrams a UDP listener reads with one
+	// recvmmsg(2) when datagrams queue up; zero means 8, one reads them
+	// one at a time. BenchmarkUDPRequestResponse measures the difference.
+	UDPReadBatch int
+	// UDPOriginalDst returns where a datagram that the kernel redirected
+	// from client to the local address local was originally sent (in
+	// redirect mode, conntrack's entry for the flow). It is asked once per
+	// new UDP flow in redirect mode: a shared listener routes the flow by
+	// it, and a service port's own listener drops a flow whose original
+	// destination is unknown or not the service's, which no rule of
+	// uproxy's sent there. Nil means UDP is shared only in tproxy mode,
+	// and a service port's own UDP listener forwards whatever reaches its
+	// port (tests that send to listeners directly).
+	UDPOriginalDst func(client, local netip.AddrPort) (netip.AddrPort, error)
+	// DialTimeout bounds one connection attempt to a backend; zero means 1s.
+	DialTimeout time.Duration
+	// DialAttempts is how many backends a connection tries before it is
+	// refused; zero means 3.
+	DialAttempts int
+	// EventLoops is the number of event loops that carry TCP connections
+	// and relay UDP flows' replies (loop.go). Zero means one less than
+	// GOMAXPROCS, at least one; negative means none: each TCP connection is
+	// carried by goroutines of its own, one per direction, and each UDP
+	// flow by one goroutine (the data path before event loops, kept for
+	// comparison).
+	EventLoops int
+	// IOURing makes each event loop wait in an io_uring, and carry its TCP
+	// connections' small messages through it, receiving into buffers the
+	// kernel picks only when data comes (loopring.go). False means epoll
+	// only. Where the kernel lacks what the loops need (Linux 5.19), the
+	// engine logs why and uses epoll.
+	IOURing bool
+	// IOURingBuffers is how many receive buffers each event loop's
+	// io_uring provides the kernel, a power of two up to 32768; a loop
+	// holds a buffer only while its bytes wait to be sent on. Zero means
+	// 256. A count the ring refuses leaves the loops on epoll, as any ring
+	// that cannot be set up does (logged).
+	IOURingBuffers int
+	// BackendKeepAliveEvery is how often an event loop turns TCP
+	// keep-alive on for the backend sockets it connected without it
+	// (eventLoop.armKeepAlive): a connection that lasts gets keep-alive
+	// within that time. Zero means 15s.
+	BackendKeepAliveEvery time.Duration
+	// IdleTimeout closes a TCP connection after neither side has sent or
+	// received anything for about that long (between one and two periods).
+	// Zero means no idle timeout.
+	IdleTimeout time.Duration
+	// EjectBase is how long a backend that refused or timed out a
+	// connection is skipped by the balancers; it doubles with each
+	// consecutive failure up to EjectMax. Zeros mean 1s and 30s.
+	EjectBase, EjectMax time.Duration
+	// Logger receives the data path's logs; nil means none.
+	Logger *zap.Logger
+	// Clock is the time source for ejection timing (and, in package
+	// proxy, sync timing); nil means the real clock. Socket deadlines
+	// always use the real clock.
+	Clock clock.WithTickerAndDelayedExecution
+	// Stats, if set, counts what the data path carried and how, for the
+	// tests that must tell the data paths apart although traffic flows
+	// the same on each. Nil means nothing is counted.
+	Stats *Stats
+	// StartLoop, if set, runs before each event loop starts, and an
+	// error from it fails the start as the kernel's would (no descriptor
+	// left for an epoll instance): for the tests of what the control
+	// plane does then. Nil means nothing runs.
+	StartLoop func() error
+}
+
+func (c *Config) ioURingBuffers() int {
+	if c.IOURingBuffers == 0 {
+		return defaultRingBufs
+	}
+	return c.IOURingBuffers
+}
+
+func (c *Config) backendKeepAliveEvery() time.Duration {
+	if c.BackendKeepAliveEvery <= 0 {
+		return defaultKeepAliveEvery
+	}
+	return c.BackendKeepAliveEvery
+}
+
+func (c *Config) dialTimeout() time.Duration {
+	if c.DialTimeout <= 0 {
+		return time.Second
+	}
+	return c.DialTimeout
+}
+
+func (c *Config) dialAttempts() int {
+	if c.DialAttempts <= 0 {
+		return 3
+	}
+	return c.DialAttempts
+}
+
+func (c *Config) clock() clock.WithTickerAndDelayedExecution {
+	if c.Clock == nil {
+		return clock.RealClock{}
+	}
+	return c.Clock
+}
+
+func (c *Config) udpReadBatch() int {
+	if c.UDPReadBatch <= 0 {
+		return 8
+	}
+	return min(c.UDPReadBatch, maxReadBatch)
+}
+
+func (c *Config) logger() *zap.Logger {
+	if c.Logger == nil {
+		return zap.NewNop()
+	}
+	return c.Logger
+}
+
+// Engine carries the connections and datagrams of the listeners it is
+// given, each routed by the Snapshot its listener holds: it owns the
+// event loops, the TCP sessions and the UDP flows.
+//
+// Each listener without event loops owns an accept or read goroutine that
+// exits when the listener is closed; each connection owns one goroutine
+// (plus one for its second copy direction) that exits when both
+// directions have ended; with event loops the loops carry them instead.
+// Drain ends them all.
+type Engine struct {
+	cfg     Config
+	log     *zap.Logger
+	connLog *zap.Logger // sampled: per-connection errors
+	health  *health
+	// internal reports whether a client is a pod or the node
+	// (NewEngine).
+	internal func(netip.Addr) bool
+
+	flows flowTable // UDP flows, created with the first UDP listener
+
+	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
+
+	loops    loopGroup // the TCP data path's event loops, started on first use
+	sessMu   sync.Mutex
+	sessions map[*session]struct{}
+	closing  bool
+	wg       sync.WaitGroup // accept and read goroutines, and sessions
+}
+
+// NewEngine returns an Engine configured by cfg. internal reports whether
+// a client is a pod or the node, for externalTrafficPolicy Local
+// (Snapshot.Route); it is called concurrently, from the data path.
+func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
+	p := &Engine{
+		cfg:      cfg,
+		log:      cfg.logger(),
+		internal: internal,
+		sessions: map[*session]struct{}{},
+		loops: loopGroup{n: cfg.eventLoops(), opts: loopOptions{
+			idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout(),
+			keepAliveEvery: cfg.backendKeepAliveEvery(), ringBufs: cfg.ioURingBuffers(),
+			stats: cfg.Stats,
+		}},
+	}
+	if cfg.StartLoop != nil {
+		p.loops.newLoop = func(o loopOptions) (*eventLoop, error) {
+			if err := cfg.StartLoop(); err != nil {
+				return nil, err
+			}
+			return newEventLoop(o)
+		}
+	}
+	if cfg.IOURing && p.loops.n > 0 {
+		if err := IOURingSupported(); err != nil {
+			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
+		} else {
+			p.loops.opts.ring = true
+			p.loops.noRing = func(err error) {
+				p.log.Warn("an event loop could not set up its io_uring; it uses epoll only", zap.Error(err))
+			}
+			p.loops.opts.ringFailed = func(err error) {
+				p.log.Error("an event loop's io_uring failed: the connections it carried were reset, and the loop uses epoll only from now on", zap.Error(err))
+			}
+		}
+	}
+	// At most 5 identical per-connection messages per second, then 1 in 100.
+	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 100)
+	}))
+	p.health = newHealth(cfg.clock(), cfg.EjectBase, cfg.EjectMax)
+	return p
+}
+
+// internalClient reports whether ip is a pod's or the node's.
+func (p *Engine) internalClient(ip netip.Addr) bool { return p.internal(ip) }
+
+// Forget stops tracking b's failures: b has left every service.
+func (p *Engine) Forget(b *balancer.Backend) { p.health.forget(b) }
+
+// Failures returns how many connection attempts in a row b has failed
+// (0 when it is healthy).
+func (p *Engine) Failures(b *balancer.Backend) int { return p.health.failures(b) }
+
+// Refuse refuses, from now on, every connection accepted: the first step
+// of a shutdown, before the listeners close.
+func (p *Engine) Refuse() {
+	p.sessMu.Lock()
+	p.closing = true
+	p.sessMu.Unlock()
+}
+
+// Drain waits, once the listeners are closed, for every loop and
+// established connection to finish until ctx is done, then refuses
+// connections still being accepted, closes the established ones and waits
+// for them to end. It then stops the event loops.
+func (p *Engine) Drain(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { p.wg.Wait(); close(done) }() // exits when every loop and session has ended (forced below)
+	defer p.loops.stop()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+	}
+	p.sessMu.Lock()
+	p.closing = true // from here on a connection accepted is refused
+	n := len(p.sessions)
+	for s := range p.sessions {
+		s.abort()
+	}
+	p.sessMu.Unlock()
+	<-done
+	return fmt.Errorf("drain timeout: closed %d connections", n)
+}
+
+// ActiveConnections returns the number of proxied connections in progress.
+func (p *Engine) ActiveConnections() int {
+	p.sessMu.Lock()
+	defer p.sessMu.Unlock()
+	return len(p.sessions)
+}
+
+// EventLoops returns how many event loops carry the connections (0 when
+// goroutines do) and how they wait: "io_uring", "epoll", or "goroutines"
+// without loops. A loop whose own ring could not be set up uses epoll,
+// and the log says so. Fixed by NewEngine; safe for concurrent use.
+func (p *Engine) EventLoops() (n int, io string) {
+	switch {
+	case p.loops.n == 0:
+		return 0, "goroutines"
+	case p.loops.opts.ring:
+		return p.loops.n, "io_uring"
+	}
+	return p.loops.n, "epoll"
+}
+
+// Listen opens a TCP listener as Config.Listen says.
+func (p *Engine) Listen(ctx context.Context, network, addr string) (net.Listener, error) {
+	if p.cfg.Listen != nil {
+		return p.cfg.Listen(ctx, network, addr)
+	}
+	lc := p.listenConfig()
+	return lc.Listen(ctx, network, addr)
+}
+
+// Prepare readies l's bound socket, LN or PC, for accepting or reading:
+// it sets what accepted sockets inherit, and hands the socket to the
+// event loops where they serve it. It does not start accepting
+// (StartAccepting, StartAfter). An error means nothing can read l: the
+// caller closes it.
+func (p *Engine) Prepare(l *Listener) error {
+	if rc := ListenerRawConn(l.LN); rc != nil {
+		// Once the socket is bound, whether bound here or inherited, and
+		// not on the attempts whose bind failed. Setting them before bind
+		// and again for the event loops cost 4 more system calls per listener:
+		// 40,000 for the first sync of 10,000 services.
+		if err := setAcceptOptions(rc); err != nil {
+			p.log.Warn("cannot set the listener's socket options; accepted connections go without keep-alive",
+				zap.Stringer("servicePort", l.Name), zap.Error(err))
+		}
+		if fd := p.rawListenerFD(rc); fd >= 0 {
+			// The duplicate is the socket's only descriptor from now on.
+			// Keeping both cost a second descriptor per listener (10,000
+			// services then needed 20,000, a common hard limit) and a
+			// registration in the runtime's poller, which woke for every
+			// connection too. Closing the original leaves the socket
+			// listening: it is closed with its last descriptor.
+			l.LN.Close()
+			l.LN, l.raw = nil, p.newLoopListener(l, fd)
+		}
+	}
+	if l.PC != nil {
+		if err := p.loopPacketListener(l); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// StartAccepting starts accepting on l, or reading from it: with the
+// event loops, which serve it from then on, or on a goroutine of its
+// own, which ends when l is closed.
+//
+// Only the loops can fail it: when none can be started (no descriptor
+// left for an epoll instance) or they are stopping.
+func (p *Engine) StartAccepting(l *Listener) error {
+	if l.raw != nil {
+		if err := p.loops.listen(l.raw); err != nil {
+			return fmt.Errorf("no event loop to accept on it: %w", err)
+		}
+		return nil
+	}
+	p.wg.Add(1)
+	if l.UDP {
+		go p.udpLoop(l)
+	} else {
+		go p.acceptLoop(l)
+	}
+	return nil
+}
+
+// StartAfter starts accepting or reading on l (StartAccepting) once
+// ready is closed, from a goroutine that waits for it, and that exits at
+// once if stopped is closed first. For a listener the event loops serve,
+// it fails when no loop can start (no descriptor left for an epoll
+// instance), so that the caller can report it now rather than only log
+// it later.
+func (p *Engine) StartAfter(l *Listener, ready, stopped <-chan struct{}) error {
+	if l.raw != nil {
+		if _, err := p.loops.running(); err != nil {
+			return fmt.Errorf("no event loop to accept on it: %w", err)
+		}
+	}
+	p.wg.Add(1)
+	go func() {
+		select {
+		case <-ready:
+		case <-stopped:
+			p.wg.Done()
+			return
+		}
+		switch {
+		case l.raw != nil:
+			if err := p.StartAccepting(l); err != nil {
+				// The loops were running when the listener was adopted;
+				// only loops stopped since (Shutdown, Drain) and unable to
+				// start again get here, on an Engine that is going away.
+				p.log.Error("cannot accept on an adopted listener", zap.Stringer("servicePort", l.Name), zap.Error(err))
+			}
+			p.wg.Done()
+		case l.UDP:
+			p.udpLoop(l)
+		default:
+			p.acceptLoop(l)
+		}
+	}()
+	return nil
+}
+
+// Closed ends what l still holds once it is closed: a hosted UDP service
+// port's flows end now, as a closed socket's would.
+func (p *Engine) Closed(l *Listener) {
+	if l.UDP {
+		p.removeFlows(l)
+	}
+}
+
+// acceptLoop accepts until l is closed. On temporary errors (EMFILE,
+// ENFILE, ENOBUFS) it backs off from 5ms to 1s, as net/http's Server does,
+// instead of spinning or exiting: the old userspace proxy died here.
+func (p *Engine) acceptLoop(l *Listener) {
+	defer p.wg.Done()
+	var delay time.Duration
+	for {
+		c, err := l.LN.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			delay = p.acceptBackoff(l, delay, err)
+			continue
+		}
+		delay = 0
+		tc, ok := c.(*net.TCPConn)
+		if !ok {
+			c.Close()
+			continue
+		}
+		s := p.newSession(tc, -1)
+		if s == nil {
+			tc.Close()
+			continue
+		}
+		go p.serveTCP(l, tc, s)
+	}
+}
+
+// acceptBackoff logs a failed accept and sleeps before the next one: 5ms
+// after the first failure in a row, twice as long after each next one, up
+// to 1s. It returns the delay slept.
+func (p *Engine) acceptBackoff(l *Listener, delay time.Duration, err error) time.Duration {
+	delay = min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
+	p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.Name), zap.Duration("delay", delay), zap.Error(err))
+	time.Sleep(delay)
+	return delay
+}
+
+// ListenerRawConn returns the RawConn of ln, a TCP listener's socket; nil
+// for no listener (a UDP listener has none) or one that is no socket (from
+// Config.Listen).
+func ListenerRawConn(ln net.Listener) syscall.RawConn {
+	sc, ok := ln.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
+}
+
+// rawListenerFD returns a duplicate of a listener's socket, rc, for
+// the event loops to accept on or read; -1 without event loops, with a dialer of
+// the caller's (Config.Dial, which needs the goroutine path), or if it
+// cannot be duplicated. The caller then closes the listener, leaving the
+// duplicate as the socket's only descriptor.
+func (p *Engine) rawListenerFD(rc syscall.RawConn) int {
+	if p.loops.n <= 0 || p.cfg.Dial != nil {
+		return -1
+	}
+	nfd, err := dupRaw(rc)
+	if err != nil {
+		return -1
+	}
+	return nfd
+}
+
+// newLoopListener returns the loopListener of l's socket fd: the event
+// loops accept on it straight with accept4(2), and the accepted sockets
+// inherit its options (keep-alive, TCP_NODELAY). An accepted socket never
+// joins the runtime's poller, which would cost six system calls per
+// connection for nothing: register it, read its local address, set
+// TCP_NODELAY, then duplicate it, deregister it and close it when it moves
+// to a loop.
+func (p *Engine) newLoopListener(l *Listener, fd int) *loopListener {
+	serve := func(el *eventLoop, fd int, client netip.AddrPort) {
+		s := p.newSession(nil, fd)
+		if s == nil {
+			unix.Close(fd)
+			return
+		}
+		p.startTCP(el, l, accepted{rc: fdConn(fd), client: client}, s)
+	}
+	failed := func(err error, delay time.Duration) {
+		if delay == 0 {
+			p.log.Error("cannot accept on the listener: registering it with an event loop failed", zap.Stringer("servicePort", l.Name), zap.Error(err))
+			return
+		}
+		p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.Name), zap.Duration("delay", delay),
+			zap.Error(os.NewSyscallError("accept4", err)))
+	}
+	return newLoopListener(fd, serve, failed)
+}

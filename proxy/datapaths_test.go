@@ -1,0 +1,85 @@
+package proxy
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/uproxy/uproxy/datapath"
+)
+
+// eachDataPath runs f once per TCP data path: the event loops (the
+// default), the event loops with io_uring (Config.IOURing) and a
+// goroutine per direction (Config.EventLoops < 0).
+func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
+	for _, tt := range []struct {
+		name string
+		dp   dataPath
+	}{{"loops", dataPath{}}, {"ring", dataPath{ring: true}}, {"goroutines", dataPath{loops: -1}}} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.dp.ring {
+				if err := datapath.IOURingSupported(); err != nil {
+					t.Skipf("skipping: the event loops cannot use io_uring here: %v", err)
+				}
+			}
+			f(t, tt.dp)
+			if tt.dp.ring {
+				for _, p := range startedProxiers.of(t) {
+					checkRingCarried(t, p.cfg.Stats)
+				}
+			}
+		})
+	}
+}
+
+// checkRingCarried fails t unless the ring carried the sessions that s
+// counted: each one a ring could take went on one, and the ring
+// received bytes of some if any session moved bytes. A loop whose ring
+// failed to set up carries its sessions on epoll, and the traffic of a
+// test of the ring would flow all the same.
+func checkRingCarried(t *testing.T, s *datapath.Stats) {
+	t.Helper()
+	eligible, onRing, served, carried := s.Eligible.Load(), s.OnRing.Load(), s.RingServed.Load(), s.Carried.Load()
+	if n := s.NoRing.Load(); n > 0 {
+		t.Errorf("%d event loops could not set up their ring, and carried the test's traffic on epoll", n)
+	}
+	if onRing != eligible || (carried > 0 && served == 0) {
+		t.Errorf("the ring did not carry the traffic: of %d sessions it could take, %d went on a ring; %d sessions moved bytes, %d of them on a ring",
+			eligible, onRing, carried, served)
+	}
+}
+
+// startedProxiers records the proxiers each test started (startProxier),
+// so that eachDataPath can check how they carried the test's traffic.
+var startedProxiers proxierRegistry
+
+type proxierRegistry struct {
+	mu sync.Mutex
+	m  map[testing.TB][]*Proxier
+}
+
+func (r *proxierRegistry) add(t testing.TB, p *Proxier) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.m == nil {
+		r.m = map[testing.TB][]*Proxier{}
+	}
+	r.m[t] = append(r.m[t], p)
+	t.Cleanup(func() {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		delete(r.m, t)
+	})
+}
+
+func (r *proxierRegistry) of(t testing.TB) []*Proxier {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.m[t]
+}
+
+// dataPath is a data path of the proxier's: loops is Config.EventLoops,
+// and ring Config.IOURing.
+type dataPath struct {
+	loops int
+	ring  bool
+}

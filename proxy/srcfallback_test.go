@@ -1,0 +1,129 @@
+package proxy
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testlab"
+)
+
+// TestPreserveSourceIPFallsBackWhenNoReply runs a proxier in tproxy mode
+// in a namespace of its own, with a backend in another namespace that has
+// no route back to the client's address: a dial from the client's address
+// never gets its SYN-ACK, as when the backend shares a bridge with the
+// client and answers it directly (#32). The route lookup cannot tell, so
+// it is the timeout that must fall back: the connection works, from the
+// node's address, within about one dial timeout, with the client's
+// address still in the PROXY protocol header, and the next connection of
+// the same client does not wait at all.
+func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", args, err, out)
+		}
+	}
+	bns := testlab.NewNetns(t, "uplab-be-")
+	run("ip", "link", "add", "vbe0", "type", "veth", "peer", "name", "eth0", "netns", bns)
+	run("ip", "addr", "add", "10.244.0.1/24", "dev", "vbe0")
+	run("ip", "link", "set", "vbe0", "up")
+	run("ip", "-n", bns, "addr", "add", "10.244.0.2/24", "dev", "eth0")
+	run("ip", "-n", bns, "link", "set", "eth0", "up")
+	// The client's address: local to the node, unknown to the backend.
+	run("ip", "addr", "add", "192.0.2.7/32", "dev", "lo")
+
+	var ln net.Listener
+	if err := testlab.DoInNetns(bns, func() (err error) {
+		ln, err = net.Listen("tcp4", "10.244.0.2:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// The backend answers with the address it sees and the client's
+	// address from the PROXY protocol header.
+	be := startBackendOn(t, ln, func(c net.Conn) {
+		host, _, _ := net.SplitHostPort(c.RemoteAddr().String())
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		hdr, _ := bufio.NewReader(c).ReadString('\n') // PROXY TCP4 src dst sport dport
+		var proto, src string
+		fmt.Sscan(hdr, &proto, &proto, &src)
+		fmt.Fprintln(c, host, src)
+	})
+
+	for _, tt := range []struct {
+		name  string
+		loops int
+		ring  bool
+	}{{"event loops", 1, false}, {"io_uring", 1, true}, {"goroutines", -1, false}} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.ring {
+				if err := datapath.IOURingSupported(); err != nil {
+					t.Skipf("skipping: %v", err)
+				}
+			}
+			const dialTimeout = 300 * time.Millisecond
+			reg := prometheus.NewRegistry()
+			p, rules := startProxier(t, Config{Config: datapath.Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout}, Metrics: NewMetrics(reg)})
+			s := svc("web", "10.96.0.10", "http:80")
+			s.Annotations = map[string]string{AnnotationPreserveSourceIP: "true", AnnotationProxyProtocol: "v1"}
+			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
+			port := rules.port(t, "default/web:http")
+
+			get := func() (string, time.Duration) {
+				t.Helper()
+				start := time.Now()
+				d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("192.0.2.7")}, Timeout: 2 * time.Second}
+				c, err := d.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				line, err := bufio.NewReader(c).ReadString('\n')
+				if err != nil {
+					t.Fatalf("after %v, the connection failed: %v", time.Since(start), err)
+				}
+				return strings.TrimSpace(line), time.Since(start)
+			}
+			const want = "10.244.0.1 192.0.2.7" // the node's address; the client's in the PROXY header
+			seen, took := get()
+			if seen != want {
+				t.Errorf("first connection: the backend saw %q, want %q", seen, want)
+			}
+			if took < dialTimeout || took > 2*dialTimeout+time.Second {
+				t.Errorf("first connection took %v, want one dial timeout (%v) and a retry", took, dialTimeout)
+			}
+			seen, took = get()
+			if seen != want || took >= dialTimeout {
+				t.Errorf("second connection: the backend saw %q after %v; want %q at once (the missing reply remembered)", seen, took, want)
+			}
+			labels := map[string]string{"service": "default/web", "port": "http"}
+			if got, _ := scrape(t, reg, "uproxy_source_ip_fallbacks_total", plusLabel(labels, "reason", "no_reply")); got != 2 {
+				t.Errorf("no_reply fallbacks = %v, want 2", got)
+			}
+			if got, _ := scrape(t, reg, "uproxy_connections_total", plusLabel(labels, "result", "dial_error")); got != 0 {
+				t.Errorf("dial errors = %v, want none: the backend answers from the node's address", got)
+			}
+		})
+	}
+}
+
+func plusLabel(m map[string]string, k, v string) map[string]string {
+	out := map[string]string{k: v}
+	for a, b := range m {
+		out[a] = b
+	}
+	return out
+}
