@@ -13,6 +13,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy"
 )
 
@@ -48,9 +49,12 @@ func TestE2EStatus(t *testing.T) {
 	if st.Mode != "redirect" || st.LastSync.IsZero() || len(st.Ports) != 2 {
 		t.Fatalf("status: %+v", st)
 	}
-	// Default flags: epoll (#31), on one loop less than the CPUs, at
-	// least one.
-	wantIO := "epoll"
+	// Default flags: io_uring where the kernel allows it, epoll elsewhere
+	// (#31), on one loop less than the CPUs, at least one.
+	wantIO := "io_uring"
+	if datapath.IOURingSupported() != nil {
+		wantIO = "epoll"
+	}
 	wantLoops := max(1, runtime.GOMAXPROCS(0)-1) // uproxy inherits the test's CPUs and environment
 	if st.IO != wantIO || st.EventLoops != wantLoops {
 		t.Errorf("status says %d event loops on %q, want %d on %q", st.EventLoops, st.IO, wantLoops, wantIO)

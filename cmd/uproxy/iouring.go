@@ -6,9 +6,9 @@ import (
 	"strings"
 )
 
-// ioURingMode is the value of --io-uring: auto, true or false (the
-// default). A bare --io-uring means true, and --io-uring=false false, as
-// when the flag was a boolean.
+// ioURingMode is the value of --io-uring: auto, true or false. A bare
+// --io-uring means true, and --io-uring=false false, as when the flag was
+// a boolean.
 type ioURingMode string
 
 const (

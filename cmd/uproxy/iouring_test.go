@@ -12,15 +12,15 @@ import (
 	"github.com/uproxy/uproxy/proxy"
 )
 
-// TestIOURingFlag: --io-uring is false unless set, takes auto, and the
-// boolean forms it had before keep their meaning.
+// TestIOURingFlag: --io-uring is auto unless set; the boolean forms it had
+// before keep their meaning.
 func TestIOURingFlag(t *testing.T) {
 	for _, tt := range []struct {
 		args    []string
 		want    ioURingMode
 		wantErr bool
 	}{
-		{nil, ioURingOff, false},
+		{nil, ioURingAuto, false},
 		{[]string{"--io-uring"}, ioURingOn, false},
 		{[]string{"--io-uring=true"}, ioURingOn, false},
 		{[]string{"--io-uring=1"}, ioURingOn, false},
