@@ -318,6 +318,20 @@ func (p *Engine) ActiveConnections() int {
 	return len(p.sessions)
 }
 
+// EventLoops returns how many event loops carry the connections (0 when
+// goroutines do) and how they wait: "io_uring", "epoll", or "goroutines"
+// without loops. A loop whose own ring could not be set up uses epoll,
+// and the log says so. Fixed by NewEngine; safe for concurrent use.
+func (p *Engine) EventLoops() (n int, io string) {
+	switch {
+	case p.loops.n == 0:
+		return 0, "goroutines"
+	case p.loops.opts.ring:
+		return p.loops.n, "io_uring"
+	}
+	return p.loops.n, "epoll"
+}
+
 // Listen opens a TCP listener as Config.Listen says.
 func (p *Engine) Listen(ctx context.Context, network, addr string) (net.Listener, error) {
 	if p.cfg.Listen != nil {

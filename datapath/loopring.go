@@ -186,8 +186,8 @@ func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.Epol
 	var err error
 	switch {
 	case l.epollDue:
-		// Submit, and post what has completed (DEFER_TASKRUN posts
-		// completions only when entered for them), without waiting:
+		// Submit, and post what has completed (entering runs the
+		// completion work pending on this thread), without waiting:
 		// the epoll set has events to handle already.
 		err = rs.r.EnterTimeout(1, 0)
 	case timeout < 0:

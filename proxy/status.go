@@ -21,8 +21,15 @@ type Status struct {
 	// ActiveConnections counts the proxied TCP connections in progress.
 	ActiveConnections int `json:"activeConnections"`
 	// UDPFlows counts the live UDP flows.
-	UDPFlows int               `json:"udpFlows"`
-	Ports    []ServicePortInfo `json:"ports"`
+	UDPFlows int `json:"udpFlows"`
+	// EventLoops counts the event loops (Config.EventLoops); 0 when
+	// goroutines carry the connections.
+	EventLoops int `json:"eventLoops"`
+	// IO is how the event loops wait and carry small messages: io_uring
+	// or epoll; "goroutines" without event loops. A loop whose own ring
+	// could not be set up uses epoll, and the log says so.
+	IO    string            `json:"io"`
+	Ports []ServicePortInfo `json:"ports"`
 }
 
 // ServicePortInfo is one listener: a service port in one address family.
@@ -202,6 +209,7 @@ func (p *Proxier) mode() string {
 // immutable entries that syncs store, and atomic counters.
 func (p *Proxier) Status() Status {
 	st := Status{Mode: p.mode(), LastSync: p.LastSync(), ActiveConnections: p.ActiveConnections(), UDPFlows: p.UDPFlows()}
+	st.EventLoops, st.IO = p.dp.EventLoops()
 	v := p.statusView()
 	if v == nil {
 		return st

@@ -84,3 +84,31 @@ func TestServicePortInfoListenPorts(t *testing.T) {
 		}
 	}
 }
+
+// TestStatusDataPath: the status says what carries the connections, as
+// `uproxy status` and the startup log show it (#31).
+func TestStatusDataPath(t *testing.T) {
+	ringErr := datapath.IOURingSupported()
+	for _, tt := range []struct {
+		name      string
+		cfg       Config
+		wantLoops int
+		wantIO    string
+		needRing  bool
+	}{
+		{"goroutines", Config{Config: datapath.Config{EventLoops: -1}}, 0, "goroutines", false},
+		{"goroutines, io_uring asked", Config{Config: datapath.Config{EventLoops: -1, IOURing: true}}, 0, "goroutines", false},
+		{"epoll", Config{Config: datapath.Config{EventLoops: 2}}, 2, "epoll", false},
+		{"io_uring", Config{Config: datapath.Config{EventLoops: 2, IOURing: true}}, 2, "io_uring", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.needRing && ringErr != nil {
+				t.Skipf("skipping: io_uring is not available here: %v", ringErr)
+			}
+			st := NewProxier(tt.cfg).Status()
+			if st.EventLoops != tt.wantLoops || st.IO != tt.wantIO {
+				t.Errorf("Status() says %d loops on %q, want %d on %q", st.EventLoops, st.IO, tt.wantLoops, tt.wantIO)
+			}
+		})
+	}
+}

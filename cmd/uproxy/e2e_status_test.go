@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"regexp"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy"
 )
 
@@ -47,6 +49,16 @@ func TestE2EStatus(t *testing.T) {
 	if st.Mode != "redirect" || st.LastSync.IsZero() || len(st.Ports) != 2 {
 		t.Fatalf("status: %+v", st)
 	}
+	// Default flags: io_uring where the kernel allows it, epoll elsewhere
+	// (#31), on one loop less than the CPUs, at least one.
+	wantIO := "io_uring"
+	if datapath.IOURingSupported() != nil {
+		wantIO = "epoll"
+	}
+	wantLoops := max(1, runtime.GOMAXPROCS(0)-1) // uproxy inherits the test's CPUs and environment
+	if st.IO != wantIO || st.EventLoops != wantLoops {
+		t.Errorf("status says %d event loops on %q, want %d on %q", st.EventLoops, st.IO, wantLoops, wantIO)
+	}
 	sh, web := st.Ports[0], st.Ports[1]
 	rule := regexp.MustCompile(`-d 10\.96\.0\.10/32 .*--to-ports (\d+)`).FindStringSubmatch(c.natRules())
 	if rule == nil || fmt.Sprint(web.ListenPort) != rule[1] {
@@ -70,7 +82,7 @@ func TestE2EStatus(t *testing.T) {
 	}
 
 	table := c.uproxyCmd("status", "--address", debugAddr)
-	for _, want := range []string{"SERVICE", "LISTENER", "default/web", "ClusterIP 10.96.0.10:80", "source-hash", "ClientIP (10800s)", c.pods[0].IP.String() + ":8080", "RECENT DIAL ERRORS"} {
+	for _, want := range []string{"on " + wantIO + ", last sync", "SERVICE", "LISTENER", "default/web", "ClusterIP 10.96.0.10:80", "source-hash", "ClientIP (10800s)", c.pods[0].IP.String() + ":8080", "RECENT DIAL ERRORS"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
 		}

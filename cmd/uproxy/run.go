@@ -218,6 +218,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		stateFile = "" // the manifests are read before the first sync
 	}
 	servePrevious := stateFile != "" && previous != nil && !up.TookOver()
+	useRing, noRing := chooseIOURing(o.ioURing, o.eventLoops, datapath.IOURingSupported)
+	switch {
+	case noRing != nil && o.ioURing == ioURingOn:
+		log.Warn("--io-uring: io_uring is not available for the event loops; they use epoll only", zap.Error(noRing))
+	case noRing != nil:
+		log.Info("io_uring is not available for the event loops; they use epoll", zap.Error(noRing))
+	}
 	p := proxy.NewProxier(proxy.Config{
 		Config: datapath.Config{
 			OriginalDst:     originalDst,
@@ -228,7 +235,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			DialAttempts:    o.dialAttempts,
 			IdleTimeout:     o.tcpIdleTimeout,
 			EventLoops:      o.eventLoops,
-			IOURing:         o.ioURing,
+			IOURing:         useRing,
 			UDPTimeout:      o.udpTimeout,
 			UDPMaxFlows:     udpMaxFlows(o.udpMaxFlows, noFile),
 			UDPPoolSize:     o.udpPoolSize,
@@ -357,7 +364,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		source = "API server"
 	}
 	events.Starting()
-	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener), zap.Int("pid", os.Getpid()))
+	st := p.Status()
+	log.Info("uproxy started", zap.String("source", source), zap.String("node", o.nodeName), zap.String("mode", o.mode), zap.String("listener", o.listener),
+		zap.Int("eventLoops", st.EventLoops), zap.String("io", st.IO), zap.Int("pid", os.Getpid()))
 	<-ctx.Done()
 	wg.Wait()
 	failure := context.Cause(ctx)

@@ -37,7 +37,7 @@ type runOptions struct {
 	minSyncPeriod      time.Duration
 	drainTimeout       time.Duration
 	tcpIdleTimeout     time.Duration
-	ioURing            bool
+	ioURing            ioURingMode
 	eventLoops         int
 	dialTimeout        time.Duration
 	dialAttempts       int
@@ -83,7 +83,9 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 25*time.Second, "On SIGTERM or SIGINT, how long established connections may take to finish before they are closed.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", time.Hour, "Close a proxied TCP connection after it has been idle in both directions for this long (detected within twice the period). 0 disables.")
 	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying TCP connections and UDP flows: each accepts on the TCP listeners, dials backends and moves bytes for its connections with epoll, splicing bulk transfers, and reads some of the UDP listeners, forwarding their datagrams and relaying their flows' replies. 0 means one less than the CPUs the process may use (GOMAXPROCS), at least one; -1 means none: each TCP connection is carried by goroutines of its own, which costs a goroutine stack per direction of an idle connection, each UDP listener by a goroutine, and each UDP flow by a goroutine.")
-	fs.BoolVar(&o.ioURing, "io-uring", false, "Make each event loop wait in an io_uring and carry its TCP connections' small messages through it: one system call per turn of the loop submits every receive and send and waits for the next, where epoll takes one per read, write and wait. Bulk transfers still splice. Needs Linux 5.19; without it the loops use epoll, and say so.")
+	o.ioURing = ioURingAuto
+	fs.Var(&o.ioURing, "io-uring", "Make each event loop wait in an io_uring and carry its TCP connections' small messages through it: one system call per turn of the loop submits every receive and send and waits for the next, where epoll takes one per read, write and wait. Bulk transfers still splice. auto uses io_uring where the kernel allows it (Linux 5.19, not disabled by kernel.io_uring_disabled or a seccomp profile) and epoll elsewhere; true asks for it and warns when it falls back to epoll; false (or --io-uring=false) keeps epoll. The startup log line and uproxy status say which the loops use.")
+	fs.Lookup("io-uring").NoOptDefVal = string(ioURingOn)
 	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")

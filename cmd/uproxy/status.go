@@ -132,13 +132,32 @@ whether it is ejected, and its recent dial errors.`,
 	return cmd
 }
 
+// dataPathSummary says what carries the connections: "2 event loops on
+// io_uring", "1 event loop on epoll", "no event loops (goroutines)"; empty for an older
+// uproxy, whose status has neither field.
+func dataPathSummary(st *proxy.Status) string {
+	switch {
+	case st.IO == "":
+		return ""
+	case st.EventLoops == 0:
+		return "no event loops (" + st.IO + ")"
+	case st.EventLoops == 1:
+		return "1 event loop on " + st.IO
+	}
+	return fmt.Sprintf("%d event loops on %s", st.EventLoops, st.IO)
+}
+
 // printStatus prints st as two tables: service ports, then endpoints.
 func printStatus(w io.Writer, st *proxy.Status) error {
 	last := "never"
 	if !st.LastSync.IsZero() {
 		last = st.LastSync.Format(time.RFC3339) + " (" + time.Since(st.LastSync).Round(time.Second).String() + " ago)"
 	}
-	fmt.Fprintf(w, "mode %s, last sync %s, %d active connections, %d UDP flows\n\n", st.Mode, last, st.ActiveConnections, st.UDPFlows)
+	mode := st.Mode
+	if dp := dataPathSummary(st); dp != "" {
+		mode += ", " + dp
+	}
+	fmt.Fprintf(w, "mode %s, last sync %s, %d active connections, %d UDP flows\n\n", mode, last, st.ActiveConnections, st.UDPFlows)
 	if len(st.Ports) == 0 {
 		fmt.Fprintln(w, "no service ports")
 		return nil

@@ -34,7 +34,6 @@ const (
 
 	setupCoopTaskrun  = 1 << 8
 	setupSingleIssuer = 1 << 12
-	setupDeferTaskrun = 1 << 13
 
 	offSQRing = 0
 	offSQEs   = 0x10000000
@@ -137,13 +136,17 @@ type Ring struct {
 	failTimes int
 }
 
-// New sets up a ring of entries SQEs, which completes operations only
-// when its goroutine enters it (DEFER_TASKRUN, single issuer), so that
-// the kernel's completion work runs on the ring's thread, in its turn.
-// Kernels before 6.1 lack those flags (EINVAL), and get a plain ring.
+// New sets up a ring of entries SQEs for one issuing thread
+// (SINGLE_ISSUER), whose completion work runs on that thread at its next
+// entry into the kernel, not in an interrupt of it (COOP_TASKRUN).
+// Completions are not deferred until the thread enters the ring for them
+// (DEFER_TASKRUN): a loop that waited for a CPU would then find its whole
+// batch of receives unposted, and on busy CPUs the keep-alive tail grew
+// (#31). Kernels before 6.0 lack those flags (EINVAL), and get a plain
+// ring.
 func New(entries uint32) (*Ring, error) {
 	var p params
-	p.Flags = setupSingleIssuer | setupDeferTaskrun | setupCoopTaskrun
+	p.Flags = setupSingleIssuer | setupCoopTaskrun
 	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(entries), uintptr(unsafe.Pointer(&p)), 0)
 	if errno == unix.EINVAL {
 		p = params{}

@@ -136,3 +136,29 @@ func socketPair(t *testing.T, typ int) [2]int {
 	t.Cleanup(func() { unix.Close(fds[0]); unix.Close(fds[1]) })
 	return fds
 }
+
+// TestCompletionsPostedWithoutEntering: a completion is posted at the
+// ring's thread's next return from the kernel, whatever system call it
+// made, not only when the thread enters the ring for it: a loop busy with
+// other system calls, or just back from waiting for a CPU, finds its
+// completions ready (#31).
+func TestCompletionsPostedWithoutEntering(t *testing.T) {
+	r := testRing(t)
+	fds := socketPair(t, unix.SOCK_DGRAM)
+	e := r.SQE()
+	e.Opcode, e.Fd, e.Len, e.OpFlags, e.UserData = OpPollAdd, int32(fds[0]), PollAddMulti, unix.POLLIN, 7
+	if err := r.Enter(0); err != nil { // submits, waits for nothing
+		t.Fatal(err)
+	}
+	if _, err := unix.Write(fds[1], []byte{1}); err != nil {
+		t.Fatal(err)
+	}
+	var got []CQE
+	for deadline := time.Now().Add(time.Second); len(got) == 0 && time.Now().Before(deadline); {
+		unix.Getpid() // any system call, never io_uring_enter
+		r.Completions(func(c CQE) { got = append(got, c) })
+	}
+	if len(got) != 1 || got[0].UserData != 7 || got[0].Res&unix.POLLIN == 0 {
+		t.Fatalf("completions seen without entering the ring: %+v, want the poll's (user data 7, POLLIN)", got)
+	}
+}
