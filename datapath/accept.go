@@ -23,6 +23,12 @@ const (
 	acceptBackoffMax = time.Second
 )
 
+// nextAcceptDelay returns the delay after a failed accept that follows
+// one of delay (zero: the first failure in a row).
+func nextAcceptDelay(delay time.Duration) time.Duration {
+	return min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
+}
+
 // acceptBatch is the most connections a loop accepts on one listener per
 // readiness.
 const acceptBatch = 16
@@ -256,7 +262,7 @@ func (ll *loopListener) acceptQueued(el *eventLoop) (more bool, err error) {
 // twice the previous delay (see acceptBackoffMin). Runs on the loop.
 func (l *eventLoop) pauseAccept(slot int32, err error) {
 	as := &l.accepting[slot]
-	as.delay = min(max(2*as.delay, acceptBackoffMin), acceptBackoffMax)
+	as.delay = nextAcceptDelay(as.delay)
 	as.resumeAt = time.Now().Add(as.delay)
 	ll := as.ll
 	ll.mu.Lock()

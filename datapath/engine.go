@@ -444,8 +444,8 @@ func (p *Engine) Closed(l *Listener) {
 }
 
 // acceptLoop accepts until l is closed. On temporary errors (EMFILE,
-// ENFILE, ENOBUFS) it backs off from 5ms to 1s, as net/http's Server does,
-// instead of spinning or exiting: the old userspace proxy died here.
+// ENFILE, ENOBUFS) it backs off (nextAcceptDelay), as net/http's Server
+// does, instead of spinning or exiting: the old userspace proxy died here.
 func (p *Engine) acceptLoop(l *Listener) {
 	defer p.wg.Done()
 	var delay time.Duration
@@ -473,11 +473,10 @@ func (p *Engine) acceptLoop(l *Listener) {
 	}
 }
 
-// acceptBackoff logs a failed accept and sleeps before the next one: 5ms
-// after the first failure in a row, twice as long after each next one, up
-// to 1s. It returns the delay slept.
+// acceptBackoff logs a failed accept and sleeps before the next one, for
+// nextAcceptDelay after the previous delay. It returns the delay slept.
 func (p *Engine) acceptBackoff(l *Listener, delay time.Duration, err error) time.Duration {
-	delay = min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
+	delay = nextAcceptDelay(delay)
 	p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.Name), zap.Duration("delay", delay), zap.Error(err))
 	time.Sleep(delay)
 	return delay
