@@ -281,6 +281,21 @@ func (p *Proxier) LastSync() time.Time {
 	return time.Unix(0, n)
 }
 
+// applyServices makes the listeners of the changed services match their
+// objects, opening the new ones ahead (openListeners). Called by the sync
+// goroutine, for a sync and for the previous instance's objects.
+func (p *Proxier) applyServices(ctx context.Context, changed []ServiceState) {
+	zone := p.currentZone()
+	wants := make([]serviceWant, len(changed))
+	for i, st := range changed {
+		wants[i] = wantOf(st, p.cfg.Defaults)
+	}
+	opened := p.openListeners(ctx, wants)
+	for _, w := range wants {
+		p.applyService(ctx, w, zone, opened)
+	}
+}
+
 // sync applies the tracker's changes. It runs only on the runner's goroutine.
 func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if !p.tracker.Synced() {
@@ -312,15 +327,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	}
 	ch := p.tracker.Take(reapply, programmed)
 	p.cfg.Metrics.countChanges(ch.ServiceChanges, ch.SliceChanges)
-	zone := p.currentZone()
-	wants := make([]serviceWant, len(ch.Services))
-	for i, st := range ch.Services {
-		wants[i] = wantOf(st, p.cfg.Defaults)
-	}
-	opened := p.openListeners(ctx, wants)
-	for _, w := range wants {
-		p.applyService(ctx, w, zone, opened)
-	}
+	p.applyServices(ctx, ch.Services)
 	// The shared listeners' routes, like the rules, follow the intercepts:
 	// they change only with them (rulesDirty).
 	if reapply || p.rulesDirty {

@@ -139,16 +139,7 @@ func (p *Proxier) ServePrevious(services []*v1.Service, slices []*discovery.Endp
 // recorded (health, OnSync and the state file wait for a real one).
 func (p *Proxier) applyPrevious(ctx context.Context) {
 	p.refreshLocalAddrs()
-	ch := p.tracker.Take(false, nil)
-	zone := p.currentZone()
-	wants := make([]serviceWant, len(ch.Services))
-	for i, st := range ch.Services {
-		wants[i] = wantOf(st, p.cfg.Defaults)
-	}
-	opened := p.openListeners(ctx, wants)
-	for _, w := range wants {
-		p.applyService(ctx, w, zone, opened)
-	}
+	p.applyServices(ctx, p.tracker.Take(false, nil).Services)
 	if p.rulesDirty {
 		p.rebuildRoutes()
 	}
