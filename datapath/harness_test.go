@@ -4,16 +4,15 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/internal/testbackend"
 )
 
 // The data path's tests run an Engine with listeners built here, as the
@@ -35,7 +34,7 @@ func startEngine(t testing.TB, cfg Config) *Engine {
 		cfg.Stats = new(Stats) // for the tests that tell the data paths apart
 	}
 	p := NewEngine(cfg, func(netip.Addr) bool { return false })
-	startedEngines.add(t, p)
+	startedEngines.Add(t, p)
 	t.Cleanup(func() {
 		p.Refuse()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -106,49 +105,25 @@ func proxyWeb(t *testing.T, cfg Config, be *backend) (*Engine, int) {
 	return p, int(serve(t, p, "tcp4", "default/web:http", be.addr).Port)
 }
 
-// backend is a TCP server on 127.0.0.1 that runs handle for each
-// connection, until the test ends.
+// backend is a TCP server on 127.0.0.1 (testbackend.TCP); ln and addr
+// are its listener and address.
 type backend struct {
+	*testbackend.TCP
 	ln   net.Listener
 	addr netip.AddrPort
-	wg   sync.WaitGroup
 }
 
+func wrapBackend(b *testbackend.TCP) *backend { return &backend{TCP: b, ln: b.LN, addr: b.Addr} }
+
 func startBackend(t *testing.T, handle func(net.Conn)) *backend {
-	t.Helper()
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := &backend{ln: ln, addr: netip.MustParseAddrPort(ln.Addr().String())}
-	b.wg.Add(1)
-	go func() {
-		defer b.wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			b.wg.Add(1)
-			go func() { defer b.wg.Done(); defer c.Close(); handle(c) }()
-		}
-	}()
-	t.Cleanup(func() { ln.Close(); b.wg.Wait() })
-	return b
+	return wrapBackend(testbackend.StartTCP(t, handle))
 }
 
 // nameBackend answers every connection with its name and closes.
-func nameBackend(t *testing.T, name string) *backend {
-	return startBackend(t, func(c net.Conn) { fmt.Fprintln(c, name) })
-}
+func nameBackend(t *testing.T, name string) *backend { return wrapBackend(testbackend.Name(t, name)) }
 
-// echoBackend echoes until EOF, through a userspace buffer: io.Copy on the
-// bare conn would splice with pipes from the runtime's pool, which are
-// closed only by the garbage collector, and the leak tests would count
-// them.
-func echoBackend(t *testing.T) *backend {
-	return startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-}
+// echoBackend echoes until EOF (testbackend.Echo).
+func echoBackend(t *testing.T) *backend { return wrapBackend(testbackend.Echo(t)) }
 
 // get connects to port and returns the first line it reads.
 func get(t *testing.T, port int) (string, error) {
@@ -199,7 +174,7 @@ func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 			}
 			f(t, tt.dp)
 			if tt.dp.ring {
-				for _, p := range startedEngines.of(t) {
+				for _, p := range startedEngines.Of(t) {
 					checkRingCarried(t, p.cfg.Stats)
 				}
 			}
@@ -226,32 +201,7 @@ func checkRingCarried(t *testing.T, s *Stats) {
 
 // startedEngines records the engines each test started (startEngine),
 // so that eachDataPath can check how they carried the test's traffic.
-var startedEngines engineRegistry
-
-type engineRegistry struct {
-	mu sync.Mutex
-	m  map[testing.TB][]*Engine
-}
-
-func (r *engineRegistry) add(t testing.TB, p *Engine) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.m == nil {
-		r.m = map[testing.TB][]*Engine{}
-	}
-	r.m[t] = append(r.m[t], p)
-	t.Cleanup(func() {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		delete(r.m, t)
-	})
-}
-
-func (r *engineRegistry) of(t testing.TB) []*Engine {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.m[t]
-}
+var startedEngines testbackend.Registry[*Engine]
 
 // dataPath is a data path of the engine's: loops is Config.EventLoops,
 // and ring Config.IOURing.

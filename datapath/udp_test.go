@@ -13,42 +13,15 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/internal/testbackend"
 )
 
 // udpBackend answers every datagram with "name:" and the datagram's
 // length, or echoes it when echo is set.
 func udpBackend(t testing.TB, name string, echo bool) netip.AddrPort {
-	t.Helper()
-	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		buf := make([]byte, 65535)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			if echo {
-				pc.WriteTo(buf[:n], from)
-			} else {
-				fmt.Fprintf(writerTo{pc, from}, "%s:%d", name, n)
-			}
-		}
-	}()
-	t.Cleanup(func() { pc.Close(); <-done })
-	return netip.MustParseAddrPort(pc.LocalAddr().String())
+	return testbackend.UDP(t, name, echo)
 }
-
-type writerTo struct {
-	pc net.PacketConn
-	to net.Addr
-}
-
-func (w writerTo) Write(b []byte) (int, error) { return w.pc.WriteTo(b, w.to) }
 
 // exchange sends msg from a connected client socket and returns the reply:
 // a connected socket accepts only replies from the address it sent to.

@@ -1,10 +1,10 @@
 package proxy
 
 import (
-	"sync"
 	"testing"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testbackend"
 )
 
 // eachDataPath runs f once per TCP data path: the event loops (the
@@ -23,7 +23,7 @@ func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 			}
 			f(t, tt.dp)
 			if tt.dp.ring {
-				for _, p := range startedProxiers.of(t) {
+				for _, p := range startedProxiers.Of(t) {
 					checkRingCarried(t, p.cfg.Stats)
 				}
 			}
@@ -50,32 +50,7 @@ func checkRingCarried(t *testing.T, s *datapath.Stats) {
 
 // startedProxiers records the proxiers each test started (startProxier),
 // so that eachDataPath can check how they carried the test's traffic.
-var startedProxiers proxierRegistry
-
-type proxierRegistry struct {
-	mu sync.Mutex
-	m  map[testing.TB][]*Proxier
-}
-
-func (r *proxierRegistry) add(t testing.TB, p *Proxier) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.m == nil {
-		r.m = map[testing.TB][]*Proxier{}
-	}
-	r.m[t] = append(r.m[t], p)
-	t.Cleanup(func() {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		delete(r.m, t)
-	})
-}
-
-func (r *proxierRegistry) of(t testing.TB) []*Proxier {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.m[t]
-}
+var startedProxiers testbackend.Registry[*Proxier]
 
 // dataPath is a data path of the proxier's: loops is Config.EventLoops,
 // and ring Config.IOURing.

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/netip"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -20,6 +19,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testbackend"
 )
 
 func TestConnectionLimitAnnotations(t *testing.T) {
@@ -259,22 +259,7 @@ func TestProxyConnectionLimitSpansFamilies(t *testing.T) {
 
 // startBackendOn is startBackend on a given listener.
 func startBackendOn(t *testing.T, ln net.Listener, handle func(net.Conn)) *backend {
-	t.Helper()
-	b := &backend{ln: ln, addr: netip.MustParseAddrPort(ln.Addr().String())}
-	b.wg.Add(1)
-	go func() { // ends when ln is closed at cleanup
-		defer b.wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			b.wg.Add(1)
-			go func() { defer b.wg.Done(); defer c.Close(); handle(c) }() // ends with the connection
-		}
-	}()
-	t.Cleanup(func() { ln.Close(); b.wg.Wait() })
-	return b
+	return wrapBackend(testbackend.ServeTCP(t, ln, handle))
 }
 
 func TestProxyPerEndpointLimit(t *testing.T) {

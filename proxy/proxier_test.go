@@ -25,6 +25,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testbackend"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
@@ -98,7 +99,7 @@ func startProxier(t testing.TB, cfg Config) (*Proxier, *recordingRules) {
 		cfg.Stats = new(datapath.Stats) // for the tests that tell the data paths apart
 	}
 	p := NewProxier(cfg)
-	startedProxiers.add(t, p)
+	startedProxiers.Add(t, p)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { p.Run(ctx); close(done) }()
@@ -124,48 +125,25 @@ func proxyWeb(t *testing.T, cfg Config, be *backend) (*Proxier, int) {
 	return p, rules.port(t, "default/web:http")
 }
 
-// backend is a TCP server on 127.0.0.1 that runs handle for each
-// connection, until the test ends.
+// backend is a TCP server on 127.0.0.1 (testbackend.TCP); ln and addr
+// are its listener and address.
 type backend struct {
+	*testbackend.TCP
 	ln   net.Listener
 	addr netip.AddrPort
-	wg   sync.WaitGroup
 }
 
+func wrapBackend(b *testbackend.TCP) *backend { return &backend{TCP: b, ln: b.LN, addr: b.Addr} }
+
 func startBackend(t *testing.T, handle func(net.Conn)) *backend {
-	t.Helper()
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := &backend{ln: ln, addr: netip.MustParseAddrPort(ln.Addr().String())}
-	b.wg.Add(1)
-	go func() {
-		defer b.wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			b.wg.Add(1)
-			go func() { defer b.wg.Done(); defer c.Close(); handle(c) }()
-		}
-	}()
-	t.Cleanup(func() { ln.Close(); b.wg.Wait() })
-	return b
+	return wrapBackend(testbackend.StartTCP(t, handle))
 }
 
 // nameBackend answers every connection with its name and closes.
-func nameBackend(t *testing.T, name string) *backend {
-	return startBackend(t, func(c net.Conn) { fmt.Fprintln(c, name) })
-}
+func nameBackend(t *testing.T, name string) *backend { return wrapBackend(testbackend.Name(t, name)) }
 
-// echoBackend echoes until EOF, through a userspace buffer: io.Copy on the
-// bare conn would splice with pipes from the runtime's pool, which are
-// closed only by the garbage collector, and TestNoLeaks would count them.
-func echoBackend(t *testing.T) *backend {
-	return startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-}
+// echoBackend echoes until EOF (testbackend.Echo).
+func echoBackend(t *testing.T) *backend { return wrapBackend(testbackend.Echo(t)) }
 
 // sliceFor returns a slice whose endpoints are the backends; the port is
 // the first backend's (all test backends on 127.0.0.1 have distinct ports,

@@ -16,42 +16,14 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testbackend"
 )
 
 // udpBackend answers every datagram with "name:" and the datagram's
 // length, or echoes it when echo is set.
 func udpBackend(t testing.TB, name string, echo bool) netip.AddrPort {
-	t.Helper()
-	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		buf := make([]byte, 65535)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			if echo {
-				pc.WriteTo(buf[:n], from)
-			} else {
-				fmt.Fprintf(writerTo{pc, from}, "%s:%d", name, n)
-			}
-		}
-	}()
-	t.Cleanup(func() { pc.Close(); <-done })
-	return netip.MustParseAddrPort(pc.LocalAddr().String())
+	return testbackend.UDP(t, name, echo)
 }
-
-type writerTo struct {
-	pc net.PacketConn
-	to net.Addr
-}
-
-func (w writerTo) Write(b []byte) (int, error) { return w.pc.WriteTo(b, w.to) }
 
 func udpSlice(name, svc string, backends ...netip.AddrPort) *discovery.EndpointSlice {
 	s := slice(name, svc, "dns", int32(backends[0].Port()))
