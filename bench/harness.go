@@ -119,11 +119,9 @@ func (c Config) withDefaults() (Config, error) {
 		}
 		return full
 	}
-	fullRuns := 3
-	if c.hasBaseline() {
-		fullRuns = 5
-	}
-	c.Runs = pick(c.Runs, fullRuns, 1)
+	// Five runs make the report that decides #31's targets: a median
+	// with a spread that one slow run cannot move.
+	c.Runs = pick(c.Runs, 5, 1)
 	c.Conns = pick(c.Conns, 32, 32)
 	c.IdleConns = pick(c.IdleConns, 10000, 200)
 	c.Endpoints = pick(c.Endpoints, 10, 3)
@@ -218,7 +216,7 @@ func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
 	fs.StringVar(&c.Out, "out", "", "Results folder (the report is OUT/STEM.md, charts and raw data in OUT/STEM/). Default bench/results, or a new temporary folder with --smoke.")
 	fs.StringVar(&c.Stem, "stem", "", "Report name. Default YYYY-MM-DD-HOST.")
 	fs.BoolVar(&c.Smoke, "smoke", false, "Tiny durations and counts: check that the harness works end to end in seconds (the figures mean nothing).")
-	fs.IntVar(&c.Runs, "runs", 0, "Repetitions of every measurement (min, median and max are reported). Default 3, 5 with a baseline (1 with --smoke).")
+	fs.IntVar(&c.Runs, "runs", 0, "Repetitions of every measurement (min, median and max are reported). Default 5 (1 with --smoke).")
 	fs.DurationVar(&c.Duration, "duration", 0, "Length of each timed data-path workload, warm-up included. Default 5s (300ms with --smoke).")
 	fs.StringSliceVar(&c.Paths, "paths", nil, "Data paths to measure, by id: "+strings.Join(pathIDs(), ",")+". Default all.")
 	fs.StringVar(&c.Baseline, "baseline", "", "Data paths: a uproxy binary built from an older commit. Every selected uproxy path is also measured with it (as <id>-baseline, same flags), interleaved in the same run, and the report gets a \"Before and after\" section. Default runs become 5.")
