@@ -78,6 +78,9 @@ type DataPathResults struct {
 	// UDPProfiles maps a path id to where its CPU went during the UDP
 	// workload, for the paths that carry UDP.
 	UDPProfiles map[string]*Profile `json:"udpProfiles,omitempty"`
+	// DNSProfiles maps a path id to where its CPU went during the UDP
+	// queries from a new port each (the dns workload).
+	DNSProfiles map[string]*Profile `json:"dnsProfiles,omitempty"`
 	// BulkProfiles maps a path id to where its CPU went during the bulk
 	// workload; their Rate is in MiB/s, so the CPU is per MiB carried.
 	BulkProfiles map[string]*Profile `json:"bulkProfiles,omitempty"`
@@ -145,6 +148,7 @@ func runDataPath(ctx context.Context, e *env) error {
 		Profiles:      map[string]*Profile{},
 		ShortProfiles: map[string]*Profile{},
 		UDPProfiles:   map[string]*Profile{},
+		DNSProfiles:   map[string]*Profile{},
 		BulkProfiles:  map[string]*Profile{},
 		Duration:      cfg.Duration.String(),
 		Conns:         cfg.Conns,
@@ -365,7 +369,7 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 	}
 
 	// UDP: long-lived sockets, then one new socket per query.
-	udpOK := false
+	udpOK, dnsOK := false, false
 	for _, u := range []struct {
 		workload, rate, p99, cpu, what string
 		extra                          []string
@@ -401,6 +405,7 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 		cost(u.cpu, m, float64(lr.AllOps))
 		note(u.workload, lr)
 		udpOK = udpOK || u.workload == "udp"
+		dnsOK = dnsOK || u.workload == "dns"
 		e.logf("%s %s: %.0f req/s, p99 %.0fµs", where, u.what, lr.Rate, lr.P99us)
 	}
 
@@ -437,6 +442,11 @@ func measureLoads(ctx context.Context, e *env, res *DataPathResults, p dataPath,
 			prof := profilePath(ctx, e, t, r, res.ProfileNA, "udp", append(targets(r.udp), "--conns", conns))
 			res.UDPProfiles[p.ID] = prof
 			e.logf("%s UDP profile: %s", where, prof.summary())
+		}
+		if dnsOK {
+			prof := profilePath(ctx, e, t, r, res.ProfileNA, "udp", append(targets(r.udp), "--conns", conns, "--new-socket"))
+			res.DNSProfiles[p.ID] = prof
+			e.logf("%s UDP new-port profile: %s", where, prof.summary())
 		}
 		if cfg.measures("bulk") {
 			prof := profilePath(ctx, e, t, r, res.ProfileNA, "bulk", targets(r.bulk))

@@ -664,6 +664,7 @@ func (dp *DataPathResults) profiled() []profiledWorkload {
 		{"Keep-alive requests", "req", dp.Profiles},
 		{"Short connections", "conn", dp.ShortProfiles},
 		{"UDP requests", "req", dp.UDPProfiles},
+		{"UDP queries from a new port", "req", dp.DNSProfiles},
 		{"Bulk transfers", "MiB", dp.BulkProfiles},
 	}
 }
@@ -686,6 +687,8 @@ func writeProfiles(b *strings.Builder, dp *DataPathResults) {
 		runs = "one extra keep-alive run per data path (its figures are not kept)"
 	case len(dp.UDPProfiles) == 0:
 		runs = "one extra keep-alive run and one extra short-connection run per data path (their figures are not kept)"
+	case len(dp.DNSProfiles) > 0:
+		runs = "one extra run of each workload (keep-alive, short connections, UDP and UDP from a new port per query where the path carries UDP, and bulk) per data path (their figures are not kept)"
 	case len(dp.BulkProfiles) > 0:
 		runs = "one extra run of each workload (keep-alive, short connections, UDP where the path carries it, and bulk) per data path (their figures are not kept)"
 	}
