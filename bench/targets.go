@@ -6,30 +6,41 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
 )
 
-// dataTarget is one of the project's data-path targets: uproxy's figure
-// of metric, as a ratio to base's measured in the same run, is at least
-// (or, with atMost, at most) bound.
+// dataTarget is one of #31's data-path targets: uproxy's figure of
+// metric, as a ratio to each base's measured in the same run, is at least
+// (or, with atMost, at most) that base's bound. A path meets the target
+// when it meets every bound.
 type dataTarget struct {
 	what   string // as the report states it
 	metric string
-	base   string // the data path the ratio is to
-	bound  float64
+	bounds []ratioBound
 	atMost bool
 	// profile is the section of "Where the CPU goes" that shows where the
 	// workload's time went; empty when there is none.
 	profile string
 }
 
-// dataTargets are the data-path targets, in the report's order.
+// ratioBound is one bound of a data-path target: the ratio to base's
+// figure (titled baseTitle in a cell with more than one bound).
+type ratioBound struct {
+	base, baseTitle string
+	bound           float64
+}
+
+// dataTargets are #31's data-path targets, in the report's order. The
+// long-flow UDP target compares with an older binary, not a yardstick:
+// writeUDPTarget writes it.
 var dataTargets = []dataTarget{
-	{"bulk TCP throughput ≥ 0.90× kernel DNAT", "bulk_gbps", "dnat", 0.90, false, "Bulk transfers"},
-	{"keep-alive request rate ≥ 1.2× HAProxy", "rr_rps", "haproxy", 1.2, false, "Keep-alive requests"},
-	{"keep-alive p99 latency ≤ HAProxy's", "rr_p99_us", "haproxy", 1.0, true, "Keep-alive requests"},
-	{"short-connection rate ≥ 1.0× HAProxy", "short_cps", "haproxy", 1.0, false, "Short connections"},
-	{"UDP request rate ≥ 1.5× nginx stream", "udp_rps", "nginx", 1.5, false, "UDP requests"},
-	{"memory per idle connection ≤ HAProxy's", "idle_kib", "haproxy", 1.0, true, ""},
+	{"`dns` (UDP, a new port per query) request rate ≥ 1.3× nginx stream and ≥ 0.75× kernel DNAT", "dns_rps",
+		[]ratioBound{{"nginx", "nginx", 1.3}, {"dnat", "DNAT", 0.75}}, false, "UDP queries from a new port"},
+	{"keep-alive request rate ≥ 1.15× HAProxy", "rr_rps", []ratioBound{{"haproxy", "HAProxy", 1.15}}, false, "Keep-alive requests"},
+	{"short-connection rate ≥ 1.0× HAProxy", "short_cps", []ratioBound{{"haproxy", "HAProxy", 1.0}}, false, "Short connections"},
+	{"keep-alive p99 latency ≤ HAProxy's", "rr_p99_us", []ratioBound{{"haproxy", "HAProxy", 1.0}}, true, "Keep-alive requests"},
+	{"bulk TCP throughput ≥ 0.90× kernel DNAT", "bulk_gbps", []ratioBound{{"dnat", "DNAT", 0.90}}, false, "Bulk transfers"},
+	{"memory per idle connection ≤ HAProxy's", "idle_kib", []ratioBound{{"haproxy", "HAProxy", 1.0}}, true, ""},
 }
 
 // runRatio is a figure's ratio to a base measured in the same runs.
@@ -63,12 +74,21 @@ func ratioWithin(s, base *Series) (runRatio, bool) {
 	return runRatio{median: med, lo: lo, hi: hi, paired: true}, true
 }
 
-// met reports whether ratio r meets t.
-func (t dataTarget) met(r float64) bool {
+// met reports whether ratio r meets bound.
+func (t dataTarget) met(r, bound float64) bool {
 	if t.atMost {
-		return r <= t.bound
+		return r <= bound
 	}
-	return r >= t.bound
+	return r >= bound
+}
+
+// margin is how far ratio r is from bound, as a factor: 1 or more when r
+// meets it, less the further it is from meeting it.
+func (t dataTarget) margin(r, bound float64) float64 {
+	if t.atMost {
+		return bound / r
+	}
+	return r / bound
 }
 
 // uproxyPaths returns the subjects whose id starts with "uproxy", in order,
@@ -84,14 +104,14 @@ func uproxyPaths(subjects []Subject) []Subject {
 	return out
 }
 
-// writeTargets writes the table of the project's targets, each read from
-// this report's figures, with what met it and, for one that nothing met,
-// the best figure and where its profile is.
+// writeTargets writes the table of #31's targets, each read from this
+// report's figures, with what met it and, for one that nothing met, the
+// closest figure and a link to the profile that bounds it.
 func writeTargets(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, haveDP, haveCP bool) {
 	b.WriteString("### Targets\n\n")
-	b.WriteString("The project's targets, read from this report's figures. A data-path ratio is the median over the runs of uproxy's figure divided\n" +
-		"by the yardstick's in the same run (in parentheses: the lowest and highest run). Where no uproxy data path meets a target,\n" +
-		"[Where the CPU goes](#where-the-cpu-goes) has the profile of that workload.\n\n")
+	b.WriteString("The targets of #31, read from this report's figures. A data-path ratio is the median over the runs of uproxy's figure divided\n" +
+		"by the yardstick's in the same run (in parentheses: the lowest and highest run). For a target that no uproxy path meets,\n" +
+		"the last column links to the profile of that workload in [Where the CPU goes](#where-the-cpu-goes), which shows what bounds it.\n\n")
 	if haveDP {
 		writeDataTargets(b, dp)
 	}
@@ -111,56 +131,158 @@ func writeDataTargets(b *strings.Builder, dp *DataPathResults) {
 	for _, t := range dataTargets {
 		fmt.Fprintf(b, "| %s |", t.what)
 		var metBy []string
-		best, bestPath := math.NaN(), ""
+		closest, closestPath := math.NaN(), Subject{}
+		var closestCell string
 		for _, p := range paths {
-			r, ok := ratioWithin(dp.Figures[t.metric][p.ID], dp.Figures[t.metric][t.base])
-			if !ok {
+			var cells []string
+			margin, met := math.Inf(1), true
+			for _, bd := range t.bounds {
+				r, ok := ratioWithin(dp.Figures[t.metric][p.ID], dp.Figures[t.metric][bd.base])
+				if !ok {
+					cells = nil
+					break
+				}
+				unpaired = unpaired || !r.paired
+				cell := fmt.Sprintf("%.2f×", r.median)
+				if r.paired && r.hi > r.lo {
+					cell += fmt.Sprintf(" (%.2f–%.2f)", r.lo, r.hi)
+				}
+				if len(t.bounds) > 1 {
+					cell += " " + bd.baseTitle
+				}
+				cells = append(cells, cell)
+				margin = math.Min(margin, t.margin(r.median, bd.bound))
+				met = met && t.met(r.median, bd.bound)
+			}
+			if cells == nil {
 				b.WriteString(" n/a |")
 				continue
 			}
-			unpaired = unpaired || !r.paired
-			cell := fmt.Sprintf("%.2f×", r.median)
-			if r.paired && r.hi > r.lo {
-				cell += fmt.Sprintf(" (%.2f–%.2f)", r.lo, r.hi)
-			}
+			cell := strings.Join(cells, ", ")
 			if t.metric == "idle_kib" {
 				cell = fmt.Sprintf("%s KiB, %s", fmtNum(median(dp.Figures[t.metric][p.ID])), cell)
 			}
 			fmt.Fprintf(b, " %s |", cell)
-			if t.met(r.median) {
+			if met {
 				metBy = append(metBy, p.Title)
 			}
-			if math.IsNaN(best) || (t.atMost && r.median < best) || (!t.atMost && r.median > best) {
-				best, bestPath = r.median, p.Title
+			if math.IsNaN(closest) || margin > closest {
+				closest, closestPath, closestCell = margin, p, strings.Join(cells, ", ")
 			}
 		}
 		switch {
 		case len(metBy) > 0:
 			fmt.Fprintf(b, " yes: %s |\n", strings.Join(metBy, "; "))
-		case math.IsNaN(best):
+		case math.IsNaN(closest):
 			b.WriteString(" not measured |\n")
 		default:
-			fmt.Fprintf(b, " no: best %.2f× (%s)", best, bestPath)
-			if t.profile != "" && hasProfiles(dp, t.profile) {
-				fmt.Fprintf(b, "; profile: %s", t.profile)
+			fmt.Fprintf(b, " no: closest %s (%s)", closestPath.Title, closestCell)
+			if link := profileLink(dp, t.profile, closestPath); link != "" {
+				b.WriteString("; profile: " + link)
 			}
 			b.WriteString(" |\n")
 		}
 	}
+	writeUDPTarget(b, dp, paths)
 	b.WriteString("\n")
 	if unpaired {
 		b.WriteString("A ratio without a range is of the medians: a run of one of its two paths failed, so the runs do not pair up.\n\n")
 	}
-	// The UDP target asks for the ratio to the kernel too.
-	var dnat []string
+}
+
+// writeUDPTarget writes the row of the long-flow UDP target: the udp
+// workload's rate no lower than before #31's changes. Only a baseline
+// binary measured in the same runs (--baseline, --baseline-rev) decides
+// it: another run's figures are from another moment of a shared machine.
+// Without one, the row says so and gives the ratios to the yardsticks.
+func writeUDPTarget(b *strings.Builder, dp *DataPathResults, paths []Subject) {
+	const metric = "udp_rps"
+	b.WriteString("| long-flow UDP (`udp`) request rate no lower than before (the baseline binary's, in the same runs) |")
+	m := Metric{ID: metric, Higher: true}
+	var metBy, decided []string
+	measured := false
 	for _, p := range paths {
-		if r, ok := ratioWithin(dp.Figures["udp_rps"][p.ID], dp.Figures["udp_rps"]["dnat"]); ok {
-			dnat = append(dnat, fmt.Sprintf("%s %.2f×", p.Title, r.median))
+		cur := dp.Figures[metric][p.ID]
+		if base := dp.Figures[metric][p.ID+baselineSuffix]; base.measured() {
+			row := beforeAfter{metric: m, path: p, base: base, cur: cur}
+			if !cur.measured() {
+				b.WriteString(" n/a |")
+				continue
+			}
+			v, why := row.verdict()
+			if why != "" {
+				v = why
+			}
+			fmt.Fprintf(b, " %.2f× the baseline: %s |", row.ratio(), v)
+			if v == verdictNoise || v == verdictBetter {
+				metBy = append(metBy, p.Title)
+			}
+			if why == "" {
+				decided = append(decided, p.Title)
+			}
+			continue
+		}
+		var cells []string
+		for _, y := range []struct{ id, title string }{{"dnat", "DNAT"}, {"nginx", "nginx"}} {
+			if r, ok := ratioWithin(cur, dp.Figures[metric][y.id]); ok {
+				cells = append(cells, fmt.Sprintf("%.2f× %s", r.median, y.title))
+			}
+		}
+		if len(cells) == 0 {
+			b.WriteString(" n/a |")
+			continue
+		}
+		measured = true
+		fmt.Fprintf(b, " %s |", strings.Join(cells, ", "))
+	}
+	switch {
+	case len(metBy) > 0:
+		fmt.Fprintf(b, " yes: %s |\n", strings.Join(metBy, "; "))
+	case len(decided) > 0:
+		fmt.Fprintf(b, " no: slower than the baseline (%s)", strings.Join(decided, "; "))
+		if link := profileLink(dp, "UDP requests", Subject{}); link != "" {
+			b.WriteString("; profile: " + link)
+		}
+		b.WriteString(" |\n")
+	case measured:
+		b.WriteString(" not decidable in this run: no baseline binary was measured (--baseline or --baseline-rev); the cells are the ratios to kernel DNAT and nginx stream |\n")
+	default:
+		b.WriteString(" not measured |\n")
+	}
+}
+
+// profileLink links to the section of "Where the CPU goes" titled title
+// and, if it has one, to p's own profile of that workload; "" when the
+// report has no profile of the workload.
+func profileLink(dp *DataPathResults, title string, p Subject) string {
+	if title == "" {
+		return ""
+	}
+	i := slices.IndexFunc(dp.profiled(), func(w profiledWorkload) bool { return w.title == title && len(w.profiles) > 0 })
+	if i < 0 {
+		return ""
+	}
+	link := fmt.Sprintf("[%s](#%s)", title, anchor(title))
+	if dp.profiled()[i].profiles[p.ID] != nil {
+		own := p.Title + ": " + strings.ToLower(title)
+		link += fmt.Sprintf(", [%s's](#%s)", p.Title, anchor(own))
+	}
+	return link
+}
+
+// anchor is the fragment that GitHub's Markdown gives heading h: lower
+// case, spaces as hyphens, and no punctuation but hyphens and underscores.
+func anchor(h string) string {
+	var a strings.Builder
+	for _, r := range strings.ToLower(h) {
+		switch {
+		case r == ' ':
+			a.WriteRune('-')
+		case r == '-' || r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r):
+			a.WriteRune(r)
 		}
 	}
-	if len(dnat) > 0 {
-		fmt.Fprintf(b, "UDP request rate, as a ratio to kernel DNAT: %s.\n\n", strings.Join(dnat, "; "))
-	}
+	return a.String()
 }
 
 // writeTargetsHeader writes the header of a targets table: a column per
@@ -177,63 +299,110 @@ func writeTargetsHeader(b *strings.Builder, subjects []Subject) {
 	b.WriteString("---|\n")
 }
 
-// hasProfiles reports whether the report has the profiles of the workload
-// that "Where the CPU goes" titles title.
-func hasProfiles(dp *DataPathResults, title string) bool {
-	return slices.ContainsFunc(dp.profiled(), func(w profiledWorkload) bool { return w.title == title && len(w.profiles) > 0 })
-}
-
-// Control-plane targets, at the largest scale measured.
+// Control-plane targets, at cpTargetScale services.
 const (
 	cpTargetScale     = 10000
-	cpTargetProgramS  = 1.0  // the first sync, after the initial lists
+	cpTargetProgramS  = 1.0  // tproxy mode's first sync, after the initial lists
 	cpTargetChangeP99 = 10.0 // ms, from uproxy's sync to traffic
+	cpTargetRSS       = 0.5  // of kube-proxy nftables's, in the same run
+	// cpTargetRSSBase is the proxy whose RSS the target is a ratio to.
+	cpTargetRSSBase = "kp-nftables"
+	// cpTargetSyncProxy is the proxy the first-sync target is set for.
+	cpTargetSyncProxy = "uproxy-tproxy"
 )
+
+// cpTargetRow is one control-plane target: value gives a proxy's figure
+// at a scale and its cell, or ok false when it has none.
+type cpTargetRow struct {
+	what  string
+	value func(p Subject, scale string) (v float64, cell string, ok bool)
+	met   func(float64) bool
+	// only, when set, is the one proxy whose figure decides the target;
+	// the others' are shown for comparison.
+	only string
+	// bound says what bounds an unmet target, or that nothing does yet.
+	bound string
+}
 
 func writeCPTargets(b *strings.Builder, cp *ControlPlaneResults) {
 	proxies := uproxyPaths(cp.Proxies)
 	if len(proxies) == 0 || len(cp.Scales) == 0 {
 		return
 	}
-	n := slices.Max(cp.Scales)
+	n := cpTargetScale
+	if !slices.Contains(cp.Scales, n) {
+		n = slices.Max(cp.Scales)
+	}
 	scale := strconv.Itoa(n)
 	fmt.Fprintf(b, "Control plane, at %s services × %d endpoints", thousands(int64(n)), cp.Endpoints)
-	if n < cpTargetScale {
-		fmt.Fprintf(b, " (the targets are set at %s: this run measured fewer)", thousands(cpTargetScale))
+	if n != cpTargetScale {
+		fmt.Fprintf(b, " (the targets are set at %s, which this run did not measure)", thousands(cpTargetScale))
 	}
 	b.WriteString(":\n\n")
 	writeTargetsHeader(b, proxies)
-	type row struct {
-		what, metric string
-		value        func(*Series) float64
-		unit         string // after the figure; "" for a count
-		met          func(float64) bool
+	series := func(metric string, p Subject) *Series {
+		if s := cp.Figures[metric][p.ID][scale]; s.measured() {
+			return s
+		}
+		return nil
 	}
-	rows := []row{
-		{"programmed ≤ 1 s after the informers' initial lists (median of the runs)", "after_lists_s", median, " s",
-			func(v float64) bool { return v <= cpTargetProgramS }},
-		{"endpoint change followed by traffic ≤ 10 ms p99, from uproxy's sync (every change of every run)", "change_sync_ms",
-			func(s *Series) float64 { return s.quantile(0.99) }, " ms", func(v float64) bool { return v <= cpTargetChangeP99 }},
-		{"no iptables or ipset process run for an endpoint change (the most any change ran)", "change_commands",
-			func(s *Series) float64 { return slices.Max(s.Values) }, "", func(v float64) bool { return v == 0 }},
+	noProfile := "no profile of the control plane is taken: see [Control plane results](#control-plane-results)"
+	rows := []cpTargetRow{
+		{"RSS ≤ 0.5× kube-proxy nftables's, in the same run",
+			func(p Subject, scale string) (float64, string, bool) {
+				s := series("rss_mib", p)
+				r, ok := ratioWithin(s, cp.Figures["rss_mib"][cpTargetRSSBase][scale])
+				if !ok {
+					return 0, "", false
+				}
+				cell := fmt.Sprintf("%s MiB, %.2f×", fmtNum(median(s)), r.median)
+				if r.paired && r.hi > r.lo {
+					cell += fmt.Sprintf(" (%.2f–%.2f)", r.lo, r.hi)
+				}
+				return r.median, cell, true
+			}, func(v float64) bool { return v <= cpTargetRSS }, "", noProfile},
+		{"tproxy mode: first sync ≤ 1 s after the informers' initial lists (median of the runs)",
+			func(p Subject, _ string) (float64, string, bool) {
+				s := series("after_lists_s", p)
+				if s == nil {
+					return 0, "", false
+				}
+				return median(s), fmtNum(median(s)) + " s", true
+			}, func(v float64) bool { return v <= cpTargetProgramS }, cpTargetSyncProxy, noProfile},
+		{"endpoint change followed by traffic ≤ 10 ms p99, from uproxy's sync (every change of every run)",
+			func(p Subject, _ string) (float64, string, bool) {
+				s := series("change_sync_ms", p)
+				if s == nil {
+					return 0, "", false
+				}
+				v := s.quantile(0.99)
+				return v, fmtNum(v) + " ms", true
+			}, func(v float64) bool { return v <= cpTargetChangeP99 }, "", noProfile},
+		{"no iptables or ipset process run for an endpoint change (the most any change ran)",
+			func(p Subject, _ string) (float64, string, bool) {
+				s := series("change_commands", p)
+				if s == nil {
+					return 0, "", false
+				}
+				v := slices.Max(s.Values)
+				return v, fmt.Sprintf("%.0f", v), true
+			}, func(v float64) bool { return v == 0 }, "", ""},
 	}
 	for _, r := range rows {
 		fmt.Fprintf(b, "| %s |", r.what)
 		var metBy []string
 		measured := false
 		for _, p := range proxies {
-			s := cp.Figures[r.metric][p.ID][scale]
-			if s == nil || len(s.Values) == 0 {
+			v, cell, ok := r.value(p, scale)
+			if !ok {
 				b.WriteString(" n/a |")
 				continue
 			}
-			measured = true
-			v := r.value(s)
-			if r.unit == "" {
-				fmt.Fprintf(b, " %.0f |", v)
-			} else {
-				fmt.Fprintf(b, " %s%s |", fmtNum(v), r.unit)
+			fmt.Fprintf(b, " %s |", cell)
+			if r.only != "" && p.ID != r.only {
+				continue
 			}
+			measured = true
 			if r.met(v) {
 				metBy = append(metBy, p.Title)
 			}
@@ -241,6 +410,8 @@ func writeCPTargets(b *strings.Builder, cp *ControlPlaneResults) {
 		switch {
 		case len(metBy) > 0:
 			fmt.Fprintf(b, " yes: %s |\n", strings.Join(metBy, "; "))
+		case measured && r.bound != "":
+			fmt.Fprintf(b, " no; %s |\n", r.bound)
 		case measured:
 			b.WriteString(" no |\n")
 		default:

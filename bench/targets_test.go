@@ -36,9 +36,21 @@ func TestRatioWithin(t *testing.T) {
 	}
 }
 
-// TestTargetsTable checks the targets table on made-up figures: which
-// targets each uproxy path meets, the best figure of one that none meets,
-// and the control plane's rows at the largest scale.
+// tableRows returns the rows of the Markdown tables in s, but for headers.
+func tableRows(s string) []string {
+	var got []string
+	for line := range strings.Lines(s) {
+		if strings.HasPrefix(line, "| ") && !strings.HasPrefix(line, "| target") {
+			got = append(got, strings.TrimSpace(line))
+		}
+	}
+	return got
+}
+
+// TestTargetsTable checks #31's targets table on made-up figures: which
+// targets each uproxy path meets, the closest figure of one that none
+// meets with a link to its profile, and the control plane's rows at
+// 10,000 services (not the largest scale).
 func TestTargetsTable(t *testing.T) {
 	series := func(v ...float64) *Series { return &Series{Values: v} }
 	dp := &DataPathResults{
@@ -48,48 +60,96 @@ func TestTargetsTable(t *testing.T) {
 			{ID: "uproxy-baseline", Title: "uproxy A, baseline"}},
 		Figures: map[string]map[string]*Series{
 			"bulk_gbps": {"dnat": series(20, 10), "uproxy": series(10, 6), "uproxy-b": series(12, 5)},
-			"rr_rps":    {"haproxy": series(100, 100), "uproxy": series(130, 120), "uproxy-b": series(100, 90), "uproxy-baseline": series(200, 200)},
+			// A meets the nginx bound but not DNAT's; B both.
+			"dns_rps":   {"dnat": series(100, 100), "nginx": series(50, 50), "uproxy": series(70, 70), "uproxy-b": series(80, 76)},
+			"rr_rps":    {"haproxy": series(100, 100), "uproxy": series(120, 110), "uproxy-b": series(100, 90), "uproxy-baseline": series(200, 200)},
 			"rr_p99_us": {"haproxy": series(100, 100), "uproxy": series(90, 100), "uproxy-b": series(110, 120)},
 			"short_cps": {"haproxy": series(10, 10), "uproxy": series(9, 9)},
 			"udp_rps":   {"dnat": series(200, 200), "nginx": series(100, 100), "uproxy": series(150, 160), "uproxy-b": series(140, 140)},
 			"idle_kib":  {"haproxy": series(3.3), "uproxy": series(1), "uproxy-b": series(4)},
 		},
+		Profiles:     map[string]*Profile{"uproxy": {}},
 		BulkProfiles: map[string]*Profile{"uproxy": {}},
 	}
 	cp := &ControlPlaneResults{
-		Proxies: []Subject{{ID: "dnat", Title: "DNAT"}, {ID: "uproxy", Title: "uproxy A"}, {ID: "uproxy-shared", Title: "uproxy shared"}},
-		Scales:  []int{1000, 10000},
+		Proxies: []Subject{{ID: "dnat", Title: "DNAT"}, {ID: "kp-nftables", Title: "kube-proxy nftables"},
+			{ID: "uproxy", Title: "uproxy A"}, {ID: "uproxy-tproxy", Title: "uproxy tproxy"}},
+		Scales: []int{1000, 10000, 20000},
 		Figures: map[string]map[string]map[string]*Series{
-			"after_lists_s": {"uproxy": {"1000": series(0.1), "10000": series(1.2, 1.3)}, "uproxy-shared": {"10000": series(0.8, 0.9, 1.1)}},
+			"rss_mib": {"kp-nftables": {"10000": series(100, 120)}, "uproxy": {"10000": series(40, 60)},
+				"uproxy-tproxy": {"10000": series(60, 60), "20000": series(10)}},
+			// Only tproxy mode's first sync is a target: uproxy A's is shown.
+			"after_lists_s": {"uproxy": {"1000": series(0.1), "10000": series(0.5, 0.6)}, "uproxy-tproxy": {"10000": series(0.8, 1.2, 1.3)}},
 			"change_sync_ms": {"uproxy": {"10000": series(3, 4, 5, 6)},
-				"uproxy-shared": {"10000": series(3, 4, 5, 60)}},
-			"change_commands": {"uproxy": {"10000": series(0, 0)}, "uproxy-shared": {"10000": series(0, 2)}},
+				"uproxy-tproxy": {"10000": series(3, 4, 5, 60)}},
+			"change_commands": {"uproxy": {"10000": series(0, 0)}, "uproxy-tproxy": {"10000": series(0, 2)}},
 		},
 		Endpoints: 10,
 	}
 	var b strings.Builder
 	writeTargets(&b, dp, cp, true, true)
-	var got []string
-	for line := range strings.Lines(b.String()) {
-		if strings.HasPrefix(line, "| ") && !strings.HasPrefix(line, "| target") {
-			got = append(got, strings.TrimSpace(line))
-		}
-	}
+	cpNo := "no; no profile of the control plane is taken: see [Control plane results](#control-plane-results)"
 	want := []string{
-		"| bulk TCP throughput ≥ 0.90× kernel DNAT | 0.55× (0.50–0.60) | 0.55× (0.50–0.60) | no: best 0.55× (uproxy A); profile: Bulk transfers |",
-		"| keep-alive request rate ≥ 1.2× HAProxy | 1.25× (1.20–1.30) | 0.95× (0.90–1.00) | yes: uproxy A |",
+		"| `dns` (UDP, a new port per query) request rate ≥ 1.3× nginx stream and ≥ 0.75× kernel DNAT | 1.40× nginx, 0.70× DNAT | 1.56× (1.52–1.60) nginx, 0.78× (0.76–0.80) DNAT | yes: uproxy B |",
+		"| keep-alive request rate ≥ 1.15× HAProxy | 1.15× (1.10–1.20) | 0.95× (0.90–1.00) | yes: uproxy A |",
+		"| short-connection rate ≥ 1.0× HAProxy | 0.90× | n/a | no: closest uproxy A (0.90×) |",
 		"| keep-alive p99 latency ≤ HAProxy's | 0.95× (0.90–1.00) | 1.15× (1.10–1.20) | yes: uproxy A |",
-		"| short-connection rate ≥ 1.0× HAProxy | 0.90× | n/a | no: best 0.90× (uproxy A) |",
-		"| UDP request rate ≥ 1.5× nginx stream | 1.55× (1.50–1.60) | 1.40× | yes: uproxy A |",
+		"| bulk TCP throughput ≥ 0.90× kernel DNAT | 0.55× (0.50–0.60) | 0.55× (0.50–0.60) | no: closest uproxy A (0.55× (0.50–0.60)); profile: [Bulk transfers](#bulk-transfers), [uproxy A's](#uproxy-a-bulk-transfers) |",
 		"| memory per idle connection ≤ HAProxy's | 1.00 KiB, 0.30× | 4.00 KiB, 1.21× | yes: uproxy A |",
-		"| programmed ≤ 1 s after the informers' initial lists (median of the runs) | 1.25 s | 0.900 s | yes: uproxy shared |",
+		"| long-flow UDP (`udp`) request rate no lower than before (the baseline binary's, in the same runs) | 0.78× DNAT, 1.55× nginx | 0.70× DNAT, 1.40× nginx | not decidable in this run: no baseline binary was measured (--baseline or --baseline-rev); the cells are the ratios to kernel DNAT and nginx stream |",
+		"| RSS ≤ 0.5× kube-proxy nftables's, in the same run | 50.0 MiB, 0.45× (0.40–0.50) | 60.0 MiB, 0.55× (0.50–0.60) | yes: uproxy A |",
+		"| tproxy mode: first sync ≤ 1 s after the informers' initial lists (median of the runs) | 0.550 s | 1.20 s | " + cpNo + " |",
 		"| endpoint change followed by traffic ≤ 10 ms p99, from uproxy's sync (every change of every run) | 6.00 ms | 60.0 ms | yes: uproxy A |",
 		"| no iptables or ipset process run for an endpoint change (the most any change ran) | 0 | 2 | yes: uproxy A |",
 	}
-	if diff := cmp.Diff(want, got); diff != "" {
+	if diff := cmp.Diff(want, tableRows(b.String())); diff != "" {
 		t.Errorf("targets table (-want +got):\n%s\nwhole:\n%s", diff, b.String())
 	}
-	if !strings.Contains(b.String(), "UDP request rate, as a ratio to kernel DNAT: uproxy A 0.78×; uproxy B 0.70×.") {
-		t.Errorf("no UDP ratio to kernel DNAT:\n%s", b.String())
+	if !strings.Contains(b.String(), "Control plane, at 10,000 services × 10 endpoints:") {
+		t.Errorf("the control-plane targets are not at 10,000 services:\n%s", b.String())
+	}
+}
+
+// TestUDPTargetBaseline checks the long-flow UDP target with a baseline
+// binary in the same runs: within noise or better meets it, worse does
+// not, and a path without a twin shows its yardstick ratios.
+func TestUDPTargetBaseline(t *testing.T) {
+	series := func(v ...float64) *Series { return &Series{Values: v} }
+	paths := []Subject{{ID: "uproxy", Title: "uproxy A"}, {ID: "uproxy-b", Title: "uproxy B"}, {ID: "uproxy-c", Title: "uproxy C"}}
+	for _, tc := range []struct {
+		name     string
+		a, aBase *Series
+		want     string
+	}{
+		{"within noise", series(98, 100, 102), series(99, 101, 103),
+			"| long-flow UDP (`udp`) request rate no lower than before (the baseline binary's, in the same runs) | 0.99× the baseline: within noise | 0.99× the baseline: within noise | 0.50× DNAT | yes: uproxy A; uproxy B |"},
+		{"worse", series(80, 81, 82), series(99, 101, 103),
+			"| long-flow UDP (`udp`) request rate no lower than before (the baseline binary's, in the same runs) | 0.80× the baseline: worse | 0.99× the baseline: within noise | 0.50× DNAT | yes: uproxy B |"},
+	} {
+		dp := &DataPathResults{Figures: map[string]map[string]*Series{"udp_rps": {
+			"dnat": series(100, 100, 100), "uproxy": tc.a, "uproxy-baseline": tc.aBase,
+			"uproxy-b": series(98, 100, 102), "uproxy-b-baseline": series(99, 101, 103), "uproxy-c": series(50, 50, 50)}}}
+		var b strings.Builder
+		writeUDPTarget(&b, dp, paths)
+		if diff := cmp.Diff([]string{tc.want}, tableRows(b.String())); diff != "" {
+			t.Errorf("%s (-want +got):\n%s", tc.name, diff)
+		}
+	}
+	// Every twin slower: not met, with the paths that decided it.
+	dp := &DataPathResults{Figures: map[string]map[string]*Series{"udp_rps": {
+		"uproxy": series(80, 81, 82), "uproxy-baseline": series(99, 101, 103)}}}
+	var b strings.Builder
+	writeUDPTarget(&b, dp, paths[:1])
+	want := "| long-flow UDP (`udp`) request rate no lower than before (the baseline binary's, in the same runs) | 0.80× the baseline: worse | no: slower than the baseline (uproxy A) |"
+	if diff := cmp.Diff([]string{want}, tableRows(b.String())); diff != "" {
+		t.Errorf("all worse (-want +got):\n%s", diff)
+	}
+}
+
+func TestAnchor(t *testing.T) {
+	got := []string{anchor("Keep-alive requests"), anchor("uproxy (io_uring): UDP queries from a new port"), anchor("uproxy A's")}
+	want := []string{"keep-alive-requests", "uproxy-io_uring-udp-queries-from-a-new-port", "uproxy-as"}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("anchors (-want +got):\n%s", diff)
 	}
 }
