@@ -764,28 +764,37 @@ func patientDialer(cfg *rest.Config) *rest.Config {
 }
 
 // timedOutDiagnosis records why proxy p (process proc) may not have
-// programmed n services in time: its output goes to a file in the data
-// folder, and what it was still running (kube-proxy's iptables-restore, say)
-// becomes a note in the report.
+// programmed n services in time: its output goes to a file in logDir (the
+// results folder holds only reports, raw results and charts), and what it
+// was still running (kube-proxy's iptables-restore, say) becomes a note in
+// the report, which names the file.
 func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *testlab.Proc, n int, at string) {
-	name := fmt.Sprintf("cp-%s-%d.log", p.ID, n)
-	if err := keepOutput(filepath.Join(e.cfg.dataDir(), name), proc.Output()); err != nil {
-		e.logf("%s: %v; its last lines:\n%s", at, err, tail(proc.Output(), 10))
-	} else {
-		e.logf("%s: %s's output is in %s; its last lines:\n%s", at, proc.Name, name, tail(proc.Output(), 10))
+	name := filepath.Join(logDir(e.cfg), fmt.Sprintf("cp-%s-%d.log", p.ID, n))
+	log := "its log is " + name
+	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+		log = fmt.Sprintf("its log could not be kept: %v", err)
+	} else if err := keepOutput(name, proc.Output()); err != nil {
+		log = fmt.Sprintf("its log could not be kept: %v", err)
 	}
+	e.logf("%s: %s's output: %s; its last lines:\n%s", at, proc.Name, log, tail(proc.Output(), 10))
+	note := fmt.Sprintf("%s at %s services: the %v ran out; %s", p.Title, thousands(int64(n)), e.cfg.ProgramTimeout, log)
 	busy, err := runningChildren("/proc", proc.Cmd.Process.Pid)
-	if err != nil {
+	switch {
+	case err != nil:
 		e.logf("%s: what %s was running: %v", at, proc.Name, err)
-		return
+	case len(busy) > 0:
+		note = fmt.Sprintf("%s at %s services: when the %v ran out, %s was still running %s; %s",
+			p.Title, thousands(int64(n)), e.cfg.ProgramTimeout, proc.Name, strings.Join(busy, ", "), log)
 	}
-	if len(busy) == 0 {
-		return
-	}
-	note := fmt.Sprintf("%s at %s services: when the %v ran out, %s was still running %s; its log is %s",
-		p.Title, thousands(int64(n)), e.cfg.ProgramTimeout, proc.Name, strings.Join(busy, ", "), name)
 	res.Notes = append(res.Notes, note)
 	e.logf("%s: %s", at, note)
+}
+
+// logDir is the folder of a run's process logs: a temporary folder named
+// after the report, outside the results folder, which holds only .md,
+// .json and .png files (TestResultsFileTypes).
+func logDir(cfg Config) string {
+	return filepath.Join(os.TempDir(), "bench-logs-"+cfg.Stem)
 }
 
 // maxKeptOutput bounds the output keepOutput writes: the last bytes are
