@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -55,6 +56,21 @@ type ControlPlaneResults struct {
 	GenerateSeconds map[string]float64 `json:"generateSeconds"`
 	// Notes on how the runs went (a proxy measured once, say).
 	Notes []string `json:"notes,omitempty"`
+	// HeapProfiles maps a uproxy proxy id to where its memory went at the
+	// largest scale, in the first run there.
+	HeapProfiles map[string]*HeapProfile `json:"heapProfiles,omitempty"`
+}
+
+// HeapProfile is a uproxy's Go heap once it has programmed every service:
+// what bounds its RSS.
+type HeapProfile struct {
+	Scale  int     `json:"scale"`
+	RSSMiB float64 `json:"rssMiB"`
+	// Top is `go tool pprof -top -sample_index=inuse_space` of the heap
+	// profile from its /debug/pprof/heap.
+	Top string `json:"top,omitempty"`
+	// NA says why there is no profile.
+	NA string `json:"na,omitempty"`
 }
 
 func (r *ControlPlaneResults) series(metric, proxy string, scale int) *Series {
@@ -233,7 +249,9 @@ func startUproxy(extra ...string) func(ctx context.Context, e *env, t *topo, k *
 	return func(ctx context.Context, e *env, t *topo, k *kubeEnv, _ *scaleSet) (*testlab.Proc, error) {
 		args := append([]string{e.uproxyBin, "run", "--kubeconfig", k.cp.Kubeconfig,
 			"--hostname-override", benchNode, "--cluster-cidr", clusterCIDR,
-			"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock"), "--state-file", filepath.Join(t.dir, "state.json")}, extra...)
+			"--upgrade-socket", filepath.Join(t.dir, "upgrade.sock"), "--state-file", filepath.Join(t.dir, "state.json"),
+			// For the heap profile at the largest scale (heapProfile).
+			"--profiling"}, extra...)
 		return t.lab.Start(t.lab.Node, "uproxy", args...)
 	}
 }
@@ -295,6 +313,7 @@ func runControlPlane(ctx context.Context, e *env) error {
 		Changes:         cfg.Changes,
 		Figures:         map[string]map[string]map[string]*Series{},
 		GenerateSeconds: map[string]float64{},
+		HeapProfiles:    map[string]*HeapProfile{},
 	}
 	for _, p := range e.cfg.cpProxies() {
 		res.Proxies = append(res.Proxies, p.Subject)
@@ -564,6 +583,11 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 		}
 		res.series("rss_mib", p.ID, n).add(float64(kib) / 1024)
 		e.logf("%s: %d rule lines, RSS %.0f MiB", at, rules, float64(kib)/1024)
+		if strings.HasPrefix(p.ID, "uproxy") && !cfg.NoProfile && n == slices.Max(res.Scales) && res.HeapProfiles[p.ID] == nil {
+			hp := heapProfile(ctx, e, t, n, float64(kib)/1024)
+			res.HeapProfiles[p.ID] = hp
+			e.logf("%s: heap profile: %s", at, cmp.Or(hp.NA, "ok"))
+		}
 	} else {
 		res.setNA(p.ID, n, "no process: the rules live in the kernel", "rss_mib")
 		e.logf("%s: %d rule lines", at, rules)
@@ -788,6 +812,27 @@ func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *testla
 	}
 	res.Notes = append(res.Notes, note)
 	e.logf("%s: %s", at, note)
+}
+
+// heapProfile takes the heap profile of the uproxy in t's node namespace
+// (started with --profiling, on its default debug address) at n services.
+// The profile is of memory in use: Go samples allocations all along, so
+// taking it costs the proxy nothing but the request.
+func heapProfile(ctx context.Context, e *env, t *topo, n int, rssMiB float64) *HeapProfile {
+	hp := &HeapProfile{Scale: n, RSSMiB: rssMiB}
+	data := filepath.Join(t.dir, "heap.pprof")
+	if _, err := t.lab.Exec(ctx, t.lab.Node, "curl", "-sS", "--fail", "--max-time", "60", "-o", data,
+		"http://127.0.0.1:10262/debug/pprof/heap"); err != nil {
+		hp.NA = "fetching /debug/pprof/heap: " + err.Error()
+		return hp
+	}
+	out, err := command(ctx, "go", "tool", "pprof", "-top", "-nodecount=20", "-sample_index=inuse_space", e.uproxyBin, data)
+	if err != nil {
+		hp.NA = "go tool pprof: " + err.Error()
+		return hp
+	}
+	hp.Top = trimPprof(out)
+	return hp
 }
 
 // logDir is the folder of a run's process logs: a temporary folder named

@@ -614,7 +614,34 @@ func writeCPDetails(b *strings.Builder, cfg Config, cp *ControlPlaneResults) (in
 		}
 		b.WriteString("\n")
 	}
+	writeHeapProfiles(b, cp)
 	return charts, nil
+}
+
+// heapSection is the title of the control plane's heap profiles.
+const heapSection = "Where uproxy's memory goes"
+
+// writeHeapProfiles writes uproxy's heap profiles at the largest scale:
+// what its RSS is made of.
+func writeHeapProfiles(b *strings.Builder, cp *ControlPlaneResults) {
+	if len(cp.HeapProfiles) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "### %s\n\nEach uproxy's Go heap once every service was programmed, in the first run at the largest scale: memory in use\n"+
+		"(`go tool pprof -top -sample_index=inuse_space` of /debug/pprof/heap on its debug address, with --profiling). The heap is\n"+
+		"part of the RSS; the rest is the Go runtime's own, freed memory not yet returned, and the binary.\n\n", heapSection)
+	for _, p := range cp.Proxies {
+		hp := cp.HeapProfiles[p.ID]
+		if hp == nil {
+			continue
+		}
+		fmt.Fprintf(b, "#### %s: heap at %s services (RSS %s MiB)\n\n", p.Title, thousands(int64(hp.Scale)), fmtNum(hp.RSSMiB))
+		if hp.NA != "" {
+			fmt.Fprintf(b, "n/a: %s\n\n", mdEscape(hp.NA))
+			continue
+		}
+		fmt.Fprintf(b, "```\n%s\n```\n\n", hp.Top)
+	}
 }
 
 func writeGoBench(b *strings.Builder, gb *GoBenchResults) {
