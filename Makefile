@@ -119,8 +119,8 @@ BENCHFLAGS ?=
 .PHONY: bench bench-smoke
 
 # bench: every part (datapath, controlplane, gobench), then the report:
-# bench/results/DATE-HOST.md and its charts. About three quarters of an hour
-# (the control plane goes up to 20,000 services).
+# bench/results/DATE-HOST.md and its charts, 5 runs. About an hour and a half
+# (the control plane goes up to 20,000 services: see bench/README.md).
 bench:
 	$(call apt-ensure,$(BENCH_PKGS))
 	cd bench && $(GO) run . all $(BENCHFLAGS)
