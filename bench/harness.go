@@ -84,7 +84,7 @@ type Config struct {
 	// services is measured once at that scale, not Runs times, to keep the
 	// whole run within the hour; zero means 1 minute.
 	SlowRun time.Duration
-	// NoProfile skips the CPU profiles (perf, pprof).
+	// NoProfile skips the profiles: CPU (perf, pprof) and uproxy's heap.
 	NoProfile bool
 	// Root is the uproxy module root; empty means the one above the
 	// working directory (testkube.ModuleRoot).
@@ -230,7 +230,7 @@ func registerConfigFlags(fs *pflag.FlagSet, c *Config) {
 	fs.IntVar(&c.Changes, "changes", 0, "Control plane: endpoint changes timed per proxy, scale and run. Default 5 (1 with --smoke).")
 	fs.DurationVar(&c.ProgramTimeout, "program-timeout", 0, "Control plane: longest wait for a proxy to program every service (it is not run again at larger scales). Default 5m (2m with --smoke).")
 	fs.DurationVar(&c.SlowRun, "slow-run", 0, "Control plane: a proxy slower than this to program a scale is measured once there, not --runs times. Default 1m.")
-	fs.BoolVar(&c.NoProfile, "no-profile", false, "Skip the CPU profiles (perf and pprof).")
+	fs.BoolVar(&c.NoProfile, "no-profile", false, "Skip the profiles: CPU (perf and pprof) and, in the control plane, uproxy's heap.")
 	fs.BoolVarP(&c.Verbose, "verbose", "v", false, "Also log every process the labs start.")
 }
 
