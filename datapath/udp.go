@@ -335,15 +335,17 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 		orig = cur.orig
 	case rq != nil && !l.Shared:
 		orig = rq.orig
-	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
+	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil && !p.guardedRoute(l):
 		// A listener of its own binds every address, and receives what
-		// anyone sends to its port, the listener guard notwithstanding
-		// (it holds the port only from the next rules write, and not at
-		// all after someone flushed its set). A new flow is forwarded
-		// only if uproxy's rules redirected it here: conntrack's entry
-		// names the original destination, which must be the service's
-		// (udpFlowFor). A datagram sent straight to the port has its own
-		// entry, whose destination is the listener's (#30).
+		// anyone sends to its port unless the listener guard drops it
+		// (Listener.Guarded): the guard holds the port only from the next
+		// rules write, and not at all after someone flushed its set. Until
+		// then a new flow is forwarded only if uproxy's rules redirected
+		// it here: conntrack's entry names the original destination,
+		// which must be the service's (udpFlowFor). A datagram sent
+		// straight to the port has its own entry, whose destination is
+		// the listener's (#30). The lookup is also needed, guard or not,
+		// when the traffic policies route by the original destination.
 		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
 		var err error
 		if orig, err = p.cfg.UDPOriginalDst(d.client, local); err != nil {
@@ -394,6 +396,20 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 		f.touch(p)
 		return
 	}
+}
+
+// guardedRoute reports whether a new flow of service port l's own
+// listener needs no conntrack lookup (Config.UDPOriginalDst): the kernel
+// drops what was not redirected to the port (Listener.Guarded), and
+// every address of the service routes alike (Snapshot.RoutesAlike), so
+// the original destination would change nothing. It keeps a lookup,
+// a netlink round trip, off every new client of a port like DNS's (#31).
+func (p *Engine) guardedRoute(l *Listener) bool {
+	if !l.Guarded.Load() {
+		return false
+	}
+	snap := l.Snap.Load()
+	return snap != nil && snap.RoutesAlike()
 }
 
 // notRedirected counts and logs a datagram that service port l's own
