@@ -318,6 +318,11 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	// meanwhile wait.
 	reapply := p.forceFull.Swap(false)
 	full = reapply || full
+	if reapply {
+		// A handover or zone change re-applies everything; until the
+		// rules are written again, trust no guard.
+		p.setGuarded(false)
+	}
 	p.refreshLocalAddrs()
 	var programmed []types.NamespacedName
 	if reapply {
@@ -340,10 +345,12 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		var err error
 		if rules, err = p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
 			p.rulesDirty = true
+			p.setGuarded(false)
 			p.log.Error("syncing rules failed; will retry with a full resync", zap.Error(err))
 			return fmt.Errorf("syncing rules: %w", err)
 		}
 		synced = true
+		p.setGuarded(true)
 	}
 	p.rulesDirty = false
 	if p.closeRetired() && p.requeued {
@@ -376,6 +383,22 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		ruleFields[0], ruleFields[1], ruleFields[2],
 		zap.Duration("duration", end.Sub(start)))
 	return nil
+}
+
+// setGuarded marks whether the kernel's listener guard holds the port of
+// every listener the services have: set after a rules write that
+// succeeded, which listed each of them (Intercepts), cleared when one
+// failed, which may have left the guard out, or before a forced resync.
+// A UDP listener that is not marked asks conntrack whether each new flow
+// was redirected to it (datapath.Listener.Guarded). A listener opened
+// since the last write is not marked until the next one. Called by the
+// sync goroutine.
+func (p *Proxier) setGuarded(on bool) {
+	for _, ls := range p.services {
+		for _, l := range ls {
+			l.Guarded.Store(on)
+		}
+	}
 }
 
 // closeRetired closes the listeners that applied services let go. The
