@@ -353,6 +353,16 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 			return
 		}
 	}
+	if (cur != nil || rq != nil) && !orig.IsValid() && !l.Shared && p.routesByDst(l) {
+		// A flow admitted on the guard alone, whose service has come to
+		// route by the original destination since (a Local policy): ask
+		// now, rather than take it for cluster-IP traffic. It was
+		// redirected, so a failed lookup (an expired entry) drops nothing.
+		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
+		if o, err := p.cfg.UDPOriginalDst(d.client, local); err == nil {
+			orig = o
+		}
+	}
 	if l.Shared {
 		// The flow remembers its service; only its first datagram asks
 		// which, and in redirect mode that means asking conntrack.
@@ -410,6 +420,17 @@ func (p *Engine) guardedRoute(l *Listener) bool {
 	}
 	snap := l.Snap.Load()
 	return snap != nil && snap.RoutesAlike()
+}
+
+// routesByDst reports whether service port l's own listener, in redirect
+// mode with conntrack lookups, routes by a flow's original destination
+// (see guardedRoute).
+func (p *Engine) routesByDst(l *Listener) bool {
+	if p.cfg.Transparent || p.cfg.UDPOriginalDst == nil {
+		return false
+	}
+	snap := l.Snap.Load()
+	return snap != nil && !snap.RoutesAlike()
 }
 
 // notRedirected counts and logs a datagram that service port l's own

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/balancer"
 )
 
 // TestUDPGuardedListenerSkipsConntrack runs new clients through a service
@@ -68,5 +69,45 @@ func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 				t.Errorf("%d original destination lookups for %d new clients, want %d", got, clients, tc.want)
 			}
 		})
+	}
+}
+
+// TestUDPGuardedFlowRoutedByDestinationLater checks that a flow admitted
+// without a conntrack lookup is looked up once its service routes by the
+// original destination: when externalTrafficPolicy Local comes with a node
+// port, the flow's datagrams to the node port go to the local endpoint,
+// not on as cluster-IP traffic.
+func TestUDPGuardedFlowRoutedByDestinationLater(t *testing.T) {
+	a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
+	nodePort := netip.MustParseAddrPort("192.0.2.1:30053")
+	var lookups atomic.Int32
+	p := startEngine(t, Config{
+		EventLoops: 1,
+		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+			lookups.Add(1)
+			return nodePort, nil
+		},
+	})
+	l := serve(t, p, "udp4", "default/syslog:syslog", a)
+	snap := testSnapshot("default/syslog:syslog", a)
+	snap.VIP, snap.NodePort = netip.MustParseAddrPort("10.96.0.11:514"), nodePort.Port()
+	l.Snap.Store(snap)
+	l.Guarded.Store(true)
+	c := dialUDP(t, int(l.Port))
+	got := []string{exchange(t, c, []byte("q"))}
+	n := []int32{lookups.Load()}
+	// The same endpoints, now with b local and externalTrafficPolicy Local.
+	local := testSnapshot("default/syslog:syslog", a, b)
+	local.VIP, local.NodePort, local.Policy = snap.VIP, snap.NodePort, Policy{ExternalLocal: true}
+	local.LocalBackends = local.Backends[1:]
+	local.Local = balancer.New(balancer.RoundRobin, local.LocalBackends)
+	l.Snap.Store(local)
+	got = append(got, exchange(t, c, []byte("q")))
+	n = append(n, lookups.Load())
+	if diff := cmp.Diff([]string{"a:1", "b:1"}, got); diff != "" {
+		t.Errorf("replies (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]int32{0, 1}, n); diff != "" {
+		t.Errorf("lookups after each datagram (-want +got):\n%s", diff)
 	}
 }
