@@ -54,6 +54,13 @@ type Config struct {
 	// redirect mode; without either, UDP service ports keep their own
 	// listeners. Empty means a listener per service port and family.
 	SharedListeners []v1.Protocol
+	// UDPCheckEveryFlow keeps the conntrack check of every new UDP flow
+	// of a listener of its own (datapath.Config.UDPOriginalDst) while the
+	// kernel's listener guard holds its port: the listeners are never
+	// marked Guarded. It guards against the guard's rules or set being
+	// removed behind the proxier's back, which only the next full sync
+	// notices. False trusts the guard after a rules write that succeeded.
+	UDPCheckEveryFlow bool
 	// PortRange limits listener ports; zero means the ports the kernel
 	// assigns to bind(0), chosen by uproxy (portAllocator).
 	PortRange PortRange
@@ -392,8 +399,9 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 // A UDP listener that is not marked asks conntrack whether each new flow
 // was redirected to it (datapath.Listener.Guarded). A listener opened
 // since the last write is not marked until the next one. Called by the
-// sync goroutine.
+// sync goroutine. With UDPCheckEveryFlow no listener is marked.
 func (p *Proxier) setGuarded(on bool) {
+	on = on && !p.cfg.UDPCheckEveryFlow
 	for _, ls := range p.services {
 		for _, l := range ls {
 			l.Guarded.Store(on)

@@ -900,3 +900,33 @@ func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 		t.Errorf("after a failed full resync (-want +got):\n%s", diff)
 	}
 }
+
+// TestUDPCheckEveryFlowMarksNoListener checks that with UDPCheckEveryFlow
+// a rules write that succeeded marks no listener guarded, so that every
+// new UDP flow is still checked with conntrack.
+func TestUDPCheckEveryFlowMarksNoListener(t *testing.T) {
+	p := NewProxier(Config{LoopbackEndpoints: true, Rules: &recordingRules{}, UDPCheckEveryFlow: true})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := p.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	p.Tracker().Replace([]*v1.Service{svc("kube-dns", "10.96.0.10", "dns:53/UDP")},
+		[]*discovery.EndpointSlice{slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})})
+	if err := p.sync(t.Context(), true); err != nil {
+		t.Fatal(err)
+	}
+	var marked []string
+	for name, ls := range p.services {
+		for _, l := range ls {
+			if l.Guarded.Load() {
+				marked = append(marked, name.Name)
+			}
+		}
+	}
+	if len(marked) > 0 {
+		t.Errorf("listeners of %v marked guarded with UDPCheckEveryFlow", marked)
+	}
+}
