@@ -463,8 +463,8 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	}
 	pm := snap.Metrics
 	// Without an original destination (a listener of its own in redirect
-	// mode, without Config.UDPOriginalDst) a datagram counts as
-	// cluster-IP traffic.
+	// mode, without Config.UDPOriginalDst or guarded with every address
+	// routing alike) a datagram counts as cluster-IP traffic.
 	bal := snap.Route(orig, orig.IsValid(), client.Addr(), p.internalClient)
 	if bal == nil {
 		pm.refusedDestination()
