@@ -86,7 +86,9 @@ type Config struct {
 	// new UDP flow in redirect mode: a shared listener routes the flow by
 	// it, and a service port's own listener drops a flow whose original
 	// destination is unknown or not the service's, which no rule of
-	// uproxy's sent there. Nil means UDP is shared only in tproxy mode,
+	// uproxy's sent there. A listener of its own skips it while the kernel
+	// guards its port (Listener.Guarded) and its addresses all route alike
+	// (Snapshot.RoutesAlike). Nil means UDP is shared only in tproxy mode,
 	// and a service port's own UDP listener forwards whatever reaches its
 	// port (tests that send to listeners directly).
 	UDPOriginalDst func(client, local netip.AddrPort) (netip.AddrPort, error)

@@ -41,6 +41,13 @@ type Listener struct {
 	// Routes is a shared listener's route table; nil on every other
 	// listener.
 	Routes atomic.Pointer[RouteTable]
+	// Guarded is set by the control plane while the kernel drops
+	// datagrams sent to the port without a redirect (the listener guard
+	// of redirect mode, once a rules write put the port in its set), and
+	// cleared when it may not: a new UDP flow then needs no conntrack
+	// lookup to be told from a stray datagram. False, the zero value,
+	// keeps the lookup.
+	Guarded atomic.Bool
 }
 
 // Close closes l's socket, which ends its accept or read loop.

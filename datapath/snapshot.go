@@ -128,6 +128,15 @@ func (s *Snapshot) Route(dst netip.AddrPort, known bool, client netip.Addr, inte
 	return s.Cluster
 }
 
+// RoutesAlike reports whether Route picks the same balancer for every
+// address of the service port, whatever the client, so that a flow's
+// original destination need not be known: without a Local policy every
+// address routes to Cluster, and with only a cluster IP (no node port,
+// external or load-balancer IP) there is one address to route.
+func (s *Snapshot) RoutesAlike() bool {
+	return s.Policy == (Policy{}) || (s.NodePort == 0 && len(s.External) == 0)
+}
+
 // EndpointSet is the traffic policies' choice of a service port's
 // endpoints for one flow, with the reason for it.
 type EndpointSet uint8

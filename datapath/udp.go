@@ -335,20 +335,32 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 		orig = cur.orig
 	case rq != nil && !l.Shared:
 		orig = rq.orig
-	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil:
+	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil && !p.guardedRoute(l):
 		// A listener of its own binds every address, and receives what
-		// anyone sends to its port, the listener guard notwithstanding
-		// (it holds the port only from the next rules write, and not at
-		// all after someone flushed its set). A new flow is forwarded
-		// only if uproxy's rules redirected it here: conntrack's entry
-		// names the original destination, which must be the service's
-		// (udpFlowFor). A datagram sent straight to the port has its own
-		// entry, whose destination is the listener's (#30).
+		// anyone sends to its port unless the listener guard drops it
+		// (Listener.Guarded): the guard holds the port only from the next
+		// rules write, and not at all after someone flushed its set. Until
+		// then a new flow is forwarded only if uproxy's rules redirected
+		// it here: conntrack's entry names the original destination,
+		// which must be the service's (udpFlowFor). A datagram sent
+		// straight to the port has its own entry, whose destination is
+		// the listener's (#30). The lookup is also needed, guard or not,
+		// when the traffic policies route by the original destination.
 		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
 		var err error
 		if orig, err = p.cfg.UDPOriginalDst(d.client, local); err != nil {
 			p.notRedirected(l, err)
 			return
+		}
+	}
+	if (cur != nil || rq != nil) && !orig.IsValid() && !l.Shared && p.routesByDst(l) {
+		// A flow admitted on the guard alone, whose service has come to
+		// route by the original destination since (a Local policy): ask
+		// now, rather than take it for cluster-IP traffic. It was
+		// redirected, so a failed lookup (an expired entry) drops nothing.
+		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
+		if o, err := p.cfg.UDPOriginalDst(d.client, local); err == nil {
+			orig = o
 		}
 	}
 	if l.Shared {
@@ -396,6 +408,31 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 	}
 }
 
+// guardedRoute reports whether a new flow of service port l's own
+// listener needs no conntrack lookup (Config.UDPOriginalDst): the kernel
+// drops what was not redirected to the port (Listener.Guarded), and
+// every address of the service routes alike (Snapshot.RoutesAlike), so
+// the original destination would change nothing. It keeps a lookup,
+// a netlink round trip, off every new client of a port like DNS's (#31).
+func (p *Engine) guardedRoute(l *Listener) bool {
+	if !l.Guarded.Load() {
+		return false
+	}
+	snap := l.Snap.Load()
+	return snap != nil && snap.RoutesAlike()
+}
+
+// routesByDst reports whether service port l's own listener, in redirect
+// mode with conntrack lookups, routes by a flow's original destination
+// (see guardedRoute).
+func (p *Engine) routesByDst(l *Listener) bool {
+	if p.cfg.Transparent || p.cfg.UDPOriginalDst == nil {
+		return false
+	}
+	snap := l.Snap.Load()
+	return snap != nil && !snap.RoutesAlike()
+}
+
 // notRedirected counts and logs a datagram that service port l's own
 // listener received with no original destination: not redirected.
 func (p *Engine) notRedirected(l *Listener, err error) {
@@ -426,8 +463,8 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	}
 	pm := snap.Metrics
 	// Without an original destination (a listener of its own in redirect
-	// mode, without Config.UDPOriginalDst) a datagram counts as
-	// cluster-IP traffic.
+	// mode, without Config.UDPOriginalDst or guarded with every address
+	// routing alike) a datagram counts as cluster-IP traffic.
 	bal := snap.Route(orig, orig.IsValid(), client.Addr(), p.internalClient)
 	if bal == nil {
 		pm.refusedDestination()

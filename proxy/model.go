@@ -268,7 +268,11 @@ type ServiceHealthSyncer interface {
 // listener. The Proxier calls it only from its sync goroutine, never
 // concurrently, always with the complete list. full is true on periodic
 // resyncs and after a failure: the syncer should then verify the kernel's
-// state instead of trusting what it wrote last.
+// state instead of trusting what it wrote last. A nil error promises that
+// the kernel drops datagrams sent to a listener port of intercepts without
+// a redirect (redirect mode's listener guard), so that the data path may
+// skip its own check (datapath.Listener.Guarded); in tproxy mode the data
+// path does not rely on it.
 type RuleSyncer interface {
 	SyncRules(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error)
 }

@@ -54,6 +54,13 @@ type Config struct {
 	// redirect mode; without either, UDP service ports keep their own
 	// listeners. Empty means a listener per service port and family.
 	SharedListeners []v1.Protocol
+	// UDPCheckEveryFlow keeps the conntrack check of every new UDP flow
+	// of a listener of its own (datapath.Config.UDPOriginalDst) while the
+	// kernel's listener guard holds its port: the listeners are never
+	// marked Guarded. It guards against the guard's rules or set being
+	// removed behind the proxier's back, which only the next full sync
+	// notices. False trusts the guard after a rules write that succeeded.
+	UDPCheckEveryFlow bool
 	// PortRange limits listener ports; zero means the ports the kernel
 	// assigns to bind(0), chosen by uproxy (portAllocator).
 	PortRange PortRange
@@ -318,6 +325,11 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	// meanwhile wait.
 	reapply := p.forceFull.Swap(false)
 	full = reapply || full
+	if reapply {
+		// A handover or zone change re-applies everything; until the
+		// rules are written again, trust no guard.
+		p.setGuarded(false)
+	}
 	p.refreshLocalAddrs()
 	var programmed []types.NamespacedName
 	if reapply {
@@ -340,10 +352,12 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		var err error
 		if rules, err = p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
 			p.rulesDirty = true
+			p.setGuarded(false)
 			p.log.Error("syncing rules failed; will retry with a full resync", zap.Error(err))
 			return fmt.Errorf("syncing rules: %w", err)
 		}
 		synced = true
+		p.setGuarded(true)
 	}
 	p.rulesDirty = false
 	if p.closeRetired() && p.requeued {
@@ -376,6 +390,23 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		ruleFields[0], ruleFields[1], ruleFields[2],
 		zap.Duration("duration", end.Sub(start)))
 	return nil
+}
+
+// setGuarded marks whether the kernel's listener guard holds the port of
+// every listener the services have: set after a rules write that
+// succeeded, which listed each of them (Intercepts), cleared when one
+// failed, which may have left the guard out, or before a forced resync.
+// A UDP listener that is not marked asks conntrack whether each new flow
+// was redirected to it (datapath.Listener.Guarded). A listener opened
+// since the last write is not marked until the next one. Called by the
+// sync goroutine. With UDPCheckEveryFlow no listener is marked.
+func (p *Proxier) setGuarded(on bool) {
+	on = on && !p.cfg.UDPCheckEveryFlow
+	for _, ls := range p.services {
+		for _, l := range ls {
+			l.Guarded.Store(on)
+		}
+	}
 }
 
 // closeRetired closes the listeners that applied services let go. The

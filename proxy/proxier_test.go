@@ -35,6 +35,8 @@ type recordingRules struct {
 	calls int
 	full  bool // the last call's
 	fail  error
+	// onSync, when set, is called at each call, with mu held.
+	onSync func()
 }
 
 func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, full bool) (RuleStats, error) {
@@ -42,6 +44,9 @@ func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, full bool)
 	defer r.mu.Unlock()
 	r.calls++
 	r.full = full
+	if r.onSync != nil {
+		r.onSync()
+	}
 	if r.fail != nil {
 		return RuleStats{}, r.fail
 	}
@@ -818,5 +823,110 @@ func TestListenerHoldsOneDescriptor(t *testing.T) {
 	listenForServices(t, p, rules, n)
 	if got := countFDs(t) - base; got > n+5 {
 		t.Errorf("%d services' listeners hold %d descriptors; want about one each", n, got)
+	}
+}
+
+// TestListenerGuardFollowsRuleWrites checks that the proxier marks its
+// listeners guarded (datapath.Listener.Guarded, which lets a UDP listener
+// skip conntrack for new flows) only once a rules write that listed them
+// succeeded: not before the first write, not after a failed one, and not
+// for a listener added since the last write until the next one.
+func TestListenerGuardFollowsRuleWrites(t *testing.T) {
+	rules := &recordingRules{}
+	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := p.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	dns := svc("kube-dns", "10.96.0.10", "dns:53/UDP")
+	dnsSlice := slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})
+	guarded := func() map[string]bool {
+		m := map[string]bool{}
+		for name, ls := range p.services {
+			for _, l := range ls {
+				m[name.Name] = l.Guarded.Load()
+			}
+		}
+		return m
+	}
+	sync := func(full bool, fail error) error {
+		t.Helper()
+		rules.mu.Lock()
+		rules.fail = fail
+		rules.mu.Unlock()
+		return p.sync(t.Context(), full)
+	}
+	failure := errors.New("iptables-restore: exit status 1")
+	p.Tracker().Replace([]*v1.Service{dns}, []*discovery.EndpointSlice{dnsSlice})
+	if err := sync(false, failure); err == nil {
+		t.Fatal("sync succeeded although the rules write failed")
+	}
+	if diff := cmp.Diff(map[string]bool{"kube-dns": false}, guarded()); diff != "" {
+		t.Errorf("after a failed rules write (-want +got):\n%s", diff)
+	}
+	if err := sync(true, nil); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(map[string]bool{"kube-dns": true}, guarded()); diff != "" {
+		t.Errorf("after a rules write (-want +got):\n%s", diff)
+	}
+	// A new service's listener is open before the write that guards it.
+	var during map[string]bool
+	rules.mu.Lock()
+	rules.onSync = func() { during = guarded() }
+	rules.mu.Unlock()
+	p.Tracker().Replace(
+		[]*v1.Service{dns, svc("syslog", "10.96.0.11", "syslog:514/UDP")},
+		[]*discovery.EndpointSlice{dnsSlice, slice("syslog-0", "syslog", "syslog", 514, ep{ip: "10.244.0.2"})})
+	if err := sync(false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(map[string]bool{"kube-dns": true, "syslog": false}, during); diff != "" {
+		t.Errorf("during the rules write that adds a listener (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(map[string]bool{"kube-dns": true, "syslog": true}, guarded()); diff != "" {
+		t.Errorf("after it (-want +got):\n%s", diff)
+	}
+	rules.mu.Lock()
+	rules.onSync = nil
+	rules.mu.Unlock()
+	if err := sync(true, failure); err == nil {
+		t.Fatal("sync succeeded although the rules write failed")
+	}
+	if diff := cmp.Diff(map[string]bool{"kube-dns": false, "syslog": false}, guarded()); diff != "" {
+		t.Errorf("after a failed full resync (-want +got):\n%s", diff)
+	}
+}
+
+// TestUDPCheckEveryFlowMarksNoListener checks that with UDPCheckEveryFlow
+// a rules write that succeeded marks no listener guarded, so that every
+// new UDP flow is still checked with conntrack.
+func TestUDPCheckEveryFlowMarksNoListener(t *testing.T) {
+	p := NewProxier(Config{LoopbackEndpoints: true, Rules: &recordingRules{}, UDPCheckEveryFlow: true})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := p.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	p.Tracker().Replace([]*v1.Service{svc("kube-dns", "10.96.0.10", "dns:53/UDP")},
+		[]*discovery.EndpointSlice{slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})})
+	if err := p.sync(t.Context(), true); err != nil {
+		t.Fatal(err)
+	}
+	var marked []string
+	for name, ls := range p.services {
+		for _, l := range ls {
+			if l.Guarded.Load() {
+				marked = append(marked, name.Name)
+			}
+		}
+	}
+	if len(marked) > 0 {
+		t.Errorf("listeners of %v marked guarded with UDPCheckEveryFlow", marked)
 	}
 }

@@ -23,6 +23,8 @@ import (
 // redirected), is dropped and counted, on every data path. Before, the
 // listener forwarded any datagram, so a cluster DNS service answered
 // anyone who found its listener's port, from outside the node too (#30).
+// The recording rules stand for a kernel without the listener guard, so
+// UDPCheckEveryFlow keeps the check that a guarded listener skips (#31).
 func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		a := udpBackend(t, "a", false)
@@ -44,7 +46,8 @@ func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 					return d, nil
 				},
 			},
-			Metrics: NewMetrics(reg),
+			Metrics:           NewMetrics(reg),
+			UDPCheckEveryFlow: true,
 		})
 		p.Tracker().Replace([]*v1.Service{udpMode(svc("dns", "10.96.0.53", "dns:53/UDP"), "flow")}, udpSlices("dns", a))
 		port := rules.port(t, "default/dns:dns")

@@ -138,24 +138,30 @@ func (s *conntrackSlot) close() {
 // It fails with an error wrapping ErrNoConntrackEntry when there is no such
 // entry, and with one wrapping net.ErrClosed after Close.
 func (l *ConntrackLookup) OriginalDst(proto Protocol, client, local netip.AddrPort) (netip.AddrPort, error) {
-	tuple := fmt.Sprintf("%s reply tuple %s -> %s", proto, local, client)
 	family, protoNum, payload, err := conntrackGetPayload(proto, client, local)
 	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("redirect: conntrack original destination of %s: %w", tuple, err)
+		return netip.AddrPort{}, originalDstErr(proto, client, local, err)
 	}
 	slot, err := l.acquire()
 	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("redirect: conntrack original destination of %s: %w", tuple, err)
+		return netip.AddrPort{}, originalDstErr(proto, client, local, err)
 	}
 	defer l.release(slot)
 	dst, err := slot.get(family, protoNum, payload)
 	switch {
 	case errors.Is(err, unix.ENOENT):
-		return netip.AddrPort{}, fmt.Errorf("redirect: conntrack original destination of %s: %w", tuple, ErrNoConntrackEntry)
+		return netip.AddrPort{}, originalDstErr(proto, client, local, ErrNoConntrackEntry)
 	case err != nil:
-		return netip.AddrPort{}, fmt.Errorf("redirect: conntrack original destination of %s: %w", tuple, err)
+		return netip.AddrPort{}, originalDstErr(proto, client, local, err)
 	}
 	return dst, nil
+}
+
+// originalDstErr wraps err, OriginalDst's failure, with the tuple it
+// looked up. It is formatted only on failure: a lookup that succeeds runs
+// once per new UDP flow, and formats nothing.
+func originalDstErr(proto Protocol, client, local netip.AddrPort, err error) error {
+	return fmt.Errorf("redirect: conntrack original destination of %s reply tuple %s -> %s: %w", proto, local, client, err)
 }
 
 // acquire takes the most recently used idle slot, or a new one without a

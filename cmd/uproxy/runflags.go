@@ -42,6 +42,7 @@ type runOptions struct {
 	dialTimeout        time.Duration
 	dialAttempts       int
 	udpTimeout         time.Duration
+	udpCheckEveryFlow  bool
 	udpMaxFlows        int
 	udpPoolSize        int
 	udpPoolMax         int
@@ -89,6 +90,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.dialTimeout, "endpoint-dial-timeout", time.Second, "How long one connection attempt to an endpoint may take before the next endpoint is tried.")
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
+	fs.BoolVar(&o.udpCheckEveryFlow, "udp-check-every-flow", false, "In redirect mode, ask conntrack whether each new UDP flow to a service port's own listener was redirected there, even while the kernel's listener guard drops what was not. By default the lookup is skipped once a rules write put the listener's port in the guard's set and the service's addresses all route alike (no Local traffic policy told apart by them), as for a cluster DNS service; the flag keeps it as a second check for when someone removes the guard's rules or set, until the next full sync (--iptables-sync-period) restores them, at one netlink round trip per new client.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, across all services; past it the least recently used flow ends. Each flow holds a socket. 0 means 65,536, or half the open-files limit if that is lower, so that flows cannot take the descriptors the TCP connections need.")
 	fs.IntVar(&o.udpPoolSize, "udp-pool-size", 0, "The most sockets each event loop keeps connected to one endpoint for UDP request-reply queries (uproxy.io/udp-mode; DNS by default), each carrying one query at a time; a query that finds them all awaiting replies is dropped. 0 means 256; -1 turns pooling off, so that every UDP client is a flow.")
 	fs.IntVar(&o.udpPoolMax, "udp-pool-max", 0, "The most pooled UDP sockets across all endpoints and event loops. 0 means 4,096, or a quarter of the open-files limit if that is lower.")
