@@ -17,16 +17,18 @@ const startupGCPercent = 400
 // first sync has ended. A GOGC in the environment is the operator's
 // choice, and left alone.
 //
-// Putting the target back also calls release (debug.FreeOSMemory) on a
-// goroutine of its own, which ends when release returns. The higher
-// target let the heap grow to several times the working set during the
-// first sync, and the runtime's scavenger hands such idle memory back
-// to the kernel only slowly: without release, the node agent would hold
-// its startup peak long after it (#31). The sync goroutine that calls
-// restore does not wait for the collection.
+// restore also calls release (debug.FreeOSMemory) on a goroutine of its
+// own, which ends when release returns, whether or not GOGC is set. The
+// first sync builds the whole model at once, and at any target the heap
+// then grows past the working set: the objects as the API server sends
+// them, before they are trimmed, and the previous collections' garbage.
+// The runtime's scavenger hands such idle memory back to the kernel only
+// slowly: without release, the node agent would hold its startup peak
+// long after it (#31). The sync goroutine that calls restore does not
+// wait for the collection.
 func startupGC(release func()) (restore func()) {
 	if _, set := os.LookupEnv("GOGC"); set {
-		return func() {}
+		return func() { go release() }
 	}
 	prev := debug.SetGCPercent(startupGCPercent)
 	return func() {

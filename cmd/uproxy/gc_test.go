@@ -44,13 +44,20 @@ func TestStartupGC(t *testing.T) {
 	if got := gcPercent(); got != before {
 		t.Errorf("with GOGC set, the target became %d; want it left at %d", got, before)
 	}
+	select {
+	case <-released:
+		t.Errorf("with GOGC set, the startup heap was released before the first sync ended")
+	default:
+	}
 	restore()
 	if got := gcPercent(); got != before {
 		t.Errorf("with GOGC set, restoring made the target %d; want %d", got, before)
 	}
+	// The operator's target still lets the first sync's heap grow past
+	// the working set, which the runtime would keep for long (#31).
 	select {
 	case <-released:
-		t.Errorf("with GOGC set, the heap was released: the operator's target decides")
-	case <-time.After(100 * time.Millisecond):
+	case <-time.After(10 * time.Second):
+		t.Errorf("with GOGC set, the startup heap was not released after the first sync")
 	}
 }
