@@ -42,6 +42,10 @@ type chainSpec struct {
 	// rules renders the chain's rules for family f in the canonical form
 	// iptables-save prints, each starting with "-A <name> ".
 	rules func(c chainSpec, f Family, r Rules) []string
+	// memo, set by Render on its copies of the chain table's entries,
+	// keeps what the chains of one render derive alike from r (see
+	// renderMemo); nil derives it anew for each chain.
+	memo *renderMemo
 }
 
 // The names of the chains that the built-in chains jump to, which
@@ -300,6 +304,7 @@ func allChainNames() string {
 // RenderSetUpdate), which must exist before this input is restored,
 // since iptables-restore refuses a rule that names a missing set.
 func Render(f Family, r Rules) []byte {
+	memo := &renderMemo{}
 	var b bytes.Buffer
 	for _, t := range tables() {
 		fmt.Fprintf(&b, "*%s\n", t)
@@ -310,6 +315,7 @@ func Render(f Family, r Rules) []byte {
 		}
 		for _, c := range chains {
 			if c.table == t {
+				c.memo = memo
 				for _, rule := range c.rules(c, f, r) {
 					b.WriteString(rule)
 					b.WriteByte('\n')

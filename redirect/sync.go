@@ -332,10 +332,8 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := r.validate(); err != nil {
 		return Result{}, fmt.Errorf("redirect: %s: invalid rules: %w", s.family, err)
 	}
-	want := Render(s.family, r)
-	wantState := parseState(want)
 	wantSets := wantSets(s.family, r)
-	res := Result{Rules: wantState.ruleCount(), SetMembers: wantSets.memberCount()}
+	res := Result{SetMembers: wantSets.memberCount()}
 	if s.noIpset != nil {
 		kinds := wantSets.wanted()
 		// The service and node-port sets serve the shared layout, or
@@ -355,6 +353,7 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 			needs = services + verb
 		}
 		if needs != "" {
+			res.Rules = parseState(Render(s.family, r)).ruleCount()
 			return res, fmt.Errorf("redirect: %s: %s kernel sets, but %w", s.family, needs, s.noIpset)
 		}
 	}
@@ -365,6 +364,16 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	// Until this Sync succeeds, the kernel's state is unknown.
 	s.last, s.lastSets = nil, nil
 	tproxy := r.TProxy != nil
+	var read *kernelRead
+	if last == nil || full || tproxy != lastTProxy {
+		// The full path reads the kernel: the reads wait for processes,
+		// the render below for the CPU, so they overlap.
+		read = s.startRead(ctx)
+		defer read.wait()
+	}
+	want := Render(s.family, r)
+	wantState := parseState(want)
+	res.Rules = wantState.ruleCount()
 
 	// A change of mode changes the jumps, which only the full path does.
 	if last != nil && !full && tproxy == lastTProxy {
@@ -380,11 +389,7 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	}
 	sameMode := last != nil && tproxy == lastTProxy
 
-	have, saved, err := s.read(ctx)
-	if err != nil {
-		return res, err
-	}
-	haveSets, err := s.readSets(ctx)
+	have, saved, haveSets, err := read.wait()
 	if err != nil {
 		return res, err
 	}

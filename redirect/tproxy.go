@@ -204,10 +204,10 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 	}
 	t := r.TProxy
 	rules := []string{fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain)}
-	rules = append(rules, tproxyBridgedGates(c.name, f, r)...)
+	rules = append(rules, tproxyBridgedGates(c, f, r)...)
 	if !r.Shared {
 		ns := tproxyNodePorts(f, r)
-		for _, p := range entryProtocols(tproxyEntries(f, r)) {
+		for _, p := range entryProtocols(c.entries(f, r)) {
 			rules = append(rules, fmt.Sprintf("-A %s -p %s %s -j %s", c.name, p, serviceSetMatch(f), tproxyServicesChain(p)))
 		}
 		for _, p := range protocols {
@@ -217,7 +217,7 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 		}
 		return append(rules, fmt.Sprintf("-A %s -p udp -m socket --transparent -g %s", c.name, tproxyDivertChain))
 	}
-	rules = append(rules, tproxyEntryRules(c.name, f, r, tproxyEntries(f, r))...)
+	rules = append(rules, tproxyEntryRules(c.name, f, r, c.entries(f, r))...)
 	rules = append(rules, sharedServiceRules(c.name, f, r, func(port, _ uint16) string { return t.target(f, port) })...)
 	for _, st := range sharedNodePortTargets(f, r) {
 		for _, d := range nodePortDests(f, r) {
@@ -238,10 +238,11 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 // destination, protocol and port. Node ports count only to a local
 // address: a pod's packet to another host's port goes its way. A
 // clone that TEE sent comes back through lo, which no gate matches.
-func tproxyBridgedGates(chain string, f Family, r Rules) []string {
+func tproxyBridgedGates(c chainSpec, f Family, r Rules) []string {
 	if r.TProxy.NoBridged {
 		return nil
 	}
+	chain := c.name
 	var rules []string
 	gate := func(p Protocol, match string) {
 		rules = append(rules, fmt.Sprintf("-A %s ! -i lo -p %s -m physdev --physdev-is-in %s -j %s", chain, p, match, tproxyBridgedChain))
@@ -251,7 +252,7 @@ func tproxyBridgedGates(chain string, f Family, r Rules) []string {
 	}
 	if r.Shared {
 		var prev interceptKey
-		for n, e := range tproxyEntries(f, r) {
+		for n, e := range c.entries(f, r) {
 			if n > 0 && e.key == prev {
 				continue
 			}
@@ -267,7 +268,7 @@ func tproxyBridgedGates(chain string, f Family, r Rules) []string {
 		}
 		return rules
 	}
-	for _, p := range entryProtocols(tproxyEntries(f, r)) {
+	for _, p := range entryProtocols(c.entries(f, r)) {
 		gate(p, serviceSetMatch(f))
 	}
 	ns := tproxyNodePorts(f, r)
@@ -335,7 +336,12 @@ func tproxyServiceRules(c chainSpec, f Family, r Rules) []string {
 	if !gatedTProxy(r) {
 		return nil
 	}
-	es := slices.DeleteFunc(tproxyEntries(f, r), func(e tproxyEntry) bool { return e.key.proto != c.proto })
+	var es []tproxyEntry
+	for _, e := range c.entries(f, r) {
+		if e.key.proto == c.proto {
+			es = append(es, e)
+		}
+	}
 	return tproxyEntryRules(c.name, f, r, es)
 }
 
@@ -414,7 +420,7 @@ func tproxyOutputRules(c chainSpec, f Family, r Rules) []string {
 	if r.TProxy == nil {
 		return nil
 	}
-	es := tproxyEntries(f, r)
+	es := c.entries(f, r)
 	if !r.Shared {
 		var rules []string
 		for _, p := range entryProtocols(es) {
