@@ -40,14 +40,7 @@ func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			be := udpBackend(t, "a", false)
-			var lookups atomic.Int32
-			p := startEngine(t, Config{
-				EventLoops: 1,
-				UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
-					lookups.Add(1)
-					return vip, nil
-				},
-			})
+			p, lookups := lookupCountingEngine(t, vip)
 			l := serve(t, p, "udp4", "kube-system/kube-dns:dns", be)
 			snap := testSnapshot("kube-system/kube-dns:dns", be)
 			snap.VIP, snap.NodePort, snap.Policy, snap.UDPMode = vip, tc.nodePort, tc.policy, tc.mode
@@ -80,14 +73,7 @@ func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 func TestUDPGuardedFlowRoutedByDestinationLater(t *testing.T) {
 	a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
 	nodePort := netip.MustParseAddrPort("192.0.2.1:30053")
-	var lookups atomic.Int32
-	p := startEngine(t, Config{
-		EventLoops: 1,
-		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
-			lookups.Add(1)
-			return nodePort, nil
-		},
-	})
+	p, lookups := lookupCountingEngine(t, nodePort)
 	l := serve(t, p, "udp4", "default/syslog:syslog", a)
 	snap := testSnapshot("default/syslog:syslog", a)
 	snap.VIP, snap.NodePort = netip.MustParseAddrPort("10.96.0.11:514"), nodePort.Port()
@@ -110,4 +96,20 @@ func TestUDPGuardedFlowRoutedByDestinationLater(t *testing.T) {
 	if diff := cmp.Diff([]int32{0, 1}, n); diff != "" {
 		t.Errorf("lookups after each datagram (-want +got):\n%s", diff)
 	}
+}
+
+// lookupCountingEngine starts an engine with one event loop whose
+// conntrack lookup (Config.UDPOriginalDst) answers orig and counts its
+// calls.
+func lookupCountingEngine(t *testing.T, orig netip.AddrPort) (*Engine, *atomic.Int32) {
+	t.Helper()
+	var lookups atomic.Int32
+	p := startEngine(t, Config{
+		EventLoops: 1,
+		UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
+			lookups.Add(1)
+			return orig, nil
+		},
+	})
+	return p, &lookups
 }

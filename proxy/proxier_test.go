@@ -507,14 +507,7 @@ func TestRuleFailureForcesFullResync(t *testing.T) {
 // zone change) re-applies every service.
 func TestPeriodicResyncKeepsSnapshots(t *testing.T) {
 	rules := &recordingRules{}
-	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules})
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := p.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-	})
+	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: rules})
 	webSlice := func(ip string) *discovery.EndpointSlice {
 		return slice("web-0", "web", "http", 8080, ep{ip: ip})
 	}
@@ -833,14 +826,7 @@ func TestListenerHoldsOneDescriptor(t *testing.T) {
 // for a listener added since the last write until the next one.
 func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 	rules := &recordingRules{}
-	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules})
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := p.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-	})
+	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: rules})
 	dns := svc("kube-dns", "10.96.0.10", "dns:53/UDP")
 	dnsSlice := slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})
 	guarded := func() map[string]bool {
@@ -905,14 +891,7 @@ func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 // a rules write that succeeded marks no listener guarded, so that every
 // new UDP flow is still checked with conntrack.
 func TestUDPCheckEveryFlowMarksNoListener(t *testing.T) {
-	p := NewProxier(Config{LoopbackEndpoints: true, Rules: &recordingRules{}, UDPCheckEveryFlow: true})
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := p.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-	})
+	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: &recordingRules{}, UDPCheckEveryFlow: true})
 	p.Tracker().Replace([]*v1.Service{svc("kube-dns", "10.96.0.10", "dns:53/UDP")},
 		[]*discovery.EndpointSlice{slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})})
 	if err := p.sync(t.Context(), true); err != nil {
@@ -929,4 +908,18 @@ func TestUDPCheckEveryFlowMarksNoListener(t *testing.T) {
 	if len(marked) > 0 {
 		t.Errorf("listeners of %v marked guarded with UDPCheckEveryFlow", marked)
 	}
+}
+
+// newTestProxier returns NewProxier(cfg), shut down when the test ends.
+func newTestProxier(t *testing.T, cfg Config) *Proxier {
+	t.Helper()
+	p := NewProxier(cfg)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := p.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	return p
 }
