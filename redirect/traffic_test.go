@@ -157,7 +157,15 @@ func (tl *trafficLab) serveSocket(ns string, f Family, p Protocol, port uint16, 
 	if transparent {
 		listen += ",ip-transparent"
 	}
-	proc, err := tl.lab.Start(ns, "socat "+listen, "socat", listen, "SYSTEM:echo "+reply)
+	respond := "SYSTEM:echo " + reply
+	if p == UDP {
+		// socat writes the datagram to the command's stdin once the
+		// command runs, and exits on EPIPE, without sending what the
+		// command printed, if the command has already ended; so the
+		// command reads the datagram before it answers.
+		respond = "SYSTEM:head -c1 >/dev/null; echo " + reply
+	}
+	proc, err := tl.lab.Start(ns, "socat "+listen, "socat", listen, respond)
 	if err != nil {
 		tl.t.Fatal(err)
 	}
@@ -219,11 +227,10 @@ func (tl *trafficLab) expect(what, ns string, p Protocol, dest netip.AddrPort, w
 	tl.t.Helper()
 	got := tl.dial(ns, p, dest)
 	if p == UDP && got == noReply && want != noReply {
-		// A datagram may be lost, or its answer (socat forks a child
-		// per datagram) come after the dial's 2 s, on a machine busy
-		// with the other packages' tests: once in a make test run, a
-		// node port's only datagram went unanswered. It gets a second
-		// try; a wrong answer, or a second loss, fails the test.
+		// A datagram may be lost, or its answer (socat forks twice per
+		// datagram) come after the dial's 2 s on a machine busy with
+		// the other packages' tests. It gets a second try; a wrong
+		// answer, or a second loss, fails the test.
 		tl.t.Logf("%s: no answer from %s over UDP from %s; trying once more", what, dest, ns)
 		got = tl.dial(ns, p, dest)
 	}
