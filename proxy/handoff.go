@@ -277,6 +277,9 @@ func (p *Proxier) adoptOrAllocate(l *listener, host string, exact uint16, try fu
 		p.log.Warn("cannot adopt the inherited socket; binding a new one, so its rules change",
 			zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Error(err))
 	}
+	if err := p.listenerBudget(l.key); err != nil {
+		return 0, err
+	}
 	if exact != 0 {
 		return p.ports.allocateExact(network, exact, try)
 	}

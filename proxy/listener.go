@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -166,6 +167,23 @@ func (p *Proxier) bindListener(ctx context.Context, k portKey, exact uint16) (*l
 	}
 	l.Port = port
 	return l, nil
+}
+
+// errListenerBudget: Config.MaxListeners sockets are open.
+var errListenerBudget = errors.New("the listener budget is spent")
+
+// listenerBudget returns errListenerBudget, with the counts, when the
+// listener of k would pass Config.MaxListeners. The shared listeners'
+// sockets count, but are never refused: each stands for every service.
+func (p *Proxier) listenerBudget(k portKey) error {
+	limit := p.cfg.MaxListeners
+	if limit <= 0 || k.name.Port == SharedPortName && k.name.Namespace == "" && k.name.Name == "" {
+		return nil
+	}
+	if n := p.ports.count(); n >= limit {
+		return fmt.Errorf("%w: %d listening sockets are open, and --max-listeners is %d", errListenerBudget, n, limit)
+	}
+	return nil
 }
 
 // startListener is the second half of openListenerAt: it readies l's

@@ -66,6 +66,12 @@ type Metrics struct {
 	// the sync goroutine.
 	noLocal      map[types.NamespacedName]noLocalCounts
 	noLocalTotal noLocalCounts
+	// noListener holds, per service, how many of its ports in each
+	// family want a listener of their own and could not open it;
+	// noListenerTotal sums them. Owned by the sync goroutine.
+	noListener      map[types.NamespacedName][2]int
+	noListenerTotal [2]int
+	noListenerPorts *prometheus.GaugeVec // ip_family
 
 	// dp are the data path's own metrics, which every port's counters
 	// point to.
@@ -206,6 +212,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:      "Cumulative proxy rules Service changes",
 		}),
 		noLocal: map[types.NamespacedName]noLocalCounts{},
+		noListenerPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "uproxy_service_ports_without_listener",
+			Help: "Service ports that want a listener of their own and could not open it (out of descriptors or ports, or past --max-listeners), by IP family; their traffic is not intercepted until a retry opens it.",
+		}, []string{"ip_family"}),
+		noListener: map[types.NamespacedName][2]int{},
 		connections: prometheus.NewDesc("uproxy_connections_total",
 			"Connections (TCP) and flows (UDP) handled, by service port, backend and result (ok, dial_error, no_endpoints, refused_destination, limit, endpoint_limit).",
 			[]string{"service", "port", "backend", "result"}, nil),
@@ -266,7 +277,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:      "Pending proxy rules Service changes",
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
-			m.netProgramming, m.noLocalEndpoints, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
+			m.netProgramming, m.noLocalEndpoints, m.noListenerPorts, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
 			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted, udpPool, m.dp.UDPPoolSockets)
 	}
 	return m
@@ -362,6 +373,7 @@ func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[type
 		i := familyIndex(f)
 		m.noLocalEndpoints.WithLabelValues("internal", fam).Set(float64(m.noLocalTotal[i][0]))
 		m.noLocalEndpoints.WithLabelValues("external", fam).Set(float64(m.noLocalTotal[i][1]))
+		m.noListenerPorts.WithLabelValues(fam).Set(float64(m.noListenerTotal[i]))
 	}
 	for _, ts := range triggers {
 		for _, t := range ts {
@@ -591,4 +603,22 @@ func b2i(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// setNoListener records how many ports of service, per family, have no
+// listener, replacing its previous counts; the gauge follows at the end of
+// the sync. Called by the sync goroutine for each service it applies.
+func (m *Metrics) setNoListener(service types.NamespacedName, c [2]int) {
+	if m == nil {
+		return
+	}
+	old := m.noListener[service]
+	for f := range c {
+		m.noListenerTotal[f] += c[f] - old[f]
+	}
+	if c == ([2]int{}) {
+		delete(m.noListener, service)
+	} else {
+		m.noListener[service] = c
+	}
 }

@@ -325,6 +325,16 @@ func (a *portAllocator) allocateEphemeral(network string, try func(port uint16) 
 	return got, err
 }
 
+// count returns how many ports are in use, in every network: one
+// listening socket each.
+func (a *portAllocator) count() int {
+	n := 0
+	for _, ports := range a.used {
+		n += len(ports)
+	}
+	return n
+}
+
 // release returns a port to the range.
 func (a *portAllocator) release(network string, port uint16) {
 	if a.used != nil && a.used[network] != nil {

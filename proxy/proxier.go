@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -61,6 +62,18 @@ type Config struct {
 	// removed behind the proxier's back, which only the next full sync
 	// notices. False trusts the guard after a rules write that succeeded.
 	UDPCheckEveryFlow bool
+	// MaxListeners bounds the listening sockets of the service ports'
+	// own listeners, each a descriptor, counted with the shared
+	// listeners' sockets (which it never refuses) and those adopted from
+	// a predecessor (which it never refuses either). Past it, a service
+	// port's listener is not opened: the port is counted in
+	// uproxy_service_ports_without_listener and retried at each sync,
+	// as any listener that cannot be opened is. It keeps the
+	// descriptors that connections, flows and rules writes need: a rules
+	// write runs iptables-restore, which cannot start once the process
+	// is out of descriptors, and then no service is proxied at all.
+	// Zero means no bound.
+	MaxListeners int
 	// PortRange limits listener ports; zero means the ports the kernel
 	// assigns to bind(0), chosen by uproxy (portAllocator).
 	PortRange PortRange
@@ -158,9 +171,12 @@ type Proxier struct {
 	retired []*listener
 	// requeued: a service of this sync failed and waits for a retry.
 	requeued bool
-	slots    map[ServicePortName]*datapath.ConnSlots // per service port, shared by its listeners
-	hash     hashTables                              // the source-hash balancers' tables
-	warned   map[types.NamespacedName]*v1.Service    // the version whose ignored annotations were logged
+	// budgetRefused counts the listeners of this sync that
+	// Config.MaxListeners refused, for one log line per sync.
+	budgetRefused int
+	slots         map[ServicePortName]*datapath.ConnSlots // per service port, shared by its listeners
+	hash          hashTables                              // the source-hash balancers' tables
+	warned        map[types.NamespacedName]*v1.Service    // the version whose ignored annotations were logged
 	// hcPorts and hcLocal are what the ServiceHealth server was last
 	// given (or is to be given when hcDirty): each health-checked
 	// service's port and number of ready local endpoints. Kept per
@@ -340,6 +356,11 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	ch := p.tracker.Take(reapply, programmed)
 	p.cfg.Metrics.countChanges(ch.ServiceChanges, ch.SliceChanges)
 	p.applyServices(ctx, ch.Services)
+	if p.budgetRefused > 0 {
+		p.log.Error("service ports have no listener: the listener budget is spent; they are retried at each sync (raise the open-files limit, or --max-listeners, or use --listener=shared)",
+			zap.Int("servicePorts", p.budgetRefused), zap.Int("listeningSockets", p.ports.count()), zap.Int("maxListeners", p.cfg.MaxListeners))
+		p.budgetRefused = 0
+	}
 	// The shared listeners' routes, like the rules, follow the intercepts:
 	// they change only with them (rulesDirty).
 	if reapply || p.rulesDirty {
@@ -591,6 +612,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 	})
 	failed := false
 	var noLocal noLocalCounts
+	var noListener [2]int // by family
 	hashing := p.beginHashing(st.Name)
 	defer p.endHashing(st.Name, hashing)
 	for _, wp := range w.ports {
@@ -607,7 +629,14 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 				l, err = p.openListener(ctx, k)
 			}
 			if err != nil {
-				p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
+				if errors.Is(err, errListenerBudget) {
+					// Said once per sync (budgetRefused), not per port.
+					p.log.Debug("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
+					p.budgetRefused++
+				} else {
+					p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
+				}
+				noListener[familyIndex(familyOf(k.v6))]++
 				failed = true
 				continue
 			}
@@ -627,6 +656,7 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 		}
 	}
 	p.cfg.Metrics.setNoLocal(st.Name, noLocal)
+	p.cfg.Metrics.setNoListener(st.Name, noListener)
 	if len(have) == 0 {
 		delete(p.services, st.Name)
 	} else {

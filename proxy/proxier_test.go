@@ -19,6 +19,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	proxyproto "github.com/pires/go-proxyproto"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 	v1 "k8s.io/api/core/v1"
@@ -922,4 +923,58 @@ func newTestProxier(t *testing.T, cfg Config) *Proxier {
 		}
 	})
 	return p
+}
+
+// TestListenerBudget checks Config.MaxListeners: the service ports past
+// it get no listener and no intercept, are counted and said in one line
+// per sync rather than one per port, and open once listeners are closed;
+// the others serve meanwhile. Listeners past the open-files limit made
+// every rules write fail, and then no service was proxied.
+func TestListenerBudget(t *testing.T) {
+	const budget, n = 3, 5
+	be := nameBackend(t, "a")
+	reg := prometheus.NewRegistry()
+	m := NewMetrics(reg)
+	core, logs := observer.New(zap.ErrorLevel)
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Metrics: m, MaxListeners: budget})
+	var svcs []*v1.Service
+	var eps []*discovery.EndpointSlice
+	for i := range n {
+		name := fmt.Sprintf("s%d", i)
+		svcs = append(svcs, svc(name, fmt.Sprintf("10.96.0.%d", 10+i), "http:80"))
+		eps = append(eps, slicesFor(name, "http", be)...)
+	}
+	p.Tracker().Replace(svcs, eps)
+	for i := range budget {
+		if got, err := get(t, rules.port(t, fmt.Sprintf("default/s%d:http", i))); err != nil || got != "a" {
+			t.Errorf("s%d answered %q, %v; want a", i, got, err)
+		}
+	}
+	for i := budget; i < n; i++ {
+		if name := fmt.Sprintf("default/s%d:http", i); rules.has(name) {
+			t.Errorf("%s has an intercept past the budget of %d listeners", name, budget)
+		}
+	}
+	without := func() float64 {
+		return series(t, reg, "uproxy_service_ports_without_listener")["uproxy_service_ports_without_listener{ip_family=IPv4}"]
+	}
+	waitUntil(t, "the ports without a listener are counted", func() bool { return without() == n-budget })
+	if got := logs.FilterMessage("cannot open listener; will retry").Len(); got != 0 {
+		t.Errorf("%d error lines name a port past the budget; want one line per sync", got)
+	}
+	summary := logs.FilterMessageSnippet("the listener budget is spent").All()
+	if len(summary) == 0 {
+		t.Fatal("no line says the listener budget is spent")
+	}
+	if got := summary[0].ContextMap()["servicePorts"]; got != int64(n-budget) {
+		t.Errorf("the line counts %v service ports; want %d", got, n-budget)
+	}
+	// Two services leave: the two waiting get their listeners.
+	p.Tracker().Replace(svcs[2:], eps[2:])
+	for i := budget; i < n; i++ {
+		if got, err := get(t, rules.port(t, fmt.Sprintf("default/s%d:http", i))); err != nil || got != "a" {
+			t.Errorf("s%d answered %q, %v; want a", i, got, err)
+		}
+	}
+	waitUntil(t, "no port is without a listener", func() bool { return without() == 0 })
 }

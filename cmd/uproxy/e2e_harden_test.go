@@ -2,10 +2,14 @@ package main
 
 import (
 	"fmt"
+	"os/exec"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/internal/promtest"
 )
 
 // TestE2ESelfInterception makes the Service of #30: a tenant's
@@ -176,5 +180,60 @@ func TestE2EListenerPortNotSquatted(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestE2EListenersWithinDescriptorLimit serves 700 Services from a uproxy
+// whose open-files limit is 600: more service ports than descriptors.
+// Before, listeners took every descriptor, iptables-restore could not
+// start, and no rule was written for any Service. Now the listeners stop
+// at the budget (--max-listeners' default: 600 less 300 kept free), the
+// Services within it are programmed and answer, and the others are
+// counted and said in one line.
+func TestE2EListenersWithinDescriptorLimit(t *testing.T) {
+	prlimit, err := exec.LookPath("prlimit")
+	if err != nil {
+		t.Skip("skipping: no prlimit to give uproxy a small open-files limit")
+	}
+	const services, budget = 700, 300
+	c := newCluster(t, 1)
+	var m strings.Builder
+	for i := range services {
+		if i > 0 {
+			m.WriteString("---\n")
+		}
+		m.WriteString(service(fmt.Sprintf("s%03d", i), fmt.Sprintf("10.96.%d.%d", 1+i/250, 1+i%250), 80, nil, false, c.pods[0]))
+	}
+	c.write("many.yaml", m.String())
+	c.launcher = []string{prlimit, "--nofile=600:600"}
+	c.start(budget, "--metrics-bind-address", metricsAddr)
+	if !strings.Contains(c.up.Output(), `"limit": 600`) {
+		// A process with CAP_SYS_RESOURCE raises its hard limit, and then
+		// every listener fits: the budget is not what is tested.
+		t.Skipf("skipping: uproxy raised its open-files limit past prlimit's:\n%s", tailLines(c.up.Output(), 5))
+	}
+	rules := c.natRules()
+	vip := regexp.MustCompile(`-d (10\.96\.\d+\.\d+)/32 `).FindStringSubmatch(rules)
+	if vip == nil {
+		t.Fatalf("no service rule:\n%s", rules)
+	}
+	if r := c.get(c.client.NS, "http://"+vip[1]+"/", 3); r.Errors > 0 {
+		t.Errorf("GET %s: %d errors (%s)", vip[1], r.Errors, r.FirstError)
+	}
+	without := func() float64 {
+		n, _ := promtest.Sum(c.scrapeMetrics()["uproxy_service_ports_without_listener"], map[string]string{"ip_family": "IPv4"})
+		return n
+	}
+	for deadline := time.Now().Add(10 * time.Second); without() != services-budget; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("uproxy_service_ports_without_listener = %v; want %d", without(), services-budget)
+		}
+	}
+	out := c.up.Output()
+	if !strings.Contains(out, "the listener budget is spent") {
+		t.Errorf("no line says the listener budget is spent:\n%s", tailLines(out, 20))
+	}
+	if strings.Contains(out, "syncing rules failed") {
+		t.Errorf("a rules write failed:\n%s", tailLines(out, 20))
 	}
 }

@@ -95,3 +95,20 @@ func udpPoolMax(flag int, noFile uint64) int {
 	}
 	return maxUDPPool
 }
+
+// maxListeners is the listener budget (proxy.Config.MaxListeners): flag,
+// the --max-listeners value, if set (-1: no bound); else noFile, the
+// open-files limit (0: unknown, no bound), less what stays for
+// connections, flows and the control plane: an eighth of it, at least
+// 1,024, at most half. Listeners up to the limit left iptables-restore
+// unable to start, so no rules were written for any service.
+func maxListeners(flag int, noFile uint64) int {
+	switch {
+	case flag > 0:
+		return flag
+	case flag < 0 || noFile == 0:
+		return 0
+	}
+	keep := min(max(noFile/8, 1024), noFile/2)
+	return max(int(noFile-keep), 1)
+}

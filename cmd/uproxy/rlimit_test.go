@@ -48,45 +48,53 @@ func TestRaiseNoFile(t *testing.T) {
 	}
 }
 
-func TestUDPMaxFlows(t *testing.T) {
-	for _, tt := range []struct {
-		name   string
-		flag   int
-		noFile uint64
-		want   int
-	}{
-		{"a large limit", 0, 1 << 20, 65536},
-		{"half of a small limit", 0, 20000, 10000},
-		{"an unknown limit", 0, 0, 65536},
-		{"a limit of one", 0, 1, 1},
-		{"the flag, above the limit", 100000, 20000, 100000},
-		{"the flag, below it", 500, 1 << 20, 500},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			if got := udpMaxFlows(tt.flag, tt.noFile); got != tt.want {
-				t.Errorf("udpMaxFlows(%d, %d) = %d, want %d", tt.flag, tt.noFile, got, tt.want)
-			}
-		})
-	}
+// boundCase is a case of TestDescriptorBounds.
+type boundCase struct {
+	name   string
+	flag   int
+	noFile uint64
+	want   int
 }
 
-func TestUDPPoolMax(t *testing.T) {
-	for _, tt := range []struct {
-		name   string
-		flag   int
-		noFile uint64
-		want   int
+// TestDescriptorBounds checks the bounds derived from the open-files
+// limit, each the flag's value when it is set.
+func TestDescriptorBounds(t *testing.T) {
+	for _, b := range []struct {
+		name  string
+		bound func(flag int, noFile uint64) int
+		cases []boundCase
 	}{
-		{"a large limit", 0, 1 << 20, 4096},
-		{"a quarter of a small limit", 0, 4000, 1000},
-		{"an unknown limit", 0, 0, 4096},
-		{"a limit of one", 0, 1, 1},
-		{"the flag", 10000, 4000, 10000},
+		{"udpMaxFlows", udpMaxFlows, []boundCase{
+			{"a large limit", 0, 1 << 20, 65536},
+			{"half of a small limit", 0, 20000, 10000},
+			{"an unknown limit", 0, 0, 65536},
+			{"a limit of one", 0, 1, 1},
+			{"the flag, above the limit", 100000, 20000, 100000},
+			{"the flag, below it", 500, 1 << 20, 500},
+		}},
+		{"udpPoolMax", udpPoolMax, []boundCase{
+			{"a large limit", 0, 1 << 20, 4096},
+			{"a quarter of a small limit", 0, 4000, 1000},
+			{"an unknown limit", 0, 0, 4096},
+			{"a limit of one", 0, 1, 1},
+			{"the flag", 10000, 4000, 10000},
+		}},
+		{"maxListeners", maxListeners, []boundCase{
+			{"an eighth of a large limit kept", 0, 1 << 20, 1<<20 - 1<<17},
+			{"1,024 of a mid limit kept", 0, 4096, 3072},
+			{"half of a small limit kept", 0, 1024, 512},
+			{"a limit of one", 0, 1, 1},
+			{"an unknown limit: no bound", 0, 0, 0},
+			{"the flag", 100, 4096, 100},
+			{"-1: no bound", -1, 4096, 0},
+		}},
 	} {
-		t.Run(tt.name, func(t *testing.T) {
-			if got := udpPoolMax(tt.flag, tt.noFile); got != tt.want {
-				t.Errorf("udpPoolMax(%d, %d) = %d, want %d", tt.flag, tt.noFile, got, tt.want)
-			}
-		})
+		for _, tt := range b.cases {
+			t.Run(b.name+"/"+tt.name, func(t *testing.T) {
+				if got := b.bound(tt.flag, tt.noFile); got != tt.want {
+					t.Errorf("%s(%d, %d) = %d, want %d", b.name, tt.flag, tt.noFile, got, tt.want)
+				}
+			})
+		}
 	}
 }

@@ -248,6 +248,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			return syncRules(ctx, rules, in, full)
 		}),
 		SharedListeners:   sharedProtocols,
+		MaxListeners:      maxListeners(o.maxListeners, noFile),
 		UDPCheckEveryFlow: o.udpCheckEveryFlow,
 		PortRange:         o.ports,
 		Defaults:          proxy.ServiceDefaults{Balancer: o.balancerKind},

@@ -46,6 +46,7 @@ type runOptions struct {
 	udpMaxFlows        int
 	udpPoolSize        int
 	udpPoolMax         int
+	maxListeners       int
 	udpQueryTimeout    time.Duration
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
@@ -91,6 +92,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.IntVar(&o.dialAttempts, "endpoint-dial-attempts", 3, "How many endpoints a new connection tries before it is refused.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
 	fs.BoolVar(&o.udpCheckEveryFlow, "udp-check-every-flow", false, "In redirect mode, ask conntrack whether each new UDP flow to a service port's own listener was redirected there, even while the kernel's listener guard drops what was not. By default the lookup is skipped once a rules write put the listener's port in the guard's set and the service's addresses all route alike (no Local traffic policy told apart by them), as for a cluster DNS service; the flag keeps it as a second check for when someone removes the guard's rules or set, until the next full sync (--iptables-sync-period) restores them, at one netlink round trip per new client.")
+	fs.IntVar(&o.maxListeners, "max-listeners", 0, "The most listening sockets uproxy holds: each service port's own listener per family, and the shared listeners' sockets (which it never refuses). Past it a service port gets no listener and its traffic is not intercepted: logged once per sync, counted in uproxy_service_ports_without_listener, and retried at each sync, so that the descriptors connections, flows and rules writes need stay free. 0 means the open-files limit less an eighth of it (at least 1,024, at most half); -1 means no bound.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, across all services; past it the least recently used flow ends. Each flow holds a socket. 0 means 65,536, or half the open-files limit if that is lower, so that flows cannot take the descriptors the TCP connections need.")
 	fs.IntVar(&o.udpPoolSize, "udp-pool-size", 0, "The most sockets each event loop keeps connected to one endpoint for UDP request-reply queries (uproxy.io/udp-mode; DNS by default), each carrying one query at a time; a query that finds them all awaiting replies is dropped. 0 means 256; -1 turns pooling off, so that every UDP client is a flow.")
 	fs.IntVar(&o.udpPoolMax, "udp-pool-max", 0, "The most pooled UDP sockets across all endpoints and event loops. 0 means 4,096, or a quarter of the open-files limit if that is lower.")
@@ -164,6 +166,9 @@ func (o *runOptions) validate() error {
 	}
 	if o.udpPoolSize < -1 {
 		errs = append(errs, fmt.Errorf("--udp-pool-size: %d is neither a count, 0 for the default, nor -1 (no pooling)", o.udpPoolSize))
+	}
+	if o.maxListeners < -1 {
+		errs = append(errs, fmt.Errorf("--max-listeners: %d is neither a count, 0 for the default, nor -1 (no bound)", o.maxListeners))
 	}
 	if o.udpPoolMax < 0 {
 		errs = append(errs, fmt.Errorf("--udp-pool-max: %d must be positive, or 0 for the default", o.udpPoolMax))
