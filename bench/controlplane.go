@@ -414,10 +414,69 @@ func growScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kubeEnv
 type timeoutError struct {
 	timeout  time.Duration
 	services int
+	// budget: the proxy said it could not open a listener for every
+	// service (listenerBudgetSpent), so waiting out the timeout would
+	// change nothing.
+	budget bool
 }
 
 func (t *timeoutError) Error() string {
+	if t.budget {
+		return fmt.Sprintf("programmed only part of %s services: its listener budget is spent (the open-files limit holds fewer listeners than service ports)", thousands(int64(t.services)))
+	}
 	return fmt.Sprintf("did not program %s services within %v (--program-timeout)", thousands(int64(t.services)), t.timeout)
+}
+
+// na is the reason a series of the proxy at scale n has no values: n is
+// where it failed, or more.
+func (t *timeoutError) na(n int) string {
+	switch {
+	case t.services != n:
+		return "not run: it " + t.Error()
+	case t.budget:
+		return "partial: " + t.Error()
+	}
+	return "over " + t.timeout.String() + ": " + t.Error()
+}
+
+// listenerBudgetSpent is what uproxy logs when service ports go without a
+// listener because its listener budget (--max-listeners) is spent.
+const listenerBudgetSpent = "the listener budget is spent"
+
+// waitProgrammed waits up to timeout for the probe to end, as waitProc
+// does, and returns errBudgetSpent early once the proxy (nil: none of
+// ours) has logged listenerBudgetSpent: then the last service never
+// answers. The proxy's output is read once a second, as it grows with its
+// listeners.
+func waitProgrammed(ctx context.Context, probe, proxy outputProc, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	next := time.Now().Add(time.Second)
+	for !probe.Exited() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the probe still running after %v", timeout)
+		}
+		if proxy != nil && time.Now().After(next) {
+			if strings.Contains(proxy.Output(), listenerBudgetSpent) {
+				return errBudgetSpent
+			}
+			next = time.Now().Add(time.Second)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// errBudgetSpent: see waitProgrammed.
+var errBudgetSpent = errors.New("the proxy's listener budget is spent")
+
+// outputProc is what waitProgrammed reads of a process (a *testlab.Proc).
+type outputProc interface {
+	Exited() bool
+	Output() string
 }
 
 // measureScale measures every proxy over the services of s, cfg.Runs
@@ -435,11 +494,7 @@ func measureScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kube
 			}
 			at := fmt.Sprintf("%s run %d %s", where, run, p.ID)
 			if t := timedOut[p.ID]; t != nil {
-				reason := "over " + t.timeout.String() + ": " + t.Error()
-				if t.services != n {
-					reason = "not run: it " + t.Error()
-				}
-				res.setNA(p.ID, n, reason)
+				res.setNA(p.ID, n, t.na(n))
 				continue
 			}
 			if err := p.na(e, k); err != nil {
@@ -460,7 +515,7 @@ func measureScale(ctx context.Context, e *env, res *ControlPlaneResults, k *kube
 				var t *timeoutError
 				if errors.As(err, &t) {
 					timedOut[p.ID] = t
-					res.setNA(p.ID, n, "over "+t.timeout.String()+": "+t.Error())
+					res.setNA(p.ID, n, t.na(n))
 					e.logf("%s: %v; not run again", at, err)
 					continue
 				}
@@ -524,16 +579,24 @@ func measureProgramming(ctx context.Context, e *env, res *ControlPlaneResults, p
 	}
 	defer stopProc(proc, 5*time.Second)
 	var lastOK ProbeResult
-	werr := waitProc(ctx, pr, cfg.ProgramTimeout+10*time.Second)
+	var proxyOut outputProc
+	if proc != nil {
+		proxyOut = proc
+	}
+	werr := waitProgrammed(ctx, pr, proxyOut, cfg.ProgramTimeout+10*time.Second)
 	if derr := decodeLine(pr.Output(), &lastOK); werr != nil || derr != nil || !lastOK.OK {
 		switch {
 		case ctx.Err() != nil:
 			return ctx.Err()
+		case errors.Is(werr, errBudgetSpent):
+			t := &timeoutError{timeout: cfg.ProgramTimeout, services: n, budget: true}
+			diagnosis(e, res, p, proc, n, at, t.Error())
+			return t
 		case proc != nil && proc.Exited():
 			return fmt.Errorf("%s exited: %s", proc.Name, tail(proc.Output(), 10))
 		case derr == nil && !lastOK.OK:
 			if proc != nil {
-				timedOutDiagnosis(e, res, p, proc, n, at)
+				diagnosis(e, res, p, proc, n, at, "")
 			}
 			return &timeoutError{timeout: cfg.ProgramTimeout, services: n}
 		}
@@ -787,12 +850,13 @@ func patientDialer(cfg *rest.Config) *rest.Config {
 	return cfg
 }
 
-// timedOutDiagnosis records why proxy p (process proc) may not have
-// programmed n services in time: its output goes to a file in logDir (the
-// results folder holds only reports, raw results and charts), and what it
-// was still running (kube-proxy's iptables-restore, say) becomes a note in
+// diagnosis records why proxy p (process proc) may not have programmed n
+// services in time, or (cause, when not empty) why it never will: its
+// output goes to a file in logDir (the results folder holds only reports,
+// raw results and charts), and cause, or what it was still running when
+// the time ran out (kube-proxy's iptables-restore, say), becomes a note in
 // the report, which names the file.
-func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *testlab.Proc, n int, at string) {
+func diagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *testlab.Proc, n int, at, cause string) {
 	name := filepath.Join(logDir(e.cfg), fmt.Sprintf("cp-%s-%d.log", p.ID, n))
 	log := "its log is " + name
 	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
@@ -804,6 +868,8 @@ func timedOutDiagnosis(e *env, res *ControlPlaneResults, p cpProxy, proc *testla
 	note := fmt.Sprintf("%s at %s services: the %v ran out; %s", p.Title, thousands(int64(n)), e.cfg.ProgramTimeout, log)
 	busy, err := runningChildren("/proc", proc.Cmd.Process.Pid)
 	switch {
+	case cause != "":
+		note = fmt.Sprintf("%s at %s services: %s; %s", p.Title, thousands(int64(n)), cause, log)
 	case err != nil:
 		e.logf("%s: what %s was running: %v", at, proc.Name, err)
 	case len(busy) > 0:

@@ -1,10 +1,14 @@
 package main
 
 import (
+	"context"
+	"errors"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -239,5 +243,72 @@ func TestChangeSync(t *testing.T) {
 	}
 	if _, err := changeSync(line("2026-11-30T05:00:02.000Z", `{"full": false, "servicesChanged": 1, "duration": 7}`), at("2026-11-30T05:00:01.000Z")); err == nil {
 		t.Error("changeSync with a malformed duration: no error")
+	}
+}
+
+// TestProgramFailureInReport checks how a proxy that did not program
+// every service shows where its time would be: past the timeout, short of
+// listeners (uproxy's listener budget), and at the larger scales it was
+// then not run at.
+func TestProgramFailureInReport(t *testing.T) {
+	timeout := &timeoutError{timeout: 5 * time.Minute, services: 20000}
+	budget := &timeoutError{timeout: 5 * time.Minute, services: 20000, budget: true}
+	for _, tt := range []struct {
+		name string
+		err  *timeoutError
+		n    int
+		want string
+	}{
+		{"timed out", timeout, 20000, "> 5m0s (timed out)"},
+		{"listener budget spent", budget, 20000, "partial (listener budget spent)"},
+		{"after a timeout", timeout, 40000, "not run (failed at fewer)"},
+		{"after a spent budget", budget, 40000, "not run (failed at fewer)"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			res := &ControlPlaneResults{Figures: map[string]map[string]map[string]*Series{}}
+			res.setNA("uproxy", tt.n, tt.err.na(tt.n), "program_s")
+			got, v := cpMetricSummary(res, "program_s", "uproxy", tt.n)
+			if got != tt.want || !math.IsNaN(v) {
+				t.Errorf("cpMetricSummary = %q, %v; want %q, NaN", got, v, tt.want)
+			}
+		})
+	}
+}
+
+// scriptedProc is an outputProc whose output and end the test sets.
+type scriptedProc struct {
+	mu     sync.Mutex
+	out    string
+	exited bool
+}
+
+func (f *scriptedProc) Exited() bool   { f.mu.Lock(); defer f.mu.Unlock(); return f.exited }
+func (f *scriptedProc) Output() string { f.mu.Lock(); defer f.mu.Unlock(); return f.out }
+
+// TestWaitProgrammed checks that the wait for the last service ends when
+// the probe does, and early, without the probe, once uproxy says its
+// listener budget is spent: before, the harness waited out the whole
+// --program-timeout for a service that could never answer.
+func TestWaitProgrammed(t *testing.T) {
+	ctx := context.Background()
+	probe := &scriptedProc{}
+	proxy := &scriptedProc{out: "listening\n"}
+	if err := waitProgrammed(ctx, probe, proxy, 100*time.Millisecond); err == nil || errors.Is(err, errBudgetSpent) {
+		t.Errorf("a probe that runs on: %v; want a timeout", err)
+	}
+	probe.mu.Lock()
+	probe.exited = true
+	probe.mu.Unlock()
+	if err := waitProgrammed(ctx, probe, nil, time.Second); err != nil {
+		t.Errorf("an ended probe: %v", err)
+	}
+	probe = &scriptedProc{}
+	proxy.mu.Lock()
+	proxy.out += `ERROR	service ports have no listener: ` + listenerBudgetSpent + "\n"
+	proxy.mu.Unlock()
+	// Returned before the minute is out, or the error would be the
+	// timeout's.
+	if err := waitProgrammed(ctx, probe, proxy, time.Minute); !errors.Is(err, errBudgetSpent) {
+		t.Errorf("a spent budget: %v; want %v", err, errBudgetSpent)
 	}
 }

@@ -340,8 +340,11 @@ func cpMetricSummary(cp *ControlPlaneResults, metric, proxy string, n int) (stri
 				limit, _, _ := strings.Cut(over, ":")
 				return "> " + limit + " (timed out)", math.NaN()
 			}
+			if strings.HasPrefix(s.NA, "partial: ") {
+				return "partial (listener budget spent)", math.NaN()
+			}
 			if strings.HasPrefix(s.NA, "not run: ") {
-				return "not run (timed out at fewer)", math.NaN()
+				return "not run (failed at fewer)", math.NaN()
 			}
 		}
 		return "n/a", math.NaN()
