@@ -443,17 +443,16 @@ func (t *timeoutError) na(n int) string {
 // listener because its listener budget (--max-listeners) is spent.
 const listenerBudgetSpent = "the listener budget is spent"
 
-// waitProgrammed waits up to timeout for the probe to end, as waitProc
-// does, and returns errBudgetSpent early once the proxy (nil: none of
-// ours) has logged listenerBudgetSpent: then the last service never
-// answers. The proxy's output is read once a second, as it grows with its
-// listeners.
+// waitProgrammed waits up to timeout for the probe to end, and returns
+// errBudgetSpent early once the proxy (nil: none to watch) has logged
+// listenerBudgetSpent: then the last service never answers. The proxy's
+// output is read once a second, as it grows with its listeners.
 func waitProgrammed(ctx context.Context, probe, proxy outputProc, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	next := time.Now().Add(time.Second)
 	for !probe.Exited() {
 		if time.Now().After(deadline) {
-			return fmt.Errorf("the probe still running after %v", timeout)
+			return fmt.Errorf("still running after %v", timeout)
 		}
 		if proxy != nil && time.Now().After(next) {
 			if strings.Contains(proxy.Output(), listenerBudgetSpent) {

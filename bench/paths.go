@@ -436,16 +436,8 @@ func lastMatching(s, sub string) string {
 // waitProc waits for p to end, up to timeout or until ctx is done, and
 // returns its error.
 func waitProc(ctx context.Context, p *testlab.Proc, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for !p.Exited() {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s still running after %v", p.Name, timeout)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
+	if err := waitProgrammed(ctx, p, nil, timeout); err != nil {
+		return fmt.Errorf("%s: %w", p.Name, err)
 	}
 	return p.Wait(time.Second) // it has ended: this returns at once
 }

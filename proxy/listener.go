@@ -177,7 +177,7 @@ var errListenerBudget = errors.New("the listener budget is spent")
 // sockets count, but are never refused: each stands for every service.
 func (p *Proxier) listenerBudget(k portKey) error {
 	limit := p.cfg.MaxListeners
-	if limit <= 0 || k.name.Port == SharedPortName && k.name.Namespace == "" && k.name.Name == "" {
+	if limit <= 0 || k.name == sharedName(k.name.Protocol) {
 		return nil
 	}
 	if n := p.ports.count(); n >= limit {

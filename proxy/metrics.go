@@ -67,7 +67,8 @@ type Metrics struct {
 	noLocal      map[types.NamespacedName]noLocalCounts
 	noLocalTotal noLocalCounts
 	// noListener holds, per service, how many of its ports in each
-	// family want a listener of their own and could not open it;
+	// family want a listener (their own, or a place on the shared one)
+	// and could not open it;
 	// noListenerTotal sums them. Owned by the sync goroutine.
 	noListener      map[types.NamespacedName][2]int
 	noListenerTotal [2]int
@@ -214,7 +215,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		noLocal: map[types.NamespacedName]noLocalCounts{},
 		noListenerPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "uproxy_service_ports_without_listener",
-			Help: "Service ports that want a listener of their own and could not open it (out of descriptors or ports, or past --max-listeners), by IP family; their traffic is not intercepted until a retry opens it.",
+			Help: "Service ports that want a listener (their own, or a place on the shared one) and could not open it (out of descriptors or ports, or past --max-listeners), by IP family; their traffic is not intercepted until a retry opens it.",
 		}, []string{"ip_family"}),
 		noListener: map[types.NamespacedName][2]int{},
 		connections: prometheus.NewDesc("uproxy_connections_total",

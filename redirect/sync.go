@@ -364,8 +364,10 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	// Until this Sync succeeds, the kernel's state is unknown.
 	s.last, s.lastSets = nil, nil
 	tproxy := r.TProxy != nil
+	// A change of mode changes the jumps, which only the full path does.
+	fullPath := last == nil || full || tproxy != lastTProxy
 	var read *kernelRead
-	if last == nil || full || tproxy != lastTProxy {
+	if fullPath {
 		// The full path reads the kernel: the reads wait for processes,
 		// the render below for the CPU, so they overlap.
 		read = s.startRead(ctx)
@@ -375,8 +377,7 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	wantState := parseState(want)
 	res.Rules = wantState.ruleCount()
 
-	// A change of mode changes the jumps, which only the full path does.
-	if last != nil && !full && tproxy == lastTProxy {
+	if !fullPath {
 		if bytes.Equal(want, last) && wantSets.equal(lastSets) {
 			s.last, s.lastSets = last, lastSets
 			return res, nil
