@@ -14,7 +14,7 @@ DEMO_PKGS := iptables iproute2 ipset procps curl
 TEST_PKGS := $(DEMO_PKGS) socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
 GOTESTFLAGS ?=
 
-.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean
+.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean cluster cluster-build cluster-down cluster-status deps-cluster
 
 all: build
 
@@ -80,6 +80,28 @@ test-short:
 
 demo: deps-demo build
 	cd bench && $(GO) run . demo --uproxy $(abspath $(BIN))/uproxy --manifests $(CURDIR)/deploy/examples
+
+# The dev cluster (docs/dev-cluster.md): a one-node Kubernetes with uproxy
+# as its service proxy, on this host, run by cluster/cluster.sh. Its
+# binaries and images are built once into bench/.cache (the Kubernetes ones
+# by bench/tools/build.sh), then reused. CLUSTER_PROXY and UPROXY_MODE
+# choose the proxy (cluster/cluster.sh's header).
+CLUSTER_PKGS := containerd runc containernetworking-plugins conntrack openssl iptables ipset nftables iproute2 procps curl etcd-server util-linux
+
+cluster-build: deps-cluster
+	cluster/cluster.sh build
+
+cluster: cluster-build
+	cluster/cluster.sh up
+
+cluster-down:
+	cluster/cluster.sh down
+
+cluster-status:
+	cluster/cluster.sh status
+
+deps-cluster:
+	$(call apt-ensure,$(CLUSTER_PKGS))
 
 # apt-ensure: as root, install the missing packages; otherwise print the
 # exact command and carry on (the tests that need them skip, saying why).

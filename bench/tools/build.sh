@@ -11,6 +11,9 @@ set -euo pipefail
 
 tools=$(cd "$(dirname "$0")" && pwd)
 out=${1:-"$tools/../.cache/bin"}
+shift || true
+cmds=("$@")
+[[ ${#cmds[@]} -gt 0 ]] || cmds=(kube-apiserver kube-proxy kubectl)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
@@ -35,7 +38,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 	ldflags+=" -X $pkg.gitTreeState=clean"
 done
 
-for cmd in kube-apiserver kube-proxy kubectl; do
+for cmd in "${cmds[@]}"; do
 	bin="$out/$cmd"
 	if [[ -x "$bin" && "$bin" -nt go.mod && "$bin" -nt go.sum ]]; then
 		echo "build.sh: $bin is up to date ($version)"

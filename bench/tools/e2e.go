@@ -1,0 +1,38 @@
+//go:build tools
+
+package tools
+
+// The packages that k8s.io/kubernetes/test/e2e's test binary (e2e.test,
+// built by cluster/build.sh with go test -c) imports, and agnhost, the
+// image most of its specs run.
+import (
+	_ "github.com/onsi/ginkgo/v2"
+	_ "k8s.io/kubernetes/test/conformance/testdata"
+	_ "k8s.io/kubernetes/test/e2e"
+	_ "k8s.io/kubernetes/test/e2e/apimachinery"
+	_ "k8s.io/kubernetes/test/e2e/apps"
+	_ "k8s.io/kubernetes/test/e2e/architecture"
+	_ "k8s.io/kubernetes/test/e2e/auth"
+	_ "k8s.io/kubernetes/test/e2e/autoscaling"
+	_ "k8s.io/kubernetes/test/e2e/common"
+	_ "k8s.io/kubernetes/test/e2e/dra"
+	_ "k8s.io/kubernetes/test/e2e/feature"
+	_ "k8s.io/kubernetes/test/e2e/framework/debug/init"
+	_ "k8s.io/kubernetes/test/e2e/framework/metrics/init"
+	_ "k8s.io/kubernetes/test/e2e/framework/node/init"
+	_ "k8s.io/kubernetes/test/e2e/instrumentation"
+	_ "k8s.io/kubernetes/test/e2e/invariants"
+	_ "k8s.io/kubernetes/test/e2e/invariants/logcheck"
+	_ "k8s.io/kubernetes/test/e2e/kubectl"
+	_ "k8s.io/kubernetes/test/e2e/network"
+	_ "k8s.io/kubernetes/test/e2e/node"
+	_ "k8s.io/kubernetes/test/e2e/scheduling"
+	_ "k8s.io/kubernetes/test/e2e/storage"
+	_ "k8s.io/kubernetes/test/e2e/storage/csimock"
+	_ "k8s.io/kubernetes/test/e2e/storage/external"
+	_ "k8s.io/kubernetes/test/e2e/testing-manifests"
+	_ "k8s.io/kubernetes/test/e2e/windows"
+	_ "k8s.io/kubernetes/test/fixtures"
+	_ "k8s.io/kubernetes/test/images/agnhost"
+	_ "k8s.io/kubernetes/test/utils/ktesting/format"
+)
