@@ -29,22 +29,22 @@ func statusCodes(h http.Handler, paths []string) map[string]int {
 }
 
 // TestDebugEndpoints checks what each address serves: the metrics
-// address only /metrics, whatever --profiling says, and the debug
+// address only /metrics and /proxyMode, whatever --profiling says, and the debug
 // address /status and /explain, and pprof only with --profiling (#30).
 func TestDebugEndpoints(t *testing.T) {
-	paths := []string{"/metrics", "/status", "/explain?dst=10.96.0.10:80", "/debug/pprof/", "/debug/pprof/cmdline"}
+	paths := []string{"/metrics", "/proxyMode", "/status", "/explain?dst=10.96.0.10:80", "/debug/pprof/", "/debug/pprof/cmdline"}
 	explain := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("{}")) })
 	for _, tc := range []struct {
 		name string
 		h    http.Handler
 		want map[string]int
 	}{
-		{"metrics", metricsHandler(prometheus.NewRegistry()), map[string]int{
-			"/metrics": 200, "/status": 404, "/explain?dst=10.96.0.10:80": 404, "/debug/pprof/": 404, "/debug/pprof/cmdline": 404}},
+		{"metrics", metricsHandler(prometheus.NewRegistry(), "redirect"), map[string]int{
+			"/metrics": 200, "/proxyMode": 200, "/status": 404, "/explain?dst=10.96.0.10:80": 404, "/debug/pprof/": 404, "/debug/pprof/cmdline": 404}},
 		{"debug", debugHandler(fakeStatus{}, explain, explainBucket(), false), map[string]int{
-			"/metrics": 404, "/status": 200, "/explain?dst=10.96.0.10:80": 200, "/debug/pprof/": 404, "/debug/pprof/cmdline": 404}},
+			"/metrics": 404, "/proxyMode": 404, "/status": 200, "/explain?dst=10.96.0.10:80": 200, "/debug/pprof/": 404, "/debug/pprof/cmdline": 404}},
 		{"debug with --profiling", debugHandler(fakeStatus{}, explain, explainBucket(), true), map[string]int{
-			"/metrics": 404, "/status": 200, "/explain?dst=10.96.0.10:80": 200, "/debug/pprof/": 200, "/debug/pprof/cmdline": 200}},
+			"/metrics": 404, "/proxyMode": 404, "/status": 200, "/explain?dst=10.96.0.10:80": 200, "/debug/pprof/": 200, "/debug/pprof/cmdline": 200}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if diff := cmp.Diff(tc.want, statusCodes(tc.h, paths)); diff != "" {
@@ -81,5 +81,25 @@ func TestExplainRateLimit(t *testing.T) {
 	release <- struct{}{}
 	if code := <-first; code != 200 {
 		t.Errorf("the first explain: %d", code)
+	}
+}
+
+// TestProxyMode checks that /proxyMode answers as kube-proxy's does: the
+// mode alone, as plain text.
+func TestProxyMode(t *testing.T) {
+	for _, mode := range []string{"redirect", "tproxy"} {
+		rec := httptest.NewRecorder()
+		metricsHandler(prometheus.NewRegistry(), mode).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/proxyMode", nil))
+		got := struct {
+			Code       int
+			Type, Body string
+		}{rec.Code, rec.Header().Get("Content-Type"), rec.Body.String()}
+		want := struct {
+			Code       int
+			Type, Body string
+		}{200, "text/plain; charset=utf-8", mode}
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Errorf("/proxyMode in %s mode (-want +got):\n%s", mode, diff)
+		}
 	}
 }

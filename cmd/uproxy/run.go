@@ -351,7 +351,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg), up.Listen("metrics")); err != nil {
+		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg, o.mode), up.Listen("metrics")); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})

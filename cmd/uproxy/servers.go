@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/pprof"
@@ -49,12 +50,19 @@ func serverAddrs(addrs ...string) []netip.AddrPort {
 // managers' 10257 and 10258, the scheduler's 10259).
 const defaultDebugAddress = "127.0.0.1:10262"
 
-// metricsHandler serves the Prometheus metrics of reg, and nothing else:
-// the metrics address is often opened to a scraper on the node's network
-// (#30).
-func metricsHandler(reg *prometheus.Registry) http.Handler {
+// metricsHandler serves the Prometheus metrics of reg, and /proxyMode as
+// kube-proxy's metrics server does (the mode, as plain text), which
+// Kubernetes' e2e suite and tools that read a node's proxy mode ask for.
+// Nothing else: the metrics address is often opened to a scraper on the
+// node's network.
+func metricsHandler(reg *prometheus.Registry, mode string) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		io.WriteString(w, mode)
+	})
 	return mux
 }
 
