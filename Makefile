@@ -14,7 +14,7 @@ DEMO_PKGS := iptables iproute2 ipset procps curl
 TEST_PKGS := $(DEMO_PKGS) socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
 GOTESTFLAGS ?=
 
-.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean cluster cluster-build cluster-down cluster-status deps-cluster
+.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean cluster cluster-build cluster-down cluster-status deps-cluster conformance
 
 all: build
 
@@ -99,6 +99,13 @@ cluster-down:
 
 cluster-status:
 	cluster/cluster.sh status
+
+# conformance: Kubernetes' e2e Service specs against the dev cluster with
+# kube-proxy (the reference) and uproxy in each mode, written to
+# docs/conformance.md (cluster/conformance.sh: E2E_FOCUS, E2E_SKIP,
+# E2E_MODE, E2E_REFERENCE).
+conformance: cluster-build
+	cluster/conformance.sh
 
 deps-cluster:
 	$(call apt-ensure,$(CLUSTER_PKGS))

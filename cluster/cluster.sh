@@ -421,6 +421,13 @@ up() {
 		onnode ip link set cni0 up
 	}
 	onnode sysctl -qw net.ipv4.ip_forward=1
+	# Pods reach the node, each other and the Services, never beyond: the
+	# node forwards nothing from the pod network to other addresses.
+	if ! onnode iptables -C FORWARD -s "$cluster_cidr" ! -d "$cluster_cidr" -j DEV-CLUSTER-FENCE 2>/dev/null; then
+		onnode iptables -N DEV-CLUSTER-FENCE 2>/dev/null || true
+		onnode iptables -A DEV-CLUSTER-FENCE -j REJECT --reject-with icmp-net-prohibited
+		onnode iptables -I FORWARD 1 -s "$cluster_cidr" ! -d "$cluster_cidr" -j DEV-CLUSTER-FENCE
+	fi
 
 	start etcd etcd --name uproxy-dev --data-dir "$state/etcd" \
 		--listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
@@ -454,8 +461,11 @@ up() {
 	# in every hierarchy; a cpuset cgroup takes no task until it has CPUs
 	# and memory nodes.
 	local h
-	for h in /sys/fs/cgroup/*/; do
-		[[ -e $h/cgroup.procs && ! -e $h/cgroup.controllers ]] || continue
+	for h in /sys/fs/cgroup/ /sys/fs/cgroup/*/; do
+		# Each cgroup v1 hierarchy, or the v2 root when that is all there is.
+		[[ -e $h/cgroup.procs ]] || continue
+		[[ -e $h/cgroup.controllers && $h != /sys/fs/cgroup/ ]] && continue
+		[[ $h == /sys/fs/cgroup/ && ! -e $h/cgroup.controllers ]] && continue
 		mkdir -p "$h${cgroup_root#/}"
 		if [[ -e $h/cpuset.cpus ]]; then
 			cat "$h/cpuset.cpus" >"$h${cgroup_root#/}/cpuset.cpus"
@@ -525,26 +535,32 @@ deploy_proxy() {
 	echo "$proxy $mode" >"$state/proxy"
 }
 
-# swap_proxy P: replaces the running service proxy with P.
+# swap_proxy P: replaces the running service proxy with P (and uproxy's
+# mode with UPROXY_MODE): the old one goes, its rules are removed, then the
+# new one starts, so that the two never program the node together.
 swap_proxy() {
 	proxy=$1
-	[[ -f $state/up ]] || die "no cluster runs"
-	local was
-	read -r was _ <"$state/proxy"
-	if [[ $was == uproxy && $proxy != uproxy ]]; then
+	[[ -f $state/up ]] || die "no cluster runs at $state"
+	local was was_mode
+	read -r was was_mode <"$state/proxy"
+	if [[ $was == "$proxy" && ($proxy != uproxy || $was_mode == "$mode") ]]; then
+		say "the service proxy is already $proxy${was_mode:+ ($was_mode)}"
+		return 0
+	fi
+	if [[ $was == uproxy ]]; then
 		kubectl -n kube-system delete ds uproxy --wait=true >/dev/null
 		local deadline=$((SECONDS + 90))
 		while kubectl -n kube-system get pods -l app.kubernetes.io/name=uproxy -o name | grep -q .; do
 			((SECONDS < deadline)) || die "timed out waiting for the uproxy pod to go"
 			sleep 0.5
 		done
-	elif [[ $was == kube-proxy-* ]]; then
+	else
 		stop kube-proxy
 	fi
 	onnode "$bin/uproxy" cleanup >/dev/null 2>&1 || true
 	onnode "$bin/uproxy" cleanup --kube-proxy >/dev/null 2>&1 || true
 	deploy_proxy
-	say "the service proxy is now $proxy${proxy/#kube-proxy-*/} $([[ $proxy == uproxy ]] && echo "(--mode=$mode)")"
+	say "the service proxy is now $proxy$([[ $proxy == uproxy ]] && echo " (--mode=$mode)")"
 }
 
 # check: a pod resolves kubernetes.default through the cluster DNS (UDP and
@@ -584,18 +600,32 @@ remove_new_chains() {
 	done
 }
 
-# remove_new_tables BEFORE: deletes the nftables tables that were not in
-# the ruleset BEFORE and hold no rule now: the ones that iptables-nft made
-# for the chains that were removed.
+# nft_chains: the ruleset's chains, a line each: "FAMILY TABLE CHAIN RULES",
+# and "FAMILY TABLE - RULES" for each table.
+nft_chains() {
+	awk '
+		/^table / { fam = $2; tbl = $3; total = 0; next }
+		/^\tchain / { chain = $2; rules = 0; next }
+		/^\t\t/ && !/^\t\ttype / && chain != "" { rules++; total++; next }
+		/^\t}/ { if (chain != "") print fam, tbl, chain, rules; chain = ""; next }
+		/^}/ { print fam, tbl, "-", total }
+	'
+}
+
+# remove_new_tables BEFORE: deletes the nftables chains and tables that
+# were not in the ruleset BEFORE and hold no rule now: the ones iptables-nft
+# made for the rules that were removed, base chains included.
 remove_new_tables() {
 	command -v nft >/dev/null || return 0
-	local fam name
-	onnode nft list tables 2>/dev/null | while read -r _ fam name; do
-		grep -qx "table $fam $name {" "$1" && continue
-		# A rule is a line inside a chain other than its base chain's
-		# type line.
-		onnode nft list table "$fam" "$name" | awk '/^\t\t/ && !/^\t\ttype / { found = 1 } END { exit found }' || continue
-		onnode nft delete table "$fam" "$name"
+	local fam tbl chain rules
+	onnode nft list ruleset | nft_chains | while read -r fam tbl chain rules; do
+		((rules == 0)) || continue
+		nft_chains <"$1" | grep -q "^$fam $tbl $chain " && continue
+		if [[ $chain == - ]]; then
+			onnode nft delete table "$fam" "$tbl"
+		elif nft_chains <"$1" | grep -q "^$fam $tbl - "; then
+			onnode nft delete chain "$fam" "$tbl" "$chain"
+		fi
 	done
 }
 
@@ -614,7 +644,7 @@ down() {
 	# Every pod's processes, by their cgroups: the kubelet no longer
 	# restarts them.
 	local cg
-	for cg in /sys/fs/cgroup/*"$cgroup_root"; do
+	for cg in /sys/fs/cgroup"$cgroup_root" /sys/fs/cgroup/*"$cgroup_root"; do
 		[[ -d $cg ]] || continue
 		find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
 	done
@@ -631,7 +661,7 @@ down() {
 	awk '{print $5}' /proc/self/mountinfo | grep "^$state/" | sort -r | while read -r m; do
 		umount -l "$m" 2>/dev/null || true
 	done
-	for cg in /sys/fs/cgroup/*"$cgroup_root"; do
+	for cg in /sys/fs/cgroup"$cgroup_root" /sys/fs/cgroup/*"$cgroup_root"; do
 		[[ -d $cg ]] || continue
 		find "$cg" -depth -type d -exec rmdir {} + 2>/dev/null || true
 	done
