@@ -213,7 +213,7 @@ func (u *Upgrader) handle(ctx context.Context, c *net.UnixConn, h Hooks) *Handov
 	}
 	c.SetDeadline(time.Now().Add(u.cfg.handshakeTimeout()))
 	hello, files, err := Recv(c)
-	closeFiles(files)
+	defer closeFiles(files)
 	if err == nil && hello.Type != "hello" {
 		err = fmt.Errorf("got %q, want hello", hello.Type)
 	}
@@ -232,7 +232,7 @@ func (u *Upgrader) handle(ctx context.Context, c *net.UnixConn, h Hooks) *Handov
 	}
 	// The namespace the peer is in, not the one its hello names: our
 	// sockets would serve another namespace's traffic in it.
-	theirs, err := u.netnsOf(cred.Pid)
+	theirs, err := u.netnsOf(cred.Pid, files)
 	if err != nil || theirs != u.netns || hello.Netns != u.netns {
 		log.Info("refusing a handover to a process in another network namespace",
 			zap.String("theirs", theirs), zap.String("claimed", hello.Netns), zap.String("ours", u.netns), zap.Error(err))

@@ -180,13 +180,25 @@ func (u *Upgrader) checkUID(cred *unix.Ucred) error {
 
 // netnsOf identifies the network namespace that the process pid is in
 // now: what the peer is, not what it says it is.
-func (u *Upgrader) netnsOf(pid int32) (string, error) {
+func (u *Upgrader) netnsOf(pid int32, sent []*os.File) (string, error) {
 	if u.cfg.PeerNetns != nil {
 		return u.cfg.PeerNetns(pid)
 	}
 	if pid <= 0 {
-		// A peer of another PID namespace that ours cannot name.
-		return "", fmt.Errorf("the peer's pid %d is not in our PID namespace", pid)
+		// A peer of another PID namespace, which ours cannot name (the
+		// kernel's SO_PEERCRED gives 0): it proves its namespace by
+		// sending a descriptor of it with its hello.
+		if len(sent) != 1 {
+			return "", fmt.Errorf("the peer's pid %d is not in our PID namespace, and its hello carries no network namespace", pid)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(int(sent[0].Fd()), &st); err != nil {
+			return "", fmt.Errorf("identifying the network namespace the peer sent: %w", err)
+		}
+		if err := isNetns(sent[0]); err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
 	}
 	var st unix.Stat_t
 	path := fmt.Sprintf("/proc/%d/ns/net", pid)
@@ -259,7 +271,15 @@ func (u *Upgrader) takeOver(c *net.UnixConn) (err error) {
 		return nil
 	}
 	c.SetDeadline(time.Now().Add(u.cfg.handshakeTimeout()))
-	if err := Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}, nil); err != nil {
+	// Our network namespace goes along as a descriptor: a predecessor in
+	// another PID namespace (another pod's container) sees our pid as 0
+	// and cannot look the namespace up by it.
+	var ns []*os.File
+	if f, err := os.Open("/proc/self/ns/net"); err == nil {
+		ns = append(ns, f)
+		defer f.Close()
+	}
+	if err := Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}, ns); err != nil {
 		return fmt.Errorf("hitless upgrade through %s: %w", u.path, err)
 	}
 	offer, files, err := Recv(c)
@@ -440,4 +460,18 @@ func (u *Upgrader) Close() {
 		}
 		u.ln = nil
 	}
+}
+
+// isNetns reports an error unless f is a network namespace (nsfs answers
+// NS_GET_NSTYPE with CLONE_NEWNET), so that a descriptor of anything else
+// that happened to share its device and inode numbers cannot pass.
+func isNetns(f *os.File) error {
+	t, err := unix.IoctlRetInt(int(f.Fd()), unix.NS_GET_NSTYPE)
+	if err != nil {
+		return fmt.Errorf("the descriptor the peer sent is not a namespace: %w", err)
+	}
+	if t != unix.CLONE_NEWNET {
+		return fmt.Errorf("the namespace the peer sent is not a network namespace (type %#x)", t)
+	}
+	return nil
 }

@@ -489,7 +489,19 @@ func upgradePeerMain(path string) int {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if err := Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: os.Getenv("UPROXY_TEST_UPGRADE_NETNS"), Mode: "redirect"}, nil); err != nil {
+	// With UPROXY_TEST_UPGRADE_SENDNS set, the hello carries the
+	// peer's network namespace, as Start's does.
+	var ns []*os.File
+	if os.Getenv("UPROXY_TEST_UPGRADE_SENDNS") != "" {
+		f, err := os.Open("/proc/self/ns/net")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer f.Close()
+		ns = append(ns, f)
+	}
+	if err := Send(c, Message{Type: "hello", PID: os.Getpid(), Netns: os.Getenv("UPROXY_TEST_UPGRADE_NETNS"), Mode: "redirect"}, ns); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
@@ -530,6 +542,78 @@ func TestUpgradeRefusesPeerInAnotherNetns(t *testing.T) {
 	}
 	if m.Type != "offer" || m.Error != OfferForeign || len(m.Sockets) != 0 {
 		t.Errorf("the peer got %+v; want an offer refusing with %q and no descriptors", m, OfferForeign)
+	}
+}
+
+// TestUpgradePeerInAnotherPIDNamespace runs a real peer as the new pod of
+// a DaemonSet's rolling update is: in a PID namespace that is neither the
+// old process's nor nested in it (each container has its own), so the
+// kernel gives the old process its pid as 0 (SO_PEERCRED), as the
+// PeerCred hook here does. The old process then knows the peer's network
+// namespace only from the descriptor its hello carries: with ours the
+// peer is offered the sockets; with another, or with none, it is refused.
+func TestUpgradePeerInAnotherPIDNamespace(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a network namespace")
+	}
+	netns, err := netnsID()
+	if err != nil {
+		t.Skip(err)
+	}
+	siblingPID := func(c *Config) {
+		c.PeerCred = func(conn *net.UnixConn) (*unix.Ucred, error) {
+			rc, err := conn.SyscallConn()
+			if err != nil {
+				return nil, err
+			}
+			var cred *unix.Ucred
+			var serr error
+			if err := rc.Control(func(fd uintptr) {
+				cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+			}); err != nil {
+				return nil, err
+			}
+			if serr != nil {
+				return nil, serr
+			}
+			cred.Pid = 0
+			return cred, nil
+		}
+	}
+	for _, tc := range []struct {
+		name      string
+		flags     uintptr
+		sendNetns bool
+		wantError string
+	}{
+		{"our network namespace, sent", 0, true, ""},
+		{"our network namespace, not sent", 0, false, OfferForeign},
+		{"another network namespace, sent", syscall.CLONE_NEWNET, true, OfferForeign},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pr := startPredecessor(t, siblingPID)
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), upgradePeerEnv+"="+pr.path, "UPROXY_TEST_UPGRADE_NETNS="+netns)
+			if tc.sendNetns {
+				cmd.Env = append(cmd.Env, "UPROXY_TEST_UPGRADE_SENDNS=1")
+			}
+			cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: tc.flags}
+			cmd.Stderr = os.Stderr
+			out, err := cmd.Output()
+			if err != nil {
+				t.Fatalf("the peer: %v", err)
+			}
+			var m Message
+			if err := json.Unmarshal(out, &m); err != nil {
+				t.Fatalf("the peer's answer %q: %v", out, err)
+			}
+			if m.Type != "offer" || m.Error != tc.wantError {
+				t.Errorf("the peer got %+v; want an offer with error %q", m, tc.wantError)
+			}
+			if tc.wantError == "" && m.Count == 0 {
+				t.Errorf("the peer was offered no socket: %+v", m)
+			}
+		})
 	}
 }
 
