@@ -249,6 +249,11 @@ type Intercept struct {
 	// SourceRanges, for a LoadBalancerIP, are the only clients allowed; nil
 	// means all.
 	SourceRanges []netip.Prefix
+	// Reject is true when the service port has no endpoint to send to:
+	// the rules should refuse new connections to it in the kernel, as
+	// kube-proxy does, rather than send them to a listener that could only
+	// accept them and then reset them.
+	Reject bool
 }
 
 // ServiceHealthSyncer serves the health-check node ports of services with

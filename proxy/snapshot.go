@@ -186,7 +186,8 @@ func (l *listener) intercepts(s *snapshot) []Intercept {
 // port (to portEnd), given its snapshot s.
 func interceptsOf(s *snapshot, port, portEnd uint16, v6 bool) []Intercept {
 	proto := s.sp.Name.Protocol
-	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: port, ListenPortEnd: portEnd}
+	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: port, ListenPortEnd: portEnd,
+		Reject: len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0}
 	out := []Intercept{with(base, ClusterIP, s.VIP.Addr())}
 	for _, ip := range s.sp.ExternalIPs {
 		if ip.Is6() == v6 {
@@ -220,7 +221,7 @@ func with(i Intercept, k InterceptKind, ip netip.Addr) Intercept {
 func interceptEqual(a, b Intercept) bool {
 	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol && a.VIP == b.VIP &&
 		a.Port == b.Port && a.ListenPort == b.ListenPort && a.ListenPortEnd == b.ListenPortEnd &&
-		slices.Equal(a.SourceRanges, b.SourceRanges)
+		a.Reject == b.Reject && slices.Equal(a.SourceRanges, b.SourceRanges)
 }
 
 // Intercepts returns the intercepts of every listener, sorted. It must be

@@ -701,6 +701,7 @@ func TestKernelTProxyRoundTrip(t *testing.T) {
 		"mixed":                    mixed,
 		"firewall":                 firewalled,
 		"firewall_v6":              firewalled6,
+		"rejects":                  rejecting,
 		"nodeports":                nodePorts,
 		"nodeport_addresses":       withAddrs,
 		"nodeport_addresses_all":   withAll,

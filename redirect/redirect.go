@@ -193,6 +193,43 @@ type Firewall struct {
 	Allow []netip.Prefix
 }
 
+// Reject is a service port with no endpoint: the kernel refuses its new
+// connections and datagrams (ICMP port unreachable, which a TCP client
+// sees as ECONNREFUSED on its SYN), as kube-proxy's REJECT rules do, rather
+// than a listener accepting them with nothing to send them to.
+// UPROXY-FIREWALL refuses them by their original destination, which
+// conntrack keeps; the Intercept or NodePort stays, so that REDIRECT makes
+// the packet local wherever the node routes the address. ServiceRules
+// makes them in redirect mode only.
+type Reject struct {
+	// Comment is shown in the rule's comment, as for Intercept.Comment.
+	Comment string
+	// NodePort, when true, refuses Port on every local address of
+	// Family; Dest is then unused. When false, Dest:Port exactly.
+	NodePort bool
+	Family   Family
+	Protocol Protocol
+	// Dest is the refused address. An IPv4-mapped IPv6 address counts as
+	// IPv4.
+	Dest netip.Addr
+	// Port is the service port or the node port; it must not be zero.
+	Port uint16
+}
+
+// validate reports why j cannot be rendered, or nil.
+func (j Reject) validate() error {
+	if j.Protocol != TCP && j.Protocol != UDP {
+		return fmt.Errorf("protocol %q is neither tcp nor udp", j.Protocol)
+	}
+	if j.Port == 0 {
+		return errors.New("port 0")
+	}
+	if !j.NodePort && !j.Dest.IsValid() {
+		return errors.New("no destination")
+	}
+	return nil
+}
+
 // validate reports why w cannot be rendered, or nil.
 func (w Firewall) validate() error {
 	if err := w.validateDest(); err != nil {
@@ -298,6 +335,9 @@ type Rules struct {
 	// Firewalls restrict who may reach a destination
 	// (loadBalancerSourceRanges); see Firewall.
 	Firewalls []Firewall
+	// Rejects are the intercepted destinations and node ports of service
+	// ports with no endpoint, refused in the filter table; see Reject.
+	Rejects []Reject
 	// Listeners are the proxy's own listener ports; see Listener. They
 	// go into kernel sets, not rules: any number of them costs one rule
 	// per protocol.
@@ -375,6 +415,11 @@ func (r Rules) validate() error {
 			continue
 		}
 		seenFW[w.key()] = n
+	}
+	for n, j := range r.Rejects {
+		if err := j.validate(); err != nil {
+			errs = append(errs, fmt.Errorf("reject %d (%q): %w", n, j.Comment, err))
+		}
 	}
 	// The same listener twice is harmless (its port is one member of its
 	// set), so only invalid ones are errors.

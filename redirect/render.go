@@ -491,8 +491,9 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 	return rules
 }
 
-// firewallRules renders UPROXY-FIREWALL: a DROP per firewall of f, then
-// one listener guard per protocol that has listeners of f.
+// firewallRules renders UPROXY-FIREWALL: the REJECTs of service ports
+// without endpoints (rejectRules), a DROP per firewall of f, then one
+// listener guard per protocol that has listeners of f.
 //
 // A firewall's DROP matches its own destination, which only the packets
 // that no allowed source prefix redirected still carry. The listener
@@ -520,7 +521,7 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 			cmp.Compare(a.Comment, b.Comment),
 		)
 	})
-	var rules []string
+	rules := rejectRules(c, f, r)
 	for _, w := range ws {
 		rules = append(rules, fmt.Sprintf("-A %s -d %s/%d -p %s -m comment --comment %s -m %s --dport %d -j DROP",
 			c.name, w.Dest.Unmap(), f.hostBits(), w.Protocol, quoteComment(w.Comment), w.Protocol, w.Port))
@@ -533,6 +534,54 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 		}
 	}
 	return rules
+}
+
+// rejectRules renders the REJECTs of f's Rejects, for UPROXY-FIREWALL:
+// each matches the original destination that conntrack recorded, an exact
+// destination by its address and port, a node port by its port to a
+// local address. REDIRECT has made the packet local, so it reaches them
+// from INPUT whatever routes the node has for the service's address.
+func rejectRules(c chainSpec, f Family, r Rules) []string {
+	var js []Reject
+	for _, j := range r.Rejects {
+		if j.validate() == nil && (j.NodePort && j.Family == f || !j.NodePort && familyOf(j.Dest.Unmap()) == f) {
+			js = append(js, j)
+		}
+	}
+	slices.SortFunc(js, func(a, b Reject) int {
+		return cmp.Or(
+			cmp.Compare(btoi(a.NodePort), btoi(b.NodePort)),
+			a.Dest.Unmap().Compare(b.Dest.Unmap()),
+			cmp.Compare(a.Protocol, b.Protocol),
+			cmp.Compare(a.Port, b.Port),
+			cmp.Compare(a.Comment, b.Comment),
+		)
+	})
+	reject := "icmp-port-unreachable"
+	if f == IPv6 {
+		reject = "icmp6-port-unreachable"
+	}
+	// The proxy's own connections (OwnMark) pass: a refused destination
+	// may also be another service's endpoint, which the proxy dials.
+	notOwn := strings.Join(notOwnMatch, " ")
+	var rules []string
+	for _, j := range js {
+		if j.NodePort {
+			rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m addrtype --dst-type LOCAL -m conntrack --ctorigdstport %d %s -j REJECT --reject-with %s",
+				c.name, j.Protocol, quoteComment(j.Comment), j.Port, notOwn, reject))
+			continue
+		}
+		rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m conntrack --ctorigdst %s --ctorigdstport %d %s -j REJECT --reject-with %s",
+			c.name, j.Protocol, quoteComment(j.Comment), j.Dest.Unmap(), j.Port, notOwn, reject))
+	}
+	return slices.Compact(rules)
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // listenerOwnerRules renders UPROXY-LISTENERS: for each protocol that has

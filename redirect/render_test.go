@@ -104,6 +104,21 @@ var firewalled = Rules{
 	},
 }
 
+// rejecting is the rules of the golden files rejects and rejects_v6:
+// service ports without endpoints beside one with, and a firewall.
+var rejecting = Rules{
+	Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+	Rejects: []Reject{
+		{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80},
+		{Comment: "default/empty:http", NodePort: true, Family: IPv4, Protocol: TCP, Port: 30081},
+		{Comment: "default/empty:dns", Family: IPv4, Protocol: UDP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 53},
+		{Comment: "default/empty:http", Family: IPv6, Protocol: TCP, Dest: netip.MustParseAddr("2001:db8::30"), Port: 80},
+		{Comment: "default/empty:http", NodePort: true, Family: IPv6, Protocol: TCP, Port: 30081},
+	},
+	Firewalls: []Firewall{fw("default/lb:http", TCP, "10.96.200.1", 80, "10.244.0.0/16")},
+	Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 40005}},
+}
+
 // firewalled6 is the rules of the golden file firewall_v6.
 var firewalled6 = Rules{
 	Intercepts: []Intercept{
@@ -203,6 +218,11 @@ func TestRenderGolden(t *testing.T) {
 		// without an intercept only drops.
 		{"firewall", IPv4, firewalled},
 		{"firewall_v6", IPv6, firewalled6},
+		// Service ports without endpoints: a REJECT per destination of
+		// the family, node ports on any local address, before the
+		// firewall's drops and the listener guard.
+		{"rejects", IPv4, rejecting},
+		{"rejects_v6", IPv6, rejecting},
 		{"listeners", IPv4, Rules{Listeners: []Listener{
 			{IPv4, TCP, 40002}, {IPv4, UDP, 40002}, {IPv4, TCP, 40001}, {IPv4, TCP, 40001}, {IPv6, TCP, 41001},
 		}}},
@@ -324,7 +344,7 @@ func TestRenderGolden(t *testing.T) {
 func TestRenderDeterministic(t *testing.T) {
 	withAddrs := all
 	withAddrs.NodePortAddresses = pfx("10.0.0.0/8", "2001:db8::/32", "192.168.0.0/16", "fd00::/8")
-	for _, r := range []Rules{mixed, all, withAddrs, firewalled, tproxied(all, Routing{}), tproxied(withAddrs, Routing{}), tproxied(firewalled, Routing{})} {
+	for _, r := range []Rules{mixed, all, withAddrs, firewalled, rejecting, tproxied(all, Routing{}), tproxied(withAddrs, Routing{}), tproxied(firewalled, Routing{})} {
 		for _, f := range []Family{IPv4, IPv6} {
 			a, b := Render(f, r), Render(f, reversed(r))
 			if diff := cmp.Diff(string(a), string(b)); diff != "" {

@@ -29,6 +29,9 @@ type Claim struct {
 	// ToPort and ToPortEnd are the listener's port or ports, as in
 	// Intercept.
 	ToPort, ToPortEnd uint16
+	// Reject, when true, refuses the claim's new connections: the service
+	// port has no endpoint (see Reject). Redirect mode only.
+	Reject bool
 	// SourceRanges, when not empty, are the only sources that may reach
 	// Dest:Port (a load balancer's loadBalancerSourceRanges): the claim
 	// gets a Firewall. Empty lets every source in. A node port ignores
@@ -75,7 +78,7 @@ func (c Claim) key() claimKey {
 // ServiceRules returns the Rules that send the traffic of each claim to
 // its listener: an Intercept per exact destination, with a Firewall when
 // it has source ranges; a NodePort per node port, of the claim's family;
-// and a Listener for every port of every listener, of the claim's
+// a Reject besides either for a claim that Reject marks; and a Listener for every port of every listener, of the claim's
 // family, sorted by family, protocol and port. In tproxy mode the
 // listeners get no Listener guard: they listen on loopback, which no
 // other host can reach.
@@ -104,6 +107,14 @@ func ServiceRules(claims []Claim, opts ServiceOptions) Rules {
 		family := familyOf(c.Dest.Unmap())
 		for port := int(c.ToPort); port <= int(max(c.ToPort, c.ToPortEnd)); port++ {
 			listeners[Listener{Family: family, Protocol: c.Protocol, Port: uint16(port)}] = true
+		}
+		// Only redirect mode refuses: a packet that TPROXY made local to
+		// the service's address gets no ICMP error back (the kernel has no
+		// route with that address as a source), and one left to the
+		// forwarding path got none back in the namespace lab either, so
+		// tproxy mode still accepts and resets.
+		if c.Reject && opts.TProxy == nil {
+			r.Rejects = append(r.Rejects, Reject{Comment: c.Comment, NodePort: c.NodePort, Family: family, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port})
 		}
 		if c.NodePort {
 			r.NodePorts = append(r.NodePorts, NodePort{Comment: c.Comment, Family: family, Protocol: c.Protocol, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})

@@ -75,6 +75,35 @@ func TestServiceRules(t *testing.T) {
 			Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, UDP, 40003}, {IPv6, TCP, 40002}},
 		},
 	}, {
+		// A service port without endpoints: its destinations and node
+		// port are intercepted as usual, and refused too.
+		name: "rejected",
+		claims: []Claim{
+			rejected(claim("default/empty:http", TCP, "10.96.0.30", 80, 40005)),
+			rejected(guarded(claim("default/empty:http", TCP, "192.0.2.30", 80, 40005), "192.0.2.0/24")),
+			rejected(nodePortClaim("default/empty:http", TCP, "0.0.0.0", 30081, 40005)),
+			rejected(claim("default/empty:dns", UDP, "2001:db8::30", 53, 40006)),
+			claim("default/empty:http", TCP, "10.96.0.30", 80, 40007),
+		},
+		want: Rules{
+			Intercepts: []Intercept{
+				svc("default/empty:http", TCP, "10.96.0.30", 80, 40005),
+				svc("default/empty:http", TCP, "192.0.2.30", 80, 40005),
+				svc("default/empty:dns", UDP, "2001:db8::30", 53, 40006),
+			},
+			NodePorts: []NodePort{{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Port: 30081, ToPort: 40005}},
+			Firewalls: []Firewall{
+				{Comment: "default/empty:http", Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 80, Allow: pfx("192.0.2.0/24")},
+			},
+			Rejects: []Reject{
+				{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80},
+				{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 80},
+				{Comment: "default/empty:http", NodePort: true, Family: IPv4, Protocol: TCP, Dest: netip.IPv4Unspecified(), Port: 30081},
+				{Comment: "default/empty:dns", Family: IPv6, Protocol: UDP, Dest: netip.MustParseAddr("2001:db8::30"), Port: 53},
+			},
+			Listeners: []Listener{{IPv4, TCP, 40005}, {IPv6, UDP, 40006}},
+		},
+	}, {
 		// The proxier's order puts the ClusterIP first; the external
 		// IP of another service on the same address and port loses.
 		name: "a ClusterIP and another service's external IP: the first wins",
@@ -255,4 +284,10 @@ func TestServiceRules(t *testing.T) {
 			}
 		})
 	}
+}
+
+// rejected returns c marked as a service port without endpoints.
+func rejected(c Claim) Claim {
+	c.Reject = true
+	return c
 }

@@ -739,6 +739,7 @@ func reversed(r Rules) Rules {
 		NodePorts:         slices.Clone(r.NodePorts),
 		NodePortAddresses: slices.Clone(r.NodePortAddresses),
 		Firewalls:         slices.Clone(r.Firewalls),
+		Rejects:           slices.Clone(r.Rejects),
 		Listeners:         slices.Clone(r.Listeners),
 		TProxy:            r.TProxy,
 		Shared:            r.Shared,
@@ -752,6 +753,7 @@ func reversed(r Rules) Rules {
 		slices.Reverse(r.Firewalls[i].Allow)
 	}
 	slices.Reverse(r.Firewalls)
+	slices.Reverse(r.Rejects)
 	return r
 }
 

@@ -49,7 +49,7 @@ func claims(in []proxy.Intercept) []redirect.Claim {
 			proto = redirect.UDP
 		}
 		out[n] = redirect.Claim{Comment: i.Service.String(), NodePort: i.Kind == proxy.NodePort, Protocol: proto,
-			Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd}
+			Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd, Reject: i.Reject}
 		if i.Kind == proxy.LoadBalancerIP {
 			out[n].SourceRanges = i.SourceRanges
 		}

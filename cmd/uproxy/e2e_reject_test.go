@@ -1,0 +1,75 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestE2ENoEndpointsRefused checks that a service port without endpoints
+// refuses new connections in the kernel, as kube-proxy's REJECT does (and
+// Kubernetes' e2e spec "should be rejected when no endpoints exist"
+// expects): the client's connect fails with "connection refused", where a
+// listener would complete the handshake and then reset it. Its node port
+// too. Once the service has an endpoint it is served again.
+func TestE2ENoEndpointsRefused(t *testing.T) {
+	// Redirect mode only: tproxy mode still accepts and resets (see
+	// redirect.Reject).
+	for _, mode := range []string{"redirect"} {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t, 1)
+			pod := c.pods[0]
+			empty := `apiVersion: v1
+kind: Service
+metadata: {name: empty}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.30
+  ports:
+  - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
+`
+			c.write("empty.yaml", empty)
+			c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, pod))
+			c.start(0, "--mode", mode, "--cluster-cidr", "10.244.0.0/16")
+			c.waitSynced()
+
+			node := "http://10.244.0.1:30080/" // the node's bridge address
+
+			for _, ns := range []string{c.client.NS, c.lab.Node} {
+				if r := c.get(ns, "http://10.96.0.10/", 2, "--timeout", "3s"); r.Counts[pod.Name] != 2 {
+					t.Errorf("the service with an endpoint, from %s: %+v; want 2 answers", ns, r)
+				}
+				for _, url := range []string{"http://10.96.0.30/", node} {
+					if r := c.get(ns, url, 2, "--timeout", "3s"); r.Errors != 2 || !strings.Contains(r.FirstError, "connection refused") {
+						out, _ := c.lab.Exec(t.Context(), c.lab.Node, "iptables-save", "-c")
+						t.Errorf("%s without endpoints, from %s: %+v; want every connection refused; the node's rules:\n%s", url, ns, r, out)
+					}
+				}
+			}
+
+			c.write("empty-x.yaml", `apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: empty-x, labels: {kubernetes.io/service-name: empty}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [`+fmt.Sprintf("%q", pod.IP)+`]
+`)
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				r := c.get(c.client.NS, "http://10.96.0.30/", 1, "--timeout", "3s")
+				if r.Counts[pod.Name] == 1 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the service did not serve within 10s of getting an endpoint: %+v", r)
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			if r := c.get(c.client.NS, node, 2, "--timeout", "3s"); r.Counts[pod.Name] != 2 {
+				t.Errorf("the node port once the service has an endpoint: %+v; want 2 answers", r)
+			}
+		})
+	}
+}
