@@ -14,7 +14,7 @@ DEMO_PKGS := iptables iproute2 ipset procps curl
 TEST_PKGS := $(DEMO_PKGS) socat etcd-server nftables haproxy nginx-light libnginx-mod-stream iperf3 wrk
 GOTESTFLAGS ?=
 
-.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean cluster cluster-build cluster-down cluster-status deps-cluster conformance
+.PHONY: all build image test test-short fuzz kube-binaries demo deps-test deps-demo vet fmt clean cluster cluster-build cluster-down cluster-status cluster-verify deps-cluster conformance
 
 all: build
 
@@ -99,6 +99,12 @@ cluster-down:
 
 cluster-status:
 	cluster/cluster.sh status
+
+# cluster-verify: the checks that need a real kubelet, on the running
+# cluster (cluster/verify.sh): uproxy's rolling update under load, backend
+# deletion and readiness, CoreDNS over UDP and TCP.
+cluster-verify:
+	cluster/verify.sh
 
 # conformance: Kubernetes' e2e Service specs against the dev cluster with
 # kube-proxy (the reference) and uproxy in each mode, written to

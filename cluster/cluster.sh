@@ -8,6 +8,7 @@
 #	cluster.sh down      stop it and undo every change it made to the host
 #	cluster.sh status    what runs, and where the kubeconfig is
 #	cluster.sh check     the smoke check of `up` again
+#	cluster.sh reload    after build: import changed images, restart uproxy
 #	cluster.sh mode M    switch uproxy to --mode M (redirect or tproxy)
 #	cluster.sh proxy P   swap the service proxy: uproxy, or kube-proxy-iptables
 #	                     or kube-proxy-nftables (the reference)
@@ -196,7 +197,9 @@ snapshot() {
 		printf '%s = %s\n' "$s" "$(onnode sysctl -n "$s" 2>/dev/null | tr '\t' ' ' || echo absent)"
 	done >"$dir/sysctls"
 	awk '{print $5}' /proc/self/mountinfo | sort >"$dir/mounts"
-	ls -d /run/netns/* "${FIXED_DIRS[@]}" 2>/dev/null | sort >"$dir/paths" || true
+	# The node's own namespace (CLUSTER_NETNS) is up's and down's to make
+	# and delete, not a change to compare.
+	ls -d /run/netns/* "${FIXED_DIRS[@]}" 2>/dev/null | grep -vx "/run/netns/${CLUSTER_NETNS:-$netns}" | sort >"$dir/paths" || true
 }
 
 pki() {
@@ -726,8 +729,28 @@ status() {
 	kubectl -n kube-system get pods -o wide
 }
 
+# reload: imports the images that changed since up (after cluster.sh
+# build) and restarts uproxy's pods on them, with the manifests of deploy/
+# as they are now.
+reload() {
+	[[ -f $state/up ]] || die "no cluster runs at $state"
+	import_images
+	local was
+	read -r was mode <"$state/proxy"
+	[[ $was == uproxy ]] || {
+		say "the service proxy is $was; images imported"
+		return 0
+	}
+	uproxy_manifests
+	kubectl apply --server-side --force-conflicts -f "$state/manifests/uproxy/rendered.yaml" >/dev/null
+	kubectl -n kube-system rollout restart ds/uproxy >/dev/null
+	kubectl -n kube-system rollout status ds/uproxy --timeout=180s >/dev/null
+	say "uproxy restarted on the current image and manifests (--mode=$mode)"
+}
+
 case ${1:-} in
 build) build ;;
+reload) reload ;;
 up) up ;;
 down) down ;;
 status) status ;;
