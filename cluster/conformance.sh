@@ -17,6 +17,8 @@
 #	E2E_REFERENCE  the kube-proxy modes to run as the reference: "iptables
 #	             nftables" (the default), or "" for none
 #	E2E_OUT      the table to write (docs/conformance.md)
+#	E2E_REUSE    set: keep the kube-proxy runs already under
+#	             CLUSTER_CACHE/conformance instead of running them again
 #
 # The last line is "conformance: P passed, F failed, S skipped", counted over
 # uproxy's runs; it exits non-zero when a spec fails with uproxy and passes
@@ -66,6 +68,10 @@ build_e2e() {
 # runs/NAME.
 run_e2e() {
 	local name=$1 dir=$runs/$1
+	if [[ -n ${E2E_REUSE:-} && -f $dir/junit_01.xml ]]; then
+		say "$name: reusing the run in $dir (E2E_REUSE)"
+		return 0
+	fi
 	rm -rf "$dir"
 	mkdir -p "$dir"
 	say "$name: running the specs (log: $dir/e2e.log)"
@@ -85,7 +91,7 @@ build_e2e
 columns=()
 counted=()
 for m in $reference; do
-	"$here/cluster.sh" proxy "kube-proxy-$m"
+	[[ -n ${E2E_REUSE:-} && -f $runs/kube-proxy-$m/junit_01.xml ]] || "$here/cluster.sh" proxy "kube-proxy-$m"
 	run_e2e "kube-proxy-$m"
 	columns+=("kube-proxy $m=$runs/kube-proxy-$m/junit_01.xml")
 done
