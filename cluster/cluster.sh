@@ -196,10 +196,10 @@ snapshot() {
 	for s in "${SYSCTLS[@]}"; do
 		printf '%s = %s\n' "$s" "$(onnode sysctl -n "$s" 2>/dev/null | tr '\t' ' ' || echo absent)"
 	done >"$dir/sysctls"
-	awk '{print $5}' /proc/self/mountinfo | sort >"$dir/mounts"
-	# The node's own namespace (CLUSTER_NETNS) is up's and down's to make
-	# and delete, not a change to compare.
-	ls -d /run/netns/* "${FIXED_DIRS[@]}" 2>/dev/null | grep -vx "/run/netns/${CLUSTER_NETNS:-$netns}" | sort >"$dir/paths" || true
+	# Mounts and paths where the cluster's would be: other software (and
+	# other tests' namespaces) may come and go elsewhere meanwhile.
+	awk '{print $5}' /proc/self/mountinfo | grep -E "^($state/|/run/containerd|/run/netns/cni-|/var/run/netns/cni-)" | sort >"$dir/mounts" || true
+	ls -d /run/netns/cni-* "${FIXED_DIRS[@]}" 2>/dev/null | sort >"$dir/paths" || true
 }
 
 pki() {
@@ -569,6 +569,21 @@ swap_proxy() {
 # check: a pod resolves kubernetes.default through the cluster DNS (UDP and
 # TCP, through the service proxy) and connects to it.
 check() {
+	# Retried for a minute: the first pod may start while uproxy is still
+	# applying the kube-dns Service it has just seen.
+	local tries=0 deadline=$((SECONDS + 60))
+	# check_once dies on failure: a subshell keeps that to one try.
+	until (check_once) 2>"$state/check.err"; do
+		((SECONDS < deadline)) || die "$(<"$state/check.err")"
+		tries=$((tries + 1))
+		sleep 2
+	done
+	local after=""
+	((tries == 0)) || after=" (after $tries failed tries)"
+	say "check: a pod resolved kubernetes.default to $kubernetes_ip over UDP and TCP and connected to it$after"
+}
+
+check_once() {
 	local name=cluster-check-$RANDOM out
 	out=$(kubectl run "$name" --rm -i --restart=Never --quiet --pod-running-timeout=2m \
 		--image=registry.k8s.io/e2e-test-images/agnhost:2.66.1 --command -- sh -c '
@@ -581,7 +596,6 @@ $out"
 	grep -q "udp=$kubernetes_ip tcp=$kubernetes_ip" <<<"$out" && grep -q connected <<<"$out" ||
 		die "check: unexpected answer from the check pod:
 $out"
-	say "check: a pod resolved kubernetes.default to $kubernetes_ip over UDP and TCP and connected to it"
 }
 
 # remove_new_chains BEFORE: deletes, in every iptables table of both
