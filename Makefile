@@ -34,7 +34,8 @@ image:
 # make test: vet, then every test with the race detector, in the main
 # module and then in the bench's own (bench/go.mod: the harness, the demo
 # and its TestDemo), then the fuzz targets for a bounded time. Root-only
-# tests skip (saying why) when not run as root; CI runs as root.
+# tests skip (saying why) when not run as root; CI runs as root. The dev
+# cluster's test runs only when make cluster-build's builds are cached.
 test: deps-test kube-binaries
 	$(GO) vet ./...
 	cd bench && $(GO) vet ./...

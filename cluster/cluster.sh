@@ -63,7 +63,7 @@ SYSCTLS=(
 	net.netfilter.nf_conntrack_tcp_timeout_close_wait
 )
 # Directories that the kubelet and containerd create at fixed paths.
-FIXED_DIRS=(/run/containerd /var/log/containers /var/run/netns)
+FIXED_DIRS=(/run/containerd /var/log/containers)
 
 say() { echo "cluster: $*" >&2; }
 die() {
@@ -428,6 +428,7 @@ up() {
 	# node forwards nothing from the pod network to other addresses.
 	if ! onnode iptables -C FORWARD -s "$cluster_cidr" ! -d "$cluster_cidr" -j DEV-CLUSTER-FENCE 2>/dev/null; then
 		onnode iptables -N DEV-CLUSTER-FENCE 2>/dev/null || true
+		onnode iptables -F DEV-CLUSTER-FENCE
 		onnode iptables -A DEV-CLUSTER-FENCE -j REJECT --reject-with icmp-net-prohibited
 		onnode iptables -I FORWARD 1 -s "$cluster_cidr" ! -d "$cluster_cidr" -j DEV-CLUSTER-FENCE
 	fi
@@ -495,7 +496,9 @@ all_running() {
 	for c in etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet; do
 		running "$c" || return 1
 	done
-	case $proxy in kube-proxy-*) running kube-proxy || return 1 ;; esac
+	local current=$proxy
+	[[ -f $state/proxy ]] && read -r current _ <"$state/proxy"
+	case $current in kube-proxy-*) running kube-proxy || return 1 ;; esac
 }
 
 import_images() {
@@ -613,7 +616,9 @@ remove_new_chains() {
 			/^-A/ { for (i = 1; i <= NF; i++) if (($i == "-j" || $i == "-g") && ($(i+1) in isnew) && !($2 in isnew)) { sub(/^-A/, "-D"); rules = rules $0 "\n" } next }
 			/^COMMIT/ { if (new_chains != "") { printf "*%s\n%s", table, rules; n = split(new_chains, cs, " "); for (i = 1; i <= n; i++) print "-F " cs[i]; for (i = 1; i <= n; i++) print "-X " cs[i]; print "COMMIT" } }
 		')
-		[[ -n $script ]] && onnode "$fam-restore" --noflush <<<"$script"
+		if [[ -n $script ]]; then
+			onnode "$fam-restore" --noflush <<<"$script"
+		fi
 	done
 }
 
@@ -635,12 +640,14 @@ nft_chains() {
 remove_new_tables() {
 	command -v nft >/dev/null || return 0
 	local fam tbl chain rules
+	local old
+	old=$(nft_chains <"$1")
 	onnode nft list ruleset | nft_chains | while read -r fam tbl chain rules; do
 		((rules == 0)) || continue
-		nft_chains <"$1" | grep -q "^$fam $tbl $chain " && continue
+		grep -q "^$fam $tbl $chain " <<<"$old" && continue
 		if [[ $chain == - ]]; then
 			onnode nft delete table "$fam" "$tbl"
-		elif nft_chains <"$1" | grep -q "^$fam $tbl - "; then
+		elif grep -q "^$fam $tbl - " <<<"$old"; then
 			onnode nft delete chain "$fam" "$tbl" "$chain"
 		fi
 	done
@@ -651,7 +658,10 @@ down() {
 		say "no cluster at $state"
 		return 0
 	}
-	[[ -f $state/netns ]] && netns=$(<"$state/netns")
+	if [[ -f $state/netns ]]; then
+		netns=$(<"$state/netns")
+		cgroup_root=/uproxy-cluster-$netns
+	fi
 	local before
 	before=$(mktemp -d "${TMPDIR:-/tmp}/cluster-before.XXXXXX")
 	[[ -d $state/host-before ]] && cp -a "$state/host-before/." "$before/" && rm -f "$before/done"
@@ -675,7 +685,7 @@ down() {
 
 	# Mounts under the state folder (volumes, overlays, pod network
 	# namespaces), deepest first.
-	awk '{print $5}' /proc/self/mountinfo | grep "^$state/" | sort -r | while read -r m; do
+	awk '{print $5}' /proc/self/mountinfo | { grep "^$state/" || true; } | sort -r | while read -r m; do
 		umount -l "$m" 2>/dev/null || true
 	done
 	for cg in /sys/fs/cgroup"$cgroup_root" /sys/fs/cgroup/*"$cgroup_root"; do
@@ -689,17 +699,21 @@ down() {
 		ip link del cni0 2>/dev/null || true
 		[[ -x $bin/uproxy ]] && "$bin/uproxy" cleanup >/dev/null 2>&1 || true
 		[[ -x $bin/uproxy ]] && "$bin/uproxy" cleanup --kube-proxy >/dev/null 2>&1 || true
-		[[ -f $before/iptables ]] && remove_new_chains "$before"
-		[[ -f $before/nft ]] && remove_new_tables "$before/nft"
-		if [[ -f $before/sysctls ]]; then
-			local k v
-			while read -r k _ v; do
-				[[ $v == absent ]] && continue
-				[[ $(sysctl -n "$k" 2>/dev/null | tr '\t' ' ') == "$v" ]] || sysctl -qw "$k=$v" || say "could not restore $k to $v"
-			done <"$before/sysctls"
-		fi
+		if [[ -f $before/iptables ]]; then remove_new_chains "$before"; fi
+		if [[ -f $before/nft ]]; then remove_new_tables "$before/nft"; fi
 	fi
-	if [[ -f $before/paths ]]; then
+	# The kubelet's kernel settings are the host's in either mode; the
+	# net.* ones are the namespace's in CLUSTER_NETNS, gone with it.
+	if [[ -f $before/sysctls ]]; then
+		local k v
+		while read -r k _ v; do
+			[[ $v == absent || (-n $netns && $k == net.*) ]] && continue
+			[[ $(sysctl -n "$k" 2>/dev/null | tr '\t' ' ') == "$v" ]] || sysctl -qw "$k=$v" || say "could not restore $k to $v"
+		done <"$before/sysctls"
+	fi
+	# The fixed directories, when they were not there and no other
+	# containerd or kubelet (another cluster's) may be using them.
+	if [[ -f $before/paths ]] && ! pgrep -x containerd >/dev/null && ! pgrep -x kubelet >/dev/null; then
 		local d
 		for d in "${FIXED_DIRS[@]}"; do
 			grep -qxF "$d" "$before/paths" || rm -rf "$d"
@@ -713,8 +727,10 @@ down() {
 	after=$(mktemp -d "${TMPDIR:-/tmp}/cluster-after.XXXXXX")
 	netns= snapshot "$after"
 	if [[ -n $netns ]]; then
-		# The namespace is gone; the host's mounts and paths must be too.
-		rm -f "$before"/{iptables,ip6tables,nft,links,addrs,routes,sysctls} "$after"/{iptables,ip6tables,nft,links,addrs,routes,sysctls}
+		# The namespace is gone, and its network with it; the host's
+		# mounts, paths and kernel settings must be as before.
+		rm -f "$before"/{iptables,ip6tables,nft,links,addrs,routes} "$after"/{iptables,ip6tables,nft,links,addrs,routes}
+		sed -i '/^net\./d' "$before/sysctls" "$after/sysctls"
 	fi
 	if diff -r "$before" "$after" >"$after.diff"; then
 		say "the host is as before: $(ls "$before" | grep -v done | tr '\n' ' ')unchanged"

@@ -18,7 +18,7 @@ import (
 // that the cluster runs.
 var cachedBuilds = []string{
 	"bin/kube-apiserver", "bin/kube-controller-manager", "bin/kube-scheduler", "bin/kubelet",
-	"bin/kubectl", "bin/uproxy", "images/pause.tar", "images/coredns.tar", "images/agnhost.tar",
+	"bin/kubectl", "bin/coredns", "bin/pause", "bin/agnhost", "bin/uproxy", "images/pause.tar", "images/coredns.tar", "images/agnhost.tar",
 	"images/uproxy.tar",
 }
 

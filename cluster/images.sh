@@ -71,19 +71,19 @@ build() {
 	mkdir -p "$rootfs"
 	case $image in
 	pause)
-		stale "$tar" "$bin/pause" "$0" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
+		stale "$tar" "$bin/pause" "$0" "$repo/deploy/image/oci.sh" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
 		base "$rootfs"
 		install -m 0755 "$bin/pause" "$rootfs/pause"
 		oci_pack "$rootfs" "$tar.new" '"Entrypoint":["/pause"]' registry.k8s.io/pause:3.10.2
 		;;
 	coredns)
-		stale "$tar" "$bin/coredns" "$0" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
+		stale "$tar" "$bin/coredns" "$0" "$repo/deploy/image/oci.sh" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
 		base "$rootfs"
 		install -m 0755 "$bin/coredns" "$rootfs/coredns"
 		oci_pack "$rootfs" "$tar.new" '"Entrypoint":["/coredns"]' registry.k8s.io/coredns/coredns:v1.14.7
 		;;
 	busybox)
-		stale "$tar" "$0" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
+		stale "$tar" "$0" "$repo/deploy/image/oci.sh" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
 		oci_debs "$rootfs" busybox-static
 		base "$rootfs"
 		busybox_links "$rootfs"
@@ -91,7 +91,7 @@ build() {
 			registry.k8s.io/e2e-test-images/busybox:1.37.0-2
 		;;
 	agnhost)
-		stale "$tar" "$bin/agnhost" "$0" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
+		stale "$tar" "$bin/agnhost" "$0" "$repo/deploy/image/oci.sh" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
 		# As upstream's Dockerfile: dig, curl, nc, ip and ss, socat and a
 		# shell for the specs that exec into it; a user and group that the
 		# security-context specs look up.

@@ -160,12 +160,14 @@ endpoints() {
 			-o jsonpath='{range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' |
 			grep -v "^$victim " | awk '$2 == "True" {print $1}' | while read -r p; do
 				grep -qx "$p" <<<"$answered" || echo "$p"
-			done | head -1)
+			done | awk 'NR == 1')
 		((SECONDS < deadline)) || die "endpoints: no new pod became Ready"
 		[[ -n $new ]] || sleep 0.1
 	done
 	ready_at=$(date +%s.%N)
-	while ! hostnames 10 | grep -qx "$new"; do
+	# Not hostnames | grep -q: grep's early exit would kill the pipeline's
+	# writer and, under pipefail, fail the test that just matched.
+	while ! grep -qx "$new" <<<"$(hostnames 10)"; do
 		((SECONDS < deadline)) || die "endpoints: $new is Ready but answers no request"
 	done
 	served_at=$(date +%s.%N)

@@ -709,6 +709,24 @@ func TestKernelTProxyRoundTrip(t *testing.T) {
 	}
 	inEachFamilyNetns(t, func(t *testing.T, f Family) {
 		ctx := context.Background()
+		// Redirect mode's REJECTs read back as rendered too.
+		s, err := New(Config{Family: f})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 2 {
+			res, err := s.Sync(ctx, rejecting, true)
+			if err != nil {
+				t.Fatalf("rejects: %v", err)
+			}
+			if res.Wrote && res.Repaired {
+				t.Errorf("rejects: full Sync of an unchanged kernel = %+v; rendered:\n%s\niptables-save:\n%s",
+					res, Render(f, rejecting), nsCommand(t, f.command("-save"), "-t", "filter"))
+			}
+		}
+		if err := Cleanup(ctx, Config{Family: f}); err != nil {
+			t.Fatal(err)
+		}
 		for _, name := range slices.Sorted(maps.Keys(cases)) {
 			routings := []Routing{{}}
 			if name == "all" {

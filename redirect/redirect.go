@@ -198,9 +198,10 @@ type Firewall struct {
 // sees as ECONNREFUSED on its SYN), as kube-proxy's REJECT rules do, rather
 // than a listener accepting them with nothing to send them to.
 // UPROXY-FIREWALL refuses them by their original destination, which
-// conntrack keeps; the Intercept or NodePort stays, so that REDIRECT makes
-// the packet local wherever the node routes the address. ServiceRules
-// makes them in redirect mode only.
+// conntrack keeps; the Intercept stays, so that REDIRECT makes the packet
+// local wherever the node routes the address. A node port, local already,
+// is not redirected and is refused by its own port. ServiceRules makes
+// them in redirect mode only.
 type Reject struct {
 	// Comment is shown in the rule's comment, as for Intercept.Comment.
 	Comment string
@@ -218,14 +219,17 @@ type Reject struct {
 
 // validate reports why j cannot be rendered, or nil.
 func (j Reject) validate() error {
-	if j.Protocol != TCP && j.Protocol != UDP {
-		return fmt.Errorf("protocol %q is neither tcp nor udp", j.Protocol)
-	}
-	if j.Port == 0 {
+	switch {
+	case j.Protocol != TCP && j.Protocol != UDP:
+		return fmt.Errorf("protocol %q is not %q or %q", j.Protocol, TCP, UDP)
+	case j.Port == 0:
 		return errors.New("port 0")
-	}
-	if !j.NodePort && !j.Dest.IsValid() {
+	case j.NodePort && !j.Family.valid():
+		return fmt.Errorf("unknown family %s", j.Family)
+	case !j.NodePort && !j.Dest.IsValid():
 		return errors.New("no destination")
+	case !j.NodePort && j.Dest.Zone() != "":
+		return fmt.Errorf("destination %s has a zone", j.Dest)
 	}
 	return nil
 }

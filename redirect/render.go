@@ -536,12 +536,16 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 	return rules
 }
 
-// rejectRules renders the REJECTs of f's Rejects, for UPROXY-FIREWALL:
-// each matches the original destination that conntrack recorded, an exact
-// destination by its address and port, a node port by its port to a
-// local address. REDIRECT has made the packet local, so it reaches them
-// from INPUT whatever routes the node has for the service's address.
+// rejectRules renders the REJECTs of f's Rejects, for UPROXY-FIREWALL,
+// in redirect mode (ServiceRules makes none in tproxy mode). An exact
+// destination's matches the original destination that conntrack recorded:
+// REDIRECT has made the packet local, so it reaches the rule from INPUT
+// whatever routes the node has for the service's address. A node port's
+// matches its own port to a local address: it is not redirected.
 func rejectRules(c chainSpec, f Family, r Rules) []string {
+	if r.TProxy != nil {
+		return nil
+	}
 	var js []Reject
 	for _, j := range r.Rejects {
 		if j.validate() == nil && (j.NodePort && j.Family == f || !j.NodePort && familyOf(j.Dest.Unmap()) == f) {
@@ -567,8 +571,8 @@ func rejectRules(c chainSpec, f Family, r Rules) []string {
 	var rules []string
 	for _, j := range js {
 		if j.NodePort {
-			rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m addrtype --dst-type LOCAL -m conntrack --ctorigdstport %d %s -j REJECT --reject-with %s",
-				c.name, j.Protocol, quoteComment(j.Comment), j.Port, notOwn, reject))
+			rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m addrtype --dst-type LOCAL -m %s --dport %d %s -j REJECT --reject-with %s",
+				c.name, j.Protocol, quoteComment(j.Comment), j.Protocol, j.Port, notOwn, reject))
 			continue
 		}
 		rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m conntrack --ctorigdst %s --ctorigdstport %d %s -j REJECT --reject-with %s",

@@ -115,6 +115,12 @@ func ServiceRules(claims []Claim, opts ServiceOptions) Rules {
 		// tproxy mode still accepts and resets.
 		if c.Reject && opts.TProxy == nil {
 			r.Rejects = append(r.Rejects, Reject{Comment: c.Comment, NodePort: c.NodePort, Family: family, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port})
+			if c.NodePort {
+				// Refused by its own port: a REDIRECT would leave only the
+				// original port to match, which other services' redirected
+				// connections may share.
+				continue
+			}
 		}
 		if c.NodePort {
 			r.NodePorts = append(r.NodePorts, NodePort{Comment: c.Comment, Family: family, Protocol: c.Protocol, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})

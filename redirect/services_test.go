@@ -75,8 +75,9 @@ func TestServiceRules(t *testing.T) {
 			Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, UDP, 40003}, {IPv6, TCP, 40002}},
 		},
 	}, {
-		// A service port without endpoints: its destinations and node
-		// port are intercepted as usual, and refused too.
+		// A service port without endpoints: its destinations are
+		// intercepted as usual, and refused too; its node port is only
+		// refused.
 		name: "rejected",
 		claims: []Claim{
 			rejected(claim("default/empty:http", TCP, "10.96.0.30", 80, 40005)),
@@ -91,7 +92,6 @@ func TestServiceRules(t *testing.T) {
 				svc("default/empty:http", TCP, "192.0.2.30", 80, 40005),
 				svc("default/empty:dns", UDP, "2001:db8::30", 53, 40006),
 			},
-			NodePorts: []NodePort{{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Port: 30081, ToPort: 40005}},
 			Firewalls: []Firewall{
 				{Comment: "default/empty:http", Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 80, Allow: pfx("192.0.2.0/24")},
 			},

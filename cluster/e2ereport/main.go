@@ -282,5 +282,22 @@ func run(args []string, stdout io.Writer) error {
 	if len(regressions) > 0 {
 		return fmt.Errorf("%d spec(s) fail with uproxy and pass with another proxy", len(regressions))
 	}
+	// A counted run in which no spec passed or failed proves nothing: its
+	// report is missing (e2e.test did not run) or the suite's setup
+	// failed and skipped everything.
+	for _, c := range cols {
+		if len(counted) > 0 && !slices.Contains(counted, c.name) {
+			continue
+		}
+		ran := 0
+		for _, r := range c.results {
+			if r.Status == "passed" || r.Status == "failed" {
+				ran++
+			}
+		}
+		if ran == 0 {
+			return fmt.Errorf("%s: no spec passed or failed (a missing JUnit report, or a suite that did not start)", c.name)
+		}
+	}
 	return nil
 }

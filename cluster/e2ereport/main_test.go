@@ -100,3 +100,22 @@ func TestRun(t *testing.T) {
 		t.Errorf("table (-want +got):\n%s", diff)
 	}
 }
+
+// TestRunNothingRan checks that a counted run with no report, or one whose
+// specs were all skipped, is an error, not a pass.
+func TestRunNothingRan(t *testing.T) {
+	dir := t.TempDir()
+	skipped := filepath.Join(dir, "skipped.xml")
+	text := strings.NewReplacer(`status="passed"`, `status="skipped"`, `status="failed"`, `status="skipped"`,
+		`<failure message="connection reset&#xA;more">x</failure>`, "").Replace(sample)
+	if err := os.WriteFile(skipped, []byte(text), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, file := range []string{filepath.Join(dir, "none.xml"), skipped} {
+		var stdout strings.Builder
+		err := run([]string{"-focus", `\[sig-network\] Services`, "-out", filepath.Join(dir, "out.md"), "uproxy=" + file}, &stdout)
+		if err == nil || !strings.Contains(err.Error(), "no spec passed or failed") {
+			t.Errorf("%s: error %v, want one saying no spec ran", filepath.Base(file), err)
+		}
+	}
+}

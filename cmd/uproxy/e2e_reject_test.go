@@ -30,14 +30,16 @@ spec:
   - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
 `
 			c.write("empty.yaml", empty)
-			c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, pod))
+			// Its port is the refused node port: only the node port is
+			// refused, not every connection that was sent to that port.
+			c.write("web.yaml", service("web", "10.96.0.10", 30080, nil, false, pod))
 			c.start(0, "--mode", mode, "--cluster-cidr", "10.244.0.0/16")
 			c.waitSynced()
 
 			node := "http://10.244.0.1:30080/" // the node's bridge address
 
 			for _, ns := range []string{c.client.NS, c.lab.Node} {
-				if r := c.get(ns, "http://10.96.0.10/", 2, "--timeout", "3s"); r.Counts[pod.Name] != 2 {
+				if r := c.get(ns, "http://10.96.0.10:30080/", 2, "--timeout", "3s"); r.Counts[pod.Name] != 2 {
 					t.Errorf("the service with an endpoint, from %s: %+v; want 2 answers", ns, r)
 				}
 				for _, url := range []string{"http://10.96.0.30/", node} {

@@ -26,6 +26,11 @@ oci_debs() {
 	debs=$(mktemp -d "${TMPDIR:-/tmp}/oci-debs.XXXXXX")
 	mapfile -t closure < <(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts \
 		--no-breaks --no-replaces --no-enhances "$@" | grep -v '^[ <]' | sort -u)
+	if [[ ${#closure[@]} -eq 0 ]]; then
+		echo "oci.sh: apt-cache found none of $* (run apt-get update?)" >&2
+		rm -rf "$debs"
+		return 1
+	fi
 	echo "oci.sh: ${#closure[@]} Debian packages: ${closure[*]}"
 	# apt-get download writes into the working directory; as root it warns
 	# that its unprivileged user cannot, which is harmless.
