@@ -62,7 +62,16 @@ func MatchingRules(ctx context.Context, x Exec, dst netip.AddrPort, proto Protoc
 			if !ownRule(table, line) || !strings.Contains(line, "-p "+string(proto)+" ") {
 				continue
 			}
-			if !strings.Contains(line, "--dport "+port+" ") {
+			if orig, ok := flagValue(line, "--ctorigdstport"); ok {
+				// A REJECT of a service port without endpoints, by the
+				// destination the client chose.
+				if orig != port {
+					continue
+				}
+				if d, ok := flagValue(line, "--ctorigdst"); ok && d != dst.Addr().Unmap().String() {
+					continue
+				}
+			} else if !strings.Contains(line, "--dport "+port+" ") {
 				name, ok := flagValue(line, "--match-set")
 				if !ok {
 					continue

@@ -27,6 +27,10 @@ func TestMatchingRules(t *testing.T) {
 	}
 	tproxy := rules
 	tproxy.TProxy, tproxy.Listeners = &TProxy{}, nil
+	rejected := ServiceRules([]Claim{
+		{Comment: "default/web:http", Protocol: TCP, Dest: web.Dest, Port: 80, ToPort: 40001},
+		{Comment: "default/empty:http", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80, ToPort: 40005, Reject: true},
+	}, ServiceOptions{})
 	shared := sharedOf(rules, 40010, 40011)
 	shared.Firewalls = nil
 
@@ -54,6 +58,17 @@ func TestMatchingRules(t *testing.T) {
 		// wantCalls are the commands run, when not nil.
 		wantCalls []string
 	}{{
+		name:  "a ClusterIP without endpoints: its REDIRECT and its REJECT",
+		rules: rejected, dst: "10.96.0.30:80", proto: TCP,
+		want: []string{
+			`[nat] -A UPROXY-SERVICES -d 10.96.0.30/32 -p tcp -m comment --comment "default/empty:http" -m tcp --dport 80 -j REDIRECT --to-ports 40005`,
+			`[filter] -A UPROXY-FIREWALL -p tcp -m comment --comment "default/empty:http" -m conntrack --ctorigdst 10.96.0.30 --ctorigdstport 80 -m mark ! --mark 0x400000/0x400000 -j REJECT --reject-with icmp-port-unreachable`,
+		},
+	}, {
+		name:  "another address on the port of one without endpoints: neither",
+		rules: rejected, dst: "10.96.0.10:80", proto: TCP,
+		want: []string{webRule},
+	}, {
 		name:  "a ClusterIP",
 		rules: rules, dst: "10.96.0.10:80", proto: TCP,
 		want:      []string{webRule},
