@@ -93,9 +93,10 @@ build() {
 	agnhost)
 		stale "$tar" "$bin/agnhost" "$0" "$repo/deploy/image/oci.sh" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
 		# As upstream's Dockerfile: dig, curl, nc, ip and ss, socat and a
-		# shell for the specs that exec into it; a user and group that the
-		# security-context specs look up.
-		oci_debs "$rootfs" busybox-static dash bash netcat-openbsd bind9-dnsutils curl iproute2 socat
+		# shell for the specs that exec into it, getent (libc-bin) for the
+		# DNS specs' queriers; a user and group that the security-context
+		# specs look up.
+		oci_debs "$rootfs" busybox-static dash bash netcat-openbsd bind9-dnsutils curl iproute2 socat libc-bin
 		base "$rootfs"
 		# Debian names these commands through alternatives, which
 		# maintainer scripts would set. The shell is dash, not busybox's:
