@@ -153,6 +153,11 @@ func (u *Upgrader) credentials(c *net.UnixConn) (*unix.Ucred, error) {
 	if u.cfg.PeerCred != nil {
 		return u.cfg.PeerCred(c)
 	}
+	return peerCred(c)
+}
+
+// peerCred reads the kernel's credentials of c's peer (SO_PEERCRED).
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return nil, fmt.Errorf("reading the peer's credentials: %w", err)

@@ -516,6 +516,30 @@ func upgradePeerMain(path string) int {
 	return 0
 }
 
+// runPeer runs the test binary as a peer (upgradePeerMain) of the upgrade
+// socket path, in the namespaces that flags create, claiming netns, with
+// its own namespace's descriptor in its hello when sendNetns is set, and
+// returns the answer it got.
+func runPeer(t *testing.T, path, netns string, flags uintptr, sendNetns bool) Message {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), upgradePeerEnv+"="+path, "UPROXY_TEST_UPGRADE_NETNS="+netns)
+	if sendNetns {
+		cmd.Env = append(cmd.Env, "UPROXY_TEST_UPGRADE_SENDNS=1")
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("the peer: %v", err)
+	}
+	var m Message
+	if err := json.Unmarshal(out, &m); err != nil {
+		t.Fatalf("the peer's answer %q: %v", out, err)
+	}
+	return m
+}
+
 // TestUpgradeRefusesPeerInAnotherNetns runs a real peer in a network
 // namespace of its own that claims ours: the old process reads the
 // peer's namespace from /proc and refuses it.
@@ -528,18 +552,7 @@ func TestUpgradeRefusesPeerInAnotherNetns(t *testing.T) {
 		t.Skip(err)
 	}
 	pr := startPredecessor(t, nil)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), upgradePeerEnv+"="+pr.path, "UPROXY_TEST_UPGRADE_NETNS="+netns)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
-	cmd.Stderr = os.Stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("the peer: %v", err)
-	}
-	var m Message
-	if err := json.Unmarshal(out, &m); err != nil {
-		t.Fatalf("the peer's answer %q: %v", out, err)
-	}
+	m := runPeer(t, pr.path, netns, syscall.CLONE_NEWNET, false)
 	if m.Type != "offer" || m.Error != OfferForeign || len(m.Sockets) != 0 {
 		t.Errorf("the peer got %+v; want an offer refusing with %q and no descriptors", m, OfferForeign)
 	}
@@ -562,22 +575,11 @@ func TestUpgradePeerInAnotherPIDNamespace(t *testing.T) {
 	}
 	siblingPID := func(c *Config) {
 		c.PeerCred = func(conn *net.UnixConn) (*unix.Ucred, error) {
-			rc, err := conn.SyscallConn()
-			if err != nil {
-				return nil, err
+			cred, err := peerCred(conn)
+			if err == nil {
+				cred.Pid = 0
 			}
-			var cred *unix.Ucred
-			var serr error
-			if err := rc.Control(func(fd uintptr) {
-				cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-			}); err != nil {
-				return nil, err
-			}
-			if serr != nil {
-				return nil, serr
-			}
-			cred.Pid = 0
-			return cred, nil
+			return cred, err
 		}
 	}
 	for _, tc := range []struct {
@@ -592,21 +594,7 @@ func TestUpgradePeerInAnotherPIDNamespace(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pr := startPredecessor(t, siblingPID)
-			cmd := exec.Command(os.Args[0], "-test.run=^$")
-			cmd.Env = append(os.Environ(), upgradePeerEnv+"="+pr.path, "UPROXY_TEST_UPGRADE_NETNS="+netns)
-			if tc.sendNetns {
-				cmd.Env = append(cmd.Env, "UPROXY_TEST_UPGRADE_SENDNS=1")
-			}
-			cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: tc.flags}
-			cmd.Stderr = os.Stderr
-			out, err := cmd.Output()
-			if err != nil {
-				t.Fatalf("the peer: %v", err)
-			}
-			var m Message
-			if err := json.Unmarshal(out, &m); err != nil {
-				t.Fatalf("the peer's answer %q: %v", out, err)
-			}
+			m := runPeer(t, pr.path, netns, tc.flags, tc.sendNetns)
 			if m.Type != "offer" || m.Error != tc.wantError {
 				t.Errorf("the peer got %+v; want an offer with error %q", m, tc.wantError)
 			}
