@@ -19,8 +19,10 @@
 #	E2E_OUT      the table to write (docs/conformance.md)
 #	E2E_TIMEOUT  the suite's time limit per run (3h): past it, the specs
 #	             not run yet are reported as not run
-#	E2E_REUSE    set: keep the kube-proxy runs already under
-#	             CLUSTER_CACHE/conformance instead of running them again
+#	E2E_REUSE    the runs under CLUSTER_CACHE/conformance to keep instead of
+#	             running them again: names such as "kube-proxy-iptables
+#	             uproxy-redirect", or "kube-proxy" for both kube-proxy runs;
+#	             a run is kept only if it had the same focus and skip
 #
 # The last line is "conformance: P passed, F failed, S skipped", counted over
 # uproxy's runs; it exits non-zero when a spec fails with uproxy and passes
@@ -66,16 +68,31 @@ build_e2e() {
 	mv -f "$e2e.tmp" "$e2e"
 }
 
+# reusable NAME: whether E2E_REUSE keeps the run NAME, and it ran the specs
+# that this run would.
+reusable() {
+	local name=$1 dir=$runs/$1 word
+	for word in ${E2E_REUSE:-}; do
+		if [[ $word == "$name" || ($word == kube-proxy && $name == kube-proxy-*) ]]; then
+			[[ -f $dir/junit_01.xml && -f $dir/selection && $(<"$dir/selection") == "$focus"$'\n'"$skip" ]] && return 0
+			say "$name: not reusing $dir: it is missing or ran other specs"
+			return 1
+		fi
+	done
+	return 1
+}
+
 # run_e2e NAME: runs the specs against the cluster's current proxy, into
-# runs/NAME.
+# runs/NAME, unless E2E_REUSE keeps the run there.
 run_e2e() {
 	local name=$1 dir=$runs/$1
-	if [[ -n ${E2E_REUSE:-} && $name == kube-proxy-* && -f $dir/junit_01.xml ]]; then
+	if reusable "$name"; then
 		say "$name: reusing the run in $dir (E2E_REUSE)"
 		return 0
 	fi
 	rm -rf "$dir"
 	mkdir -p "$dir"
+	printf '%s\n%s\n' "$focus" "$skip" >"$dir/selection"
 	say "$name: running the specs (log: $dir/e2e.log)"
 	local start=$SECONDS rc=0
 	(cd "$dir" && "$e2e" --kubeconfig "$state/pki/admin.kubeconfig" --provider local \
@@ -93,12 +110,12 @@ build_e2e
 columns=()
 counted=()
 for m in $reference; do
-	[[ -n ${E2E_REUSE:-} && -f $runs/kube-proxy-$m/junit_01.xml ]] || "$here/cluster.sh" proxy "kube-proxy-$m"
+	reusable "kube-proxy-$m" || "$here/cluster.sh" proxy "kube-proxy-$m"
 	run_e2e "kube-proxy-$m"
 	columns+=("kube-proxy $m=$runs/kube-proxy-$m/junit_01.xml")
 done
 for m in $modes; do
-	UPROXY_MODE=$m "$here/cluster.sh" mode "$m"
+	reusable "uproxy-$m" || UPROXY_MODE=$m "$here/cluster.sh" mode "$m"
 	run_e2e "uproxy-$m"
 	columns+=("uproxy $m=$runs/uproxy-$m/junit_01.xml")
 	counted+=("uproxy $m")

@@ -95,8 +95,9 @@ build() {
 		# As upstream's Dockerfile: dig, curl, nc, ip and ss, socat and a
 		# shell for the specs that exec into it, getent (libc-bin) for the
 		# DNS specs' queriers; a user and group that the security-context
-		# specs look up.
-		oci_debs "$rootfs" busybox-static dash bash netcat-openbsd bind9-dnsutils curl iproute2 socat libc-bin
+		# specs look up. GNU wget, because Debian's busybox wget crashes
+		# (SIGSEGV) on the -T timeout the Services specs pass it.
+		oci_debs "$rootfs" busybox-static dash bash netcat-openbsd bind9-dnsutils curl iproute2 socat libc-bin wget
 		base "$rootfs"
 		# Debian names these commands through alternatives, which
 		# maintainer scripts would set. The shell is dash, not busybox's:
