@@ -181,7 +181,12 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 				notReady++
 			}
 		}
-		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the connection is refused", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReady)
+		refused := "the listener refuses the connection"
+		if len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0 {
+			// The rules refuse a port with no endpoint at all (Intercept.Reject).
+			refused = "the kernel refuses the connection (uproxy's REJECT rule), before any listener"
+		}
+		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): %s", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReady, refused)
 		return ex
 	}
 	healthy := slices.ContainsFunc(backends, func(b *balancer.Backend) bool { return !b.Ejected() })

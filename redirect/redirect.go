@@ -198,10 +198,19 @@ type Firewall struct {
 // sees as ECONNREFUSED on its SYN), as kube-proxy's REJECT rules do, rather
 // than a listener accepting them with nothing to send them to.
 // UPROXY-FIREWALL refuses them by their original destination, which
-// conntrack keeps; the Intercept stays, so that REDIRECT makes the packet
-// local wherever the node routes the address. A node port, local already,
-// is not redirected and is refused by its own port. ServiceRules makes
-// them in redirect mode only.
+// conntrack keeps; the Intercept stays, so that REDIRECT or TPROXY makes
+// the packet local wherever the node routes the address. A node port,
+// local already, is not intercepted and is refused by its own port.
+//
+// In tproxy mode a packet that TPROXY made local keeps the service's
+// address, which is not the node's: an ICMP error from it finds no route
+// (the kernel routes ICMP from local source addresses only), and the copy
+// of a bridged packet that TEE sends through OUTPUT is refused there,
+// where its reset is lost. So tproxy mode does not intercept the address:
+// the kernel routes the packet on (FORWARD, or OUTPUT for the node's
+// own), as it does for kube-proxy's REJECT, and the ICMP error leaves
+// from a node address. A node with no route for the address answers
+// "no route to host" instead.
 type Reject struct {
 	// Comment is shown in the rule's comment, as for Intercept.Comment.
 	Comment string

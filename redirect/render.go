@@ -536,16 +536,15 @@ func firewallRules(c chainSpec, f Family, r Rules) []string {
 	return rules
 }
 
-// rejectRules renders the REJECTs of f's Rejects, for UPROXY-FIREWALL,
-// in redirect mode (ServiceRules makes none in tproxy mode). An exact
-// destination's matches the original destination that conntrack recorded:
-// REDIRECT has made the packet local, so it reaches the rule from INPUT
-// whatever routes the node has for the service's address. A node port's
-// matches its own port to a local address: it is not redirected.
+// rejectRules renders the REJECTs of f's Rejects, for UPROXY-FIREWALL.
+// In redirect mode an exact destination's matches the original destination
+// that conntrack recorded: REDIRECT has made the packet local, so it
+// reaches the rule from INPUT whatever routes the node has for the
+// service's address. In tproxy mode it matches the destination itself:
+// the address is not intercepted, and its packets come from FORWARD or
+// OUTPUT (see Reject). A node port's matches its own port to a local
+// address: it is not intercepted.
 func rejectRules(c chainSpec, f Family, r Rules) []string {
-	if r.TProxy != nil {
-		return nil
-	}
 	var js []Reject
 	for _, j := range r.Rejects {
 		if j.validate() == nil && (j.NodePort && j.Family == f || !j.NodePort && familyOf(j.Dest.Unmap()) == f) {
@@ -573,6 +572,12 @@ func rejectRules(c chainSpec, f Family, r Rules) []string {
 		if j.NodePort {
 			rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m addrtype --dst-type LOCAL -m %s --dport %d %s -j REJECT --reject-with %s",
 				c.name, j.Protocol, quoteComment(j.Comment), j.Protocol, j.Port, notOwn, reject))
+			continue
+		}
+		if r.TProxy != nil {
+			// Not intercepted: the packet still has its destination.
+			rules = append(rules, fmt.Sprintf("-A %s -d %s/%d -p %s -m comment --comment %s -m %s --dport %d %s -j REJECT --reject-with %s",
+				c.name, j.Dest.Unmap(), f.hostBits(), j.Protocol, quoteComment(j.Comment), j.Protocol, j.Port, notOwn, reject))
 			continue
 		}
 		rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m conntrack --ctorigdst %s --ctorigdstport %d %s -j REJECT --reject-with %s",

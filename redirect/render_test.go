@@ -223,6 +223,8 @@ func TestRenderGolden(t *testing.T) {
 		// firewall's drops and the listener guard.
 		{"rejects", IPv4, rejecting},
 		{"rejects_v6", IPv6, rejecting},
+		{"tproxy_rejects", IPv4, tproxied(rejecting, Routing{})},
+		{"tproxy_rejects_v6", IPv6, tproxied(rejecting, Routing{})},
 		{"listeners", IPv4, Rules{Listeners: []Listener{
 			{IPv4, TCP, 40002}, {IPv4, UDP, 40002}, {IPv4, TCP, 40001}, {IPv4, TCP, 40001}, {IPv6, TCP, 41001},
 		}}},

@@ -30,7 +30,7 @@ type Claim struct {
 	// Intercept.
 	ToPort, ToPortEnd uint16
 	// Reject, when true, refuses the claim's new connections: the service
-	// port has no endpoint (see Reject). Redirect mode only.
+	// port has no endpoint (see Reject).
 	Reject bool
 	// SourceRanges, when not empty, are the only sources that may reach
 	// Dest:Port (a load balancer's loadBalancerSourceRanges): the claim
@@ -108,25 +108,26 @@ func ServiceRules(claims []Claim, opts ServiceOptions) Rules {
 		for port := int(c.ToPort); port <= int(max(c.ToPort, c.ToPortEnd)); port++ {
 			listeners[Listener{Family: family, Protocol: c.Protocol, Port: uint16(port)}] = true
 		}
-		// Only redirect mode refuses: a packet that TPROXY made local to
-		// the service's address gets no ICMP error back (the kernel has no
-		// route with that address as a source), and one left to the
-		// forwarding path got none back in the namespace lab either, so
-		// tproxy mode still accepts and resets.
-		if c.Reject && opts.TProxy == nil {
+		intercept := true
+		if c.Reject {
 			r.Rejects = append(r.Rejects, Reject{Comment: c.Comment, NodePort: c.NodePort, Family: family, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port})
-			if c.NodePort {
-				// Refused by its own port: a REDIRECT would leave only the
-				// original port to match, which other services' redirected
-				// connections may share.
-				continue
-			}
+			// A node port is refused by its own port: a REDIRECT would
+			// leave only the original port to match, which other
+			// services' redirected connections may share. In tproxy
+			// mode a packet made local to the service's address could
+			// not be refused (see Reject), so it is left to the
+			// routing that reaches the REJECT.
+			intercept = !c.NodePort && opts.TProxy == nil
 		}
 		if c.NodePort {
-			r.NodePorts = append(r.NodePorts, NodePort{Comment: c.Comment, Family: family, Protocol: c.Protocol, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+			if intercept {
+				r.NodePorts = append(r.NodePorts, NodePort{Comment: c.Comment, Family: family, Protocol: c.Protocol, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+			}
 			continue
 		}
-		r.Intercepts = append(r.Intercepts, Intercept{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+		if intercept {
+			r.Intercepts = append(r.Intercepts, Intercept{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+		}
 		if len(c.SourceRanges) > 0 {
 			r.Firewalls = append(r.Firewalls, Firewall{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, Allow: c.SourceRanges})
 		}

@@ -270,6 +270,30 @@ func TestServiceRules(t *testing.T) {
 			NodePorts:  []NodePort{{Comment: "default/a:http", Family: IPv6, Protocol: TCP, Port: 30080, ToPort: 40003}},
 			TProxy:     tproxy,
 		},
+	}, {
+		// tproxy mode leaves a refused port's packets to routing, which
+		// takes them to the REJECT (see Reject); a firewall still drops
+		// the sources it does not allow.
+		name: "tproxy mode: rejected",
+		claims: []Claim{
+			rejected(claim("default/empty:http", TCP, "10.96.0.30", 80, 40005)),
+			rejected(guarded(claim("default/empty:dns", UDP, "192.0.2.30", 53, 40006), "192.0.2.0/24")),
+			rejected(nodePortClaim("default/empty:http", TCP, "0.0.0.0", 30081, 40005)),
+			claim("default/web:http", TCP, "10.96.0.10", 80, 40001),
+		},
+		opts: ServiceOptions{TProxy: tproxy},
+		want: Rules{
+			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Firewalls: []Firewall{
+				{Comment: "default/empty:dns", Protocol: UDP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 53, Allow: pfx("192.0.2.0/24")},
+			},
+			Rejects: []Reject{
+				{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80},
+				{Comment: "default/empty:dns", Family: IPv4, Protocol: UDP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 53},
+				{Comment: "default/empty:http", NodePort: true, Family: IPv4, Protocol: TCP, Dest: netip.IPv4Unspecified(), Port: 30081},
+			},
+			TProxy: tproxy,
+		},
 	}}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -11,12 +11,11 @@ import (
 // refuses new connections in the kernel, as kube-proxy's REJECT does (and
 // Kubernetes' e2e spec "should be rejected when no endpoints exist"
 // expects): the client's connect fails with "connection refused", where a
-// listener would complete the handshake and then reset it. Its node port
-// too. Once the service has an endpoint it is served again.
+// listener would complete the handshake and then reset it. A UDP port's
+// queries are refused too (ICMP port unreachable), and their node ports.
+// In both modes. Once the service has an endpoint it is served again.
 func TestE2ENoEndpointsRefused(t *testing.T) {
-	// Redirect mode only: tproxy mode still accepts and resets (see
-	// redirect.Reject).
-	for _, mode := range []string{"redirect"} {
+	for _, mode := range []string{"redirect", "tproxy"} {
 		t.Run(mode, func(t *testing.T) {
 			c := newCluster(t, 1)
 			pod := c.pods[0]
@@ -28,6 +27,7 @@ spec:
   clusterIP: 10.96.0.30
   ports:
   - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}
 `
 			c.write("empty.yaml", empty)
 			// Its port is the refused node port: only the node port is
@@ -38,14 +38,27 @@ spec:
 
 			node := "http://10.244.0.1:30080/" // the node's bridge address
 
+			// One try each: the kernel sends a peer at most a burst of
+			// six ICMP errors before it rate-limits them.
 			for _, ns := range []string{c.client.NS, c.lab.Node} {
 				if r := c.get(ns, "http://10.96.0.10:30080/", 2, "--timeout", "3s"); r.Counts[pod.Name] != 2 {
 					t.Errorf("the service with an endpoint, from %s: %+v; want 2 answers", ns, r)
 				}
 				for _, url := range []string{"http://10.96.0.30/", node} {
-					if r := c.get(ns, url, 2, "--timeout", "3s"); r.Errors != 2 || !strings.Contains(r.FirstError, "connection refused") {
+					if r := c.get(ns, url, 1, "--timeout", "3s"); r.Errors != 1 || !strings.Contains(r.FirstError, "connection refused") {
 						out, _ := c.lab.Exec(t.Context(), c.lab.Node, "iptables-save", "-c")
 						t.Errorf("%s without endpoints, from %s: %+v; want every connection refused; the node's rules:\n%s", url, ns, r, out)
+					}
+				}
+				for _, addr := range []string{"10.96.0.30:53", "10.244.0.1:30053"} {
+					// The node's own datagram is refused in OUTPUT, so its
+					// send fails, as with kube-proxy's REJECT.
+					refused := func(err string) bool {
+						return strings.Contains(err, "connection refused") || ns == c.lab.Node && strings.Contains(err, "operation not permitted")
+					}
+					if r := c.query(ns, addr, 1, "--timeout", "3s"); r.Errors != 1 || !refused(r.FirstError) {
+						out, _ := c.lab.Exec(t.Context(), c.lab.Node, "iptables-save", "-c")
+						t.Errorf("UDP %s without endpoints, from %s: %+v; want every query refused; the node's rules:\n%s", addr, ns, r, out)
 					}
 				}
 			}

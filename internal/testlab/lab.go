@@ -19,7 +19,8 @@ import (
 //
 //	node   the node's namespace: a bridge (Options.Bridge; 10.244.0.1/24,
 //	       2001:db8:244::1/64) that the pods hang off, and a route for the service range, so
-//	       node-originated traffic to a VIP reaches the nat OUTPUT chain.
+//	       node-originated traffic to a VIP reaches the nat OUTPUT chain;
+//	       it sends no ICMP redirects.
 //	pods   one namespace each, on a veth whose other end is on the bridge,
 //	       with addresses 10.244.0.N and 2001:db8:244::N and the node as
 //	       default gateway: their traffic to a VIP crosses the node's
@@ -90,6 +91,11 @@ func New(o Options) (*Lab, error) {
 		[]string{"ip", "-n", l.Node, "route", "add", "10.96.0.0/16", "dev", l.bridge},
 		[]string{"ip", "-n", l.Node, "-6", "route", "add", "2001:db8:96::/64", "dev", l.bridge},
 		[]string{"ip", "netns", "exec", l.Node, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"},
+		// The service range is routed back out of the pods' bridge, which
+		// a real node's is not: a forwarded packet to it would make the
+		// node send an ICMP redirect first, which uses up the per-peer
+		// ICMP allowance that a REJECT's port unreachable needs next.
+		[]string{"ip", "netns", "exec", l.Node, "sysctl", "-qw", "net.ipv4.conf.all.send_redirects=0", "net.ipv4.conf." + l.bridge + ".send_redirects=0"},
 	)
 	if err != nil {
 		l.Close()
