@@ -93,6 +93,7 @@ run_e2e() {
 	rm -rf "$dir"
 	mkdir -p "$dir"
 	printf '%s\n%s\n' "$focus" "$skip" >"$dir/selection"
+	echo "$(date -u +%Y-%m-%d) at commit $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)" >"$dir/when"
 	say "$name: running the specs (log: $dir/e2e.log)"
 	local start=$SECONDS rc=0
 	(cd "$dir" && "$e2e" --kubeconfig "$state/pki/admin.kubeconfig" --provider local \
@@ -128,7 +129,7 @@ trap 'rm -f "$header"' EXIT
 {
 	sed -n '/^<!-- header -->$/,/^<!-- table -->$/p' "$here/conformance.md.in" | sed '1d;$d'
 	echo
-	echo "Run on $(date -u +%Y-%m-%d) at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
+	echo "Written on $(date -u +%Y-%m-%d) at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
 		"Kubernetes $(cd bench/tools && GOWORK=off go list -m -f '{{.Version}}' k8s.io/kubernetes), on one node" \
 		"($(nproc) CPUs, kernel $(uname -r))."
 	echo
@@ -137,7 +138,9 @@ trap 'rm -f "$header"' EXIT
 	for c in "${columns[@]}"; do
 		n=${c%%=*}
 		d=$(dirname "${c#*=}")
-		echo "- $n: $(grep -E '^Ran [0-9]+ of' "$d/e2e.log" | tail -1 || echo "no run") $(grep -E '^(SUCCESS|FAIL)!' "$d/e2e.log" | tail -1 || true)"
+		when=
+		[[ -f $d/when ]] && when=" (run on $(<"$d/when"))"
+		echo "- $n$when: $(grep -E '^Ran [0-9]+ of' "$d/e2e.log" | tail -1 || echo "no run") $(grep -E '^(SUCCESS|FAIL)!' "$d/e2e.log" | tail -1 || true)"
 	done
 	echo
 	sed -n '/^<!-- table -->$/,$p' "$here/conformance.md.in" | sed '1d'
