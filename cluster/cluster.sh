@@ -46,9 +46,10 @@ node_ip=10.244.0.1
 pod_cidr=10.244.0.0/24
 cluster_cidr=10.244.0.0/16
 service_cidr=10.96.0.0/16
-# The external and load-balancer addresses the e2e specs give Services
-# (TEST-NET-3): fenced like the Service range.
-spec_external_cidr=203.0.113.0/24
+# The external IP that the e2e specs give a Service, fenced like the
+# Service range. Only that address: a host may use the rest of its
+# documentation range for real services.
+spec_external_ip=203.0.113.250/32
 kubernetes_ip=10.96.0.1
 dns_ip=10.96.0.10
 cgroup_root=/uproxy-cluster${netns:+-$netns}
@@ -430,7 +431,7 @@ up() {
 	# Pods reach the node, each other and the Services, never beyond: the
 	# node forwards nothing from the pod network to other addresses. The
 	# node's own sockets (host-network pods, the specs' probes) must not
-	# send a Service address that no proxy took, or an external address
+	# send a Service address that no proxy took, or the external address
 	# the specs use, out of the host's default route: the filter table
 	# sees a packet after the proxy's NAT, and after TPROXY's reroute to
 	# lo, so what is left with such a destination was not intercepted.
@@ -441,7 +442,7 @@ up() {
 		onnode iptables -I FORWARD 1 -s "$cluster_cidr" ! -d "$cluster_cidr" -j DEV-CLUSTER-FENCE
 	fi
 	local fenced
-	for fenced in "$service_cidr" "$spec_external_cidr"; do
+	for fenced in "$service_cidr" "$spec_external_ip"; do
 		onnode iptables -C OUTPUT -d "$fenced" ! -o lo -j DEV-CLUSTER-FENCE 2>/dev/null ||
 			onnode iptables -I OUTPUT 1 -d "$fenced" ! -o lo -j DEV-CLUSTER-FENCE
 	done
