@@ -10,8 +10,8 @@ import (
 // number of backends N; with M ≥ 100·N no backend's share of the table
 // differs from another's by more than about a hundredth, the paper's
 // bound. A table takes the smallest size that holds N that way, so its
-// memory follows the backends rather than a fixed size per service port
-// (#30). The sizes grow fourfold because a client keeps its backend only
+// memory follows the backends rather than a fixed size per service port.
+// The sizes grow fourfold because a client keeps its backend only
 // while M stays the same: a step to the next size remaps clients as a new
 // table would, so steps are few. Past 6553 backends the largest table
 // still works, with coarser balance.

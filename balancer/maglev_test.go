@@ -39,7 +39,7 @@ func TestMaglevSizesArePrime(t *testing.T) {
 }
 
 // TestMaglevTableSize checks that a table's size follows the number of
-// backends N, the smallest of maglevSizes with M ≥ 100·N (#30), and that
+// backends N, the smallest of maglevSizes with M ≥ 100·N, and that
 // MaglevTableBytes tells its memory before it is built.
 func TestMaglevTableSize(t *testing.T) {
 	tests := []struct {
@@ -158,7 +158,7 @@ func TestMaglevDeterministic(t *testing.T) {
 	}
 	// Pinned values guard against the mapping changing between releases,
 	// which would move every client of every proxy on upgrade. (They moved
-	// once, when tables came to be sized by their backends, #30.)
+	// once, when tables came to be sized by their backends.)
 	for _, tt := range []struct {
 		client string
 		want   string

@@ -168,6 +168,6 @@ func rangeCell(s *Series) string {
 }
 
 // hasBaselinePaths reports whether the results hold a baseline twin.
-func (dp *DataPathResults) hasBaselinePaths() bool {
-	return slices.ContainsFunc(dp.Paths, func(s Subject) bool { return strings.HasSuffix(s.ID, baselineSuffix) })
+func (r *DataPathResults) hasBaselinePaths() bool {
+	return slices.ContainsFunc(r.Paths, func(s Subject) bool { return strings.HasSuffix(s.ID, baselineSuffix) })
 }

@@ -159,7 +159,7 @@ func TestBaselinePaths(t *testing.T) {
 			t.Errorf("%+v: error %v, want one containing %q", c.cfg.Paths, err, c.wantErr)
 		}
 	}
-	// #31's report is five runs: the default, with or without a baseline.
+	// The full report is five runs: the default, with or without a baseline.
 	for _, c := range []Config{{Baseline: "/x", Stem: "s", Out: "/tmp"}, {Stem: "s", Out: "/tmp"}} {
 		if got, err := c.withDefaults(); err != nil || got.Runs != 5 {
 			t.Errorf("runs with baseline %q: %d (%v), want 5", c.Baseline, got.Runs, err)

@@ -38,7 +38,7 @@ type Config struct {
 	Smoke bool
 	// Runs is how many times each measurement is repeated (the report
 	// gives min, median and max); zero means 3 (5 with a baseline, as
-	// issue #28's before-and-after comparison asks), or 1 in smoke mode.
+	// a before-and-after comparison needs), or 1 in smoke mode.
 	Runs int
 	// Duration is the length of each timed data-path workload, warm-up
 	// included; zero means 5s, or 300ms in smoke mode.
@@ -68,7 +68,7 @@ type Config struct {
 	// means all.
 	Proxies []string
 	// Scales are the control plane's service counts; empty means 1000,
-	// 5000, 10000 and 20000 (the points of issue #31's cost curves), or 50
+	// 5000, 10000 and 20000 (the points of the cost curves), or 50
 	// in smoke mode.
 	Scales []int
 	// Endpoints is the number of endpoints of every generated service;
@@ -119,7 +119,7 @@ func (c Config) withDefaults() (Config, error) {
 		}
 		return full
 	}
-	// Five runs make the report that decides #31's targets: a median
+	// Five runs make the report that decides the targets: a median
 	// with a spread that one slow run cannot move.
 	c.Runs = pick(c.Runs, 5, 1)
 	c.Conns = pick(c.Conns, 32, 32)

@@ -689,13 +689,13 @@ type profiledWorkload struct {
 }
 
 // profiled returns the profiles of every workload, in the report's order.
-func (dp *DataPathResults) profiled() []profiledWorkload {
+func (r *DataPathResults) profiled() []profiledWorkload {
 	return []profiledWorkload{
-		{"Keep-alive requests", "req", dp.Profiles},
-		{"Short connections", "conn", dp.ShortProfiles},
-		{"UDP requests", "req", dp.UDPProfiles},
-		{"UDP queries from a new port", "req", dp.DNSProfiles},
-		{"Bulk transfers", "MiB", dp.BulkProfiles},
+		{"Keep-alive requests", "req", r.Profiles},
+		{"Short connections", "conn", r.ShortProfiles},
+		{"UDP requests", "req", r.UDPProfiles},
+		{"UDP queries from a new port", "req", r.DNSProfiles},
+		{"Bulk transfers", "MiB", r.BulkProfiles},
 	}
 }
 

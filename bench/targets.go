@@ -9,7 +9,7 @@ import (
 	"unicode"
 )
 
-// dataTarget is one of #31's data-path targets: uproxy's figure of
+// dataTarget is one of the data-path targets: uproxy's figure of
 // metric, as a ratio to each base's measured in the same run, is at least
 // (or, with atMost, at most) that base's bound. A path meets the target
 // when it meets every bound.
@@ -30,7 +30,7 @@ type ratioBound struct {
 	bound           float64
 }
 
-// dataTargets are #31's data-path targets, in the report's order. The
+// dataTargets are the data-path targets, in the report's order. The
 // long-flow UDP target compares with an older binary, not a yardstick:
 // writeUDPTarget writes it.
 var dataTargets = []dataTarget{
@@ -104,12 +104,12 @@ func uproxyPaths(subjects []Subject) []Subject {
 	return out
 }
 
-// writeTargets writes the table of #31's targets, each read from this
+// writeTargets writes the table of the targets, each read from this
 // report's figures, with what met it and, for one that nothing met, the
 // closest figure and a link to the profile that bounds it.
 func writeTargets(b *strings.Builder, dp *DataPathResults, cp *ControlPlaneResults, haveDP, haveCP bool) {
 	b.WriteString("### Targets\n\n")
-	b.WriteString("The targets of #31, read from this report's figures. A data-path ratio is the median over the runs of uproxy's figure divided\n" +
+	b.WriteString("The targets, read from this report's figures. A data-path ratio is the median over the runs of uproxy's figure divided\n" +
 		"by the yardstick's in the same run (in parentheses: the lowest and highest run). For a target that no uproxy path meets,\n" +
 		"the last column links to the profile of that workload in [Where the CPU goes](#where-the-cpu-goes), which shows what bounds it.\n\n")
 	if haveDP {
@@ -191,7 +191,7 @@ func writeDataTargets(b *strings.Builder, dp *DataPathResults) {
 }
 
 // writeUDPTarget writes the row of the long-flow UDP target: the udp
-// workload's rate no lower than before #31's changes. Only a baseline
+// workload's rate no lower than the baseline binary's. Only a baseline
 // binary measured in the same runs (--baseline, --baseline-rev) decides
 // it: another run's figures are from another moment of a shared machine.
 // Without one, the row says so and gives the ratios to the yardsticks.

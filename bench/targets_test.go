@@ -47,7 +47,7 @@ func tableRows(s string) []string {
 	return got
 }
 
-// TestTargetsTable checks #31's targets table on made-up figures: which
+// TestTargetsTable checks the targets table on made-up figures: which
 // targets each uproxy path meets, the closest figure of one that none
 // meets with a link to its profile, and the control plane's rows at
 // 10,000 services (not the largest scale).

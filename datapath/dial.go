@@ -216,7 +216,7 @@ func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (f
 // setOwnMark puts mark (Config.OwnMark) on the socket fd, unless it is
 // zero: the kernel's rules let the socket's packets past every
 // interception, so that a backend whose address and port a Service
-// intercepts is reached, not the proxy again (#30). SO_MARK takes
+// intercepts is reached, not the proxy again. SO_MARK takes
 // CAP_NET_ADMIN (or CAP_NET_RAW since Linux 5.17).
 func setOwnMark(fd int, mark uint32) error {
 	if mark == 0 {

@@ -13,8 +13,8 @@ import (
 // (ENOBUFS, ENOMEM), or any failure before the connect itself (socket,
 // setsockopt, bind, or adding the socket to an event loop). Such a
 // failure says nothing of the backend, and ejecting it would, under
-// descriptor pressure, eject every backend of every Service in turn
-// (#30): only what connect(2) or the connection's completion says about
+// descriptor pressure, eject every backend of every Service in turn:
+// only what connect(2) or the connection's completion says about
 // the backend counts against it.
 func localDialFailure(err error) bool {
 	for _, local := range []error{unix.EMFILE, unix.ENFILE, unix.ENOBUFS, unix.ENOMEM} {

@@ -36,7 +36,7 @@
 // thread, with no goroutine per listener or per flow. A port in request-reply
 // mode (Snapshot.UDPMode; DNS by default) sends each query through a
 // socket the loop keeps in a pool per endpoint instead of a flow of its
-// own (udppool.go, #31).
+// own (udppool.go).
 //
 // # Accepting on the loops
 //

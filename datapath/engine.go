@@ -51,7 +51,7 @@ type Config struct {
 	// let packets that carry it past every interception
 	// (redirect.OwnMark), so the proxy's connections reach the backend
 	// they were dialled to even when its address and port are a
-	// Service's, instead of coming back to the proxy (#30). Setting it
+	// Service's, instead of coming back to the proxy. Setting it
 	// takes CAP_NET_ADMIN. Zero means the sockets are not marked.
 	OwnMark uint32
 	// Dial connects to a backend; nil means net.Dialer.DialContext.

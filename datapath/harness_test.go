@@ -1,9 +1,7 @@
 package datapath
 
 import (
-	"bufio"
 	"context"
-	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -124,19 +122,6 @@ func nameBackend(t *testing.T, name string) *backend { return wrapBackend(testba
 
 // echoBackend echoes until EOF (testbackend.Echo).
 func echoBackend(t *testing.T) *backend { return wrapBackend(testbackend.Echo(t)) }
-
-// get connects to port and returns the first line it reads.
-func get(t *testing.T, port int) (string, error) {
-	t.Helper()
-	c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", port), 2*time.Second)
-	if err != nil {
-		return "", err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	line, err := bufio.NewReader(c).ReadString('\n')
-	return strings.TrimSpace(line), err
-}
 
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()

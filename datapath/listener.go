@@ -118,9 +118,9 @@ func (t RouteTable) lookup(dst netip.AddrPort) *Listener {
 }
 
 // Route returns the service port listener of a connection or datagram
-// that a shared listener sh received for dst, or nil.
-func (sh *Listener) Route(dst netip.AddrPort) *Listener {
-	t := sh.Routes.Load()
+// that the shared listener l received for dst, or nil.
+func (l *Listener) Route(dst netip.AddrPort) *Listener {
+	t := l.Routes.Load()
 	if t == nil {
 		return nil
 	}
@@ -144,7 +144,7 @@ func (p *Engine) sharedRefused(sh *Listener, dst netip.AddrPort, err error) {
 // rules (UPROXY-LISTENERS) hand what they redirect only to a transparent
 // socket, so a local process that binds a listener port the proxy has
 // let go, or left behind when it died, receives none of a Service's
-// traffic (#30). An inherited socket gets it too, as an older version
+// traffic. An inherited socket gets it too, as an older version
 // did not set it. Tproxy-mode listeners are transparent already.
 func (p *Engine) Claim(l *Listener) {
 	var rc syscall.RawConn

@@ -81,7 +81,7 @@ func (rs *loopRing) err() error {
 // abandonRing carries on without l's ring once it has failed: an
 // io_uring_enter error other than a completion backlog (EBADR: the kernel
 // dropped completions; anything else: a ring the loop cannot trust), or
-// a completion the loop cannot account for (#30). Closing the ring
+// a completion the loop cannot account for. Closing the ring
 // cancels what is in flight, and what the sessions on it had moved is
 // unknown, so they end with a reset; the closes the ring was asked for
 // and never got are made here; the loop waits in epoll from then on, and
@@ -480,7 +480,7 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 		// A completion that says its receive took a buffer (CQEFBuffer)
 		// owns it whatever its result; one without bytes has nothing to
 		// send on, so the buffer goes back at once, or the ring would
-		// lose it for good (#30).
+		// lose it for good.
 		rs.bufs.Put(uint16(bid))
 	}
 	switch {

@@ -252,8 +252,8 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 // TestRingEmptyReceiveGivesItsBufferBack hands a loop's ring a receive
 // completion that took a buffer and carries no bytes: the buffer must go
 // back, so that the loop's count of buffers held returns to zero. Such a
-// completion was counted as taking its buffer, which was never returned
-// (#30). The receive is real, on a socket pair with a byte to read, so
+// completion was counted as taking its buffer, which was never returned.
+// The receive is real, on a socket pair with a byte to read, so
 // the kernel really takes the buffer; only its result is changed to 0
 // before the loop sees it.
 func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
@@ -314,7 +314,7 @@ func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
 // clears leaves the ring and its sessions alone; dropped completions
 // (EBADR), any other error, and a backlog that never clears make the loop
 // give the ring up: its sessions end, and it carries new ones on epoll.
-// Each of them panicked the process before (#30).
+// Each of them panicked the process before.
 func TestRingErrorsNeverPanic(t *testing.T) {
 	skipWithoutRing(t)
 	for _, tc := range []struct {

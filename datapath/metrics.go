@@ -84,7 +84,7 @@ const smallSet = 16
 
 // NewPortMetrics returns pm with the counters bms of the backends keys
 // (the same length and order): maps per port held more than the counters
-// they indexed at scale, so few backends are found by a scan (#31).
+// they indexed at scale, so few backends are found by a scan.
 func NewPortMetrics(pm PortMetrics, keys []*balancer.Backend, bms []*BackendMetrics) *PortMetrics {
 	pm.keys, pm.Backends = keys, bms
 	if len(keys) > smallSet {
@@ -116,7 +116,6 @@ type BackendMetrics struct {
 	Round uint64
 }
 
-// backend returns b's children; nil when metrics are disabled.
 // Backend returns the counters of b, one of the snapshot's backends; nil
 // when metrics are disabled or b is not one of them.
 func (pm *PortMetrics) Backend(b *balancer.Backend) *BackendMetrics { return pm.backend(b) }

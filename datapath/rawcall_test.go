@@ -14,7 +14,7 @@ import (
 // system call entry points keep the memory of such an argument alive and
 // in place for the call (unsafe.Pointer's rule 4). rawCall took its
 // buffers, sockaddrs and msghdrs that way, and a stack that grew in it
-// moved them away from the addresses the kernel was given (#30).
+// moved them away from the addresses the kernel was given.
 func TestRawCallsPassNoPointer(t *testing.T) {
 	// The functions implemented in assembly that the package calls.
 	asm := map[string]bool{

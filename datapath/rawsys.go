@@ -28,7 +28,7 @@ import (
 // converted in the argument list of a Go function, a pointer to a stack
 // variable is not updated when that function's stack grows and is moved,
 // and keeps no heap object alive, so the kernel could read or write
-// memory the variable no longer occupies (#30). Only in the argument list
+// memory the variable no longer occupies. Only in the argument list
 // of a function implemented in assembly, such as RawSyscall6, does the
 // compiler keep the object alive and in place until the call returns
 // (unsafe.Pointer's rule 4).

@@ -59,7 +59,7 @@ type Snapshot struct {
 	UDPMode UDPMode
 }
 
-// UDPMode is how a UDP service port carries its clients (#31). The zero
+// UDPMode is how a UDP service port carries its clients. The zero
 // value is UDPFlow.
 type UDPMode uint8
 

@@ -20,7 +20,7 @@ import (
 // the backend share one of the node's L2 segments (two pods on one Linux
 // bridge, as flannel and the bridge CNI attach them), the backend reaches
 // the client directly, the client drops the SYN-ACK of a connection it
-// never opened, and the dial times out (#32). A bridge rule could send
+// never opened, and the dial times out. A bridge rule could send
 // those replies up to the node's IP layer, but one on addresses and ports
 // cannot tell them from the pods' own connections, and the bridge is the
 // CNI's, not uproxy's. So uproxy keeps the client's address wherever the replies

@@ -130,12 +130,6 @@ func (s *session) abort() {
 	}
 }
 
-func (s *session) isAborted() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.aborted
-}
-
 // stillActive reports whether either socket received data or had sent data
 // acknowledged since the previous call, from the kernel's TCP_INFO
 // counters. A splice in progress is invisible to userspace, so this is how

@@ -103,7 +103,7 @@ func (f *udpFlow) touch(p *Engine) {
 	// Peek and Add as one step: the LRU's Add of a key it holds replaces
 	// the value without evicting it, so a flow that was replaced between
 	// the two would come back over its replacement, whose socket and
-	// goroutine nothing would then end (#30).
+	// goroutine nothing would then end.
 	if cur, ok := p.flows.lru.Peek(f.key); ok && cur == f {
 		p.flows.lru.Add(f.key, f)
 	}
@@ -344,7 +344,7 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 		// it here: conntrack's entry names the original destination,
 		// which must be the service's (udpFlowFor). A datagram sent
 		// straight to the port has its own entry, whose destination is
-		// the listener's (#30). The lookup is also needed, guard or not,
+		// the listener's. The lookup is also needed, guard or not,
 		// when the traffic policies route by the original destination.
 		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
 		var err error
@@ -413,7 +413,7 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 // drops what was not redirected to the port (Listener.Guarded), and
 // every address of the service routes alike (Snapshot.RoutesAlike), so
 // the original destination would change nothing. It keeps a lookup,
-// a netlink round trip, off every new client of a port like DNS's (#31).
+// a netlink round trip, off every new client of a port like DNS's.
 func (p *Engine) guardedRoute(l *Listener) bool {
 	if !l.Guarded.Load() {
 		return false

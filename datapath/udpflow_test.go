@@ -13,7 +13,7 @@ import (
 // goroutine makes it when the flow's backend is ejected (udpFlowFor). A
 // touch that found the flow current and then added it back after its
 // replacement overwrote the replacement without ending it: its socket and
-// goroutine stayed, out of the table, until the process exited (#30).
+// goroutine stayed, out of the table, until the process exited.
 func TestFlowTouchNeverRevivesAReplacedFlow(t *testing.T) {
 	conn, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {

@@ -13,7 +13,7 @@ import (
 // port's own UDP listener in redirect mode, UDPOriginalDst standing for
 // conntrack and counting its lookups: a listener whose kernel guard is in
 // place (Guarded) and whose addresses all route alike forwards new flows
-// without asking (#31); one without the guard, or whose Local policy
+// without asking; one without the guard, or whose Local policy
 // routes by the original destination, still asks once per new client.
 func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 	const clients = 4

@@ -1,6 +1,6 @@
 package datapath
 
-// Request–reply UDP through pooled backend sockets (#31).
+// Request–reply UDP through pooled backend sockets.
 //
 // A DNS stub resolver sends each query from a new socket, so to the proxy
 // every query is a new flow: a socket of its own connected to a backend,

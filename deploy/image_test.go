@@ -73,7 +73,7 @@ var detectCases = []struct {
 
 // TestDetectIptablesMode runs deploy/image/detect-iptables-mode with the
 // host's iptables in namespaces whose rules live in one backend or the
-// other (#29).
+// other.
 func TestDetectIptablesMode(t *testing.T) {
 	testlab.RequireRoot(t, "iptables-legacy-restore", "iptables-nft-restore")
 	script, err := filepath.Abs(filepath.Join("image", "detect-iptables-mode"))
@@ -219,7 +219,7 @@ func readImage(t *testing.T, path, dir string) ociImage {
 // fetched with apt-get download, no container engine), checks its OCI
 // layout, and runs it with chroot in namespaces whose rules live in one
 // iptables backend or the other: uproxy, started by the entrypoint as a
-// container would, removes its chains from the host's backend (#29).
+// container would, removes its chains from the host's backend.
 func TestImage(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: downloads Debian packages and builds an image (not -short)")
@@ -279,7 +279,7 @@ func TestImage(t *testing.T) {
 
 	// The entrypoint runs uproxy, and so does kubeadm's command, under
 	// the name kube-proxy: with kube-proxy's --version once uproxy takes
-	// kube-proxy's command line under that name (#29), with uproxy's
+	// kube-proxy's command line under that name, with uproxy's
 	// version subcommand before.
 	ns := testlab.NewNetns(t, "upimg-")
 	if out, err := run(ns, "/usr/local/bin/uproxy-entrypoint", "version"); err != nil || !strings.HasPrefix(out, "uproxy ") {

@@ -523,8 +523,8 @@ type refusedEndpoint struct {
 // Service without a selector (or a manifest), and the proxy dials them
 // from the node: without this, a pod could reach through a Service
 // address what only the node should, such as the metrics server on
-// 127.0.0.1:10249 or the cloud's metadata service on 169.254.169.254
-// (#30), or make the proxy send to a group. Loopback addresses are
+// 127.0.0.1:10249 or the cloud's metadata service on 169.254.169.254,
+// or make the proxy send to a group. Loopback addresses are
 // allowed when loopback is set (Config.LoopbackEndpoints).
 func endpointAddrRefusal(ip netip.Addr, loopback bool) string {
 	switch {

@@ -18,7 +18,7 @@ import (
 // way a dial fails when the node runs short of descriptors or memory, and
 // checks that the backend stays in service, for TCP and UDP; a refused
 // connect, the backend's own doing, still ejects it. Before, a process
-// at its open-files limit ejected every backend it tried (#30).
+// at its open-files limit ejected every backend it tried.
 func TestLocalDialFailuresEjectNoBackend(t *testing.T) {
 	dialErr := func(syscall string, errno syscall.Errno) error {
 		return &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError(syscall, errno)}

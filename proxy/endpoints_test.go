@@ -21,7 +21,7 @@ import (
 )
 
 // TestEndpointRefusal checks which endpoint addresses a service port
-// refuses (#30): addresses no Service may send to, the service port's own
+// refuses: addresses no Service may send to, the service port's own
 // intercepted addresses, and the node's own service ports on its
 // addresses; and that the rest, a host-network pod on the node's address
 // included, are used.
@@ -134,7 +134,7 @@ func (r *probeRules) SyncRules(ctx context.Context, in []Intercept, full bool) (
 // service lets go stays open until the rules that send traffic to it are
 // rewritten: closed first, its port would be free, while those rules
 // still redirect the service's traffic there, for any local process to
-// bind (#30).
+// bind.
 func TestSyncWritesRulesBeforeClosingListeners(t *testing.T) {
 	be := nameBackend(t, "a")
 	var (

@@ -68,7 +68,7 @@ func (s *FileSource) Load() error {
 // checkNotEmpty fails when the manifests at startup hold no Service and
 // no EndpointSlice: a path that names the wrong thing (kube-proxy's
 // configuration file, a folder of Deployments) must not start a proxy
-// that serves nothing and reports healthy (#29). The error names what was
+// that serves nothing and reports healthy. The error names what was
 // found instead.
 func checkNotEmpty(path string, files []string, good map[string]Objects) error {
 	var kinds []string

@@ -10,7 +10,7 @@ import (
 
 // TestFileSourceLoadNothingToServe checks that manifests without a
 // Service or an EndpointSlice fail to load, naming what they hold, and
-// that kube-proxy's configuration file is pointed to --config (#29).
+// that kube-proxy's configuration file is pointed to --config.
 func TestFileSourceLoadNothingToServe(t *testing.T) {
 	const kubeProxyConfig = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: \"\"\n"
 	const deployment = "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web}\n"

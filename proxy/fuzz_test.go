@@ -965,7 +965,7 @@ func FuzzTopologyHints(f *testing.F) {
 			if zh != 0 || nh != 0 {
 				e.Hints = &discovery.EndpointHints{ForZones: pick(zones, zh)}
 				for _, n := range pick(nodes, nh) {
-					e.Hints.ForNodes = append(e.Hints.ForNodes, discovery.ForNode{Name: n.Name})
+					e.Hints.ForNodes = append(e.Hints.ForNodes, discovery.ForNode(n))
 				}
 			}
 			sl.Endpoints = append(sl.Endpoints, e)

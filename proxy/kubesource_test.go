@@ -12,7 +12,7 @@ import (
 )
 
 // TestKubeSourceTrims checks that the objects the informers hand the
-// tracker are trimmed (#31): no managed fields, no foreign annotations,
+// tracker are trimmed: no managed fields, no foreign annotations,
 // no target references, while what uproxy reads is kept.
 func TestKubeSourceTrims(t *testing.T) {
 	svc, sls := filledService(1), filledSlices(1)

@@ -19,7 +19,7 @@ import (
 
 // listenerSet holds one service's listeners, one per port and family.
 // A service has few, so they are scanned: a map per service held more
-// memory than its listeners at scale (#31).
+// memory than its listeners at scale.
 type listenerSet []*listener
 
 // get returns the listener of k, or nil.

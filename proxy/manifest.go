@@ -198,7 +198,7 @@ const DefaultMaxManifestBytes = 64 << 20
 // volumes keep their temporary files), sorted.
 //
 // Only regular files are manifests: reading a FIFO blocks until a writer
-// comes, and a device such as /dev/zero never ends (#30). A symlink counts
+// comes, and a device such as /dev/zero never ends. A symlink counts
 // as what it points to, as ConfigMap volumes link every file into their
 // "..data" folder. A folder entry that is anything else is left out, and
 // skipped says which and why; path itself being anything else is an error.

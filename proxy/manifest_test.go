@@ -232,7 +232,7 @@ func TestFileSourceLoadErrorNamesFile(t *testing.T) {
 }
 
 // TestFileSourceOnlyRegularFiles checks that a manifest folder reads
-// regular files only (#30): a FIFO would block the load until a writer
+// regular files only: a FIFO would block the load until a writer
 // came, /dev/zero would be read until memory ran out. Each skipped entry
 // is logged by name, and a symlink to a regular file is followed, as
 // ConfigMap volumes need.

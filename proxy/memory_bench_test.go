@@ -34,7 +34,7 @@ func apiObjects(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
 	managed := func(raw string) []metav1.ManagedFieldsEntry {
 		return []metav1.ManagedFieldsEntry{{
 			Manager: "uproxy-bench", Operation: metav1.ManagedFieldsOperationUpdate, APIVersion: "v1",
-			Time: &created, FieldsType: "FieldsV1", FieldsV1: &metav1.FieldsV1{Raw: []byte(raw)},
+			Time: &created, FieldsType: "FieldsV1", FieldsV1: metav1.NewFieldsV1(raw),
 		}}
 	}
 	svcs := make([]*v1.Service, n)
@@ -82,7 +82,7 @@ func apiObjects(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
 }
 
 // BenchmarkHeld measures the heap that 10,000 services of 10 endpoints
-// each hold in a synced Proxier, with metrics on, as uproxy runs (#31):
+// each hold in a synced Proxier, with metrics on, as uproxy runs:
 // the objects as the informers keep them (whole, or trimmed by
 // TrimObject), and what a sync builds of them (listeners, snapshots,
 // balancers, metric children). The figures are bytes per service.

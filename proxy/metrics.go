@@ -103,8 +103,7 @@ type Metrics struct {
 // portState is one service port's counters and those of its backends.
 // The backends are found by address with a scan while there are few
 // (smallSet), through byAddr past that: at 10,000 services of 10
-// endpoints, maps per port held more than the counters they indexed
-// (#31).
+// endpoints, maps per port held more than the counters they indexed.
 type portState struct {
 	port     string // the port label
 	c        *datapath.PortCounters

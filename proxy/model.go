@@ -40,7 +40,7 @@ const (
 	// full, the connection is reset.
 	AnnotationMaxConnectionsPerEndpoint = "uproxy.io/max-connections-per-endpoint"
 	// AnnotationUDPMode chooses how the service's UDP ports carry their
-	// clients (#31): "request-reply" sends each datagram through a pooled
+	// clients: "request-reply" sends each datagram through a pooled
 	// socket that returns to its pool with the first reply, "flow" gives
 	// each client a socket of its own for as long as it sends, and "auto"
 	// starts a client as request-reply and makes it a flow once it sends
@@ -187,7 +187,7 @@ type Endpoint struct {
 	// Hints are the slice's topology hints, set by the EndpointSlice
 	// controller for trafficDistribution and topology-aware routing; nil
 	// when there are none, as for most endpoints: a pointer keeps an
-	// endpoint small (#31).
+	// endpoint small.
 	Hints *EndpointHints
 }
 

@@ -61,7 +61,7 @@ func TestListenersRebindPreviousPorts(t *testing.T) {
 // source's initial lists serves the Services its predecessor saved, on
 // the ports the predecessor's rules name, without writing a rule, and
 // that the initial lists then replace them: a Service they lack is
-// dropped (#30).
+// dropped.
 func TestServePreviousState(t *testing.T) {
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
 	state := filepath.Join(t.TempDir(), "state.json")

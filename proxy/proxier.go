@@ -96,7 +96,7 @@ type Config struct {
 	// ServerAddrs are the addresses of the proxy's own TCP servers
 	// (metrics, health checks), where an unspecified address stands for
 	// every address of the node. No endpoint may be one of them on an
-	// address of the node (#30). Nil means none.
+	// address of the node. Nil means none.
 	ServerAddrs []netip.AddrPort
 	// LoopbackEndpoints lets endpoints on loopback addresses through,
 	// for tests whose backends listen there. False refuses them, as a
@@ -434,7 +434,7 @@ func (p *Proxier) setGuarded(on bool) {
 // sync calls it only once the rules that sent traffic to them are gone
 // from the kernel: a listener closed first leaves its port free while a
 // rule still redirects a Service's traffic there, for any local process
-// to bind (#30). It reports whether it closed any. Called by the sync
+// to bind. It reports whether it closed any. Called by the sync
 // goroutine, or by Shutdown after it.
 func (p *Proxier) closeRetired() bool {
 	if len(p.retired) == 0 {

@@ -673,7 +673,7 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 
 // TestSyncReplacesListenersOnAFullRange checks that listeners replaced
 // on a full port range get the ports the old ones free: the old ones are
-// closed only once the rules no longer send traffic to them (#30), and
+// closed only once the rules no longer send traffic to them, and
 // the new ones, which could not open in that sync, are retried at once.
 func TestSyncReplacesListenersOnAFullRange(t *testing.T) {
 	base := freePortRange(t, 2)

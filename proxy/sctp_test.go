@@ -17,7 +17,7 @@ import (
 
 // TestSCTPPortsIgnoredOneByOne checks that an SCTP port costs a Service
 // that port only: the Service and its slices validate, its TCP and UDP
-// ports are converted, and one warning per SCTP port names it (#29).
+// ports are converted, and one warning per SCTP port names it.
 func TestSCTPPortsIgnoredOneByOne(t *testing.T) {
 	tests := []struct {
 		name      string

@@ -57,7 +57,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 	// One Backend per endpoint address, shared by both sets, found by a
 	// scan of s.Backends while there are few (smallSet).
 	// Sized once: every endpoint has at most one backend, and appending
-	// left the array with up to twice the room, held by the snapshot (#31).
+	// left the array with up to twice the room, held by the snapshot.
 	s.Backends = make([]*balancer.Backend, 0, len(s.endpoints))
 	var byAddr map[netip.AddrPort]*balancer.Backend
 	if len(s.endpoints) > smallSet {
@@ -135,7 +135,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 // no Service may use (endpointAddrRefusal), it refuses:
 //   - an address and port that sp itself intercepts: the proxy's own
 //     dial skips this node's rules (Config.OwnMark) but not another
-//     node's, which would send it back, and so on (#30);
+//     node's, which would send it back, and so on;
 //   - on an address of this node, the proxy's own ports: sp's node
 //     port, a listener port, or a server of ServerAddrs, which a pod
 //     must not reach through a Service address.

@@ -23,7 +23,7 @@ func (c *Config) sourceHashBytes() int64 {
 // and the balancers of a service's ports, families and endpoint sets share
 // one whenever their backends have the same addresses; still, a service
 // with thousands of ports, each with endpoints of its own, would hold a
-// table for each (#30). So their total is bounded: a balancer whose table
+// table for each. So their total is bounded: a balancer whose table
 // would pass the bound uses rendezvous hashing instead, which needs no
 // table (balancer.NewSourceHash). Owned by the sync goroutine.
 type hashTables struct {

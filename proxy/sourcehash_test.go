@@ -76,7 +76,7 @@ func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 // TestSourceHashTablesShared checks that a Maglev table is sized by its
 // backends and shared by the ports whose endpoints have the same
 // addresses, and that the proxier's count of their memory follows the
-// service's changes (#30).
+// service's changes.
 func TestSourceHashTablesShared(t *testing.T) {
 	p, _ := hashProxier(t, 0)
 	sync := func(s *v1.Service, sls []*discovery.EndpointSlice) {

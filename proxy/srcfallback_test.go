@@ -20,7 +20,7 @@ import (
 // in a namespace of its own, with a backend in another namespace that has
 // no route back to the client's address: a dial from the client's address
 // never gets its SYN-ACK, as when the backend shares a bridge with the
-// client and answers it directly (#32). The route lookup cannot tell, so
+// client and answers it directly. The route lookup cannot tell, so
 // it is the timeout that must fall back: the connection works, from the
 // node's address, within about one dial timeout, with the client's
 // address still in the PROXY protocol header, and the next connection of

@@ -18,7 +18,7 @@ import (
 
 // A state file holds the Services and EndpointSlices of a proxier's last
 // successful sync, so that an instance restarted while the API server is
-// down serves what the rules left in the kernel still send to it (#30):
+// down serves what the rules left in the kernel still send to it:
 // the rules outlive the process, and without their listeners and
 // endpoints every Service on the node would refuse connections until the
 // initial lists arrive.
@@ -97,7 +97,7 @@ func saveState(path string, services []*v1.Service, slices []*discovery.Endpoint
 
 // writeState writes a stateFile of services and slices to w one object
 // at a time: encoding the whole file at once would hold all of it in
-// memory, as large as the objects themselves, at every save (#31).
+// memory, as large as the objects themselves, at every save.
 func writeState(w *bufio.Writer, services []*v1.Service, slices []*discovery.EndpointSlice) error {
 	enc := json.NewEncoder(w)
 	fmt.Fprintf(w, `{"version":%d,"services":[`, stateFileVersion)

@@ -111,7 +111,7 @@ type statusPort struct {
 // every entry took most of an endpoint change's sync
 // (BenchmarkSyncEndpointChange). An entry holds only the snapshot and
 // the listener's ports; statusView builds the rest when asked, rather
-// than every service holding it between requests (#31).
+// than every service holding it between requests.
 func (p *Proxier) updateStatus(name types.NamespacedName) {
 	ls := p.services[name]
 	if len(ls) == 0 {

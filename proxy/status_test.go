@@ -86,7 +86,7 @@ func TestServicePortInfoListenPorts(t *testing.T) {
 }
 
 // TestStatusDataPath: the status says what carries the connections, as
-// `uproxy status` and the startup log show it (#31).
+// `uproxy status` and the startup log show it.
 func TestStatusDataPath(t *testing.T) {
 	ringErr := datapath.IOURingSupported()
 	for _, tt := range []struct {

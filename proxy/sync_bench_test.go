@@ -129,7 +129,7 @@ func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.En
 }
 
 // BenchmarkSyncSourceHash compares source-hash with round-robin on every
-// service (#30): the first sync of n services of 10 endpoints each, and the
+// service: the first sync of n services of 10 endpoints each, and the
 // heap the Proxier then holds (heap-bytes, after a garbage collection:
 // the balancers, and source-hash's Maglev tables). The "ports" case is
 // one service of 2,000 ports over the same 10 endpoints.

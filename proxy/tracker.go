@@ -39,8 +39,7 @@ type Tracker struct {
 	services map[types.NamespacedName]*v1.Service
 	slices   map[types.NamespacedName]*discovery.EndpointSlice
 	// slicesBySvc lists each service's slices. A service has few, most
-	// often one: a slice of names costs a fraction of a map per service
-	// (#31).
+	// often one: a slice of names costs a fraction of a map per service.
 	slicesBySvc                  map[types.NamespacedName][]types.NamespacedName
 	dirty                        map[types.NamespacedName]bool
 	servicesSynced, slicesSynced bool
@@ -190,8 +189,8 @@ func (t *Tracker) upsertService(svc *v1.Service) bool {
 
 // sameServiceInputs reports whether a and b agree on every field uproxy
 // reads from a Service: its spec, its status (the cloud controller assigns
-// status.loadBalancer.ingress with a status-only update, after creation;
-// #30), its annotations and its labels.
+// status.loadBalancer.ingress with a status-only update, after
+// creation), its annotations and its labels.
 func sameServiceInputs(a, b *v1.Service) bool {
 	return equality.Semantic.DeepEqual(a.Spec, b.Spec) && equality.Semantic.DeepEqual(a.Status, b.Status) &&
 		maps.Equal(a.Annotations, b.Annotations) && maps.Equal(a.Labels, b.Labels)

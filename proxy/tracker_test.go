@@ -98,7 +98,7 @@ func TestTrackerRejectsInvalidObjectsAlone(t *testing.T) {
 
 // TestStatusOnlyServiceUpdate checks that an update that changes only a
 // Service's status, as the cloud controller assigns a load balancer's
-// address after creation (#30), reaches the rules, through the informer's
+// address after creation, reaches the rules, through the informer's
 // upserts and through a manifest folder's Replace alike.
 func TestStatusOnlyServiceUpdate(t *testing.T) {
 	lb := func(ingress ...string) *v1.Service {

@@ -12,7 +12,7 @@ import (
 // the whole objects carry much that uproxy never reads: managed fields,
 // the last applied configuration, selectors, owner and target references,
 // status conditions. The client-go documentation recommends that such
-// components trim their informers' objects with a transform (#31). The
+// components trim their informers' objects with a transform. The
 // functions below keep exactly what uproxy reads (convert.go, the
 // tracker's comparisons, the state file) and what an Event on the object
 // needs (its name, namespace, UID and resourceVersion); every source

@@ -222,7 +222,7 @@ var shapes = map[string]func(*v1.Service){
 
 // TestTrimKeepsWhatIsRead checks that a trimmed object reads exactly as
 // the whole one: the same validation, warnings, service ports, endpoints,
-// slice index, trigger times and event references (#31).
+// slice index, trigger times and event references.
 func TestTrimKeepsWhatIsRead(t *testing.T) {
 	for name, shape := range shapes {
 		for seed := int64(1); seed <= 20; seed++ {

@@ -22,9 +22,9 @@ import (
 // destination is the listener's own port (sent there straight, not
 // redirected), is dropped and counted, on every data path. Before, the
 // listener forwarded any datagram, so a cluster DNS service answered
-// anyone who found its listener's port, from outside the node too (#30).
+// anyone who found its listener's port, from outside the node too.
 // The recording rules stand for a kernel without the listener guard, so
-// UDPCheckEveryFlow keeps the check that a guarded listener skips (#31).
+// UDPCheckEveryFlow keeps the check that a guarded listener skips.
 func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		a := udpBackend(t, "a", false)

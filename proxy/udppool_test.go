@@ -122,7 +122,7 @@ func udpMode(s *v1.Service, mode string) *v1.Service {
 	return s
 }
 
-// TestUDPPool checks the socket pools of request–reply queries (#31):
+// TestUDPPool checks the socket pools of request–reply queries:
 // one socket carries query after query (checkout and return); a query
 // without a reply closes its socket after the query timeout; a pool at
 // its bound drops and counts what it cannot carry; the pool of an
@@ -390,7 +390,7 @@ func TestUDPModeAnnotation(t *testing.T) {
 // clients each send a query from a new socket as soon as the previous one
 // was answered through an echo backend, so that every query is a new
 // client to the proxy; ns/op is one query and its reply. It compares a
-// flow per client with pooled sockets (#31).
+// flow per client with pooled sockets.
 func BenchmarkUDPNewPortPerQuery(b *testing.B) {
 	for _, mode := range []string{"flow", "request-reply"} {
 		b.Run("mode="+mode, func(b *testing.B) {

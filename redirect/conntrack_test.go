@@ -205,9 +205,9 @@ func TestConntrackAnswer(t *testing.T) {
 		}
 	}
 	const (
-		ctNew   = 1<<8 | 0 // NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_NEW
-		nlError = 2        // NLMSG_ERROR
-		nlDone  = 3        // NLMSG_DONE
+		ctNew   = 1 << 8 // NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW (0)
+		nlError = 2      // NLMSG_ERROR
+		nlDone  = 3      // NLMSG_DONE
 	)
 	// nlmsgerr is struct nlmsgerr: the error code, then the request's
 	// header (the request itself is left out here).

@@ -9,8 +9,8 @@ import (
 	"strings"
 )
 
-// kube-proxy's iptables mode leaves its chains behind when it stops
-// (#29): these are the ones its own cleanup (`kube-proxy --cleanup`,
+// kube-proxy's iptables mode leaves its chains behind when it stops:
+// these are the ones its own cleanup (`kube-proxy --cleanup`,
 // pkg/proxy/iptables CleanupLeftovers in v1.37) deletes, by table. The
 // chains kubelet creates (KUBE-IPTABLES-HINT, KUBE-KUBELET-CANARY,
 // KUBE-FIREWALL) are not among them: kubelet still needs them.

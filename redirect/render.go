@@ -79,7 +79,7 @@ const (
 // to backends: a packet that carries it never jumps to the chains that
 // intercept (UPROXY-SERVICES, UPROXY-TPROXY, UPROXY-TPROXY-OUTPUT), so
 // the proxy's own connections reach the address they were dialled to
-// even when it is one a Service intercepts (#30: a Service whose
+// even when it is one a Service intercepts (a Service whose
 // externalIPs held its own pod's address, with port equal to targetPort,
 // sent every dial back into the proxy until descriptors ran out). It is
 // one bit that kube-proxy (0x4000 masquerade, 0x8000 drop) and
@@ -604,7 +604,7 @@ func btoi(b bool) int {
 // listener, or died without a successor (SIGKILL leaves the rules and
 // sets in the kernel, and frees every port), a process that binds the
 // freed port receives none of the traffic the rules still send there:
-// the client is refused instead (#30). "--nowildcard" makes the match
+// the client is refused instead. "--nowildcard" makes the match
 // count the listeners, which are bound to the unspecified address.
 func listenerOwnerRules(c chainSpec, f Family, r Rules) []string {
 	reject := "icmp-port-unreachable"

@@ -1969,7 +1969,7 @@ func TestCommandsCounted(t *testing.T) {
 }
 
 // TestSyncReplacesUnmarkedServiceJumps: the jumps to UPROXY-SERVICES of
-// an earlier version, which the proxy's own packets took too (#30), are
+// an earlier version, which the proxy's own packets took too, are
 // replaced by the current ones, which skip packets with OwnMark, by the
 // first sync of a new process.
 func TestSyncReplacesUnmarkedServiceJumps(t *testing.T) {

@@ -471,7 +471,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 	}
 }
 
-// TestTrafficListenerOwner checks UPROXY-LISTENERS (#30): what the rules
+// TestTrafficListenerOwner checks UPROXY-LISTENERS: what the rules
 // redirect to a listener port reaches only a transparent socket, such as
 // the proxy's listeners. A process that binds the port without
 // IP_TRANSPARENT, as any local user can once the proxy has closed it or
@@ -514,7 +514,7 @@ func TestTrafficListenerOwner(t *testing.T) {
 }
 
 // TestTrafficOwnMark checks that the proxy's own packets, which carry
-// OwnMark, are not intercepted (#30): a connection from the node to an
+// OwnMark, are not intercepted: a connection from the node to an
 // address and port that a Service intercepts, a pod's own in a tenant's
 // externalIPs, reaches the pod when it carries the mark, and the
 // listener otherwise.

@@ -216,7 +216,7 @@ func run(args []string, stdout io.Writer) error {
 		return err
 	}
 	if *focus == "" || *out == "" || fs.NArg() == 0 {
-		return errors.New("usage: e2ereport -focus RE -out FILE [flags] COLUMN=junit.xml ...")
+		return errors.New("usage: e2ereport -focus RE -out FILE [flags] COLUMN=junit.xml")
 	}
 	focusRE, err := regexp.Compile(*focus)
 	if err != nil {

@@ -132,14 +132,6 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 	return nil
 }
 
-func cmpOr[T comparable](v, def T) T {
-	var zero T
-	if v == zero {
-		return def
-	}
-	return v
-}
-
 type configField struct{ path, value string }
 
 // ignoredConfigFields returns the fields of cfg set to something other

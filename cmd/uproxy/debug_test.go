@@ -30,7 +30,7 @@ func statusCodes(h http.Handler, paths []string) map[string]int {
 
 // TestDebugEndpoints checks what each address serves: the metrics
 // address only /metrics and /proxyMode, whatever --profiling says, and the debug
-// address /status and /explain, and pprof only with --profiling (#30).
+// address /status and /explain, and pprof only with --profiling.
 func TestDebugEndpoints(t *testing.T) {
 	paths := []string{"/metrics", "/proxyMode", "/status", "/explain?dst=10.96.0.10:80", "/debug/pprof/", "/debug/pprof/cmdline"}
 	explain := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("{}")) })

@@ -13,7 +13,7 @@ import (
 )
 
 // TestE2EBridgeCNI runs the Service tests on a node that a bridge CNI set
-// up (#32): pods on cni0 with br_netfilter handing its frames to iptables
+// up: pods on cni0 with br_netfilter handing its frames to iptables
 // (testlab's BridgeCNI), pods on a second node behind a route, and an
 // external host, in both modes and both listener layouts. Every client
 // kind reaches cluster IPs, node ports and external IPs over TCP and UDP,

@@ -69,7 +69,7 @@ func isKubeProxys(chain string) bool {
 // DaemonSet rollout would (its rules stay behind), starts uproxy, and runs
 // `uproxy cleanup --kube-proxy` beside it: kube-proxy's chains and jumps go,
 // kubelet's chains, a foreign rule and uproxy's rules stay, and the Service
-// keeps working through uproxy (#29).
+// keeps working through uproxy.
 func TestE2ECleanupKubeProxy(t *testing.T) {
 	c := newKubeCluster(t, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

@@ -21,7 +21,7 @@ import (
 // deploy/'s service account: /healthz waits for the Node and follows its
 // eligibility while /livez does not, every answer is counted in
 // kube-proxy's metrics, and uproxy records kube-proxy's Starting event on
-// its Node and a Warning on an object it rejects (#29).
+// its Node and a Warning on an object it rejects.
 func TestE2EKubeHealthAndEvents(t *testing.T) {
 	c := newKubeCluster(t, 1)
 	ctx := context.Background()

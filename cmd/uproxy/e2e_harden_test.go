@@ -12,7 +12,7 @@ import (
 	"github.com/uproxy/uproxy/internal/promtest"
 )
 
-// TestE2ESelfInterception makes the Service of #30: a tenant's
+// TestE2ESelfInterception makes a self-intercepting Service: a tenant's
 // externalIPs holds its own pod's address, with port equal to targetPort,
 // so that the node intercepts the pod's own address. Before the fix, each
 // connection to it went round the proxy until descriptors ran out. Now,
@@ -116,7 +116,7 @@ endpoints:
 
 // TestE2EListenerPortNotSquatted kills uproxy (SIGKILL: its rules and sets
 // stay, its ports come free) and binds its listener port with another
-// local process: the Service's clients get no answer from it (#30). In
+// local process: the Service's clients get no answer from it. In
 // redirect mode UPROXY-LISTENERS refuses them; in tproxy mode TPROXY
 // drops what no transparent socket takes.
 func TestE2EListenerPortNotSquatted(t *testing.T) {

@@ -49,7 +49,7 @@ func (c *cluster) probeHealth(path string) healthAnswer {
 
 // TestE2EHealthUnreachableAPIServer runs uproxy with a kubeconfig whose
 // server is a closed loopback port: the initial lists never arrive, so
-// /healthz and /livez must keep answering 503 (#29), where they used to
+// /healthz and /livez must keep answering 503, where they used to
 // answer 200 from the start.
 func TestE2EHealthUnreachableAPIServer(t *testing.T) {
 	c := newCluster(t, 0)

@@ -15,7 +15,7 @@ import (
 // TestE2EKubernetesLoadBalancerStatus checks that a load balancer's
 // address assigned after the Service exists, through the status
 // subresource as the cloud controller does, is intercepted with its source
-// ranges (#30): such an update changes nothing but the status.
+// ranges: such an update changes nothing but the status.
 func TestE2EKubernetesLoadBalancerStatus(t *testing.T) {
 	c := newKubeCluster(t, 2)
 	ctx := context.Background()

@@ -136,8 +136,7 @@ exec "$@"
 // TestE2EKubeadmCommandLine runs uproxy as kubeadm v1.37.2 runs
 // kube-proxy: the DaemonSet's exact command line, with the ConfigMap's
 // files and the service account's credentials where the pod has them,
-// and the addon's RBAC, against a real API server; then Services work
-// (#29).
+// and the addon's RBAC, against a real API server; then Services work.
 func TestE2EKubeadmCommandLine(t *testing.T) {
 	// As kubeadm's API server: kube-proxy's pod is privileged.
 	c := newKubeCluster(t, 2, "--allow-privileged=true")
@@ -232,7 +231,7 @@ func TestE2EKubeadmCommandLine(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A Service with an SCTP port besides its TCP port: the TCP port is
-	// served, the SCTP port logged (#29).
+	// served, the SCTP port logged.
 	mixed, err := client.CoreV1().Services("default").Create(ctx, &v1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: "mixed"},
 		Spec: v1.ServiceSpec{

@@ -119,7 +119,7 @@ func listed(list map[string]string, name string) (string, bool) {
 // its own, against the same API server and the same Services, and diffs
 // their metric families: every family kube-proxy exposes must be exposed
 // by uproxy with the same type, label names and buckets, or be listed in
-// docs/operations.md with the reason it is not (#29).
+// docs/operations.md with the reason it is not.
 func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 	c := newKubeCluster(t, 2)
 	ctx := context.Background()

@@ -85,8 +85,7 @@ endpoints:
 			if mode == "tproxy" {
 				// This lab stands for a routed CNI: with br_netfilter off,
 				// bridged frames skip iptables as a routed pod's would meet
-				// TPROXY. TestE2EBridgeCNI runs the same matrix with it on
-				// (#32).
+				// TPROXY. TestE2EBridgeCNI runs the same matrix with it on.
 				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
 				}

@@ -19,8 +19,7 @@ import (
 // stay), stops the API server, and starts uproxy again: the Services it
 // last synced keep answering from the state file, on the ports the rules
 // left behind name, and no rule is written until the API server returns.
-// Then the initial lists reconcile: a Service deleted meanwhile goes
-// (#30).
+// Then the initial lists reconcile: a Service deleted meanwhile goes.
 func TestE2EKubeRestartWithoutAPIServer(t *testing.T) {
 	for _, layout := range []string{"per-service", "shared"} {
 		t.Run(layout, func(t *testing.T) { testRestartWithoutAPIServer(t, layout) })

@@ -9,7 +9,7 @@ import (
 	"github.com/uproxy/uproxy/internal/promtest"
 )
 
-// TestE2EPreserveSourceIPSameBridge checks #32's second item in tproxy
+// TestE2EPreserveSourceIPSameBridge checks the same-segment fallback in tproxy
 // mode: a client pod and a backend pod on the node's bridge, where a dial
 // from the client's address would time out (the backend answers the
 // client directly, over the bridge), get a working connection from the

@@ -49,8 +49,8 @@ func TestE2EStatus(t *testing.T) {
 	if st.Mode != "redirect" || st.LastSync.IsZero() || len(st.Ports) != 2 {
 		t.Fatalf("status: %+v", st)
 	}
-	// Default flags: io_uring where the kernel allows it, epoll elsewhere
-	// (#31), on one loop less than the CPUs, at least one.
+	// Default flags: io_uring where the kernel allows it, epoll elsewhere,
+	// on one loop less than the CPUs, at least one.
 	wantIO := "io_uring"
 	if datapath.IOURingSupported() != nil {
 		wantIO = "epoll"
@@ -95,7 +95,7 @@ func TestE2EStatus(t *testing.T) {
 
 // TestE2EDebugAddress checks, on a running uproxy without --profiling,
 // that the metrics address serves neither /status, /explain nor pprof,
-// and that the debug address serves /status but not pprof (#30).
+// and that the debug address serves /status but not pprof.
 func TestE2EDebugAddress(t *testing.T) {
 	c := newCluster(t, 1)
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))

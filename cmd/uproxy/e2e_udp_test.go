@@ -142,13 +142,13 @@ func TestE2EUDPFlowsWithinDescriptorLimit(t *testing.T) {
 // listener layouts: the kernel's listener guard drops them (its counter
 // says so, and uproxy counts none). Before, a per-service listener
 // forwarded them: a cluster DNS service answered anyone outside the node
-// who found its listener's port (#30). With the guard's set flushed, as
+// who found its listener's port. With the guard's set flushed, as
 // before the first rules write holds a new listener's port, uproxy itself
 // drops them, since conntrack gives them no service's original
 // destination: always on a shared listener, and on a per-service one with
 // --udp-check-every-flow. By default a per-service listener trusts the
 // guard once a rules write put its port in the set, and asks conntrack
-// nothing for new flows (#31); the flushed set is then noticed by the next
+// nothing for new flows; the flushed set is then noticed by the next
 // full sync only.
 func TestE2EUDPListenerPortNotReachable(t *testing.T) {
 	for _, tc := range []struct {

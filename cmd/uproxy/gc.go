@@ -24,7 +24,7 @@ const startupGCPercent = 400
 // them, before they are trimmed, and the previous collections' garbage.
 // The runtime's scavenger hands such idle memory back to the kernel only
 // slowly: without release, the node agent would hold its startup peak
-// long after it (#31). The sync goroutine that calls restore does not
+// long after it. The sync goroutine that calls restore does not
 // wait for the collection.
 func startupGC(release func()) (restore func()) {
 	if _, set := os.LookupEnv("GOGC"); set {

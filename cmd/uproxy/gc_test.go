@@ -54,7 +54,7 @@ func TestStartupGC(t *testing.T) {
 		t.Errorf("with GOGC set, restoring made the target %d; want %d", got, before)
 	}
 	// The operator's target still lets the first sync's heap grow past
-	// the working set, which the runtime would keep for long (#31).
+	// the working set, which the runtime would keep for long.
 	select {
 	case <-released:
 	case <-time.After(10 * time.Second):

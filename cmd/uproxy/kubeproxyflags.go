@@ -18,8 +18,8 @@ import (
 
 // kubeProxyOptions are the parts of kube-proxy v1.37's command line that
 // uproxy's own flags (runOptions) lack, so that kube-proxy's DaemonSets
-// (kubeadm's, k3s's) can run uproxy with their command lines unchanged
-// (#29). Flags kube-proxy shares with uproxy (--kubeconfig, --master,
+// (kubeadm's, k3s's) can run uproxy with their command lines unchanged.
+// Flags kube-proxy shares with uproxy (--kubeconfig, --master,
 // --hostname-override, --cluster-cidr, --nodeport-addresses,
 // --healthz-bind-address, --metrics-bind-address, --iptables-sync-period,
 // --iptables-min-sync-period, --cleanup, -v) stay in runOptions.

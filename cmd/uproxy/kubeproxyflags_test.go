@@ -42,7 +42,7 @@ var sampleValues = map[string]string{
 
 // TestKubeProxyFlagsAccepted checks that `uproxy run` accepts every flag
 // of the real kube-proxy v1.37.2 (its --help, and the deprecated hidden
-// flags of its options.go), each with a value of kube-proxy's type (#29).
+// flags of its options.go), each with a value of kube-proxy's type.
 func TestKubeProxyFlagsAccepted(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipping: needs kube-proxy, built by bench/tools/build.sh")
@@ -184,7 +184,7 @@ func with(f func(*completed)) completed {
 
 // TestKubeProxyCommandLine checks how kube-proxy's flags and
 // configuration file resolve, against kube-proxy v1.37's rules
-// (cmd/kube-proxy/app/options.go) (#29).
+// (cmd/kube-proxy/app/options.go).
 func TestKubeProxyCommandLine(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name, content string) string {

@@ -13,7 +13,7 @@ import (
 )
 
 // TestSetOOMScoreAdj checks that the OOM score adjustment is written as
-// kube-proxy writes it, and that the default is kube-proxy's (#29).
+// kube-proxy writes it, and that the default is kube-proxy's.
 func TestSetOOMScoreAdj(t *testing.T) {
 	tests := []struct {
 		v       int32

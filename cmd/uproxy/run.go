@@ -119,7 +119,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if o.ports.Size > 0 {
 		// The rules refuse what reaches a listener port that uproxy does
 		// not hold; reserving the range keeps other processes' ephemeral
-		// sockets off it, so that the listeners can hold it (#30).
+		// sockets off it, so that the listeners can hold it.
 		if n, err := proxy.ExposedPorts(o.ports); err != nil {
 			log.Warn("cannot check that --proxy-port-range is reserved", zap.Error(err))
 		} else if n > 0 {
@@ -303,7 +303,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	if servePrevious {
 		// The previous instance's rules still send its Services here:
-		// serve them until the API server answers (#30).
+		// serve them until the API server answers.
 		services, slices, err := proxy.LoadState(stateFile)
 		switch {
 		case err != nil:

@@ -16,7 +16,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 )
 
-// Code comments say why, not how much (#27). A figure measured on one
+// Code comments say why, not how much. A figure measured on one
 // machine at one commit goes stale the day the code changes, and nothing
 // tells the reader; the measurements belong in the bench reports and
 // docs/performance.md, which say when and where they were taken.
@@ -169,7 +169,7 @@ func TestCommentsHaveNoFigures(t *testing.T) {
 	}
 	for _, path := range files {
 		for _, f := range commentsFindFigures(t, root, path) {
-			t.Errorf("%s: comment states a %s (%q): comments say why, not how much (#27)", f.pos, f.rule, f.match)
+			t.Errorf("%s: comment states a %s (%q): comments say why, not how much", f.pos, f.rule, f.match)
 		}
 	}
 }

@@ -20,7 +20,7 @@ import (
 const Controller = "uproxy"
 
 // Recorder reports a Starting event on this node's Node, and a Warning on
-// each Service or EndpointSlice the tracker rejects (#29). A nil
+// each Service or EndpointSlice the tracker rejects. A nil
 // *Recorder records nothing.
 //
 // Its methods never block and are safe for concurrent use: the

@@ -238,7 +238,7 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 	}
 	want := summary{
 		HostNetwork: true,
-		// The default policy, as kube-proxy's (#29): ClusterFirstWithHostNet
+		// The default policy, as kube-proxy's: ClusterFirstWithHostNet
 		// would resolve through the cluster DNS, a Service.
 		DNSPolicy:          v1.DNSClusterFirst,
 		ServiceAccountName: "uproxy",
@@ -267,7 +267,7 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 // ConfigMap among objs, mounted in the container, and that it reaches the
 // API server at an address of its own with the pod's service account, as
 // kubeadm's kube-proxy kubeconfig does: never through the kubernetes
-// Service, which needs a service proxy on the node to work (#29).
+// Service, which needs a service proxy on the node to work.
 func checkKubeconfig(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 	t.Helper()
 	spec := ds.Spec.Template.Spec

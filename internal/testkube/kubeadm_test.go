@@ -81,7 +81,7 @@ func createKubeadmProxy(ctx context.Context, t *testing.T, cp *ControlPlane, roo
 // ConfigMap kubeadm v1.37 creates (from its own templates), first as a
 // server-side dry run and then for real, and checks that the result runs
 // uproxy's image with kubeadm's command, ConfigMap and service account, and
-// can be upgraded hitlessly: probes, surge, the upgrade socket (#29).
+// can be upgraded hitlessly: probes, surge, the upgrade socket.
 func TestDeployKubeadm(t *testing.T) {
 	// kubeadm's API server allows privileged containers, which kube-proxy's
 	// DaemonSet asks for.

@@ -6,7 +6,7 @@ import (
 )
 
 // BridgeCNI makes the node one that a bridge CNI (flannel, k3s's default,
-// the bridge plugin, kubenet) has set up, as #32 describes it: br_netfilter
+// the bridge plugin, kubenet) has set up: br_netfilter
 // hands the bridge's frames to iptables and ip6tables (both
 // net.bridge.bridge-nf-call-* sysctls at 1, which NetworkPolicy engines
 // and kube-proxy's hairpin need), the filter table's FORWARD chain drops

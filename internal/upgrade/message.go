@@ -31,7 +31,7 @@ const (
 	// process can hold descriptors.
 	maxSockets = 1 << 22
 	// DefaultReadyTimeout bounds the old process's wait for
-	// ready: its sync loop is paused meanwhile (#30).
+	// ready: its sync loop is paused meanwhile.
 	DefaultReadyTimeout = 2 * time.Minute
 )
 

@@ -16,12 +16,12 @@ import (
 // A peer that goes silent must not hold the other side for longer than
 // the time-out of the phase it stopped in: the old process's sync loop is
 // paused during a handover, and a starting process that waits forever
-// never serves (#30).
+// never serves.
 
 // TestUpgradeSilentSuccessor checks that a successor which says hello and
 // never says ready does not stop the old process's syncing for good:
 // past the ready timeout the old process closes the connection and syncs
-// again, serving its upgrade socket as before (#30).
+// again, serving its upgrade socket as before.
 func TestUpgradeSilentSuccessor(t *testing.T) {
 	netns, err := netnsID()
 	if err != nil {

@@ -354,7 +354,7 @@ func sayHello(t *testing.T, path, netns string) (*net.UnixConn, error) {
 
 // TestUpgradeRefusesPeers checks that the old process hands nothing to a
 // peer of another user or another network namespace, whatever its hello
-// claims (#30).
+// claims.
 func TestUpgradeRefusesPeers(t *testing.T) {
 	netns, err := netnsID()
 	if err != nil {

@@ -141,8 +141,8 @@ type Ring struct {
 // entry into the kernel, not in an interrupt of it (COOP_TASKRUN).
 // Completions are not deferred until the thread enters the ring for them
 // (DEFER_TASKRUN): a loop that waited for a CPU would then find its whole
-// batch of receives unposted, and on busy CPUs the keep-alive tail grew
-// (#31). Kernels before 6.0 lack those flags (EINVAL), and get a plain
+// batch of receives unposted, and on busy CPUs the keep-alive tail grew.
+// Kernels before 6.0 lack those flags (EINVAL), and get a plain
 // ring.
 func New(entries uint32) (*Ring, error) {
 	var p params

@@ -141,7 +141,7 @@ func socketPair(t *testing.T, typ int) [2]int {
 // ring's thread's next return from the kernel, whatever system call it
 // made, not only when the thread enters the ring for it: a loop busy with
 // other system calls, or just back from waiting for a CPU, finds its
-// completions ready (#31).
+// completions ready.
 func TestCompletionsPostedWithoutEntering(t *testing.T) {
 	r := testRing(t)
 	fds := socketPair(t, unix.SOCK_DGRAM)

@@ -78,8 +78,8 @@ type ProxyHealthConfig struct {
 // The proxy is unhealthy until its first sync completes (Updated), which
 // happens only once the initial lists of Services and EndpointSlices have
 // arrived: kube-proxy does not serve health at all until the API server
-// has answered, so a proxy that cannot reach it must not look ready
-// (#29). After that it is healthy unless an update was queued
+// has answered, so a proxy that cannot reach it must not look ready.
+// After that it is healthy unless an update was queued
 // (QueuedUpdate) more than HealthTimeout ago and no sync has completed
 // since: the same "oldest pending queued update" rule as kube-proxy.
 // /livez reports exactly that; /healthz additionally answers 503 while

@@ -1,0 +1,107 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+)
+
+// docFlag is a flag as the docs cite it: in backquotes, first in the
+// span ("`--mode tproxy`"), or a family of them ("`--iptables-*`").
+var docFlag = regexp.MustCompile("`--([a-z][a-z0-9-]*)(\\*)?")
+
+// foreignFlags are flags the docs cite that belong to other programs,
+// each with its owner.
+var foreignFlags = map[string]string{
+	"physdev-is-in": "iptables' physdev match",
+}
+
+// benchFlag is a flag definition in bench's sources: bench is a module of
+// its own, which this test cannot import.
+var benchFlag = regexp.MustCompile(`\.(?:String|Bool|Int|Int64|Uint|Float64|Duration|StringSlice|StringArray|IntSlice|Count)(?:Var)?P?\((?:&[\w.]+,\s*)?"([a-z][a-z0-9-]*)"`)
+
+// TestDocsCiteExistingFlags checks that every flag the Markdown files cite
+// is one of uproxy's (hidden and deprecated ones included) or, in bench's
+// docs and docs/performance.md, one of bench's, so a renamed or removed
+// flag cannot linger in the docs. A family ("--conntrack-*") must name at
+// least one flag.
+func TestDocsCiteExistingFlags(t *testing.T) {
+	flags := map[string]bool{"help": true} // cobra adds it to every command when it runs
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		for _, fs := range []*pflag.FlagSet{c.Flags(), c.PersistentFlags()} {
+			fs.VisitAll(func(f *pflag.Flag) { flags[f.Name] = true })
+		}
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(newRootCommand())
+	benchSources, err := filepath.Glob("../../bench/*.go")
+	if err != nil || len(benchSources) == 0 {
+		t.Fatalf("bench's sources: %v", err)
+	}
+	for _, f := range benchSources {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range benchFlag.FindAllSubmatch(src, -1) {
+			flags[string(m[1])] = true
+		}
+	}
+
+	for _, doc := range citingDocs(t) {
+		text, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range docFlag.FindAllStringSubmatch(string(text), -1) {
+			name, family := m[1], m[2] != ""
+			switch {
+			case foreignFlags[name] != "":
+			case family:
+				if !slices.ContainsFunc(mapKeys(flags), func(f string) bool { return strings.HasPrefix(f, name) }) {
+					t.Errorf("%s cites --%s*, but uproxy has no flag that starts so", doc, name)
+				}
+			case !flags[name]:
+				t.Errorf("%s cites --%s, which is neither uproxy's flag nor bench's", doc, name)
+			}
+		}
+	}
+}
+
+// citingDocs returns the project's Markdown files but the bench reports,
+// which quote the flags of the day they were run.
+func citingDocs(t *testing.T) []string {
+	t.Helper()
+	out, err := exec.Command("git", "-C", "../..", "ls-files", "*.md").Output()
+	if err != nil {
+		t.Skipf("listing the docs needs git and a checkout: %v", err)
+	}
+	var docs []string
+	for _, f := range strings.Fields(string(out)) {
+		if !strings.HasPrefix(f, "bench/results/") {
+			docs = append(docs, filepath.Join("../..", f))
+		}
+	}
+	return docs
+}
+
+func mapKeys(m map[string]bool) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	return keys
+}

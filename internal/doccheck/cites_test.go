@@ -1,0 +1,208 @@
+package doccheck
+
+import (
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// issueNumber is an issue or pull-request number ("#30", "(#31)"), which
+// tells a reader of the code nothing; the history is in git. PKCS#1 and
+// the like are names, glued to the word before them.
+var issueNumber = regexp.MustCompile(`(?:^|[^\w#])#\d+\b`)
+
+// TestGoCommentsNameNoIssues checks that no Go comment, bench's included,
+// cites an issue number.
+func TestGoCommentsNameNoIssues(t *testing.T) {
+	root := repoRoot(t)
+	files := goFilesWithBench(t, root)
+	for _, path := range files {
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, parser.ParseComments|parser.SkipObjectResolution)
+		if err != nil {
+			t.Errorf("parse %s: %v", path, err)
+			continue
+		}
+		for _, group := range f.Comments {
+			for _, c := range group.List {
+				if m := issueNumber.FindString(c.Text); m != "" {
+					rel, _ := filepath.Rel(root, fset.Position(c.Slash).Filename)
+					t.Errorf("%s:%d: comment cites an issue (%q): say why in words; the history is in git", rel, fset.Position(c.Slash).Line, strings.TrimSpace(m))
+				}
+			}
+		}
+	}
+}
+
+func TestIssueNumberMatcher(t *testing.T) {
+	for _, tt := range []struct {
+		text string
+		want bool
+	}{
+		{"// fixed in (#30).", true},
+		{"// #31's targets", true},
+		{"// see #7", true},
+		{"// PKCS#1 keys", false},
+		{"// [Where](#where-the-cpu-goes)", false},
+		{"// port 8080", false},
+	} {
+		if got := issueNumber.MatchString(tt.text); got != tt.want {
+			t.Errorf("%q: matched %v, want %v", tt.text, got, tt.want)
+		}
+	}
+}
+
+// goFilesWithBench lists every .go file the repository tracks but
+// testdata.
+func goFilesWithBench(t *testing.T, root string) []string {
+	t.Helper()
+	var files []string
+	for _, f := range gitFiles(t, root, "*.go") {
+		if !strings.Contains("/"+f, "/testdata/") {
+			files = append(files, filepath.Join(root, f))
+		}
+	}
+	if len(files) == 0 {
+		t.Fatalf("no Go files under %s", root)
+	}
+	return files
+}
+
+// gitFiles lists the tracked files under root that match pattern.
+func gitFiles(t *testing.T, root, pattern string) []string {
+	t.Helper()
+	out, err := exec.Command("git", "-C", root, "ls-files", pattern).Output()
+	if err != nil {
+		t.Skipf("listing the tracked files needs git and a checkout: %v", err)
+	}
+	return strings.Fields(string(out))
+}
+
+// citingDocs lists the Markdown files whose citations must hold: all but
+// bench's reports, which quote the names of the day they were run.
+func citingDocs(t *testing.T, root string) map[string]string {
+	t.Helper()
+	docs := map[string]string{}
+	for _, f := range gitFiles(t, root, "*.md") {
+		if strings.HasPrefix(f, "bench/results/") {
+			continue
+		}
+		text, err := os.ReadFile(filepath.Join(root, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		docs[f] = string(text)
+	}
+	if len(docs) == 0 {
+		t.Fatalf("no Markdown files under %s", root)
+	}
+	return docs
+}
+
+// citedTest is a test, benchmark or fuzz target as the docs name it;
+// "TestUpgrade*" names every test that starts so.
+var citedTest = regexp.MustCompile(`\b((?:Test|Benchmark|Fuzz)[A-Z][A-Za-z0-9_]*)(\*)?`)
+
+var testFunc = regexp.MustCompile(`(?m)^func ((?:Test|Benchmark|Fuzz)[A-Z][A-Za-z0-9_]*)\(`)
+
+// TestDocsCiteExistingTests checks that every test the docs name exists,
+// so that a doc's "checked by" cannot point at a renamed or deleted test.
+func TestDocsCiteExistingTests(t *testing.T) {
+	root := repoRoot(t)
+	var defined []string
+	for _, f := range gitFiles(t, root, "*_test.go") {
+		src, err := os.ReadFile(filepath.Join(root, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range testFunc.FindAllSubmatch(src, -1) {
+			defined = append(defined, string(m[1]))
+		}
+	}
+	for doc, text := range citingDocs(t, root) {
+		for _, m := range citedTest.FindAllStringSubmatch(text, -1) {
+			if missing := missingName(defined, m[1], m[2] != ""); missing != "" {
+				t.Errorf("%s cites %s, but no test %s", doc, m[0], missing)
+			}
+		}
+	}
+}
+
+// missingName says how name (a prefix, when family is set) is not among
+// defined, or "" when it is.
+func missingName(defined []string, name string, family bool) string {
+	for _, d := range defined {
+		if d == name || family && strings.HasPrefix(d, name) {
+			return ""
+		}
+	}
+	if family {
+		return "starts with " + name
+	}
+	return "is named so"
+}
+
+// citedMetric is a metric as the docs name it; a histogram's series
+// suffixes name the histogram.
+var citedMetric = regexp.MustCompile(`\b((?:uproxy|kubeproxy)_[a-z0-9_]*[a-z0-9])\b`)
+
+// kubeProxyOnlyMetrics are kube-proxy's metrics that docs/operations.md
+// lists as ones uproxy does not export, and why.
+var kubeProxyOnlyMetrics = map[string]bool{
+	"kubeproxy_sync_proxy_rules_iptables_total":                     true,
+	"kubeproxy_sync_proxy_rules_iptables_last":                      true,
+	"kubeproxy_iptables_ct_state_invalid_dropped_packets_total":     true,
+	"kubeproxy_iptables_localhost_nodeports_accepted_packets_total": true,
+}
+
+// TestDocsCiteExistingMetrics checks that every uproxy_ and kubeproxy_
+// metric the docs name is one the code defines: as a full name in a string
+// ("uproxy_bytes_total"), or, for kube-proxy's, as the Name after the
+// "kubeproxy" subsystem.
+func TestDocsCiteExistingMetrics(t *testing.T) {
+	root := repoRoot(t)
+	defined := map[string]bool{}
+	for _, path := range goFilesWithBench(t, root) {
+		if strings.HasSuffix(path, "_test.go") || strings.Contains(path, "/bench/") {
+			continue
+		}
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, parser.SkipObjectResolution)
+		if err != nil {
+			t.Fatalf("parse %s: %v", path, err)
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			if lit, ok := n.(*ast.BasicLit); ok && lit.Kind == token.STRING {
+				s := strings.Trim(lit.Value, "\"`")
+				defined[s] = true
+				defined["kubeproxy_"+s] = true
+			}
+			return true
+		})
+	}
+	for doc, text := range citingDocs(t, root) {
+		for _, m := range citedMetric.FindAllStringSubmatch(text, -1) {
+			name := m[1]
+			base := name
+			for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+				base = strings.TrimSuffix(base, suffix)
+			}
+			switch {
+			case kubeProxyOnlyMetrics[name] && defined[name]:
+				t.Errorf("%s: uproxy defines %s now: take it off kubeProxyOnlyMetrics and the docs' list of those it lacks", doc, name)
+			case kubeProxyOnlyMetrics[name]:
+			case !defined[name] && !defined[base]:
+				t.Errorf("%s cites the metric %s, which the code does not define", doc, name)
+			}
+		}
+	}
+	if len(defined) == 0 {
+		t.Fatal("no string in the code: the check would pass anything")
+	}
+}
