@@ -10,7 +10,7 @@ import (
 // Accepting on the event loops: the loop that finds a listener readable
 // accepts, dials and carries the connection on its own thread, so no
 // connection waits for a hand-over between threads. See "Accepting on the
-// loops" in the package documentation.
+// loops" in docs/datapath.md.
 
 // acceptBackoffMin and acceptBackoffMax bound how long a loop stops
 // accepting on a listener after accept failed for want of resources

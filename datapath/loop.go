@@ -15,8 +15,7 @@ import (
 )
 
 // The data path's event loops carry sessions on a thread each, with no
-// goroutine per connection or direction: see "Event loops" in the package
-// documentation.
+// goroutine per connection or direction: see "Event loops" in docs/datapath.md.
 
 // loopGroup starts event loops on first use and stops them on request.
 // Safe for concurrent use.

@@ -16,8 +16,7 @@ import (
 // An event loop's io_uring (Config.IOURing): the ring carries the small
 // messages of the loop's TCP sessions, so that one io_uring_enter submits
 // a turn's operations and waits for the next; bulk transfers, listeners
-// and UDP flows stay on epoll. See "The loops' io_uring" in the package
-// documentation.
+// and UDP flows stay on epoll. See "The loops' io_uring" in docs/datapath.md.
 
 // ringBufSize is the size of a loop's provided buffers, and
 // defaultRingBufs their number unless Config.IOURingBuffers says

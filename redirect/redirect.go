@@ -358,13 +358,13 @@ type Rules struct {
 	// TProxy, when not nil, selects tproxy mode: intercepts and node ports
 	// reach their listeners through TPROXY in the mangle table, with their
 	// destination unchanged, instead of REDIRECT in nat; see "Tproxy mode"
-	// in the package documentation. Their destinations are members of the
+	// in docs/rules.md. Their destinations are members of the
 	// service and node-port sets in both layouts: with per-service rules,
 	// the sets gate the rules.
 	TProxy *TProxy
 	// Shared, when true, selects the shared layout, for a proxy with one
 	// listener per family and protocol; see "The shared layout" in the
-	// package documentation. Intercepts are not rendered as rules: each
+	// docs/rules.md. Intercepts are not rendered as rules: each
 	// becomes a member of its family's hash:ip,port set ("uproxy-services4"
 	// or "uproxy-services6", members as ipset save prints them, e.g.
 	// "10.96.0.10,tcp:80" and "2001:db8::10,udp:53"), and NodePorts become

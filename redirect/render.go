@@ -173,8 +173,8 @@ var chains = []chainSpec{
 		// Only a connection's first packet jumps (or an untracked one),
 		// since dropping that one stops the connection, so every other
 		// packet of the node pays one "ct state" comparison instead of
-		// the chain; see "The firewall chain" in the package
-		// documentation for the hooks and their order.
+		// the chain; see "The firewall chain" in docs/rules.md
+		// for the hooks and their order.
 		table:          "filter",
 		name:           FirewallChain,
 		from:           []string{"INPUT", "FORWARD", "OUTPUT"},
@@ -297,7 +297,7 @@ func allChainNames() string {
 // intercepts, node ports, addresses, firewalls and listeners, and on
 // r.TProxy, which moves the interception from nat to mangle, and
 // r.Shared, which moves the intercepts and node ports into sets (see the
-// package documentation). It is a pure function.
+// docs/rules.md). It is a pure function.
 //
 // The listener guards do not list the listener ports, nor do the shared
 // layout's rules list the services: they match uproxy's sets (see
@@ -501,7 +501,7 @@ func nodePortRules(c chainSpec, f Family, r Rules) []string {
 // port is in the protocol's listener set of f (see the set table in
 // sets.go) unless conntrack records a destination NAT (REDIRECT's), so a
 // listener is reachable only through its rules. "The firewall chain" in
-// the package documentation gives the kernel behaviour each match relies
+// docs/rules.md gives the kernel behaviour each match relies
 // on, and why the matches stand in this order.
 func firewallRules(c chainSpec, f Family, r Rules) []string {
 	var ws []Firewall

@@ -7,7 +7,7 @@ import (
 )
 
 // The shared layout (Rules.Shared) keeps the number of rules constant as
-// services come and go; the package documentation ("The shared layout")
+// services come and go; docs/rules.md ("The shared layout")
 // says how, and why guarded intercepts keep their own rules.
 
 // SharedComment is the comment of the rule of protocol p that matches

@@ -314,7 +314,7 @@ func New(cfg Config) (*Syncer, error) {
 // first after a failed one, and a Sync whose mode (r.TProxy set or not)
 // differs from the last successful one's always behave as full; this is
 // also how a new process adopts the rules and sets of a previous one.
-// "Syncing" in the package documentation says which commands run when.
+// "Syncing" in docs/rules.md says which commands run when.
 //
 // Sync returns an error, and changes nothing, when r has an invalid
 // intercept, node port, node port address, firewall or listener, two

@@ -11,7 +11,7 @@ import (
 // destination by TPROXY to its listener on loopback with the packet's
 // destination unchanged, so that the proxy can dial the backend from the
 // client's own address and the replies find their way back to it. The
-// package documentation ("Tproxy mode") gives the chains and the order
+// docs/rules.md ("Tproxy mode") gives the chains and the order
 // of their rules, and docs/modes.md when to choose the mode and the
 // kernel's limits (br_netfilter).
 //
@@ -146,8 +146,8 @@ func tproxyEntries(f Family, r Rules) []tproxyEntry {
 
 // gatedTProxy reports whether r is in tproxy mode with per-service rules,
 // where the service and node-port sets gate the chains of
-// tproxyServicesChain and tproxyNodePortsChain (see the package
-// documentation, "Tproxy mode").
+// tproxyServicesChain and tproxyNodePortsChain (see docs/rules.md,
+// "Tproxy mode").
 func gatedTProxy(r Rules) bool { return r.TProxy != nil && !r.Shared }
 
 // tproxyServicesChain returns the chain that holds the per-service rules
@@ -180,8 +180,8 @@ func entryProtocols(es []tproxyEntry) []Protocol {
 	return ps
 }
 
-// tproxyRules renders UPROXY-TPROXY (see "Tproxy mode" in the package
-// documentation). The transparent sockets' packets go to
+// tproxyRules renders UPROXY-TPROXY (see "Tproxy mode" in docs/rules.md).
+// The transparent sockets' packets go to
 // UPROXY-TPROXY-DIVERT by goto, and return from there to PREROUTING: for
 // TCP before all the rest, except SYNs; for UDP last.
 //
@@ -231,8 +231,8 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 // tproxyBridgedGates renders UPROXY-TPROXY's rules that send what it
 // would intercept to UPROXY-TPROXY-BRIDGED while br_netfilter runs
 // PREROUTING on a bridge (the physdev match), before the bridge passes
-// the frame up: a TPROXY there is lost (see "Bridged clients" in the
-// package documentation). The gates are those of the intercepts: with
+// the frame up: a TPROXY there is lost (see "Bridged clients" in
+// docs/rules.md). The gates are those of the intercepts: with
 // per-service rules, the service set and the node-port sets, per
 // protocol with members; in the shared layout, also each guarded
 // destination, protocol and port. Node ports count only to a local
@@ -398,8 +398,8 @@ func tproxyNodePortRules(c chainSpec, f Family, r Rules) []string {
 }
 
 // tproxyDivertRules renders UPROXY-TPROXY-DIVERT: it marks the packets of
-// the transparent sockets, which UPROXY-TPROXY sends here (see the
-// package documentation).
+// the transparent sockets, which UPROXY-TPROXY sends here (see
+// docs/rules.md).
 func tproxyDivertRules(c chainSpec, _ Family, r Rules) []string {
 	if r.TProxy == nil {
 		return nil
@@ -407,8 +407,8 @@ func tproxyDivertRules(c chainSpec, _ Family, r Rules) []string {
 	return []string{fmt.Sprintf("-A %s %s", c.name, r.TProxy.markTarget())}
 }
 
-// tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see the package
-// documentation): with per-service rules, one MARK per protocol for what f's
+// tproxyOutputRules renders UPROXY-TPROXY-OUTPUT (see docs/rules.md):
+// with per-service rules, one MARK per protocol for what f's
 // service set matches (every intercept's and firewall's destination,
 // protocol and port), when it has members of the protocol; in the shared
 // layout, one MARK per firewall's destination, protocol and port, with the

@@ -12,8 +12,8 @@ import (
 	"testing"
 )
 
-// issueNumber is an issue or pull-request number ("#30", "(#31)"), which
-// tells a reader of the code nothing; the history is in git. PKCS#1 and
+// issueNumber is an issue or pull-request number (a hash sign and digits),
+// which tells a reader of the code nothing; the history is in git. PKCS#1 and
 // the like are names, glued to the word before them.
 var issueNumber = regexp.MustCompile(`(?:^|[^\w#])#\d+\b`)
 
@@ -204,5 +204,34 @@ func TestDocsCiteExistingMetrics(t *testing.T) {
 	}
 	if len(defined) == 0 {
 		t.Fatal("no string in the code: the check would pass anything")
+	}
+}
+
+// maxPackageDocLines is how long a package's documentation may be: a map
+// of what the package owns, its main types and where to look next. A
+// longer explanation is a page in docs/.
+const maxPackageDocLines = 40
+
+// TestPackageDocsAreMaps checks every package's documentation, bench's
+// included, against maxPackageDocLines.
+func TestPackageDocsAreMaps(t *testing.T) {
+	root := repoRoot(t)
+	for _, path := range goFilesWithBench(t, root) {
+		if strings.HasSuffix(path, "_test.go") {
+			continue
+		}
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, parser.ParseComments|parser.PackageClauseOnly)
+		if err != nil {
+			t.Errorf("parse %s: %v", path, err)
+			continue
+		}
+		if f.Doc == nil {
+			continue
+		}
+		if n := strings.Count(f.Doc.Text(), "\n"); n > maxPackageDocLines {
+			rel, _ := filepath.Rel(root, path)
+			t.Errorf("%s: the package documentation is %d lines; make it a map of at most %d, and move the explanation to docs/", rel, n, maxPackageDocLines)
+		}
 	}
 }
