@@ -51,7 +51,7 @@ removed: use kube-proxy --cleanup for those.`,
 			return nil
 		},
 	}
-	cmd.Flags().BoolVar(&kubeProxy, "kube-proxy", false, "Remove kube-proxy's leftover rules (its iptables mode's KUBE-* chains and its nftables mode's tables) instead of uproxy's. Safe while uproxy runs.")
+	cmd.Flags().BoolVar(&kubeProxy, "kube-proxy", false, "Remove kube-proxy's leftover rules (its iptables mode's KUBE-* chains and its nftables mode's tables) instead of uproxy's, which is safe while uproxy runs.")
 	return cmd
 }
 

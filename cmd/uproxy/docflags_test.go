@@ -105,3 +105,45 @@ func mapKeys(m map[string]bool) []string {
 	}
 	return keys
 }
+
+// sentenceBreak is the end of a sentence followed by another one.
+var sentenceBreak = regexp.MustCompile(`[.!?] +[A-Z]`)
+
+// helpFlag is a flag as a command's help text names it.
+var helpFlag = regexp.MustCompile(`--([a-z][a-z0-9-]*)`)
+
+// TestFlagHelpIsOneSentence checks that each flag's help is one sentence
+// (the details are in docs/operations.md), and that the commands' own
+// help names only flags that exist.
+func TestFlagHelpIsOneSentence(t *testing.T) {
+	const maxUsage = 200
+	root := newRootCommand()
+	flags := map[string]bool{"help": true}
+	var commands []*cobra.Command
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		commands = append(commands, c)
+		for _, fs := range []*pflag.FlagSet{c.Flags(), c.PersistentFlags()} {
+			fs.VisitAll(func(f *pflag.Flag) {
+				flags[f.Name] = true
+				if f.Hidden || f.Deprecated != "" {
+					return // kube-proxy's, shown by no help
+				}
+				if len(f.Usage) > maxUsage || sentenceBreak.MatchString(f.Usage) {
+					t.Errorf("%s --%s: help of %d characters, or more than one sentence: %q", c.CommandPath(), f.Name, len(f.Usage), f.Usage)
+				}
+			})
+		}
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(root)
+	for _, c := range commands {
+		for _, m := range helpFlag.FindAllStringSubmatch(c.Short+"\n"+c.Long+"\n"+c.Example, -1) {
+			if !flags[m[1]] {
+				t.Errorf("%s's help names --%s, which no command has", c.CommandPath(), m[1])
+			}
+		}
+	}
+}

@@ -142,21 +142,21 @@ var ignoredKubeProxyFlags = []struct {
 
 // register adds kube-proxy's flags to fs, the run command's.
 func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
-	fs.StringVar(&k.configFile, "config", "", "kube-proxy's configuration file, a KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1), decoded strictly. As in kube-proxy, it replaces the kube-proxy flags given with it, except --hostname-override, --master and the logging flags; uproxy's own flags still apply. Service manifests go to --manifests.")
-	fs.StringVar(&k.proxyMode, "proxy-mode", "", "kube-proxy's proxy mode: iptables, nftables and ipvs mean uproxy's redirect mode (with a warning); redirect and tproxy select uproxy's modes (see --mode); empty means redirect.")
-	fs.StringVar(&k.bindAddress, "bind-address", "", "kube-proxy's idea of the node's primary IP: what the --nodeport-addresses keyword 'primary' means for its family. Empty or 0.0.0.0 means the Node object's addresses.")
+	fs.StringVar(&k.configFile, "config", "", "kube-proxy's KubeProxyConfiguration file, which replaces the kube-proxy flags given with it (docs/operations.md, Running as kube-proxy).")
+	fs.StringVar(&k.proxyMode, "proxy-mode", "", "kube-proxy's proxy mode: iptables, nftables and ipvs mean uproxy's redirect mode (with a warning), redirect and tproxy select uproxy's modes (see --mode).")
+	fs.StringVar(&k.bindAddress, "bind-address", "", "kube-proxy's node primary IP, which --nodeport-addresses' keyword primary means; empty or 0.0.0.0 takes the Node object's addresses.")
 	fs.Int32Var(&k.oomScoreAdj, "oom-score-adj", defaultOOMScoreAdj, "The oom_score_adj of the uproxy process, in [-1000, 1000], as kube-proxy's.")
-	fs.DurationVar(&k.configSyncPeriod, "config-sync-period", defaultConfigSyncPeriod, "How often the informers replay every Service and EndpointSlice (kube-proxy's resync period). Must be greater than 0.")
+	fs.DurationVar(&k.configSyncPeriod, "config-sync-period", defaultConfigSyncPeriod, "How often the informers replay every Service and EndpointSlice (kube-proxy's resync period), greater than 0.")
 	fs.Var(cliflag.NewMapStringBool(&k.featureGates), "feature-gates", "kube-proxy's feature gates (key=value pairs): accepted, and each logged as ignored, since uproxy has none.")
 	fs.Float32Var(&k.apiQPS, "kube-api-qps", defaultAPIQPS, "Queries per second to the API server.")
 	fs.Int32Var(&k.apiBurst, "kube-api-burst", defaultAPIBurst, "Burst of queries to the API server.")
 	fs.StringVar(&k.apiContentType, "kube-api-content-type", defaultAPIContentType, "Content type of requests sent to the API server.")
-	fs.StringVar(&k.detectLocalMode, "detect-local-mode", "", "How pod traffic is told from other traffic: ClusterCIDR (by source address in --cluster-cidr; empty means this) or NodeCIDR (in the Node's podCIDRs). BridgeInterface and InterfaceNamePrefix are accepted but uproxy cannot see interfaces: it falls back to --cluster-cidr, with a warning.")
+	fs.StringVar(&k.detectLocalMode, "detect-local-mode", "", "How pod traffic is told apart: ClusterCIDR (source in --cluster-cidr, the default) or NodeCIDR (in the Node's podCIDRs); the interface modes fall back to ClusterCIDR.")
 	fs.Int32Var(&k.healthzPort, "healthz-port", defaultHealthzPort, "The port of the health server; 0 disables it.")
 	_ = fs.MarkDeprecated("healthz-port", "use --healthz-bind-address instead")
 	fs.Int32Var(&k.metricsPort, "metrics-port", defaultMetricsPort, "The port of the metrics server; 0 disables it.")
 	_ = fs.MarkDeprecated("metrics-port", "use --metrics-bind-address instead")
-	fs.StringVar(&k.loggingFormat, "logging-format", "", "kube-proxy's log format: text (uproxy's console format) or json. Overrides --log-format.")
+	fs.StringVar(&k.loggingFormat, "logging-format", "", "kube-proxy's log format, text (uproxy's console format) or json, which overrides --log-format.")
 	fs.StringVar(&k.version, "version", "", "Print the version and exit, as kube-proxy's --version.")
 	fs.Lookup("version").NoOptDefVal = "true"
 	fs.BoolVar(&k.initOnly, "init-only", false, "Exit at once: uproxy needs no privileged setup before it runs, unlike kube-proxy.")

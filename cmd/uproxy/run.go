@@ -33,9 +33,10 @@ func newRunCommand(lf *logFlags) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "run",
 		Short: "Proxy the Services of an API server, or of manifest files",
-		Long: `run installs iptables REDIRECT rules for every Service port's cluster IPs, node ports,
-external IPs and load-balancer IPs, and serves each Service port on its own local listener,
-balancing new connections over the endpoints of its EndpointSlices as kube-proxy would.
+		Long: `run installs rules that send every Service port's cluster IPs, node ports, external IPs
+and load-balancer IPs to local listeners (--mode: iptables REDIRECT, or TPROXY; --listener:
+one listener per Service port, or one shared per family and protocol), and balances new
+connections over the endpoints of its EndpointSlices as kube-proxy would.
 
 The Services come from the API server (--kubeconfig, --master, or the in-cluster
 configuration), or from manifests (--manifests).
