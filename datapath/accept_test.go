@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/internal/testwait"
 	"golang.org/x/sys/unix"
 )
 
@@ -85,7 +86,7 @@ func listenAndServe(t *testing.T, g *loopGroup, ll *loopListener, addr string, r
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	waitUntil(t, fmt.Sprintf("%d connections are served", want), func() bool { return rec.count() == want })
+	testwait.Until(t, 5*time.Second, fmt.Sprintf("%d connections are served", want), func() bool { return rec.count() == want })
 }
 
 // registrations returns the lines of /proc/self/fdinfo for epoll instance
@@ -184,7 +185,7 @@ func TestLoopListenerClose(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, l := range loops {
-		waitUntil(t, fmt.Sprintf("loop %d registers the listener", i), func() bool { return len(registrations(t, l.epfd)) == 1 })
+		testwait.Until(t, 5*time.Second, fmt.Sprintf("loop %d registers the listener", i), func() bool { return len(registrations(t, l.epfd)) == 1 })
 		// EPOLLEXCLUSIVE: a connection wakes one loop.
 		var ev uint32
 		reg := registrations(t, l.epfd)[0]
@@ -202,7 +203,7 @@ func TestLoopListenerClose(t *testing.T) {
 		}
 		c.Close()
 	}
-	waitUntil(t, "both loops' connections are served", func() bool { return rec.count() == 20 })
+	testwait.Until(t, 5*time.Second, "both loops' connections are served", func() bool { return rec.count() == 20 })
 
 	dup, err := ll.dup()
 	if err != nil {
@@ -211,7 +212,7 @@ func TestLoopListenerClose(t *testing.T) {
 	defer unix.Close(dup)
 	ll.close()
 	for i, l := range loops {
-		waitUntil(t, fmt.Sprintf("loop %d drops the listener", i), func() bool { return len(registrations(t, l.epfd)) == 0 })
+		testwait.Until(t, 5*time.Second, fmt.Sprintf("loop %d drops the listener", i), func() bool { return len(registrations(t, l.epfd)) == 0 })
 	}
 	c, err := net.Dial("tcp4", addr)
 	if err != nil {
@@ -311,7 +312,7 @@ func TestLoopUDPReadBacksOff(t *testing.T) {
 	if _, err := c.Write([]byte("x")); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the datagram is read", func() bool { return read.Load() == 1 })
+	testwait.Until(t, 5*time.Second, "the datagram is read", func() bool { return read.Load() == 1 })
 
 	mu.Lock()
 	defer mu.Unlock()

@@ -123,18 +123,6 @@ func nameBackend(t *testing.T, name string) *backend { return wrapBackend(testba
 // echoBackend echoes until EOF (testbackend.Echo).
 func echoBackend(t *testing.T) *backend { return wrapBackend(testbackend.Echo(t)) }
 
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		if cond() {
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Fatalf("timed out waiting until %s", what)
-}
-
 func countFDs(t *testing.T) int {
 	entries, err := os.ReadDir("/proc/self/fd")
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/internal/testwait"
 	"golang.org/x/sys/unix"
 )
 
@@ -147,13 +148,13 @@ func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	}()
 	// Before the count: a first connection starts the loops.
 	conns = append(conns, echoOnce(t, port, 0))
-	waitUntil(t, "the first session is carried", func() bool { return p.ActiveConnections() == 1 })
+	testwait.Until(t, 5*time.Second, "the first session is carried", func() bool { return p.ActiveConnections() == 1 })
 	// The test's own goroutines: the backend's handler per connection.
 	base := runtime.NumGoroutine()
 	for i := 1; i <= n; i++ {
 		conns = append(conns, echoOnce(t, port, i))
 	}
-	waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n+1 })
+	testwait.Until(t, 5*time.Second, "every session is registered", func() bool { return p.ActiveConnections() == n+1 })
 	var proxyG int
 	deadline := time.Now().Add(5 * time.Second)
 	for {

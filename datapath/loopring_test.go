@@ -16,6 +16,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 
+	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/internal/uring"
 )
 
@@ -339,7 +340,7 @@ func TestRingErrorsNeverPanic(t *testing.T) {
 			onLoops(t, p, func(l *eventLoop) { l.ring.r.FailEnter(tc.errno, tc.times) })
 			// The loop enters its ring again once it has run the task;
 			// a new connection wakes it, and shows it still serves.
-			waitUntil(t, "the loop to use up the injected errors", func() bool {
+			testwait.Until(t, 5*time.Second, "the loop to use up the injected errors", func() bool {
 				echoOnce(t, port, 1).Close()
 				used := false
 				onLoops(t, p, func(l *eventLoop) { used = l.ring == nil || l.ring.busy == 0 && !l.ring.r.Failing() })

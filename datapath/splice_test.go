@@ -18,6 +18,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // readSyscalls returns this process's count of read-family syscalls
@@ -193,7 +195,7 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 		for i := range n {
 			conns = append(conns, echoOnce(t, port, i))
 		}
-		waitUntil(t, "every session is registered", func() bool { return p.ActiveConnections() == n })
+		testwait.Until(t, 5*time.Second, "every session is registered", func() bool { return p.ActiveConnections() == n })
 		// In this process each connection also has the client's socket and the
 		// backend's: two more descriptors that are not the proxy's.
 		var perConn float64
@@ -289,7 +291,7 @@ func TestSplicePathKeepsEveryByte(t *testing.T) {
 		}
 		want := uint64(total.Load())
 		for _, dir := range []*atomic.Uint64{&snap.Metrics.C.Upstream, &snap.Metrics.C.Downstream} {
-			waitUntil(t, "the byte counters settle", func() bool { return dir.Load() == want })
+			testwait.Until(t, 5*time.Second, "the byte counters settle", func() bool { return dir.Load() == want })
 		}
 	})
 }
@@ -333,7 +335,7 @@ func TestPipePoolBoundsAndTrims(t *testing.T) {
 	// Other tests' sockets may still be closing: count only the drop.
 	held := countFDs(t)
 	pp.leave()
-	waitUntil(t, "the idle pool closes its pipes", func() bool { return pp.idleFree() == 0 && countFDs(t) <= held-4 })
+	testwait.Until(t, 5*time.Second, "the idle pool closes its pipes", func() bool { return pp.idleFree() == 0 && countFDs(t) <= held-4 })
 }
 
 // TestMessagesThenHalfClose exchanges small messages until the proxy reads
@@ -451,7 +453,7 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 				}()
 			}
 			wg.Wait()
-			waitUntil(t, "sessions end", func() bool { return p.ActiveConnections() == 0 })
+			testwait.Until(t, 5*time.Second, "sessions end", func() bool { return p.ActiveConnections() == 0 })
 			// As the proxier's Shutdown does.
 			p.Refuse()
 			l.Close()

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/internal/testbackend"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // udpBackend answers every datagram with "name:" and the datagram's
@@ -100,7 +101,7 @@ func TestUDPListenerOnItsLoop(t *testing.T) {
 				t.Fatalf("flows: %d of dns and %d of dns2, want 4 each", n, n2)
 			}
 			dns.Close() // as the proxier does when the service goes
-			waitUntil(t, "the closed listener's flows end", func() bool { return flowsOf(dns) == 0 })
+			testwait.Until(t, 5*time.Second, "the closed listener's flows end", func() bool { return flowsOf(dns) == 0 })
 			if n := flowsOf(dns2); n != 4 {
 				t.Errorf("%d flows of dns2 after dns was removed, want 4", n)
 			}

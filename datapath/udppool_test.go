@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestUDPPoolNotForPreserveSourceIP runs a request-reply port in tproxy
@@ -178,7 +179,7 @@ func TestUDPPoolNoLeaks(t *testing.T) {
 		l.Close()
 		p.Drain(context.Background())
 	}()
-	waitUntil(t, "goroutines and descriptors return to baseline", func() bool {
+	testwait.Until(t, 5*time.Second, "goroutines and descriptors return to baseline", func() bool {
 		return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD
 	})
 }

@@ -18,6 +18,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestEndpointRefusal checks which endpoint addresses a service port
@@ -105,7 +106,7 @@ func TestRefusedEndpointIsLogged(t *testing.T) {
 			t.Fatalf("got %q, %v; want good", got, err)
 		}
 	}
-	waitUntil(t, "the refusal is logged", func() bool {
+	testwait.Until(t, 5*time.Second, "the refusal is logged", func() bool {
 		return logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").Len() > 0
 	})
 	got := logs.FilterMessage("refusing an endpoint; the service's other endpoints are used").All()[0].ContextMap()
@@ -178,7 +179,7 @@ func TestSyncWritesRulesBeforeClosingListeners(t *testing.T) {
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 	port := rules.port(t, "default/web:http")
 	p.Tracker().Replace(nil, nil)
-	waitUntil(t, "the service's rules are gone", func() bool { return !rules.has("default/web:http") })
+	testwait.Until(t, 5*time.Second, "the service's rules are gone", func() bool { return !rules.has("default/web:http") })
 	mu.Lock()
 	if !checked {
 		t.Fatal("the rules never lost the service")
@@ -187,7 +188,7 @@ func TestSyncWritesRulesBeforeClosingListeners(t *testing.T) {
 		t.Errorf("binding the listener port %d while the rules still sent traffic there: %v; want EADDRINUSE", port, boundErr)
 	}
 	mu.Unlock()
-	waitUntil(t, "the listener port is free once the rules are gone", func() bool {
+	testwait.Until(t, 5*time.Second, "the listener port is free once the rules are gone", func() bool {
 		ln, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port))
 		if err == nil {
 			ln.Close()

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/internal/testwait"
 	v1 "k8s.io/api/core/v1"
 )
 
@@ -38,7 +39,7 @@ func TestExplain(t *testing.T) {
 		t.Fatal(err)
 	}
 	backendOf := map[string]string{"a": a.addr.String(), "b": b.addr.String()}
-	waitUntil(t, "a sync", func() bool { return p.Status().Ports != nil })
+	testwait.Until(t, 5*time.Second, "a sync", func() bool { return p.Status().Ports != nil })
 	client := netip.MustParseAddr("127.0.0.1")
 
 	explain := func(dst string, proto v1.Protocol, from netip.Addr) Explanation {
@@ -101,7 +102,7 @@ func TestExplainLeastConn(t *testing.T) {
 	lc.Annotations = map[string]string{AnnotationBalancer: "least-conn"}
 	p.Tracker().Replace([]*v1.Service{lc}, slicesFor("lc", "http", a, b))
 	port := rules.port(t, "default/lc:http")
-	waitUntil(t, "a sync", func() bool { return p.Status().Ports != nil })
+	testwait.Until(t, 5*time.Second, "a sync", func() bool { return p.Status().Ports != nil })
 	explain := func() Explanation {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.14:80"), v1.ProtocolTCP, netip.MustParseAddr("127.0.0.1"))
 		t.Logf("%+v", ex)

@@ -18,6 +18,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // killableBackend is an echo server that can be killed, as the kernel
@@ -160,7 +161,7 @@ func TestProxyBackendKilledMidTransfer(t *testing.T) {
 			results <- result{err, time.Now()}
 		}()
 	}
-	waitUntil(t, "the connections reach both backends", func() bool {
+	testwait.Until(t, 5*time.Second, "the connections reach both backends", func() bool {
 		return good.accepted.Load() == transfers/2 && victim.accepted.Load() == transfers/2
 	})
 	close(start)
@@ -202,7 +203,7 @@ func TestProxyBackendKilledMidTransfer(t *testing.T) {
 	}
 
 	victim.heal()
-	waitUntil(t, "the healed backend gets connections again", func() bool {
+	testwait.Until(t, 5*time.Second, "the healed backend gets connections again", func() bool {
 		exchangeOK("while the killed backend heals")
 		return victim.accepted.Load() > transfers/2
 	})
@@ -262,7 +263,7 @@ func TestProxyBackendThatNeverReads(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	waitUntil(t, "uproxy ends the stuck sessions", func() bool { return p.ActiveConnections() == 0 })
+	testwait.Until(t, 5*time.Second, "uproxy ends the stuck sessions", func() bool { return p.ActiveConnections() == 0 })
 	// uproxy closed its side: the backend's sockets see the end.
 	mu.Lock()
 	defer mu.Unlock()

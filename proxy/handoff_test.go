@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/internal/testwait"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 )
@@ -83,7 +84,7 @@ func runProxier(p *Proxier) (stop func()) {
 // are closed by finalizers.
 func waitForFDs(t *testing.T, base int) {
 	t.Helper()
-	waitUntil(t, "descriptors return to their baseline", func() bool {
+	testwait.Until(t, 5*time.Second, "descriptors return to their baseline", func() bool {
 		runtime.GC()
 		return countFDs(t) <= base
 	})
@@ -319,7 +320,7 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stop := runProxier(p)
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-		waitUntil(t, "a failed sync", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 1 })
+		testwait.Until(t, 5*time.Second, "a failed sync", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 1 })
 
 		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", inheritedPort))
 		if err != nil {

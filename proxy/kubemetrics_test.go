@@ -10,6 +10,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/uproxy/uproxy/internal/testwait"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -101,7 +102,7 @@ func TestKubeProxySyncMetrics(t *testing.T) {
 	sl[0].Annotations = map[string]string{v1.EndpointsLastChangeTriggerTime: time.Now().Format(time.RFC3339Nano)}
 	p.Tracker().Replace(services, sl)
 	rules.port(t, "default/local-ok:http")
-	waitUntil(t, "a sync", func() bool { return !p.LastSync().IsZero() })
+	testwait.Until(t, 5*time.Second, "a sync", func() bool { return !p.LastSync().IsZero() })
 
 	got := series(t, reg, "sync_proxy_rules_no_local_endpoints_total", "network_programming_duration_seconds",
 		"sync_proxy_rules_last_timestamp_seconds", "sync_proxy_rules_last_queued_timestamp_seconds",
@@ -138,7 +139,7 @@ func TestKubeProxySyncMetrics(t *testing.T) {
 	sl[0] = sl[0].DeepCopy()
 	sl[0].Endpoints[0].NodeName = ptr.To("node-a")
 	p.Tracker().Replace(services, sl)
-	waitUntil(t, "the internal count to drop", func() bool {
+	testwait.Until(t, 5*time.Second, "the internal count to drop", func() bool {
 		return series(t, reg, "sync_proxy_rules_no_local_endpoints_total")["sync_proxy_rules_no_local_endpoints_total{ip_family=IPv4,traffic_policy=internal}"] == 0
 	})
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testbackend"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 func TestConnectionLimitAnnotations(t *testing.T) {
@@ -169,7 +170,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 	// An endpoint change keeps the count: the held connections still count.
 	be2, _ := holdingBackend(t)
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be, be2))
-	waitUntil(t, "the second endpoint is in the snapshot", func() bool {
+	testwait.Until(t, 5*time.Second, "the second endpoint is in the snapshot", func() bool {
 		st := p.Status()
 		return p.ActiveConnections() == limit && len(st.Ports) == 1 && len(st.Ports[0].Endpoints) == 2
 	})
@@ -177,7 +178,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 
 	// A closed connection frees its slot.
 	held[0].Close()
-	waitUntil(t, "the slot is freed", func() bool { return p.ActiveConnections() == limit-1 })
+	testwait.Until(t, 5*time.Second, "the slot is freed", func() bool { return p.ActiveConnections() == limit-1 })
 	if _, err := open(t, "tcp4", port); err != nil {
 		t.Fatalf("a new connection after one closed: %v", err)
 	}
@@ -187,7 +188,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 	s = s.DeepCopy()
 	s.Annotations[AnnotationMaxConnections] = fmt.Sprint(limit + 1)
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be, be2))
-	waitUntil(t, "the raised limit admits one more", func() bool {
+	testwait.Until(t, 5*time.Second, "the raised limit admits one more", func() bool {
 		c, err := open(t, "tcp4", port)
 		if err == nil {
 			held = append(held, c)
@@ -198,7 +199,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 	s = s.DeepCopy()
 	delete(s.Annotations, AnnotationMaxConnections)
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be, be2))
-	waitUntil(t, "no limit", func() bool {
+	testwait.Until(t, 5*time.Second, "no limit", func() bool {
 		c, err := open(t, "tcp4", port)
 		if err == nil {
 			held = append(held, c)
@@ -235,7 +236,7 @@ func TestProxyConnectionLimitSpansFamilies(t *testing.T) {
 	p.Tracker().Replace([]*v1.Service{s}, sl)
 	rules.port(t, "default/web:http")
 	var port4, port6 int
-	waitUntil(t, "both listeners", func() bool {
+	testwait.Until(t, 5*time.Second, "both listeners", func() bool {
 		rules.mu.Lock()
 		defer rules.mu.Unlock()
 		for _, i := range rules.last {
@@ -307,7 +308,7 @@ func TestProxyPerEndpointLimit(t *testing.T) {
 			for i, c := range held[:2] {
 				beforeA, beforeB := acceptedA.Load(), acceptedB.Load()
 				c.Close()
-				waitUntil(t, "a slot is freed", func() bool { return p.ActiveConnections() == 2*perEndpoint-1 })
+				testwait.Until(t, 5*time.Second, "a slot is freed", func() bool { return p.ActiveConnections() == 2*perEndpoint-1 })
 				if _, err := open(t, "tcp4", port); err != nil {
 					t.Fatalf("after freeing slot %d: %v", i, err)
 				}
@@ -352,7 +353,7 @@ func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	s = s.DeepCopy()
 	s.Annotations[AnnotationMaxConnectionsPerEndpoint] = "0"
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
-	waitUntil(t, "the new version is reported", func() bool {
+	testwait.Until(t, 5*time.Second, "the new version is reported", func() bool {
 		return logs.FilterMessageSnippet("ignoring part of a service").Len() == 3
 	})
 	s = s.DeepCopy()

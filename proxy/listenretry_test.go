@@ -13,6 +13,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestListenerWithoutLoopIsRetried checks that a listener that no event
@@ -95,7 +96,7 @@ func (f *loopFailure) start() error {
 // name could not be opened and will be retried.
 func waitForRetry(t *testing.T, logs *observer.ObservedLogs, name string) {
 	t.Helper()
-	waitUntil(t, "the failure is logged", func() bool {
+	testwait.Until(t, 5*time.Second, "the failure is logged", func() bool {
 		for _, e := range logs.FilterMessage("cannot open listener; will retry").All() {
 			if e.ContextMap()["servicePort"] == name {
 				return true

@@ -19,6 +19,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/promtest"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // scrape gathers reg and returns the sum of the samples of metric name
@@ -85,12 +86,12 @@ func TestMetricsCountConnectionsAndSyncs(t *testing.T) {
 	} {
 		// The byte counts and the active gauge settle when the proxy sees
 		// each connection end, just after the client does.
-		waitUntil(t, fmt.Sprintf("%s%v = %v", c.name, c.labels, c.want), func() bool {
+		testwait.Until(t, 5*time.Second, fmt.Sprintf("%s%v = %v", c.name, c.labels, c.want), func() bool {
 			got, _ := scrape(t, reg, c.name, c.labels)
 			return got == c.want
 		})
 	}
-	waitUntil(t, "no active connections", func() bool {
+	testwait.Until(t, 5*time.Second, "no active connections", func() bool {
 		got, series := scrape(t, reg, "uproxy_active_connections", svcLabels)
 		return got == 0 && series == 1
 	})
@@ -106,7 +107,7 @@ func TestMetricsCountConnectionsAndSyncs(t *testing.T) {
 	held := startBackend(t, func(c net.Conn) { fmt.Fprintln(c, "held"); <-hold })
 	defer close(hold)
 	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", held))
-	waitUntil(t, "the old backends' series to go", func() bool {
+	testwait.Until(t, 5*time.Second, "the old backends' series to go", func() bool {
 		_, sa := scrape(t, reg, "uproxy_connections_total", map[string]string{"backend": a.addr.String()})
 		_, sp := scrape(t, reg, "uproxy_balancer_picks_total", map[string]string{"backend": refused.addr.String()})
 		return sa == 0 && sp == 0
@@ -125,7 +126,7 @@ func TestMetricsCountConnectionsAndSyncs(t *testing.T) {
 
 	// Deleting the service deletes its series.
 	p.Tracker().Replace(nil, nil)
-	waitUntil(t, "the service's series to go", func() bool {
+	testwait.Until(t, 5*time.Second, "the service's series to go", func() bool {
 		for _, name := range []string{"uproxy_connections_total", "uproxy_active_connections", "uproxy_bytes_total", "uproxy_balancer_picks_total"} {
 			if _, series := scrape(t, reg, name, map[string]string{"service": "default/web"}); series != 0 {
 				return false
@@ -150,7 +151,7 @@ func TestMetricsNoEndpointsAndRefusedDestination(t *testing.T) {
 	if _, err := get(t, rules.port(t, "default/web:http")); err == nil {
 		t.Error("connection to another destination not refused")
 	}
-	waitUntil(t, "refused_destination", func() bool {
+	testwait.Until(t, 5*time.Second, "refused_destination", func() bool {
 		got, _ := scrape(t, reg, "uproxy_connections_total", map[string]string{"service": "default/web", "result": "refused_destination", "backend": ""})
 		return got == 1
 	})
@@ -162,7 +163,7 @@ func TestMetricsNoEndpointsAndRefusedDestination(t *testing.T) {
 	if _, err := get(t, rules2.port(t, "default/empty:http")); err == nil {
 		t.Error("connection to a service without endpoints not refused")
 	}
-	waitUntil(t, "no_endpoints", func() bool {
+	testwait.Until(t, 5*time.Second, "no_endpoints", func() bool {
 		got, _ := scrape(t, reg2, "uproxy_connections_total", map[string]string{"service": "default/empty", "result": "no_endpoints"})
 		return got == 1
 	})

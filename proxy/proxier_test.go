@@ -27,6 +27,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testbackend"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
@@ -199,22 +200,10 @@ func TestProxyDistributesAndFollowsChanges(t *testing.T) {
 	sl := slicesFor("web", "http", a, b)
 	sl[1].Endpoints[0].Conditions.Ready = new(bool)
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, sl)
-	waitUntil(t, "only a serves", func() bool { return cmp.Equal(count(4), map[string]int{"a": 4}) })
+	testwait.Until(t, 5*time.Second, "only a serves", func() bool { return cmp.Equal(count(4), map[string]int{"a": 4}) })
 	if got := rules.port(t, "default/web:http"); got != port {
 		t.Errorf("endpoint change moved the listener from %d to %d", port, got)
 	}
-}
-
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		if cond() {
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Fatalf("timed out waiting until %s", what)
 }
 
 // blackhole returns an address whose SYNs go unanswered: a listening
@@ -400,7 +389,7 @@ func TestReloadKeepsUnchangedConnections(t *testing.T) {
 	p.Tracker().Replace([]*v1.Service{web, svc("new", "10.96.0.13", "http:80")},
 		append(slicesFor("web", "http", be, other), slicesFor("new", "http", other)...))
 	rules.port(t, "default/new:http")
-	waitUntil(t, "gone is removed", func() bool { return !rules.has("default/gone:http") })
+	testwait.Until(t, 5*time.Second, "gone is removed", func() bool { return !rules.has("default/gone:http") })
 	roundTrip("after")
 	if got := rules.port(t, "default/web:http"); got != port {
 		t.Errorf("web's listener moved from %d to %d", port, got)
@@ -425,7 +414,7 @@ func stoppedWithOneSession(t *testing.T) (*Proxier, net.Conn, int) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	waitUntil(t, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
+	testwait.Until(t, 5*time.Second, "the session is registered", func() bool { return p.ActiveConnections() == 1 })
 	cancel()
 	<-done
 	return p, c, port
@@ -492,7 +481,7 @@ func TestRuleFailureForcesFullResync(t *testing.T) {
 	rules.fail = errors.New("iptables-restore: exit status 1")
 	rules.mu.Unlock()
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
-	waitUntil(t, "two failed attempts", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 2 })
+	testwait.Until(t, 5*time.Second, "two failed attempts", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 2 })
 	rules.mu.Lock()
 	rules.fail = nil
 	rules.mu.Unlock()
@@ -610,10 +599,10 @@ func TestNoLeaks(t *testing.T) {
 			}()
 		}
 		wg.Wait()
-		waitUntil(t, "sessions end", func() bool { return p.ActiveConnections() == 0 })
+		testwait.Until(t, 5*time.Second, "sessions end", func() bool { return p.ActiveConnections() == 0 })
 		p.Shutdown(context.Background())
 	}()
-	waitUntil(t, "goroutines and fds return to baseline", func() bool {
+	testwait.Until(t, 5*time.Second, "goroutines and fds return to baseline", func() bool {
 		return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD+2
 	})
 }
@@ -658,7 +647,7 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 	if rules.has(last) {
 		t.Errorf("%s has an intercept, with every port of the range taken", last)
 	}
-	waitUntil(t, "the failure is logged", func() bool {
+	testwait.Until(t, 5*time.Second, "the failure is logged", func() bool {
 		return logs.FilterMessage("cannot open listener; will retry").FilterFieldKey("servicePort").Len() > 0
 	})
 	if e := logs.FilterMessage("cannot open listener; will retry").All()[0]; e.ContextMap()["servicePort"] != last {
@@ -776,7 +765,7 @@ func TestEndpointChangesDoNotTouchRules(t *testing.T) {
 	before := rules.calls
 	rules.mu.Unlock()
 	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", b))
-	waitUntil(t, "traffic moves to b", func() bool { name, err := get(t, port); return err == nil && name == "b" })
+	testwait.Until(t, 5*time.Second, "traffic moves to b", func() bool { name, err := get(t, port); return err == nil && name == "b" })
 	rules.mu.Lock()
 	defer rules.mu.Unlock()
 	if rules.calls != before {
@@ -958,7 +947,7 @@ func TestListenerBudget(t *testing.T) {
 	without := func() float64 {
 		return series(t, reg, "uproxy_service_ports_without_listener")["uproxy_service_ports_without_listener{ip_family=IPv4}"]
 	}
-	waitUntil(t, "the ports without a listener are counted", func() bool { return without() == n-budget })
+	testwait.Until(t, 5*time.Second, "the ports without a listener are counted", func() bool { return without() == n-budget })
 	if got := logs.FilterMessage("cannot open listener; will retry").Len(); got != 0 {
 		t.Errorf("%d error lines name a port past the budget; want one line per sync", got)
 	}
@@ -976,5 +965,5 @@ func TestListenerBudget(t *testing.T) {
 			t.Errorf("s%d answered %q, %v; want a", i, got, err)
 		}
 	}
-	waitUntil(t, "no port is without a listener", func() bool { return without() == 0 })
+	testwait.Until(t, 5*time.Second, "no port is without a listener", func() bool { return without() == 0 })
 }

@@ -17,6 +17,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestSharedListenerRoutesByOriginalDestination runs three services on
@@ -55,7 +56,7 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 	p.Tracker().Replace([]*v1.Service{web, api, np, dns}, slices)
 
 	port := rules.port(t, "default/web:http")
-	waitUntil(t, "every intercept", func() bool { return rules.has("default/np:http") && rules.has("default/api:http") })
+	testwait.Until(t, 5*time.Second, "every intercept", func() bool { return rules.has("default/np:http") && rules.has("default/api:http") })
 	rules.mu.Lock()
 	ports := map[string]uint16{}
 	for _, i := range rules.last {
@@ -113,7 +114,7 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 	// api goes away: its address is refused, the others still served on
 	// the same port.
 	p.Tracker().Replace([]*v1.Service{web, np, dns}, append(slicesFor("web", "http", a), slicesFor("np", "http", c)...))
-	waitUntil(t, "api gone", func() bool { return !rules.has("default/api:http") })
+	testwait.Until(t, 5*time.Second, "api gone", func() bool { return !rules.has("default/api:http") })
 	setDst("10.96.0.11:80")
 	if got, err := get(t, port); err == nil {
 		t.Errorf("a deleted service's address was proxied to %q", got)
@@ -281,7 +282,7 @@ func TestSharedUDPListenerAsksOncePerFlow(t *testing.T) {
 			// dns-a leaves the listener: its client is refused, whatever the
 			// listener remembered of it.
 			p.Tracker().Replace([]*v1.Service{udpMode(svc("dns-b", "10.96.0.54", "dns:53/UDP"), tt.mode)}, udpSlices("dns-b", b))
-			waitUntil(t, "dns-a's client is refused", func() bool {
+			testwait.Until(t, 5*time.Second, "dns-a's client is refused", func() bool {
 				ca.Write([]byte("q"))
 				ca.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
 				_, err := ca.Read(make([]byte, 100))

@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 func TestStatus(t *testing.T) {
@@ -42,7 +43,7 @@ func TestStatus(t *testing.T) {
 		}
 	}
 	p.Tracker().Replace([]*v1.Service{web, svc("other", "10.96.0.11", "dns:53/UDP")}, slicesFor("web", "http", refused, a, b))
-	waitUntil(t, "two ports in the status", func() bool { return len(p.Status().Ports) == 2 })
+	testwait.Until(t, 5*time.Second, "two ports in the status", func() bool { return len(p.Status().Ports) == 2 })
 	close(stop)
 	wg.Wait()
 

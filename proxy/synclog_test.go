@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"go.uber.org/zap"
@@ -10,6 +11,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestSyncLogLine checks the one-line summary every sync logs: services,
@@ -62,7 +64,7 @@ func TestSyncLogLine(t *testing.T) {
 
 	n := len(logs.FilterMessage("synced").All())
 	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", a))
-	waitUntil(t, "a second sync", func() bool { return len(logs.FilterMessage("synced").All()) > n })
+	testwait.Until(t, 5*time.Second, "a second sync", func() bool { return len(logs.FilterMessage("synced").All()) > n })
 	got, _ = last()
 	if diff := cmp.Diff(summary{Services: 1, Endpoints: 1, Rules: -1, RulesWritten: 0, RuleCommands: 0, HasDuration: true}, got); diff != "" {
 		t.Errorf("summary of an endpoint-only sync (-want +got):\n%s", diff)

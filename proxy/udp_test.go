@@ -17,6 +17,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testbackend"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // udpBackend answers every datagram with "name:" and the datagram's
@@ -106,12 +107,12 @@ func TestUDPFlows(t *testing.T) {
 			keep = a
 		}
 		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", keep))
-		waitUntil(t, "c1 moves to the live backend", func() bool {
+		testwait.Until(t, 5*time.Second, "c1 moves to the live backend", func() bool {
 			return exchange(t, c1, []byte("again"))[:1] != first[:1]
 		})
 
 		// Idle flows expire.
-		waitUntil(t, "flows expire", func() bool { return p.UDPFlows() == 0 })
+		testwait.Until(t, 5*time.Second, "flows expire", func() bool { return p.UDPFlows() == 0 })
 	})
 }
 
@@ -175,11 +176,11 @@ func TestUDPNoLeaks(t *testing.T) {
 			}
 			// Evicted flows close their sockets: at most the 50 flows',
 			// the listener's and the event loop's remain.
-			waitUntil(t, "evicted flows' sockets close", func() bool { return countFDs(t) <= baseFD+50+4 })
+			testwait.Until(t, 5*time.Second, "evicted flows' sockets close", func() bool { return countFDs(t) <= baseFD+50+4 })
 			p.Shutdown(t.Context())
 		}()
 		// One goroutine stays: the flow table's expiry loop (see flowTable).
-		waitUntil(t, "goroutines and descriptors return to baseline", func() bool {
+		testwait.Until(t, 5*time.Second, "goroutines and descriptors return to baseline", func() bool {
 			return runtime.NumGoroutine() <= baseG+2 && countFDs(t) <= baseFD
 		})
 	})

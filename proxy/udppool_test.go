@@ -13,6 +13,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // poolBackend is a UDP backend on loopback that records the source
@@ -214,7 +215,7 @@ func TestUDPPool(t *testing.T) {
 					}
 					// Each query got a socket of its own: the first one's was
 					// closed when the query timed out.
-					waitUntil(t, "the backend gets both", func() bool { n, _ := e.a.sources(); return n == 2 })
+					testwait.Until(t, 5*time.Second, "the backend gets both", func() bool { n, _ := e.a.sources(); return n == 2 })
 					n, ports := e.a.sources()
 					return [2]int{n, ports}
 				},
@@ -228,14 +229,14 @@ func TestUDPPool(t *testing.T) {
 					for range 3 {
 						dialUDP(t, e.port).Write([]byte("q"))
 					}
-					waitUntil(t, "a query is dropped", func() bool {
+					testwait.Until(t, 5*time.Second, "a query is dropped", func() bool {
 						v, _ := scrape(t, e.reg, "uproxy_udp_pool_queries_total", map[string]string{"result": "dropped"})
 						return v == 1
 					})
 					if open := poolSockets(t, e.reg); open != 2 {
 						t.Errorf("%v pooled sockets at the bound of 2", open)
 					}
-					waitUntil(t, "the backend gets two", func() bool { n, _ := e.a.sources(); return n == 2 })
+					testwait.Until(t, 5*time.Second, "the backend gets two", func() bool { n, _ := e.a.sources(); return n == 2 })
 					n, _ := e.a.sources()
 					return n
 				},
@@ -247,7 +248,7 @@ func TestUDPPool(t *testing.T) {
 				run: func(t *testing.T, e env) any {
 					query(t, e.port, 3*time.Second)
 					e.p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", e.b.addr))
-					waitUntil(t, "queries go to b", func() bool { return query(t, e.port, 3*time.Second) == "b" })
+					testwait.Until(t, 5*time.Second, "queries go to b", func() bool { return query(t, e.port, 3*time.Second) == "b" })
 					before, _ := e.a.sources()
 					for range 10 {
 						if got := query(t, e.port, 3*time.Second); got != "b" {
@@ -257,7 +258,7 @@ func TestUDPPool(t *testing.T) {
 					after, _ := e.a.sources()
 					// The idle pools close: a's, and b's once the test stops
 					// querying.
-					waitUntil(t, "the pools close", func() bool { return poolSockets(t, e.reg) == 0 })
+					testwait.Until(t, 5*time.Second, "the pools close", func() bool { return poolSockets(t, e.reg) == 0 })
 					return after - before
 				},
 				want: 0,
@@ -299,7 +300,7 @@ func TestUDPPool(t *testing.T) {
 						c.Write([]byte("q"))
 						time.Sleep(10 * time.Millisecond)
 					}
-					waitUntil(t, "the backend gets all three", func() bool { n, _ := e.a.sources(); return n == 3 })
+					testwait.Until(t, 5*time.Second, "the backend gets all three", func() bool { n, _ := e.a.sources(); return n == 3 })
 					n, ports := e.a.sources()
 					return [2]int{n, ports}
 				},
@@ -338,7 +339,7 @@ func TestUDPPool(t *testing.T) {
 					}
 					want := *tt.counts
 					var counts poolCounts
-					waitUntil(t, "the pools settle", func() bool {
+					testwait.Until(t, 5*time.Second, "the pools settle", func() bool {
 						counts = readPoolCounts(t, reg, p)
 						return counts == want
 					})

@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy"
 )
 
@@ -59,11 +60,11 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 	serves := func(name string) getResult {
 		return c.get(c.client.NS, "http://"+vips[name]+"/", 4, "--timeout", "1s")
 	}
-	waitFor(t, "both Services to answer", 20*time.Second, func() bool {
+	testwait.Until(t, 20*time.Second, "both Services to answer", func() bool {
 		a, b := serves("web"), serves("gone")
 		return a.Errors == 0 && len(a.Counts) == 2 && b.Errors == 0 && len(b.Counts) == 2
 	})
-	waitFor(t, "the state file to hold both Services", 40*time.Second, func() bool {
+	testwait.Until(t, 40*time.Second, "the state file to hold both Services", func() bool {
 		services, _, err := proxy.LoadState(state)
 		return err == nil && len(services) >= 2
 	})
@@ -109,11 +110,11 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 		t.Fatal(err)
 	}
 	// client-go's reflector backoff (see TestE2EKubernetes).
-	waitFor(t, "the Service deleted meanwhile to stop answering", 150*time.Second, func() bool {
+	testwait.Until(t, 150*time.Second, "the Service deleted meanwhile to stop answering", func() bool {
 		return c.get(c.client.NS, "http://"+vips["gone"]+"/", 1, "--timeout", "1s").Errors == 1
 	})
 	// The rules are written before the sync's log line.
-	waitFor(t, "the first sync's log line", 10*time.Second, func() bool { return strings.Contains(c.up.Output(), "\tsynced\t") })
+	testwait.Until(t, 10*time.Second, "the first sync's log line", func() bool { return strings.Contains(c.up.Output(), "\tsynced\t") })
 	if r := serves("web"); r.Errors > 0 || len(r.Counts) != 2 {
 		t.Errorf("after the initial lists: %+v", r)
 	}

@@ -37,6 +37,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // The reliability tests' backends speak a request/response protocol: the
@@ -617,10 +618,10 @@ func TestE2ERelLoad(t *testing.T) {
 		// What a connection costs uproxy in descriptors, from a sample.
 		const sample = 200
 		held := holdConnections(t, c.client.NS, vip, sample)
-		waitFor(t, "the sample to reach the backends", 20*time.Second, func() bool { return open() == sample })
+		testwait.Until(t, 20*time.Second, "the sample to reach the backends", func() bool { return open() == sample })
 		perConn := float64(countFDs(t, pid)-baseFDs) / sample
 		closeAll(held)
-		waitFor(t, "the sample to end", 20*time.Second, func() bool { return open() == 0 && c.status().ActiveConnections == 0 })
+		testwait.Until(t, 20*time.Second, "the sample to end", func() bool { return open() == 0 && c.status().ActiveConnections == 0 })
 
 		// Both limits are the soft RLIMIT_NOFILE, which the Go runtime
 		// raised to the hard one; a process cannot go past the hard one.
@@ -643,7 +644,7 @@ func TestE2ERelLoad(t *testing.T) {
 
 		start := time.Now()
 		conns := holdConnections(t, c.client.NS, vip, n)
-		waitFor(t, fmt.Sprintf("all %d connections to reach the backends", n), time.Minute, func() bool { return open() == int64(n) })
+		testwait.Until(t, time.Minute, fmt.Sprintf("all %d connections to reach the backends", n), func() bool { return open() == int64(n) })
 		if st := c.status(); st.ActiveConnections != n {
 			t.Errorf("uproxy reports %d active connections, want %d", st.ActiveConnections, n)
 		}
@@ -690,7 +691,7 @@ func TestE2ERelLoad(t *testing.T) {
 		// splice pool keeps are closed by the collections.
 		const slack = 8
 		var fds, g int
-		waitFor(t, "uproxy's descriptors and goroutines to return to the baseline", 30*time.Second, func() bool {
+		testwait.Until(t, 30*time.Second, "uproxy's descriptors and goroutines to return to the baseline", func() bool {
 			c.collectGarbage()
 			fds, g = countFDs(t, pid), c.goroutines()
 			return fds <= baseFDs+slack && g <= baseG+slack
@@ -792,18 +793,6 @@ func sequential(t *testing.T, ns, addr string, workers, perWorker int, seedBase 
 	}
 	wg.Wait()
 	return &errs
-}
-
-// waitFor polls cond every 20ms until it holds, failing t after timeout.
-func waitFor(t *testing.T, what string, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // procCPU returns the user and system CPU time process pid has used.
@@ -913,7 +902,7 @@ func TestE2ERelBackendFaults(t *testing.T) {
 	t.Run("killed mid-transfer", func(t *testing.T) {
 		const transfers = 6
 		conns := holdConnections(t, c.client.NS, vip, transfers)
-		waitFor(t, "the transfers to reach the backends", 10*time.Second, func() bool {
+		testwait.Until(t, 10*time.Second, "the transfers to reach the backends", func() bool {
 			return healthy.open.Load()+victim.open.Load()+stuck.open.Load() == transfers
 		})
 		onVictim := victim.open.Load()
@@ -995,7 +984,7 @@ func TestE2ERelBackendFaults(t *testing.T) {
 		stuck.stall()
 		const n = 9
 		conns := holdConnections(t, c.client.NS, vip, n)
-		waitFor(t, "the connections to reach the backends", 10*time.Second, func() bool {
+		testwait.Until(t, 10*time.Second, "the connections to reach the backends", func() bool {
 			return healthy.open.Load()+victim.open.Load()+stuck.open.Load() == n
 		})
 		onStuck := stuck.open.Load()
@@ -1026,7 +1015,7 @@ func TestE2ERelBackendFaults(t *testing.T) {
 		// The clients gave up; the backend neither reads nor closes. uproxy
 		// closes the idle sessions within two periods of its idle timeout.
 		start := time.Now()
-		waitFor(t, "uproxy to close the sessions stuck on the backend", 3*idle, func() bool { return c.status().ActiveConnections == 0 })
+		testwait.Until(t, 3*idle, "uproxy to close the sessions stuck on the backend", func() bool { return c.status().ActiveConnections == 0 })
 		t.Logf("uproxy closed the %d stuck sessions %v after the clients gave up", onStuck, time.Since(start).Round(time.Millisecond))
 		stuck.unstall()
 		recovers("stuck", stuck)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/internal/testwait"
 	"go.uber.org/zap/zaptest"
 )
 
@@ -60,14 +61,14 @@ func TestUpgradeSilentSuccessor(t *testing.T) {
 			}
 			// The old process has paused its sync loop and sent the
 			// sockets (gone is set once they are sent); now say nothing.
-			waitUntil(t, "the sockets sent", func() bool {
+			testwait.Until(t, 10*time.Second, "the sockets sent", func() bool {
 				pr.u.mu.Lock()
 				defer pr.u.mu.Unlock()
 				return pr.u.gone
 			})
 			paused := pr.syncs.Load()
 			start := time.Now()
-			waitUntil(t, "the handover aborted", func() bool {
+			testwait.Until(t, 10*time.Second, "the handover aborted", func() bool {
 				pr.u.mu.Lock()
 				defer pr.u.mu.Unlock()
 				return !pr.u.handing
@@ -75,7 +76,7 @@ func TestUpgradeSilentSuccessor(t *testing.T) {
 			if waited := time.Since(start); waited > 5*time.Second {
 				t.Errorf("the old process waited %v", waited)
 			}
-			waitUntil(t, "a sync after the aborted handover", func() bool { return pr.syncs.Load() > paused })
+			testwait.Until(t, 10*time.Second, "a sync after the aborted handover", func() bool { return pr.syncs.Load() > paused })
 			if !tc.readSockets {
 				readAll() // what was queued before the old process gave up
 			}

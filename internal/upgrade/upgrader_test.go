@@ -23,6 +23,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy"
 )
 
@@ -309,21 +310,12 @@ func startPredecessor(t *testing.T, configure func(c *Config)) *predecessor {
 		p.StopListening()
 		p.Drain(context.Background())
 	})
-	waitUntil(t, "the predecessor's first sync", func() bool {
+	testwait.Until(t, 10*time.Second, "the predecessor's first sync", func() bool {
 		pr.u.mu.Lock()
 		defer pr.u.mu.Unlock()
 		return pr.u.ready
 	})
 	return pr
-}
-
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
 }
 
 // dialPredecessor connects to the upgrade socket at path and sends a

@@ -1,0 +1,54 @@
+// Package testwait waits in tests on conditions rather than on time: Until
+// polls a condition until it holds or a deadline passes, and Never checks
+// that one stays false for a while, polling instead of one long sleep. A
+// test that waits on a timer of the code under test injects a fake clock
+// (k8s.io/utils/clock/testing) instead.
+package testwait
+
+import (
+	"testing"
+	"time"
+)
+
+// Interval is how often Until and Never look at their condition.
+const Interval = 10 * time.Millisecond
+
+// Until calls cond every Interval until it returns true, and fails t
+// (Fatalf, so from the test's goroutine only) once timeout has passed
+// without it, naming what it waited for.
+func Until(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	UntilOK(t, timeout, what, func() (bool, string) { return cond(), "" })
+}
+
+// UntilOK is Until for a condition that also says what it saw, which the
+// failure reports: the detail of its last call.
+func UntilOK(t testing.TB, timeout time.Duration, what string, cond func() (ok bool, detail string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, detail := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			if detail != "" {
+				t.Fatalf("timed out after %v waiting for %s; last: %s", timeout, what, detail)
+			}
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(Interval)
+	}
+}
+
+// Never calls cond every Interval for d, and fails t (Errorf) as soon as it
+// returns true, naming what must not happen.
+func Never(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(Interval) {
+		if cond() {
+			t.Errorf("%s, within %v", what, d)
+			return
+		}
+	}
+}
