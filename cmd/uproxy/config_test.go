@@ -75,6 +75,8 @@ func TestResolveNodeAddresses(t *testing.T) {
 func TestNodeInfoWaitsForTheNode(t *testing.T) {
 	client := fake.NewClientset()
 	go func() {
+		// The Node is created while nodeInfo is already waiting: the
+		// delay stands for the API server's, it waits on no code.
 		time.Sleep(50 * time.Millisecond)
 		client.CoreV1().Nodes().Create(context.Background(),
 			testNode("late", nil, v1.NodeAddress{Type: v1.NodeInternalIP, Address: "192.0.2.30"}), metav1.CreateOptions{})

@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // kubeletChains are the KUBE-* chains kubelet owns, which a cleanup of
@@ -243,13 +244,13 @@ func TestE2ECleanupKubeProxy(t *testing.T) {
 			out, _ := c.lab.Exec(ctx, c.lab.Node, "nft", "list", "tables")
 			return out
 		}
-		deadline := time.Now().Add(time.Minute)
-		for !strings.Contains(tables(), "table ip kube-proxy") {
-			if time.Now().After(deadline) || kp.Exited() {
-				t.Fatalf("kube-proxy made no nftables table: %s\n%s", tables(), kp.Output())
+		testwait.UntilOK(t, time.Minute, "kube-proxy's nftables table", func() (bool, string) {
+			if kp.Exited() {
+				t.Fatalf("kube-proxy exited:\n%s", kp.Output())
 			}
-			time.Sleep(100 * time.Millisecond)
-		}
+			out := tables()
+			return strings.Contains(out, "table ip kube-proxy"), out
+		})
 		if err := kp.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)
 		}

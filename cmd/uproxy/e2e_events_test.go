@@ -15,6 +15,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/internal/promtest"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestE2EKubeHealthAndEvents runs uproxy against a real API server, as
@@ -45,17 +46,12 @@ func TestE2EKubeHealthAndEvents(t *testing.T) {
 	yes, no := true, false
 	expect := func(what string, healthz, livez healthAnswer) {
 		t.Helper()
-		var got []healthAnswer
-		for end := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-			got = []healthAnswer{c.probeHealth("/healthz"), c.probeHealth("/livez")}
+		testwait.UntilOK(t, 10*time.Second, what+": /healthz and /livez", func() (bool, string) {
+			got := []healthAnswer{c.probeHealth("/healthz"), c.probeHealth("/livez")}
 			got[0].Families, got[1].Families = nil, nil
-			if cmp.Equal([]healthAnswer{healthz, livez}, got) || time.Now().After(end) {
-				break
-			}
-		}
-		if d := cmp.Diff([]healthAnswer{healthz, livez}, got); d != "" {
-			t.Errorf("%s: /healthz, /livez (-want +got):\n%s", what, d)
-		}
+			d := cmp.Diff([]healthAnswer{healthz, livez}, got)
+			return d == "", "(-want +got):\n" + d
+		})
 	}
 	expect("synced, no Node", healthAnswer{Code: 503, Healthy: true, NodeEligible: &no}, healthAnswer{Code: 200, Healthy: true})
 	if err := c.cp.CreateNode(ctx, "node-a", "10.244.0.1"); err != nil {
@@ -100,26 +96,21 @@ func TestE2EKubeHealthAndEvents(t *testing.T) {
 		{"Normal", "Starting", "StartKubeProxy", "Node", "node-a", "uproxy", ""},
 		{"Warning", "Rejected", "Proxy", "EndpointSlice", "web-bad", "uproxy", "uproxy cannot proxy this object and keeps its last valid version: ports[0].port: missing"},
 	}
-	var got []event
-	for end := time.Now().Add(20 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+	testwait.UntilOK(t, 20*time.Second, "uproxy's events", func() (bool, string) {
 		list, err := client.EventsV1().Events("default").List(ctx, metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		got = nil
+		var got []event
 		for _, e := range list.Items {
 			if e.ReportingController != "uproxy" {
 				continue
 			}
 			got = append(got, event{e.Type, e.Reason, e.Action, e.Regarding.Kind, e.Regarding.Name, e.ReportingController, e.Note})
 		}
-		if cmp.Equal(want, got) || time.Now().After(end) {
-			break
-		}
-	}
-	if d := cmp.Diff(want, got); d != "" {
-		t.Errorf("events (-want +got):\n%s", d)
-	}
+		d := cmp.Diff(want, got)
+		return d == "", "(-want +got):\n" + d
+	})
 	if strings.Contains(c.up.Output(), "forbidden") {
 		t.Errorf("uproxy was refused something by deploy/'s RBAC:\n%s", c.up.Output())
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/internal/promtest"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestE2ESelfInterception makes a self-intercepting Service: a tenant's
@@ -98,12 +99,12 @@ endpoints:
 				}
 				c.query(ns, fmt.Sprintf("%s:5353", pod.IP), 5, "--timeout", "1s")
 			}
-			time.Sleep(500 * time.Millisecond)
 			// A loop held two descriptors per hop; the requests above,
-			// done, hold none.
-			if after := countFDs(t, pid); after > before+20 {
-				t.Errorf("uproxy holds %d descriptors, %d before the requests", after, before)
-			}
+			// done, hold none once their sockets are closed.
+			testwait.UntilOK(t, 5*time.Second, "uproxy's descriptors to return to their count before the requests", func() (bool, string) {
+				after := countFDs(t, pid)
+				return after <= before+20, fmt.Sprintf("%d descriptors, %d before the requests", after, before)
+			})
 			out := c.up.Output()
 			for _, w := range []string{"refusing an endpoint", `"object": "default/loop-x"`, `"field": "endpoints[0].addresses[0]"`} {
 				if !strings.Contains(out, w) {
@@ -163,17 +164,13 @@ func TestE2EListenerPortNotSquatted(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for {
+			testwait.UntilOK(t, 5*time.Second, "the squatter to listen on port "+port, func() (bool, string) {
+				if squatter.Exited() {
+					t.Fatalf("the squatter exited:\n%s", squatter.Output())
+				}
 				out, err := c.lab.Exec(t.Context(), c.lab.Node, "ss", "-Hltn", "sport = :"+port)
-				if err == nil && strings.TrimSpace(out) != "" {
-					break
-				}
-				if time.Now().After(deadline) || squatter.Exited() {
-					t.Fatalf("the squatter does not serve on port %s:\n%s", port, squatter.Output())
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
+				return err == nil && strings.TrimSpace(out) != "", squatter.Output()
+			})
 			for _, ns := range []string{c.client.NS, c.lab.Node} {
 				if r := c.get(ns, "http://10.96.0.10/", 3, "--timeout", "2s"); r.Errors != 3 || r.Counts["squatter"] > 0 {
 					t.Errorf("the Service from %s after the kill: %+v; want 3 failures, none answered by the squatter", ns, r)
@@ -224,11 +221,10 @@ func TestE2EListenersWithinDescriptorLimit(t *testing.T) {
 		n, _ := promtest.Sum(c.scrapeMetrics()["uproxy_service_ports_without_listener"], map[string]string{"ip_family": "IPv4"})
 		return n
 	}
-	for deadline := time.Now().Add(10 * time.Second); without() != services-budget; time.Sleep(100 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("uproxy_service_ports_without_listener = %v; want %d", without(), services-budget)
-		}
-	}
+	testwait.UntilOK(t, 10*time.Second, fmt.Sprintf("uproxy_service_ports_without_listener = %d", services-budget), func() (bool, string) {
+		n := without()
+		return n == float64(services-budget), fmt.Sprint(n)
+	})
 	out := c.up.Output()
 	if !strings.Contains(out, "the listener budget is spent") {
 		t.Errorf("no line says the listener budget is spent:\n%s", tailLines(out, 20))

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -10,6 +11,8 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestE2EKubernetesLoadBalancerStatus checks that a load balancer's
@@ -64,17 +67,10 @@ func TestE2EKubernetesLoadBalancerStatus(t *testing.T) {
 	// The cluster IP works before the load balancer has an address.
 	waitGet := func(what, from, url string) {
 		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for {
+		testwait.UntilOK(t, 10*time.Second, fmt.Sprintf("%s: GET %s from %s to reach both pods", what, url, from), func() (bool, string) {
 			r := c.get(from, url, 6, "--timeout", "1s")
-			if r.Errors == 0 && len(r.Counts) == 2 {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: GET %s from %s: %+v\nuproxy:\n%s", what, url, from, r, c.up.Output())
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return r.Errors == 0 && len(r.Counts) == 2, fmt.Sprintf("%+v\nuproxy:\n%s", r, c.up.Output())
+		})
 	}
 	waitGet("the cluster IP", c.client.NS, "http://"+svc.Spec.ClusterIP+"/")
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/uproxy/uproxy/internal/testkube"
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // kubeCluster is a lab with a real etcd and kube-apiserver, and uproxy
@@ -128,22 +130,15 @@ func TestE2EKubernetes(t *testing.T) {
 	followWithin := func(what string, limit time.Duration, want ...string) {
 		t.Helper()
 		start := time.Now()
-		deadline := start.Add(limit)
-		for {
+		testwait.UntilOK(t, limit, what+": traffic to follow", func() (bool, string) {
 			r := c.get(c.client.NS, url, 3*len(want), "--timeout", "1s")
 			ok := r.Errors == 0 && len(r.Counts) == len(want)
 			for _, w := range want {
 				ok = ok && r.Counts[w] > 0
 			}
-			if ok {
-				t.Logf("%s: traffic followed in %v", what, time.Since(start).Round(time.Millisecond))
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: traffic did not follow within %v: %+v\nuproxy:\n%s", what, limit, r, c.up.Output())
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return ok, fmt.Sprintf("%+v\nuproxy:\n%s", r, c.up.Output())
+		})
+		t.Logf("%s: traffic followed in %v", what, time.Since(start).Round(time.Millisecond))
 	}
 	follow := func(what string, want ...string) {
 		t.Helper()
@@ -190,11 +185,10 @@ func TestE2EKubernetes(t *testing.T) {
 	// The API server goes away for a minute: the last state keeps serving,
 	// across the periodic full resyncs (--iptables-sync-period).
 	c.cp.StopAPIServer()
-	for down := time.Now(); time.Since(down) < time.Minute; time.Sleep(2 * time.Second) {
-		if r := c.get(c.client.NS, url, 3); r.Errors > 0 || len(r.Counts) != 3 {
-			t.Fatalf("%v after the API server went down: %+v", time.Since(down).Round(time.Second), r)
-		}
-	}
+	testwait.Throughout(t, time.Minute, 2*time.Second, "the services served without the API server", func() (bool, string) {
+		r := c.get(c.client.NS, url, 3)
+		return r.Errors == 0 && len(r.Counts) == 3, fmt.Sprintf("%+v", r)
+	})
 	if c.up.Exited() {
 		t.Fatalf("uproxy exited while the API server was down:\n%s", c.up.Output())
 	}

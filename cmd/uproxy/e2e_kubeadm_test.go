@@ -24,6 +24,8 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // kubeadmAddon is kubeadm v1.37.2's kube-proxy addon, rendered by
@@ -251,18 +253,13 @@ func TestE2EKubeadmCommandLine(t *testing.T) {
 	}
 	waitServed := func(what, ns, u string) {
 		t.Helper()
-		deadline := time.Now().Add(30 * time.Second)
-		for {
+		testwait.UntilOK(t, 30*time.Second, fmt.Sprintf("%s (%s) served through uproxy", what, u), func() (bool, string) {
+			if c.up.Exited() {
+				t.Fatalf("uproxy exited:\n%s", c.up.Output())
+			}
 			r := c.get(ns, u, 6, "--timeout", "1s")
-			if r.Errors == 0 && r.Counts["web-0"] > 0 && r.Counts["web-1"] > 0 {
-				t.Logf("%s: served by %v", what, r.Counts)
-				return
-			}
-			if time.Now().After(deadline) || c.up.Exited() {
-				t.Fatalf("%s (%s) not served through uproxy: %+v\nuproxy:\n%s", what, u, r, c.up.Output())
-			}
-			time.Sleep(200 * time.Millisecond)
-		}
+			return r.Errors == 0 && r.Counts["web-0"] > 0 && r.Counts["web-1"] > 0, fmt.Sprintf("%+v\nuproxy:\n%s", r, c.up.Output())
+		})
 	}
 	waitServed("cluster IP from a pod", c.client.NS, "http://"+svc.Spec.ClusterIP+"/")
 	waitServed("the TCP port of a service with an SCTP port", c.client.NS, "http://"+mixed.Spec.ClusterIP+"/")

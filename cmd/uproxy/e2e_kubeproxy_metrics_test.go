@@ -24,6 +24,7 @@ import (
 
 	"github.com/uproxy/uproxy/internal/testkube"
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // familyShape is what the metrics diff compares of a metric family: its
@@ -168,15 +169,13 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 	curlIn := func(l *testlab.Lab, url string) (string, error) {
 		return l.Exec(ctx, l.Node, "curl", "-sS", "--max-time", "5", url)
 	}
-	for end := time.Now().Add(time.Minute); ; time.Sleep(200 * time.Millisecond) {
+	testwait.UntilOK(t, time.Minute, "kube-proxy's first sync", func() (bool, string) {
+		if kp.Exited() {
+			t.Fatalf("kube-proxy exited:\n%s", kp.Output())
+		}
 		out, err := curlIn(kl, "http://127.0.0.1:10249/metrics")
-		if err == nil && strings.Contains(out, "kubeproxy_sync_proxy_rules_last_timestamp_seconds{") {
-			break
-		}
-		if time.Now().After(end) || kp.Exited() {
-			t.Fatalf("kube-proxy did not sync: %v", err)
-		}
-	}
+		return err == nil && strings.Contains(out, "kubeproxy_sync_proxy_rules_last_timestamp_seconds{"), fmt.Sprint(err)
+	})
 
 	// The same Services for both, created after both started (so their
 	// trigger times count): one with ready endpoints, one whose internal
@@ -214,7 +213,9 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 	scrape := func(l *testlab.Lab, metricsURL, healthURL string) map[string]*dto.MetricFamily {
 		t.Helper()
 		var mfs map[string]*dto.MetricFamily
-		for end := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		// The sync that observed the trigger time also counted the
+		// local-policy service.
+		testwait.UntilOK(t, 30*time.Second, metricsURL+": a network programming latency", func() (bool, string) {
 			for _, p := range []string{"/healthz", "/livez"} {
 				_, _ = l.Exec(ctx, l.Node, "curl", "-s", "-o", "/dev/null", "--max-time", "2", healthURL+p)
 			}
@@ -223,15 +224,9 @@ func TestE2EMetricsMatchKubeProxy(t *testing.T) {
 				t.Fatal(err)
 			}
 			mfs = parseMetrics(t, out)
-			// The sync that observed the trigger time also counted the
-			// local-policy service.
-			if mfs["kubeproxy_network_programming_duration_seconds"] != nil {
-				return mfs
-			}
-			if time.Now().After(end) {
-				t.Fatalf("%s: no network programming latency observed:\n%s", metricsURL, out)
-			}
-		}
+			return mfs["kubeproxy_network_programming_duration_seconds"] != nil, out
+		})
+		return mfs
 	}
 	kubeMFs := scrape(kl, "http://127.0.0.1:10249/metrics", "http://127.0.0.1:10256")
 	upMFs := scrape(c.lab, "http://"+metricsAddr+"/metrics", "http://127.0.0.1:10256")

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/uproxy/uproxy/internal/promtest"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 const metricsAddr = "127.0.0.1:10249"
@@ -52,19 +53,12 @@ func TestE2EMetrics(t *testing.T) {
 	c.waitRules("api's rule", func(s string) bool { return strings.Contains(s, "10.96.0.20/32") })
 
 	var mfs map[string]*dto.MetricFamily
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testwait.UntilOK(t, 10*time.Second, "10 connections and a network programming latency counted", func() (bool, string) {
 		mfs = c.scrapeMetrics()
 		ok, _ := promtest.Sum(mfs["uproxy_connections_total"], map[string]string{"service": "default/web", "port": "http", "result": "ok"})
 		prog, _ := promtest.Sum(mfs["kubeproxy_network_programming_duration_seconds"], nil)
-		if ok == 10 && prog >= 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("connections ok = %v (want 10), network programming observations = %v (want >= 1)", ok, prog)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return ok == 10 && prog >= 1, fmt.Sprintf("connections ok = %v, network programming observations = %v", ok, prog)
+	})
 	for name, typ := range map[string]dto.MetricType{
 		"kubeproxy_sync_proxy_rules_duration_seconds":       dto.MetricType_HISTOGRAM,
 		"kubeproxy_sync_proxy_rules_last_timestamp_seconds": dto.MetricType_GAUGE,
@@ -122,28 +116,16 @@ func TestE2EMetrics(t *testing.T) {
 	commands, _ := promtest.Sum(mfs["uproxy_rule_commands_total"], nil)
 	changes, _ := promtest.Sum(mfs["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil)
 	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods[0]))
-	deadline = time.Now().Add(10 * time.Second)
-	for {
-		mfs = c.scrapeMetrics()
-		if v, _ := promtest.Sum(mfs["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil); v > changes {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the endpoint change was not recorded")
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testwait.Until(t, 10*time.Second, "the endpoint change counted", func() bool {
+		v, _ := promtest.Sum(c.scrapeMetrics()["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil)
+		return v > changes
+	})
 	// Every request now reaches the one endpoint left, so the change's
 	// sync has ended.
-	for try := range 20 {
-		if r := c.get(c.client.NS, "http://10.96.0.10/", 4); r.Errors == 0 && r.Counts[c.pods[0].Name] == 4 {
-			break
-		}
-		if try == 19 {
-			t.Fatal("traffic did not follow the endpoint change")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	testwait.UntilOK(t, 10*time.Second, "traffic to follow the endpoint change", func() (bool, string) {
+		r := c.get(c.client.NS, "http://10.96.0.10/", 4)
+		return r.Errors == 0 && r.Counts[c.pods[0].Name] == 4, fmt.Sprintf("%+v", r)
+	})
 	if v, _ := promtest.Sum(c.scrapeMetrics()["uproxy_rule_commands_total"], nil); v != commands {
 		t.Errorf("uproxy_rule_commands_total went from %v to %v on an endpoint change, want no process run", commands, v)
 	}

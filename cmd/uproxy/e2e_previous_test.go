@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -90,12 +91,10 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 		t.Fatalf("the Service did not answer after a restart without the API server: %v\nuproxy:\n%s", err, c.up.Output())
 	}
 	t.Logf("the first request succeeded %v after the restart", ok.Sub(start).Round(time.Millisecond))
-	for range 5 {
-		if r := serves("web"); r.Errors > 0 || len(r.Counts) != 2 {
-			t.Fatalf("without the API server: %+v\nuproxy:\n%s", r, c.up.Output())
-		}
-		time.Sleep(time.Second)
-	}
+	testwait.Throughout(t, 5*time.Second, time.Second, "web served without the API server", func() (bool, string) {
+		r := serves("web")
+		return r.Errors == 0 && len(r.Counts) == 2, fmt.Sprintf("%+v\nuproxy:\n%s", r, c.up.Output())
+	})
 	if got := c.ourRules(); strings.Join(got, "\n") != strings.Join(rules, "\n") {
 		t.Errorf("the rules changed before the initial lists:\nbefore:\n%s\nafter:\n%s", strings.Join(rules, "\n"), strings.Join(got, "\n"))
 	}

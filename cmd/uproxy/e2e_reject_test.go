@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestE2ENoEndpointsRefused checks that a service port without endpoints
@@ -71,17 +73,10 @@ ports: [{name: http, port: 8080}]
 endpoints:
 - addresses: [`+fmt.Sprintf("%q", pod.IP)+`]
 `)
-			deadline := time.Now().Add(10 * time.Second)
-			for {
+			testwait.UntilOK(t, 10*time.Second, "the service to serve once it has an endpoint", func() (bool, string) {
 				r := c.get(c.client.NS, "http://10.96.0.30/", 1, "--timeout", "3s")
-				if r.Counts[pod.Name] == 1 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("the service did not serve within 10s of getting an endpoint: %+v", r)
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
+				return r.Counts[pod.Name] == 1, fmt.Sprintf("%+v", r)
+			})
 			if r := c.get(c.client.NS, node, 2, "--timeout", "3s"); r.Counts[pod.Name] != 2 {
 				t.Errorf("the node port once the service has an endpoint: %+v; want 2 answers", r)
 			}

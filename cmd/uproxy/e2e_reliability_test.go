@@ -420,7 +420,7 @@ func firstSuccess(ns, addr string, deadline time.Time) (time.Time, error) {
 				ok = time.Now()
 				return nil
 			}
-			time.Sleep(10 * time.Millisecond)
+			time.Sleep(10 * time.Millisecond) // the measurement's resolution
 		}
 		return fmt.Errorf("no request to %s succeeded by the deadline; last error: %w", addr, last)
 	})
@@ -834,7 +834,7 @@ func slowExchange(c net.Conn, payload []byte, pause, timeout time.Duration) erro
 			return fmt.Errorf("write, %d bytes left: %w", len(rest), err)
 		}
 		rest = rest[k:]
-		time.Sleep(pause)
+		time.Sleep(pause) // a slow sender is the point: the transfer outlasts the kill
 	}
 	h := sha256.New()
 	n, err := io.Copy(h, c)
@@ -888,7 +888,7 @@ func TestE2ERelBackendFaults(t *testing.T) {
 				t.Fatalf("%s: %s got no connection in %v after it healed", what, s.name, time.Since(start))
 			}
 			run(what+": while it heals", 5)
-			time.Sleep(50 * time.Millisecond)
+			time.Sleep(50 * time.Millisecond) // paces the batches; each must succeed
 		}
 		t.Logf("%s: %s served again %v after it healed", what, s.name, time.Since(start).Round(time.Millisecond))
 	}
@@ -923,7 +923,7 @@ func TestE2ERelBackendFaults(t *testing.T) {
 				results <- result{err, time.Now()}
 			}()
 		}
-		time.Sleep(300 * time.Millisecond)
+		time.Sleep(300 * time.Millisecond) // the kill comes mid-transfer, by design
 		killed := time.Now()
 		victim.kill()
 		var (

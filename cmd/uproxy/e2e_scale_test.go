@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/internal/testkube"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestE2EScale creates 5,000 Services × 10 endpoints in a real API server
@@ -46,20 +47,16 @@ func TestE2EScale(t *testing.T) {
 		"--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"), "--state-file", filepath.Join(t.TempDir(), "state.json")); err2 != nil {
 		t.Fatal(err2)
 	}
-	deadline := time.Now().Add(3 * time.Minute)
-	for {
-		rules := c.natRules()
-		if n := strings.Count(rules, "-j REDIRECT"); n == services+1 { // + the kubernetes service
-			for _, g := range gen {
-				if !strings.Contains(rules, fmt.Sprintf("-d %s/32 ", g.ClusterIP)) {
-					t.Fatalf("no rule for %s (%s)", g.Name, g.ClusterIP)
-				}
-			}
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatalf("only %d of %d services programmed after 3 minutes\n%s", n, services+1, tailLines(c.up.Output(), 20))
+	var rules string
+	testwait.UntilOK(t, 3*time.Minute, fmt.Sprintf("all %d services programmed", services+1), func() (bool, string) {
+		rules = c.natRules()
+		n := strings.Count(rules, "-j REDIRECT") // the kubernetes service's too
+		return n == services+1, fmt.Sprintf("%d programmed\n%s", n, tailLines(c.up.Output(), 20))
+	})
+	for _, g := range gen {
+		if !strings.Contains(rules, fmt.Sprintf("-d %s/32 ", g.ClusterIP)) {
+			t.Fatalf("no rule for %s (%s)", g.Name, g.ClusterIP)
 		}
-		time.Sleep(500 * time.Millisecond)
 	}
 	t.Logf("all %d services programmed %v after uproxy started", services, time.Since(start).Round(time.Millisecond))
 

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/redirect"
 )
 
@@ -150,13 +151,12 @@ func (c *cluster) run(name string, args ...string) (*testlab.Proc, error) {
 // waitSynced waits until uproxy has completed a sync.
 func (c *cluster) waitSynced() {
 	c.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(c.up.Output(), "\tsynced\t") {
-		if time.Now().After(deadline) || c.up.Exited() {
-			c.t.Fatalf("uproxy did not sync:\n%s", c.up.Output())
+	testwait.UntilOK(c.t, 10*time.Second, "uproxy's first sync", func() (bool, string) {
+		if c.up.Exited() {
+			c.t.Fatalf("uproxy exited before it synced:\n%s", c.up.Output())
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return strings.Contains(c.up.Output(), "\tsynced\t"), "uproxy's output:\n" + c.up.Output()
+	})
 }
 
 func (c *cluster) natRules() string {
@@ -178,20 +178,16 @@ func (c *cluster) waitRules(what string, cond func(string) bool) {
 func (c *cluster) waitRulesWithin(what string, limit time.Duration, cond func(string) bool) {
 	c.t.Helper()
 	start := time.Now()
-	deadline := start.Add(limit)
-	for time.Now().Before(deadline) {
-		if cond(c.natRules()) {
-			if limit > 10*time.Second {
-				c.t.Logf("%s: took %v", what, time.Since(start).Round(time.Millisecond))
-			}
-			return
-		}
+	testwait.UntilOK(c.t, limit, what, func() (bool, string) {
 		if c.up != nil && c.up.Exited() {
 			c.t.Fatalf("uproxy exited while waiting for %s:\n%s", what, c.up.Output())
 		}
-		time.Sleep(50 * time.Millisecond)
+		rules := c.natRules()
+		return cond(rules), "nat table:\n" + rules
+	})
+	if limit > 10*time.Second {
+		c.t.Logf("%s: took %v", what, time.Since(start).Round(time.Millisecond))
 	}
-	c.t.Fatalf("timed out waiting for %s; nat table:\n%s", what, c.natRules())
 }
 
 // get sends n requests from namespace ns and returns the spread.
@@ -326,17 +322,10 @@ func TestE2EReload(t *testing.T) {
 	c.waitRules("new in, old out", func(s string) bool {
 		return strings.Contains(s, "10.96.0.30/32") && !strings.Contains(s, "10.96.0.20/32")
 	})
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testwait.UntilOK(t, 10*time.Second, "web's endpoints to follow the reload", func() (bool, string) {
 		r := c.get(c.client.NS, "http://10.96.0.10/", 10)
-		if r.Errors == 0 && r.Counts["web-0"] == 0 && r.Counts["web-1"] == 5 && r.Counts["web-2"] == 5 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("web's endpoints did not follow the reload: %v", r)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return r.Errors == 0 && r.Counts["web-0"] == 0 && r.Counts["web-1"] == 5 && r.Counts["web-2"] == 5, fmt.Sprintf("%+v", r)
+	})
 	if r := c.get(c.client.NS, "http://10.96.0.30:8080/", 3); r.Errors > 0 || r.Counts["web-0"] != 3 {
 		t.Errorf("new service: %v", r)
 	}

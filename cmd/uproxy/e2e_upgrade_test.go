@@ -22,6 +22,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/internal/upgrade"
 )
 
@@ -245,18 +246,14 @@ func (c *cluster) kernelState() string {
 // exits meanwhile.
 func waitOutput(t *testing.T, p *testlab.Proc, want string, procs ...*testlab.Proc) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !strings.Contains(p.Output(), want) {
+	testwait.UntilOK(t, 30*time.Second, fmt.Sprintf("%s to log %q", p.Name, want), func() (bool, string) {
 		for _, q := range procs {
 			if q.Exited() {
 				t.Fatalf("%s exited while waiting for %q:\n%s", q.Name, want, q.Output())
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s to log %q:\n%s", p.Name, want, p.Output())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return strings.Contains(p.Output(), want), p.Output()
+	})
 }
 
 // getLoop runs `bench get` batches (each request on a new connection)

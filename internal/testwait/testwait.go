@@ -1,6 +1,7 @@
 // Package testwait waits in tests on conditions rather than on time: Until
-// polls a condition until it holds or a deadline passes, and Never checks
-// that one stays false for a while, polling instead of one long sleep. A
+// polls a condition until it holds or a deadline passes, and Never and
+// Throughout check that one stays false, or true, for a while, polling
+// instead of one long sleep. A
 // test that waits on a timer of the code under test injects a fake clock
 // (k8s.io/utils/clock/testing) instead.
 package testwait
@@ -45,9 +46,22 @@ func UntilOK(t testing.TB, timeout time.Duration, what string, cond func() (ok b
 // returns true, naming what must not happen.
 func Never(t testing.TB, d time.Duration, what string, cond func() bool) {
 	t.Helper()
-	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(Interval) {
-		if cond() {
-			t.Errorf("%s, within %v", what, d)
+	Throughout(t, d, Interval, what, func() (bool, string) { return !cond(), "" })
+}
+
+// Throughout calls cond every interval for d (an expensive check samples
+// less often), and fails t (Errorf) as soon as it returns false, naming
+// what must hold and what cond saw.
+func Throughout(t testing.TB, d, every time.Duration, what string, cond func() (ok bool, detail string)) {
+	t.Helper()
+	start := time.Now()
+	for end := start.Add(d); time.Now().Before(end); time.Sleep(every) {
+		if ok, detail := cond(); !ok {
+			if detail != "" {
+				t.Errorf("%s, after %v: %s", what, time.Since(start).Round(time.Millisecond), detail)
+			} else {
+				t.Errorf("%s, after %v", what, time.Since(start).Round(time.Millisecond))
+			}
 			return
 		}
 	}

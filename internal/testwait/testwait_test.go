@@ -65,7 +65,7 @@ func TestNever(t *testing.T) {
 	r := run(t, func(tb testing.TB) {
 		Never(tb, time.Minute, "it happened", func() bool { return time.Since(start) > 20*time.Millisecond })
 	})
-	if !r.failed || !strings.Contains(r.message, "it happened") {
+	if !r.failed || !strings.HasPrefix(r.message, "it happened, after ") {
 		t.Errorf("Never on a condition that became true: failed %v, %q", r.failed, r.message)
 	}
 	if time.Since(start) > 10*time.Second {
@@ -74,3 +74,13 @@ func TestNever(t *testing.T) {
 }
 
 func sprintf(format string, args ...any) string { return fmt.Sprintf(format, args...) }
+
+func TestThroughout(t *testing.T) {
+	var n atomic.Int32
+	r := run(t, func(tb testing.TB) {
+		Throughout(tb, time.Minute, time.Millisecond, "it holds", func() (bool, string) { return n.Add(1) < 3, "the third call" })
+	})
+	if !r.failed || !strings.Contains(r.message, ": the third call") || n.Load() != 3 {
+		t.Errorf("Throughout on a condition false at its third call: failed %v, %q, %d calls", r.failed, r.message, n.Load())
+	}
+}
