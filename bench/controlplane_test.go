@@ -3,16 +3,20 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // fakeProc is a process in a fake /proc tree.
@@ -123,19 +127,13 @@ func TestRunningChildrenReal(t *testing.T) {
 	// the kernel sets the new command line up after that (the ELF
 	// loader's create_elf_tables): until then the child's cmdline is
 	// empty, so a loaded machine may need a second look.
-	var got []string
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		var err error
-		if got, err = runningChildren("/proc", os.Getpid()); err != nil {
+	testwait.UntilOK(t, 5*time.Second, fmt.Sprintf("a running child whose command line starts with %q (pid %d)", want, cmd.Process.Pid), func() (bool, string) {
+		got, err := runningChildren("/proc", os.Getpid())
+		if err != nil {
 			t.Fatalf("runningChildren: %v", err)
 		}
-		for _, c := range got {
-			if strings.HasPrefix(c, want) {
-				return
-			}
-		}
-	}
-	t.Errorf("runningChildren = %q, want an entry starting with %q (child pid %d)", got, want, cmd.Process.Pid)
+		return slices.ContainsFunc(got, func(c string) bool { return strings.HasPrefix(c, want) }), fmt.Sprintf("%q", got)
+	})
 }
 
 func TestKeepOutput(t *testing.T) {

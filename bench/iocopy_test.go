@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestIOCopy runs the reference Go proxy on loopback in front of two
@@ -105,13 +107,7 @@ func exchange(t *testing.T, listen, msg string) string {
 func exchangeErr(listen, msg string) (string, error) {
 	var c net.Conn
 	var err error
-	for deadline := time.Now().Add(5 * time.Second); ; {
-		if c, err = net.Dial("tcp", listen); err == nil || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if err != nil {
+	if !testwait.Poll(5*time.Second, func() bool { c, err = net.Dial("tcp", listen); return err == nil }) {
 		return "", err
 	}
 	defer c.Close()

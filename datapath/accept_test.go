@@ -219,10 +219,7 @@ func TestLoopListenerClose(t *testing.T) {
 		t.Fatalf("the duplicate does not listen: %v", err)
 	}
 	defer c.Close()
-	time.Sleep(50 * time.Millisecond)
-	if n := rec.count(); n != 20 {
-		t.Errorf("a closed listener served %d connections after close", n-20)
-	}
+	testwait.Never(t, 50*time.Millisecond, "a closed listener served a connection after close", func() bool { return rec.count() != 20 })
 	nfd, _, err := unix.Accept4(dup, unix.SOCK_CLOEXEC)
 	if err != nil {
 		t.Fatalf("the connection is not in the duplicate's queue: %v", err)
@@ -252,9 +249,10 @@ func TestListenersHoldNoGoroutine(t *testing.T) {
 		t.Run(network, func(t *testing.T) {
 			const n = 50
 			p := startEngine(t, Config{})
-			// A first listener starts the loops, and the test's goroutines settle.
+			// A first listener starts the loops, and the test's goroutines
+			// settle.
 			serve(t, p, network, "default/svc0:port")
-			time.Sleep(50 * time.Millisecond)
+			time.Sleep(50 * time.Millisecond) // nothing signals that the goroutines started have parked
 			base := runtime.NumGoroutine()
 			for i := range n - 1 {
 				serve(t, p, network, fmt.Sprintf("default/svc%d:port", i+1))

@@ -155,18 +155,10 @@ func TestIdleConnectionsHoldNoGoroutine(t *testing.T) {
 		conns = append(conns, echoOnce(t, port, i))
 	}
 	testwait.Until(t, 5*time.Second, "every session is registered", func() bool { return p.ActiveConnections() == n+1 })
-	var proxyG int
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		proxyG = runtime.NumGoroutine() - base - n // less one backend handler per connection
-		if proxyG <= 0 || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if proxyG > 0 {
-		t.Fatalf("the proxy holds %d goroutines for %d idle connections; want none", proxyG, n)
-	}
+	testwait.UntilOK(t, 5*time.Second, "the proxy to hold no goroutine for the idle connections", func() (bool, string) {
+		proxyG := runtime.NumGoroutine() - base - n // less one backend handler per connection
+		return proxyG <= 0, fmt.Sprintf("%d goroutines for %d idle connections", proxyG, n)
+	})
 }
 
 // TestBackendKeepAliveComesLater checks that an event loop connects
@@ -195,22 +187,15 @@ func TestBackendKeepAliveComesLater(t *testing.T) {
 				}
 				return out
 			}
-			var got map[string]int
-			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-				got = pick(socketOptions(t, fd))
-				if cmp.Equal(tt.want, got) || time.Now().After(deadline) {
-					break
-				}
-			}
-			if diff := cmp.Diff(tt.want, got); diff != "" {
-				t.Errorf("backend socket's options (-want +got):\n%s", diff)
-			}
+			testwait.UntilOK(t, 5*time.Second, "the backend socket's options", func() (bool, string) {
+				diff := cmp.Diff(tt.want, pick(socketOptions(t, fd)))
+				return diff == "", "(-want +got):\n" + diff
+			})
 			if tt.every == time.Hour {
 				// Still none a while later: nothing else turns it on.
-				time.Sleep(100 * time.Millisecond)
-				if diff := cmp.Diff(tt.want, pick(socketOptions(t, fd))); diff != "" {
-					t.Errorf("backend socket's options after 100ms (-want +got):\n%s", diff)
-				}
+				testwait.Never(t, 100*time.Millisecond, "the backend socket's options changed", func() bool {
+					return !cmp.Equal(tt.want, pick(socketOptions(t, fd)))
+				})
 			}
 		})
 	}

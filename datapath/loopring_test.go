@@ -211,20 +211,22 @@ func TestRingSlowReaderHoldsNoBuffer(t *testing.T) {
 	// ring it must hold none of the ring's buffers.
 	var slow, held, ringSessions, sessions int
 	var served int64
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
+	left := false
+	defer func() {
+		if !left {
+			close(stop)
+		}
+	}()
+	testwait.UntilOK(t, time.Minute, "the session to leave the ring", func() (bool, string) {
 		onLoops(t, p, func(l *eventLoop) {
 			slow, held = l.ring.slowLeaves, l.ring.bufs.Held()
 			ringSessions, sessions = len(l.ring.sessions), len(l.sessions)
 			served = l.stats.RingServed.Load()
 		})
-		if slow > 0 || (served > 0 && sessions == 1 && ringSessions == 0) {
-			break
-		}
-		if time.Now().After(deadline) {
-			close(stop)
-			t.Fatalf("the session never left the ring (%d buffers held, %d of the loop's %d sessions on the ring, %d served by it)", held, ringSessions, sessions, served)
-		}
-	}
+		return slow > 0 || (served > 0 && sessions == 1 && ringSessions == 0),
+			fmt.Sprintf("%d buffers held, %d of the loop's %d sessions on the ring, %d served by it", held, ringSessions, sessions, served)
+	})
+	left = true
 	if slow == 0 {
 		t.Logf("the session left the ring as a bulk transfer, before a send found the client full")
 	}

@@ -198,18 +198,10 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 		testwait.Until(t, 5*time.Second, "every session is registered", func() bool { return p.ActiveConnections() == n })
 		// In this process each connection also has the client's socket and the
 		// backend's: two more descriptors that are not the proxy's.
-		var perConn float64
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			perConn = float64(proxyFDs(t)-base-2*n) / n
-			if perConn == 2 || time.Now().After(deadline) {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-		if perConn != 2 {
-			t.Fatalf("the proxy holds %.2f descriptors per idle connection; want 2 (client and backend sockets, no pipe)", perConn)
-		}
+		testwait.UntilOK(t, 5*time.Second, "2 descriptors per idle connection (client and backend sockets, no pipe)", func() (bool, string) {
+			perConn := float64(proxyFDs(t)-base-2*n) / n
+			return perConn == 2, fmt.Sprintf("%.2f", perConn)
+		})
 	})
 }
 
@@ -268,7 +260,7 @@ func TestSplicePathKeepsEveryByte(t *testing.T) {
 						}
 						rest = rest[k:]
 						if rng.IntN(16) == 0 {
-							time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
+							time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond) // a sender that stalls at random
 						}
 					}
 					sent <- c.(*net.TCPConn).CloseWrite()
@@ -328,10 +320,7 @@ func TestPipePoolBoundsAndTrims(t *testing.T) {
 	}
 	pp.enter()
 	pp.leave() // a session is still open: nothing is trimmed
-	time.Sleep(50 * time.Millisecond)
-	if free := pp.idleFree(); free != 2 {
-		t.Fatalf("trimmed to %d free pipes while a session was open", free)
-	}
+	testwait.Never(t, 50*time.Millisecond, "the pool trimmed its free pipes while a session was open", func() bool { return pp.idleFree() != 2 })
 	// Other tests' sockets may still be closing: count only the drop.
 	held := countFDs(t)
 	pp.leave()
@@ -461,17 +450,10 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 		}()
 		release() // the stalled backends may go now
 		// The pool closes its free pipes a second after the last session.
-		deadline := time.Now().Add(5 * time.Second)
-		for {
+		testwait.UntilOK(t, 5*time.Second, "the goroutines and descriptors of the sessions to go", func() (bool, string) {
 			g, fds := runtime.NumGoroutine(), countFDs(t)
-			if g <= baseG+2 && fds <= baseFD+2 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("after the sessions: %d goroutines (before: %d), %d descriptors (before: %d; free pipes in the pool now: %d)",
-					g, baseG, fds, baseFD, tcpPipes.idleFree())
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return g <= baseG+2 && fds <= baseFD+2, fmt.Sprintf("%d goroutines (before: %d), %d descriptors (before: %d; free pipes in the pool now: %d)",
+				g, baseG, fds, baseFD, tcpPipes.idleFree())
+		})
 	})
 }

@@ -105,7 +105,7 @@ func transfer(c net.Conn, payload []byte, pause time.Duration) error {
 				return
 			}
 			rest = rest[k:]
-			time.Sleep(pause)
+			time.Sleep(pause) // a slow sender is the point: the transfer outlasts the kill
 		}
 		done <- c.(*net.TCPConn).CloseWrite()
 	}()
@@ -165,7 +165,7 @@ func TestProxyBackendKilledMidTransfer(t *testing.T) {
 		return good.accepted.Load() == transfers/2 && victim.accepted.Load() == transfers/2
 	})
 	close(start)
-	time.Sleep(100 * time.Millisecond)
+	time.Sleep(100 * time.Millisecond) // the kill comes mid-transfer, by design
 	killed := time.Now()
 	victim.kill()
 	failed := 0

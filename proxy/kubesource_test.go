@@ -9,6 +9,8 @@ import (
 	"github.com/google/go-cmp/cmp/cmpopts"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestKubeSourceTrims checks that the objects the informers hand the
@@ -23,11 +25,7 @@ func TestKubeSourceTrims(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- (&KubeSource{Client: client, Tracker: tr}).Run(ctx) }() // ends with ctx
 	defer func() { cancel(); <-done }()
-	for deadline := time.Now().Add(10 * time.Second); !tr.Synced(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the initial lists did not arrive")
-		}
-	}
+	testwait.Until(t, 10*time.Second, "the initial lists", tr.Synced)
 	gotSvcs, gotSls := tr.objects()
 	if len(gotSvcs) != 1 || len(gotSls) != 2 {
 		t.Fatalf("the tracker holds %d Services and %d EndpointSlices, want 1 and 2", len(gotSvcs), len(gotSls))

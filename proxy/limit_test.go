@@ -326,7 +326,7 @@ func TestProxyPerEndpointLimit(t *testing.T) {
 // repeated by the periodic full resyncs.
 func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	be, _ := holdingBackend(t)
-	core, logs := observer.New(zap.WarnLevel)
+	core, logs := observer.New(zap.InfoLevel) // the syncs too, to count them
 	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
 	s := svc("web", "10.96.0.10", "http:80")
 	s.Annotations = map[string]string{AnnotationMaxConnections: "unlimited"}
@@ -338,7 +338,8 @@ func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 		}
 	}
 	// Ten periodic full resyncs re-apply the service.
-	time.Sleep(200 * time.Millisecond)
+	syncs := logs.FilterMessage("synced").Len()
+	testwait.Until(t, 5*time.Second, "ten more syncs", func() bool { return logs.FilterMessage("synced").Len() >= syncs+10 })
 	warnings := logs.FilterMessageSnippet("ignoring part of a service").All()
 	if len(warnings) != 1 {
 		t.Fatalf("%d warnings, want exactly 1: %v", len(warnings), warnings)
@@ -359,7 +360,8 @@ func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	s = s.DeepCopy()
 	s.Annotations = map[string]string{AnnotationMaxConnections: "1"}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
-	time.Sleep(100 * time.Millisecond)
+	syncs = logs.FilterMessage("synced").Len()
+	testwait.Until(t, 5*time.Second, "five more syncs", func() bool { return logs.FilterMessage("synced").Len() >= syncs+5 })
 	if n := logs.FilterMessageSnippet("ignoring part of a service").Len(); n != 3 {
 		t.Errorf("%d warnings after the fix, want still 3", n)
 	}

@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -14,6 +15,8 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 const webYAML = `# a comment before the first document
@@ -183,15 +186,10 @@ func TestFileSourceReload(t *testing.T) {
 
 	waitFor := func(what string, cond func(svcs, slices []string) bool) {
 		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for time.Now().Before(deadline) {
-			if s, sl := trackedNames(tr); cond(s, sl) {
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		s, sl := trackedNames(tr)
-		t.Fatalf("timed out waiting for %s; have services %v slices %v", what, s, sl)
+		testwait.UntilOK(t, 5*time.Second, what, func() (bool, string) {
+			s, sl := trackedNames(tr)
+			return cond(s, sl), fmt.Sprintf("services %v, slices %v", s, sl)
+		})
 	}
 
 	// A malformed edit keeps that file's last good objects...

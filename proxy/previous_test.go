@@ -10,6 +10,8 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestListenersRebindPreviousPorts checks that a listener binds the port
@@ -79,10 +81,10 @@ func TestServePreviousState(t *testing.T) {
 		"default/a:http": uint16(rules.port(t, "default/a:http")),
 		"default/b:http": uint16(rules.port(t, "default/b:http")),
 	}
-	var saved []*v1.Service
-	for deadline := time.Now().Add(5 * time.Second); len(saved) < 2 && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		saved, _, _ = LoadState(state)
-	}
+	testwait.Until(t, 5*time.Second, "the state file to hold both services", func() bool {
+		saved, _, _ := LoadState(state)
+		return len(saved) == 2
+	})
 	cancel()
 	<-done
 	if err := prev.Shutdown(context.Background()); err != nil {
@@ -102,15 +104,10 @@ func TestServePreviousState(t *testing.T) {
 	}})
 	p.ServePrevious(savedServices, savedSlices)
 	for name, want := range map[string]string{"default/a:http": "a", "default/b:http": "b"} {
-		var got string
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-			if got, err = get(t, int(ports[name])); err == nil {
-				break
-			}
-		}
-		if got != want {
-			t.Errorf("%s on its previous port %d before the initial lists: %q, %v; want %q", name, ports[name], got, err, want)
-		}
+		testwait.UntilOK(t, 5*time.Second, fmt.Sprintf("%s served on its previous port %d before the initial lists", name, ports[name]), func() (bool, string) {
+			got, err := get(t, int(ports[name]))
+			return err == nil && got == want, fmt.Sprintf("%q, %v; want %q", got, err, want)
+		})
 	}
 	newRules.mu.Lock()
 	calls := newRules.calls

@@ -67,20 +67,19 @@ func (r *recordingRules) port(t testing.TB, name string) int {
 // intercept returns the first intercept for service name once it exists.
 func (r *recordingRules) intercept(t testing.TB, name string) Intercept {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
+	var found Intercept
+	testwait.Until(t, 5*time.Second, "an intercept for "+name, func() bool {
 		r.mu.Lock()
+		defer r.mu.Unlock()
 		for _, i := range r.last {
 			if i.Service.String() == name {
-				r.mu.Unlock()
-				return i
+				found = i
+				return true
 			}
 		}
-		r.mu.Unlock()
-		time.Sleep(5 * time.Millisecond)
-	}
-	t.Fatalf("no intercept for %s", name)
-	return Intercept{}
+		return false
+	})
+	return found
 }
 
 func (r *recordingRules) has(name string) bool {
@@ -300,7 +299,7 @@ func TestProxyIdleTimeout(t *testing.T) {
 		if _, err := io.ReadFull(busy, buf); err != nil || buf[0] != byte(i) {
 			t.Fatalf("busy read %d: %v", i, err)
 		}
-		time.Sleep(idle / 4)
+		time.Sleep(idle / 4) // traffic more often than the idle timeout: the point
 	}
 
 	// A quiet one is closed after one to two periods (plus scheduling).
@@ -425,7 +424,7 @@ func TestShutdownDrains(t *testing.T) {
 
 	// The client finishes its exchange during the drain.
 	go func() {
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond) // into the drain, which Shutdown starts below
 		c.Write([]byte("bye"))
 		c.(*net.TCPConn).CloseWrite()
 	}()
@@ -705,10 +704,7 @@ func TestListenerPortsComeFromTheRange(t *testing.T) {
 	// while the others keep working.
 	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80"), svc("c", "10.96.0.12", "http:80")},
 		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
-	time.Sleep(100 * time.Millisecond)
-	if rules.has("default/c:http") {
-		t.Error("a service got a listener outside the range")
-	}
+	testwait.Never(t, 100*time.Millisecond, "a service got a listener outside the range", func() bool { return rules.has("default/c:http") })
 	if name, err := get(t, pa); err != nil || name != "a" {
 		t.Errorf("service a broke: %q, %v", name, err)
 	}

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 type runCall struct {
@@ -63,10 +65,7 @@ func TestRunnerBoundsFrequency(t *testing.T) {
 	}
 	step := func(d time.Duration) {
 		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for !clk.HasWaiters() && time.Now().Before(deadline) {
-			time.Sleep(time.Millisecond)
-		}
+		testwait.Until(t, 5*time.Second, "the runner to wait on the clock", clk.HasWaiters)
 		clk.Step(d)
 	}
 

@@ -13,6 +13,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // TestSCTPPortsIgnoredOneByOne checks that an SCTP port costs a Service
@@ -84,7 +85,9 @@ func TestSCTPPortLeavesTCPPortProxied(t *testing.T) {
 		t.Fatalf("the TCP port of a service with an SCTP port does not work: %v", err)
 	}
 	c.Close()
-	time.Sleep(100 * time.Millisecond) // periodic resyncs must not repeat the warning
+	testwait.Never(t, 100*time.Millisecond, "the periodic resyncs repeated the warning", func() bool {
+		return logs.FilterMessageSnippet("ignoring part of a service").Len() > 1
+	})
 	var got []string
 	for _, e := range logs.FilterMessageSnippet("ignoring part of a service").All() {
 		m := e.ContextMap()

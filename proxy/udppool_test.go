@@ -298,7 +298,7 @@ func TestUDPPool(t *testing.T) {
 					c := dialUDP(t, e.port)
 					for range 3 {
 						c.Write([]byte("q"))
-						time.Sleep(10 * time.Millisecond)
+						time.Sleep(10 * time.Millisecond) // sends apart, each before the silent backend's reply
 					}
 					testwait.Until(t, 5*time.Second, "the backend gets all three", func() bool { n, _ := e.a.sources(); return n == 3 })
 					n, ports := e.a.sources()

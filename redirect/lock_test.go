@@ -182,7 +182,7 @@ func newLockedSyncer(t *testing.T, cfg Config) (*Syncer, *lockedKernel) {
 			if fc.HasWaiters() {
 				fc.Step(10 * time.Millisecond)
 			} else {
-				time.Sleep(50 * time.Microsecond)
+				time.Sleep(50 * time.Microsecond) // the fake clock's driver yields until the code waits on it
 			}
 		}
 	})

@@ -18,6 +18,7 @@ import (
 
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // The tests in this file send real traffic through the rules, between the
@@ -169,14 +170,10 @@ func (tl *trafficLab) serveSocket(ns string, f Family, p Protocol, port uint16, 
 	if err != nil {
 		tl.t.Fatal(err)
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if strings.TrimSpace(tl.exec(ns, "ss", "-Hltun", "sport = :"+strconv.Itoa(int(port)))) != "" {
-			return proc
-		}
-		if time.Now().After(deadline) {
-			tl.t.Fatalf("socat does not listen on %s port %d in %s", p, port, ns)
-		}
-	}
+	testwait.Until(tl.t, 10*time.Second, fmt.Sprintf("socat to listen on %s port %d in %s", p, port, ns), func() bool {
+		return strings.TrimSpace(tl.exec(ns, "ss", "-Hltun", "sport = :"+strconv.Itoa(int(port)))) != ""
+	})
+	return proc
 }
 
 // The outcomes of dial.

@@ -1,6 +1,7 @@
 package doccheck
 
 import (
+	"fmt"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -233,5 +234,40 @@ func TestPackageDocsAreMaps(t *testing.T) {
 			rel, _ := filepath.Rel(root, path)
 			t.Errorf("%s: the package documentation is %d lines; make it a map of at most %d, and move the explanation to docs/", rel, n, maxPackageDocLines)
 		}
+	}
+}
+
+// maxTestSleeps is how many time.Sleep calls the tests may make: a test
+// waits on a condition (internal/testwait), and sleeps only to pace a
+// sender or to time a fault, saying so.
+const maxTestSleeps = 20
+
+// TestTestsSleepRarely checks that the tests, bench's included, call
+// time.Sleep at most maxTestSleeps times, each with a comment on its line
+// or the line before that says why.
+func TestTestsSleepRarely(t *testing.T) {
+	root := repoRoot(t)
+	var sleeps []string
+	for _, f := range gitFiles(t, root, "*_test.go") {
+		if strings.HasPrefix(f, "internal/doccheck/") {
+			continue // names the call it counts
+		}
+		src, err := os.ReadFile(filepath.Join(root, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(string(src), "\n")
+		for i, line := range lines {
+			if !strings.Contains(line, "time.Sleep(") || strings.HasPrefix(strings.TrimSpace(line), "//") {
+				continue
+			}
+			sleeps = append(sleeps, fmt.Sprintf("%s:%d", f, i+1))
+			if !strings.Contains(line, "//") && (i == 0 || !strings.HasPrefix(strings.TrimSpace(lines[i-1]), "//")) {
+				t.Errorf("%s:%d: a sleep without a comment saying why a sleep is the right tool here (or wait on a condition with internal/testwait)", f, i+1)
+			}
+		}
+	}
+	if len(sleeps) > maxTestSleeps {
+		t.Errorf("the tests sleep %d times, more than %d: wait on conditions with internal/testwait instead:\n%s", len(sleeps), maxTestSleeps, strings.Join(sleeps, "\n"))
 	}
 }

@@ -11,6 +11,8 @@ import (
 	eventsv1 "k8s.io/api/events/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // event is what the tests compare of an events.k8s.io Event.
@@ -23,21 +25,19 @@ type event struct {
 // them by reason.
 func waitEvents(t *testing.T, client *fake.Clientset, n int) map[string]event {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		list, err := client.EventsV1().Events(metav1.NamespaceAll).List(context.Background(), metav1.ListOptions{})
-		if err != nil {
+	var list *eventsv1.EventList
+	testwait.Poll(10*time.Second, func() bool {
+		var err error
+		if list, err = client.EventsV1().Events(metav1.NamespaceAll).List(context.Background(), metav1.ListOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		if len(list.Items) >= n || time.Now().After(deadline) {
-			got := map[string]event{}
-			for _, e := range list.Items {
-				got[e.Reason] = eventOf(e)
-			}
-			return got
-		}
-		time.Sleep(20 * time.Millisecond)
+		return len(list.Items) >= n
+	})
+	got := map[string]event{}
+	for _, e := range list.Items {
+		got[e.Reason] = eventOf(e)
 	}
+	return got
 }
 
 func eventOf(e eventsv1.Event) event {

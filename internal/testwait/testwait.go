@@ -42,6 +42,20 @@ func UntilOK(t testing.TB, timeout time.Duration, what string, cond func() (ok b
 	}
 }
 
+// Poll calls cond every Interval until it returns true, and reports
+// whether it did before timeout: for a caller that reports the failure
+// itself, with what it gathers only then.
+func Poll(timeout time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(timeout); ; time.Sleep(Interval) {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+}
+
 // Never calls cond every Interval for d, and fails t (Errorf) as soon as it
 // returns true, naming what must not happen.
 func Never(t testing.TB, d time.Duration, what string, cond func() bool) {

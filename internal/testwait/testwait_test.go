@@ -57,6 +57,16 @@ func TestUntil(t *testing.T) {
 	}
 }
 
+func TestPoll(t *testing.T) {
+	var n atomic.Int32
+	if !Poll(time.Second, func() bool { return n.Add(1) == 3 }) || n.Load() != 3 {
+		t.Errorf("Poll on a condition true at its third call: %d calls", n.Load())
+	}
+	if Poll(20*time.Millisecond, func() bool { return false }) {
+		t.Error("Poll reported a condition that never held")
+	}
+}
+
 func TestNever(t *testing.T) {
 	if r := run(t, func(tb testing.TB) { Never(tb, 30*time.Millisecond, "it happened", func() bool { return false }) }); r.failed {
 		t.Errorf("Never failed on a condition that stayed false: %s", r.message)

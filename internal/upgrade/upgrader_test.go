@@ -193,17 +193,11 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the predecessor did not sync")
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+	testwait.Until(t, 10*time.Second, "the predecessor's Upgrader to see its first sync", func() bool {
 		old.mu.Lock()
-		ready := old.ready
-		old.mu.Unlock()
-		if ready {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the predecessor's Upgrader did not see its first sync")
-		}
-	}
+		defer old.mu.Unlock()
+		return old.ready
+	})
 	next := New(Config{Path: path, Mode: "redirect", Logger: log.Named("new")})
 	if err := next.Start(); err != nil {
 		t.Fatal(err)

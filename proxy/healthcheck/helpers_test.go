@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // checkNoLeaks records the number of goroutines and, at cleanup, waits up
@@ -21,19 +23,10 @@ func checkNoLeaks(t *testing.T) {
 	t.Helper()
 	before := runtime.NumGoroutine()
 	t.Cleanup(func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			n := runtime.NumGoroutine()
-			if n <= before {
-				return
-			}
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				buf = buf[:runtime.Stack(buf, true)]
-				t.Errorf("goroutines: %d before, %d after; stacks:\n%s", before, n, buf)
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
+		if !testwait.Poll(5*time.Second, func() bool { return runtime.NumGoroutine() <= before }) {
+			buf := make([]byte, 1<<20)
+			buf = buf[:runtime.Stack(buf, true)]
+			t.Errorf("goroutines: %d before, %d after; stacks:\n%s", before, runtime.NumGoroutine(), buf)
 		}
 	})
 }
