@@ -32,7 +32,7 @@ type Config struct {
 	// programmed (tests that connect to listeners directly).
 	Rules RuleSyncer
 	// Inherited holds the listening sockets handed over by the process
-	// this one replaces (see handoff.go): a listener adopts the socket of
+	// this one replaces (see handover.go): a listener adopts the socket of
 	// its key instead of binding a new one. Nil means every listener is
 	// bound anew.
 	Inherited *Inherited

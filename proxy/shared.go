@@ -28,7 +28,7 @@ import (
 // original destination to its service port's listener.
 
 // sharedName is the name a shared listener goes by in the logs, in its
-// handoff key and for Config.PreviousPort: no Service, the port name
+// handover key and for Config.PreviousPort: no Service, the port name
 // "shared", and the protocol.
 func sharedName(proto v1.Protocol) ServicePortName {
 	return ServicePortName{Port: SharedPortName, Protocol: proto}

@@ -23,7 +23,7 @@ type Hooks struct {
 	// Export returns duplicates of the proxier's listeners, which the
 	// upgrader owns from then on and closes once sent. It is called with
 	// the sync loop paused.
-	Export func() ([]proxy.HandoffSocket, error)
+	Export func() ([]proxy.HandoverSocket, error)
 	// Abort ends this process's run with an error: the predecessor took
 	// its sockets back before we were ready. Nil means nothing is done.
 	Abort func(error)

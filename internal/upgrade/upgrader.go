@@ -74,7 +74,7 @@ type Upgrader struct {
 	cfg Config // its seams and time-outs, through the accessors
 
 	servers   *serverSockets
-	listeners []proxy.HandoffSocket // inherited; passed on by Inherited()
+	listeners []proxy.HandoverSocket // inherited; passed on by Inherited()
 
 	ln      *net.UnixListener // the upgrade socket; nil when there is none
 	lnFile  fileID            // the socket file we own
@@ -340,7 +340,7 @@ func (u *Upgrader) takeOver(c *net.UnixConn) (err error) {
 func (u *Upgrader) keep(s Socket, f *os.File) {
 	switch s.Kind {
 	case kindListener:
-		u.listeners = append(u.listeners, proxy.HandoffSocket{Key: s.Key, Port: s.Port, File: f})
+		u.listeners = append(u.listeners, proxy.HandoverSocket{Key: s.Key, Port: s.Port, File: f})
 	case kindServer:
 		u.servers.inherit(s.Key, f)
 	case kindUpgrade:
@@ -442,7 +442,7 @@ func (u *Upgrader) Inherited() *proxy.Inherited {
 
 // closeInherited closes what was inherited and not passed on.
 func (u *Upgrader) closeInherited() {
-	proxy.CloseHandoffSockets(u.listeners)
+	proxy.CloseHandoverSockets(u.listeners)
 	u.listeners = nil
 	u.servers.closeInherited()
 }

@@ -23,7 +23,7 @@ import (
 // passSockets sends socks over a SOCK_SEQPACKET socketpair with
 // SCM_RIGHTS, as one uproxy process hands them to the next, closes the
 // sender's copies, and returns what arrived, keyed as sent.
-func passSockets(t *testing.T, socks []HandoffSocket) []HandoffSocket {
+func passSockets(t *testing.T, socks []HandoverSocket) []HandoverSocket {
 	t.Helper()
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -40,7 +40,7 @@ func passSockets(t *testing.T, socks []HandoffSocket) []HandoffSocket {
 	if err := unix.Sendmsg(pair[0], []byte(strings.Join(keys, "\n")), unix.UnixRights(fds...), nil, 0); err != nil {
 		t.Fatal(err)
 	}
-	CloseHandoffSockets(socks)
+	CloseHandoverSockets(socks)
 	buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4*len(socks)))
 	n, oobn, flags, _, err := unix.Recvmsg(pair[1], buf, oob, unix.MSG_CMSG_CLOEXEC)
 	if err != nil {
@@ -61,12 +61,12 @@ func passSockets(t *testing.T, socks []HandoffSocket) []HandoffSocket {
 	if len(got) != len(lines) {
 		t.Fatalf("%d descriptors for %d keys", len(got), len(lines))
 	}
-	var out []HandoffSocket
+	var out []HandoverSocket
 	for i, line := range lines {
 		key, port, _ := strings.Cut(line, "=")
 		var p uint16
 		fmt.Sscan(port, &p)
-		out = append(out, HandoffSocket{Key: key, Port: p, File: os.NewFile(uintptr(got[i]), key)})
+		out = append(out, HandoverSocket{Key: key, Port: p, File: os.NewFile(uintptr(got[i]), key)})
 	}
 	return out
 }
@@ -100,12 +100,12 @@ func roundTrip(c net.Conn, msg string) (string, error) {
 	return string(buf), err
 }
 
-// TestHandoffAdoptsListeners hands one Proxier's listeners to another
+// TestHandoverAdoptsListeners hands one Proxier's listeners to another
 // through a socketpair: the second serves the same ports, including a
 // connection and a datagram that arrived while neither was accepting;
 // the first drains its own connection; the socket of a service the
 // second does not have is closed; and no descriptor leaks.
-func TestHandoffAdoptsListeners(t *testing.T) {
+func TestHandoverAdoptsListeners(t *testing.T) {
 	tcpBE := echoBackend(t)
 	udpBE := udpBackend(t, "dns", true)
 	baseFD := countFDs(t)
@@ -186,10 +186,10 @@ func TestHandoffAdoptsListeners(t *testing.T) {
 		}
 		fresh, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", web))
 		if err != nil {
-			t.Fatalf("new connection after the handoff: %v", err)
+			t.Fatalf("new connection after the handover: %v", err)
 		}
 		if got, err := roundTrip(fresh, "after"); err != nil || got != "after" {
-			t.Errorf("new connection after the handoff: %q, %v", got, err)
+			t.Errorf("new connection after the handover: %q, %v", got, err)
 		}
 		fresh.Close()
 		if _, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", gone), time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
@@ -198,7 +198,7 @@ func TestHandoffAdoptsListeners(t *testing.T) {
 
 		// The old process still carries its connection, then drains.
 		if got, err := roundTrip(long, "during"); err != nil || got != "during" {
-			t.Errorf("long-lived connection after the handoff: %q, %v", got, err)
+			t.Errorf("long-lived connection after the handover: %q, %v", got, err)
 		}
 		if n := old.ActiveConnections(); n != 1 {
 			t.Errorf("old process carries %d connections, want the long-lived one", n)
@@ -288,7 +288,7 @@ func TestInheritedSocketMustFit(t *testing.T) {
 				// A free range that excludes the inherited port.
 				ports = PortRange{Base: uint16(inheritedPort) + 1, Size: 100}
 			}
-			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 			stop := runProxier(p)
 			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
@@ -317,7 +317,7 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 	func() {
 		f, inheritedPort := inheritedTCP4(t)
 		rules := &recordingRules{fail: errors.New("iptables-restore: exit status 1")}
-		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoffSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stop := runProxier(p)
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 		testwait.Until(t, 5*time.Second, "a failed sync", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 1 })

@@ -34,9 +34,9 @@ import (
 // accepting; neither net.TCPListener.Close nor net.UDPConn.Close calls
 // shutdown(2), which would end the socket for both.
 
-// HandoffSocket is one listener's socket on its way from one process to
+// HandoverSocket is one listener's socket on its way from one process to
 // the next.
-type HandoffSocket struct {
+type HandoverSocket struct {
 	// Key names the listener stably across processes: its network and its
 	// service port, as "tcp4 default/web:http". It is what the new process
 	// adopts the socket by.
@@ -45,14 +45,14 @@ type HandoffSocket struct {
 	// port from the socket itself.
 	Port uint16
 	// File is a duplicate of the socket's descriptor, owned by whoever
-	// holds the HandoffSocket: they close it. (Never call Fd on a File
+	// holds the HandoverSocket: they close it. (Never call Fd on a File
 	// that package net's File methods made: it makes the socket blocking
 	// for every process that shares it. SocketFile makes safe ones.)
 	File *os.File
 }
 
-// handoffKey is the key of k's listener in HandoffSocket.Key.
-func (k portKey) handoffKey() string {
+// handoverKey is the key of k's listener in HandoverSocket.Key.
+func (k portKey) handoverKey() string {
 	if k.slot > 0 {
 		return fmt.Sprintf("%s %s #%d", k.network(), k.name, k.slot)
 	}
@@ -64,8 +64,8 @@ func (k portKey) handoffKey() string {
 // StopListening once the next process has taken over. The caller closes
 // the Files. Call it only while Run is not running: the sync goroutine
 // owns the listeners.
-func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
-	var out []HandoffSocket
+func (p *Proxier) ExportListeners() ([]HandoverSocket, error) {
+	var out []HandoverSocket
 	var all []*listener
 	for _, ls := range p.services {
 		for _, l := range ls {
@@ -81,18 +81,18 @@ func (p *Proxier) ExportListeners() ([]HandoffSocket, error) {
 	for _, l := range all {
 		f, err := l.file()
 		if err != nil {
-			CloseHandoffSockets(out)
+			CloseHandoverSockets(out)
 			return nil, fmt.Errorf("exporting the %s listener of %s: %w", l.key.network(), l.key.name, err)
 		}
-		out = append(out, HandoffSocket{Key: l.key.handoffKey(), Port: l.Port, File: f})
+		out = append(out, HandoverSocket{Key: l.key.handoverKey(), Port: l.Port, File: f})
 	}
-	slices.SortFunc(out, func(a, b HandoffSocket) int { return strings.Compare(a.Key, b.Key) })
+	slices.SortFunc(out, func(a, b HandoverSocket) int { return strings.Compare(a.Key, b.Key) })
 	return out, nil
 }
 
 // file duplicates l's socket descriptor.
 func (l *listener) file() (*os.File, error) {
-	return l.File(l.key.handoffKey())
+	return l.File(l.key.handoverKey())
 }
 
 // SocketFile returns a duplicate of c's socket descriptor, close-on-exec,
@@ -101,8 +101,8 @@ func SocketFile(c syscall.Conn, name string) (*os.File, error) {
 	return datapath.SocketFile(c, name)
 }
 
-// CloseHandoffSockets closes the Files of socks.
-func CloseHandoffSockets(socks []HandoffSocket) {
+// CloseHandoverSockets closes the Files of socks.
+func CloseHandoverSockets(socks []HandoverSocket) {
 	for _, s := range socks {
 		if s.File != nil {
 			s.File.Close()
@@ -162,18 +162,18 @@ func (p *Proxier) Resync() {
 // sync closes them too.
 type Inherited struct {
 	mu      sync.Mutex
-	sockets map[string]HandoffSocket // not adopted yet
-	adopted map[*listener]bool       // waiting for ready
-	done    bool                     // first sync over (or stopped): nothing more is adopted
-	ready   chan struct{}            // closed at the end of the first successful sync
-	stopped chan struct{}            // closed when the Proxier stops before that
+	sockets map[string]HandoverSocket // not adopted yet
+	adopted map[*listener]bool        // waiting for ready
+	done    bool                      // first sync over (or stopped): nothing more is adopted
+	ready   chan struct{}             // closed at the end of the first successful sync
+	stopped chan struct{}             // closed when the Proxier stops before that
 }
 
 // NewInherited takes ownership of socks: each is adopted by a listener, or
 // closed.
-func NewInherited(socks []HandoffSocket) *Inherited {
+func NewInherited(socks []HandoverSocket) *Inherited {
 	in := &Inherited{
-		sockets: map[string]HandoffSocket{},
+		sockets: map[string]HandoverSocket{},
 		adopted: map[*listener]bool{},
 		ready:   make(chan struct{}),
 		stopped: make(chan struct{}),
@@ -198,15 +198,15 @@ func (in *Inherited) Len() int {
 }
 
 // take removes and returns the socket of key, if it is still adoptable.
-func (in *Inherited) take(key string) (HandoffSocket, bool) {
+func (in *Inherited) take(key string) (HandoverSocket, bool) {
 	if in == nil {
-		return HandoffSocket{}, false
+		return HandoverSocket{}, false
 	}
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	s, ok := in.sockets[key]
 	if !ok || in.done {
-		return HandoffSocket{}, false
+		return HandoverSocket{}, false
 	}
 	delete(in.sockets, key)
 	return s, true
@@ -265,7 +265,7 @@ func (in *Inherited) finish(log *zap.Logger) (adopted int, ok bool) {
 // openListener would bind. A non-zero exact is the only port l may have.
 func (p *Proxier) adoptOrAllocate(l *listener, host string, exact uint16, try func(port uint16) (uint16, error)) (uint16, error) {
 	network := l.key.network()
-	if s, ok := p.cfg.Inherited.take(l.key.handoffKey()); ok {
+	if s, ok := p.cfg.Inherited.take(l.key.handoverKey()); ok {
 		port, err := p.adopt(l, host, s)
 		if err == nil && exact != 0 && port != exact {
 			l.Close()
@@ -298,7 +298,7 @@ func (p *Proxier) adoptOrAllocate(l *listener, host string, exact uint16, try fu
 
 // adopt makes s l's socket after checking it is the socket openListener
 // would have bound on host. It consumes s.File either way.
-func (p *Proxier) adopt(l *listener, host string, s HandoffSocket) (uint16, error) {
+func (p *Proxier) adopt(l *listener, host string, s HandoverSocket) (uint16, error) {
 	defer s.File.Close() // the listener holds its own duplicate
 	udp := l.key.name.Protocol == v1.ProtocolUDP
 	var local net.Addr
