@@ -125,7 +125,7 @@ type Config struct {
 	// SourceHashBytes bounds the memory of the source-hash balancers'
 	// Maglev tables, across all services. Past it, a balancer whose table
 	// does not fit uses rendezvous hashing, which needs none (see
-	// hashTables), and the service is logged. Zero means
+	// balancer.MaglevBudget), and the service is logged. Zero means
 	// DefaultSourceHashBytes.
 	SourceHashBytes int64
 }

@@ -26,7 +26,7 @@ type snapshot struct {
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
 // Source-hash balancers take their tables from hashing.
-func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot, hashing *serviceHashing) *snapshot {
+func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot, hashing *balancer.MaglevRebuild) *snapshot {
 	s := &snapshot{sp: sp, Snapshot: &datapath.Snapshot{
 		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
@@ -114,7 +114,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 	build := func(bs []*balancer.Backend) balancer.Balancer {
 		var bal balancer.Balancer
 		if sp.Balancer == balancer.SourceHash {
-			bal = hashing.balancer(bs)
+			bal = hashing.Balancer(bs)
 		} else {
 			bal = balancer.New(sp.Balancer, bs)
 		}

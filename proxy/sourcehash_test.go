@@ -65,12 +65,12 @@ func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 	for _, l := range p.services[name] {
 		bal := l.snap.Load().Cluster
 		desc := balancer.SourceHashMethod(bal)
-		if t := p.hash.byService[name][balancer.MaglevKey(l.snap.Load().ClusterBackends)]; t != nil && desc == "Maglev" {
+		if t := p.hash.budget.Table(name.String(), l.snap.Load().ClusterBackends); t != nil && desc == "Maglev" {
 			desc = fmt.Sprintf("Maglev %d", t.Len())
 		}
 		ports[l.key.name.Port] = desc
 	}
-	return ports, len(p.hash.byService[name]), p.hash.bytes
+	return ports, p.hash.budget.Tables(name.String()), p.hash.budget.Bytes()
 }
 
 // TestSourceHashTablesShared checks that a Maglev table is sized by its
