@@ -93,7 +93,7 @@ func (d *tcpDial) failed(err error) {
 	d.snap.Metrics.dialDone(d.start, err)
 	d.b.Release()
 	if !localDialFailure(err) {
-		d.p.health.failure(d.b)
+		d.p.health.Failure(d.b)
 	}
 	d.last = d.bm
 	d.errs = append(d.errs, fmt.Errorf("dial %s: %w", d.b.Addr, err))
@@ -104,7 +104,7 @@ func (d *tcpDial) failed(err error) {
 func (d *tcpDial) connected() {
 	pm := d.snap.Metrics
 	pm.dialDone(d.start, nil)
-	d.p.health.success(d.b)
+	d.p.health.Success(d.b)
 	d.bm.connected()
 	d.sourceConnected()
 	d.ok = true

@@ -208,7 +208,7 @@ type Engine struct {
 	cfg     Config
 	log     *zap.Logger
 	connLog *zap.Logger // sampled: per-connection errors
-	health  *health
+	health  *balancer.Health
 	// internal reports whether a client is a pod or the node
 	// (NewEngine).
 	internal func(netip.Addr) bool
@@ -267,7 +267,8 @@ func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
 	p.connLog = p.log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 100)
 	}))
-	p.health = newHealth(cfg.clock(), cfg.EjectBase, cfg.EjectMax)
+	clk := cfg.clock()
+	p.health = balancer.NewHealth(cfg.EjectBase, cfg.EjectMax, func(d time.Duration, f func()) { clk.AfterFunc(d, f) })
 	return p
 }
 
@@ -275,11 +276,11 @@ func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
 func (p *Engine) internalClient(ip netip.Addr) bool { return p.internal(ip) }
 
 // Forget stops tracking b's failures: b has left every service.
-func (p *Engine) Forget(b *balancer.Backend) { p.health.forget(b) }
+func (p *Engine) Forget(b *balancer.Backend) { p.health.Forget(b) }
 
 // Failures returns how many connection attempts in a row b has failed
 // (0 when it is healthy).
-func (p *Engine) Failures(b *balancer.Backend) int { return p.health.failures(b) }
+func (p *Engine) Failures(b *balancer.Backend) int { return p.health.Failures(b) }
 
 // Refuse refuses, from now on, every connection accepted: the first step
 // of a shutdown, before the listeners close.

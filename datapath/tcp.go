@@ -14,9 +14,6 @@ import (
 	proxyproto "github.com/pires/go-proxyproto"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
-	"k8s.io/utils/clock"
-
-	"github.com/uproxy/uproxy/balancer"
 )
 
 // errNoEndpoints is returned when a service port has no usable endpoint.
@@ -531,62 +528,6 @@ func (p *Engine) endSession(s *session) {
 	p.wg.Done()
 }
 
-// health ejects backends that fail to accept connections (passive health
-// checking, like Envoy's outlier detection): the first failure ejects for
-// base, each consecutive one doubles it up to max; a success resets.
-// Safe for concurrent use.
-type health struct {
-	clock     clock.WithTickerAndDelayedExecution
-	base, max time.Duration
-	failing   atomic.Int32 // number of entries in fails; lets success skip the lock
-	mu        sync.Mutex
-	fails     map[*balancer.Backend]int
-}
-
-func newHealth(c clock.WithTickerAndDelayedExecution, base, maxD time.Duration) *health {
-	if base <= 0 {
-		base = time.Second
-	}
-	if maxD <= 0 {
-		maxD = 30 * time.Second
-	}
-	return &health{clock: c, base: base, max: max(base, maxD), fails: map[*balancer.Backend]int{}}
-}
-
-func (h *health) failure(b *balancer.Backend) {
-	h.mu.Lock()
-	n := h.fails[b] + 1
-	if n == 1 {
-		h.failing.Add(1)
-	}
-	h.fails[b] = n
-	h.mu.Unlock()
-	d := h.base << min(n-1, 20)
-	if d > h.max || d <= 0 {
-		d = h.max
-	}
-	b.SetEjected(true)
-	// The timer fires once and exits; re-admission lets the next pick
-	// probe the backend again.
-	h.clock.AfterFunc(d, func() { b.SetEjected(false) })
-}
-
-func (h *health) success(b *balancer.Backend) {
-	if h.failing.Load() == 0 {
-		return
-	}
-	h.forget(b)
-}
-
-func (h *health) forget(b *balancer.Backend) {
-	h.mu.Lock()
-	if _, ok := h.fails[b]; ok {
-		delete(h.fails, b)
-		h.failing.Add(-1)
-	}
-	h.mu.Unlock()
-}
-
 // proxyHeader returns a PROXY protocol header (version 1 or 2) telling
 // the backend the client's address and the address it connected to, for
 // backends that cannot see the client's address otherwise (redirect mode).
@@ -664,14 +605,4 @@ func setKeepAliveFD(fd int) error {
 		}
 	}
 	return nil
-}
-
-// failures returns b's consecutive failures. Safe for concurrent use.
-func (h *health) failures(b *balancer.Backend) int {
-	if h.failing.Load() == 0 {
-		return 0
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.fails[b]
 }

@@ -506,7 +506,7 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	pm.dialDone(start, err)
 	if err != nil {
 		if !localDialFailure(err) {
-			p.health.failure(b)
+			p.health.Failure(b)
 		}
 		bm.failed()
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
@@ -560,7 +560,7 @@ func (p *Engine) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
 // the flow is dropped either way.
 func (p *Engine) udpFailed(f *udpFlow, err error) {
 	if errors.Is(err, syscall.ECONNREFUSED) {
-		p.health.failure(f.backend)
+		p.health.Failure(f.backend)
 	}
 	p.removeFlow(f)
 	f.close()

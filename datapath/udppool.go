@@ -333,7 +333,7 @@ func (p *Engine) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm 
 	if err != nil {
 		p.poolOpen.Add(-1)
 		if !localDialFailure(err) {
-			p.health.failure(b)
+			p.health.Failure(b)
 		}
 		pm.backend(b).failed()
 		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
