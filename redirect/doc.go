@@ -5,10 +5,10 @@
 // kernel behaviour each rule relies on.
 //
 // Where to look:
-//   - redirect.go: Rules, the wanted state (Intercept, NodePort, Firewall,
+//   - redirect.go: Rules, the wanted state (InterceptRule, NodePort, Firewall,
 //     Reject, Listener), and its validation.
 //   - services.go: ServiceRules, from the destinations the proxy's service
-//     ports claim (Claim) to Rules, and which of two claims wins.
+//     ports claim (Intercept) to Rules, and which of two claims wins.
 //   - render.go: Render, Rules to iptables-restore input, a pure function
 //     with golden files in testdata; the chain table every chain is
 //     described in once.

@@ -17,7 +17,7 @@ func TestMatchingRules(t *testing.T) {
 	lb := svc("default/lb:http", TCP, "192.0.2.20", 80, 40003)
 	web6 := svc("default/web:http", TCP, "2001:db8::10", 80, 40004)
 	rules := Rules{
-		Intercepts: []Intercept{web, dns, lb, web6},
+		Intercepts: []InterceptRule{web, dns, lb, web6},
 		NodePorts: []NodePort{
 			{Comment: "default/web:http", Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 40001},
 			{Comment: "default/web:http", Family: IPv6, Protocol: TCP, Port: 30080, ToPort: 40004},
@@ -27,7 +27,7 @@ func TestMatchingRules(t *testing.T) {
 	}
 	tproxy := rules
 	tproxy.TProxy, tproxy.Listeners = &TProxy{}, nil
-	rejected := ServiceRules([]Claim{
+	rejected := ServiceRules([]Intercept{
 		{Comment: "default/web:http", Protocol: TCP, Dest: web.Dest, Port: 80, ToPort: 40001},
 		{Comment: "default/empty:http", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80, ToPort: 40005, Reject: true},
 	}, ServiceOptions{})

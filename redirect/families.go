@@ -117,7 +117,7 @@ func (f *Families) Available() []Family {
 // mode's policy routing. full is Syncer.Sync's: verify the kernel rather
 // than trust the last write. A family's error does not keep the other
 // from syncing; the result counts the families that synced.
-func (f *Families) Sync(ctx context.Context, claims []Claim, full bool) (FamiliesResult, error) {
+func (f *Families) Sync(ctx context.Context, claims []Intercept, full bool) (FamiliesResult, error) {
 	var out FamiliesResult
 	commandsBefore := f.ran.Load()
 	rules := ServiceRules(claims, f.cfg.Services)
@@ -183,7 +183,7 @@ func (f *Families) syncFamily(ctx context.Context, fam Family, s *Syncer, rules 
 
 // hasIPv6 reports whether a claim is of IPv6 (an IPv4-mapped address
 // counts, as the proxier's intercepts count it).
-func hasIPv6(claims []Claim) bool {
+func hasIPv6(claims []Intercept) bool {
 	for _, c := range claims {
 		if c.Dest.Is6() {
 			return true

@@ -13,7 +13,7 @@ import (
 )
 
 // familyClaims are a service port with an address in each family.
-var familyClaims = []Claim{
+var familyClaims = []Intercept{
 	{Comment: "default/web:http", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.10"), Port: 80, ToPort: 40001},
 	{Comment: "default/web:http", Protocol: TCP, Dest: netip.MustParseAddr("2001:db8::10"), Port: 80, ToPort: 40002},
 }

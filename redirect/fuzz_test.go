@@ -97,7 +97,7 @@ func netlinkMessage(typ uint16, seq uint32, data []byte) []byte {
 func FuzzIptablesSave(f *testing.F) {
 	vip := netip.MustParseAddr("10.96.0.10")
 	r := Rules{
-		Intercepts: []Intercept{
+		Intercepts: []InterceptRule{
 			{Comment: "default/web:http", Protocol: TCP, Dest: vip, Port: 80, ToPort: 35513},
 			{Comment: "default/dns:dns", Protocol: UDP, Dest: netip.MustParseAddr("10.96.0.53"), Port: 53, ToPort: 41000},
 		},

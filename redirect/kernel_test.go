@@ -84,7 +84,7 @@ func savedTables(t *testing.T, f Family) string {
 // kernelRules is the test's rule set, with every kind of rule of both
 // families and protocols, and comments that need quoting and escaping.
 var kernelRules = Rules{
-	Intercepts: []Intercept{
+	Intercepts: []InterceptRule{
 		svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
 		svc("kube-system/kube-dns:dns", UDP, "10.96.0.2", 53, 40002),
 		svc("kube-system/kube-dns:dns-tcp", TCP, "10.96.0.2", 53, 40003),
@@ -299,7 +299,7 @@ func testKernelSync(t *testing.T, f Family) {
 	// Odd comments, and node-port addresses: /0 prints without -d, a
 	// prefix with host bits set prints masked.
 	comments := Rules{
-		Intercepts: []Intercept{
+		Intercepts: []InterceptRule{
 			svc("new\nline", TCP, "10.96.2.1", 1, 40101),
 			svc("tab\there ünïcödé/名前", TCP, "10.96.2.1", 2, 40102),
 			svc(strings.Repeat("x", 300), TCP, "10.96.2.1", 3, 40103),
@@ -488,7 +488,7 @@ func testKernelSync(t *testing.T, f Family) {
 // on, one UDP listener, and one intercept.
 func manyListeners(f Family, n int) Rules {
 	dest := map[Family]string{IPv4: "10.96.0.10", IPv6: "2001:db8::10"}[f]
-	r := Rules{Intercepts: []Intercept{svc("default/web:http", TCP, dest, 80, 20000)}}
+	r := Rules{Intercepts: []InterceptRule{svc("default/web:http", TCP, dest, 80, 20000)}}
 	for i := range n {
 		r.Listeners = append(r.Listeners, Listener{f, TCP, uint16(20000 + i)})
 	}

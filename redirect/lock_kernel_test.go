@@ -102,7 +102,7 @@ func TestKernelSyncWaitsForXtablesLock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rules := Rules{Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)}}
+	rules := Rules{Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)}}
 	saved := func() string {
 		t.Helper()
 		out, err := exec.Command("iptables-legacy-save", "-t", "nat").Output()
@@ -156,7 +156,7 @@ func TestKernelSyncWaitsForXtablesLock(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		moved := Rules{Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40002)}}
+		moved := Rules{Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40002)}}
 		_, err = s.Sync(context.Background(), moved, false)
 		if !errors.Is(err, ErrXtablesLocked) {
 			t.Fatalf("Sync with the lock held throughout: %v; want ErrXtablesLocked", err)

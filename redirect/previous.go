@@ -47,7 +47,7 @@ func PreviousListenerPorts(saved []byte) map[PreviousListener]uint16 {
 				key.Comment = f[i+1]
 			case "--to-ports", "--on-port":
 				// A range's first port: a shared listener's ports
-				// follow it (Intercept.ToPortEnd).
+				// follow it (InterceptRule.ToPortEnd).
 				first, _, _ := strings.Cut(f[i+1], "-")
 				if n, err := strconv.ParseUint(first, 10, 16); err == nil {
 					port = uint16(n)

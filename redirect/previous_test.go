@@ -11,7 +11,7 @@ import (
 func TestPreviousListenerPorts(t *testing.T) {
 	vip := netip.MustParseAddr("10.96.0.10")
 	r := Rules{
-		Intercepts: []Intercept{
+		Intercepts: []InterceptRule{
 			{Comment: "default/web:http", Protocol: TCP, Dest: vip, Port: 80, ToPort: 35513},
 			{Comment: "default/web:http", Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.10"), Port: 80, ToPort: 35513},
 			{Comment: "default/dns:dns", Protocol: UDP, Dest: netip.MustParseAddr("10.96.0.53"), Port: 53, ToPort: 41000},

@@ -64,9 +64,9 @@ func familyOf(a netip.Addr) Family {
 	return IPv6
 }
 
-// Intercept is one destination whose traffic the kernel sends to a local
+// InterceptRule is one destination whose traffic the kernel sends to a local
 // proxy listener.
-type Intercept struct {
+type InterceptRule struct {
 	// Comment is shown in the rule's comment, e.g. "default/web:http".
 	// Render quotes and escapes it as iptables-save does, replaces control
 	// characters (newlines included) with spaces and invalid UTF-8 with
@@ -91,7 +91,7 @@ type Intercept struct {
 }
 
 // validate reports why i cannot be rendered, or nil.
-func (i Intercept) validate() error {
+func (i InterceptRule) validate() error {
 	switch {
 	case i.Protocol != TCP && i.Protocol != UDP:
 		return fmt.Errorf("protocol %q is not %q or %q", i.Protocol, TCP, UDP)
@@ -109,7 +109,7 @@ func (i Intercept) validate() error {
 	return nil
 }
 
-// key identifies the traffic an Intercept matches: two intercepts with the
+// key identifies the traffic an InterceptRule matches: two intercepts with the
 // same key would conflict.
 type interceptKey struct {
 	dest  netip.Addr
@@ -117,7 +117,7 @@ type interceptKey struct {
 	port  uint16
 }
 
-func (i Intercept) key() interceptKey {
+func (i InterceptRule) key() interceptKey {
 	return interceptKey{dest: i.Dest.Unmap(), proto: i.Protocol, port: i.Port}
 }
 
@@ -126,7 +126,7 @@ func (i Intercept) key() interceptKey {
 // nodePort), as far as Rules.NodePortAddresses admits the address.
 type NodePort struct {
 	// Comment is shown in the rule's comment, e.g. "default/web:http";
-	// Render makes any string safe, as for Intercept.Comment.
+	// Render makes any string safe, as for InterceptRule.Comment.
 	Comment string
 	// Family is the family of the node addresses the port is opened on.
 	Family Family
@@ -138,7 +138,7 @@ type NodePort struct {
 	// be zero.
 	ToPort uint16
 	// ToPortEnd, when above ToPort, makes ToPort-ToPortEnd a range of
-	// listener ports, as Intercept.ToPortEnd does.
+	// listener ports, as InterceptRule.ToPortEnd does.
 	ToPortEnd uint16
 }
 
@@ -170,13 +170,13 @@ type portKey struct {
 func (n NodePort) key() portKey { return portKey{n.Family, n.Protocol, n.Port} }
 
 // Firewall restricts which sources may reach one destination, like a
-// LoadBalancer service's loadBalancerSourceRanges. An Intercept with the
+// LoadBalancer service's loadBalancerSourceRanges. An InterceptRule with the
 // same destination, protocol and port is redirected only for sources
 // inside Allow; every other packet to that destination, protocol and port
-// is dropped. A Firewall without such an Intercept drops all of them.
+// is dropped. A Firewall without such an InterceptRule drops all of them.
 type Firewall struct {
 	// Comment is shown in the rule's comment; Render makes any string
-	// safe, as for Intercept.Comment.
+	// safe, as for InterceptRule.Comment.
 	Comment string
 	// Protocol is TCP or UDP.
 	Protocol Protocol
@@ -198,7 +198,7 @@ type Firewall struct {
 // sees as ECONNREFUSED on its SYN), as kube-proxy's REJECT rules do, rather
 // than a listener accepting them with nothing to send them to.
 // UPROXY-FIREWALL refuses them by their original destination, which
-// conntrack keeps; the Intercept stays, so that REDIRECT or TPROXY makes
+// conntrack keeps; the InterceptRule stays, so that REDIRECT or TPROXY makes
 // the packet local wherever the node routes the address. A node port,
 // local already, is not intercepted and is refused by its own port.
 //
@@ -212,7 +212,7 @@ type Firewall struct {
 // from a node address. A node with no route for the address answers
 // "no route to host" instead.
 type Reject struct {
-	// Comment is shown in the rule's comment, as for Intercept.Comment.
+	// Comment is shown in the rule's comment, as for InterceptRule.Comment.
 	Comment string
 	// NodePort, when true, refuses Port on every local address of
 	// Family; Dest is then unused. When false, Dest:Port exactly.
@@ -334,9 +334,9 @@ type Rules struct {
 	// Intercepts may be in any order and mix IPv4 and IPv6 destinations.
 	// They cover every exact destination of a service: ClusterIPs,
 	// externalIPs and LoadBalancer ingress IPs.
-	Intercepts []Intercept
+	Intercepts []InterceptRule
 	// NodePorts are redirected when addressed to a local address of the
-	// node that NodePortAddresses admits, unless an Intercept matches the
+	// node that NodePortAddresses admits, unless an InterceptRule matches the
 	// packet first.
 	NodePorts []NodePort
 	// NodePortAddresses limits the local addresses that accept node ports
@@ -374,7 +374,7 @@ type Rules struct {
 	// protocol gets one rule per set, in nat (REDIRECT) or, with TProxy, in
 	// mangle (TPROXY), that sends what the set matches to the single ToPort
 	// all of them share, so the number of rules does not grow with the
-	// services. An Intercept that a Firewall guards keeps its rules of the
+	// services. An InterceptRule that a Firewall guards keeps its rules of the
 	// per-service layout instead (one per allowed source prefix, before the
 	// set's rule). All Intercepts and NodePorts of one family and protocol
 	// must have the same ToPort and ToPortEnd. False is the per-service

@@ -351,7 +351,7 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 		return nil
 	}
 	allowed := firewallAllows(f, r)
-	var is []Intercept
+	var is []InterceptRule
 	for _, i := range r.Intercepts {
 		if i.validate() != nil || familyOf(i.Dest.Unmap()) != f {
 			continue
@@ -361,7 +361,7 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 		}
 		is = append(is, i)
 	}
-	slices.SortFunc(is, func(a, b Intercept) int {
+	slices.SortFunc(is, func(a, b InterceptRule) int {
 		return cmp.Or(
 			a.Dest.Unmap().Compare(b.Dest.Unmap()),
 			cmp.Compare(a.Protocol, b.Protocol),

@@ -16,14 +16,14 @@ func scaleRules(n int) Rules {
 		comment := fmt.Sprintf("ns-%d/svc-%d:http", i%50, i)
 		vip := netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})
 		to := uint16(20000 + i)
-		r.Intercepts = append(r.Intercepts, Intercept{Comment: comment, Protocol: TCP, Dest: vip, Port: 80, ToPort: to})
+		r.Intercepts = append(r.Intercepts, InterceptRule{Comment: comment, Protocol: TCP, Dest: vip, Port: 80, ToPort: to})
 		r.Listeners = append(r.Listeners, Listener{Family: IPv4, Protocol: TCP, Port: to})
 		if i%10 == 0 {
 			r.NodePorts = append(r.NodePorts, NodePort{Comment: comment, Family: IPv4, Protocol: TCP, Port: uint16(30000 + i/10), ToPort: to})
 		}
 		if i%100 == 0 {
 			lb := netip.AddrFrom4([4]byte{192, 0, 2, byte(i / 100)})
-			r.Intercepts = append(r.Intercepts, Intercept{Comment: comment, Protocol: TCP, Dest: lb, Port: 80, ToPort: to})
+			r.Intercepts = append(r.Intercepts, InterceptRule{Comment: comment, Protocol: TCP, Dest: lb, Port: 80, ToPort: to})
 			r.Firewalls = append(r.Firewalls, Firewall{Comment: comment, Protocol: TCP, Dest: lb, Port: 80, Allow: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}})
 		}
 	}

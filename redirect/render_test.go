@@ -15,8 +15,8 @@ import (
 var update = flag.Bool("update", false, "rewrite the testdata/*.golden files from the current output")
 
 // svc returns an intercept for the VIP dest (an address literal).
-func svc(comment string, p Protocol, dest string, port, toPort uint16) Intercept {
-	return Intercept{Comment: comment, Protocol: p, Dest: netip.MustParseAddr(dest), Port: port, ToPort: toPort}
+func svc(comment string, p Protocol, dest string, port, toPort uint16) InterceptRule {
+	return InterceptRule{Comment: comment, Protocol: p, Dest: netip.MustParseAddr(dest), Port: port, ToPort: toPort}
 }
 
 // pfx returns the prefixes named by the literals.
@@ -43,7 +43,7 @@ func fw(comment string, p Protocol, dest string, port uint16, allow ...string) F
 // and a LoadBalancer service of TCP and UDP ports, with node ports and
 // source ranges.
 var all = Rules{
-	Intercepts: []Intercept{
+	Intercepts: []InterceptRule{
 		svc("default/lb:https", TCP, "10.96.200.1", 443, 40011),
 		svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
 		svc("default/lb:https", TCP, "10.96.0.20", 443, 40011),
@@ -70,7 +70,7 @@ var all = Rules{
 }
 
 // mixed has IPv4 and IPv6 intercepts, unsorted.
-var mixed = Rules{Intercepts: []Intercept{
+var mixed = Rules{Intercepts: []InterceptRule{
 	svc("default/web:http", TCP, "2001:db8::10", 80, 40001),
 	svc("default/web:http", TCP, "10.96.0.10", 80, 40002),
 	svc("kube-system/kube-dns:dns", UDP, "2001:db8::a", 53, 40003),
@@ -88,7 +88,7 @@ func tproxied(r Rules, rt Routing) Rules {
 // a LoadBalancer IP guarded for TCP and UDP, a guard allowing everyone,
 // one allowing only the other family, and one without an intercept.
 var firewalled = Rules{
-	Intercepts: []Intercept{
+	Intercepts: []InterceptRule{
 		svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
 		svc("default/lb:dns", UDP, "10.96.200.1", 53, 40002),
 		svc("default/open:http", TCP, "10.96.200.2", 80, 40003),
@@ -107,7 +107,7 @@ var firewalled = Rules{
 // rejecting is the rules of the golden files rejects and rejects_v6:
 // service ports without endpoints beside one with, and a firewall.
 var rejecting = Rules{
-	Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+	Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
 	Rejects: []Reject{
 		{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80},
 		{Comment: "default/empty:http", NodePort: true, Family: IPv4, Protocol: TCP, Port: 30081},
@@ -121,7 +121,7 @@ var rejecting = Rules{
 
 // firewalled6 is the rules of the golden file firewall_v6.
 var firewalled6 = Rules{
-	Intercepts: []Intercept{
+	Intercepts: []InterceptRule{
 		svc("default/lb:http", TCP, "2001:db8:96::c8:1", 80, 41001),
 		svc("default/lb:http", TCP, "10.96.200.1", 80, 40001),
 	},
@@ -140,8 +140,8 @@ func TestRenderGolden(t *testing.T) {
 	}{
 		{"empty", IPv4, Rules{}},
 		{"empty_v6", IPv6, Rules{}},
-		{"one", IPv4, Rules{Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)}}},
-		{"many_unsorted", IPv4, Rules{Intercepts: []Intercept{
+		{"one", IPv4, Rules{Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)}}},
+		{"many_unsorted", IPv4, Rules{Intercepts: []InterceptRule{
 			svc("default/web:https", TCP, "10.96.0.10", 443, 40002),
 			svc("kube-system/kube-dns:dns-tcp", TCP, "10.96.0.2", 53, 40011),
 			svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
@@ -152,12 +152,12 @@ func TestRenderGolden(t *testing.T) {
 		}}},
 		{"mixed_v4", IPv4, mixed},
 		{"mixed_v6", IPv6, mixed},
-		{"ipv6", IPv6, Rules{Intercepts: []Intercept{
+		{"ipv6", IPv6, Rules{Intercepts: []InterceptRule{
 			svc("default/web:http", TCP, "2001:db8::10", 80, 40001),
 			svc("default/web:quic", UDP, "2001:db8::10", 443, 40002),
 			svc("default/api", TCP, "2001:db8:0:1::1", 443, 40003),
 		}}},
-		{"comments", IPv4, Rules{Intercepts: []Intercept{
+		{"comments", IPv4, Rules{Intercepts: []InterceptRule{
 			svc("plain", TCP, "10.96.0.1", 1, 40001),
 			svc("with space", TCP, "10.96.0.1", 2, 40002),
 			svc(`double "quoted"`, TCP, "10.96.0.1", 3, 40003),
@@ -208,7 +208,7 @@ func TestRenderGolden(t *testing.T) {
 		}},
 		// Node-port addresses but no node ports: no jump.
 		{"nodeport_addresses_no_nodeports", IPv4, Rules{
-			Intercepts:        []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Intercepts:        []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
 			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
 			NodePortAddresses: pfx("10.0.0.0/8"),
 		}},
@@ -231,7 +231,7 @@ func TestRenderGolden(t *testing.T) {
 		{"listeners_v6", IPv6, Rules{Listeners: []Listener{
 			{IPv4, TCP, 40001}, {IPv6, TCP, 41001}, {IPv6, UDP, 41002},
 		}}},
-		{"invalid_skipped", IPv4, Rules{Intercepts: []Intercept{
+		{"invalid_skipped", IPv4, Rules{Intercepts: []InterceptRule{
 			svc("ok", TCP, "10.96.0.1", 80, 40001),
 			svc("bad protocol", Protocol("sctp"), "10.96.0.1", 81, 40002),
 			svc("bad port", TCP, "10.96.0.1", 0, 40003),
@@ -241,7 +241,7 @@ func TestRenderGolden(t *testing.T) {
 		// Invalid node ports, firewalls and listeners are skipped; an
 		// invalid allowed prefix lets nobody more in.
 		{"invalid_skipped_others", IPv4, Rules{
-			Intercepts: []Intercept{svc("lb", TCP, "10.96.200.1", 80, 40001)},
+			Intercepts: []InterceptRule{svc("lb", TCP, "10.96.200.1", 80, 40001)},
 			NodePorts: []NodePort{
 				np("ok", IPv4, TCP, 30080, 40001),
 				np("bad family", Family(7), TCP, 30081, 40001),
@@ -312,17 +312,17 @@ func TestRenderGolden(t *testing.T) {
 		}, Routing{})},
 		// Another mark and mask, in both targets.
 		{"tproxy_mark", IPv4, tproxied(Rules{
-			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
 		}, Routing{Mark: 0x10, Mask: 0xf0, Table: 200})},
 		// Without br_netfilter: no gate for bridged clients, whose
 		// physdev match would load it.
 		{"tproxy_no_bridged", IPv4, Rules{
-			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
 			NodePorts:  []NodePort{{Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 40001, Comment: "default/web:http"}},
 			TProxy:     &TProxy{NoBridged: true},
 		}},
 		{"tproxy_invalid_skipped", IPv4, tproxied(Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("ok", TCP, "10.96.0.1", 80, 40001),
 				svc("bad port", TCP, "10.96.0.1", 0, 40003),
 				{Comment: "no address", Protocol: TCP, Port: 83, ToPort: 40004},
@@ -400,15 +400,15 @@ func TestRulesValidate(t *testing.T) {
 	}{
 		{"empty", Rules{}, ""},
 		{"ok mixed", mixed, ""},
-		{"same port other protocol", Rules{Intercepts: []Intercept{
+		{"same port other protocol", Rules{Intercepts: []InterceptRule{
 			svc("a", TCP, "10.96.0.2", 53, 40001), svc("b", UDP, "10.96.0.2", 53, 40002),
 		}}, ""},
-		{"protocol", Rules{Intercepts: []Intercept{svc("x", "sctp", "10.96.0.1", 80, 1)}}, `intercept 0 ("x"): protocol "sctp"`},
-		{"no address", Rules{Intercepts: []Intercept{{Protocol: TCP, Port: 80, ToPort: 1}}}, "no destination address"},
-		{"zone", Rules{Intercepts: []Intercept{svc("x", TCP, "fe80::1%eth0", 80, 1)}}, "has a zone"},
-		{"port", Rules{Intercepts: []Intercept{svc("x", TCP, "10.96.0.1", 0, 1)}}, "port 0"},
-		{"listener", Rules{Intercepts: []Intercept{svc("x", TCP, "10.96.0.1", 80, 0)}}, "listener port 0"},
-		{"duplicate", Rules{Intercepts: []Intercept{
+		{"protocol", Rules{Intercepts: []InterceptRule{svc("x", "sctp", "10.96.0.1", 80, 1)}}, `intercept 0 ("x"): protocol "sctp"`},
+		{"no address", Rules{Intercepts: []InterceptRule{{Protocol: TCP, Port: 80, ToPort: 1}}}, "no destination address"},
+		{"zone", Rules{Intercepts: []InterceptRule{svc("x", TCP, "fe80::1%eth0", 80, 1)}}, "has a zone"},
+		{"port", Rules{Intercepts: []InterceptRule{svc("x", TCP, "10.96.0.1", 0, 1)}}, "port 0"},
+		{"listener", Rules{Intercepts: []InterceptRule{svc("x", TCP, "10.96.0.1", 80, 0)}}, "listener port 0"},
+		{"duplicate", Rules{Intercepts: []InterceptRule{
 			svc("a", TCP, "10.96.0.1", 80, 40001), svc("b", TCP, "::ffff:10.96.0.1", 80, 40002),
 		}}, `intercept 0 ("a") and 1 ("b") both match 10.96.0.1 tcp port 80`},
 		{"ok all", all, ""},
@@ -448,7 +448,7 @@ func TestRulesValidate(t *testing.T) {
 		{"tproxy mark outside mask", tproxied(all, Routing{Mark: 0x3, Mask: 0x1}), "tproxy: mark 0x3 has bits outside its mask 0x1"},
 		{"tproxy default mark outside mask", tproxied(all, Routing{Mask: 0xff}), "tproxy: mark 0x200000 has bits outside its mask 0xff"},
 		{"every error", Rules{
-			Intercepts: []Intercept{svc("x", TCP, "10.96.0.1", 0, 1)},
+			Intercepts: []InterceptRule{svc("x", TCP, "10.96.0.1", 0, 1)},
 			NodePorts:  []NodePort{np("y", IPv4, TCP, 0, 1)},
 			Listeners:  []Listener{{IPv4, TCP, 0}},
 		}, `intercept 0 ("x"): port 0` + "\n" + `node port 0 ("y"): port 0` + "\n" + "listener 0: port 0"},

@@ -6,10 +6,11 @@ import (
 	"slices"
 )
 
-// Claim is one destination whose traffic a service port asks the kernel
-// to send to one of the proxy's listeners: what the proxier calls an
-// intercept. ServiceRules turns a list of claims into Rules.
-type Claim struct {
+// Intercept is one destination whose traffic a service port claims: the
+// kernel is to send it to one of the proxy's listeners. It is the
+// proxier's Intercept in this package's terms; ServiceRules turns a list
+// of them into Rules, whose InterceptRules are what the kernel is told.
+type Intercept struct {
 	// Comment names the service port, e.g. "default/web:http"; it becomes
 	// the comment of the claim's rules.
 	Comment string
@@ -27,7 +28,7 @@ type Claim struct {
 	// Port is the service port, or the node port.
 	Port uint16
 	// ToPort and ToPortEnd are the listener's port or ports, as in
-	// Intercept.
+	// InterceptRule.
 	ToPort, ToPortEnd uint16
 	// Reject, when true, refuses the claim's new connections: the service
 	// port has no endpoint (see Reject).
@@ -52,7 +53,7 @@ type ServiceOptions struct {
 	TProxy *TProxy
 }
 
-// claimKey identifies the traffic a Claim catches: two claims with the
+// claimKey identifies the traffic an Intercept catches: two claims with the
 // same key conflict. An exact destination and a node port never share a
 // key (a node port's addr is its family's unspecified address), but
 // exact destinations conflict whatever kind of address each service
@@ -64,7 +65,7 @@ type claimKey struct {
 	port     uint16
 }
 
-func (c Claim) key() claimKey {
+func (c Intercept) key() claimKey {
 	k := claimKey{nodePort: c.NodePort, addr: c.Dest.Unmap(), proto: c.Protocol, port: c.Port}
 	if c.NodePort {
 		k.addr = netip.IPv4Unspecified()
@@ -76,7 +77,7 @@ func (c Claim) key() claimKey {
 }
 
 // ServiceRules returns the Rules that send the traffic of each claim to
-// its listener: an Intercept per exact destination, with a Firewall when
+// its listener: an InterceptRule per exact destination, with a Firewall when
 // it has source ranges; a NodePort per node port, of the claim's family;
 // a Reject besides either for a claim that Reject marks; and a Listener for every port of every listener, of the claim's
 // family, sorted by family, protocol and port. In tproxy mode the
@@ -94,7 +95,7 @@ func (c Claim) key() claimKey {
 //
 // ServiceRules neither keeps nor changes claims, and the Rules share no
 // memory with them but the SourceRanges slices.
-func ServiceRules(claims []Claim, opts ServiceOptions) Rules {
+func ServiceRules(claims []Intercept, opts ServiceOptions) Rules {
 	r := Rules{NodePortAddresses: opts.NodePortAddresses, Shared: opts.Shared, TProxy: opts.TProxy}
 	listeners := map[Listener]bool{}
 	seen := make(map[claimKey]bool, len(claims))
@@ -126,7 +127,7 @@ func ServiceRules(claims []Claim, opts ServiceOptions) Rules {
 			continue
 		}
 		if intercept {
-			r.Intercepts = append(r.Intercepts, Intercept{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
+			r.Intercepts = append(r.Intercepts, InterceptRule{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
 		}
 		if len(c.SourceRanges) > 0 {
 			r.Firewalls = append(r.Firewalls, Firewall{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, Allow: c.SourceRanges})

@@ -9,26 +9,26 @@ import (
 )
 
 // claim returns an exact-destination claim of dest (an address literal).
-func claim(comment string, p Protocol, dest string, port, toPort uint16) Claim {
-	return Claim{Comment: comment, Protocol: p, Dest: netip.MustParseAddr(dest), Port: port, ToPort: toPort}
+func claim(comment string, p Protocol, dest string, port, toPort uint16) Intercept {
+	return Intercept{Comment: comment, Protocol: p, Dest: netip.MustParseAddr(dest), Port: port, ToPort: toPort}
 }
 
 // nodePortClaim returns a node-port claim of the family of any (an
 // unspecified address literal).
-func nodePortClaim(comment string, p Protocol, any string, port, toPort uint16) Claim {
+func nodePortClaim(comment string, p Protocol, any string, port, toPort uint16) Intercept {
 	c := claim(comment, p, any, port, toPort)
 	c.NodePort = true
 	return c
 }
 
 // guarded returns c with source ranges.
-func guarded(c Claim, allow ...string) Claim {
+func guarded(c Intercept, allow ...string) Intercept {
 	c.SourceRanges = pfx(allow...)
 	return c
 }
 
 // ranged returns c with the listener ports c.ToPort to end.
-func ranged(c Claim, end uint16) Claim {
+func ranged(c Intercept, end uint16) Intercept {
 	c.ToPortEnd = end
 	return c
 }
@@ -37,14 +37,14 @@ func TestServiceRules(t *testing.T) {
 	tproxy := &TProxy{Routing: DefaultRouting}
 	tests := []struct {
 		name   string
-		claims []Claim
+		claims []Intercept
 		opts   ServiceOptions
 		want   Rules
 	}{{
 		name: "nothing",
 	}, {
 		name: "every kind, both families",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/web:http", TCP, "10.96.0.10", 80, 40001),
 			claim("default/web:http", TCP, "192.0.2.10", 80, 40001),
 			guarded(claim("default/web:http", TCP, "192.0.2.20", 80, 40001), "192.0.2.0/24"),
@@ -55,7 +55,7 @@ func TestServiceRules(t *testing.T) {
 		},
 		opts: ServiceOptions{NodePortAddresses: pfx("192.0.2.0/24")},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
 				svc("default/web:http", TCP, "192.0.2.10", 80, 40001),
 				svc("default/web:http", TCP, "192.0.2.20", 80, 40001),
@@ -79,7 +79,7 @@ func TestServiceRules(t *testing.T) {
 		// intercepted as usual, and refused too; its node port is only
 		// refused.
 		name: "rejected",
-		claims: []Claim{
+		claims: []Intercept{
 			rejected(claim("default/empty:http", TCP, "10.96.0.30", 80, 40005)),
 			rejected(guarded(claim("default/empty:http", TCP, "192.0.2.30", 80, 40005), "192.0.2.0/24")),
 			rejected(nodePortClaim("default/empty:http", TCP, "0.0.0.0", 30081, 40005)),
@@ -87,7 +87,7 @@ func TestServiceRules(t *testing.T) {
 			claim("default/empty:http", TCP, "10.96.0.30", 80, 40007),
 		},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("default/empty:http", TCP, "10.96.0.30", 80, 40005),
 				svc("default/empty:http", TCP, "192.0.2.30", 80, 40005),
 				svc("default/empty:dns", UDP, "2001:db8::30", 53, 40006),
@@ -107,13 +107,13 @@ func TestServiceRules(t *testing.T) {
 		// The proxier's order puts the ClusterIP first; the external
 		// IP of another service on the same address and port loses.
 		name: "a ClusterIP and another service's external IP: the first wins",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/a:http", TCP, "10.96.0.10", 80, 40001),
 			claim("default/b:http", TCP, "10.96.0.10", 80, 40002),
 			claim("default/b:http", TCP, "10.96.0.11", 80, 40002),
 		},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("default/a:http", TCP, "10.96.0.10", 80, 40001),
 				svc("default/b:http", TCP, "10.96.0.11", 80, 40002),
 			},
@@ -121,13 +121,13 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		name: "the same conflict in the other order: the other service wins",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/b:http", TCP, "10.96.0.10", 80, 40002),
 			claim("default/a:http", TCP, "10.96.0.10", 80, 40001),
 			claim("default/b:http", TCP, "10.96.0.11", 80, 40002),
 		},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("default/b:http", TCP, "10.96.0.10", 80, 40002),
 				svc("default/b:http", TCP, "10.96.0.11", 80, 40002),
 			},
@@ -139,22 +139,22 @@ func TestServiceRules(t *testing.T) {
 		// The loser's source ranges would guard the winner's traffic:
 		// they are left out with its rule.
 		name: "two load balancers on one IP and port: the loser's firewall is left out",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/a:http", TCP, "192.0.2.10", 80, 40001),
 			guarded(claim("default/b:http", TCP, "192.0.2.10", 80, 40002), "198.51.100.0/24"),
 		},
 		want: Rules{
-			Intercepts: []Intercept{svc("default/a:http", TCP, "192.0.2.10", 80, 40001)},
+			Intercepts: []InterceptRule{svc("default/a:http", TCP, "192.0.2.10", 80, 40001)},
 			Listeners:  []Listener{{IPv4, TCP, 40001}},
 		},
 	}, {
 		name: "two load balancers on one IP and port, the firewalled one first: its firewall stays",
-		claims: []Claim{
+		claims: []Intercept{
 			guarded(claim("default/b:http", TCP, "192.0.2.10", 80, 40002), "198.51.100.0/24"),
 			claim("default/a:http", TCP, "192.0.2.10", 80, 40001),
 		},
 		want: Rules{
-			Intercepts: []Intercept{svc("default/b:http", TCP, "192.0.2.10", 80, 40002)},
+			Intercepts: []InterceptRule{svc("default/b:http", TCP, "192.0.2.10", 80, 40002)},
 			Firewalls: []Firewall{
 				{Comment: "default/b:http", Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.10"), Port: 80, Allow: pfx("198.51.100.0/24")},
 			},
@@ -162,22 +162,22 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		name: "an IPv4-mapped address is the IPv4 address it maps",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/a:http", TCP, "10.96.0.10", 80, 40001),
 			claim("default/b:http", TCP, "::ffff:10.96.0.10", 80, 40002),
 		},
 		want: Rules{
-			Intercepts: []Intercept{svc("default/a:http", TCP, "10.96.0.10", 80, 40001)},
+			Intercepts: []InterceptRule{svc("default/a:http", TCP, "10.96.0.10", 80, 40001)},
 			Listeners:  []Listener{{IPv4, TCP, 40001}},
 		},
 	}, {
 		name: "one address and port, two protocols: no conflict",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("kube-system/dns:dns-tcp", TCP, "10.96.0.53", 53, 40001),
 			claim("kube-system/dns:dns", UDP, "10.96.0.53", 53, 40002),
 		},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("kube-system/dns:dns-tcp", TCP, "10.96.0.53", 53, 40001),
 				svc("kube-system/dns:dns", UDP, "10.96.0.53", 53, 40002),
 			},
@@ -185,12 +185,12 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		name: "one port on an IPv4 and an IPv6 address: no conflict",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/a:http", TCP, "10.96.0.10", 80, 40001),
 			claim("default/b:http", TCP, "2001:db8::10", 80, 40002),
 		},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("default/a:http", TCP, "10.96.0.10", 80, 40001),
 				svc("default/b:http", TCP, "2001:db8::10", 80, 40002),
 			},
@@ -198,7 +198,7 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		name: "two node ports of one family and protocol: the first wins",
-		claims: []Claim{
+		claims: []Intercept{
 			nodePortClaim("default/b:http", TCP, "0.0.0.0", 30080, 40002),
 			nodePortClaim("default/a:http", TCP, "0.0.0.0", 30080, 40001),
 		},
@@ -208,7 +208,7 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		name: "one node port in both families, and another protocol: no conflict",
-		claims: []Claim{
+		claims: []Intercept{
 			nodePortClaim("default/a:http", TCP, "0.0.0.0", 30080, 40001),
 			nodePortClaim("default/a:http", TCP, "::", 30080, 40002),
 			nodePortClaim("default/b:dns", UDP, "0.0.0.0", 30080, 40003),
@@ -223,12 +223,12 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		name: "a node port and an exact destination on the same port: no conflict",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/a:http", TCP, "192.0.2.10", 30080, 40001),
 			nodePortClaim("default/b:http", TCP, "0.0.0.0", 30080, 40002),
 		},
 		want: Rules{
-			Intercepts: []Intercept{svc("default/a:http", TCP, "192.0.2.10", 30080, 40001)},
+			Intercepts: []InterceptRule{svc("default/a:http", TCP, "192.0.2.10", 30080, 40001)},
 			NodePorts:  []NodePort{{Comment: "default/b:http", Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 40002}},
 			Listeners:  []Listener{{IPv4, TCP, 40001}, {IPv4, TCP, 40002}},
 		},
@@ -237,7 +237,7 @@ func TestServiceRules(t *testing.T) {
 		// listener, whose every port is guarded; the policy is the
 		// same, and the winner's firewall stays.
 		name: "shared layout: a conflict, and a listener of a range of ports",
-		claims: []Claim{
+		claims: []Intercept{
 			ranged(guarded(claim("default/a:http", TCP, "192.0.2.10", 80, 40001), "198.51.100.0/24"), 40003),
 			ranged(claim("default/b:http", TCP, "192.0.2.10", 80, 40001), 40003),
 			ranged(claim("default/b:http", TCP, "10.96.0.11", 80, 40001), 40003),
@@ -245,7 +245,7 @@ func TestServiceRules(t *testing.T) {
 		},
 		opts: ServiceOptions{Shared: true},
 		want: Rules{
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				{Comment: "default/a:http", Protocol: TCP, Dest: netip.MustParseAddr("192.0.2.10"), Port: 80, ToPort: 40001, ToPortEnd: 40003},
 				{Comment: "default/b:http", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.11"), Port: 80, ToPort: 40001, ToPortEnd: 40003},
 				svc("default/b:dns", UDP, "10.96.0.11", 53, 40010),
@@ -259,14 +259,14 @@ func TestServiceRules(t *testing.T) {
 	}, {
 		// The listeners of tproxy mode listen on loopback: no guard.
 		name: "tproxy mode: no listener guards",
-		claims: []Claim{
+		claims: []Intercept{
 			claim("default/a:http", TCP, "10.96.0.10", 80, 40001),
 			claim("default/b:http", TCP, "10.96.0.10", 80, 40002),
 			nodePortClaim("default/a:http", TCP, "::", 30080, 40003),
 		},
 		opts: ServiceOptions{TProxy: tproxy},
 		want: Rules{
-			Intercepts: []Intercept{svc("default/a:http", TCP, "10.96.0.10", 80, 40001)},
+			Intercepts: []InterceptRule{svc("default/a:http", TCP, "10.96.0.10", 80, 40001)},
 			NodePorts:  []NodePort{{Comment: "default/a:http", Family: IPv6, Protocol: TCP, Port: 30080, ToPort: 40003}},
 			TProxy:     tproxy,
 		},
@@ -275,7 +275,7 @@ func TestServiceRules(t *testing.T) {
 		// takes them to the REJECT (see Reject); a firewall still drops
 		// the sources it does not allow.
 		name: "tproxy mode: rejected",
-		claims: []Claim{
+		claims: []Intercept{
 			rejected(claim("default/empty:http", TCP, "10.96.0.30", 80, 40005)),
 			rejected(guarded(claim("default/empty:dns", UDP, "192.0.2.30", 53, 40006), "192.0.2.0/24")),
 			rejected(nodePortClaim("default/empty:http", TCP, "0.0.0.0", 30081, 40005)),
@@ -283,7 +283,7 @@ func TestServiceRules(t *testing.T) {
 		},
 		opts: ServiceOptions{TProxy: tproxy},
 		want: Rules{
-			Intercepts: []Intercept{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
 			Firewalls: []Firewall{
 				{Comment: "default/empty:dns", Protocol: UDP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 53, Allow: pfx("192.0.2.0/24")},
 			},
@@ -311,7 +311,7 @@ func TestServiceRules(t *testing.T) {
 }
 
 // rejected returns c marked as a service port without endpoints.
-func rejected(c Claim) Claim {
+func rejected(c Intercept) Intercept {
 	c.Reject = true
 	return c
 }

@@ -25,8 +25,8 @@ var protocols = []Protocol{TCP, UDP}
 // sharedIntercepts yields, in the shared layout, the valid intercepts of
 // f that no Firewall guards, in r's order: the members of f's service
 // set. It yields nothing in the per-service layout.
-func sharedIntercepts(f Family, r Rules) iter.Seq[Intercept] {
-	return func(yield func(Intercept) bool) {
+func sharedIntercepts(f Family, r Rules) iter.Seq[InterceptRule] {
+	return func(yield func(InterceptRule) bool) {
 		if !r.Shared {
 			return
 		}

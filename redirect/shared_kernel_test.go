@@ -54,7 +54,7 @@ func testKernelShared(t *testing.T, f Family) {
 	tcp, udp := sharedPort(f, TCP), sharedPort(f, UDP)
 	r := Rules{
 		Shared: true,
-		Intercepts: []Intercept{
+		Intercepts: []InterceptRule{
 			svc("default/web:http", TCP, addr(10), 80, tcp),
 			svc("default/api:grpc", TCP, addr(11), 9000, tcp),
 			svc("kube-system/kube-dns:dns", UDP, addr(2), 53, udp),
@@ -131,7 +131,7 @@ func testKernelShared(t *testing.T, f Family) {
 
 	// One service added, one removed: one ipset restore, no rule.
 	changed := r
-	changed.Intercepts = []Intercept{r.Intercepts[0], r.Intercepts[2], svc("default/new:http", TCP, addr(12), 8080, tcp)}
+	changed.Intercepts = []InterceptRule{r.Intercepts[0], r.Intercepts[2], svc("default/new:http", TCP, addr(12), 8080, tcp)}
 	sync("one added, one removed", changed, false, Result{Rules: 10, WroteSets: true, SetMembers: 6, SetMembersWritten: 2}, map[string]int{"ipset": 1})
 	check("one added, one removed", changed, true)
 	if got := savedTables(t, f); got != rules {

@@ -30,7 +30,7 @@ func sharedPort(f Family, p Protocol) uint16 {
 
 // sharedSvc returns an intercept of the shared layout for the VIP dest:
 // its listener port is the shared one of its family and protocol.
-func sharedSvc(comment string, p Protocol, dest string, port uint16) Intercept {
+func sharedSvc(comment string, p Protocol, dest string, port uint16) InterceptRule {
 	a := netip.MustParseAddr(dest)
 	return svc(comment, p, dest, port, sharedPort(familyOf(a.Unmap()), p))
 }
@@ -50,7 +50,7 @@ var sharedListeners = []Listener{
 // listeners; no node ports, no firewalls.
 var sharedServices = Rules{
 	Shared: true,
-	Intercepts: []Intercept{
+	Intercepts: []InterceptRule{
 		sharedSvc("default/web:https", TCP, "10.96.0.10", 443),
 		sharedSvc("default/web:http", TCP, "10.96.0.10", 80),
 		sharedSvc("kube-system/kube-dns:dns", UDP, "10.96.0.2", 53),
@@ -171,7 +171,7 @@ func TestRenderSharedSetUpdateGolden(t *testing.T) {
 	// One service port added and one removed, a node port moved, a
 	// listener added (its own set).
 	changed := sharedAll
-	changed.Intercepts = slices.DeleteFunc(slices.Clone(sharedAll.Intercepts), func(i Intercept) bool { return i.Comment == "default/web:https" })
+	changed.Intercepts = slices.DeleteFunc(slices.Clone(sharedAll.Intercepts), func(i InterceptRule) bool { return i.Comment == "default/web:https" })
 	changed.Intercepts = append(changed.Intercepts, sharedSvc("default/new:http", TCP, "10.96.0.11", 80))
 	changed.NodePorts = append(slices.Clone(sharedAll.NodePorts[1:]), sharedNP("default/web:http", IPv4, TCP, 30081))
 	changed.Listeners = append(slices.Clone(sharedAll.Listeners), Listener{IPv4, TCP, 40002})
@@ -295,7 +295,7 @@ func TestParseSetSaveHash(t *testing.T) {
 		"add uproxy-services4 10.96.0.9\nadd uproxy-services4 10.96.0.8,tcp:80 timeout 30\n" +
 		"create uproxy-services6 hash:ip,port family inet6 hashsize 1024 maxelem 65536 timeout 0 bucketsize 12 initval 0x1\n"
 	got := parseSetSave(services4, []byte(text))
-	want := wantSets(IPv4, Rules{Shared: true, Intercepts: []Intercept{
+	want := wantSets(IPv4, Rules{Shared: true, Intercepts: []InterceptRule{
 		sharedSvc("a", TCP, "10.96.0.10", 80), sharedSvc("b", UDP, "10.96.0.2", 53), sharedSvc("c", TCP, "10.96.0.2", 53),
 	}})[services4]
 	if diff := cmp.Diff(want, got, cmp.AllowUnexported(setContent{})); diff != "" {
@@ -315,17 +315,17 @@ func TestRulesValidateShared(t *testing.T) {
 	}{
 		{"ok", sharedAll, nil},
 		{"ok in tproxy mode", tproxied(sharedAll, Routing{}), nil},
-		{"per-service layout, ports differ", Rules{Intercepts: []Intercept{
+		{"per-service layout, ports differ", Rules{Intercepts: []InterceptRule{
 			svc("a", TCP, "10.96.0.1", 80, 40001), svc("b", TCP, "10.96.0.2", 80, 40002),
 		}}, nil},
 		{"one port per family and protocol", Rules{Shared: true,
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("a", TCP, "10.96.0.1", 80, 40001), svc("b", UDP, "10.96.0.1", 53, 40002),
 				svc("c", TCP, "2001:db8::1", 80, 40003), svc("d", UDP, "2001:db8::1", 53, 40004),
 			},
 			NodePorts: []NodePort{np("a", IPv4, TCP, 30080, 40001), np("c", IPv6, TCP, 30080, 40003)},
 		}, nil},
-		{"intercepts differ", Rules{Shared: true, Intercepts: []Intercept{
+		{"intercepts differ", Rules{Shared: true, Intercepts: []InterceptRule{
 			svc("default/a:http", TCP, "10.96.0.1", 80, 40001),
 			svc("default/b:http", TCP, "10.96.0.2", 80, 40001),
 			svc("default/c:http", TCP, "10.96.0.3", 80, 40002),
@@ -335,7 +335,7 @@ func TestRulesValidateShared(t *testing.T) {
 		// Every conflict, each against the first of its family and
 		// protocol; a mapped address is IPv4.
 		{"every conflict", Rules{Shared: true,
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				svc("a", TCP, "2001:db8::1", 80, 41000),
 				svc("b", TCP, "::ffff:10.96.0.1", 80, 40000),
 				svc("c", TCP, "2001:db8::2", 80, 41009),
@@ -348,14 +348,14 @@ func TestRulesValidateShared(t *testing.T) {
 		}},
 		// A guarded intercept goes to the shared listener too.
 		{"guarded intercept differs", Rules{Shared: true,
-			Intercepts: []Intercept{svc("a", TCP, "10.96.0.1", 80, 40000), svc("lb", TCP, "192.0.2.1", 80, 40005)},
+			Intercepts: []InterceptRule{svc("a", TCP, "10.96.0.1", 80, 40000), svc("lb", TCP, "192.0.2.1", 80, 40005)},
 			Firewalls:  []Firewall{fw("lb", TCP, "192.0.2.1", 80, "10.0.0.0/8")},
 		}, []string{
 			`shared layout: intercept 1 ("lb", tcp 192.0.2.1:80) goes to listener port 40005, but intercept 0 ("a", tcp 10.96.0.1:80) goes to 40000: every IPv4 tcp intercept and node port must go to the same one`,
 		}},
 		{"ok with a range of ports", withTCPRange(sharedAll, 16), nil},
 		{"ranges differ", Rules{Shared: true,
-			Intercepts: []Intercept{
+			Intercepts: []InterceptRule{
 				{Comment: "a", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80, ToPort: 40000, ToPortEnd: 40015},
 				{Comment: "b", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.2"), Port: 80, ToPort: 40000},
 			},
@@ -363,7 +363,7 @@ func TestRulesValidateShared(t *testing.T) {
 		}, []string{
 			`shared layout: intercept 1 ("b", tcp 10.96.0.2:80) goes to listener port 40000, but intercept 0 ("a", tcp 10.96.0.1:80) goes to 40000-40015: every IPv4 tcp intercept and node port must go to the same one`,
 		}},
-		{"range backwards", Rules{Shared: true, Intercepts: []Intercept{
+		{"range backwards", Rules{Shared: true, Intercepts: []InterceptRule{
 			{Comment: "a", Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80, ToPort: 40015, ToPortEnd: 40000},
 		}}, []string{`intercept 0 ("a"): listener ports 40015-40000: the range ends before it starts`}},
 		{"node ports differ", Rules{Shared: true, NodePorts: []NodePort{
@@ -373,7 +373,7 @@ func TestRulesValidateShared(t *testing.T) {
 		}},
 		// An invalid intercept is reported once, for what is wrong
 		// with it, and does not count for the shared listener.
-		{"invalid intercept", Rules{Shared: true, Intercepts: []Intercept{
+		{"invalid intercept", Rules{Shared: true, Intercepts: []InterceptRule{
 			svc("bad", TCP, "10.96.0.1", 0, 40009), svc("a", TCP, "10.96.0.2", 80, 40000),
 		}}, []string{`intercept 0 ("bad"): port 0`}},
 	}
@@ -491,7 +491,7 @@ func TestSyncShared(t *testing.T) {
 	s := newFakeSyncer(t, k)
 	r := Rules{
 		Shared: true,
-		Intercepts: []Intercept{
+		Intercepts: []InterceptRule{
 			sharedSvc("default/web:http", TCP, "10.96.0.10", 80),
 			sharedSvc("default/api:http", TCP, "10.96.0.11", 80),
 			sharedSvc("default/db:pg", TCP, "10.96.0.12", 5432),

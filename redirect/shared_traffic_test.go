@@ -34,7 +34,7 @@ func TestTrafficShared(t *testing.T) {
 			tl.serve(node, f, TCP, tcp, "shared")
 			r := Rules{
 				Shared: true,
-				Intercepts: []Intercept{
+				Intercepts: []InterceptRule{
 					{Comment: "default/web:http", Protocol: TCP, Dest: web, Port: 80, ToPort: tcp},
 					{Comment: "default/api:grpc", Protocol: TCP, Dest: api, Port: 9000, ToPort: tcp},
 					{Comment: "default/lb:https", Protocol: TCP, Dest: lbIP, Port: 443, ToPort: tcp},
@@ -46,7 +46,7 @@ func TestTrafficShared(t *testing.T) {
 			}
 			if f == IPv4 {
 				tl.serve(node, f, UDP, udp, "shared-udp")
-				r.Intercepts = append(r.Intercepts, Intercept{Comment: "kube-system/kube-dns:dns", Protocol: UDP, Dest: web, Port: 53, ToPort: udp})
+				r.Intercepts = append(r.Intercepts, InterceptRule{Comment: "kube-system/kube-dns:dns", Protocol: UDP, Dest: web, Port: 53, ToPort: udp})
 				r.Listeners = append(r.Listeners, Listener{f, UDP, udp})
 			}
 			tl.apply(f, r)
@@ -68,7 +68,7 @@ func TestTrafficShared(t *testing.T) {
 
 			// A service added and one removed: set members only.
 			changed := r
-			changed.Intercepts = append(slices.Clone(r.Intercepts[1:]), Intercept{Comment: "default/new:http", Protocol: TCP, Dest: added, Port: 8080, ToPort: tcp})
+			changed.Intercepts = append(slices.Clone(r.Intercepts[1:]), InterceptRule{Comment: "default/new:http", Protocol: TCP, Dest: added, Port: 8080, ToPort: tcp})
 			res, err := tl.sync[f].Sync(context.Background(), changed, false)
 			if err != nil {
 				t.Fatal(err)
@@ -100,7 +100,7 @@ func TestTrafficTProxyShared(t *testing.T) {
 			api := ap(tproxyVIP[f], 9000)
 			r := Rules{
 				Shared: true,
-				Intercepts: []Intercept{
+				Intercepts: []InterceptRule{
 					{Comment: "default/web:http", Protocol: TCP, Dest: vip.Addr(), Port: 80, ToPort: tproxyTCPPort},
 					{Comment: "default/web:grpc", Protocol: TCP, Dest: api.Addr(), Port: 9000, ToPort: tproxyTCPPort},
 					{Comment: "kube-system/dns:dns", Protocol: UDP, Dest: dns.Addr(), Port: 53, ToPort: tproxyUDPPort},
@@ -157,7 +157,7 @@ func TestTrafficSharedRangeSparesTimeWait(t *testing.T) {
 	for i := range uint16(services) {
 		tl.serve(node, IPv4, TCP, tcp+i, "shared")
 		r.Listeners = append(r.Listeners, Listener{IPv4, TCP, tcp + i})
-		r.Intercepts = append(r.Intercepts, Intercept{Comment: fmt.Sprintf("default/s%d:http", i), Protocol: TCP,
+		r.Intercepts = append(r.Intercepts, InterceptRule{Comment: fmt.Sprintf("default/s%d:http", i), Protocol: TCP,
 			Dest: netip.AddrFrom4([4]byte{10, 96, 1, byte(i + 1)}), Port: 80, ToPort: tcp, ToPortEnd: tcp + services - 1})
 	}
 	tl.apply(IPv4, r)

@@ -491,7 +491,7 @@ var (
 	// other, the jump to node ports), 1 in UPROXY-NODEPORTS and 3 in
 	// UPROXY-FIREWALL (a drop, two listener guards); for IPv6, 2.
 	rulesA = Rules{
-		Intercepts: []Intercept{
+		Intercepts: []InterceptRule{
 			svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
 			svc("kube-system/kube-dns:dns", UDP, "10.96.0.2", 53, 40002),
 			svc("default/web:http", TCP, "2001:db8::10", 80, 40003),
@@ -502,7 +502,7 @@ var (
 		Listeners: []Listener{{IPv4, TCP, 40001}, {IPv4, UDP, 40002}, {IPv6, TCP, 40003}},
 	}
 	// rulesB has only intercepts: 2 rules.
-	rulesB = Rules{Intercepts: []Intercept{
+	rulesB = Rules{Intercepts: []InterceptRule{
 		svc("default/web:http", TCP, "10.96.0.10", 80, 40001),
 		svc("default/web:https", TCP, "10.96.0.10", 443, 40004),
 	}}
@@ -1143,7 +1143,7 @@ func TestSyncAdoptsPreviousProcess(t *testing.T) {
 
 func TestSyncInvalidRulesRunsNothing(t *testing.T) {
 	for _, bad := range []Rules{
-		{Intercepts: []Intercept{svc("x", TCP, "10.96.0.1", 80, 0)}},
+		{Intercepts: []InterceptRule{svc("x", TCP, "10.96.0.1", 80, 0)}},
 		{NodePorts: []NodePort{{Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 0}}},
 		{Firewalls: []Firewall{{Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.1"), Port: 80, Allow: []netip.Prefix{{}}}}},
 		{Listeners: []Listener{{IPv4, TCP, 0}}},

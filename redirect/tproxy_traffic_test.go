@@ -354,7 +354,7 @@ func TestTrafficTProxy(t *testing.T) {
 			podIP, otherIP, extIP, nodeIP := podAddr(pod, f), podAddr(other, f), podAddr(ext, f), nodeAddr[f]
 			vip, dns, lb := ap(tproxyVIP[f], 80), ap(tproxyDNS[f], 53), ap(tproxyLB[f], 443)
 			r := Rules{
-				Intercepts: []Intercept{
+				Intercepts: []InterceptRule{
 					{Comment: "default/web:http", Protocol: TCP, Dest: vip.Addr(), Port: 80, ToPort: tproxyTCPPort},
 					{Comment: "kube-system/dns:dns", Protocol: UDP, Dest: dns.Addr(), Port: 53, ToPort: tproxyUDPPort},
 					{Comment: "default/lb:https", Protocol: TCP, Dest: lb.Addr(), Port: 443, ToPort: tproxyTCPPort},
@@ -592,7 +592,7 @@ func TestTrafficTProxyBridgeNetfilter(t *testing.T) {
 		t.Fatal(err)
 	}
 	vip := ap(tproxyVIP[f], 80)
-	tl.syncTProxy(Rules{Intercepts: []Intercept{{Comment: "default/web:http", Protocol: TCP, Dest: vip.Addr(), Port: 80, ToPort: tproxyTCPPort}}})
+	tl.syncTProxy(Rules{Intercepts: []InterceptRule{{Comment: "default/web:http", Protocol: TCP, Dest: vip.Addr(), Port: 80, ToPort: tproxyTCPPort}}})
 	tl.expect("VIP from a routed pod", routed.NS, TCP, vip, wantTCP(vip, routed.IP))
 	tl.expect("VIP from the node", tl.lab.Node, TCP, vip, wantTCP(vip, nodeAddr[f]))
 	got := tl.dial(tl.pods[0].NS, TCP, vip)

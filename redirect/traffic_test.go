@@ -330,9 +330,9 @@ func TestTrafficFirewall(t *testing.T) {
 			lb := ap(lbIP, 80)
 			listener := uint16(40001)
 			tl.serve(node, f, TCP, listener, "hi")
-			intercept := Intercept{Comment: "default/lb:http", Protocol: TCP, Dest: lbIP, Port: 80, ToPort: listener}
+			intercept := InterceptRule{Comment: "default/lb:http", Protocol: TCP, Dest: lbIP, Port: 80, ToPort: listener}
 			r := Rules{
-				Intercepts: []Intercept{intercept},
+				Intercepts: []InterceptRule{intercept},
 				Firewalls: []Firewall{{Comment: "default/lb:http", Protocol: TCP, Dest: lbIP, Port: 80,
 					Allow: []netip.Prefix{netip.PrefixFrom(podAddr(allowed, f), f.hostBits()), otherFamilyPrefix[f]}}},
 				Listeners: []Listener{{f, TCP, listener}},
@@ -392,7 +392,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 
 			tl.expect("listener directly, before any rule", client, TCP, direct, "hi")
 			tl.apply(f, Rules{
-				Intercepts: []Intercept{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
+				Intercepts: []InterceptRule{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
 				Listeners:  []Listener{{f, TCP, listener}},
 			})
 			set := map[Family]string{IPv4: listenersTCP4, IPv6: listenersTCP6}[f]
@@ -431,7 +431,7 @@ func TestTrafficListenerGuard(t *testing.T) {
 			tl.serve(node, f, TCP, second, "second")
 			tl.expect("a port outside the listener set", client, TCP, ap(nodeAddr[f], second), "second")
 			res, err := tl.sync[f].Sync(context.Background(), Rules{
-				Intercepts: []Intercept{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
+				Intercepts: []InterceptRule{{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: listener}},
 				Listeners:  []Listener{{f, TCP, listener}, {f, TCP, second}},
 			}, false)
 			if err != nil {
@@ -482,7 +482,7 @@ func TestTrafficListenerOwner(t *testing.T) {
 			vipAddr := map[Family]netip.Addr{IPv4: netip.MustParseAddr("10.96.0.10"), IPv6: netip.MustParseAddr("2001:db8:96::10")}[f]
 			tcpPort, udpPort := uint16(40001), uint16(40002)
 			tl.apply(f, Rules{
-				Intercepts: []Intercept{
+				Intercepts: []InterceptRule{
 					{Comment: "default/web:http", Protocol: TCP, Dest: vipAddr, Port: 80, ToPort: tcpPort},
 					{Comment: "default/dns:dns", Protocol: UDP, Dest: vipAddr, Port: 53, ToPort: udpPort},
 				},
@@ -524,7 +524,7 @@ func TestTrafficOwnMark(t *testing.T) {
 			tl.serve(pod.NS, f, TCP, 8080, "pod")
 			tl.serve(node, f, TCP, 40001, "proxy")
 			tl.apply(f, Rules{
-				Intercepts: []Intercept{{Comment: "tenant/loop:http", Protocol: TCP, Dest: dest.Addr(), Port: 8080, ToPort: 40001}},
+				Intercepts: []InterceptRule{{Comment: "tenant/loop:http", Protocol: TCP, Dest: dest.Addr(), Port: 8080, ToPort: 40001}},
 				Listeners:  []Listener{{f, TCP, 40001}},
 			})
 			tl.expect("the node, unmarked", node, TCP, dest, "proxy")

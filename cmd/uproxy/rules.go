@@ -41,14 +41,14 @@ func ipFamilies(k *redirect.Families) []v1.IPFamily {
 // claims translates the proxier's intercepts into the redirect package's
 // claims, in the same order: the first of two that conflict wins (see
 // redirect.ServiceRules).
-func claims(in []proxy.Intercept) []redirect.Claim {
-	out := make([]redirect.Claim, len(in))
+func claims(in []proxy.Intercept) []redirect.Intercept {
+	out := make([]redirect.Intercept, len(in))
 	for n, i := range in {
 		proto := redirect.TCP
 		if i.Protocol == v1.ProtocolUDP {
 			proto = redirect.UDP
 		}
-		out[n] = redirect.Claim{Comment: i.Service.String(), NodePort: i.Kind == proxy.NodePort, Protocol: proto,
+		out[n] = redirect.Intercept{Comment: i.Service.String(), NodePort: i.Kind == proxy.NodePort, Protocol: proto,
 			Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd, Reject: i.Reject}
 		if i.Kind == proxy.LoadBalancerIP {
 			out[n].SourceRanges = i.SourceRanges

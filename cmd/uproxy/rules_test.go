@@ -29,7 +29,7 @@ func TestClaims(t *testing.T) {
 		{Service: web, Kind: proxy.NodePort, Protocol: v1.ProtocolTCP, VIP: ip("::"), Port: 30080, ListenPort: 40002, ListenPortEnd: 40004},
 		{Service: dns, Kind: proxy.ClusterIP, Protocol: v1.ProtocolUDP, VIP: ip("10.96.0.53"), Port: 53, ListenPort: 40005},
 	}
-	want := []redirect.Claim{
+	want := []redirect.Intercept{
 		{Comment: "default/web:http", Protocol: redirect.TCP, Dest: ip("10.96.0.10"), Port: 80, ToPort: 40001},
 		{Comment: "default/web:http", Protocol: redirect.TCP, Dest: ip("192.0.2.10"), Port: 80, ToPort: 40001},
 		{Comment: "default/web:http", Protocol: redirect.TCP, Dest: ip("192.0.2.20"), Port: 80, ToPort: 40001, SourceRanges: ranges},
