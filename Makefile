@@ -150,14 +150,14 @@ fmt:
 # cite). CI runs it before the tests.
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 lint:
-	@out=$$(gofmt -l $$(git ls-files '*.go')); \
+	@out=$$(gofmt -l $$(git ls-files '*.go') </dev/null); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cd bench && $(GO) vet ./...
 	$(GO) run $(STATICCHECK) -checks all ./...
 	cd bench && $(GO) run $(STATICCHECK) -checks all ./...
 	$(GO) test -count=1 ./internal/doccheck/
-	$(GO) test -count=1 -run '^TestDocsCiteExistingFlags$$' ./cmd/uproxy/
+	$(GO) test -count=1 -run '^(TestDocsCiteExistingFlags|TestFlagHelpIsOneSentence)$$' ./cmd/uproxy/
 
 clean:
 	rm -rf $(BIN)

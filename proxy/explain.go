@@ -110,6 +110,18 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	s := sp.snap
 	ex.Service, ex.Port, ex.Kind = sp.info.Service, sp.info.Port, caught.Kind.String()
 	ex.Mode = p.mode()
+	if len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0 {
+		// The rules refuse a port with no endpoint at all
+		// (Intercept.Reject), from every source, before any listener.
+		notReady := 0
+		for _, e := range s.endpoints {
+			if !e.Ready {
+				notReady++
+			}
+		}
+		ex.Reason = fmt.Sprintf("no ready endpoints at all (%d endpoints of this family, %d not ready): the kernel refuses the connection (uproxy's REJECT rule), before any listener", len(s.endpoints), notReady)
+		return ex
+	}
 	ex.Balancer, ex.Affinity = sp.info.Balancer, sp.info.Affinity
 	if sp.info.AffinityTimeoutSeconds > 0 {
 		ex.Affinity += fmt.Sprintf(" (%ds)", sp.info.AffinityTimeoutSeconds)
@@ -181,12 +193,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 				notReady++
 			}
 		}
-		refused := "the listener refuses the connection"
-		if len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0 {
-			// The rules refuse a port with no endpoint at all (Intercept.Reject).
-			refused = "the kernel refuses the connection (uproxy's REJECT rule), before any listener"
-		}
-		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): %s", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReady, refused)
+		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the listener refuses the connection", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReady)
 		return ex
 	}
 	healthy := slices.ContainsFunc(backends, func(b *balancer.Backend) bool { return !b.Ejected() })

@@ -63,7 +63,7 @@ func TestExplain(t *testing.T) {
 		t.Errorf("affinity, new client: %+v", ex)
 	}
 	for _, c := range []struct{ dst, from, want string }{
-		{"10.96.0.20:80", "", "no ready endpoints in the cluster set (0 endpoints of this family, 0 not ready): the kernel refuses"},
+		{"10.96.0.20:80", "", "no ready endpoints at all (0 endpoints of this family, 0 not ready): the kernel refuses the connection"},
 		{"10.96.0.10:81", "", "port mismatch"},
 		{"10.96.9.9:80", "", "no such service"},
 		{"10.96.200.1:80", "203.0.113.1", "loadBalancerSourceRanges reject the client"},

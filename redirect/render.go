@@ -568,10 +568,17 @@ func rejectRules(c chainSpec, f Family, r Rules) []string {
 	// may also be another service's endpoint, which the proxy dials.
 	notOwn := strings.Join(notOwnMatch, " ")
 	var rules []string
+	// In tproxy mode another service's traffic to a node address (an
+	// external IP the node holds) keeps its port through TPROXY, which
+	// marks it: a refused node port must not catch it.
+	notTProxied := ""
+	if r.TProxy != nil {
+		notTProxied = " -m mark ! --mark " + r.TProxy.Routing.MarkString()
+	}
 	for _, j := range js {
 		if j.NodePort {
-			rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m addrtype --dst-type LOCAL -m %s --dport %d %s -j REJECT --reject-with %s",
-				c.name, j.Protocol, quoteComment(j.Comment), j.Protocol, j.Port, notOwn, reject))
+			rules = append(rules, fmt.Sprintf("-A %s -p %s -m comment --comment %s -m addrtype --dst-type LOCAL -m %s --dport %d %s%s -j REJECT --reject-with %s",
+				c.name, j.Protocol, quoteComment(j.Comment), j.Protocol, j.Port, notOwn, notTProxied, reject))
 			continue
 		}
 		if r.TProxy != nil {

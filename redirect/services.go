@@ -129,7 +129,11 @@ func ServiceRules(claims []Intercept, opts ServiceOptions) Rules {
 		if intercept {
 			r.Intercepts = append(r.Intercepts, InterceptRule{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, ToPort: c.ToPort, ToPortEnd: c.ToPortEnd})
 		}
-		if len(c.SourceRanges) > 0 {
+		// A refused destination refuses every source, as kube-proxy's
+		// REJECT does: in redirect mode the REJECT comes before the
+		// firewall's DROP; in tproxy mode the firewall's rules would drop
+		// the packets before they reach the REJECT, so there is none.
+		if len(c.SourceRanges) > 0 && (intercept || opts.TProxy == nil) {
 			r.Firewalls = append(r.Firewalls, Firewall{Comment: c.Comment, Protocol: c.Protocol, Dest: c.Dest, Port: c.Port, Allow: c.SourceRanges})
 		}
 	}

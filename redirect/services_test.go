@@ -272,8 +272,8 @@ func TestServiceRules(t *testing.T) {
 		},
 	}, {
 		// tproxy mode leaves a refused port's packets to routing, which
-		// takes them to the REJECT (see Reject); a firewall still drops
-		// the sources it does not allow.
+		// takes them to the REJECT (see Reject), from every source: no
+		// firewall drops them first.
 		name: "tproxy mode: rejected",
 		claims: []Intercept{
 			rejected(claim("default/empty:http", TCP, "10.96.0.30", 80, 40005)),
@@ -284,9 +284,6 @@ func TestServiceRules(t *testing.T) {
 		opts: ServiceOptions{TProxy: tproxy},
 		want: Rules{
 			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
-			Firewalls: []Firewall{
-				{Comment: "default/empty:dns", Protocol: UDP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 53, Allow: pfx("192.0.2.0/24")},
-			},
 			Rejects: []Reject{
 				{Comment: "default/empty:http", Family: IPv4, Protocol: TCP, Dest: netip.MustParseAddr("10.96.0.30"), Port: 80},
 				{Comment: "default/empty:dns", Family: IPv4, Protocol: UDP, Dest: netip.MustParseAddr("192.0.2.30"), Port: 53},

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 
@@ -52,6 +53,11 @@ func TestE2EExplain(t *testing.T) {
 	if !ex.Caught || ex.Backend != "" || len(ex.Candidates) != 3 || !strings.Contains(ex.Pick, "next in turn") ||
 		!strings.Contains(ex.OriginalDestination, "SO_ORIGINAL_DST") || len(ex.Routes) != 3 {
 		t.Errorf("round-robin: %+v", ex)
+	}
+	// A service port without endpoints is refused by the kernel: no
+	// listener catches it, and the rules say which REJECT does.
+	if ex := explain("10.96.0.13:80"); ex.Caught || !slices.ContainsFunc(ex.KernelRules, func(r string) bool { return strings.Contains(r, "-j REJECT") }) {
+		t.Errorf("a service port without endpoints: caught %v, kernel rules %q; want not caught, and a REJECT", ex.Caught, ex.KernelRules)
 	}
 	for arg, want := range map[string]string{
 		"10.96.0.13:80":     "no ready endpoints",

@@ -80,9 +80,13 @@ func gitFiles(t *testing.T, root, pattern string) []string {
 	t.Helper()
 	out, err := exec.Command("git", "-C", root, "ls-files", pattern).Output()
 	if err != nil {
-		t.Skipf("listing the tracked files needs git and a checkout: %v", err)
+		t.Fatalf("listing the tracked files (git ls-files %s): %v", pattern, err)
 	}
-	return strings.Fields(string(out))
+	files := strings.Fields(string(out))
+	if len(files) == 0 {
+		t.Fatalf("git ls-files %s lists nothing: the check would pass anything", pattern)
+	}
+	return files
 }
 
 // citingDocs lists the Markdown files whose citations must hold: all but
