@@ -50,6 +50,8 @@ service_cidr=10.96.0.0/16
 # Service range. Only that address: a host may use the rest of its
 # documentation range for real services.
 spec_external_ip=203.0.113.250/32
+# uproxy's tproxy routing mark (its default): see the fence in up.
+uproxy_tproxy_mark=0x200000/0x200000
 kubernetes_ip=10.96.0.1
 dns_ip=10.96.0.10
 cgroup_root=/uproxy-cluster${netns:+-$netns}
@@ -432,9 +434,12 @@ up() {
 	# node forwards nothing from the pod network to other addresses. The
 	# node's own sockets (host-network pods, the specs' probes) must not
 	# send a Service address that no proxy took, or the external address
-	# the specs use, out of the host's default route: the filter table
-	# sees a packet after the proxy's NAT, and after TPROXY's reroute to
-	# lo, so what is left with such a destination was not intercepted.
+	# the specs use, out of the host's default route. The filter table
+	# sees a packet after a proxy's DNAT or REDIRECT, so what still has
+	# such a destination was not rewritten; uproxy's tproxy mode keeps the
+	# destination and marks the packet (its routing mark) to reroute it to
+	# lo, which OUTPUT's -o does not see (the hook's output device is the
+	# route's before mangle changed it), so the mark is what tells.
 	if ! onnode iptables -C FORWARD -s "$cluster_cidr" ! -d "$cluster_cidr" -j DEV-CLUSTER-FENCE 2>/dev/null; then
 		onnode iptables -N DEV-CLUSTER-FENCE 2>/dev/null || true
 		onnode iptables -F DEV-CLUSTER-FENCE
@@ -443,8 +448,8 @@ up() {
 	fi
 	local fenced
 	for fenced in "$service_cidr" "$spec_external_ip"; do
-		onnode iptables -C OUTPUT -d "$fenced" ! -o lo -j DEV-CLUSTER-FENCE 2>/dev/null ||
-			onnode iptables -I OUTPUT 1 -d "$fenced" ! -o lo -j DEV-CLUSTER-FENCE
+		onnode iptables -C OUTPUT -d "$fenced" -m mark ! --mark "$uproxy_tproxy_mark" -j DEV-CLUSTER-FENCE 2>/dev/null ||
+			onnode iptables -I OUTPUT 1 -d "$fenced" -m mark ! --mark "$uproxy_tproxy_mark" -j DEV-CLUSTER-FENCE
 	done
 
 	start etcd etcd --name uproxy-dev --data-dir "$state/etcd" \
@@ -597,7 +602,7 @@ check() {
 	done
 	local after=""
 	((tries == 0)) || after=" (after $tries failed tries)"
-	say "check: a pod resolved kubernetes.default to $kubernetes_ip over UDP and TCP and connected to it$after"
+	say "check: a pod resolved kubernetes.default to $kubernetes_ip over UDP and TCP and connected to it, and so did the node$after"
 }
 
 check_once() {
@@ -613,6 +618,21 @@ $out"
 	grep -q "udp=$kubernetes_ip tcp=$kubernetes_ip" <<<"$out" && grep -q connected <<<"$out" ||
 		die "check: unexpected answer from the check pod:
 $out"
+	# The node itself, as host-network pods are: it reaches the Service
+	# through the proxy, and an address no Service has is refused on the
+	# node (the fence), not sent on.
+	local rc=0
+	onnode curl -sk -m 5 -o /dev/null "https://$kubernetes_ip/" || rc=$?
+	((rc == 0)) || die "check: the node could not reach https://$kubernetes_ip/ (curl exit status $rc)"
+	local used unassigned i
+	used=$(kubectl get services -A -o jsonpath='{.items[*].spec.clusterIPs[*]}')
+	for i in 254 253 252 251; do
+		unassigned=10.96.255.$i
+		grep -qw "$unassigned" <<<"$used" || break
+	done
+	rc=0
+	onnode curl -s -m 5 -o /dev/null "http://$unassigned/" || rc=$?
+	((rc == 7)) || die "check: the node's request to $unassigned, which no Service has, was not refused at once (curl exit status $rc, want 7)"
 }
 
 # remove_new_chains BEFORE: deletes, in every iptables table of both

@@ -96,7 +96,9 @@ build() {
 		# shell for the specs that exec into it, getent (libc-bin) for the
 		# DNS specs' queriers; a user and group that the security-context
 		# specs look up. GNU wget, because Debian's busybox wget crashes
-		# (SIGSEGV) on the -T timeout the Services specs pass it.
+		# (SIGSEGV) on the -T timeout the Services specs pass it; tried
+		# once, as busybox's is (GNU wget retries a timed-out read twenty
+		# times, which turns a spec's one-second probe into minutes).
 		oci_debs "$rootfs" busybox-static dash bash netcat-openbsd bind9-dnsutils curl iproute2 socat libc-bin wget
 		base "$rootfs"
 		# Debian names these commands through alternatives, which
@@ -105,6 +107,7 @@ build() {
 		# would hide nc, ip and the others.
 		ln -sfn nc.openbsd "$rootfs/bin/nc"
 		ln -sfn dash "$rootfs/bin/sh"
+		printf 'tries = 1\n' >>"$rootfs/etc/wgetrc"
 		busybox_links "$rootfs"
 		install -m 0755 "$bin/agnhost" "$rootfs/agnhost"
 		ln -s agnhost "$rootfs/agnhost-2"
