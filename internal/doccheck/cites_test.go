@@ -275,3 +275,70 @@ func TestTestsSleepRarely(t *testing.T) {
 		t.Errorf("the tests sleep %d times, more than %d: wait on conditions with internal/testwait instead:\n%s", len(sleeps), maxTestSleeps, strings.Join(sleeps, "\n"))
 	}
 }
+
+// maxMethods is how many methods an exported type may have: past it, the
+// type does more than one thing.
+const maxMethods = 30
+
+// tooManyMethods are the exported types over maxMethods today, with their
+// counts, until they are split: a type may not grow past its count, and
+// leaves the list once it is within maxMethods.
+var tooManyMethods = map[string]int{
+	"proxy.Proxier":   60,
+	"datapath.Engine": 58,
+}
+
+// TestTypesHaveFewMethods counts the methods of every exported type of
+// the project's packages (tests and bench's excluded).
+func TestTypesHaveFewMethods(t *testing.T) {
+	root := repoRoot(t)
+	counts := map[string]int{}
+	for _, path := range goFilesWithBench(t, root) {
+		rel, _ := filepath.Rel(root, path)
+		if strings.HasSuffix(path, "_test.go") || strings.HasPrefix(rel, "bench/") {
+			continue
+		}
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, parser.SkipObjectResolution)
+		if err != nil {
+			t.Fatalf("parse %s: %v", rel, err)
+		}
+		for _, d := range f.Decls {
+			fn, ok := d.(*ast.FuncDecl)
+			if !ok || fn.Recv == nil || len(fn.Recv.List) != 1 {
+				continue
+			}
+			typ := fn.Recv.List[0].Type
+			if star, ok := typ.(*ast.StarExpr); ok {
+				typ = star.X
+			}
+			if idx, ok := typ.(*ast.IndexExpr); ok {
+				typ = idx.X
+			}
+			if id, ok := typ.(*ast.Ident); ok && ast.IsExported(id.Name) {
+				counts[f.Name.Name+"."+id.Name]++
+			}
+		}
+	}
+	if len(counts) == 0 {
+		t.Fatal("no methods found: the check would pass anything")
+	}
+	for name, n := range counts {
+		limit, listed := tooManyMethods[name]
+		switch {
+		case listed && n > limit:
+			t.Errorf("%s has %d methods, more than its %d: split it rather than grow it", name, n, limit)
+		case listed && n <= maxMethods:
+			t.Errorf("%s has %d methods now: take it off tooManyMethods", name, n)
+		case listed && n < limit:
+			t.Errorf("%s has %d methods, fewer than its %d: lower its count in tooManyMethods", name, n, limit)
+		case !listed && n > maxMethods:
+			t.Errorf("%s has %d methods, more than %d: split it by job", name, n, maxMethods)
+		}
+	}
+	for name := range tooManyMethods {
+		if _, ok := counts[name]; !ok {
+			t.Errorf("tooManyMethods names %s, which has no method now", name)
+		}
+	}
+}
