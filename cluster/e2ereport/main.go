@@ -150,16 +150,24 @@ func table(cols []column, reasons []reason) string {
 	for _, n := range names {
 		fmt.Fprintf(&b, "| %s |", strings.ReplaceAll(n, "|", `\|`))
 		var why []string
+		passedAll := true
 		for _, c := range cols {
 			r := c.results[n]
 			mark := map[string]string{"passed": "pass", "failed": "**fail**", "skipped": "skip", "": "not run"}[r.Status]
 			fmt.Fprintf(&b, " %s |", mark)
+			passedAll = passedAll && r.Status == "passed"
 			if r.Status == "skipped" && r.Message != "" && !slices.Contains(why, r.Message) {
 				why = append(why, r.Message)
 			}
 		}
+		// A known reason replaces the suite's messages, matched on the
+		// spec's name or on a message; a spec that passed everywhere
+		// needs none.
 		for _, r := range reasons {
-			if r.pattern.MatchString(n) {
+			if passedAll {
+				break
+			}
+			if r.pattern.MatchString(n) || slices.ContainsFunc(why, r.pattern.MatchString) {
 				why = []string{r.text}
 				break
 			}

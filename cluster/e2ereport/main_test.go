@@ -119,3 +119,34 @@ func TestRunNothingRan(t *testing.T) {
 		}
 	}
 }
+
+// TestTableReasons checks where a known reason goes: on a spec that did
+// not pass somewhere, matched by its name or by the suite's message, and
+// on no spec that passed in every column.
+func TestTableReasons(t *testing.T) {
+	reasons, err := readReasons(strings.NewReader("Requires at least 2 nodes\tneeds two nodes\nLoadBalancer\tneeds a cloud load balancer\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cols := []column{
+		{name: "a", results: map[string]result{
+			"x on Type LoadBalancer": {Status: "passed"},
+			"y":                      {Status: "skipped", Message: "Requires at least 2 nodes (not 1)"},
+			"z on Type LoadBalancer": {Status: "skipped", Message: "no cloud"},
+		}},
+		{name: "b", results: map[string]result{
+			"x on Type LoadBalancer": {Status: "passed"},
+			"y":                      {Status: "skipped", Message: "Requires at least 2 nodes (not 1)"},
+			"z on Type LoadBalancer": {Status: "passed"},
+		}},
+	}
+	want := `| spec | a | b | why not run, or not passed |
+|---|---|---|---|
+| x on Type LoadBalancer | pass | pass |  |
+| y | skip | skip | needs two nodes |
+| z on Type LoadBalancer | skip | pass | needs a cloud load balancer |
+`
+	if diff := cmp.Diff(want, table(cols, reasons)); diff != "" {
+		t.Errorf("table (-want +got):\n%s", diff)
+	}
+}
