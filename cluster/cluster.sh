@@ -430,6 +430,12 @@ up() {
 		onnode ip link set cni0 up
 	}
 	onnode sysctl -qw net.ipv4.ip_forward=1
+	# A node's own connections to a Service address need a route before
+	# any rule sees them (a host has its default route); a namespace of
+	# its own has none, so the Service range is routed to the pods' bridge.
+	if [[ -n $netns ]]; then
+		onnode ip route replace "$service_cidr" dev cni0
+	fi
 	# Pods reach the node, each other and the Services, never beyond: the
 	# node forwards nothing from the pod network to other addresses. The
 	# node's own sockets (host-network pods, the specs' probes) must not
