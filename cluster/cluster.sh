@@ -625,20 +625,14 @@ $out"
 		die "check: unexpected answer from the check pod:
 $out"
 	# The node itself, as host-network pods are: it reaches the Service
-	# through the proxy, and an address no Service has is refused on the
-	# node (the fence), not sent on.
+	# through the proxy, and a port no Service has is refused on the node
+	# at once (the proxy's REJECT, or the fence), not sent on.
 	local rc=0
-	onnode curl -sk -m 5 -o /dev/null "https://$kubernetes_ip/" || rc=$?
+	onnode curl --noproxy '*' -sk -m 5 -o /dev/null "https://$kubernetes_ip/" || rc=$?
 	((rc == 0)) || die "check: the node could not reach https://$kubernetes_ip/ (curl exit status $rc)"
-	local used unassigned i
-	used=$(kubectl get services -A -o jsonpath='{.items[*].spec.clusterIPs[*]}')
-	for i in 254 253 252 251; do
-		unassigned=10.96.255.$i
-		grep -qw "$unassigned" <<<"$used" || break
-	done
 	rc=0
-	onnode curl -s -m 5 -o /dev/null "http://$unassigned/" || rc=$?
-	((rc == 7)) || die "check: the node's request to $unassigned, which no Service has, was not refused at once (curl exit status $rc, want 7)"
+	onnode curl --noproxy '*' -s --connect-timeout 1 -m 2 -o /dev/null "http://$kubernetes_ip:1/" || rc=$?
+	((rc == 7)) || die "check: the node's connection to $kubernetes_ip:1, a port no Service has, was not refused at once (curl exit status $rc, want 7)"
 }
 
 # remove_new_chains BEFORE: deletes, in every iptables table of both

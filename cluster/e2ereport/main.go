@@ -92,8 +92,9 @@ func firstLine(s string) string {
 	return strings.TrimSpace(s)
 }
 
-// reason is a known cause for specs whose name matches pattern not to run
-// or not to pass on the dev cluster.
+// reason is a known cause for specs not to run or not to pass on the dev
+// cluster: pattern matches the suite's skip message, or the name of a spec
+// that passed nowhere.
 type reason struct {
 	pattern *regexp.Regexp
 	text    string
@@ -150,24 +151,26 @@ func table(cols []column, reasons []reason) string {
 	for _, n := range names {
 		fmt.Fprintf(&b, "| %s |", strings.ReplaceAll(n, "|", `\|`))
 		var why []string
-		passedAll := true
+		passedAll, passedAny := true, false
 		for _, c := range cols {
 			r := c.results[n]
 			mark := map[string]string{"passed": "pass", "failed": "**fail**", "skipped": "skip", "": "not run"}[r.Status]
 			fmt.Fprintf(&b, " %s |", mark)
 			passedAll = passedAll && r.Status == "passed"
+			passedAny = passedAny || r.Status == "passed"
 			if r.Status == "skipped" && r.Message != "" && !slices.Contains(why, r.Message) {
 				why = append(why, r.Message)
 			}
 		}
-		// A known reason replaces the suite's messages, matched on the
-		// spec's name or on a message; a spec that passed everywhere
-		// needs none.
+		// A known reason replaces the suite's messages: matched on a skip
+		// message, or, when the spec passed in no column, on its name. A
+		// spec that passed everywhere needs none, and one that passed
+		// somewhere is not excused by its name.
 		for _, r := range reasons {
 			if passedAll {
 				break
 			}
-			if r.pattern.MatchString(n) || slices.ContainsFunc(why, r.pattern.MatchString) {
+			if slices.ContainsFunc(why, r.pattern.MatchString) || !passedAny && r.pattern.MatchString(n) {
 				why = []string{r.text}
 				break
 			}

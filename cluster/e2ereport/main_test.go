@@ -130,21 +130,24 @@ func TestTableReasons(t *testing.T) {
 	}
 	cols := []column{
 		{name: "a", results: map[string]result{
-			"x on Type LoadBalancer": {Status: "passed"},
-			"y":                      {Status: "skipped", Message: "Requires at least 2 nodes (not 1)"},
-			"z on Type LoadBalancer": {Status: "skipped", Message: "no cloud"},
+			"x on Type LoadBalancer":  {Status: "passed"},
+			"y":                       {Status: "skipped", Message: "Requires at least 2 nodes (not 1)"},
+			"z on Type LoadBalancer":  {Status: "skipped", Message: "no cloud"},
+			"zz on Type LoadBalancer": {Status: "skipped", Message: "no cloud"},
 		}},
 		{name: "b", results: map[string]result{
-			"x on Type LoadBalancer": {Status: "passed"},
-			"y":                      {Status: "skipped", Message: "Requires at least 2 nodes (not 1)"},
-			"z on Type LoadBalancer": {Status: "passed"},
+			"x on Type LoadBalancer":  {Status: "passed"},
+			"y":                       {Status: "skipped", Message: "Requires at least 2 nodes (not 1)"},
+			"z on Type LoadBalancer":  {Status: "passed"},
+			"zz on Type LoadBalancer": {Status: "skipped", Message: "no cloud"},
 		}},
 	}
 	want := `| spec | a | b | why not run, or not passed |
 |---|---|---|---|
 | x on Type LoadBalancer | pass | pass |  |
 | y | skip | skip | needs two nodes |
-| z on Type LoadBalancer | skip | pass | needs a cloud load balancer |
+| z on Type LoadBalancer | skip | pass | no cloud |
+| zz on Type LoadBalancer | skip | skip | needs a cloud load balancer |
 `
 	if diff := cmp.Diff(want, table(cols, reasons)); diff != "" {
 		t.Errorf("table (-want +got):\n%s", diff)
