@@ -36,9 +36,15 @@ image:
 # and its TestDemo), then the fuzz targets for a bounded time. Root-only
 # tests skip (saying why) when not run as root; CI runs as root. The dev
 # cluster's test runs only when make cluster-build's builds are cached.
+# CLUSTER_CACHED mirrors cachedBuilds in cluster/cluster_test.go.
+CLUSTER_CACHED := bin/kube-apiserver bin/kube-controller-manager bin/kube-scheduler bin/kubelet \
+	bin/kubectl bin/coredns bin/pause bin/agnhost bin/uproxy images/pause.tar images/coredns.tar \
+	images/agnhost.tar images/uproxy.tar
 test: deps-test kube-binaries
 	$(GO) vet ./...
 	cd bench && $(GO) vet ./...
+	@for f in $(CLUSTER_CACHED); do [ -e bench/.cache/$$f ] || { \
+		echo "make test: TestDevClusterInNamespace will skip: bench/.cache/$$f is missing (make cluster-build makes the dev cluster's builds)"; break; }; done
 	$(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
 	cd bench && $(GO) test -race -count=1 -timeout 25m $(GOTESTFLAGS) ./...
 	$(MAKE) fuzz
