@@ -126,8 +126,9 @@ func (c *cluster) write(name, content string) {
 	}
 }
 
-// start runs uproxy in the node namespace and waits until it has
-// installed n REDIRECT rules.
+// start runs uproxy in the node namespace and waits until its first sync
+// has ended with n REDIRECT rules installed. The rules show before the
+// sync ends (the other tables and the sets follow), so both are waited for.
 func (c *cluster) start(rules int, args ...string) {
 	c.t.Helper()
 	var err error
@@ -135,6 +136,7 @@ func (c *cluster) start(rules int, args ...string) {
 		c.t.Fatal(err)
 	}
 	c.waitRules("uproxy to install its rules", func(s string) bool { return strings.Count(s, "-j REDIRECT") == rules })
+	c.waitSynced()
 }
 
 // run starts `uproxy run args...` (under c.launcher, if set) in the node
