@@ -3,6 +3,11 @@
 // side-by-side benchmarks.
 //
 //	cd bench && go run . <part> [flags]
+//
+// It measures uproxy from outside, as a binary, and imports none of its
+// packages but the test fixtures it shares with uproxy's own tests
+// (internal/testlab, testkube, testpeer) and internal/uring, the ring
+// that its io_uring yardstick (`bench uring`) is built on.
 package main
 
 import (
