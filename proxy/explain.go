@@ -113,13 +113,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	if len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0 {
 		// The rules refuse a port with no endpoint at all
 		// (Intercept.Reject), from every source, before any listener.
-		notReady := 0
-		for _, e := range s.endpoints {
-			if !e.Ready {
-				notReady++
-			}
-		}
-		ex.Reason = fmt.Sprintf("no ready endpoints at all (%d endpoints of this family, %d not ready): the kernel refuses the connection (uproxy's REJECT rule), before any listener", len(s.endpoints), notReady)
+		ex.Reason = fmt.Sprintf("no ready endpoints at all (%d endpoints of this family, %d not ready): the kernel refuses the connection (uproxy's REJECT rule), before any listener", len(s.endpoints), notReadyEndpoints(s))
 		return ex
 	}
 	ex.Balancer, ex.Affinity = sp.info.Balancer, sp.info.Affinity
@@ -187,13 +181,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		ex.EndpointSet += ", filtered by topology (" + s.sets.TopologyMode + ")"
 	}
 	if len(backends) == 0 {
-		notReady := 0
-		for _, e := range s.endpoints {
-			if !e.Ready {
-				notReady++
-			}
-		}
-		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the listener refuses the connection", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReady)
+		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the listener refuses the connection", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReadyEndpoints(s))
 		return ex
 	}
 	healthy := slices.ContainsFunc(backends, func(b *balancer.Backend) bool { return !b.Ejected() })
@@ -275,4 +263,15 @@ func (p *Proxier) isLocalAddr(ip netip.Addr) bool {
 		return found
 	}
 	return false
+}
+
+// notReadyEndpoints counts the endpoints of s that are not ready.
+func notReadyEndpoints(s *snapshot) int {
+	n := 0
+	for _, e := range s.endpoints {
+		if !e.Ready {
+			n++
+		}
+	}
+	return n
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -33,16 +34,7 @@ var benchFlag = regexp.MustCompile(`\.(?:String|Bool|Int|Int64|Uint|Float64|Dura
 // least one flag.
 func TestDocsCiteExistingFlags(t *testing.T) {
 	flags := map[string]bool{"help": true} // cobra adds it to every command when it runs
-	var walk func(c *cobra.Command)
-	walk = func(c *cobra.Command) {
-		for _, fs := range []*pflag.FlagSet{c.Flags(), c.PersistentFlags()} {
-			fs.VisitAll(func(f *pflag.Flag) { flags[f.Name] = true })
-		}
-		for _, sub := range c.Commands() {
-			walk(sub)
-		}
-	}
-	walk(newRootCommand())
+	visitFlags(newRootCommand(), func(_ *cobra.Command, f *pflag.Flag) { flags[f.Name] = true })
 	benchSources, err := filepath.Glob("../../bench/*.go")
 	if err != nil || len(benchSources) == 0 {
 		t.Fatalf("bench's sources: %v", err)
@@ -72,7 +64,7 @@ func TestDocsCiteExistingFlags(t *testing.T) {
 			switch {
 			case foreignFlags[name] != "":
 			case family:
-				if !slices.ContainsFunc(mapKeys(flags), func(f string) bool { return strings.HasPrefix(f, name) }) {
+				if !slices.ContainsFunc(slices.Collect(maps.Keys(flags)), func(f string) bool { return strings.HasPrefix(f, name) }) {
 					t.Errorf("%s cites --%s*, but uproxy has no flag that starts so", doc, name)
 				}
 			case !flags[name]:
@@ -102,12 +94,18 @@ func citingDocs(t *testing.T) []string {
 	return docs
 }
 
-func mapKeys(m map[string]bool) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
+// visitFlags calls visit with every flag of root and its subcommands,
+// hidden and deprecated ones included, and returns the commands.
+func visitFlags(root *cobra.Command, visit func(*cobra.Command, *pflag.Flag)) []*cobra.Command {
+	commands := []*cobra.Command{root}
+	for i := 0; i < len(commands); i++ {
+		c := commands[i]
+		for _, fs := range []*pflag.FlagSet{c.Flags(), c.PersistentFlags()} {
+			fs.VisitAll(func(f *pflag.Flag) { visit(c, f) })
+		}
+		commands = append(commands, c.Commands()...)
 	}
-	return keys
+	return commands
 }
 
 // sentenceBreak is the end of a sentence followed by another one.
@@ -121,28 +119,16 @@ var helpFlag = regexp.MustCompile(`--([a-z][a-z0-9-]*)`)
 // help names only flags that exist.
 func TestFlagHelpIsOneSentence(t *testing.T) {
 	const maxUsage = 200
-	root := newRootCommand()
 	flags := map[string]bool{"help": true}
-	var commands []*cobra.Command
-	var walk func(c *cobra.Command)
-	walk = func(c *cobra.Command) {
-		commands = append(commands, c)
-		for _, fs := range []*pflag.FlagSet{c.Flags(), c.PersistentFlags()} {
-			fs.VisitAll(func(f *pflag.Flag) {
-				flags[f.Name] = true
-				if f.Hidden || f.Deprecated != "" {
-					return // kube-proxy's, shown by no help
-				}
-				if len(f.Usage) > maxUsage || sentenceBreak.MatchString(f.Usage) {
-					t.Errorf("%s --%s: help of %d characters, or more than one sentence: %q", c.CommandPath(), f.Name, len(f.Usage), f.Usage)
-				}
-			})
+	commands := visitFlags(newRootCommand(), func(c *cobra.Command, f *pflag.Flag) {
+		flags[f.Name] = true
+		if f.Hidden || f.Deprecated != "" {
+			return // kube-proxy's, shown by no help
 		}
-		for _, sub := range c.Commands() {
-			walk(sub)
+		if len(f.Usage) > maxUsage || sentenceBreak.MatchString(f.Usage) {
+			t.Errorf("%s --%s: help of %d characters, or more than one sentence: %q", c.CommandPath(), f.Name, len(f.Usage), f.Usage)
 		}
-	}
-	walk(root)
+	})
 	for _, c := range commands {
 		for _, m := range helpFlag.FindAllStringSubmatch(c.Short+"\n"+c.Long+"\n"+c.Example, -1) {
 			if !flags[m[1]] {
