@@ -19,6 +19,8 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // TestEndpointRefusal checks which endpoint addresses a service port
@@ -40,7 +42,7 @@ func TestEndpointRefusal(t *testing.T) {
 	s.Spec.ExternalIPs = []string{"192.0.2.50"}
 	s.Spec.Ports[0].NodePort = 30080
 	s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "192.0.2.60"}}
-	sp := ServicePorts(s, ServiceDefaults{})[0]
+	sp := service.Ports(s, service.Defaults{})[0]
 
 	for _, tt := range []struct {
 		ep   string
@@ -98,7 +100,7 @@ func TestRefusedEndpointIsLogged(t *testing.T) {
 	be := nameBackend(t, "good")
 	core, logs := observer.New(zap.WarnLevel)
 	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}})
-	sl := slice("web-x", "web", "http", int32(be.addr.Port()), ep{ip: "169.254.169.254"}, ep{ip: be.addr.Addr().String()})
+	sl := slice("web-x", "web", "http", int32(be.addr.Port()), ep{IP: "169.254.169.254"}, ep{IP: be.addr.Addr().String()})
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, []*discovery.EndpointSlice{sl})
 	port := rules.port(t, "default/web:http")
 	for range 4 {
@@ -165,7 +167,7 @@ func TestSyncWritesRulesBeforeClosingListeners(t *testing.T) {
 		}
 		boundErr = err
 	}}
-	p := NewProxier(Config{Rules: rules, LoopbackEndpoints: true, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	p := NewProxier(Config{Rules: rules, LoopbackEndpoints: true, Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { p.Run(ctx); close(done) }()

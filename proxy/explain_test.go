@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/service"
 	v1 "k8s.io/api/core/v1"
 )
 
@@ -18,7 +19,7 @@ func TestExplain(t *testing.T) {
 	a, b := nameBackend(t, "a"), nameBackend(t, "b")
 	p, rules := startProxier(t, Config{})
 	sh := svc("sh", "10.96.0.11", "http:80")
-	sh.Annotations = map[string]string{AnnotationBalancer: "source-hash"}
+	sh.Annotations = map[string]string{service.AnnotationBalancer: "source-hash"}
 	aff := svc("aff", "10.96.0.12", "http:80")
 	aff.Spec.SessionAffinity = v1.ServiceAffinityClientIP
 	lb := svc("lb", "10.96.0.13", "http:80")
@@ -99,7 +100,7 @@ func TestExplainLeastConn(t *testing.T) {
 	addrOf := map[string]string{"a": a.addr.String(), "b": b.addr.String()}
 	p, rules := startProxier(t, Config{})
 	lc := svc("lc", "10.96.0.14", "http:80")
-	lc.Annotations = map[string]string{AnnotationBalancer: "least-conn"}
+	lc.Annotations = map[string]string{service.AnnotationBalancer: "least-conn"}
 	p.Tracker().Replace([]*v1.Service{lc}, slicesFor("lc", "http", a, b))
 	port := rules.port(t, "default/lc:http")
 	testwait.Until(t, 5*time.Second, "a sync", func() bool { return p.Status().Ports != nil })

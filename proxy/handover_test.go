@@ -16,6 +16,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 )
@@ -115,7 +116,7 @@ func TestHandoverAdoptsListeners(t *testing.T) {
 		slices = append(slices, slicesFor("gone", "http", tcpBE)...)
 
 		oldRules := &recordingRules{}
-		old := NewProxier(Config{LoopbackEndpoints: true, Rules: oldRules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		old := NewProxier(Config{LoopbackEndpoints: true, Rules: oldRules, Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stopOld := runProxier(old)
 		old.Tracker().Replace(services, slices)
 		web, dns, gone := oldRules.port(t, "default/web:http"), oldRules.port(t, "default/dns:dns"), oldRules.port(t, "default/gone:http")
@@ -165,7 +166,7 @@ func TestHandoverAdoptsListeners(t *testing.T) {
 		}
 
 		newRules := &recordingRules{}
-		next := NewProxier(Config{LoopbackEndpoints: true, Rules: newRules, Inherited: NewInherited(inherited), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		next := NewProxier(Config{LoopbackEndpoints: true, Rules: newRules, Inherited: NewInherited(inherited), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stopNext := runProxier(next)
 		next.Tracker().Replace(services[:2], slices[:2])
 		if got := newRules.port(t, "default/web:http"); got != web {
@@ -288,7 +289,7 @@ func TestInheritedSocketMustFit(t *testing.T) {
 				// A free range that excludes the inherited port.
 				ports = PortRange{Base: uint16(inheritedPort) + 1, Size: 100}
 			}
-			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 			stop := runProxier(p)
 			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
@@ -317,7 +318,7 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 	func() {
 		f, inheritedPort := inheritedTCP4(t)
 		rules := &recordingRules{fail: errors.New("iptables-restore: exit status 1")}
-		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stop := runProxier(p)
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 		testwait.Until(t, 5*time.Second, "a failed sync", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 1 })

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -70,7 +71,7 @@ func TestKubeProxySyncMetrics(t *testing.T) {
 	p, rules := startProxier(t, Config{Metrics: m, NodeName: "node-a"})
 
 	onNode := func(node string, s *v1.Service, ip string) []any {
-		sl := slice(s.Name+"-1", s.Name, "http", 8080, ep{ip: ip})
+		sl := slice(s.Name+"-1", s.Name, "http", 8080, ep{IP: ip})
 		sl.Endpoints[0].NodeName = ptr.To(node)
 		return []any{s, sl}
 	}
@@ -150,11 +151,11 @@ func TestKubeProxySyncMetrics(t *testing.T) {
 func TestChangesPending(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
-	tr := NewTracker(nil, nil)
+	tr := changes.NewTracker(nil, nil)
 	m.setPending(tr.Pending)
 	tr.OnServiceUpsert(svc("web", "10.96.0.10", "http:80"))
-	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"}))
-	tr.OnSliceUpsert(slice("web-2", "web", "http", 8080, ep{ip: "10.244.0.2"}))
+	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"}))
+	tr.OnSliceUpsert(slice("web-2", "web", "http", 8080, ep{IP: "10.244.0.2"}))
 	names := []string{"sync_proxy_rules_service_changes_pending", "sync_proxy_rules_endpoint_changes_pending"}
 	want := map[string]float64{"sync_proxy_rules_service_changes_pending{}": 1, "sync_proxy_rules_endpoint_changes_pending{}": 2}
 	if d := cmp.Diff(want, series(t, reg, names...)); d != "" {
@@ -174,7 +175,7 @@ func TestChangesPending(t *testing.T) {
 func TestKubeProxyBuckets(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
-	m.observeSync(time.Now(), time.Now(), true, map[types.NamespacedName][]TriggerTime{{Name: "web"}: {{At: time.Now(), Family: v1.IPv4Protocol}}})
+	m.observeSync(time.Now(), time.Now(), true, map[types.NamespacedName][]changes.TriggerTime{{Name: "web"}: {{At: time.Now(), Family: v1.IPv4Protocol}}})
 	var sync, programming []float64
 	for i := range 15 {
 		sync = append(sync, 0.001*float64(int(1)<<i))

@@ -6,13 +6,15 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // portSlots returns the connection counter of the service port name,
 // creating it on first use. Called by the sync goroutine only.
-func (p *Proxier) portSlots(name ServicePortName) *datapath.ConnSlots {
+func (p *Proxier) portSlots(name service.PortName) *datapath.ConnSlots {
 	if p.slots == nil {
-		p.slots = map[ServicePortName]*datapath.ConnSlots{}
+		p.slots = map[service.PortName]*datapath.ConnSlots{}
 	}
 	s := p.slots[name]
 	if s == nil {
@@ -23,11 +25,11 @@ func (p *Proxier) portSlots(name ServicePortName) *datapath.ConnSlots {
 }
 
 // warnIgnored logs, once per version of st's Service, the SCTP ports and
-// annotations that uproxy ignores in it (ServiceWarnings). The tracker hands out a new
+// annotations that uproxy ignores in it (service.Warnings). The tracker hands out a new
 // object only when the Service changed, so comparing pointers tells a new
 // version from the periodic full resync's replay of the same one. Called
 // by the sync goroutine only.
-func (p *Proxier) warnIgnored(st ServiceState) {
+func (p *Proxier) warnIgnored(st changes.ServiceState) {
 	if st.Service == nil {
 		delete(p.warned, st.Name)
 		return
@@ -35,7 +37,7 @@ func (p *Proxier) warnIgnored(st ServiceState) {
 	if p.warned[st.Name] == st.Service {
 		return
 	}
-	errs := ServiceWarnings(st.Service)
+	errs := service.Warnings(st.Service)
 	if len(errs) == 0 {
 		delete(p.warned, st.Name)
 		return

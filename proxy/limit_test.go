@@ -21,6 +21,8 @@ import (
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testbackend"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 func TestConnectionLimitAnnotations(t *testing.T) {
@@ -32,21 +34,21 @@ func TestConnectionLimitAnnotations(t *testing.T) {
 		warnings []string // substrings, one per expected warning
 	}{
 		{"none", nil, limits{}, nil},
-		{"both", map[string]string{AnnotationMaxConnections: "100", AnnotationMaxConnectionsPerEndpoint: "10"}, limits{100, 10}, nil},
-		{"spaces", map[string]string{AnnotationMaxConnections: " 7 "}, limits{Total: 7}, nil},
-		{"one", map[string]string{AnnotationMaxConnectionsPerEndpoint: "1"}, limits{PerEndpoint: 1}, nil},
-		{"largest", map[string]string{AnnotationMaxConnections: "2147483647"}, limits{Total: 2147483647}, nil},
-		{"zero", map[string]string{AnnotationMaxConnections: "0"},
+		{"both", map[string]string{service.AnnotationMaxConnections: "100", service.AnnotationMaxConnectionsPerEndpoint: "10"}, limits{100, 10}, nil},
+		{"spaces", map[string]string{service.AnnotationMaxConnections: " 7 "}, limits{Total: 7}, nil},
+		{"one", map[string]string{service.AnnotationMaxConnectionsPerEndpoint: "1"}, limits{PerEndpoint: 1}, nil},
+		{"largest", map[string]string{service.AnnotationMaxConnections: "2147483647"}, limits{Total: 2147483647}, nil},
+		{"zero", map[string]string{service.AnnotationMaxConnections: "0"},
 			limits{}, []string{`annotation uproxy.io/max-connections: "0" is not an integer in 1-2147483647`}},
-		{"negative", map[string]string{AnnotationMaxConnectionsPerEndpoint: "-5"},
+		{"negative", map[string]string{service.AnnotationMaxConnectionsPerEndpoint: "-5"},
 			limits{}, []string{`annotation uproxy.io/max-connections-per-endpoint: "-5" is not an integer`}},
-		{"too big", map[string]string{AnnotationMaxConnections: "2147483648"},
+		{"too big", map[string]string{service.AnnotationMaxConnections: "2147483648"},
 			limits{}, []string{`"2147483648" is not an integer in 1-2147483647`}},
-		{"not a number", map[string]string{AnnotationMaxConnections: "lots", AnnotationMaxConnectionsPerEndpoint: "4"},
+		{"not a number", map[string]string{service.AnnotationMaxConnections: "lots", service.AnnotationMaxConnectionsPerEndpoint: "4"},
 			limits{PerEndpoint: 4}, []string{`uproxy.io/max-connections: "lots"`}},
-		{"fraction", map[string]string{AnnotationMaxConnections: "1.5"}, limits{}, []string{`"1.5"`}},
-		{"empty", map[string]string{AnnotationMaxConnections: ""}, limits{}, []string{`uproxy.io/max-connections: ""`}},
-		{"both invalid", map[string]string{AnnotationMaxConnections: "x", AnnotationMaxConnectionsPerEndpoint: "y"},
+		{"fraction", map[string]string{service.AnnotationMaxConnections: "1.5"}, limits{}, []string{`"1.5"`}},
+		{"empty", map[string]string{service.AnnotationMaxConnections: ""}, limits{}, []string{`uproxy.io/max-connections: ""`}},
+		{"both invalid", map[string]string{service.AnnotationMaxConnections: "x", service.AnnotationMaxConnectionsPerEndpoint: "y"},
 			limits{}, []string{`uproxy.io/max-connections: "x"`, `uproxy.io/max-connections-per-endpoint: "y"`}},
 	}
 	for _, tt := range tests {
@@ -54,21 +56,21 @@ func TestConnectionLimitAnnotations(t *testing.T) {
 			s := svc("web", "10.96.0.10", "http:80", "dns:53/UDP")
 			s.Annotations = tt.ann
 			// An invalid limit never rejects the Service.
-			if err := ValidateService(s); err != nil {
+			if err := service.ValidateService(s); err != nil {
 				t.Fatalf("ValidateService() = %v, want nil", err)
 			}
-			ports := ServicePorts(s, ServiceDefaults{})
+			ports := service.Ports(s, service.Defaults{})
 			if len(ports) != 2 {
-				t.Fatalf("ServicePorts() returned %d ports, want 2", len(ports))
+				t.Fatalf("service.Ports() returned %d ports, want 2", len(ports))
 			}
 			for _, sp := range ports {
 				if diff := cmp.Diff(tt.want, limits{sp.MaxConnections, sp.MaxConnectionsPerEndpoint}); diff != "" {
 					t.Errorf("%s limits (-want +got):\n%s", sp.Name, diff)
 				}
 			}
-			warnings := ServiceWarnings(s)
+			warnings := service.Warnings(s)
 			if len(warnings) != len(tt.warnings) {
-				t.Fatalf("ServiceWarnings() = %v, want %d warnings", warnings, len(tt.warnings))
+				t.Fatalf("service.Warnings() = %v, want %d warnings", warnings, len(tt.warnings))
 			}
 			for i, w := range tt.warnings {
 				if !strings.Contains(warnings[i].Error(), w) || !strings.Contains(warnings[i].Error(), "ignored") {
@@ -78,9 +80,9 @@ func TestConnectionLimitAnnotations(t *testing.T) {
 		})
 	}
 	skipped := svc("web", "None")
-	skipped.Annotations = map[string]string{AnnotationMaxConnections: "x"}
-	if w := ServiceWarnings(skipped); w != nil {
-		t.Errorf("ServiceWarnings(headless) = %v, want nil: uproxy does not proxy it", w)
+	skipped.Annotations = map[string]string{service.AnnotationMaxConnections: "x"}
+	if w := service.Warnings(skipped); w != nil {
+		t.Errorf("service.Warnings(headless) = %v, want nil: uproxy does not proxy it", w)
 	}
 }
 
@@ -147,7 +149,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p, rules := startProxier(t, Config{Metrics: NewMetrics(reg)})
 	s := svc("web", "10.96.0.10", "http:80")
-	s.Annotations = map[string]string{AnnotationMaxConnections: fmt.Sprint(limit)}
+	s.Annotations = map[string]string{service.AnnotationMaxConnections: fmt.Sprint(limit)}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	port := rules.port(t, "default/web:http")
 
@@ -186,7 +188,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 
 	// Raising the limit admits more at once; removing it admits any number.
 	s = s.DeepCopy()
-	s.Annotations[AnnotationMaxConnections] = fmt.Sprint(limit + 1)
+	s.Annotations[service.AnnotationMaxConnections] = fmt.Sprint(limit + 1)
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be, be2))
 	testwait.Until(t, 5*time.Second, "the raised limit admits one more", func() bool {
 		c, err := open(t, "tcp4", port)
@@ -197,7 +199,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 	})
 	refused(t, "tcp4", port, "at the raised limit")
 	s = s.DeepCopy()
-	delete(s.Annotations, AnnotationMaxConnections)
+	delete(s.Annotations, service.AnnotationMaxConnections)
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be, be2))
 	testwait.Until(t, 5*time.Second, "no limit", func() bool {
 		c, err := open(t, "tcp4", port)
@@ -230,9 +232,9 @@ func TestProxyConnectionLimitSpansFamilies(t *testing.T) {
 	p, rules := startProxier(t, Config{})
 	s := svc("web", "10.96.0.10", "http:80")
 	s.Spec.ClusterIPs = []string{"10.96.0.10", "2001:db8::10"}
-	s.Annotations = map[string]string{AnnotationMaxConnections: "2"}
+	s.Annotations = map[string]string{service.AnnotationMaxConnections: "2"}
 	sl := slicesFor("web", "http", be4)
-	sl = append(sl, slice("web-v6", "web", "http", int32(be6.addr.Port()), ep{ip: "::1"}))
+	sl = append(sl, slice("web-v6", "web", "http", int32(be6.addr.Port()), ep{IP: "::1"}))
 	p.Tracker().Replace([]*v1.Service{s}, sl)
 	rules.port(t, "default/web:http")
 	var port4, port6 int
@@ -273,8 +275,8 @@ func TestProxyPerEndpointLimit(t *testing.T) {
 			p, rules := startProxier(t, Config{Metrics: NewMetrics(reg)})
 			s := svc("web", "10.96.0.10", "http:80")
 			s.Annotations = map[string]string{
-				AnnotationBalancer:                  string(kind),
-				AnnotationMaxConnectionsPerEndpoint: fmt.Sprint(perEndpoint),
+				service.AnnotationBalancer:                  string(kind),
+				service.AnnotationMaxConnectionsPerEndpoint: fmt.Sprint(perEndpoint),
 			}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", a, b))
 			port := rules.port(t, "default/web:http")
@@ -327,9 +329,9 @@ func TestProxyPerEndpointLimit(t *testing.T) {
 func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	be, _ := holdingBackend(t)
 	core, logs := observer.New(zap.InfoLevel) // the syncs too, to count them
-	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: changes.RunnerConfig{MaxInterval: 20 * time.Millisecond}})
 	s := svc("web", "10.96.0.10", "http:80")
-	s.Annotations = map[string]string{AnnotationMaxConnections: "unlimited"}
+	s.Annotations = map[string]string{service.AnnotationMaxConnections: "unlimited"}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	port := rules.port(t, "default/web:http")
 	for range 5 {
@@ -352,13 +354,13 @@ func TestInvalidLimitIsLoggedOnce(t *testing.T) {
 	// A new version with the same mistake is reported again; a fixed one
 	// is not.
 	s = s.DeepCopy()
-	s.Annotations[AnnotationMaxConnectionsPerEndpoint] = "0"
+	s.Annotations[service.AnnotationMaxConnectionsPerEndpoint] = "0"
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	testwait.Until(t, 5*time.Second, "the new version is reported", func() bool {
 		return logs.FilterMessageSnippet("ignoring part of a service").Len() == 3
 	})
 	s = s.DeepCopy()
-	s.Annotations = map[string]string{AnnotationMaxConnections: "1"}
+	s.Annotations = map[string]string{service.AnnotationMaxConnections: "1"}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	syncs = logs.FilterMessage("synced").Len()
 	testwait.Until(t, 5*time.Second, "five more syncs", func() bool { return logs.FilterMessage("synced").Len() >= syncs+5 })

@@ -15,6 +15,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // listenerSet holds one service's listeners, one per port and family.
@@ -34,7 +35,7 @@ func (ls listenerSet) get(k portKey) *listener {
 
 // portKey names one listener: a service port in one address family.
 type portKey struct {
-	name ServicePortName
+	name service.PortName
 	v6   bool
 	// slot numbers the further sockets of a shared listener that listens
 	// on a range of ports (sharedRedirectPorts): slot i listens on the
@@ -177,7 +178,7 @@ var errListenerBudget = errors.New("the listener budget is spent")
 // sockets count, but are never refused: each stands for every service.
 func (p *Proxier) listenerBudget(k portKey) error {
 	limit := p.cfg.MaxListeners
-	if limit <= 0 || k.name == sharedName(k.name.Protocol) {
+	if limit <= 0 || k.name == service.SharedName(k.name.Protocol) {
 		return nil
 	}
 	if n := p.ports.count(); n >= limit {

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/service"
+	"github.com/uproxy/uproxy/proxy/source"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -64,7 +66,7 @@ func apiObjects(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
 			ObjectMeta: metav1.ObjectMeta{
 				Name: name + "-1", Namespace: "default", UID: types.UID(fmt.Sprintf("7d1e9b3c-0000-4000-8000-%012d", i)),
 				ResourceVersion: fmt.Sprint(1001 + 2*i), Generation: 1, CreationTimestamp: created,
-				Labels:        map[string]string{LabelServiceName: name},
+				Labels:        map[string]string{service.LabelServiceName: name},
 				ManagedFields: managed(`{"f:addressType":{},"f:endpoints":{},"f:metadata":{"f:labels":{".":{},"f:kubernetes.io/service-name":{}}},"f:ports":{}}`),
 			},
 			AddressType: discovery.AddressTypeIPv4,
@@ -100,8 +102,8 @@ func BenchmarkHeld(b *testing.B) {
 				svcs, sls := apiObjects(n)
 				if trim {
 					for i := range svcs {
-						TrimObject(svcs[i])
-						TrimObject(sls[i])
+						source.TrimObject(svcs[i])
+						source.TrimObject(sls[i])
 					}
 				}
 				held := liveHeap()

@@ -13,6 +13,8 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // Results of uproxy_connections_total.
@@ -100,15 +102,19 @@ type Metrics struct {
 	round uint64
 }
 
+// smallBackends is how many backends a port's counters scan before they
+// index them by address: a scan of so few costs less than a map's hashing.
+const smallBackends = 16
+
 // portState is one service port's counters and those of its backends.
 // The backends are found by address with a scan while there are few
-// (smallSet), through byAddr past that: at 10,000 services of 10
+// (smallBackends), through byAddr past that: at 10,000 services of 10
 // endpoints, maps per port held more than the counters they indexed.
 type portState struct {
 	port     string // the port label
 	c        *datapath.PortCounters
 	backends []*datapath.BackendMetrics
-	byAddr   map[netip.AddrPort]*datapath.BackendMetrics // nil up to smallSet backends
+	byAddr   map[netip.AddrPort]*datapath.BackendMetrics // nil up to smallBackends backends
 	round    uint64                                      // the last round that used it (Metrics.round)
 }
 
@@ -130,7 +136,7 @@ func (st *portState) add(bm *datapath.BackendMetrics) {
 	switch {
 	case st.byAddr != nil:
 		st.byAddr[bm.Addr] = bm
-	case len(st.backends) > smallSet:
+	case len(st.backends) > smallBackends:
 		st.byAddr = make(map[netip.AddrPort]*datapath.BackendMetrics, len(st.backends))
 		for _, b := range st.backends {
 			st.byAddr[b.Addr] = b
@@ -147,7 +153,7 @@ func (st *portState) retain(round uint64) {
 		delete(st.byAddr, bm.Addr)
 		return true
 	})
-	if len(st.backends) <= smallSet {
+	if len(st.backends) <= smallBackends {
 		st.byAddr = nil
 	}
 }
@@ -355,7 +361,7 @@ func (m *Metrics) pendingChanges() (services, endpoints int) {
 // start and ended at end, and the trigger times of the endpoint changes
 // it programmed: each in the family of its EndpointSlice, if that family
 // is in use.
-func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[types.NamespacedName][]TriggerTime) {
+func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[types.NamespacedName][]changes.TriggerTime) {
 	if m == nil {
 		return
 	}
@@ -408,8 +414,8 @@ func familyIndex(f v1.IPFamily) int {
 // one family has usable endpoints somewhere in the cluster (eps, ready or
 // serving and terminating) but, under a Local internal or external
 // traffic policy, none on this node: that traffic is dropped.
-func noLocalOf(sp *ServicePort, eps []Endpoint, sets EndpointSets) (internal, external bool) {
-	if len(sets.Local) > 0 || !slices.ContainsFunc(eps, func(e Endpoint) bool { return e.Ready || (e.Serving && e.Terminating) }) {
+func noLocalOf(sp *service.Port, eps []service.Endpoint, sets service.EndpointSets) (internal, external bool) {
+	if len(sets.Local) > 0 || !slices.ContainsFunc(eps, func(e service.Endpoint) bool { return e.Ready || (e.Serving && e.Terminating) }) {
 		return false, false // local endpoints, or none at all (rejected, not counted)
 	}
 	return sp.InternalPolicyLocal, sp.ExternalPolicyLocal
@@ -437,7 +443,7 @@ func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
 
 // portLabel is the port label: the port's name, or its number when the
 // service has a single unnamed port.
-func portLabel(sp *ServicePort) string {
+func portLabel(sp *service.Port) string {
 	if sp.Name.Port != "" {
 		return sp.Name.Port
 	}
@@ -447,7 +453,7 @@ func portLabel(sp *ServicePort) string {
 // forPort returns the counters of sp and of each of its backends, those
 // of the previous snapshots where they exist. Called by the sync
 // goroutine when it builds a snapshot.
-func (m *Metrics) forPort(sp *ServicePort, backends []*balancer.Backend) *datapath.PortMetrics {
+func (m *Metrics) forPort(sp *service.Port, backends []*balancer.Backend) *datapath.PortMetrics {
 	if m == nil {
 		return nil
 	}

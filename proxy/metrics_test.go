@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/proxy/service"
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/promtest"
@@ -177,8 +178,8 @@ func TestMetricsRetainService(t *testing.T) {
 	be := func(s string) *balancer.Backend { return balancer.NewBackend(netip.MustParseAddrPort(s), 0) }
 	a, b := be("10.244.0.1:8080"), be("10.244.0.2:8080")
 	web := types.NamespacedName{Namespace: "default", Name: "web"}
-	port := func(name string) *ServicePort {
-		return &ServicePort{Name: ServicePortName{NamespacedName: web, Port: name}, Port: 80}
+	port := func(name string) *service.Port {
+		return &service.Port{Name: service.PortName{NamespacedName: web, Port: name}, Port: 80}
 	}
 	state := func() map[string][]string {
 		out := map[string][]string{}
@@ -225,14 +226,14 @@ func TestMetricsRetainService(t *testing.T) {
 }
 
 // TestMetricsManyBackends checks that a port's backend counters are found
-// past smallSet backends (by map) as below it (by scan), and carried over
+// past smallBackends backends (by map) as below it (by scan), and carried over
 // when the port shrinks back below it.
 func TestMetricsManyBackends(t *testing.T) {
 	m := NewMetrics(prometheus.NewRegistry())
 	web := types.NamespacedName{Namespace: "default", Name: "web"}
-	sp := &ServicePort{Name: ServicePortName{NamespacedName: web, Port: "http"}, Port: 80}
+	sp := &service.Port{Name: service.PortName{NamespacedName: web, Port: "http"}, Port: 80}
 	var bs []*balancer.Backend
-	for i := range 3 * smallSet {
+	for i := range 3 * smallBackends {
 		bs = append(bs, balancer.NewBackend(netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, 0, byte(i + 1)}), 8080), 0))
 	}
 	round := func(bs []*balancer.Backend) *datapath.PortMetrics {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -143,4 +144,61 @@ func TestExposedPorts(t *testing.T) {
 			t.Errorf("exposed(%v) with range %q, reserved %q = %d, want %d", tt.r, tt.rng, tt.reserved, got, tt.want)
 		}
 	}
+}
+
+func TestParsePortRange(t *testing.T) {
+	tests := []struct {
+		in      string
+		want    PortRange
+		wantErr bool
+	}{
+		{"", PortRange{}, false},
+		{"30000-30009", PortRange{30000, 10}, false},
+		{"30000+9", PortRange{30000, 10}, false},
+		{"30000", PortRange{30000, 1}, false},
+		{"30009-30000", PortRange{}, true},
+		{"0-10", PortRange{}, true},
+		{"65535+1", PortRange{}, true},
+		{"a-b", PortRange{}, true},
+	}
+	for _, tt := range tests {
+		got, err := ParsePortRange(tt.in)
+		if (err != nil) != tt.wantErr || got != tt.want {
+			t.Errorf("ParsePortRange(%q) = %v, %v; want %v, err %v", tt.in, got, err, tt.want, tt.wantErr)
+		}
+	}
+}
+
+// FuzzParsePortRange checks that a --proxy-port-range that parses is a
+// non-empty range within 1-65535 (or the zero value for ""), and reads back
+// the same from its String form.
+func FuzzParsePortRange(f *testing.F) {
+	for _, s := range []string{"", " ", "30000-30009", " 30000 - 30009 ", "30000+9", "30000", "1-65535", "65535+0",
+		"30009-30000", "0-10", "65535+1", "1+-1", "a-b", "-", "+", "1-2-3", "1+2+3", "30000-", "+5", "99999",
+		"1+9223372036854775807", // lo+off overflowed into a negative Size
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		r, err := ParsePortRange(s)
+		if err != nil {
+			if r != (PortRange{}) || !strings.Contains(err.Error(), "invalid port range") {
+				t.Errorf("ParsePortRange(%q) = %+v, %v; want the zero range and an error saying so", s, r, err)
+			}
+			return
+		}
+		if strings.TrimSpace(s) == "" {
+			if r != (PortRange{}) {
+				t.Errorf("ParsePortRange(%q) = %+v, want the zero range", s, r)
+			}
+			return
+		}
+		if r.Base < 1 || r.Size < 1 || int(r.Base)+r.Size-1 > 65535 {
+			t.Fatalf("ParsePortRange(%q) = %+v: not a range within 1-65535", s, r)
+		}
+		again, err := ParsePortRange(r.String())
+		if err != nil || again != r {
+			t.Errorf("ParsePortRange(%q) = %+v, whose String %q reads back as %+v, %v", s, r, r.String(), again, err)
+		}
+	})
 }

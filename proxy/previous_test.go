@@ -12,6 +12,9 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
+	"github.com/uproxy/uproxy/proxy/source"
 )
 
 // TestListenersRebindPreviousPorts checks that a listener binds the port
@@ -40,7 +43,7 @@ func TestListenersRebindPreviousPorts(t *testing.T) {
 	defer busy.Close()
 	wantB := busy.Addr().(*net.TCPAddr).Port
 	previous := map[string]uint16{"default/a:http": uint16(wantA), "default/b:http": uint16(wantB)}
-	p, rules := startProxier(t, Config{PreviousPort: func(name ServicePortName, network string) uint16 {
+	p, rules := startProxier(t, Config{PreviousPort: func(name service.PortName, network string) uint16 {
 		if network != "tcp4" {
 			return 0
 		}
@@ -72,7 +75,7 @@ func TestServePreviousState(t *testing.T) {
 
 	// The previous instance syncs once and is killed: its rules stay.
 	rules := &recordingRules{}
-	prev := NewProxier(Config{Rules: rules, StateFile: state, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	prev := NewProxier(Config{Rules: rules, StateFile: state, Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { prev.Run(ctx); close(done) }() // ends with cancel
@@ -82,7 +85,7 @@ func TestServePreviousState(t *testing.T) {
 		"default/b:http": uint16(rules.port(t, "default/b:http")),
 	}
 	testwait.Until(t, 5*time.Second, "the state file to hold both services", func() bool {
-		saved, _, _ := LoadState(state)
+		saved, _, _ := source.LoadState(state)
 		return len(saved) >= 2
 	})
 	cancel()
@@ -90,13 +93,13 @@ func TestServePreviousState(t *testing.T) {
 	if err := prev.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	savedServices, savedSlices, err := LoadState(state)
+	savedServices, savedSlices, err := source.LoadState(state)
 	if err != nil || len(savedServices) != 2 || len(savedSlices) != 2 {
 		t.Fatalf("the saved state: %d services, %d slices, %v", len(savedServices), len(savedSlices), err)
 	}
 
 	// The new instance: no source has listed yet.
-	p, newRules := startProxier(t, Config{StateFile: state, PreviousPort: func(name ServicePortName, network string) uint16 {
+	p, newRules := startProxier(t, Config{StateFile: state, PreviousPort: func(name service.PortName, network string) uint16 {
 		if network != "tcp4" {
 			return 0
 		}

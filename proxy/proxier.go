@@ -19,6 +19,8 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // Config configures a Proxier. The zero value of each field is documented;
@@ -42,7 +44,7 @@ type Config struct {
 	// where it can, so that after a crash the rules left behind work as
 	// soon as the listener is open, before the first sync rewrites them.
 	// Nil means none.
-	PreviousPort func(name ServicePortName, network string) uint16
+	PreviousPort func(name service.PortName, network string) uint16
 	// StateFile is where each successful sync's Services and
 	// EndpointSlices are saved (state.go), for ServePrevious after a
 	// restart. Empty means none is saved.
@@ -78,9 +80,9 @@ type Config struct {
 	// assigns to bind(0), chosen by uproxy (portAllocator).
 	PortRange PortRange
 	// Defaults are the settings a Service can override by annotation.
-	Defaults ServiceDefaults
+	Defaults service.Defaults
 	// Sync sets the sync frequency bounds.
-	Sync RunnerConfig
+	Sync changes.RunnerConfig
 	// NodeName is this node's name, as endpoints' nodeName gives it: it
 	// decides which endpoints are local. Empty means none is.
 	NodeName string
@@ -101,7 +103,7 @@ type Config struct {
 	// LoopbackEndpoints lets endpoints on loopback addresses through,
 	// for tests whose backends listen there. False refuses them, as a
 	// pod could otherwise reach the node's own local services through a
-	// Service (see endpointAddrRefusal).
+	// Service (see service.AddrRefusal).
 	LoopbackEndpoints bool
 	// ServiceHealth receives the health-check node ports and local
 	// endpoint counts of externalTrafficPolicy Local services after every
@@ -153,8 +155,8 @@ func (c *Config) logger() *zap.Logger {
 // stops them all.
 type Proxier struct {
 	cfg     Config
-	tracker *Tracker
-	runner  *Runner
+	tracker *changes.Tracker
+	runner  *changes.Runner
 	log     *zap.Logger
 	// dp carries the connections and datagrams of the listeners.
 	dp *datapath.Engine
@@ -174,9 +176,9 @@ type Proxier struct {
 	// budgetRefused counts the listeners of this sync that
 	// Config.MaxListeners refused, for one log line per sync.
 	budgetRefused int
-	slots         map[ServicePortName]*datapath.ConnSlots // per service port, shared by its listeners
-	hash          hashTables                              // the source-hash balancers' tables
-	warned        map[types.NamespacedName]*v1.Service    // the version whose ignored annotations were logged
+	slots         map[service.PortName]*datapath.ConnSlots // per service port, shared by its listeners
+	hash          hashTables                               // the source-hash balancers' tables
+	warned        map[types.NamespacedName]*v1.Service     // the version whose ignored annotations were logged
 	// hcPorts and hcLocal are what the ServiceHealth server was last
 	// given (or is to be given when hcDirty): each health-checked
 	// service's port and number of ready local endpoints. Kept per
@@ -212,8 +214,8 @@ func NewProxier(cfg Config) *Proxier {
 		p.log.Warn("cannot read the kernel's local port range; listeners bind port 0, which is slower with thousands of them", zap.Error(err))
 	}
 	cfg.Metrics.setSource(p.walkMetrics)
-	p.runner = NewRunner(cfg.Sync, p.sync)
-	p.tracker = NewTracker(p.log, func() {
+	p.runner = changes.NewRunner(cfg.Sync, p.sync)
+	p.tracker = changes.NewTracker(p.log, func() {
 		if cfg.OnChange != nil {
 			cfg.OnChange()
 		}
@@ -226,7 +228,7 @@ func NewProxier(cfg Config) *Proxier {
 }
 
 // Tracker returns the tracker that sources feed.
-func (p *Proxier) Tracker() *Tracker { return p.tracker }
+func (p *Proxier) Tracker() *changes.Tracker { return p.tracker }
 
 // SetZone records this node's topology zone (its topology.kubernetes.io/zone
 // label). A change re-evaluates every service's topology hints with a full
@@ -307,7 +309,7 @@ func (p *Proxier) LastSync() time.Time {
 // applyServices makes the listeners of the changed services match their
 // objects, opening the new ones ahead (openListeners). Called by the sync
 // goroutine, for a sync and for the previous instance's objects.
-func (p *Proxier) applyServices(ctx context.Context, changed []ServiceState) {
+func (p *Proxier) applyServices(ctx context.Context, changed []changes.ServiceState) {
 	zone := p.currentZone()
 	wants := make([]serviceWant, len(changed))
 	for i, st := range changed {
@@ -322,11 +324,11 @@ func (p *Proxier) applyServices(ctx context.Context, changed []ServiceState) {
 // sync applies the tracker's changes. It runs only on the runner's goroutine.
 func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if !p.tracker.Synced() {
-		if p.tracker.takeSeed() {
+		if p.tracker.TakeSeed() {
 			p.applyPrevious(ctx)
 		}
 		p.log.Info("waiting for the initial lists of Services and EndpointSlices before syncing")
-		return ErrSyncSkipped
+		return changes.ErrSyncSkipped
 	}
 	start := p.cfg.clock().Now()
 	// A forced sync (a zone change, a failed handover) re-applies every
@@ -481,7 +483,7 @@ func (p *Proxier) serviceEndpoints(name types.NamespacedName) int {
 // service port and family of its cluster IPs, in the service's order. A
 // deleted service wants none.
 type serviceWant struct {
-	st    ServiceState
+	st    changes.ServiceState
 	ports []wantedPort
 }
 
@@ -490,17 +492,17 @@ type serviceWant struct {
 // than a map: a first sync holds the wants of every service at once.
 type wantedPort struct {
 	key portKey
-	sp  *ServicePort
+	sp  *service.Port
 	vip netip.Addr
 }
 
 // wantOf returns the listeners st wants.
-func wantOf(st ServiceState, defaults ServiceDefaults) serviceWant {
+func wantOf(st changes.ServiceState, defaults service.Defaults) serviceWant {
 	w := serviceWant{st: st}
 	if st.Service == nil {
 		return w
 	}
-	for _, sp := range ServicePorts(st.Service, defaults) {
+	for _, sp := range service.Ports(st.Service, defaults) {
 		for _, ip := range sp.ClusterIPs {
 			wp := wantedPort{key: portKey{name: sp.Name, v6: ip.Is6()}, sp: sp, vip: ip}
 			// One listener per key: the last cluster IP of a family wins,

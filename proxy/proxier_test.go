@@ -28,6 +28,8 @@ import (
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testbackend"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
@@ -157,7 +159,7 @@ func echoBackend(t *testing.T) *backend { return wrapBackend(testbackend.Echo(t)
 func slicesFor(svcName, portName string, bs ...*backend) []*discovery.EndpointSlice {
 	var out []*discovery.EndpointSlice
 	for i, b := range bs {
-		out = append(out, slice(fmt.Sprintf("%s-%d", svcName, i), svcName, portName, int32(b.addr.Port()), ep{ip: b.addr.Addr().String()}))
+		out = append(out, slice(fmt.Sprintf("%s-%d", svcName, i), svcName, portName, int32(b.addr.Port()), ep{IP: b.addr.Addr().String()}))
 	}
 	return out
 }
@@ -243,7 +245,7 @@ func TestProxyFailsOverRefusedAndBlackholedEndpoints(t *testing.T) {
 		hole := blackhole(t)
 		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute}})
 		slices := slicesFor("web", "http", refused, good)
-		slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{ip: "127.0.0.1"}))
+		slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{IP: "127.0.0.1"}))
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
 		port := rules.port(t, "default/web:http")
 		for i := range 20 {
@@ -402,7 +404,7 @@ func stoppedWithOneSession(t *testing.T) (*Proxier, net.Conn, int) {
 	t.Helper()
 	be := echoBackend(t)
 	rules := &recordingRules{}
-	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Sync: RunnerConfig{MinInterval: 10 * time.Millisecond}})
+	p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { p.Run(ctx); close(done) }()
@@ -498,11 +500,11 @@ func TestPeriodicResyncKeepsSnapshots(t *testing.T) {
 	rules := &recordingRules{}
 	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: rules})
 	webSlice := func(ip string) *discovery.EndpointSlice {
-		return slice("web-0", "web", "http", 8080, ep{ip: ip})
+		return slice("web-0", "web", "http", 8080, ep{IP: ip})
 	}
 	p.Tracker().Replace(
 		[]*v1.Service{svc("web", "10.96.0.10", "http:80"), svc("api", "10.96.0.11", "http:80")},
-		[]*discovery.EndpointSlice{webSlice("10.244.0.1"), slice("api-0", "api", "http", 8080, ep{ip: "10.244.0.2"})})
+		[]*discovery.EndpointSlice{webSlice("10.244.0.1"), slice("api-0", "api", "http", 8080, ep{IP: "10.244.0.2"})})
 	sync := func(full bool) {
 		t.Helper()
 		if err := p.sync(t.Context(), full); err != nil {
@@ -731,7 +733,7 @@ func proxyProtocolHeader(t *testing.T, dp dataPath) {
 				return netip.MustParseAddrPort("10.96.0.10:80"), nil
 			}}})
 			s := svc("web", "10.96.0.10", "http:80")
-			s.Annotations = map[string]string{AnnotationProxyProtocol: version}
+			s.Annotations = map[string]string{service.AnnotationProxyProtocol: version}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
 			c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
@@ -814,7 +816,7 @@ func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 	rules := &recordingRules{}
 	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: rules})
 	dns := svc("kube-dns", "10.96.0.10", "dns:53/UDP")
-	dnsSlice := slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})
+	dnsSlice := slice("kube-dns-0", "kube-dns", "dns", 53, ep{IP: "10.244.0.1"})
 	guarded := func() map[string]bool {
 		m := map[string]bool{}
 		for name, ls := range p.services {
@@ -852,7 +854,7 @@ func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 	rules.mu.Unlock()
 	p.Tracker().Replace(
 		[]*v1.Service{dns, svc("syslog", "10.96.0.11", "syslog:514/UDP")},
-		[]*discovery.EndpointSlice{dnsSlice, slice("syslog-0", "syslog", "syslog", 514, ep{ip: "10.244.0.2"})})
+		[]*discovery.EndpointSlice{dnsSlice, slice("syslog-0", "syslog", "syslog", 514, ep{IP: "10.244.0.2"})})
 	if err := sync(false, nil); err != nil {
 		t.Fatal(err)
 	}
@@ -879,7 +881,7 @@ func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 func TestUDPCheckEveryFlowMarksNoListener(t *testing.T) {
 	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: &recordingRules{}, UDPCheckEveryFlow: true})
 	p.Tracker().Replace([]*v1.Service{svc("kube-dns", "10.96.0.10", "dns:53/UDP")},
-		[]*discovery.EndpointSlice{slice("kube-dns-0", "kube-dns", "dns", 53, ep{ip: "10.244.0.1"})})
+		[]*discovery.EndpointSlice{slice("kube-dns-0", "kube-dns", "dns", 53, ep{IP: "10.244.0.1"})})
 	if err := p.sync(t.Context(), true); err != nil {
 		t.Fatal(err)
 	}
@@ -962,4 +964,59 @@ func TestListenerBudget(t *testing.T) {
 		}
 	}
 	testwait.Until(t, 5*time.Second, "no port is without a listener", func() bool { return without() == 0 })
+}
+
+// TestStatusOnlyServiceUpdate checks that an update that changes only a
+// Service's status, as the cloud controller assigns a load balancer's
+// address after creation, reaches the rules, through the informer's
+// upserts and through a manifest folder's Replace alike.
+func TestStatusOnlyServiceUpdate(t *testing.T) {
+	lb := func(ingress ...string) *v1.Service {
+		s := svc("web", "10.96.0.10", "http:80")
+		s.Spec.Type = v1.ServiceTypeLoadBalancer
+		s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/25"}
+		for _, ip := range ingress {
+			s.Status.LoadBalancer.Ingress = append(s.Status.LoadBalancer.Ingress, v1.LoadBalancerIngress{IP: ip})
+		}
+		return s
+	}
+	sls := []*discovery.EndpointSlice{slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"})}
+	for _, tt := range []struct {
+		name   string
+		update func(*changes.Tracker, *v1.Service)
+	}{
+		{"upsert", func(tr *changes.Tracker, s *v1.Service) { tr.OnServiceUpsert(s) }},
+		{"replace", func(tr *changes.Tracker, s *v1.Service) { tr.Replace([]*v1.Service{s}, sls) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rules := &recordingRules{}
+			p := NewProxier(Config{Rules: rules})
+			t.Cleanup(func() { p.Shutdown(context.Background()) })
+			p.Tracker().Replace([]*v1.Service{lb()}, sls)
+			if err := p.sync(t.Context(), false); err != nil {
+				t.Fatal(err)
+			}
+			lbIntercepts := func() []string {
+				rules.mu.Lock()
+				defer rules.mu.Unlock()
+				var out []string
+				for _, in := range rules.last {
+					if in.Kind == LoadBalancerIP {
+						out = append(out, fmt.Sprintf("%s:%d %v", in.VIP, in.Port, in.SourceRanges))
+					}
+				}
+				return out
+			}
+			if got := lbIntercepts(); len(got) != 0 {
+				t.Fatalf("load-balancer intercepts before the status update: %v", got)
+			}
+			tt.update(p.Tracker(), lb("192.0.2.80"))
+			if err := p.sync(t.Context(), false); err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff([]string{"192.0.2.80:80 [192.0.2.0/25]"}, lbIntercepts()); diff != "" {
+				t.Errorf("load-balancer intercepts after the status update (-want +got):\n%s", diff)
+			}
+		})
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/proxy/changes"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -14,27 +15,27 @@ import (
 // handed to OnReject with its reason, and valid ones are not.
 func TestTrackerOnReject(t *testing.T) {
 	badService := svc("bad", "10.96.0.1", "http:0")
-	noPort := slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"})
+	noPort := slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"})
 	noPort.Ports[0].Port = nil
 	tests := []struct {
 		name   string
-		record func(*Tracker)
+		record func(*changes.Tracker)
 		want   []string
 	}{
-		{"valid objects", func(tr *Tracker) {
+		{"valid objects", func(tr *changes.Tracker) {
 			tr.OnServiceUpsert(svc("web", "10.96.0.10", "http:80"))
-			tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"}))
+			tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"}))
 		}, nil},
-		{"a Service", func(tr *Tracker) { tr.OnServiceUpsert(badService) },
+		{"a Service", func(tr *changes.Tracker) { tr.OnServiceUpsert(badService) },
 			[]string{"Service default/bad: spec.ports[0].port: 0 is not in 1-65535"}},
-		{"an EndpointSlice", func(tr *Tracker) { tr.OnSliceUpsert(noPort) },
+		{"an EndpointSlice", func(tr *changes.Tracker) { tr.OnSliceUpsert(noPort) },
 			[]string{"EndpointSlice default/web-1: ports[0].port: missing"}},
-		{"through Replace", func(tr *Tracker) { tr.Replace([]*v1.Service{badService}, []*discovery.EndpointSlice{noPort}) },
+		{"through Replace", func(tr *changes.Tracker) { tr.Replace([]*v1.Service{badService}, []*discovery.EndpointSlice{noPort}) },
 			[]string{"Service default/bad: spec.ports[0].port: 0 is not in 1-65535", "EndpointSlice default/web-1: ports[0].port: missing"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tr := NewTracker(nil, nil)
+			tr := changes.NewTracker(nil, nil)
 			var got []string
 			tr.OnReject = func(obj runtime.Object, err error) {
 				switch o := obj.(type) {

@@ -14,6 +14,8 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // TestSCTPPortsIgnoredOneByOne checks that an SCTP port costs a Service
@@ -41,31 +43,31 @@ func TestSCTPPortsIgnoredOneByOne(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := svc("web", "10.96.0.10", tt.ports...)
-			if err := ValidateService(s); err != nil {
+			if err := service.ValidateService(s); err != nil {
 				t.Fatalf("ValidateService() = %v, want nil", err)
 			}
 			got := []string{}
-			for _, sp := range ServicePorts(s, ServiceDefaults{}) {
+			for _, sp := range service.Ports(s, service.Defaults{}) {
 				got = append(got, fmt.Sprintf("%s/%s", sp.Name, sp.Name.Protocol))
 			}
 			if diff := cmp.Diff(tt.wantPorts, got); diff != "" {
-				t.Errorf("ServicePorts() (-want +got):\n%s", diff)
+				t.Errorf("service.Ports() (-want +got):\n%s", diff)
 			}
 			var warnings []string
-			for _, w := range ServiceWarnings(s) {
+			for _, w := range service.Warnings(s) {
 				warnings = append(warnings, w.Error())
 			}
 			if diff := cmp.Diff(tt.warnings, warnings); diff != "" {
-				t.Errorf("ServiceWarnings() (-want +got):\n%s", diff)
+				t.Errorf("service.Warnings() (-want +got):\n%s", diff)
 			}
 		})
 	}
 
 	// A slice with an SCTP port is valid too: its TCP port still has
 	// endpoints.
-	sl := slice("web-abc", "web", "http", 8080, ep{ip: "10.244.0.11"})
+	sl := slice("web-abc", "web", "http", 8080, ep{IP: "10.244.0.11"})
 	sl.Ports = append(sl.Ports, discovery.EndpointPort{Name: ptr.To("sig"), Port: ptr.To[int32](3868), Protocol: ptr.To(v1.ProtocolSCTP)})
-	if err := ValidateSlice(sl); err != nil {
+	if err := service.ValidateSlice(sl); err != nil {
 		t.Errorf("ValidateSlice() of a slice with an SCTP port = %v, want nil", err)
 	}
 }
@@ -76,7 +78,7 @@ func TestSCTPPortsIgnoredOneByOne(t *testing.T) {
 func TestSCTPPortLeavesTCPPortProxied(t *testing.T) {
 	be, _ := holdingBackend(t)
 	core, logs := observer.New(zap.WarnLevel)
-	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: RunnerConfig{MaxInterval: 20 * time.Millisecond}})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Sync: changes.RunnerConfig{MaxInterval: 20 * time.Millisecond}})
 	s := svc("web", "10.96.0.10", "http:80", "sig:3868/SCTP")
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 	port := rules.port(t, "default/web:http")

@@ -66,7 +66,7 @@ func TestServiceHealthFollowsChanges(t *testing.T) {
 	onNodes := func(name, svcName string, nodes ...string) *discovery.EndpointSlice {
 		var eps []ep
 		for i := range nodes {
-			eps = append(eps, ep{ip: netip.AddrFrom4([4]byte{10, 244, 0, byte(i + 1)}).String()})
+			eps = append(eps, ep{IP: netip.AddrFrom4([4]byte{10, 244, 0, byte(i + 1)}).String()})
 		}
 		sl := slice(name, svcName, "http", 8080, eps...)
 		for i, n := range nodes {

@@ -3,7 +3,6 @@ package proxy
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/netip"
 	"slices"
 
@@ -11,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // The shared listener layout (Config.SharedListeners, --listener=shared).
@@ -27,24 +27,6 @@ import (
 // are "hosted" by the shared listener, whose route table maps each
 // original destination to its service port's listener.
 
-// sharedName is the name a shared listener goes by in the logs, in its
-// handover key and for Config.PreviousPort: no Service, the port name
-// "shared", and the protocol.
-func sharedName(proto v1.Protocol) ServicePortName {
-	return ServicePortName{Port: SharedPortName, Protocol: proto}
-}
-
-// SharedPortName is the port name of a shared listener's ServicePortName,
-// which has no namespace and no name: PreviousPort sees it for the shared
-// listeners.
-const SharedPortName = "shared"
-
-// IsShared reports whether n names a shared listener rather than the port
-// of a Service.
-func (n ServicePortName) IsShared() bool {
-	return n.Namespace == "" && n.Name == "" && n.Port == SharedPortName
-}
-
 // sharedFor reports whether the service ports of proto are hosted by a
 // shared listener. In redirect mode UDP needs UDPOriginalDst: REDIRECT
 // rewrites a datagram's destination, and no socket option recovers it
@@ -59,7 +41,7 @@ func (c *Config) sharedFor(proto v1.Protocol) bool {
 // hostOn returns a listener for k hosted by the shared listener of k's
 // network, opening that first if need be.
 func (p *Proxier) hostOn(ctx context.Context, k portKey) (*listener, error) {
-	sk := portKey{name: sharedName(k.name.Protocol), v6: k.v6}
+	sk := portKey{name: service.SharedName(k.name.Protocol), v6: k.v6}
 	sh := p.shared[sk]
 	if sh == nil {
 		for attempt := 1; ; attempt++ {
@@ -179,7 +161,7 @@ func (p *Proxier) rebuildRoutes() {
 					// Two services claim one external address and port;
 					// the rules send it to the first in the proxier's
 					// order (redirect.ServiceRules), and so does this.
-					if servicePortLess(prev.Name.(ServicePortName), l.key.name) {
+					if servicePortLess(prev.Name.(service.PortName), l.key.name) {
 						continue
 					}
 				}
@@ -197,7 +179,7 @@ func (p *Proxier) rebuildRoutes() {
 
 // servicePortLess orders service port names as strings, the tie-break of
 // two services claiming one destination.
-func servicePortLess(a, b ServicePortName) bool { return a.String() < b.String() }
+func servicePortLess(a, b service.PortName) bool { return a.String() < b.String() }
 
 // closeShared closes every shared listener (Shutdown, StopListening).
 func (p *Proxier) closeShared() {
@@ -206,9 +188,4 @@ func (p *Proxier) closeShared() {
 		p.closeListener(sh)
 		delete(p.shared, k)
 	}
-}
-
-// String of a shared listener's name.
-func sharedString(n ServicePortName) string {
-	return fmt.Sprintf("shared %s listener", n.Protocol)
 }

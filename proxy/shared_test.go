@@ -18,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // TestSharedListenerRoutesByOriginalDestination runs three services on
@@ -170,7 +171,7 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	if diff := cmp.Diff(want, keys); diff != "" {
 		t.Errorf("exported sockets (-want +got):\n%s", diff)
 	}
-	first := q.shared[portKey{name: sharedName(v1.ProtocolTCP)}].Port
+	first := q.shared[portKey{name: service.SharedName(v1.ProtocolTCP)}].Port
 	in := NewInherited(socks)
 	q.StopListening()
 

@@ -10,6 +10,8 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // snapshot is a listener's state as the sync goroutine built it: the
@@ -18,15 +20,15 @@ import (
 // Explain. Immutable, replaced whole.
 type snapshot struct {
 	*datapath.Snapshot
-	sp        *ServicePort
-	endpoints []Endpoint // all endpoints of the listener's family
-	sets      EndpointSets
+	sp        *service.Port
+	endpoints []service.Endpoint // all endpoints of the listener's family
+	sets      service.EndpointSets
 }
 
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
 // Source-hash balancers take their tables from hashing.
-func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st ServiceState, zone string, old *snapshot, hashing *balancer.MaglevRebuild) *snapshot {
+func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, st changes.ServiceState, zone string, old *snapshot, hashing *balancer.MaglevRebuild) *snapshot {
 	s := &snapshot{sp: sp, Snapshot: &datapath.Snapshot{
 		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
@@ -38,29 +40,29 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 			s.External = append(s.External, ip)
 		}
 	}
-	eps, refused := portEndpoints(sp, st.Slices, func(ap netip.AddrPort) string { return p.endpointRefusal(sp, ap) })
+	eps, refused := service.FilterPortEndpoints(sp, st.Slices, func(ap netip.AddrPort) string { return p.endpointRefusal(sp, ap) })
 	for _, r := range refused {
-		if r.addr.Addr().Is6() == l.key.v6 { // once, by the listener of its family
+		if r.Addr.Addr().Is6() == l.key.v6 { // once, by the listener of its family
 			p.log.Warn("refusing an endpoint; the service's other endpoints are used",
-				zap.String("kind", "EndpointSlice"), zap.String("object", r.slice), zap.String("field", r.field),
-				zap.Stringer("endpoint", r.addr), zap.Stringer("servicePort", sp.Name), zap.String("reason", r.reason))
+				zap.String("kind", "EndpointSlice"), zap.String("object", r.Slice), zap.String("field", r.Field),
+				zap.Stringer("endpoint", r.Addr), zap.Stringer("servicePort", sp.Name), zap.String("reason", r.Reason))
 		}
 	}
-	otherFamily := func(e Endpoint) bool { return e.Addr.Addr().Is6() != l.key.v6 }
+	otherFamily := func(e service.Endpoint) bool { return e.Addr.Addr().Is6() != l.key.v6 }
 	if !slices.ContainsFunc(eps, otherFamily) {
 		s.endpoints = eps // all of the listener's family: no copy (snapshots are immutable)
 	} else {
 		s.endpoints = slices.DeleteFunc(eps, otherFamily) // eps is this call's own
 	}
-	s.sets = CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
+	s.sets = service.CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
 
 	// One Backend per endpoint address, shared by both sets, found by a
-	// scan of s.Backends while there are few (smallSet).
+	// scan of s.Backends while there are few (service.SmallSet).
 	// Sized once: every endpoint has at most one backend, and appending
 	// left the array with up to twice the room, held by the snapshot.
 	s.Backends = make([]*balancer.Backend, 0, len(s.endpoints))
 	var byAddr map[netip.AddrPort]*balancer.Backend
-	if len(s.endpoints) > smallSet {
+	if len(s.endpoints) > service.SmallSet {
 		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.endpoints))
 	}
 	find := func(a netip.AddrPort) *balancer.Backend {
@@ -69,7 +71,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 		}
 		return byAddr[a]
 	}
-	backendsOf := func(eps []Endpoint) []*balancer.Backend {
+	backendsOf := func(eps []service.Endpoint) []*balancer.Backend {
 		out := make([]*balancer.Backend, 0, len(eps))
 		for _, e := range eps {
 			b := find(e.Addr)
@@ -131,8 +133,8 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 }
 
 // endpointRefusal returns why sp must not send traffic to the endpoint
-// ap, or "" when it may (see portEndpoints). Besides the addresses that
-// no Service may use (endpointAddrRefusal), it refuses:
+// ap, or "" when it may (see service.FilterPortEndpoints). Besides the addresses that
+// no Service may use (service.AddrRefusal), it refuses:
 //   - an address and port that sp itself intercepts: the proxy's own
 //     dial skips this node's rules (Config.OwnMark) but not another
 //     node's, which would send it back, and so on;
@@ -141,9 +143,9 @@ func (p *Proxier) buildSnapshot(l *listener, sp *ServicePort, vip netip.Addr, st
 //     must not reach through a Service address.
 //
 // Called by the sync goroutine, which owns the port allocator.
-func (p *Proxier) endpointRefusal(sp *ServicePort, ap netip.AddrPort) string {
+func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 	ip, port := ap.Addr(), ap.Port()
-	if why := endpointAddrRefusal(ip, p.cfg.LoopbackEndpoints); why != "" {
+	if why := service.AddrRefusal(ip, p.cfg.LoopbackEndpoints); why != "" {
 		return why
 	}
 	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.ExternalIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip)) {

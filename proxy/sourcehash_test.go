@@ -19,6 +19,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // hashService is a source-hash Service with ports http (80), https (443)
@@ -26,7 +27,7 @@ import (
 // httpPods, and metrics the metricsPods.
 func hashService(httpPods, metricsPods int) (*v1.Service, []*discovery.EndpointSlice) {
 	s := svc("web", "10.96.0.10", "http:80", "https:443", "metrics:9090")
-	s.Annotations = map[string]string{AnnotationBalancer: string(balancer.SourceHash)}
+	s.Annotations = map[string]string{service.AnnotationBalancer: string(balancer.SourceHash)}
 	web := slice("web-1", "web", "http", 8080)
 	web.Ports = append(web.Ports, discovery.EndpointPort{Name: ptr.To("https"), Port: ptr.To[int32](8443), Protocol: ptr.To(v1.ProtocolTCP)})
 	for i := range httpPods {
@@ -142,7 +143,7 @@ func TestSourceHashTablesBound(t *testing.T) {
 	client := netip.MustParseAddr("192.0.2.7")
 	for _, tt := range []struct{ port, key, hashing string }{{"80", "http", "(Maglev)"}, {"9090", "metrics", "(rendezvous)"}} {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.10:"+tt.port), v1.ProtocolTCP, client)
-		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}].get(portKey{name: ServicePortName{
+		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}].get(portKey{name: service.PortName{
 			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}})
 		if want := l.snap.Load().Cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
 			t.Errorf("explain %s: backend %s by %q; want %s %s", tt.key, ex.Backend, ex.Pick, want, tt.hashing)
@@ -152,8 +153,8 @@ func TestSourceHashTablesBound(t *testing.T) {
 	sync(hashService(11, 3))
 	// All ports with the same pods: one table, which fits.
 	s, sls := hashService(10, 0)
-	sls[1] = slice("web-2", "web", "metrics", 9090, ep{ip: "10.244.0.1"}, ep{ip: "10.244.0.2"}, ep{ip: "10.244.0.3"}, ep{ip: "10.244.0.4"},
-		ep{ip: "10.244.0.5"}, ep{ip: "10.244.0.6"}, ep{ip: "10.244.0.7"}, ep{ip: "10.244.0.8"}, ep{ip: "10.244.0.9"}, ep{ip: "10.244.0.10"})
+	sls[1] = slice("web-2", "web", "metrics", 9090, ep{IP: "10.244.0.1"}, ep{IP: "10.244.0.2"}, ep{IP: "10.244.0.3"}, ep{IP: "10.244.0.4"},
+		ep{IP: "10.244.0.5"}, ep{IP: "10.244.0.6"}, ep{IP: "10.244.0.7"}, ep{IP: "10.244.0.8"}, ep{IP: "10.244.0.9"}, ep{IP: "10.244.0.10"})
 	sync(s, sls)
 	ports, tables, total = hashing(p)
 	if diff := cmp.Diff(map[string]string{"http": "Maglev 2053", "https": "Maglev 2053", "metrics": "Maglev 2053"}, ports); diff != "" {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // TestPreserveSourceIPFallsBackWhenNoReply runs a proxier in tproxy mode
@@ -77,7 +78,7 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 			reg := prometheus.NewRegistry()
 			p, rules := startProxier(t, Config{Config: datapath.Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout}, Metrics: NewMetrics(reg)})
 			s := svc("web", "10.96.0.10", "http:80")
-			s.Annotations = map[string]string{AnnotationPreserveSourceIP: "true", AnnotationProxyProtocol: "v1"}
+			s.Annotations = map[string]string{service.AnnotationPreserveSourceIP: "true", service.AnnotationProxyProtocol: "v1"}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
 

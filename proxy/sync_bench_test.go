@@ -12,6 +12,7 @@ import (
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
+	"github.com/uproxy/uproxy/proxy/service"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/ptr"
@@ -28,7 +29,7 @@ func BenchmarkSyncEndpointChange(b *testing.B) {
 			p, sls := syncedProxier(b, n)
 			last := sls[n-1]
 			alt := []*discovery.EndpointSlice{
-				slice(last.Name, "svc-"+fmt.Sprintf("%05d", n-1), "http", 8080, ep{ip: "10.244.250.1"}),
+				slice(last.Name, "svc-"+fmt.Sprintf("%05d", n-1), "http", 8080, ep{IP: "10.244.250.1"}),
 				last,
 			}
 			b.ReportAllocs()
@@ -121,7 +122,7 @@ func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.En
 		for j := range 10 {
 			// 10.244.0.0/16 holds 6,400 services' endpoints; later
 			// services reuse addresses, as valid as distinct ones here.
-			eps = append(eps, ep{ip: fmt.Sprintf("10.244.%d.%d", (i/25)%256, (i%25)*10+j+1)})
+			eps = append(eps, ep{IP: fmt.Sprintf("10.244.%d.%d", (i/25)%256, (i%25)*10+j+1)})
 		}
 		sls[i] = slice(name+"-1", name, "http", 8080, eps...)
 	}
@@ -151,7 +152,7 @@ func BenchmarkSyncSourceHash(b *testing.B) {
 					b.StopTimer()
 					p, svcs, sls := c.services(b)
 					for _, s := range svcs {
-						s.Annotations = map[string]string{AnnotationBalancer: string(kind)}
+						s.Annotations = map[string]string{service.AnnotationBalancer: string(kind)}
 					}
 					p.Tracker().Replace(svcs, sls)
 					before := heapInUse()
@@ -189,7 +190,7 @@ func manyPortsProxier(b *testing.B) (*Proxier, []*v1.Service, []*discovery.Endpo
 	s := svc("many", "10.96.0.10", ports...)
 	var eps []ep
 	for j := range 10 {
-		eps = append(eps, ep{ip: fmt.Sprintf("10.244.0.%d", j+1)})
+		eps = append(eps, ep{IP: fmt.Sprintf("10.244.0.%d", j+1)})
 	}
 	sl := slice("many-1", "many", "p0", 10000, eps...)
 	for i := 1; i < 2000; i++ {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // poolBackend is a UDP backend on loopback that records the source
@@ -119,7 +120,7 @@ func udpMode(s *v1.Service, mode string) *v1.Service {
 	if s.Annotations == nil {
 		s.Annotations = map[string]string{}
 	}
-	s.Annotations[AnnotationUDPMode] = mode
+	s.Annotations[service.AnnotationUDPMode] = mode
 	return s
 }
 
@@ -357,14 +358,14 @@ func TestUDPPool(t *testing.T) {
 func TestUDPModeAnnotation(t *testing.T) {
 	for _, tt := range []struct {
 		name, port, mode string
-		want             UDPMode
+		want             service.UDPMode
 		wantErr          bool
 	}{
-		{name: "DNS by default", port: "dns:53/UDP", want: UDPRequestReply},
-		{name: "others by default", port: "wg:51820/UDP", want: UDPFlow},
-		{name: "flow", port: "dns:53/UDP", mode: "flow", want: UDPFlow},
-		{name: "auto", port: "quic:443/UDP", mode: "auto", want: UDPAuto},
-		{name: "request-reply", port: "syslog:514/UDP", mode: " request-reply ", want: UDPRequestReply},
+		{name: "DNS by default", port: "dns:53/UDP", want: service.UDPRequestReply},
+		{name: "others by default", port: "wg:51820/UDP", want: service.UDPFlow},
+		{name: "flow", port: "dns:53/UDP", mode: "flow", want: service.UDPFlow},
+		{name: "auto", port: "quic:443/UDP", mode: "auto", want: service.UDPAuto},
+		{name: "request-reply", port: "syslog:514/UDP", mode: " request-reply ", want: service.UDPRequestReply},
 		{name: "bad", port: "dns:53/UDP", mode: "pooled", wantErr: true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -372,14 +373,14 @@ func TestUDPModeAnnotation(t *testing.T) {
 			if tt.mode != "" {
 				udpMode(s, tt.mode)
 			}
-			err := ValidateService(s)
+			err := service.ValidateService(s)
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("ValidateService: %v, want an error: %v", err, tt.wantErr)
 			}
 			if err != nil {
 				return
 			}
-			sps := ServicePorts(s, ServiceDefaults{})
+			sps := service.Ports(s, service.Defaults{})
 			if diff := cmp.Diff(tt.want, sps[0].UDPMode); diff != "" {
 				t.Errorf("UDPMode (-want +got):\n%s", diff)
 			}

@@ -11,10 +11,10 @@ import (
 
 func TestE2EExplain(t *testing.T) {
 	c := newCluster(t, 3)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
-	c.write("sh.yaml", service("sh", "10.96.0.11", 80, map[string]string{"uproxy.io/balancer": "source-hash"}, false, c.pods...))
-	c.write("aff.yaml", service("aff", "10.96.0.12", 80, nil, true, c.pods...))
-	c.write("empty.yaml", service("empty", "10.96.0.13", 80, nil, false))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("sh.yaml", serviceYAML("sh", "10.96.0.11", 80, map[string]string{"uproxy.io/balancer": "source-hash"}, false, c.pods...))
+	c.write("aff.yaml", serviceYAML("aff", "10.96.0.12", 80, nil, true, c.pods...))
+	c.write("empty.yaml", serviceYAML("empty", "10.96.0.13", 80, nil, false))
 	c.start(4, "--metrics-bind-address", metricsAddr)
 	c.waitSynced()
 	from := c.client.IP.String()
@@ -86,7 +86,7 @@ func TestE2EExplain(t *testing.T) {
 // the address: only a member of the set is caught by it.
 func TestE2EExplainShared(t *testing.T) {
 	c := newCluster(t, 2)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	c.start(1, "--metrics-bind-address", metricsAddr, "--listener", "shared")
 	c.waitSynced()
 	explain := func(arg string) proxy.Explanation {

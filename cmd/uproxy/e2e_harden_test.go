@@ -124,7 +124,7 @@ func TestE2EListenerPortNotSquatted(t *testing.T) {
 	for _, mode := range []string{"redirect", "tproxy"} {
 		t.Run(mode, func(t *testing.T) {
 			c := newCluster(t, 1)
-			c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+			c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 			if mode == "tproxy" {
 				if _, err := c.lab.Exec(t.Context(), c.lab.Node, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0"); err != nil {
 					t.Logf("cannot turn bridge-nf-call-iptables off (br_netfilter not loaded?): %v", err)
@@ -199,7 +199,7 @@ func TestE2EListenersWithinDescriptorLimit(t *testing.T) {
 		if i > 0 {
 			m.WriteString("---\n")
 		}
-		m.WriteString(service(fmt.Sprintf("s%03d", i), fmt.Sprintf("10.96.%d.%d", 1+i/250, 1+i%250), 80, nil, false, c.pods[0]))
+		m.WriteString(serviceYAML(fmt.Sprintf("s%03d", i), fmt.Sprintf("10.96.%d.%d", 1+i/250, 1+i%250), 80, nil, false, c.pods[0]))
 	}
 	c.write("many.yaml", m.String())
 	c.launcher = []string{prlimit, "--nofile=600:600"}

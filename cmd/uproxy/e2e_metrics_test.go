@@ -38,7 +38,7 @@ func (c *cluster) scrapeMetrics() map[string]*dto.MetricFamily {
 
 func TestE2EMetrics(t *testing.T) {
 	c := newCluster(t, 2)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	// No periodic full sync: the endpoint change below must be the only
 	// sync that could run a process.
 	c.start(1, "--metrics-bind-address", metricsAddr, "--iptables-sync-period=1h")
@@ -48,7 +48,7 @@ func TestE2EMetrics(t *testing.T) {
 	}
 	// An endpoint change triggered now, as the EndpointSlice controller
 	// would annotate it: uproxy observes its network programming latency.
-	c.write("api.yaml", strings.Replace(service("api", "10.96.0.20", 80, nil, false, c.pods[0]),
+	c.write("api.yaml", strings.Replace(serviceYAML("api", "10.96.0.20", 80, nil, false, c.pods[0]),
 		"  name: api-x\n", fmt.Sprintf("  name: api-x\n  annotations: {endpoints.kubernetes.io/last-change-trigger-time: %q}\n", time.Now().UTC().Format(time.RFC3339Nano)), 1))
 	c.waitRules("api's rule", func(s string) bool { return strings.Contains(s, "10.96.0.20/32") })
 
@@ -115,7 +115,7 @@ func TestE2EMetrics(t *testing.T) {
 	}
 	commands, _ := promtest.Sum(mfs["uproxy_rule_commands_total"], nil)
 	changes, _ := promtest.Sum(mfs["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods[0]))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods[0]))
 	testwait.Until(t, 10*time.Second, "the endpoint change counted", func() bool {
 		v, _ := promtest.Sum(c.scrapeMetrics()["kubeproxy_sync_proxy_rules_endpoint_changes_total"], nil)
 		return v > changes

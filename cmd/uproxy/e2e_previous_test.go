@@ -14,7 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/uproxy/uproxy/internal/testwait"
-	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/source"
 )
 
 // TestE2EKubeRestartWithoutAPIServer kills uproxy (SIGKILL: its rules
@@ -66,7 +66,7 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 		return a.Errors == 0 && len(a.Counts) == 2 && b.Errors == 0 && len(b.Counts) == 2
 	})
 	testwait.Until(t, 40*time.Second, "the state file to hold both Services", func() bool {
-		services, _, err := proxy.LoadState(state)
+		services, _, err := source.LoadState(state)
 		return err == nil && len(services) >= 2
 	})
 

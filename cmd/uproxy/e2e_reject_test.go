@@ -34,7 +34,7 @@ spec:
 			c.write("empty.yaml", empty)
 			// Its port is the refused node port: only the node port is
 			// refused, not every connection that was sent to that port.
-			c.write("web.yaml", service("web", "10.96.0.10", 30080, nil, false, pod))
+			c.write("web.yaml", serviceYAML("web", "10.96.0.10", 30080, nil, false, pod))
 			c.start(0, "--mode", mode, "--cluster-cidr", "10.244.0.0/16")
 			c.waitSynced()
 

@@ -242,7 +242,7 @@ func randomBytes(rng *rand.Rand, n int) []byte {
 // echoServiceYAML is a Service with one port, 80, whose endpoints are the
 // pods' echo servers on port 9000.
 func echoServiceYAML(name, vip string, annotations map[string]string, c *cluster) string {
-	return strings.Replace(service(name, vip, 80, annotations, false, c.pods...), "  port: 8080\n", "  port: 9000\n", 1)
+	return strings.Replace(serviceYAML(name, vip, 80, annotations, false, c.pods...), "  port: 8080\n", "  port: 9000\n", 1)
 }
 
 // ---------- uproxy process introspection ----------
@@ -464,7 +464,7 @@ func TestE2ERelSIGKILLRestart(t *testing.T) {
 
 func testSIGKILLRestart(t *testing.T, layout string) {
 	c := newCluster(t, 2)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	argv := []string{"--manifests", c.dir, "--iptables-min-sync-period", "50ms", "--metrics-bind-address", metricsAddr, "--listener", layout}
 	c.start(1, argv[6:]...)
 	c.waitSynced()

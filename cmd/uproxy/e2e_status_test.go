@@ -29,8 +29,8 @@ func (c *cluster) uproxyCmd(args ...string) string {
 
 func TestE2EStatus(t *testing.T) {
 	c := newCluster(t, 3)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
-	c.write("sh.yaml", service("sh", "10.96.0.11", 80, map[string]string{"uproxy.io/balancer": "source-hash"}, true, c.pods[1]))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("sh.yaml", serviceYAML("sh", "10.96.0.11", 80, map[string]string{"uproxy.io/balancer": "source-hash"}, true, c.pods[1]))
 	c.start(2, "--metrics-bind-address", metricsAddr, "--endpoint-dial-timeout", "300ms")
 	c.waitSynced()
 	// web-0's server dies: its connections are refused, and it is ejected.
@@ -98,7 +98,7 @@ func TestE2EStatus(t *testing.T) {
 // and that the debug address serves /status but not pprof.
 func TestE2EDebugAddress(t *testing.T) {
 	c := newCluster(t, 1)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	c.start(1)
 	c.waitSynced()
 	code := func(url string) string {

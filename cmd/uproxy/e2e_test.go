@@ -214,8 +214,8 @@ type getResult struct {
 	FirstError string         `json:"firstError"`
 }
 
-// service renders a Service and its EndpointSlice over the given pods.
-func service(name, vip string, port int, annotations map[string]string, affinity bool, pods ...*testlab.Pod) string {
+// serviceYAML renders a Service and its EndpointSlice over the given pods.
+func serviceYAML(name, vip string, port int, annotations map[string]string, affinity bool, pods ...*testlab.Pod) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "apiVersion: v1\nkind: Service\nmetadata:\n  name: %s\n", name)
 	if len(annotations) > 0 {
@@ -246,12 +246,12 @@ func TestE2EBalancersFromNodeAndPod(t *testing.T) {
 		}
 		return out
 	}
-	c.write("rr.yaml", service("rr", "10.96.0.10", 80, nil, false, a, b, d))
-	c.write("wrr.yaml", service("wrr", "10.96.0.11", 80, with("weighted-round-robin", weights), false, a, b, d))
-	c.write("lc.yaml", service("lc", "10.96.0.12", 80, with("least-conn", nil), false, a, b, d))
-	c.write("wlc.yaml", service("wlc", "10.96.0.13", 80, with("weighted-least-conn", weights), false, a, b, d))
-	c.write("sh.yaml", service("sh", "10.96.0.14", 80, with("source-hash", nil), false, a, b, d))
-	c.write("aff.yaml", service("aff", "10.96.0.15", 80, nil, true, a, b, d))
+	c.write("rr.yaml", serviceYAML("rr", "10.96.0.10", 80, nil, false, a, b, d))
+	c.write("wrr.yaml", serviceYAML("wrr", "10.96.0.11", 80, with("weighted-round-robin", weights), false, a, b, d))
+	c.write("lc.yaml", serviceYAML("lc", "10.96.0.12", 80, with("least-conn", nil), false, a, b, d))
+	c.write("wlc.yaml", serviceYAML("wlc", "10.96.0.13", 80, with("weighted-least-conn", weights), false, a, b, d))
+	c.write("sh.yaml", serviceYAML("sh", "10.96.0.14", 80, with("source-hash", nil), false, a, b, d))
+	c.write("aff.yaml", serviceYAML("aff", "10.96.0.15", 80, nil, true, a, b, d))
 	c.start(6)
 
 	for _, from := range []struct{ name, ns string }{{"pod", c.client.NS}, {"node", c.lab.Node}} {
@@ -289,7 +289,7 @@ func TestE2EBalancersFromNodeAndPod(t *testing.T) {
 
 func TestE2EFailoverKilledAndBlackholed(t *testing.T) {
 	c := newCluster(t, 4)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	c.start(1, "--endpoint-dial-timeout", "300ms")
 	// web-0's server dies (connections refused); web-1 drops every SYN.
 	if err := c.servers[0].Signal(syscall.SIGKILL); err != nil {
@@ -309,15 +309,15 @@ func TestE2EFailoverKilledAndBlackholed(t *testing.T) {
 
 func TestE2EReload(t *testing.T) {
 	c := newCluster(t, 3)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods[0], c.pods[1]))
-	c.write("old.yaml", service("old", "10.96.0.20", 80, nil, false, c.pods[2]))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods[0], c.pods[1]))
+	c.write("old.yaml", serviceYAML("old", "10.96.0.20", 80, nil, false, c.pods[2]))
 	c.start(2)
 	if r := c.get(c.client.NS, "http://10.96.0.10/", 10); r.Errors > 0 || len(r.Counts) != 2 {
 		t.Fatalf("before reload: %v", r)
 	}
 	// Add a service, remove one, and move web's endpoints.
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods[1], c.pods[2]))
-	c.write("new.yaml", service("new", "10.96.0.30", 8080, nil, false, c.pods[0]))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods[1], c.pods[2]))
+	c.write("new.yaml", serviceYAML("new", "10.96.0.30", 8080, nil, false, c.pods[0]))
 	if err := os.Remove(filepath.Join(c.dir, "old.yaml")); err != nil {
 		t.Fatal(err)
 	}
@@ -338,7 +338,7 @@ func TestE2EReload(t *testing.T) {
 	// A malformed file keeps its last good state; an invalid object is
 	// rejected alone.
 	c.write("web.yaml", "apiVersion: v1\nkind: Service\nmetadata: [oops\n")
-	c.write("bad.yaml", service("bad", "10.96.0.400", 80, nil, false, c.pods[0])+"---\n"+service("good", "10.96.0.40", 80, nil, false, c.pods[0]))
+	c.write("bad.yaml", serviceYAML("bad", "10.96.0.400", 80, nil, false, c.pods[0])+"---\n"+serviceYAML("good", "10.96.0.40", 80, nil, false, c.pods[0]))
 	c.waitRules("good in", func(s string) bool { return strings.Contains(s, "10.96.0.40/32") })
 	if r := c.get(c.client.NS, "http://10.96.0.10/", 4); r.Errors > 0 {
 		t.Errorf("web broke after a malformed edit: %v", r)
@@ -350,7 +350,7 @@ func TestE2EReload(t *testing.T) {
 
 func TestE2ELifecycle(t *testing.T) {
 	c := newCluster(t, 2)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	// Someone else's rule in the same built-in chain must survive cleanup.
 	if _, err := c.lab.Exec(context.Background(), c.lab.Node, "iptables", "-t", "nat", "-A", "OUTPUT", "-d", "10.96.9.9/32", "-m", "comment", "--comment", "not ours", "-j", "RETURN"); err != nil {
 		t.Fatal(err)
@@ -432,8 +432,8 @@ func TestE2ELifecycle(t *testing.T) {
 func TestE2EMalformedManifestAtStartup(t *testing.T) {
 	up, _ := binaries(t)
 	dir := t.TempDir()
-	os.WriteFile(filepath.Join(dir, "a.yaml"), []byte(service("a", "10.96.0.10", 80, nil, false)), 0o644)
-	os.WriteFile(filepath.Join(dir, "b.yaml"), []byte(service("b", "10.96.0.11", 80, nil, false)+"---\nkind: Service\nspec: [\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "a.yaml"), []byte(serviceYAML("a", "10.96.0.10", 80, nil, false)), 0o644)
+	os.WriteFile(filepath.Join(dir, "b.yaml"), []byte(serviceYAML("b", "10.96.0.11", 80, nil, false)+"---\nkind: Service\nspec: [\n"), 0o644)
 	out, err := exec.Command(up, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(t.TempDir(), "upgrade.sock"), "--state-file", "").CombinedOutput()
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() == 0 {

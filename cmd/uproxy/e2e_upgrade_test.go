@@ -44,7 +44,7 @@ func testUpgrade(t *testing.T, mode string) {
 	c := newCluster(t, 2)
 	c.serveUDP(c.pods...)
 	echoInNetns(t, c.pods[0].NS, ":9000")
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	c.write("stream.yaml", fmt.Sprintf(`apiVersion: v1
 kind: Service
 metadata: {name: stream}
@@ -175,7 +175,7 @@ endpoints: [{addresses: [%q]}]
 // start goes on.
 func TestE2EUpgradeStaleSocket(t *testing.T) {
 	c := newCluster(t, 1)
-	c.write("web.yaml", service("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	sock := filepath.Join(t.TempDir(), "upgrade.sock")
 	c.start(1, "--upgrade-socket", sock)
 	c.waitSynced()

@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/service"
 	"github.com/uproxy/uproxy/redirect"
 )
 
@@ -62,7 +63,7 @@ func claims(in []proxy.Intercept) []redirect.Intercept {
 // port to, so the new listeners can bind them again: those rules then
 // work as soon as a listener is open, before the first sync. Families
 // whose rules cannot be read contribute nothing.
-func previousPorts(ctx context.Context, tproxy bool, log *zap.Logger) func(proxy.ServicePortName, string) uint16 {
+func previousPorts(ctx context.Context, tproxy bool, log *zap.Logger) func(service.PortName, string) uint16 {
 	ports := map[string]uint16{} // by network and comment: "tcp4 default/web:http"
 	for _, f := range []redirect.Family{redirect.IPv4, redirect.IPv6} {
 		saved, err := redirect.SavedRules(ctx, f, tproxy)
@@ -80,7 +81,7 @@ func previousPorts(ctx context.Context, tproxy bool, log *zap.Logger) func(proxy
 		return nil
 	}
 	log.Info("found the rules of a previous instance; rebinding its listener ports where possible", zap.Int("listeners", len(ports)))
-	return func(name proxy.ServicePortName, network string) uint16 {
+	return func(name service.PortName, network string) uint16 {
 		if name.IsShared() {
 			// The shared rules carry no service's name.
 			proto := redirect.TCP

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/service"
 	"github.com/uproxy/uproxy/redirect"
 )
 
@@ -18,8 +19,8 @@ import (
 // claims wins), node ports are marked, and only a load-balancer IP
 // carries its source ranges.
 func TestClaims(t *testing.T) {
-	web := proxy.ServicePortName{NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: "http", Protocol: v1.ProtocolTCP}
-	dns := proxy.ServicePortName{NamespacedName: types.NamespacedName{Namespace: "kube-system", Name: "dns"}, Port: "dns", Protocol: v1.ProtocolUDP}
+	web := service.PortName{NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: "http", Protocol: v1.ProtocolTCP}
+	dns := service.PortName{NamespacedName: types.NamespacedName{Namespace: "kube-system", Name: "dns"}, Port: "dns", Protocol: v1.ProtocolUDP}
 	ranges := []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24")}
 	ip := netip.MustParseAddr
 	in := []proxy.Intercept{

@@ -24,7 +24,10 @@ import (
 	"github.com/uproxy/uproxy/internal/kubeevents"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/changes"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
+	"github.com/uproxy/uproxy/proxy/service"
+	"github.com/uproxy/uproxy/proxy/source"
 	"github.com/uproxy/uproxy/redirect"
 )
 
@@ -252,8 +255,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		MaxListeners:      maxListeners(o.maxListeners, noFile),
 		UDPCheckEveryFlow: o.udpCheckEveryFlow,
 		PortRange:         o.ports,
-		Defaults:          proxy.ServiceDefaults{Balancer: o.balancerKind},
-		Sync:              proxy.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
+		Defaults:          service.Defaults{Balancer: o.balancerKind},
+		Sync:              changes.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
 		ServerAddrs:       serverAddrs(o.healthzBindAddress, o.metricsBindAddress),
 		NodeName:          o.nodeName,
 		ClusterCIDRs:      o.clusterCIDRs,
@@ -269,13 +272,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	// (after its first load), or the informers.
 	var runSource func(context.Context) error
 	if o.config != "" {
-		fs := &proxy.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
+		fs := &source.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
 		if err := fs.Load(); err != nil {
 			return fmt.Errorf("loading manifests: %w", err)
 		}
 		runSource = fs.Watch
 	} else {
-		ks := &proxy.KubeSource{
+		ks := &source.KubeSource{
 			Client:   client,
 			Tracker:  p.Tracker(),
 			NodeName: o.nodeName,
@@ -305,7 +308,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if servePrevious {
 		// The previous instance's rules still send its Services here:
 		// serve them until the API server answers.
-		services, slices, err := proxy.LoadState(stateFile)
+		services, slices, err := source.LoadState(stateFile)
 		switch {
 		case err != nil:
 			log.Warn("cannot serve the previous instance's Services before the initial lists", zap.Error(err))

@@ -14,6 +14,7 @@ import (
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // runOptions are the flags of `uproxy run`. Names follow kube-proxy's
@@ -79,7 +80,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.mode, "mode", "redirect", "How traffic reaches the listeners: redirect (iptables REDIRECT; backends see the node's address) or tproxy (TPROXY and policy routing).")
 	fs.StringVar(&o.listener, "listener", "per-service", "How service ports map to listeners: per-service (one per service port and family) or shared (one per family and protocol, with a constant rule count).")
 	fs.StringVar(&o.portRange, "proxy-port-range", "", "Local ports for the listeners (begin-end, begin+offset or one port); empty means the ports bind(0) would use.")
-	fs.StringVar(&o.balancer, "balancer", string(balancer.RoundRobin), fmt.Sprintf("Default balancer for services without the %s annotation: one of %v.", proxy.AnnotationBalancer, balancer.Kinds))
+	fs.StringVar(&o.balancer, "balancer", string(balancer.RoundRobin), fmt.Sprintf("Default balancer for services without the %s annotation: one of %v.", service.AnnotationBalancer, balancer.Kinds))
 	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "The longest time between two full syncs: rules deleted or changed by someone else are repaired within this period.")
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "The shortest time between two syncs: changes arriving faster are applied together.")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 25*time.Second, "On SIGTERM or SIGINT, how long established connections may take to finish before they are closed.")

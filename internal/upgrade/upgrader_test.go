@@ -25,6 +25,7 @@ import (
 
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/changes"
 )
 
 // fakePredecessor listens on path and answers the first connection with
@@ -164,7 +165,7 @@ func TestUpgradeHandsOverInProcess(t *testing.T) {
 	defer old.Close()
 
 	oldSynced := make(chan struct{})
-	p := proxy.NewProxier(proxy.Config{Sync: proxy.RunnerConfig{MinInterval: 10 * time.Millisecond}, OnSync: sync.OnceFunc(func() { close(oldSynced) })})
+	p := proxy.NewProxier(proxy.Config{Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}, OnSync: sync.OnceFunc(func() { close(oldSynced) })})
 	p.Tracker().Replace([]*v1.Service{{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "web"},
 		Spec: v1.ServiceSpec{Type: v1.ServiceTypeClusterIP, ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"},
@@ -285,7 +286,7 @@ func startPredecessor(t *testing.T, configure func(c *Config)) *predecessor {
 	}
 	synced := make(chan struct{})
 	firstSync := sync.OnceFunc(func() { close(synced) })
-	p := proxy.NewProxier(proxy.Config{Sync: proxy.RunnerConfig{MinInterval: 10 * time.Millisecond},
+	p := proxy.NewProxier(proxy.Config{Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond},
 		OnSync: func() { pr.syncs.Add(1); firstSync() }})
 	p.Tracker().Replace([]*v1.Service{{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "web"},

@@ -1,4 +1,4 @@
-package proxy
+package service
 
 import (
 	"fmt"
@@ -85,7 +85,7 @@ func TestValidateSlice(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s := slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"})
+			s := slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"})
 			tt.mutate(s)
 			err := ValidateSlice(s)
 			if tt.wantErr == "" {
@@ -109,16 +109,16 @@ func TestServicePorts(t *testing.T) {
 	name := types.NamespacedName{Namespace: "default", Name: "web"}
 	ips := []netip.Addr{netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("2001:db8::10")}
 	weights := map[netip.Addr]int{netip.MustParseAddr("10.244.0.1"): 3}
-	want := []*ServicePort{
-		{Name: ServicePortName{name, "http", v1.ProtocolTCP}, ClusterIPs: ips, Port: 80, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout},
-		{Name: ServicePortName{name, "dns", v1.ProtocolUDP}, ClusterIPs: ips, Port: 53, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout, UDPMode: UDPRequestReply},
+	want := []*Port{
+		{Name: PortName{name, "http", v1.ProtocolTCP}, ClusterIPs: ips, Port: 80, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout},
+		{Name: PortName{name, "dns", v1.ProtocolUDP}, ClusterIPs: ips, Port: 53, Balancer: balancer.LeastConn, Weights: weights, AffinityTimeout: DefaultAffinityTimeout, UDPMode: UDPRequestReply},
 	}
-	got := ServicePorts(s, ServiceDefaults{Balancer: balancer.SourceHash})
+	got := Ports(s, Defaults{Balancer: balancer.SourceHash})
 	if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b netip.Addr) bool { return a == b })); diff != "" {
-		t.Errorf("ServicePorts() mismatch (-want +got):\n%s", diff)
+		t.Errorf("Ports() mismatch (-want +got):\n%s", diff)
 	}
 
-	plain := ServicePorts(svc("db", "10.96.0.11", ":5432"), ServiceDefaults{Balancer: balancer.SourceHash})
+	plain := Ports(svc("db", "10.96.0.11", ":5432"), Defaults{Balancer: balancer.SourceHash})
 	if len(plain) != 1 || plain[0].Balancer != balancer.SourceHash || plain[0].AffinityTimeout != 0 || plain[0].Name.String() != "default/db" {
 		t.Errorf("defaults not applied: %+v", plain[0])
 	}
@@ -131,26 +131,26 @@ func TestServicePorts(t *testing.T) {
 			return s
 		}(),
 	} {
-		if got := ServicePorts(skip, ServiceDefaults{}); got != nil {
-			t.Errorf("ServicePorts(%s) = %v, want nil (skipped)", skip.Name, got)
+		if got := Ports(skip, Defaults{}); got != nil {
+			t.Errorf("Ports(%s) = %v, want nil (skipped)", skip.Name, got)
 		}
 	}
 }
 
 func TestPortEndpoints(t *testing.T) {
-	name := ServicePortName{types.NamespacedName{Namespace: "default", Name: "web"}, "http", v1.ProtocolTCP}
-	sp := &ServicePort{Name: name, Port: 80}
+	name := PortName{types.NamespacedName{Namespace: "default", Name: "web"}, "http", v1.ProtocolTCP}
+	sp := &Port{Name: name, Port: 80}
 	// targetPort "web-http" (named) was resolved by the slice controller to
 	// 8080 in one slice and 9090 in another (pods disagree on the number).
-	a := slice("web-a", "web", "http", 8080, ep{ip: "10.244.0.1"}, ep{ip: "10.244.0.2", notReady: true, serving: true, terminating: true})
-	b := slice("web-b", "web", "http", 9090, ep{ip: "10.244.1.1"}, ep{ip: "10.244.0.1"})
-	other := slice("web-c", "web", "metrics", 9100, ep{ip: "10.244.2.1"})
-	udp := slice("web-d", "web", "http", 8080, ep{ip: "10.244.3.1"})
+	a := slice("web-a", "web", "http", 8080, ep{IP: "10.244.0.1"}, ep{IP: "10.244.0.2", NotReady: true, Serving: true, Terminating: true})
+	b := slice("web-b", "web", "http", 9090, ep{IP: "10.244.1.1"}, ep{IP: "10.244.0.1"})
+	other := slice("web-c", "web", "metrics", 9100, ep{IP: "10.244.2.1"})
+	udp := slice("web-d", "web", "http", 8080, ep{IP: "10.244.3.1"})
 	udp.Ports[0].Protocol = ptr.To(v1.ProtocolUDP)
-	headless := slice("web-e", "web", "http", 8080, ep{ip: "10.244.4.1"})
+	headless := slice("web-e", "web", "http", 8080, ep{IP: "10.244.4.1"})
 	headless.Labels[LabelHeadless] = ""
-	v6 := slice("web-f", "web", "http", 8080, ep{ip: "2001:db8::1"})
-	unset := slice("web-g", "web", "http", 8080, ep{ip: "10.244.5.1"})
+	v6 := slice("web-f", "web", "http", 8080, ep{IP: "2001:db8::1"})
+	unset := slice("web-g", "web", "http", 8080, ep{IP: "10.244.5.1"})
 	unset.Endpoints[0].Conditions = discovery.EndpointConditions{}
 
 	got := PortEndpoints(sp, []*discovery.EndpointSlice{v6, b, a, other, udp, headless, unset})
@@ -169,18 +169,18 @@ func TestPortEndpoints(t *testing.T) {
 
 // TestPortEndpointsDeduplicates checks that an endpoint listed in two
 // slices appears once, with the first slice's (by name) conditions, below
-// and above smallSet, where duplicates are found by a scan and by a map.
+// and above SmallSet, where duplicates are found by a scan and by a map.
 func TestPortEndpointsDeduplicates(t *testing.T) {
-	name := ServicePortName{types.NamespacedName{Namespace: "default", Name: "web"}, "http", v1.ProtocolTCP}
-	sp := &ServicePort{Name: name, Port: 80}
-	for _, n := range []int{3, smallSet, smallSet + 1, 40} {
+	name := PortName{types.NamespacedName{Namespace: "default", Name: "web"}, "http", v1.ProtocolTCP}
+	sp := &Port{Name: name, Port: 80}
+	for _, n := range []int{3, SmallSet, SmallSet + 1, 40} {
 		t.Run(fmt.Sprint(n), func(t *testing.T) {
 			var first, second []ep
 			var want []Endpoint
 			for i := range n {
 				ip := fmt.Sprintf("10.244.0.%d", i+1)
-				first = append(first, ep{ip: ip})
-				second = append(second, ep{ip: ip, notReady: true})
+				first = append(first, ep{IP: ip})
+				second = append(second, ep{IP: ip, NotReady: true})
 				want = append(want, Endpoint{Addr: netip.MustParseAddrPort(ip + ":8080"), Ready: true, Serving: true})
 			}
 			a, b := slice("web-a", "web", "http", 8080, first...), slice("web-b", "web", "http", 8080, second...)
@@ -219,29 +219,6 @@ func TestParseWeights(t *testing.T) {
 		}
 		if diff := cmp.Diff(tt.want, got, cmp.Comparer(func(a, b netip.Addr) bool { return a == b })); diff != "" {
 			t.Errorf("ParseWeights(%q) mismatch (-want +got):\n%s", tt.in, diff)
-		}
-	}
-}
-
-func TestParsePortRange(t *testing.T) {
-	tests := []struct {
-		in      string
-		want    PortRange
-		wantErr bool
-	}{
-		{"", PortRange{}, false},
-		{"30000-30009", PortRange{30000, 10}, false},
-		{"30000+9", PortRange{30000, 10}, false},
-		{"30000", PortRange{30000, 1}, false},
-		{"30009-30000", PortRange{}, true},
-		{"0-10", PortRange{}, true},
-		{"65535+1", PortRange{}, true},
-		{"a-b", PortRange{}, true},
-	}
-	for _, tt := range tests {
-		got, err := ParsePortRange(tt.in)
-		if (err != nil) != tt.wantErr || got != tt.want {
-			t.Errorf("ParsePortRange(%q) = %v, %v; want %v, err %v", tt.in, got, err, tt.want, tt.wantErr)
 		}
 	}
 }

@@ -1,4 +1,4 @@
-package proxy
+package service
 
 import (
 	"fmt"
@@ -36,12 +36,12 @@ func TestCategorizeEndpoints(t *testing.T) {
 		return out
 	}
 	z := func(s ...string) []string { return s }
-	clusterSvc := &ServicePort{}
-	internalLocal := &ServicePort{InternalPolicyLocal: true}
-	externalLocal := &ServicePort{NodePort: 30080, ExternalPolicyLocal: true}
+	clusterSvc := &Port{}
+	internalLocal := &Port{InternalPolicyLocal: true}
+	externalLocal := &Port{NodePort: 30080, ExternalPolicyLocal: true}
 	tests := []struct {
 		name         string
-		sp           *ServicePort
+		sp           *Port
 		eps          []Endpoint
 		cluster      []int
 		local        []int

@@ -1,7 +1,6 @@
-package proxy
+package service
 
 import (
-	"context"
 	"fmt"
 	"net/netip"
 	"time"
@@ -76,9 +75,9 @@ const (
 // does not set one: 10800s, the API's default.
 const DefaultAffinityTimeout = 10800 * time.Second
 
-// ServicePortName identifies one port of one Service, the way kube-proxy
+// PortName identifies one port of one Service, the way kube-proxy
 // names it in logs and rule comments.
-type ServicePortName struct {
+type PortName struct {
 	types.NamespacedName
 	// Port is the port's name; empty for an unnamed single port.
 	Port string
@@ -88,7 +87,7 @@ type ServicePortName struct {
 
 // String returns "namespace/name:port", or "namespace/name" for an unnamed
 // port; a shared listener's name is "shared TCP listener".
-func (n ServicePortName) String() string {
+func (n PortName) String() string {
 	if n.IsShared() {
 		return sharedString(n)
 	}
@@ -98,10 +97,10 @@ func (n ServicePortName) String() string {
 	return fmt.Sprintf("%s:%s", n.NamespacedName, n.Port)
 }
 
-// ServicePort is one validated port of a Service: what uproxy listens for.
+// Port is one validated port of a Service: what uproxy listens for.
 // It is immutable once built; a change builds a new one.
-type ServicePort struct {
-	Name ServicePortName
+type Port struct {
+	Name PortName
 	// ClusterIPs holds at most one address per family.
 	ClusterIPs []netip.Addr
 	// Port is the service port that clients connect to.
@@ -156,7 +155,7 @@ type ServicePort struct {
 // ExternallyAccessible reports whether the port takes traffic from outside
 // the cluster (kube-proxy's definition): a node port, external IPs or
 // load-balancer IPs.
-func (sp *ServicePort) ExternallyAccessible() bool {
+func (sp *Port) ExternallyAccessible() bool {
 	return sp.NodePort != 0 || len(sp.ExternalIPs) > 0 || len(sp.LoadBalancerIPs) > 0
 }
 
@@ -165,13 +164,13 @@ func (sp *ServicePort) ExternallyAccessible() bool {
 // the node itself reaching an external address are sent to the cluster
 // endpoints (kube-proxy's short circuit), so only internal Local without
 // external access avoids them.
-func (sp *ServicePort) UsesClusterEndpoints() bool {
+func (sp *Port) UsesClusterEndpoints() bool {
 	return !sp.InternalPolicyLocal || sp.ExternallyAccessible()
 }
 
 // UsesLocalEndpoints reports whether some traffic to the port is limited
 // to endpoints on this node.
-func (sp *ServicePort) UsesLocalEndpoints() bool {
+func (sp *Port) UsesLocalEndpoints() bool {
 	return sp.InternalPolicyLocal || (sp.ExternalPolicyLocal && sp.ExternallyAccessible())
 }
 
@@ -213,93 +212,25 @@ func (h *EndpointHints) nodes() []string {
 	return h.Nodes
 }
 
-// InterceptKind says which kind of service address an intercept catches.
-type InterceptKind int
-
-// The kinds of intercepted addresses.
-const (
-	ClusterIP InterceptKind = iota
-	ExternalIP
-	LoadBalancerIP
-	NodePort
-)
-
-var interceptKindNames = [...]string{"ClusterIP", "ExternalIP", "LoadBalancerIP", "NodePort"}
-
-func (k InterceptKind) String() string { return interceptKindNames[k] }
-
-// Intercept is one destination whose traffic the kernel must deliver to a
-// local listener.
-type Intercept struct {
-	Service  ServicePortName
-	Kind     InterceptKind
-	Protocol v1.Protocol
-	// VIP and Port are the destination clients use. For a NodePort, VIP is
-	// the unspecified address of the family (any local address, as
-	// --nodeport-addresses admits) and Port the node port.
-	VIP  netip.Addr
-	Port uint16
-	// ListenPort is the local listener's port (same family as VIP).
-	ListenPort uint16
-	// ListenPortEnd, when above ListenPort, is the last of the listener's
-	// consecutive ports (a shared TCP listener in redirect mode; see
-	// sharedRedirectPorts): the kernel may send each connection to any of
-	// ListenPort-ListenPortEnd. Zero means ListenPort alone.
-	ListenPortEnd uint16
-	// SourceRanges, for a LoadBalancerIP, are the only clients allowed; nil
-	// means all.
-	SourceRanges []netip.Prefix
-	// Reject is true when the service port has no endpoint to send to:
-	// the rules should refuse new connections to it in the kernel, as
-	// kube-proxy does, rather than send them to a listener that could only
-	// accept them and then reset them.
-	Reject bool
+// SharedName is the name a shared listener goes by in the logs, in its
+// handover key and for Config.PreviousPort: no Service, the port name
+// "shared", and the protocol.
+func SharedName(proto v1.Protocol) PortName {
+	return PortName{Port: SharedPortName, Protocol: proto}
 }
 
-// ServiceHealthSyncer serves the health-check node ports of services with
-// externalTrafficPolicy Local (healthcheck.ServiceHealth implements it).
-// The Proxier calls it from its sync goroutine only, with the complete
-// state: after a sync that changed a port or a count, after one whose
-// SyncServices failed, and after every full sync. The maps belong to the
-// Proxier: read them during the call only.
-type ServiceHealthSyncer interface {
-	// SyncServices sets which services have a health-check port, and which.
-	SyncServices(ports map[types.NamespacedName]uint16) error
-	// SyncEndpoints sets each service's number of ready local endpoints.
-	SyncEndpoints(counts map[types.NamespacedName]int) error
+// SharedPortName is the port name of a shared listener's PortName,
+// which has no namespace and no name: PreviousPort sees it for the shared
+// listeners.
+const SharedPortName = "shared"
+
+// IsShared reports whether n names a shared listener rather than the port
+// of a Service.
+func (n PortName) IsShared() bool {
+	return n.Namespace == "" && n.Name == "" && n.Port == SharedPortName
 }
 
-// RuleSyncer programs the kernel so that each intercept reaches its
-// listener. The Proxier calls it only from its sync goroutine, never
-// concurrently, always with the complete list. full is true on periodic
-// resyncs and after a failure: the syncer should then verify the kernel's
-// state instead of trusting what it wrote last. A nil error promises that
-// the kernel drops datagrams sent to a listener port of intercepts without
-// a redirect (redirect mode's listener guard), so that the data path may
-// skip its own check (datapath.Listener.Guarded); in tproxy mode the data
-// path does not rely on it.
-type RuleSyncer interface {
-	SyncRules(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error)
-}
-
-// RuleSyncerFunc is a function that is a RuleSyncer, so that the command
-// can wire the proxier to the kernel's rules without a type of its own.
-type RuleSyncerFunc func(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error)
-
-// SyncRules calls f.
-func (f RuleSyncerFunc) SyncRules(ctx context.Context, intercepts []Intercept, full bool) (RuleStats, error) {
-	return f(ctx, intercepts, full)
-}
-
-// RuleStats is what one SyncRules call did, for the sync's log line.
-type RuleStats struct {
-	// Rules is the number of kernel rules the intercepts render to.
-	Rules int
-	// Written is the number of rules written to the kernel by this call:
-	// zero when the kernel already held them, Rules when they were
-	// (re)written.
-	Written int
-	// Commands is the number of processes (iptables, ipset) this call
-	// ran: zero when the kernel already held the rules and sets.
-	Commands int
+// String of a shared listener's name.
+func sharedString(n PortName) string {
+	return fmt.Sprintf("shared %s listener", n.Protocol)
 }

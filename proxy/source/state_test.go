@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"bufio"
@@ -49,7 +49,7 @@ func TestWriteStateMatchesWholeEncoding(t *testing.T) {
 				t.Errorf("(-whole +one at a time):\n%s", diff)
 			}
 			path := filepath.Join(t.TempDir(), "state.json")
-			if err := saveState(path, tt.services, tt.slices); err != nil {
+			if err := SaveState(path, tt.services, tt.slices); err != nil {
 				t.Fatal(err)
 			}
 			if _, err := os.Stat(path); err != nil {

@@ -1,17 +1,14 @@
-package proxy
+package source
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
-	"time"
 
-	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 )
@@ -25,11 +22,6 @@ import (
 
 // stateFileVersion is the version of the file's format.
 const stateFileVersion = 1
-
-// defaultStateInterval is the least time between two writes of the state
-// file: a sync that follows a write more closely leaves the file to a
-// later sync (the periodic one at the latest).
-const defaultStateInterval = 10 * time.Second
 
 type stateFile struct {
 	Version        int                        `json:"version"`
@@ -66,10 +58,10 @@ func LoadState(path string) ([]*v1.Service, []*discovery.EndpointSlice, error) {
 	return st.Services, st.EndpointSlices, nil
 }
 
-// saveState writes the tracker's objects to path, through a temporary
+// SaveState writes the tracker's objects to path, through a temporary
 // file renamed over it, so that a crash meanwhile leaves the previous
 // file whole.
-func saveState(path string, services []*v1.Service, slices []*discovery.EndpointSlice) error {
+func SaveState(path string, services []*v1.Service, slices []*discovery.EndpointSlice) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return fmt.Errorf("saving the state: %w", err)
 	}
@@ -120,50 +112,4 @@ func writeState(w *bufio.Writer, services []*v1.Service, slices []*discovery.End
 	}
 	_, err := w.WriteString("]}\n")
 	return err
-}
-
-// ServePrevious records the Services and EndpointSlices of a previous
-// instance's last sync (LoadState), to be served before the sources'
-// initial lists arrive: the sync loop's first run opens their listeners,
-// on the ports the previous rules name (Config.PreviousPort), and
-// balances over their endpoints, but writes no rule. Once the initial
-// lists have arrived, the objects they lack are deleted and the first
-// sync reconciles everything as usual. Call it before Run.
-func (p *Proxier) ServePrevious(services []*v1.Service, slices []*discovery.EndpointSlice) {
-	p.tracker.seed(services, slices)
-	p.runner.Run()
-}
-
-// applyPrevious applies the seeded objects before the initial lists:
-// listeners and balancers only, no rule, and no successful sync
-// recorded (health, OnSync and the state file wait for a real one).
-func (p *Proxier) applyPrevious(ctx context.Context) {
-	p.refreshLocalAddrs()
-	p.applyServices(ctx, p.tracker.Take(false, nil).Services)
-	if p.rulesDirty {
-		p.rebuildRoutes()
-	}
-	nsvc, neps := p.counts()
-	p.log.Info("serving the previous instance's Services until the initial lists arrive; no rule is written before them",
-		zap.Int("services", nsvc), zap.Int("endpoints", neps))
-}
-
-// saveStateAfterSync writes the state file after a successful sync that
-// changed something, at most once per defaultStateInterval; the periodic
-// full sync writes what a closer one left.
-func (p *Proxier) saveStateAfterSync(changed bool) {
-	if p.cfg.StateFile == "" {
-		return
-	}
-	p.stateDirty = p.stateDirty || changed
-	now := p.cfg.clock().Now()
-	if !p.stateDirty || (!p.stateSaved.IsZero() && now.Sub(p.stateSaved) < defaultStateInterval) {
-		return
-	}
-	services, slices := p.tracker.objects()
-	if err := saveState(p.cfg.StateFile, services, slices); err != nil {
-		p.log.Warn("cannot save the state for a restart without the API server", zap.Error(err))
-		return
-	}
-	p.stateDirty, p.stateSaved = false, now
 }

@@ -1,8 +1,9 @@
-package proxy
+package source
 
 import (
 	"strings"
 
+	"github.com/uproxy/uproxy/proxy/service"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -82,12 +83,12 @@ func filterMap(m map[string]string, keep func(string) bool) map[string]string {
 	return out
 }
 
-func isServiceLabel(k string) bool { return k == LabelServiceProxyName }
+func isServiceLabel(k string) bool { return k == service.LabelServiceProxyName }
 
 func isServiceAnnotation(k string) bool { return strings.HasPrefix(k, annotationPrefix) }
 
 func isSliceLabel(k string) bool {
-	return k == LabelServiceName || k == LabelHeadless || k == LabelServiceProxyName
+	return k == service.LabelServiceName || k == service.LabelHeadless || k == service.LabelServiceProxyName
 }
 
 func isSliceAnnotation(k string) bool { return k == v1.EndpointsLastChangeTriggerTime }

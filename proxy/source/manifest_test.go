@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"context"
@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
 )
 
 const webYAML = `# a comment before the first document
@@ -146,7 +147,7 @@ func writeFile(t *testing.T, path, content string) {
 	}
 }
 
-func trackedNames(tr *Tracker) (svcs, slices []string) {
+func trackedNames(tr *changes.Tracker) (svcs, slices []string) {
 	for _, st := range tr.Take(true, nil).Services {
 		if st.Service != nil {
 			svcs = append(svcs, st.Name.String())
@@ -165,7 +166,7 @@ func TestFileSourceReload(t *testing.T) {
 	writeFile(t, filepath.Join(dir, "notes.txt"), "not a manifest")
 
 	changed := make(chan struct{}, 100)
-	tr := NewTracker(nil, func() { changed <- struct{}{} })
+	tr := changes.NewTracker(nil, func() { changed <- struct{}{} })
 	fs := &FileSource{Path: dir, Tracker: tr, Debounce: 10 * time.Millisecond}
 	if err := fs.Load(); err != nil {
 		t.Fatal(err)
@@ -215,7 +216,7 @@ func TestFileSourceLoadErrorNamesFile(t *testing.T) {
 	dir := t.TempDir()
 	writeFile(t, filepath.Join(dir, "a.yaml"), webYAML)
 	writeFile(t, filepath.Join(dir, "b.yaml"), webYAML+"---\napiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: {}}\n")
-	fs := &FileSource{Path: dir, Tracker: NewTracker(nil, nil)}
+	fs := &FileSource{Path: dir, Tracker: changes.NewTracker(nil, nil)}
 	err := fs.Load()
 	want := filepath.Join(dir, "b.yaml") + ": document 4:"
 	if err == nil || !strings.Contains(err.Error(), want) {
@@ -224,7 +225,7 @@ func TestFileSourceLoadErrorNamesFile(t *testing.T) {
 	if fs.Tracker.Synced() {
 		t.Error("a failed Load must not mark the tracker synced")
 	}
-	if err := (&FileSource{Path: filepath.Join(dir, "missing"), Tracker: NewTracker(nil, nil)}).Load(); err == nil {
+	if err := (&FileSource{Path: filepath.Join(dir, "missing"), Tracker: changes.NewTracker(nil, nil)}).Load(); err == nil {
 		t.Error("Load of a missing path succeeded")
 	}
 }
@@ -252,7 +253,7 @@ func TestFileSourceOnlyRegularFiles(t *testing.T) {
 	}
 
 	core, logs := observer.New(zap.WarnLevel)
-	tr := NewTracker(nil, nil)
+	tr := changes.NewTracker(nil, nil)
 	fs := &FileSource{Path: dir, Tracker: tr, Logger: zap.New(core)}
 	loaded := make(chan error, 1)
 	go func() { loaded <- fs.Load() }()
@@ -294,7 +295,7 @@ func TestFileSourceOnlyRegularFiles(t *testing.T) {
 		}
 	}
 	// So is a --manifests that names one of them.
-	if err := (&FileSource{Path: fifo, Tracker: NewTracker(nil, nil)}).Load(); err == nil || !strings.Contains(err.Error(), fifo+": not a regular file") {
+	if err := (&FileSource{Path: fifo, Tracker: changes.NewTracker(nil, nil)}).Load(); err == nil || !strings.Contains(err.Error(), fifo+": not a regular file") {
 		t.Errorf("Load of a FIFO path = %v, want an error naming it", err)
 	}
 }
@@ -307,7 +308,7 @@ func TestFileSourceSizeCap(t *testing.T) {
 	file := filepath.Join(dir, "web.yaml")
 	writeFile(t, file, webYAML)
 	limit := int64(len(webYAML))
-	tr := NewTracker(nil, nil)
+	tr := changes.NewTracker(nil, nil)
 	fs := &FileSource{Path: dir, Tracker: tr, MaxFileBytes: limit}
 	if err := fs.Load(); err != nil {
 		t.Fatalf("Load of a file at the limit: %v", err)

@@ -1,4 +1,4 @@
-package proxy
+package changes
 
 import (
 	"maps"
@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/service"
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -83,15 +84,15 @@ func NewTracker(log *zap.Logger, notify func()) *Tracker {
 	}
 }
 
-// seed records the Services and EndpointSlices of a previous instance's
+// Seed records the Services and EndpointSlices of a previous instance's
 // last sync, before any source has listed: they are served until the
 // initial lists arrive, which replace them (see Proxier.ServePrevious).
 // It does not notify.
-func (t *Tracker) seed(services []*v1.Service, slices []*discovery.EndpointSlice) {
+func (t *Tracker) Seed(services []*v1.Service, slices []*discovery.EndpointSlice) {
 	for _, s := range services {
 		if t.upsertService(s) {
 			t.mu.Lock()
-			t.seededSvc[keyOf(s.Namespace, s.Name)] = true
+			t.seededSvc[service.NameOf(s.Namespace, s.Name)] = true
 			t.seedPending = true
 			t.mu.Unlock()
 		}
@@ -99,16 +100,16 @@ func (t *Tracker) seed(services []*v1.Service, slices []*discovery.EndpointSlice
 	for _, s := range slices {
 		if t.upsertSlice(s) {
 			t.mu.Lock()
-			t.seededSlice[keyOf(s.Namespace, s.Name)] = true
+			t.seededSlice[service.NameOf(s.Namespace, s.Name)] = true
 			t.seedPending = true
 			t.mu.Unlock()
 		}
 	}
 }
 
-// takeSeed reports whether seeded objects await their first apply, and
+// TakeSeed reports whether seeded objects await their first apply, and
 // clears that.
-func (t *Tracker) takeSeed() bool {
+func (t *Tracker) TakeSeed() bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	pending := t.seedPending
@@ -116,9 +117,9 @@ func (t *Tracker) takeSeed() bool {
 	return pending
 }
 
-// objects returns every tracked Service and EndpointSlice, sorted by
+// Objects returns every tracked Service and EndpointSlice, sorted by
 // name. They must not be modified.
-func (t *Tracker) objects() ([]*v1.Service, []*discovery.EndpointSlice) {
+func (t *Tracker) Objects() ([]*v1.Service, []*discovery.EndpointSlice) {
 	t.mu.Lock()
 	services := slices.Collect(maps.Values(t.services))
 	eps := slices.Collect(maps.Values(t.slices))
@@ -133,13 +134,6 @@ func compareNames(a, b metav1.ObjectMeta) int {
 		return c
 	}
 	return strings.Compare(a.Name, b.Name)
-}
-
-func keyOf(ns, name string) types.NamespacedName {
-	if ns == "" {
-		ns = v1.NamespaceDefault
-	}
-	return types.NamespacedName{Namespace: ns, Name: name}
 }
 
 // notify tells the consumer that a sync has something to apply: only
@@ -170,8 +164,8 @@ func (t *Tracker) OnServiceUpsert(svc *v1.Service) {
 }
 
 func (t *Tracker) upsertService(svc *v1.Service) bool {
-	key := keyOf(svc.Namespace, svc.Name)
-	if err := ValidateService(svc); err != nil {
+	key := service.NameOf(svc.Namespace, svc.Name)
+	if err := service.ValidateService(svc); err != nil {
 		t.reject("Service", key, svc, err)
 		return false
 	}
@@ -198,7 +192,7 @@ func sameServiceInputs(a, b *v1.Service) bool {
 
 // OnServiceDelete records that svc was deleted.
 func (t *Tracker) OnServiceDelete(svc *v1.Service) {
-	if t.deleteService(keyOf(svc.Namespace, svc.Name)) {
+	if t.deleteService(service.NameOf(svc.Namespace, svc.Name)) {
 		t.notify()
 	}
 }
@@ -228,8 +222,8 @@ func (t *Tracker) OnSliceUpsert(s *discovery.EndpointSlice) {
 }
 
 func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
-	key := keyOf(s.Namespace, s.Name)
-	if err := ValidateSlice(s); err != nil {
+	key := service.NameOf(s.Namespace, s.Name)
+	if err := service.ValidateSlice(s); err != nil {
 		t.reject("EndpointSlice", key, s, err)
 		return false
 	}
@@ -245,13 +239,13 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 		t.unindex(key, old)
 	}
 	t.slices[key] = s
-	if svc := sliceService(s); svc.Name != "" {
+	if svc := service.SliceService(s); svc.Name != "" {
 		if !slices.Contains(t.slicesBySvc[svc], key) {
 			t.slicesBySvc[svc] = append(t.slicesBySvc[svc], key)
 		}
 		t.dirty[svc] = true
-		if tt := triggerTime(s); !tt.IsZero() && tt.After(t.start) {
-			t.triggers[svc] = append(t.triggers[svc], TriggerTime{At: tt, Family: sliceFamily(s)})
+		if tt := service.SliceTriggerTime(s); !tt.IsZero() && tt.After(t.start) {
+			t.triggers[svc] = append(t.triggers[svc], TriggerTime{At: tt, Family: service.SliceFamily(s)})
 		}
 	}
 	t.sliceChanges++
@@ -260,7 +254,7 @@ func (t *Tracker) upsertSlice(s *discovery.EndpointSlice) bool {
 
 // OnSliceDelete records that s was deleted.
 func (t *Tracker) OnSliceDelete(s *discovery.EndpointSlice) {
-	if t.deleteSlice(keyOf(s.Namespace, s.Name)) {
+	if t.deleteSlice(service.NameOf(s.Namespace, s.Name)) {
 		t.notify()
 	}
 }
@@ -286,7 +280,7 @@ func (t *Tracker) deleteSliceLocked(key types.NamespacedName) bool {
 // unindex removes the slice key from its service's index and marks the
 // service dirty. Called with t.mu held.
 func (t *Tracker) unindex(key types.NamespacedName, s *discovery.EndpointSlice) {
-	svc := sliceService(s)
+	svc := service.SliceService(s)
 	if svc.Name == "" {
 		return
 	}
@@ -298,38 +292,6 @@ func (t *Tracker) unindex(key types.NamespacedName, s *discovery.EndpointSlice) 
 	t.dirty[svc] = true
 }
 
-// triggerTime returns the slice's endpoints.kubernetes.io/last-change-trigger-time
-// annotation: when the change it carries was triggered (a pod or service
-// changed); zero when absent or malformed.
-func triggerTime(s *discovery.EndpointSlice) time.Time {
-	v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]
-	if !ok {
-		return time.Time{}
-	}
-	t, err := time.Parse(time.RFC3339Nano, v)
-	if err != nil {
-		return time.Time{}
-	}
-	return t
-}
-
-// sliceFamily is the IP family of a slice's addresses (FQDN slices,
-// which no proxy serves, count as IPv4).
-func sliceFamily(s *discovery.EndpointSlice) v1.IPFamily {
-	if s.AddressType == discovery.AddressTypeIPv6 {
-		return v1.IPv6Protocol
-	}
-	return v1.IPv4Protocol
-}
-
-func sliceService(s *discovery.EndpointSlice) types.NamespacedName {
-	name := s.Labels[LabelServiceName]
-	if name == "" {
-		return types.NamespacedName{}
-	}
-	return keyOf(s.Namespace, name)
-}
-
 // Replace makes the tracked objects exactly services and slices, recording
 // only what differs. It is how a source that always knows the whole state
 // (the manifest files) reports it. It also marks both initial lists as
@@ -338,12 +300,12 @@ func (t *Tracker) Replace(services []*v1.Service, slices []*discovery.EndpointSl
 	changed := false
 	wantSvc := map[types.NamespacedName]bool{}
 	for _, s := range services {
-		wantSvc[keyOf(s.Namespace, s.Name)] = true
+		wantSvc[service.NameOf(s.Namespace, s.Name)] = true
 		changed = t.upsertService(s) || changed
 	}
 	wantSlice := map[types.NamespacedName]bool{}
 	for _, s := range slices {
-		wantSlice[keyOf(s.Namespace, s.Name)] = true
+		wantSlice[service.NameOf(s.Namespace, s.Name)] = true
 		changed = t.upsertSlice(s) || changed
 	}
 	t.mu.Lock()

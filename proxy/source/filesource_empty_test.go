@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"path/filepath"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/uproxy/uproxy/proxy/changes"
 )
 
 // TestFileSourceLoadNothingToServe checks that manifests without a
@@ -35,7 +36,7 @@ func TestFileSourceLoadNothingToServe(t *testing.T) {
 			for name, content := range tt.files {
 				writeFile(t, filepath.Join(dir, name), content)
 			}
-			fs := &FileSource{Path: filepath.Join(dir, tt.file), Tracker: NewTracker(nil, nil)}
+			fs := &FileSource{Path: filepath.Join(dir, tt.file), Tracker: changes.NewTracker(nil, nil)}
 			got := ""
 			if err := fs.Load(); err != nil {
 				got = strings.ReplaceAll(err.Error(), dir, "DIR")

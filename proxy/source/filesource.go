@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/fsnotify/fsnotify"
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -27,7 +29,7 @@ type FileSource struct {
 	// Path is a manifest file or a folder of them.
 	Path string
 	// Tracker receives the objects.
-	Tracker *Tracker
+	Tracker *changes.Tracker
 	// Logger; nil means none.
 	Logger *zap.Logger
 	// Debounce batches bursts of file events (editors write, rename and
@@ -156,7 +158,7 @@ func (s *FileSource) publish() {
 	for _, f := range files {
 		o := s.good[f]
 		for _, svc := range o.Services {
-			k := keyOf(svc.Namespace, svc.Name)
+			k := service.NameOf(svc.Namespace, svc.Name)
 			if first, dup := seenSvc[k]; dup {
 				s.logger().Error("duplicate Service; keeping the first", zap.Stringer("service", k), zap.String("file", f), zap.String("first", first))
 				continue
@@ -165,7 +167,7 @@ func (s *FileSource) publish() {
 			svcs = append(svcs, svc)
 		}
 		for _, sl := range o.Slices {
-			k := keyOf(sl.Namespace, sl.Name)
+			k := service.NameOf(sl.Namespace, sl.Name)
 			if first, dup := seenSlice[k]; dup {
 				s.logger().Error("duplicate EndpointSlice; keeping the first", zap.Stringer("endpointSlice", k), zap.String("file", f), zap.String("first", first))
 				continue

@@ -1,4 +1,4 @@
-package proxy
+package service
 
 import (
 	"slices"
@@ -27,7 +27,7 @@ type EndpointSets struct {
 // ready endpoint has one and some are for this node (PreferSameNode) or its
 // zone (PreferSameZone); the local set is the endpoints whose nodeName is
 // this node.
-func CategorizeEndpoints(eps []Endpoint, sp *ServicePort, node, zone string) EndpointSets {
+func CategorizeEndpoints(eps []Endpoint, sp *Port, node, zone string) EndpointSets {
 	var sets EndpointSets
 	if len(eps) == 0 {
 		return sets

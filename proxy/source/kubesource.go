@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/service"
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -29,7 +31,7 @@ type KubeSource struct {
 	// Client talks to the API server.
 	Client kubernetes.Interface
 	// Tracker receives Services and EndpointSlices.
-	Tracker *Tracker
+	Tracker *changes.Tracker
 	// NodeName is this node's name; its Node object is watched when
 	// OnNode is set.
 	NodeName string
@@ -57,11 +59,11 @@ func (s *KubeSource) Run(ctx context.Context) error {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	noProxyName, err := labels.NewRequirement(LabelServiceProxyName, selection.DoesNotExist, nil)
+	noProxyName, err := labels.NewRequirement(service.LabelServiceProxyName, selection.DoesNotExist, nil)
 	if err != nil {
 		return err
 	}
-	noHeadless, err := labels.NewRequirement(LabelHeadless, selection.DoesNotExist, nil)
+	noHeadless, err := labels.NewRequirement(service.LabelHeadless, selection.DoesNotExist, nil)
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,4 @@
-package proxy
+package service
 
 import (
 	"errors"
@@ -18,9 +18,9 @@ import (
 	"github.com/uproxy/uproxy/datapath"
 )
 
-// skipReason returns why uproxy does not proxy svc at all, or "" when it
+// SkipReason returns why uproxy does not proxy svc at all, or "" when it
 // does. These are not errors: kube-proxy skips the same services.
-func skipReason(svc *v1.Service) string {
+func SkipReason(svc *v1.Service) string {
 	// kube-proxy selects with "!label": the label's presence counts, even
 	// with an empty value.
 	if _, ok := svc.Labels[LabelServiceProxyName]; ok {
@@ -45,7 +45,7 @@ func ValidateService(svc *v1.Service) error {
 	if svc.Name == "" {
 		return errors.New("metadata.name is empty")
 	}
-	if skipReason(svc) != "" {
+	if SkipReason(svc) != "" {
 		return nil
 	}
 	if _, err := clusterIPs(svc); err != nil {
@@ -176,7 +176,7 @@ func ValidateSlice(s *discovery.EndpointSlice) error {
 }
 
 // checkProtocol accepts the API's protocols. SCTP is valid but not
-// proxied: ServicePorts leaves its ports out and ServiceWarnings says so,
+// proxied: Ports leaves its ports out and Warnings says so,
 // because rejecting the object would take its TCP and UDP ports down too.
 func checkProtocol(p v1.Protocol) error {
 	switch p {
@@ -312,7 +312,7 @@ const maxConnectionLimit = math.MaxInt32
 // Service: a limit only protects the backends, and rejecting the object
 // would take a new service down (or freeze an old one at its last valid
 // version) over a typo in it. The limit is ignored instead, and
-// ServiceWarnings reports why.
+// Warnings reports why.
 func connectionLimits(ann map[string]string) (total, perEndpoint int, errs []error) {
 	parse := func(name string) int {
 		v, ok := ann[name]
@@ -331,12 +331,12 @@ func connectionLimits(ann map[string]string) (total, perEndpoint int, errs []err
 	return total, perEndpoint, errs
 }
 
-// ServiceWarnings returns the problems of a valid Service (see
+// Warnings returns the problems of a valid Service (see
 // ValidateService) that uproxy works around rather than rejecting the
 // Service for: the SCTP ports and annotations it ignores, and why. Nil
 // means none.
-func ServiceWarnings(svc *v1.Service) []error {
-	if skipReason(svc) != "" {
+func Warnings(svc *v1.Service) []error {
+	if SkipReason(svc) != "" {
 		return nil
 	}
 	_, _, errs := connectionLimits(svc.Annotations)
@@ -391,18 +391,18 @@ func ParseWeights(s string) (map[netip.Addr]int, error) {
 	return out, nil
 }
 
-// ServiceDefaults are the proxy-wide settings that a Service can override.
-type ServiceDefaults struct {
+// Defaults are the proxy-wide settings that a Service can override.
+type Defaults struct {
 	// Balancer is used when the Service has no uproxy.io/balancer
 	// annotation. Empty means round-robin.
 	Balancer balancer.Kind
 }
 
-// ServicePorts converts a valid Service (see ValidateService) into its
-// service ports, leaving out SCTP ports (see ServiceWarnings). It returns
+// Ports converts a valid Service (see ValidateService) into its
+// service ports, leaving out SCTP ports (see Warnings). It returns
 // nil for services uproxy skips.
-func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
-	if skipReason(svc) != "" {
+func Ports(svc *v1.Service, d Defaults) []*Port {
+	if SkipReason(svc) != "" {
 		return nil
 	}
 	ips, err := clusterIPs(svc)
@@ -445,13 +445,13 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 	udpMode, udpModeSet, _ := parseUDPMode(svc.Annotations)
 	maxConns, maxPerEndpoint, _ := connectionLimits(svc.Annotations)
 	internalLocal := svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal
-	out := make([]*ServicePort, 0, len(svc.Spec.Ports))
+	out := make([]*Port, 0, len(svc.Spec.Ports))
 	for _, p := range svc.Spec.Ports {
 		if p.Protocol == v1.ProtocolSCTP {
 			continue
 		}
-		sp := &ServicePort{
-			Name:                ServicePortName{NamespacedName: name, Port: p.Name, Protocol: protocolOf(p.Protocol)},
+		sp := &Port{
+			Name:                PortName{NamespacedName: name, Port: p.Name, Protocol: protocolOf(p.Protocol)},
 			ClusterIPs:          ips,
 			Port:                uint16(p.Port),
 			ExternalIPs:         externalIPs,
@@ -481,13 +481,13 @@ func ServicePorts(svc *v1.Service, d ServiceDefaults) []*ServicePort {
 	return out
 }
 
-// smallSet is the count of endpoints up to which a sync finds them, and
+// SmallSet is the count of endpoints up to which a sync finds them, and
 // their backends, by scanning a slice instead of through a map. With 10
 // endpoints per service, building those maps (a table each, once past 8
 // entries) took a third of the first sync of 10,000 services
 // (BenchmarkSyncAll); a scan of 16 addresses costs less than a map's
 // hashing.
-const smallSet = 16
+const SmallSet = 16
 
 // hasEndpoint reports whether eps holds an endpoint at ap.
 func hasEndpoint(eps []Endpoint, ap netip.AddrPort) bool {
@@ -504,21 +504,21 @@ func hasEndpoint(eps []Endpoint, ap netip.AddrPort) bool {
 // whose name and protocol equal the service port's. Endpoints listed in
 // several slices appear once; the first slice (by name) wins. Endpoints of
 // both families are returned; the caller splits them per listener family.
-func PortEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice) []Endpoint {
-	eps, _ := portEndpoints(sp, slices, nil)
+func PortEndpoints(sp *Port, slices []*discovery.EndpointSlice) []Endpoint {
+	eps, _ := FilterPortEndpoints(sp, slices, nil)
 	return eps
 }
 
-// refusedEndpoint is an endpoint that portEndpoints left out, and why.
-type refusedEndpoint struct {
+// Refused is an endpoint that FilterPortEndpoints left out, and why.
+type Refused struct {
 	// slice names the EndpointSlice ("namespace/name"), field the
 	// endpoint's address in it ("endpoints[2].addresses[0]").
-	slice, field string
-	addr         netip.AddrPort
-	reason       string
+	Slice, Field string
+	Addr         netip.AddrPort
+	Reason       string
 }
 
-// endpointAddrRefusal returns why no Service may send traffic to an
+// AddrRefusal returns why no Service may send traffic to an
 // endpoint at ip, or "" when one may. A tenant writes the endpoints of a
 // Service without a selector (or a manifest), and the proxy dials them
 // from the node: without this, a pod could reach through a Service
@@ -526,7 +526,7 @@ type refusedEndpoint struct {
 // 127.0.0.1:10249 or the cloud's metadata service on 169.254.169.254,
 // or make the proxy send to a group. Loopback addresses are
 // allowed when loopback is set (Config.LoopbackEndpoints).
-func endpointAddrRefusal(ip netip.Addr, loopback bool) string {
+func AddrRefusal(ip netip.Addr, loopback bool) string {
 	switch {
 	case ip.IsUnspecified():
 		return "an unspecified address"
@@ -542,10 +542,10 @@ func endpointAddrRefusal(ip netip.Addr, loopback bool) string {
 	return ""
 }
 
-// portEndpoints is PortEndpoints that also leaves out, and returns, the
+// FilterPortEndpoints is PortEndpoints that also leaves out, and returns, the
 // endpoints for which refuse, when not nil, gives a reason.
-func portEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice, refuse func(netip.AddrPort) string) ([]Endpoint, []refusedEndpoint) {
-	var refused []refusedEndpoint
+func FilterPortEndpoints(sp *Port, slices []*discovery.EndpointSlice, refuse func(netip.AddrPort) string) ([]Endpoint, []Refused) {
+	var refused []Refused
 	// Sized once: appending grew the slice of 10 endpoints five times, a
 	// sixth of a 10,000-service sync's allocations (BenchmarkSyncAll).
 	n := 0
@@ -554,7 +554,7 @@ func portEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice, refuse fu
 	}
 	out := make([]Endpoint, 0, n)
 	var seen map[netip.AddrPort]bool // nil: out is scanned instead
-	if n > smallSet {
+	if n > SmallSet {
 		seen = make(map[netip.AddrPort]bool, n)
 	}
 	for _, s := range sortedSlices(slices) {
@@ -579,8 +579,8 @@ func portEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice, refuse fu
 			ap := netip.AddrPortFrom(ip.Unmap(), port)
 			if refuse != nil {
 				if why := refuse(ap); why != "" {
-					refused = append(refused, refusedEndpoint{
-						slice: s.Namespace + "/" + s.Name, field: fmt.Sprintf("endpoints[%d].addresses[0]", i), addr: ap, reason: why,
+					refused = append(refused, Refused{
+						Slice: s.Namespace + "/" + s.Name, Field: fmt.Sprintf("endpoints[%d].addresses[0]", i), Addr: ap, Reason: why,
 					})
 					continue
 				}
@@ -623,7 +623,7 @@ func portEndpoints(sp *ServicePort, slices []*discovery.EndpointSlice, refuse fu
 	return out, refused
 }
 
-func slicePort(s *discovery.EndpointSlice, name ServicePortName) (uint16, bool) {
+func slicePort(s *discovery.EndpointSlice, name PortName) (uint16, bool) {
 	for _, p := range s.Ports {
 		pn := ""
 		if p.Name != nil {

@@ -1,8 +1,6 @@
-package proxy
+package changes
 
 import (
-	"context"
-	"fmt"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -26,8 +24,8 @@ func TestTrackerRecordsOnlyChanges(t *testing.T) {
 		t.Fatal("synced before any list")
 	}
 	tr.OnServiceUpsert(svc("web", "10.96.0.10", "http:80"))
-	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"}))
-	tr.OnSliceUpsert(slice("db-1", "db", "", 5432, ep{ip: "10.244.0.2"}))
+	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"}))
+	tr.OnSliceUpsert(slice("db-1", "db", "", 5432, ep{IP: "10.244.0.2"}))
 	tr.SetServicesSynced()
 	if tr.Synced() {
 		t.Fatal("synced before the slices list")
@@ -50,13 +48,13 @@ func TestTrackerRecordsOnlyChanges(t *testing.T) {
 	// Same content again: nothing to do, no notification.
 	before := notified
 	tr.OnServiceUpsert(svc("web", "10.96.0.10", "http:80"))
-	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"}))
+	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"}))
 	if got := names(tr.Take(false, nil)); len(got) != 0 || notified != before {
 		t.Errorf("identical upserts recorded %v (notified %d times)", got, notified-before)
 	}
 
 	// A slice moving to another service dirties both.
-	tr.OnSliceUpsert(slice("web-1", "api", "http", 8080, ep{ip: "10.244.0.1"}))
+	tr.OnSliceUpsert(slice("web-1", "api", "http", 8080, ep{IP: "10.244.0.1"}))
 	if diff := cmp.Diff([]string{"default/api", "default/web"}, names(tr.Take(false, nil))); diff != "" {
 		t.Errorf("relabel (-want +got):\n%s", diff)
 	}
@@ -71,13 +69,13 @@ func TestTrackerRecordsOnlyChanges(t *testing.T) {
 func TestTrackerRejectsInvalidObjectsAlone(t *testing.T) {
 	tr := NewTracker(nil, nil)
 	good := svc("web", "10.96.0.10", "http:80")
-	tr.Replace([]*v1.Service{good, svc("db", "10.96.0.11", "pg:5432")}, []*discovery.EndpointSlice{slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"})})
+	tr.Replace([]*v1.Service{good, svc("db", "10.96.0.11", "pg:5432")}, []*discovery.EndpointSlice{slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"})})
 	tr.Take(false, nil)
 
 	// web turns invalid (port 0), and its slice gets a bad IP, while db changes
 	// validly: db's change applies, web keeps its last good objects.
 	bad := svc("web", "10.96.0.10", "http:0")
-	badSlice := slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.300"})
+	badSlice := slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.300"})
 	tr.Replace([]*v1.Service{bad, svc("db", "10.96.0.11", "pg:5433")}, []*discovery.EndpointSlice{badSlice})
 	c := tr.Take(false, nil)
 	if diff := cmp.Diff([]string{"default/db"}, names(c)); diff != "" {
@@ -93,60 +91,5 @@ func TestTrackerRejectsInvalidObjectsAlone(t *testing.T) {
 	tr.OnServiceUpsert(svc("new", "not-an-ip", "a:1"))
 	if got := names(tr.Take(false, nil)); len(got) != 0 {
 		t.Errorf("invalid new service recorded: %v", got)
-	}
-}
-
-// TestStatusOnlyServiceUpdate checks that an update that changes only a
-// Service's status, as the cloud controller assigns a load balancer's
-// address after creation, reaches the rules, through the informer's
-// upserts and through a manifest folder's Replace alike.
-func TestStatusOnlyServiceUpdate(t *testing.T) {
-	lb := func(ingress ...string) *v1.Service {
-		s := svc("web", "10.96.0.10", "http:80")
-		s.Spec.Type = v1.ServiceTypeLoadBalancer
-		s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/25"}
-		for _, ip := range ingress {
-			s.Status.LoadBalancer.Ingress = append(s.Status.LoadBalancer.Ingress, v1.LoadBalancerIngress{IP: ip})
-		}
-		return s
-	}
-	sls := []*discovery.EndpointSlice{slice("web-1", "web", "http", 8080, ep{ip: "10.244.0.1"})}
-	for _, tt := range []struct {
-		name   string
-		update func(*Tracker, *v1.Service)
-	}{
-		{"upsert", func(tr *Tracker, s *v1.Service) { tr.OnServiceUpsert(s) }},
-		{"replace", func(tr *Tracker, s *v1.Service) { tr.Replace([]*v1.Service{s}, sls) }},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			rules := &recordingRules{}
-			p := NewProxier(Config{Rules: rules})
-			t.Cleanup(func() { p.Shutdown(context.Background()) })
-			p.Tracker().Replace([]*v1.Service{lb()}, sls)
-			if err := p.sync(t.Context(), false); err != nil {
-				t.Fatal(err)
-			}
-			lbIntercepts := func() []string {
-				rules.mu.Lock()
-				defer rules.mu.Unlock()
-				var out []string
-				for _, in := range rules.last {
-					if in.Kind == LoadBalancerIP {
-						out = append(out, fmt.Sprintf("%s:%d %v", in.VIP, in.Port, in.SourceRanges))
-					}
-				}
-				return out
-			}
-			if got := lbIntercepts(); len(got) != 0 {
-				t.Fatalf("load-balancer intercepts before the status update: %v", got)
-			}
-			tt.update(p.Tracker(), lb("192.0.2.80"))
-			if err := p.sync(t.Context(), false); err != nil {
-				t.Fatal(err)
-			}
-			if diff := cmp.Diff([]string{"192.0.2.80:80 [192.0.2.0/25]"}, lbIntercepts()); diff != "" {
-				t.Errorf("load-balancer intercepts after the status update (-want +got):\n%s", diff)
-			}
-		})
 	}
 }

@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"fmt"
@@ -22,7 +22,9 @@ import (
 	"sigs.k8s.io/randfill"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/proxy/changes"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
+	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // The fixtures below start from objects whose every field randfill has
@@ -40,12 +42,12 @@ func filledService(seed int64) *v1.Service {
 	randfill.NewWithSeed(seed).NilChance(0).NumElements(2, 3).Fill(svc)
 	svc.TypeMeta = metav1.TypeMeta{} // as the informers deliver them
 	svc.Name, svc.Namespace = "web", "shop"
-	svc.Annotations[AnnotationBalancer] = string(balancer.WeightedLeastConn)
-	svc.Annotations[AnnotationWeights] = "10.244.0.11=3, 10.244.0.12=1"
-	svc.Annotations[AnnotationPreserveSourceIP] = "true"
-	svc.Annotations[AnnotationProxyProtocol] = "v2"
-	svc.Annotations[AnnotationMaxConnections] = "100"
-	svc.Annotations[AnnotationMaxConnectionsPerEndpoint] = "ten" // a warning
+	svc.Annotations[service.AnnotationBalancer] = string(balancer.WeightedLeastConn)
+	svc.Annotations[service.AnnotationWeights] = "10.244.0.11=3, 10.244.0.12=1"
+	svc.Annotations[service.AnnotationPreserveSourceIP] = "true"
+	svc.Annotations[service.AnnotationProxyProtocol] = "v2"
+	svc.Annotations[service.AnnotationMaxConnections] = "100"
+	svc.Annotations[service.AnnotationMaxConnectionsPerEndpoint] = "ten" // a warning
 	s := &svc.Spec
 	s.Type = v1.ServiceTypeLoadBalancer
 	s.ClusterIP, s.ClusterIPs = "10.96.0.10", []string{"10.96.0.10", "2001:db8::10"}
@@ -84,7 +86,7 @@ func filledSlice(seed int64, name string, family discovery.AddressType) *discove
 	randfill.NewWithSeed(seed).NilChance(0).NumElements(2, 3).Fill(sl)
 	sl.TypeMeta = metav1.TypeMeta{}
 	sl.Name, sl.Namespace = name, "shop"
-	sl.Labels[LabelServiceName] = "web"
+	sl.Labels[service.LabelServiceName] = "web"
 	sl.Annotations[v1.EndpointsLastChangeTriggerTime] = time.Now().Add(time.Hour).UTC().Format(time.RFC3339Nano)
 	sl.AddressType = family
 	sl.Ports = sl.Ports[:2]
@@ -128,15 +130,15 @@ func filledNode(seed int64) *v1.Node {
 }
 
 // reading is everything uproxy reads of a Service and its slices: what
-// ValidateService, ServiceWarnings, ServicePorts, PortEndpoints,
+// ValidateService, service.Warnings, service.Ports, PortEndpoints,
 // ValidateSlice and the tracker's index and trigger times make of them,
 // and the references that an Event on each would carry.
 type reading struct {
 	Skip      string
 	Invalid   string
 	Warnings  []string
-	Ports     []*ServicePort
-	Endpoints [][]Endpoint // per port
+	Ports     []*service.Port
+	Endpoints [][]service.Endpoint // per port
 	Ref       string
 	Slices    []sliceReading
 }
@@ -158,23 +160,23 @@ func errString(err error) string {
 }
 
 func readAll(svc *v1.Service, sls []*discovery.EndpointSlice) reading {
-	r := reading{Skip: skipReason(svc), Invalid: errString(ValidateService(svc))}
-	for _, err := range ServiceWarnings(svc) {
+	r := reading{Skip: service.SkipReason(svc), Invalid: errString(service.ValidateService(svc))}
+	for _, err := range service.Warnings(svc) {
 		r.Warnings = append(r.Warnings, err.Error())
 	}
 	ref, err := reference.GetReference(scheme.Scheme, svc)
 	r.Ref = fmt.Sprintf("%+v %v", ref, err)
 	if r.Invalid == "" {
-		r.Ports = ServicePorts(svc, ServiceDefaults{Balancer: balancer.SourceHash})
+		r.Ports = service.Ports(svc, service.Defaults{Balancer: balancer.SourceHash})
 	}
 	for _, sp := range r.Ports {
-		r.Endpoints = append(r.Endpoints, PortEndpoints(sp, sls))
+		r.Endpoints = append(r.Endpoints, service.PortEndpoints(sp, sls))
 	}
 	for _, sl := range sls {
 		ref, err := reference.GetReference(scheme.Scheme, sl)
 		r.Slices = append(r.Slices, sliceReading{
-			Key: keyOf(sl.Namespace, sl.Name), Invalid: errString(ValidateSlice(sl)), Service: sliceService(sl),
-			Trigger: triggerTime(sl), Family: sliceFamily(sl), Ref: fmt.Sprintf("%+v %v", ref, err),
+			Key: service.NameOf(sl.Namespace, sl.Name), Invalid: errString(service.ValidateSlice(sl)), Service: service.SliceService(sl),
+			Trigger: service.SliceTriggerTime(sl), Family: service.SliceFamily(sl), Ref: fmt.Sprintf("%+v %v", ref, err),
 		})
 	}
 	return r
@@ -215,8 +217,8 @@ var shapes = map[string]func(*v1.Service){
 	"single stack":     func(s *v1.Service) { s.Spec.ClusterIPs = nil },
 	"external name":    func(s *v1.Service) { s.Spec.Type = v1.ServiceTypeExternalName },
 	"headless":         func(s *v1.Service) { s.Spec.ClusterIP, s.Spec.ClusterIPs = v1.ClusterIPNone, nil },
-	"other proxy":      func(s *v1.Service) { s.Labels[LabelServiceProxyName] = "" },
-	"invalid weights":  func(s *v1.Service) { s.Annotations[AnnotationWeights] = "10.244.0.11" },
+	"other proxy":      func(s *v1.Service) { s.Labels[service.LabelServiceProxyName] = "" },
+	"invalid weights":  func(s *v1.Service) { s.Annotations[service.AnnotationWeights] = "10.244.0.11" },
 	"headless slices":  func(*v1.Service) {},
 }
 
@@ -229,7 +231,7 @@ func TestTrimKeepsWhatIsRead(t *testing.T) {
 			svc, sls := filledService(seed), filledSlices(seed)
 			shape(svc)
 			if name == "headless slices" {
-				sls[1].Labels[LabelHeadless] = ""
+				sls[1].Labels[service.LabelHeadless] = ""
 			}
 			want := readAll(svc, sls)
 			if name == "load balancer" && (want.Invalid != "" || len(want.Ports) != 2 || len(want.Endpoints[0]) != 6 || len(want.Warnings) != 2) {
@@ -292,16 +294,16 @@ func TestTrimSeesEveryReadField(t *testing.T) {
 	}{
 		{"metadata.uid", false, func(o objs) { o.svc.UID = "other" }},
 		{"metadata.resourceVersion", false, func(o objs) { o.svc.ResourceVersion = "other" }},
-		{"label service-proxy-name", true, func(o objs) { o.svc.Labels[LabelServiceProxyName] = "other" }},
-		{"annotation balancer", true, func(o objs) { o.svc.Annotations[AnnotationBalancer] = string(balancer.RoundRobin) }},
-		{"annotation weights", true, func(o objs) { o.svc.Annotations[AnnotationWeights] = "10.244.0.11=2" }},
+		{"label service-proxy-name", true, func(o objs) { o.svc.Labels[service.LabelServiceProxyName] = "other" }},
+		{"annotation balancer", true, func(o objs) { o.svc.Annotations[service.AnnotationBalancer] = string(balancer.RoundRobin) }},
+		{"annotation weights", true, func(o objs) { o.svc.Annotations[service.AnnotationWeights] = "10.244.0.11=2" }},
 		{"annotation preserve-source-ip", true, func(o objs) {
-			o.svc.Annotations[AnnotationPreserveSourceIP] = "false"
+			o.svc.Annotations[service.AnnotationPreserveSourceIP] = "false"
 		}},
-		{"annotation proxy-protocol", true, func(o objs) { o.svc.Annotations[AnnotationProxyProtocol] = "v1" }},
-		{"annotation max-connections", true, func(o objs) { o.svc.Annotations[AnnotationMaxConnections] = "7" }},
+		{"annotation proxy-protocol", true, func(o objs) { o.svc.Annotations[service.AnnotationProxyProtocol] = "v1" }},
+		{"annotation max-connections", true, func(o objs) { o.svc.Annotations[service.AnnotationMaxConnections] = "7" }},
 		{"annotation max-connections-per-endpoint", true, func(o objs) {
-			o.svc.Annotations[AnnotationMaxConnectionsPerEndpoint] = "7"
+			o.svc.Annotations[service.AnnotationMaxConnectionsPerEndpoint] = "7"
 		}},
 		{"spec.type", true, func(o objs) { o.svc.Spec.Type = v1.ServiceTypeNodePort }},
 		{"spec.clusterIP", true, func(o objs) { o.svc.Spec.ClusterIP = "10.96.0.11" }},
@@ -329,8 +331,8 @@ func TestTrimSeesEveryReadField(t *testing.T) {
 			o.svc.Status.LoadBalancer.Ingress[1].IPMode = nil
 		}},
 		{"slice metadata.uid", false, func(o objs) { o.sls[0].UID = "other" }},
-		{"slice label service-name", true, func(o objs) { o.sls[1].Labels[LabelServiceName] = "other" }},
-		{"slice label headless", true, func(o objs) { o.sls[1].Labels[LabelHeadless] = "" }},
+		{"slice label service-name", true, func(o objs) { o.sls[1].Labels[service.LabelServiceName] = "other" }},
+		{"slice label headless", true, func(o objs) { o.sls[1].Labels[service.LabelHeadless] = "" }},
 		{"slice annotation last-change-trigger-time", false, func(o objs) {
 			o.sls[0].Annotations[v1.EndpointsLastChangeTriggerTime] = time.Now().Add(2 * time.Hour).UTC().Format(time.RFC3339Nano)
 		}},
@@ -369,7 +371,7 @@ func TestTrimSeesEveryReadField(t *testing.T) {
 			if !tt.compared || after.Invalid != "" {
 				return // the tracker rejects an invalid version whole
 			}
-			tr := NewTracker(nil, nil)
+			tr := changes.NewTracker(nil, nil)
 			for _, o := range []objs{tbase, tchanged} {
 				tr.OnServiceUpsert(o.svc)
 				for _, sl := range o.sls {
@@ -429,7 +431,7 @@ func TestTrimDrops(t *testing.T) {
 		"Node labels": n.Labels, "Node annotations": n.Annotations,
 	} {
 		for k := range m {
-			if !strings.HasPrefix(k, annotationPrefix) && !slices.Contains([]string{LabelServiceProxyName, LabelServiceName,
+			if !strings.HasPrefix(k, annotationPrefix) && !slices.Contains([]string{service.LabelServiceProxyName, service.LabelServiceName,
 				v1.EndpointsLastChangeTriggerTime, v1.LabelTopologyZone}, k) {
 				t.Errorf("%s: %q survives the trim", name, k)
 			}
@@ -453,12 +455,12 @@ func TestTrimDrops(t *testing.T) {
 		other.Spec.Ports[i].AppProtocol = ptr.To("other")
 	}
 	other.Spec.Selector = map[string]string{"app": "other"}
-	for _, k := range []string{AnnotationBalancer, AnnotationWeights, AnnotationPreserveSourceIP, AnnotationProxyProtocol,
-		AnnotationMaxConnections, AnnotationMaxConnectionsPerEndpoint} {
+	for _, k := range []string{service.AnnotationBalancer, service.AnnotationWeights, service.AnnotationPreserveSourceIP, service.AnnotationProxyProtocol,
+		service.AnnotationMaxConnections, service.AnnotationMaxConnectionsPerEndpoint} {
 		other.Annotations[k] = svc.Annotations[k]
 	}
 	TrimService(other)
-	tr := NewTracker(nil, nil)
+	tr := changes.NewTracker(nil, nil)
 	tr.OnServiceUpsert(tsvc)
 	tr.OnServiceUpsert(other)
 	if got, _ := tr.Pending(); got != 1 {

@@ -1,9 +1,6 @@
-package proxy
+package service
 
 import (
-	"bytes"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"maps"
 	"math"
@@ -15,12 +12,9 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 
@@ -32,134 +26,6 @@ import (
 // invariants of the code that reads user input (manifest files, Service and
 // EndpointSlice fields, annotations, flags), not merely that it does not
 // panic.
-
-// manifestSeeds are manifests in forms and with mistakes beyond those of
-// decodeCases and decodeErrorCases, which seed the fuzzer too.
-var manifestSeeds = []string{
-	strings.ReplaceAll(webYAML, "\n", "\r\n"),
-	`{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-v6","labels":{"kubernetes.io/service-name":"web"}},"addressType":"IPv6","ports":[{"name":"http","port":8080,"protocol":"TCP"}],"endpoints":[{"addresses":["2001:db8::11"],"conditions":{"ready":false,"serving":true,"terminating":true},"zone":"a","hints":{"forZones":[{"name":"a"}]}}]}`,
-	`{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Service","metadata":{"name":"n"},"spec":{"clusterIP":"10.96.0.14","ports":[{"port":53,"protocol":"UDP"}]}}]}]}`,
-	`apiVersion: v1
-kind: Service
-metadata:
-  name: lb
-  namespace: edge
-  annotations:
-    uproxy.io/balancer: weighted-round-robin
-    uproxy.io/weights: "10.244.0.11=3,10.244.0.12=1"
-    uproxy.io/proxy-protocol: v2
-spec:
-  type: LoadBalancer
-  clusterIP: 10.96.0.15
-  clusterIPs: [10.96.0.15, "2001:db8::15"]
-  externalTrafficPolicy: Local
-  healthCheckNodePort: 32000
-  loadBalancerSourceRanges: [192.0.2.0/24]
-  ports: [{name: https, port: 443, nodePort: 30443, targetPort: 8443}]
-status:
-  loadBalancer:
-    ingress: [{ip: 192.0.2.10}, {ip: 192.0.2.11, ipMode: Proxy}]
-`,
-	"",
-	"---\n---\n",
-	"# only a comment\n",
-	"apiVersion: v1\nkind: Endpoints\nmetadata: {name: old}\n",
-	`{"apiVersion":"v1","kind":"List","items":[null]}`,
-	"{}\nnull\n",
-	"apiVersion: v1\nkind: Service\nmetadata: {name: x, creationTimestamp: \"2024-01-02T03:04:05.678+02:00\"}\n",
-}
-
-// FuzzDecodeManifests checks that DecodeManifests either fails with a
-// *ManifestError naming the file and returns nothing, or returns objects
-// that survive being written back out: re-encoded as a JSON stream and as a
-// kind: List, they decode to the same objects.
-func FuzzDecodeManifests(f *testing.F) {
-	for _, s := range manifestSeeds {
-		f.Add([]byte(s))
-	}
-	for _, tt := range decodeCases {
-		f.Add([]byte(tt.in))
-	}
-	for _, tt := range decodeErrorCases {
-		f.Add([]byte(tt.in))
-	}
-	f.Fuzz(func(t *testing.T, data []byte) {
-		const file = "fuzz.yaml"
-		objs, err := DecodeManifests(file, bytes.NewReader(data))
-		if err != nil {
-			var me *ManifestError
-			if !errors.As(err, &me) || me.File != file || me.Doc < -1 {
-				t.Fatalf("DecodeManifests() error = %v (%T), want a *ManifestError for %s", err, err, file)
-			}
-			if !strings.HasPrefix(err.Error(), file+": ") {
-				t.Fatalf("error %q does not start with the file name", err)
-			}
-			if len(objs.Services) != 0 || len(objs.Slices) != 0 || objs.Ignored != 0 {
-				t.Fatalf("DecodeManifests() returned objects with error %v: %+v", err, objs)
-			}
-			return
-		}
-		for i, s := range objs.Services {
-			if s == nil || s.Namespace == "" {
-				t.Fatalf("Services[%d] = %+v: nil or without a namespace", i, s)
-			}
-		}
-		for i, s := range objs.Slices {
-			if s == nil || s.Namespace == "" {
-				t.Fatalf("Slices[%d] = %+v: nil or without a namespace", i, s)
-			}
-		}
-
-		docs := encodeObjects(t, objs)
-		stream := bytes.Join(docs, []byte("\n"))
-		list := v1.List{TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "List"}}
-		for _, d := range docs {
-			list.Items = append(list.Items, runtime.RawExtension{Raw: d})
-		}
-		listJSON, err := json.Marshal(list)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, form := range []struct{ name, data string }{{"stream.json", string(stream)}, {"list.json", string(listJSON)}} {
-			again, err := DecodeManifests(form.name, strings.NewReader(form.data))
-			if err != nil {
-				t.Fatalf("re-encoded objects do not decode: %v\ninput: %q\nre-encoded: %s", err, data, form.data)
-			}
-			if again.Ignored != 0 || len(again.Services) != len(objs.Services) || len(again.Slices) != len(objs.Slices) {
-				t.Fatalf("%s: decoded %d services, %d slices, %d ignored; want %d, %d, 0",
-					form.name, len(again.Services), len(again.Slices), again.Ignored, len(objs.Services), len(objs.Slices))
-			}
-			if diff := cmp.Diff(string(stream), string(bytes.Join(encodeObjects(t, again), []byte("\n")))); diff != "" {
-				t.Fatalf("%s: objects changed through re-encoding (-first +second):\n%s\ninput: %q", form.name, diff, data)
-			}
-		}
-	})
-}
-
-// encodeObjects encodes each Service and EndpointSlice of objs as a JSON
-// document with its apiVersion and kind.
-func encodeObjects(t *testing.T, objs Objects) [][]byte {
-	t.Helper()
-	var out [][]byte
-	add := func(obj any) {
-		b, err := json.Marshal(obj)
-		if err != nil {
-			t.Fatalf("cannot encode %T: %v", obj, err)
-		}
-		out = append(out, b)
-	}
-	for _, s := range objs.Services {
-		c := s.DeepCopy()
-		c.TypeMeta = metav1.TypeMeta{APIVersion: "v1", Kind: "Service"}
-		add(c)
-	}
-	for _, s := range objs.Slices {
-		c := s.DeepCopy()
-		c.TypeMeta = metav1.TypeMeta{APIVersion: "discovery.k8s.io/v1", Kind: "EndpointSlice"}
-		add(c)
-	}
-	return out
-}
 
 // Bits of convertCase.Flags.
 const (
@@ -418,12 +284,11 @@ func convertSeeds() []convertCase {
 }
 
 // FuzzConvert builds a Service and an EndpointSlice from fuzzed fields and
-// runs them through validation, the tracker and the conversion to service
+// runs them through validation and the conversion to service
 // ports and endpoints. What validation accepts must convert to sound
 // values: ports in 1-65535, valid addresses of the right family, no
 // duplicate port names or endpoints. What it rejects must be rejected with
-// an error naming the field, and the tracker must log it with the object's
-// namespace/name and keep it out.
+// an error naming the field.
 func FuzzConvert(f *testing.F) {
 	for _, c := range convertSeeds() {
 		c.add(f)
@@ -450,11 +315,10 @@ func FuzzConvert(f *testing.F) {
 		svcErr, sliceErr := ValidateService(svc), ValidateSlice(s)
 		checkRejection(t, "Service", svcErr, "metadata.name", "spec.", "status.", "annotation ")
 		checkRejection(t, "EndpointSlice", sliceErr, "metadata.name", "addressType", "ports[", "endpoints[")
-		checkTracker(t, svc, s, svcErr, sliceErr)
 		if svcErr != nil {
 			return
 		}
-		sps := ServicePorts(svc, ServiceDefaults{})
+		sps := Ports(svc, Defaults{})
 		checkServicePorts(t, svc, sps)
 		if sliceErr != nil {
 			return
@@ -488,50 +352,6 @@ func checkRejection(t *testing.T, kind string, err error, fields ...string) {
 	t.Errorf("%s rejected with %q, which does not start with a field (one of %q)", kind, err, fields)
 }
 
-// checkTracker checks that the tracker keeps exactly the objects that
-// validate, and logs each rejection with the object's namespace/name.
-func checkTracker(t *testing.T, svc *v1.Service, s *discovery.EndpointSlice, svcErr, sliceErr error) {
-	t.Helper()
-	core, logs := observer.New(zap.ErrorLevel)
-	tr := NewTracker(zap.New(core), nil)
-	tr.OnServiceUpsert(svc)
-	tr.OnSliceUpsert(s)
-	var wantLogs []string
-	if svcErr != nil {
-		wantLogs = append(wantLogs, "Service "+keyOf(svc.Namespace, svc.Name).String()+": "+svcErr.Error())
-	}
-	if sliceErr != nil {
-		wantLogs = append(wantLogs, "EndpointSlice "+keyOf(s.Namespace, s.Name).String()+": "+sliceErr.Error())
-	}
-	var gotLogs []string
-	for _, e := range logs.All() {
-		m := e.ContextMap()
-		gotLogs = append(gotLogs, fmt.Sprintf("%v %v: %v", m["kind"], m["object"], m["error"]))
-	}
-	if diff := cmp.Diff(wantLogs, gotLogs); diff != "" {
-		t.Errorf("tracker rejections (-want +got):\n%s", diff)
-	}
-	var kept []string
-	for _, st := range tr.Take(true, nil).Services {
-		if st.Service != nil {
-			kept = append(kept, "Service "+st.Name.String())
-		}
-		for _, sl := range st.Slices {
-			kept = append(kept, "EndpointSlice "+keyOf(sl.Namespace, sl.Name).String())
-		}
-	}
-	var wantKept []string
-	if svcErr == nil {
-		wantKept = append(wantKept, "Service "+keyOf(svc.Namespace, svc.Name).String())
-	}
-	if sliceErr == nil && s.Labels[LabelServiceName] != "" {
-		wantKept = append(wantKept, "EndpointSlice "+keyOf(s.Namespace, s.Name).String())
-	}
-	if diff := cmp.Diff(wantKept, kept); diff != "" {
-		t.Errorf("tracked objects (-want +got):\n%s", diff)
-	}
-}
-
 // checkAddrs checks addresses that the data path will listen on or
 // intercept: valid, not unspecified, without a zone, and unmapped (so that
 // Is4 tells the family).
@@ -545,11 +365,11 @@ func checkAddrs(t *testing.T, what string, addrs []netip.Addr) {
 }
 
 // checkServicePorts checks the conversion of a Service that validated.
-func checkServicePorts(t *testing.T, svc *v1.Service, sps []*ServicePort) {
+func checkServicePorts(t *testing.T, svc *v1.Service, sps []*Port) {
 	t.Helper()
-	if skipReason(svc) != "" {
+	if SkipReason(svc) != "" {
 		if sps != nil {
-			t.Errorf("ServicePorts() of a skipped service (%s) = %v, want nil", skipReason(svc), sps)
+			t.Errorf("Ports() of a skipped service (%s) = %v, want nil", SkipReason(svc), sps)
 		}
 		return
 	}
@@ -561,13 +381,13 @@ func checkServicePorts(t *testing.T, svc *v1.Service, sps []*ServicePort) {
 		}
 	}
 	if len(sps) != len(proxied) {
-		t.Fatalf("ServicePorts() returned %d ports for %d TCP and UDP ports", len(sps), len(proxied))
+		t.Fatalf("Ports() returned %d ports for %d TCP and UDP ports", len(sps), len(proxied))
 	}
 	if n := len(svc.Spec.Ports) - len(proxied); len(sctpWarnings(svc)) != n {
-		t.Errorf("ServiceWarnings() = %v, want one per SCTP port (%d)", ServiceWarnings(svc), n)
+		t.Errorf("Warnings() = %v, want one per SCTP port (%d)", Warnings(svc), n)
 	}
 	nodePorts := svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer
-	names := map[ServicePortName]bool{}
+	names := map[PortName]bool{}
 	for j, sp := range sps {
 		i := proxied[j]
 		p := svc.Spec.Ports[i]
@@ -622,7 +442,7 @@ func checkServicePorts(t *testing.T, svc *v1.Service, sps []*ServicePort) {
 }
 
 // checkEndpoints checks PortEndpoints' result for a slice that validated.
-func checkEndpoints(t *testing.T, sp *ServicePort, s *discovery.EndpointSlice, eps []Endpoint) {
+func checkEndpoints(t *testing.T, sp *Port, s *discovery.EndpointSlice, eps []Endpoint) {
 	t.Helper()
 	if _, headless := s.Labels[LabelHeadless]; headless || s.AddressType == discovery.AddressTypeFQDN {
 		if len(eps) != 0 {
@@ -703,7 +523,7 @@ func checkWeights(t *testing.T, what string, w map[netip.Addr]int) {
 // value that parses gives a value within bounds that reads back the same
 // when written canonically; a value that does not is an error naming the
 // annotation; and ValidateService accepts a Service exactly when all its
-// annotations parse, which ServicePorts then applies.
+// annotations parse, which Ports then applies.
 func FuzzAnnotations(f *testing.F) {
 	const all = 1<<4 - 1
 	f.Add("least-conn", "10.244.0.11=3, 10.244.0.12=1", "true", "v1", uint8(all))
@@ -788,9 +608,9 @@ func FuzzAnnotations(f *testing.F) {
 		if err != nil {
 			return
 		}
-		sps := ServicePorts(s, ServiceDefaults{Balancer: balancer.LeastConn})
+		sps := Ports(s, Defaults{Balancer: balancer.LeastConn})
 		if len(sps) != 1 {
-			t.Fatalf("ServicePorts() = %v, want one port", sps)
+			t.Fatalf("Ports() = %v, want one port", sps)
 		}
 		want := *sps[0]
 		want.Balancer, want.Weights, want.PreserveSourceIP, want.ProxyProtocol = kind, w, keep, version
@@ -798,7 +618,7 @@ func FuzzAnnotations(f *testing.F) {
 			want.Balancer = balancer.LeastConn
 		}
 		if diff := cmp.Diff(&want, sps[0], cmp.Comparer(func(a, b netip.Addr) bool { return a == b })); diff != "" {
-			t.Errorf("ServicePorts() does not apply the annotations %q (-want +got):\n%s", ann, diff)
+			t.Errorf("Ports() does not apply the annotations %q (-want +got):\n%s", ann, diff)
 		}
 	})
 }
@@ -811,45 +631,11 @@ func checkAnnotationError(t *testing.T, annotation string, err error) {
 	}
 }
 
-// FuzzParsePortRange checks that a --proxy-port-range that parses is a
-// non-empty range within 1-65535 (or the zero value for ""), and reads back
-// the same from its String form.
-func FuzzParsePortRange(f *testing.F) {
-	for _, s := range []string{"", " ", "30000-30009", " 30000 - 30009 ", "30000+9", "30000", "1-65535", "65535+0",
-		"30009-30000", "0-10", "65535+1", "1+-1", "a-b", "-", "+", "1-2-3", "1+2+3", "30000-", "+5", "99999",
-		"1+9223372036854775807", // lo+off overflowed into a negative Size
-	} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, s string) {
-		r, err := ParsePortRange(s)
-		if err != nil {
-			if r != (PortRange{}) || !strings.Contains(err.Error(), "invalid port range") {
-				t.Errorf("ParsePortRange(%q) = %+v, %v; want the zero range and an error saying so", s, r, err)
-			}
-			return
-		}
-		if strings.TrimSpace(s) == "" {
-			if r != (PortRange{}) {
-				t.Errorf("ParsePortRange(%q) = %+v, want the zero range", s, r)
-			}
-			return
-		}
-		if r.Base < 1 || r.Size < 1 || int(r.Base)+r.Size-1 > 65535 {
-			t.Fatalf("ParsePortRange(%q) = %+v: not a range within 1-65535", s, r)
-		}
-		again, err := ParsePortRange(r.String())
-		if err != nil || again != r {
-			t.Errorf("ParsePortRange(%q) = %+v, whose String %q reads back as %+v, %v", s, r, r.String(), again, err)
-		}
-	})
-}
-
 // FuzzConnectionLimits checks the uproxy.io/max-connections and
 // uproxy.io/max-connections-per-endpoint annotations: a value that parses
 // is a limit in 1-2^31-1 that reads back the same when written as a
 // number; one that does not is ignored with a warning naming its
-// annotation; neither ever rejects the Service, and ServicePorts applies
+// annotation; neither ever rejects the Service, and Ports applies
 // the limits that parse to every port.
 func FuzzConnectionLimits(f *testing.F) {
 	const both = 1<<2 - 1
@@ -906,10 +692,10 @@ func FuzzConnectionLimits(f *testing.F) {
 		if err := ValidateService(s); err != nil {
 			t.Fatalf("ValidateService() with limits %q = %v; a limit never rejects a Service", ann, err)
 		}
-		if diff := cmp.Diff(errs, ServiceWarnings(s), cmp.Comparer(func(a, b error) bool { return a.Error() == b.Error() })); diff != "" {
-			t.Errorf("ServiceWarnings() and connectionLimits() disagree (-limits +warnings):\n%s", diff)
+		if diff := cmp.Diff(errs, Warnings(s), cmp.Comparer(func(a, b error) bool { return a.Error() == b.Error() })); diff != "" {
+			t.Errorf("Warnings() and connectionLimits() disagree (-limits +warnings):\n%s", diff)
 		}
-		for _, sp := range ServicePorts(s, ServiceDefaults{}) {
+		for _, sp := range Ports(s, Defaults{}) {
 			if sp.MaxConnections != gotTotal || sp.MaxConnectionsPerEndpoint != gotPer {
 				t.Errorf("%s: limits %d, %d; want %d, %d", sp.Name, sp.MaxConnections, sp.MaxConnectionsPerEndpoint, gotTotal, gotPer)
 			}
@@ -982,9 +768,9 @@ func FuzzTopologyHints(f *testing.F) {
 		if err := ValidateSlice(sl); err != nil {
 			return
 		}
-		sps := ServicePorts(s, ServiceDefaults{})
+		sps := Ports(s, Defaults{})
 		if len(sps) != 1 {
-			t.Fatalf("ServicePorts() = %v, want one port", sps)
+			t.Fatalf("Ports() = %v, want one port", sps)
 		}
 		sp := sps[0]
 		eps := PortEndpoints(sp, []*discovery.EndpointSlice{sl})

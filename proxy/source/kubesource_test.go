@@ -1,4 +1,4 @@
-package proxy
+package source
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/changes"
 )
 
 // TestKubeSourceTrims checks that the objects the informers hand the
@@ -20,13 +21,13 @@ func TestKubeSourceTrims(t *testing.T) {
 	svc, sls := filledService(1), filledSlices(1)
 	svc.Namespace, sls[0].Namespace, sls[1].Namespace = "default", "default", "default"
 	client := fake.NewClientset(svc, sls[0], sls[1])
-	tr := NewTracker(nil, nil)
+	tr := changes.NewTracker(nil, nil)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- (&KubeSource{Client: client, Tracker: tr}).Run(ctx) }() // ends with ctx
 	defer func() { cancel(); <-done }()
 	testwait.Until(t, 10*time.Second, "the initial lists", tr.Synced)
-	gotSvcs, gotSls := tr.objects()
+	gotSvcs, gotSls := tr.Objects()
 	if len(gotSvcs) != 1 || len(gotSls) != 2 {
 		t.Fatalf("the tracker holds %d Services and %d EndpointSlices, want 1 and 2", len(gotSvcs), len(gotSls))
 	}
