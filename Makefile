@@ -65,7 +65,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeManifests$$' -fuzztime $(or $(FUZZTIME),1000x) -timeout 10m ./proxy/source/
 	$(GO) test -run '^$$' -fuzz '^FuzzConvert$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/service/
 	$(GO) test -run '^$$' -fuzz '^FuzzAnnotations$$' -fuzztime $(or $(FUZZTIME),4000x) -timeout 10m ./proxy/service/
-	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/
+	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/listeners/
 	$(GO) test -run '^$$' -fuzz '^FuzzConnectionLimits$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/service/
 	$(GO) test -run '^$$' -fuzz '^FuzzTopologyHints$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/service/
 	$(GO) test -run '^$$' -fuzz '^FuzzConntrackEntry$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/

@@ -15,7 +15,7 @@ var errEndpointsFull = errors.New("every endpoint is at its connection limit")
 // against its uproxy.io/max-connections limit. One ConnSlots serves the
 // port's listeners of both families and every snapshot they build, so
 // the count survives endpoint changes; the sync goroutine hands it from
-// one snapshot to the next (proxy.Proxier.portSlots). Safe for concurrent use.
+// one snapshot to the next (the proxier keeps one per service port). Safe for concurrent use.
 type ConnSlots struct{ n atomic.Int64 }
 
 // acquire takes a slot if fewer than limit connections are in progress

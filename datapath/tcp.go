@@ -274,7 +274,7 @@ func (p *Engine) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 	known := p.cfg.OriginalDst != nil
 	if l.Shared {
 		// A shared listener: the original destination says which service
-		// port the connection is for (shared.go).
+		// port the connection is for (proxy/listeners/shared.go).
 		var err error
 		if known {
 			dst, err = p.cfg.OriginalDst(a.rc, l.V6)
@@ -564,7 +564,7 @@ func (fdConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported 
 // setAcceptOptions sets, on a listening socket, what the sockets it
 // accepts inherit (the kernel clones the listener's options): TCP
 // keep-alive with Go's default timing (15s idle, 15s between probes, 9
-// probes) and TCP_NODELAY. Set once per listener, by startListener, they
+// probes) and TCP_NODELAY. Set once per listener, by listeners.Manager.Start, they
 // spare the five setsockopt calls per accepted connection that Go's
 // Accept, or the event loops' accept, would otherwise make.
 func setAcceptOptions(rc syscall.RawConn) error {

@@ -652,7 +652,7 @@ const udpListenBudget = 64
 // it with the other replies of its turn: a request crosses no goroutine
 // and no thread.
 //
-// As for a TCP listener (startListener), a duplicate of the descriptor
+// As for a TCP listener (listeners.Manager.Start), a duplicate of the descriptor
 // becomes the socket's only one, out of the runtime's poller, which would
 // otherwise wake a thread for every datagram that arrives, and for every
 // reply sent through the socket: the runtime registers a socket for

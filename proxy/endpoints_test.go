@@ -11,6 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/routing"
+
+	"github.com/uproxy/uproxy/proxy/listeners"
+
 	"github.com/google/go-cmp/cmp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -35,14 +39,19 @@ func TestEndpointRefusal(t *testing.T) {
 		},
 		ServerAddrs: []netip.AddrPort{netip.MustParseAddrPort("0.0.0.0:10256"), netip.MustParseAddrPort("127.0.0.1:10249")},
 	})
-	p.refreshLocalAddrs()
-	p.ports.used = map[string]map[uint16]bool{"tcp4": {40000: true}}
+	t.Cleanup(func() { p.Shutdown(context.Background()) })
+	p.addrs.refresh()
 	s := svc("web", "10.96.0.10", "http:80")
 	s.Spec.Type = v1.ServiceTypeLoadBalancer
 	s.Spec.ExternalIPs = []string{"192.0.2.50"}
 	s.Spec.Ports[0].NodePort = 30080
 	s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "192.0.2.60"}}
 	sp := service.Ports(s, service.Defaults{})[0]
+	l, err := p.sockets.Open(t.Context(), listeners.Key{Name: sp.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	listenerPort := fmt.Sprintf("192.0.2.1:%d", l.Port)
 
 	for _, tt := range []struct {
 		ep   string
@@ -70,7 +79,7 @@ func TestEndpointRefusal(t *testing.T) {
 		{"192.0.2.60:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
 		{"[::ffff:192.0.2.50]:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
 		{"192.0.2.1:30080", "the service port's own node port on an address of this node"},
-		{"192.0.2.1:40000", "a listener port of the proxy on an address of this node"},
+		{listenerPort, "a listener port of the proxy on an address of this node"},
 		{"192.0.2.1:10256", "an address of the proxy's own servers"},
 		{"[2001:db8::1]:10256", "an address of the proxy's own servers"},
 	} {
@@ -125,10 +134,10 @@ func TestRefusedEndpointIsLogged(t *testing.T) {
 // intercepts before it takes them.
 type probeRules struct {
 	recordingRules
-	probe func(in []Intercept)
+	probe func(in []routing.Intercept)
 }
 
-func (r *probeRules) SyncRules(ctx context.Context, in []Intercept, full bool) (RuleStats, error) {
+func (r *probeRules) SyncRules(ctx context.Context, in []routing.Intercept, full bool) (RuleStats, error) {
 	r.probe(in)
 	return r.recordingRules.SyncRules(ctx, in, full)
 }
@@ -146,7 +155,7 @@ func TestSyncWritesRulesBeforeClosingListeners(t *testing.T) {
 		checked  bool
 		boundErr error
 	)
-	rules := &probeRules{probe: func(in []Intercept) {
+	rules := &probeRules{probe: func(in []routing.Intercept) {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, i := range in {

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy/service"
 	v1 "k8s.io/api/core/v1"
@@ -43,7 +45,7 @@ func TestExplain(t *testing.T) {
 	testwait.Until(t, 5*time.Second, "a sync", func() bool { return p.Status().Ports != nil })
 	client := netip.MustParseAddr("127.0.0.1")
 
-	explain := func(dst string, proto v1.Protocol, from netip.Addr) Explanation {
+	explain := func(dst string, proto v1.Protocol, from netip.Addr) introspect.Explanation {
 		t.Helper()
 		ex := p.Explain(netip.MustParseAddrPort(dst), proto, from)
 		t.Logf("%s: %+v", dst, ex)
@@ -104,7 +106,7 @@ func TestExplainLeastConn(t *testing.T) {
 	p.Tracker().Replace([]*v1.Service{lc}, slicesFor("lc", "http", a, b))
 	port := rules.port(t, "default/lc:http")
 	testwait.Until(t, 5*time.Second, "a sync", func() bool { return p.Status().Ports != nil })
-	explain := func() Explanation {
+	explain := func() introspect.Explanation {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.14:80"), v1.ProtocolTCP, netip.MustParseAddr("127.0.0.1"))
 		t.Logf("%+v", ex)
 		return ex

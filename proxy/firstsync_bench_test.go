@@ -6,6 +6,8 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
@@ -57,7 +59,7 @@ func benchPerServiceProxier(b *testing.B, n int, transparent bool) (*Proxier, []
 			Transparent: transparent,
 			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		},
-		Metrics:       NewMetrics(prometheus.NewRegistry()),
+		Metrics:       introspect.NewMetrics(prometheus.NewRegistry()),
 		Rules:         &recordingRules{},
 		ServiceHealth: healthcheck.NewServiceHealth(healthcheck.ServiceHealthConfig{}),
 	})

@@ -2,112 +2,27 @@ package proxy
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"net"
-	"net/netip"
-	"os"
-	"slices"
-	"strings"
-	"sync"
-	"syscall"
 
-	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
-	v1 "k8s.io/api/core/v1"
-
-	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/listeners"
 )
 
-// Handing listeners over from one process to the next (hitless upgrade).
-//
-// The old process exports a duplicate of every listener's socket
-// (ExportListeners), keyed by what the listener serves; the new process
-// adopts them (Config.Inherited) instead of binding new sockets, so it
-// serves the very same ports, the kernel's rules need no change, and
-// connections that arrive meanwhile wait in the sockets' shared queues
-// rather than being refused. Moving the descriptors between the processes
-// (SCM_RIGHTS over a unix socket) is the caller's business.
-//
-// A socket lives as long as any process holds a descriptor of it: closing
-// the old process's copies (StopListening) only stops that process from
-// accepting; neither net.TCPListener.Close nor net.UDPConn.Close calls
-// shutdown(2), which would end the socket for both.
-
-// HandoverSocket is one listener's socket on its way from one process to
-// the next.
-type HandoverSocket struct {
-	// Key names the listener stably across processes: its network and its
-	// service port, as "tcp4 default/web:http". It is what the new process
-	// adopts the socket by.
-	Key string
-	// Port is the socket's local port, for logs; the adopter reads the
-	// port from the socket itself.
-	Port uint16
-	// File is a duplicate of the socket's descriptor, owned by whoever
-	// holds the HandoverSocket: they close it. (Never call Fd on a File
-	// that package net's File methods made: it makes the socket blocking
-	// for every process that shares it. SocketFile makes safe ones.)
-	File *os.File
-}
-
-// handoverKey is the key of k's listener in HandoverSocket.Key.
-func (k portKey) handoverKey() string {
-	if k.slot > 0 {
-		return fmt.Sprintf("%s %s #%d", k.network(), k.name, k.slot)
-	}
-	return k.network() + " " + k.name.String()
-}
+// Handing listeners over from one process to the next (hitless upgrade):
+// the listeners package exports and adopts the sockets; the Proxier
+// decides when.
 
 // ExportListeners returns a duplicate of every listener's socket, keyed
 // for Inherited and sorted by key. The listeners go on serving: call
 // StopListening once the next process has taken over. The caller closes
 // the Files. Call it only while Run is not running: the sync goroutine
 // owns the listeners.
-func (p *Proxier) ExportListeners() ([]HandoverSocket, error) {
-	var out []HandoverSocket
-	var all []*listener
+func (p *Proxier) ExportListeners() ([]listeners.HandoverSocket, error) {
+	var all []*listeners.Listener
 	for _, ls := range p.services {
 		for _, l := range ls {
-			if l.host == nil { // a hosted service port has no socket: its host is exported
-				all = append(all, l)
-			}
+			all = append(all, l.Listener)
 		}
 	}
-	for _, sh := range p.shared {
-		all = append(all, sh)
-		all = append(all, sh.siblings...)
-	}
-	for _, l := range all {
-		f, err := l.file()
-		if err != nil {
-			CloseHandoverSockets(out)
-			return nil, fmt.Errorf("exporting the %s listener of %s: %w", l.key.network(), l.key.name, err)
-		}
-		out = append(out, HandoverSocket{Key: l.key.handoverKey(), Port: l.Port, File: f})
-	}
-	slices.SortFunc(out, func(a, b HandoverSocket) int { return strings.Compare(a.Key, b.Key) })
-	return out, nil
-}
-
-// file duplicates l's socket descriptor.
-func (l *listener) file() (*os.File, error) {
-	return l.File(l.key.handoverKey())
-}
-
-// SocketFile returns a duplicate of c's socket descriptor, close-on-exec,
-// as a File named name (datapath.SocketFile).
-func SocketFile(c syscall.Conn, name string) (*os.File, error) {
-	return datapath.SocketFile(c, name)
-}
-
-// CloseHandoverSockets closes the Files of socks.
-func CloseHandoverSockets(socks []HandoverSocket) {
-	for _, s := range socks {
-		if s.File != nil {
-			s.File.Close()
-		}
-	}
+	return p.sockets.Export(all)
 }
 
 // StopListening closes this process's descriptors of every listener,
@@ -120,14 +35,14 @@ func CloseHandoverSockets(socks []HandoverSocket) {
 func (p *Proxier) StopListening() {
 	for name, ls := range p.services {
 		for _, l := range ls {
-			p.closeListener(l)
+			p.sockets.Close(l.Listener)
 		}
 		delete(p.services, name)
-		p.statusPorts.Delete(name)
+		p.inspect.Store(name, nil)
 	}
 	p.endpoints = 0
-	p.closeShared()
-	p.cfg.Inherited.stop(p.log)
+	p.sockets.CloseShared()
+	p.cfg.Inherited.Stop(p.log)
 }
 
 // Drain waits, after StopListening or as the end of Shutdown, for every
@@ -145,267 +60,4 @@ func (p *Proxier) Drain(ctx context.Context) error {
 func (p *Proxier) Resync() {
 	p.forceFull.Store(true)
 	p.runner.Run()
-}
-
-// Inherited holds the sockets a Proxier received from the process it
-// replaces (see ExportListeners). One Inherited serves one Proxier.
-//
-// When the Proxier opens a listener whose key has a socket here, it adopts
-// that socket instead of binding a new one, provided the socket is what it
-// would have bound (protocol, family, address, a port within PortRange).
-// An adopted listener starts accepting only at the end of the first
-// successful sync, when its service's state is in place: connections
-// arriving before that wait in the socket's queue, which the previous
-// process goes on serving until it is told the new one is ready. The same
-// sync closes the sockets that no listener adopted: services the new
-// process does not have (any more). Shutdown or StopListening before that
-// sync closes them too.
-type Inherited struct {
-	mu      sync.Mutex
-	sockets map[string]HandoverSocket // not adopted yet
-	adopted map[*listener]bool        // waiting for ready
-	done    bool                      // first sync over (or stopped): nothing more is adopted
-	ready   chan struct{}             // closed at the end of the first successful sync
-	stopped chan struct{}             // closed when the Proxier stops before that
-}
-
-// NewInherited takes ownership of socks: each is adopted by a listener, or
-// closed.
-func NewInherited(socks []HandoverSocket) *Inherited {
-	in := &Inherited{
-		sockets: map[string]HandoverSocket{},
-		adopted: map[*listener]bool{},
-		ready:   make(chan struct{}),
-		stopped: make(chan struct{}),
-	}
-	for _, s := range socks {
-		if old, dup := in.sockets[s.Key]; dup {
-			old.File.Close()
-		}
-		in.sockets[s.Key] = s
-	}
-	return in
-}
-
-// Len returns how many sockets are still waiting to be adopted.
-func (in *Inherited) Len() int {
-	if in == nil {
-		return 0
-	}
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	return len(in.sockets)
-}
-
-// take removes and returns the socket of key, if it is still adoptable.
-func (in *Inherited) take(key string) (HandoverSocket, bool) {
-	if in == nil {
-		return HandoverSocket{}, false
-	}
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	s, ok := in.sockets[key]
-	if !ok || in.done {
-		return HandoverSocket{}, false
-	}
-	delete(in.sockets, key)
-	return s, true
-}
-
-// synced ends adoption at the end of the first successful sync: the
-// adopted listeners start, the rest is closed.
-func (in *Inherited) synced(log *zap.Logger) {
-	if adopted, ok := in.finish(log); ok {
-		log.Info("inherited listeners adopted", zap.Int("adopted", adopted))
-		close(in.ready)
-	}
-}
-
-// forget takes l off the adopted listeners, when it is closed instead of
-// started (startAdopted).
-func (in *Inherited) forget(l *listener) {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	delete(in.adopted, l)
-}
-
-// stop ends adoption without starting the adopted listeners, whose
-// sockets their owner closes.
-func (in *Inherited) stop(log *zap.Logger) {
-	if _, ok := in.finish(log); ok {
-		close(in.stopped)
-	}
-}
-
-// finish closes the sockets nobody adopted and returns how many were;
-// false if already finished.
-func (in *Inherited) finish(log *zap.Logger) (adopted int, ok bool) {
-	if in == nil {
-		return 0, false
-	}
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	if in.done {
-		return 0, false
-	}
-	in.done = true
-	adopted = len(in.adopted)
-	for key, s := range in.sockets {
-		log.Info("closing an inherited socket that no service claims", zap.String("listener", key), zap.Uint16("port", s.Port))
-		s.File.Close()
-		delete(in.sockets, key)
-	}
-	in.adopted = nil
-	return adopted, true
-}
-
-// adoptOrAllocate gives l the inherited socket of its key, if there is a
-// fitting one, and returns its port; otherwise it allocates a port and
-// binds with try, as openListener always did. host is the address
-// openListener would bind. A non-zero exact is the only port l may have.
-func (p *Proxier) adoptOrAllocate(l *listener, host string, exact uint16, try func(port uint16) (uint16, error)) (uint16, error) {
-	network := l.key.network()
-	if s, ok := p.cfg.Inherited.take(l.key.handoverKey()); ok {
-		port, err := p.adopt(l, host, s)
-		if err == nil && exact != 0 && port != exact {
-			l.Close()
-			err = fmt.Errorf("its port is %d, not %d", port, exact)
-		}
-		if err == nil {
-			return port, nil
-		}
-		p.log.Warn("cannot adopt the inherited socket; binding a new one, so its rules change",
-			zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Error(err))
-	}
-	if err := p.listenerBudget(l.key); err != nil {
-		return 0, err
-	}
-	if exact != 0 {
-		return p.ports.allocateExact(network, exact, try)
-	}
-	if p.cfg.PreviousPort != nil {
-		if want := p.cfg.PreviousPort(l.key.name, network); want != 0 {
-			port, err := p.ports.allocatePreferred(network, want, try)
-			if err == nil && port != want {
-				p.log.Info("the previous instance's listener port is taken; its rules change",
-					zap.Stringer("servicePort", l.key.name), zap.String("network", network), zap.Uint16("previous", want))
-			}
-			return port, err
-		}
-	}
-	return p.ports.allocate(network, try)
-}
-
-// adopt makes s l's socket after checking it is the socket openListener
-// would have bound on host. It consumes s.File either way.
-func (p *Proxier) adopt(l *listener, host string, s HandoverSocket) (uint16, error) {
-	defer s.File.Close() // the listener holds its own duplicate
-	udp := l.key.name.Protocol == v1.ProtocolUDP
-	var local net.Addr
-	if udp {
-		pc, err := net.FilePacketConn(s.File)
-		if err != nil {
-			return 0, err
-		}
-		uc, ok := pc.(*net.UDPConn)
-		if !ok {
-			pc.Close()
-			return 0, fmt.Errorf("not a UDP socket but %T", pc)
-		}
-		l.PC, local = uc, uc.LocalAddr()
-	} else {
-		ln, err := net.FileListener(s.File)
-		if err != nil {
-			return 0, err
-		}
-		tl, ok := ln.(*net.TCPListener)
-		if !ok {
-			ln.Close()
-			return 0, fmt.Errorf("not a TCP listener but %T", ln)
-		}
-		l.LN, local = tl, tl.Addr()
-	}
-	port, err := p.checkAdopted(l, host, local)
-	if err != nil {
-		l.Close()
-		l.LN, l.PC = nil, nil
-		return 0, err
-	}
-	p.ports.mark(l.key.network(), port)
-	p.cfg.Inherited.mu.Lock()
-	p.cfg.Inherited.adopted[l] = true
-	p.cfg.Inherited.mu.Unlock()
-	p.log.Info("adopted an inherited socket", zap.Stringer("servicePort", l.key.name), zap.String("network", l.key.network()), zap.Uint16("port", port))
-	return port, nil
-}
-
-// checkAdopted checks that an adopted socket is bound where openListener
-// would bind it, within the port range, and for TCP listening.
-func (p *Proxier) checkAdopted(l *listener, host string, local net.Addr) (uint16, error) {
-	ap, err := netip.ParseAddrPort(local.String())
-	if err != nil {
-		return 0, fmt.Errorf("socket address %s: %w", local, err)
-	}
-	if want := netip.MustParseAddr(host); ap.Addr() != want {
-		return 0, fmt.Errorf("socket bound to %s, not %s (another mode or family)", local, host)
-	}
-	if r := p.cfg.PortRange; r.Size > 0 && (ap.Port() < r.Base || int(ap.Port()) >= int(r.Base)+r.Size) {
-		return 0, fmt.Errorf("socket port %d is outside --proxy-port-range %s", ap.Port(), r)
-	}
-	if l.LN != nil {
-		rc, err := l.LN.(*net.TCPListener).SyscallConn()
-		if err != nil {
-			return 0, err
-		}
-		var listening int
-		var serr error
-		if err := rc.Control(func(fd uintptr) {
-			listening, serr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
-		}); err != nil {
-			return 0, err
-		}
-		if serr != nil {
-			return 0, fmt.Errorf("SO_ACCEPTCONN: %w", serr)
-		}
-		if listening == 0 {
-			return 0, errors.New("TCP socket is not listening")
-		}
-	}
-	return ap.Port(), nil
-}
-
-// adopted reports whether l's socket is an inherited one.
-func (p *Proxier) adopted(l *listener) bool {
-	in := p.cfg.Inherited
-	if in == nil {
-		return false
-	}
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	return in.adopted[l]
-}
-
-// startAdopted starts accepting or reading on an adopted listener once
-// the first sync is over (startAccepting), and reports whether l was
-// adopted; openListener starts the others at once. The goroutine waits
-// for that sync, then becomes the listener's accept or read loop, or
-// exits once the event loops accept on it; it exits at once if the
-// Proxier stops before that sync.
-//
-// A listener for the event loops fails here, and is not adopted, when
-// no loop can start (no descriptor left for an epoll instance): the sync
-// that adopts the socket can still report the service port and retry it,
-// as for a listener that could not be opened, while the goroutine, after
-// that sync, could only log the failure, and the rules would send
-// connections into a queue that nothing accepts from.
-func (p *Proxier) startAdopted(l *listener) (bool, error) {
-	if !p.adopted(l) {
-		return false, nil
-	}
-	in := p.cfg.Inherited
-	if err := p.dp.StartAfter(l.Listener, in.ready, in.stopped); err != nil {
-		in.forget(l)
-		return false, err
-	}
-	return true, nil
 }

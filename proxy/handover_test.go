@@ -17,6 +17,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/listeners"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 )
@@ -24,7 +25,7 @@ import (
 // passSockets sends socks over a SOCK_SEQPACKET socketpair with
 // SCM_RIGHTS, as one uproxy process hands them to the next, closes the
 // sender's copies, and returns what arrived, keyed as sent.
-func passSockets(t *testing.T, socks []HandoverSocket) []HandoverSocket {
+func passSockets(t *testing.T, socks []listeners.HandoverSocket) []listeners.HandoverSocket {
 	t.Helper()
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -41,7 +42,7 @@ func passSockets(t *testing.T, socks []HandoverSocket) []HandoverSocket {
 	if err := unix.Sendmsg(pair[0], []byte(strings.Join(keys, "\n")), unix.UnixRights(fds...), nil, 0); err != nil {
 		t.Fatal(err)
 	}
-	CloseHandoverSockets(socks)
+	listeners.CloseHandoverSockets(socks)
 	buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4*len(socks)))
 	n, oobn, flags, _, err := unix.Recvmsg(pair[1], buf, oob, unix.MSG_CMSG_CLOEXEC)
 	if err != nil {
@@ -62,12 +63,12 @@ func passSockets(t *testing.T, socks []HandoverSocket) []HandoverSocket {
 	if len(got) != len(lines) {
 		t.Fatalf("%d descriptors for %d keys", len(got), len(lines))
 	}
-	var out []HandoverSocket
+	var out []listeners.HandoverSocket
 	for i, line := range lines {
 		key, port, _ := strings.Cut(line, "=")
 		var p uint16
 		fmt.Sscan(port, &p)
-		out = append(out, HandoverSocket{Key: key, Port: p, File: os.NewFile(uintptr(got[i]), key)})
+		out = append(out, listeners.HandoverSocket{Key: key, Port: p, File: os.NewFile(uintptr(got[i]), key)})
 	}
 	return out
 }
@@ -166,7 +167,7 @@ func TestHandoverAdoptsListeners(t *testing.T) {
 		}
 
 		newRules := &recordingRules{}
-		next := NewProxier(Config{LoopbackEndpoints: true, Rules: newRules, Inherited: NewInherited(inherited), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		next := NewProxier(Config{LoopbackEndpoints: true, Rules: newRules, Inherited: listeners.NewInherited(inherited), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stopNext := runProxier(next)
 		next.Tracker().Replace(services[:2], slices[:2])
 		if got := newRules.port(t, "default/web:http"); got != web {
@@ -242,7 +243,7 @@ func TestInheritedSocketMustFit(t *testing.T) {
 				defer ln.Close()
 				c = ln.(*net.TCPListener)
 			}
-			f, err := SocketFile(c, addr)
+			f, err := listeners.SocketFile(c, addr)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -262,15 +263,15 @@ func TestInheritedSocketMustFit(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		socket func(t *testing.T) *os.File
-		ports  PortRange
+		ports  listeners.PortRange
 		want   bool // adopted
 	}{
-		{"fits", listen("tcp4", "0.0.0.0:0"), PortRange{}, true},
-		{"loopback, as in tproxy mode", listen("tcp4", "127.0.0.1:0"), PortRange{}, false},
-		{"IPv6", listen("tcp6", "[::]:0"), PortRange{}, false},
-		{"UDP", listen("udp4", "0.0.0.0:0"), PortRange{}, false},
-		{"not listening", unlistened, PortRange{}, false},
-		{"outside the port range", listen("tcp4", "0.0.0.0:0"), PortRange{Base: 1, Size: 1}, false},
+		{"fits", listen("tcp4", "0.0.0.0:0"), listeners.PortRange{}, true},
+		{"loopback, as in tproxy mode", listen("tcp4", "127.0.0.1:0"), listeners.PortRange{}, false},
+		{"IPv6", listen("tcp6", "[::]:0"), listeners.PortRange{}, false},
+		{"UDP", listen("udp4", "0.0.0.0:0"), listeners.PortRange{}, false},
+		{"not listening", unlistened, listeners.PortRange{}, false},
+		{"outside the port range", listen("tcp4", "0.0.0.0:0"), listeners.PortRange{Base: 1, Size: 1}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			be := nameBackend(t, "a")
@@ -287,9 +288,9 @@ func TestInheritedSocketMustFit(t *testing.T) {
 			ports := tc.ports
 			if ports.Size > 0 {
 				// A free range that excludes the inherited port.
-				ports = PortRange{Base: uint16(inheritedPort) + 1, Size: 100}
+				ports = listeners.PortRange{Base: uint16(inheritedPort) + 1, Size: 100}
 			}
-			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
+			p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, PortRange: ports, Inherited: listeners.NewInherited([]listeners.HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 			stop := runProxier(p)
 			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 			port := rules.port(t, "default/web:http")
@@ -318,7 +319,7 @@ func TestAdoptedListenerWaitsForFirstSync(t *testing.T) {
 	func() {
 		f, inheritedPort := inheritedTCP4(t)
 		rules := &recordingRules{fail: errors.New("iptables-restore: exit status 1")}
-		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
+		p := NewProxier(Config{LoopbackEndpoints: true, Rules: rules, Inherited: listeners.NewInherited([]listeners.HandoverSocket{{Key: "tcp4 default/web:http", File: f}}), Sync: changes.RunnerConfig{MinInterval: 10 * time.Millisecond}})
 		stop := runProxier(p)
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 		testwait.Until(t, 5*time.Second, "a failed sync", func() bool { rules.mu.Lock(); defer rules.mu.Unlock(); return rules.calls >= 1 })
@@ -359,7 +360,7 @@ func inheritedTCP4(t *testing.T) (*os.File, int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := SocketFile(ln.(*net.TCPListener), "web")
+	f, err := listeners.SocketFile(ln.(*net.TCPListener), "web")
 	ln.Close() // the inherited duplicate keeps the socket
 	if err != nil {
 		t.Fatal(err)

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -66,7 +68,7 @@ func series(t *testing.T, reg *prometheus.Registry, names ...string) map[string]
 // them, and the network programming latency under its slice's family.
 func TestKubeProxySyncMetrics(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg)
+	m := introspect.NewMetrics(reg)
 	m.SetIPFamilies(v1.IPv4Protocol, v1.IPv6Protocol)
 	p, rules := startProxier(t, Config{Metrics: m, NodeName: "node-a"})
 
@@ -150,9 +152,9 @@ func TestKubeProxySyncMetrics(t *testing.T) {
 // do.
 func TestChangesPending(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg)
+	m := introspect.NewMetrics(reg)
 	tr := changes.NewTracker(nil, nil)
-	m.setPending(tr.Pending)
+	m.SetPending(tr.Pending)
 	tr.OnServiceUpsert(svc("web", "10.96.0.10", "http:80"))
 	tr.OnSliceUpsert(slice("web-1", "web", "http", 8080, ep{IP: "10.244.0.1"}))
 	tr.OnSliceUpsert(slice("web-2", "web", "http", 8080, ep{IP: "10.244.0.2"}))
@@ -174,8 +176,8 @@ func TestChangesPending(t *testing.T) {
 // programming latency, which starts with a bucket of 0.
 func TestKubeProxyBuckets(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg)
-	m.observeSync(time.Now(), time.Now(), true, map[types.NamespacedName][]changes.TriggerTime{{Name: "web"}: {{At: time.Now(), Family: v1.IPv4Protocol}}})
+	m := introspect.NewMetrics(reg)
+	m.ObserveSync(time.Now(), time.Now(), true, map[types.NamespacedName][]changes.TriggerTime{{Name: "web"}: {{At: time.Now(), Family: v1.IPv4Protocol}}})
 	var sync, programming []float64
 	for i := range 15 {
 		sync = append(sync, 0.001*float64(int(1)<<i))

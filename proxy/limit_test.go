@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -147,7 +149,7 @@ func TestProxyConnectionLimit(t *testing.T) {
 	const limit = 3
 	be, accepted := holdingBackend(t)
 	reg := prometheus.NewRegistry()
-	p, rules := startProxier(t, Config{Metrics: NewMetrics(reg)})
+	p, rules := startProxier(t, Config{Metrics: introspect.NewMetrics(reg)})
 	s := svc("web", "10.96.0.10", "http:80")
 	s.Annotations = map[string]string{service.AnnotationMaxConnections: fmt.Sprint(limit)}
 	p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))
@@ -272,7 +274,7 @@ func TestProxyPerEndpointLimit(t *testing.T) {
 			a, acceptedA := holdingBackend(t)
 			b, acceptedB := holdingBackend(t)
 			reg := prometheus.NewRegistry()
-			p, rules := startProxier(t, Config{Metrics: NewMetrics(reg)})
+			p, rules := startProxier(t, Config{Metrics: introspect.NewMetrics(reg)})
 			s := svc("web", "10.96.0.10", "http:80")
 			s.Annotations = map[string]string{
 				service.AnnotationBalancer:                  string(kind),

@@ -14,6 +14,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/listeners"
 )
 
 // TestListenerWithoutLoopIsRetried checks that a listener that no event
@@ -41,7 +42,7 @@ func TestAdoptedListenerWithoutLoopIsRetried(t *testing.T) {
 	f, inheritedPort := inheritedTCP4(t)
 	core, logs := observer.New(zap.InfoLevel)
 	fail := failingLoops()
-	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core), StartLoop: fail.start}, Inherited: NewInherited([]HandoverSocket{{Key: "tcp4 default/web:http", File: f}})})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core), StartLoop: fail.start}, Inherited: listeners.NewInherited([]listeners.HandoverSocket{{Key: "tcp4 default/web:http", File: f}})})
 	const name = "default/web:http"
 	p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", be))
 	waitForRetry(t, logs, name)

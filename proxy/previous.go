@@ -32,7 +32,7 @@ func (p *Proxier) ServePrevious(services []*v1.Service, slices []*discovery.Endp
 // listeners and balancers only, no rule, and no successful sync
 // recorded (health, OnSync and the state file wait for a real one).
 func (p *Proxier) applyPrevious(ctx context.Context) {
-	p.refreshLocalAddrs()
+	p.addrs.refresh()
 	p.applyServices(ctx, p.tracker.Take(false, nil).Services)
 	if p.rulesDirty {
 		p.rebuildRoutes()

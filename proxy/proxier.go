@@ -4,13 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/uproxy/uproxy/proxy/introspect"
+
+	"github.com/uproxy/uproxy/proxy/routing"
+
+	"github.com/uproxy/uproxy/proxy/listeners"
 
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
@@ -34,10 +39,10 @@ type Config struct {
 	// programmed (tests that connect to listeners directly).
 	Rules RuleSyncer
 	// Inherited holds the listening sockets handed over by the process
-	// this one replaces (see handover.go): a listener adopts the socket of
+	// this one replaces (see listeners.Inherited): a listener adopts the socket of
 	// its key instead of binding a new one. Nil means every listener is
 	// bound anew.
-	Inherited *Inherited
+	Inherited *listeners.Inherited
 	// PreviousPort returns the listener port that the rules a previous
 	// instance left in the kernel send a service port's traffic to (for a
 	// network: "tcp4", "udp6", …), or 0. A listener binds that port again
@@ -46,11 +51,11 @@ type Config struct {
 	// Nil means none.
 	PreviousPort func(name service.PortName, network string) uint16
 	// StateFile is where each successful sync's Services and
-	// EndpointSlices are saved (state.go), for ServePrevious after a
+	// EndpointSlices are saved (source.SaveState), for ServePrevious after a
 	// restart. Empty means none is saved.
 	StateFile string
 	// SharedListeners lists the protocols whose service ports share one
-	// listener per family (--listener=shared; see shared.go): the
+	// listener per family (--listener=shared; see package listeners): the
 	// listener finds each connection's service from its original
 	// destination, OriginalDst for TCP (which must then be set), and for
 	// UDP a datagram's destination in tproxy mode or UDPOriginalDst in
@@ -77,8 +82,8 @@ type Config struct {
 	// Zero means no bound.
 	MaxListeners int
 	// PortRange limits listener ports; zero means the ports the kernel
-	// assigns to bind(0), chosen by uproxy (portAllocator).
-	PortRange PortRange
+	// assigns to bind(0), chosen by uproxy (listeners.Config.PortRange).
+	PortRange listeners.PortRange
 	// Defaults are the settings a Service can override by annotation.
 	Defaults service.Defaults
 	// Sync sets the sync frequency bounds.
@@ -123,7 +128,7 @@ type Config struct {
 	OnReject func(obj k8sruntime.Object, err error)
 	// Metrics receives the proxier's Prometheus metrics (see NewMetrics);
 	// nil means none are kept.
-	Metrics *Metrics
+	Metrics *introspect.Metrics
 	// SourceHashBytes bounds the memory of the source-hash balancers'
 	// Maglev tables, across all services. Past it, a balancer whose table
 	// does not fit uses rendezvous hashing, which needs none (see
@@ -160,12 +165,17 @@ type Proxier struct {
 	log     *zap.Logger
 	// dp carries the connections and datagrams of the listeners.
 	dp *datapath.Engine
+	// sockets opens and closes the listeners' sockets (sync goroutine).
+	sockets *listeners.Manager
+	// addrs are the node's addresses, refreshed by each sync.
+	addrs *nodeAddrs
+	// inspect answers Status and Explain from the entries each sync
+	// stores (updateStatus).
+	inspect *introspect.Inspector
 
 	// Owned by the sync goroutine.
-	ports      portAllocator
 	services   map[types.NamespacedName]listenerSet
-	shared     map[portKey]*listener // the shared listeners, by family and protocol
-	endpoints  int                   // the endpoints of every listener (counts)
+	endpoints  int // the endpoints of every listener (counts)
 	rulesDirty bool
 	// retired are the listeners that applied services no longer want,
 	// closed once the rules no longer send anything to them
@@ -176,26 +186,19 @@ type Proxier struct {
 	// budgetRefused counts the listeners of this sync that
 	// Config.MaxListeners refused, for one log line per sync.
 	budgetRefused int
-	slots         map[service.PortName]*datapath.ConnSlots // per service port, shared by its listeners
-	hash          hashTables                               // the source-hash balancers' tables
-	warned        map[types.NamespacedName]*v1.Service     // the version whose ignored annotations were logged
-	// hcPorts and hcLocal are what the ServiceHealth server was last
-	// given (or is to be given when hcDirty): each health-checked
-	// service's port and number of ready local endpoints. Kept per
-	// applied service, so that a sync hands them on only when they change.
-	hcPorts map[types.NamespacedName]uint16
-	hcLocal map[types.NamespacedName]int
-	hcDirty bool
+	slots         connSlots    // per service port, shared by its listeners
+	hash          hashTables   // the source-hash balancers' tables
+	ignored       ignoredParts // the Services whose ignored parts were logged
+	// health holds what the ServiceHealth server was last given.
+	health healthPorts
 	// stateDirty: changes applied since the state file was last saved,
 	// at stateSaved.
 	stateDirty bool
 	stateSaved time.Time
 
-	lastSync    atomic.Int64 // unix nanos of the last successful sync
-	zone        atomic.Pointer[string]
-	forceFull   atomic.Bool
-	localAddrs  atomic.Pointer[[]netip.Addr] // sorted; refreshed every sync
-	statusPorts sync.Map                     // types.NamespacedName → []statusEntry, replaced per applied service
+	lastSync  atomic.Int64 // unix nanos of the last successful sync
+	zone      atomic.Pointer[string]
+	forceFull atomic.Bool
 }
 
 // NewProxier returns a Proxier with an empty Tracker. Feed the tracker
@@ -205,25 +208,39 @@ func NewProxier(cfg Config) *Proxier {
 		cfg:      cfg,
 		log:      cfg.logger(),
 		services: map[types.NamespacedName]listenerSet{},
-		hcPorts:  map[types.NamespacedName]uint16{},
-		hcLocal:  map[types.NamespacedName]int{},
-		ports:    portAllocator{r: cfg.PortRange},
+		slots:    connSlots{},
+		health:   healthPorts{syncer: cfg.ServiceHealth, ports: map[types.NamespacedName]uint16{}, local: map[types.NamespacedName]int{}},
 	}
-	p.dp = datapath.NewEngine(cfg.Config, p.internalClient)
-	p.ports.warn = func(err error) {
-		p.log.Warn("cannot read the kernel's local port range; listeners bind port 0, which is slower with thousands of them", zap.Error(err))
+	p.ignored.log = p.log
+	p.health.log = p.log
+	p.addrs = &nodeAddrs{list: cfg.LocalAddrs, clusterCIDRs: cfg.ClusterCIDRs, log: p.log}
+	p.dp = datapath.NewEngine(cfg.Config, p.addrs.internal)
+	p.inspect = &introspect.Inspector{
+		Engine: p.dp, Transparent: cfg.Transparent, LastSync: p.LastSync,
+		IsLocal: p.addrs.local, Internal: p.addrs.internal,
 	}
-	cfg.Metrics.setSource(p.walkMetrics)
+	p.sockets = listeners.NewManager(listeners.Config{
+		Transparent:  cfg.Transparent,
+		Redirected:   cfg.Rules != nil && !cfg.Transparent,
+		MaxListeners: cfg.MaxListeners,
+		PortRange:    cfg.PortRange,
+		Inherited:    cfg.Inherited,
+		PreviousPort: cfg.PreviousPort,
+		Logger:       p.log,
+	}, p.dp)
+	cfg.Metrics.SetSource(func(yield func(*datapath.PortMetrics) bool) {
+		p.inspect.Range(func(e introspect.Entry) bool { return yield(e.Snap.Metrics) })
+	})
 	p.runner = changes.NewRunner(cfg.Sync, p.sync)
 	p.tracker = changes.NewTracker(p.log, func() {
 		if cfg.OnChange != nil {
 			cfg.OnChange()
 		}
-		cfg.Metrics.queued(cfg.clock().Now())
+		cfg.Metrics.Queued(cfg.clock().Now())
 		p.runner.Run()
 	})
 	p.tracker.OnReject = cfg.OnReject
-	cfg.Metrics.setPending(p.tracker.Pending)
+	cfg.Metrics.SetPending(p.tracker.Pending)
 	return p
 }
 
@@ -247,53 +264,11 @@ func (p *Proxier) currentZone() string {
 	return ""
 }
 
-// refreshLocalAddrs re-reads the node's addresses.
-func (p *Proxier) refreshLocalAddrs() {
-	var addrs []netip.Addr
-	if p.cfg.LocalAddrs != nil {
-		var err error
-		if addrs, err = p.cfg.LocalAddrs(); err != nil {
-			p.log.Warn("cannot list the node's addresses", zap.Error(err))
-			return
-		}
-	} else {
-		ifAddrs, err := net.InterfaceAddrs()
-		if err != nil {
-			p.log.Warn("cannot list the node's addresses", zap.Error(err))
-			return
-		}
-		for _, a := range ifAddrs {
-			if n, ok := a.(*net.IPNet); ok {
-				if ip, ok := netip.AddrFromSlice(n.IP); ok {
-					addrs = append(addrs, ip.Unmap())
-				}
-			}
-		}
-	}
-	slices.SortFunc(addrs, netip.Addr.Compare)
-	p.localAddrs.Store(&addrs)
-}
-
-// internalClient reports whether a client is a pod or the node itself, which
-// kube-proxy sends to the cluster endpoints even when they reach a service
-// through an external address with externalTrafficPolicy Local.
-func (p *Proxier) internalClient(ip netip.Addr) bool {
-	if ip.IsLoopback() {
-		return true
-	}
-	for _, c := range p.cfg.ClusterCIDRs {
-		if c.Contains(ip) {
-			return true
-		}
-	}
-	return p.localAddr(ip)
-}
-
 // Run syncs until ctx is done. It does not close listeners: call Shutdown.
 func (p *Proxier) Run(ctx context.Context) {
 	// As kube-proxy's SyncLoop: the first sync is queued as the informers
 	// start listing.
-	p.cfg.Metrics.queued(p.cfg.clock().Now())
+	p.cfg.Metrics.Queued(p.cfg.clock().Now())
 	p.runner.Loop(ctx)
 }
 
@@ -348,7 +323,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		// rules are written again, trust no guard.
 		p.setGuarded(false)
 	}
-	p.refreshLocalAddrs()
+	p.addrs.refresh()
 	var programmed []types.NamespacedName
 	if reapply {
 		for name := range p.services {
@@ -356,11 +331,11 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		}
 	}
 	ch := p.tracker.Take(reapply, programmed)
-	p.cfg.Metrics.countChanges(ch.ServiceChanges, ch.SliceChanges)
+	p.cfg.Metrics.CountChanges(ch.ServiceChanges, ch.SliceChanges)
 	p.applyServices(ctx, ch.Services)
 	if p.budgetRefused > 0 {
 		p.log.Error("service ports have no listener: the listener budget is spent; they are retried at each sync (raise the open-files limit, or --max-listeners, or use --listener=shared)",
-			zap.Int("servicePorts", p.budgetRefused), zap.Int("listeningSockets", p.ports.count()), zap.Int("maxListeners", p.cfg.MaxListeners))
+			zap.Int("servicePorts", p.budgetRefused), zap.Int("listeningSockets", p.sockets.Sockets()), zap.Int("maxListeners", p.cfg.MaxListeners))
 		p.budgetRefused = 0
 	}
 	// The shared listeners' routes, like the rules, follow the intercepts:
@@ -368,7 +343,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if reapply || p.rulesDirty {
 		p.rebuildRoutes()
 	}
-	p.syncServiceHealth(full)
+	p.health.sync(full)
 	var rules RuleStats
 	synced := false
 	if p.cfg.Rules != nil && (full || p.rulesDirty) {
@@ -391,9 +366,9 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	p.requeued = false
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
-	p.cfg.Inherited.synced(p.log)
+	p.cfg.Inherited.Synced(p.log)
 	p.saveStateAfterSync(len(ch.Services) > 0)
-	p.cfg.Metrics.observeSync(start, end, full, ch.TriggerTimes)
+	p.cfg.Metrics.ObserveSync(start, end, full, ch.TriggerTimes)
 	if p.cfg.OnSync != nil {
 		p.cfg.OnSync()
 	}
@@ -443,24 +418,11 @@ func (p *Proxier) closeRetired() bool {
 		return false // and writes nothing: most syncs retire nothing
 	}
 	for _, l := range p.retired {
-		p.closeListener(l)
+		p.sockets.Close(l.Listener)
 	}
 	clear(p.retired)
 	p.retired = p.retired[:0]
 	return true
-}
-
-// walkMetrics yields the metrics of every service port's snapshots, as
-// the status entries hold them. Safe for concurrent use.
-func (p *Proxier) walkMetrics(yield func(*datapath.PortMetrics) bool) {
-	p.statusPorts.Range(func(_, entries any) bool {
-		for _, e := range entries.([]statusEntry) {
-			if !yield(e.snap.Metrics) {
-				return false
-			}
-		}
-		return true
-	})
 }
 
 // counts returns the number of services and of their endpoints (in
@@ -474,7 +436,7 @@ func (p *Proxier) counts() (services, endpoints int) {
 func (p *Proxier) serviceEndpoints(name types.NamespacedName) int {
 	n := 0
 	for _, l := range p.services[name] {
-		n += len(l.snap.Load().endpoints)
+		n += len(l.snap.Load().Endpoints)
 	}
 	return n
 }
@@ -491,7 +453,7 @@ type serviceWant struct {
 // serves. A service has few, so a slice, searched by want, costs less
 // than a map: a first sync holds the wants of every service at once.
 type wantedPort struct {
-	key portKey
+	key listeners.Key
 	sp  *service.Port
 	vip netip.Addr
 }
@@ -504,7 +466,7 @@ func wantOf(st changes.ServiceState, defaults service.Defaults) serviceWant {
 	}
 	for _, sp := range service.Ports(st.Service, defaults) {
 		for _, ip := range sp.ClusterIPs {
-			wp := wantedPort{key: portKey{name: sp.Name, v6: ip.Is6()}, sp: sp, vip: ip}
+			wp := wantedPort{key: listeners.Key{Name: sp.Name, V6: ip.Is6()}, sp: sp, vip: ip}
 			// One listener per key: the last cluster IP of a family wins,
 			// should a source hand over two.
 			if i := slices.IndexFunc(w.ports, func(o wantedPort) bool { return o.key == wp.key }); i >= 0 {
@@ -518,14 +480,14 @@ func wantOf(st changes.ServiceState, defaults service.Defaults) serviceWant {
 }
 
 // want reports whether w wants a listener for k.
-func (w serviceWant) want(k portKey) bool {
+func (w serviceWant) want(k listeners.Key) bool {
 	return slices.ContainsFunc(w.ports, func(wp wantedPort) bool { return wp.key == k })
 }
 
 // opening is a listener that openListeners bound ahead of applyService,
 // or why it could not.
 type opening struct {
-	l   *listener
+	l   *listeners.Listener
 	err error
 }
 
@@ -534,19 +496,19 @@ type opening struct {
 // first sync. This goroutine binds them one by one in the services' order,
 // so each gets the port that opening them in applyService would give it (a
 // --proxy-port-range is handed out in order). Meanwhile workers on the other
-// CPUs finish the bound ones (startListener: socket options, the runtime's
+// CPUs finish the bound ones (listeners.Manager.Start: socket options, the runtime's
 // poller, the log line, starting to accept), which is more than half of a
 // listener's cost, so a large first sync is shorter.
 //
 // applyService takes the listeners from the result. It is empty, and
 // applyService opens them itself, with a single CPU, or with fewer than
 // two listeners to open. The workers belong to this call and end with it.
-func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[portKey]opening {
-	var need []portKey
+func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[listeners.Key]opening {
+	var need []listeners.Key
 	for _, w := range wants {
 		have := p.services[w.st.Name]
 		for _, wp := range w.ports {
-			if have.get(wp.key) == nil && !p.cfg.sharedFor(wp.key.name.Protocol) {
+			if have.get(wp.key) == nil && !p.cfg.sharedFor(wp.key.Name.Protocol) {
 				need = append(need, wp.key)
 			}
 		}
@@ -555,17 +517,17 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 	if workers < 1 {
 		return nil
 	}
-	opened := make(map[portKey]opening, len(need))
-	bound := make(chan *listener, 64)
+	opened := make(map[listeners.Key]opening, len(need))
+	bound := make(chan *listeners.Listener, 64)
 	var (
 		wg       sync.WaitGroup
 		failedMu sync.Mutex
-		failed   = map[*listener]error{}
+		failed   = map[*listeners.Listener]error{}
 	)
 	for range workers {
 		wg.Go(func() {
 			for l := range bound {
-				if err := p.startListener(l); err != nil {
+				if err := p.sockets.Start(l); err != nil {
 					failedMu.Lock()
 					failed[l] = err
 					failedMu.Unlock()
@@ -574,7 +536,7 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 		})
 	}
 	for _, k := range need {
-		l, err := p.bindListener(ctx, k, 0)
+		l, err := p.sockets.Bind(ctx, k, 0)
 		opened[k] = opening{l: l, err: err}
 		if err == nil {
 			bound <- l
@@ -583,8 +545,8 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 	close(bound)
 	wg.Wait()
 	for l, err := range failed {
-		p.unbindListener(l)
-		opened[l.key] = opening{err: err}
+		p.sockets.Unbind(l)
+		opened[l.Key] = opening{err: err}
 	}
 	return opened
 }
@@ -592,146 +554,84 @@ func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[po
 // applyService makes the listeners of one service match its objects. The
 // listeners it wants that are in opened are taken from there rather than
 // opened.
-func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, opened map[portKey]opening) {
+func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, opened map[listeners.Key]opening) {
 	st := w.st
-	p.warnIgnored(st)
+	p.ignored.warn(st)
 	// The snapshots built below take their metric counters in this round;
 	// retainService then drops the ports and backends none of them took.
-	p.cfg.Metrics.beginService()
+	p.cfg.Metrics.BeginService()
 	p.endpoints -= p.serviceEndpoints(st.Name)
 	defer func() { p.endpoints += p.serviceEndpoints(st.Name) }()
 	have := slices.DeleteFunc(p.services[st.Name], func(l *listener) bool {
-		k := l.key
+		k := l.Key
 		if w.want(k) {
 			return false
 		}
 		p.retired = append(p.retired, l)
 		p.rulesDirty = true
-		if !w.want(portKey{name: k.name, v6: !k.v6}) {
-			delete(p.slots, k.name) // the port is gone in both families
+		if !w.want(listeners.Key{Name: k.Name, V6: !k.V6}) {
+			delete(p.slots, k.Name) // the port is gone in both families
 		}
 		return true
 	})
 	failed := false
-	var noLocal noLocalCounts
+	var noLocal introspect.NoLocalCounts
 	var noListener [2]int // by family
-	hashing := p.beginHashing(st.Name)
-	defer p.endHashing(st.Name, hashing)
+	hashing := p.hash.begin(st.Name, p.cfg.SourceHashBytes)
+	defer p.hash.end(st.Name, hashing, p.log)
 	for _, wp := range w.ports {
 		k, sp := wp.key, wp.sp
 		l := have.get(k)
 		if l == nil {
-			var err error
+			var (
+				sock *listeners.Listener
+				err  error
+			)
 			switch o, ok := opened[k]; {
 			case ok:
-				l, err = o.l, o.err
-			case p.cfg.sharedFor(k.name.Protocol):
-				l, err = p.hostOn(ctx, k)
+				sock, err = o.l, o.err
+			case p.cfg.sharedFor(k.Name.Protocol):
+				sock, err = p.sockets.HostOn(ctx, k)
 			default:
-				l, err = p.openListener(ctx, k)
+				sock, err = p.sockets.Open(ctx, k)
 			}
 			if err != nil {
-				if errors.Is(err, errListenerBudget) {
+				if errors.Is(err, listeners.ErrBudget) {
 					// Said once per sync (budgetRefused), not per port.
 					p.log.Debug("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
 					p.budgetRefused++
 				} else {
 					p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
 				}
-				noListener[familyIndex(familyOf(k.v6))]++
+				noListener[introspect.FamilyIndex(k.V6)]++
 				failed = true
 				continue
 			}
+			l = &listener{Listener: sock}
 			have = append(have, l)
 		}
 		old := l.snap.Load()
 		next := p.buildSnapshot(l, sp, wp.vip, st, zone, old, hashing)
-		if old == nil || !slices.EqualFunc(l.intercepts(old), l.intercepts(next), interceptEqual) {
+		if old == nil || !slices.EqualFunc(l.intercepts(old), l.intercepts(next), routing.SameIntercept) {
 			p.rulesDirty = true
 		}
 		l.snap.Store(next)
 		l.Snap.Store(next.Snapshot)
-		if internal, external := noLocalOf(sp, next.endpoints, next.sets); internal || external {
-			f := familyIndex(familyOf(k.v6))
-			noLocal[f][0] += b2i(internal)
-			noLocal[f][1] += b2i(external)
-		}
+		noLocal.Count(k.V6, sp, next.Endpoints, next.Sets)
 	}
-	p.cfg.Metrics.setNoLocal(st.Name, noLocal)
-	p.cfg.Metrics.setNoListener(st.Name, noListener)
+	p.cfg.Metrics.SetNoLocal(st.Name, noLocal)
+	p.cfg.Metrics.SetNoListener(st.Name, noListener)
 	if len(have) == 0 {
 		delete(p.services, st.Name)
 	} else {
 		p.services[st.Name] = have
 	}
-	p.cfg.Metrics.retainService(st.Name.String())
-	p.updateStatus(st.Name)
-	p.updateServiceHealth(st.Name)
+	p.cfg.Metrics.RetainService(st.Name.String())
+	updateStatus(&p.inspect.Table, st.Name, p.services[st.Name])
+	p.health.update(st.Name, p.services[st.Name])
 	if failed {
 		p.tracker.Requeue(st.Name)
 		p.requeued = true
-	}
-}
-
-// updateServiceHealth records service name's health-check port and
-// ready local endpoints, as its listeners now have them, and marks them
-// for the ServiceHealth server if they changed. It looks at that one
-// service, so that an endpoint change costs the same however many
-// services there are.
-func (p *Proxier) updateServiceHealth(name types.NamespacedName) {
-	if p.cfg.ServiceHealth == nil {
-		return
-	}
-	var (
-		port  uint16
-		local map[netip.Addr]bool
-	)
-	for _, l := range p.services[name] {
-		s := l.snap.Load()
-		if s.sp.HealthCheckNodePort == 0 {
-			continue
-		}
-		port = s.sp.HealthCheckNodePort
-		for _, e := range s.sets.Local {
-			if e.Ready {
-				if local == nil {
-					local = map[netip.Addr]bool{}
-				}
-				local[e.Addr.Addr()] = true
-			}
-		}
-	}
-	oldPort, had := p.hcPorts[name]
-	if port == 0 {
-		if had {
-			delete(p.hcPorts, name)
-			delete(p.hcLocal, name)
-			p.hcDirty = true
-		}
-		return
-	}
-	if !had || oldPort != port || p.hcLocal[name] != len(local) {
-		p.hcPorts[name], p.hcLocal[name] = port, len(local)
-		p.hcDirty = true
-	}
-}
-
-// syncServiceHealth hands the health-check ports and local endpoint counts
-// to the ServiceHealth server when they have changed, when its last
-// SyncServices failed (it retries the ports it could not bind), and on
-// every full sync.
-func (p *Proxier) syncServiceHealth(full bool) {
-	if p.cfg.ServiceHealth == nil || !p.hcDirty && !full {
-		return
-	}
-	p.hcDirty = false
-	if err := p.cfg.ServiceHealth.SyncServices(p.hcPorts); err != nil {
-		p.hcDirty = true
-		p.log.Error("serving health-check node ports", zap.Error(err))
-	}
-	if err := p.cfg.ServiceHealth.SyncEndpoints(p.hcLocal); err != nil {
-		p.hcDirty = true
-		p.log.Error("updating health-check node ports", zap.Error(err))
 	}
 }
 
@@ -744,12 +644,12 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.dp.Refuse()
 	for _, ls := range p.services {
 		for _, l := range ls {
-			p.closeListener(l)
+			p.sockets.Close(l.Listener)
 		}
 	}
 	p.closeRetired()
-	p.closeShared()
-	p.cfg.Inherited.stop(p.log)
+	p.sockets.CloseShared()
+	p.cfg.Inherited.Stop(p.log)
 	return p.Drain(ctx)
 }
 

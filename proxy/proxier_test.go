@@ -17,6 +17,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
+	"github.com/uproxy/uproxy/proxy/routing"
+
 	"github.com/google/go-cmp/cmp"
 	proxyproto "github.com/pires/go-proxyproto"
 	"github.com/prometheus/client_golang/prometheus"
@@ -29,13 +33,14 @@ import (
 	"github.com/uproxy/uproxy/internal/testbackend"
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/listeners"
 	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // recordingRules is a RuleSyncer that remembers the last intercepts.
 type recordingRules struct {
 	mu    sync.Mutex
-	last  []Intercept
+	last  []routing.Intercept
 	calls int
 	full  bool // the last call's
 	fail  error
@@ -43,7 +48,7 @@ type recordingRules struct {
 	onSync func()
 }
 
-func (r *recordingRules) SyncRules(_ context.Context, in []Intercept, full bool) (RuleStats, error) {
+func (r *recordingRules) SyncRules(_ context.Context, in []routing.Intercept, full bool) (RuleStats, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.calls++
@@ -67,9 +72,9 @@ func (r *recordingRules) port(t testing.TB, name string) int {
 }
 
 // intercept returns the first intercept for service name once it exists.
-func (r *recordingRules) intercept(t testing.TB, name string) Intercept {
+func (r *recordingRules) intercept(t testing.TB, name string) routing.Intercept {
 	t.Helper()
-	var found Intercept
+	var found routing.Intercept
 	testwait.Until(t, 5*time.Second, "an intercept for "+name, func() bool {
 		r.mu.Lock()
 		defer r.mu.Unlock()
@@ -511,8 +516,8 @@ func TestPeriodicResyncKeepsSnapshots(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	snaps := func() map[string]*snapshot {
-		m := map[string]*snapshot{}
+	snaps := func() map[string]*routing.Snapshot {
+		m := map[string]*routing.Snapshot{}
 		for name, ls := range p.services {
 			for _, l := range ls {
 				m[name.Name] = l.snap.Load()
@@ -521,7 +526,7 @@ func TestPeriodicResyncKeepsSnapshots(t *testing.T) {
 		return m
 	}
 	// rebuilt lists the services whose snapshot is not the one in before.
-	rebuilt := func(before map[string]*snapshot) []string {
+	rebuilt := func(before map[string]*routing.Snapshot) []string {
 		var out []string
 		for name, s := range snaps() {
 			if before[name] != s {
@@ -626,7 +631,7 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 	base := int(freePortRange(t, n))
 	be := nameBackend(t, "a")
 	core, logs := observer.New(zap.ErrorLevel)
-	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, PortRange: PortRange{Base: uint16(base), Size: n}})
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, PortRange: listeners.PortRange{Base: uint16(base), Size: n}})
 	var svcs []*v1.Service
 	var eps []*discovery.EndpointSlice
 	for i := range n + 1 { // one more than the range holds
@@ -668,7 +673,7 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 func TestSyncReplacesListenersOnAFullRange(t *testing.T) {
 	base := freePortRange(t, 2)
 	be := nameBackend(t, "a")
-	p, rules := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}})
+	p, rules := startProxier(t, Config{PortRange: listeners.PortRange{Base: base, Size: 2}})
 	objects := func(port string) ([]*v1.Service, []*discovery.EndpointSlice) {
 		return []*v1.Service{svc("a", "10.96.0.10", port+":80"), svc("b", "10.96.0.11", port+":80")},
 			append(slicesFor("a", port, be), slicesFor("b", port, be)...)
@@ -694,7 +699,7 @@ func TestListenerPortsComeFromTheRange(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer busy.Close()
-	p, rules := startProxier(t, Config{PortRange: PortRange{Base: uint16(base), Size: 3}})
+	p, rules := startProxier(t, Config{PortRange: listeners.PortRange{Base: uint16(base), Size: 3}})
 	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80"), svc("b", "10.96.0.11", "http:80")},
 		append(slicesFor("a", "http", be), slicesFor("b", "http", be)...))
 	pa, pb := rules.port(t, "default/a:http"), rules.port(t, "default/b:http")
@@ -921,7 +926,7 @@ func TestListenerBudget(t *testing.T) {
 	const budget, n = 3, 5
 	be := nameBackend(t, "a")
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg)
+	m := introspect.NewMetrics(reg)
 	core, logs := observer.New(zap.ErrorLevel)
 	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, Metrics: m, MaxListeners: budget})
 	var svcs []*v1.Service
@@ -1001,7 +1006,7 @@ func TestStatusOnlyServiceUpdate(t *testing.T) {
 				defer rules.mu.Unlock()
 				var out []string
 				for _, in := range rules.last {
-					if in.Kind == LoadBalancerIP {
+					if in.Kind == routing.LoadBalancerIP {
 						out = append(out, fmt.Sprintf("%s:%d %v", in.VIP, in.Port, in.SourceRanges))
 					}
 				}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
+	"github.com/uproxy/uproxy/proxy/listeners"
 	"github.com/uproxy/uproxy/proxy/service"
 )
 
@@ -103,12 +104,12 @@ func TestSharedListenerRoutesByOriginalDestination(t *testing.T) {
 	}
 
 	// The shared TCP listener listens on a range of ports (see
-	// sharedRedirectPorts), every one of them routed alike.
-	if end := rules.intercept(t, "default/web:http").ListenPortEnd; end != uint16(port)+sharedRedirectPorts-1 {
-		t.Errorf("the shared TCP listener's ports are %d-%d, want %d of them", port, end, sharedRedirectPorts)
+	// listeners.SharedRedirectPorts), every one of them routed alike.
+	if end := rules.intercept(t, "default/web:http").ListenPortEnd; end != uint16(port)+listeners.SharedRedirectPorts-1 {
+		t.Errorf("the shared TCP listener's ports are %d-%d, want %d of them", port, end, listeners.SharedRedirectPorts)
 	}
 	setDst("10.96.0.11:80")
-	if got, err := get(t, port+sharedRedirectPorts-1); err != nil || got != "b" {
+	if got, err := get(t, port+listeners.SharedRedirectPorts-1); err != nil || got != "b" {
 		t.Errorf("through the shared listener's last port: got %q, %v; want %q", got, err, "b")
 	}
 
@@ -162,17 +163,22 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 	for _, s := range socks {
 		keys = append(keys, s.Key)
 	}
-	// The shared TCP listener and its further ports (sharedRedirectPorts).
+	// The shared TCP listener and its further ports (listeners.SharedRedirectPorts).
 	want := []string{"tcp4 shared TCP listener"}
-	for slot := 1; slot < sharedRedirectPorts; slot++ {
+	for slot := 1; slot < listeners.SharedRedirectPorts; slot++ {
 		want = append(want, fmt.Sprintf("tcp4 shared TCP listener #%d", slot))
 	}
 	slices.Sort(want)
 	if diff := cmp.Diff(want, keys); diff != "" {
 		t.Errorf("exported sockets (-want +got):\n%s", diff)
 	}
-	first := q.shared[portKey{name: service.SharedName(v1.ProtocolTCP)}].Port
-	in := NewInherited(socks)
+	var first uint16
+	for _, sh := range q.sockets.Shared() {
+		if sh.Key == (listeners.Key{Name: service.SharedName(v1.ProtocolTCP)}) {
+			first = sh.Port
+		}
+	}
+	in := listeners.NewInherited(socks)
 	q.StopListening()
 
 	cfg.Inherited = in
@@ -182,7 +188,7 @@ func TestSharedListenerHandsOverOneSocketPerProtocol(t *testing.T) {
 		t.Errorf("the successor's shared listener is on %d, want the inherited %d", got, first)
 	}
 	end := rules2.intercept(t, "default/web:http").ListenPortEnd
-	if want := first + sharedRedirectPorts - 1; end != want {
+	if want := first + listeners.SharedRedirectPorts - 1; end != want {
 		t.Errorf("the successor's shared listener ends at port %d, want the inherited %d", end, want)
 	}
 	for _, port := range []uint16{first, first + 1, end} {
@@ -306,7 +312,7 @@ func TestSharedListenerRangeInPortRange(t *testing.T) {
 		size    int
 		wantEnd int // offset of the last TCP port from the first
 	}{
-		{"room for all", sharedRedirectPorts + 1, sharedRedirectPorts - 1},
+		{"room for all", listeners.SharedRedirectPorts + 1, listeners.SharedRedirectPorts - 1},
 		{"room for 4", 4, 3},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -318,7 +324,7 @@ func TestSharedListenerRangeInPortRange(t *testing.T) {
 					},
 				},
 				SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-				PortRange:       PortRange{Base: base, Size: tt.size},
+				PortRange:       listeners.PortRange{Base: base, Size: tt.size},
 			})
 			p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slicesFor("web", "http", nameBackend(t, "a")))
 			i := rules.intercept(t, "default/web:http")
@@ -364,16 +370,16 @@ func freePortRange(t *testing.T, n int) uint16 {
 // connections, or their TIME_WAIT sockets (a range with a taken port ends
 // there, by design: openSiblings). Zero (the kernel's range) if the
 // kernel's range starts too low to leave room.
-func quietPorts(t *testing.T) PortRange {
+func quietPorts(t *testing.T) listeners.PortRange {
 	t.Helper()
 	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
 	if err != nil {
-		return PortRange{}
+		return listeners.PortRange{}
 	}
 	var lo int
 	if _, err := fmt.Sscan(string(b), &lo); err != nil || lo < 12000 {
-		return PortRange{}
+		return listeners.PortRange{}
 	}
 	const size = 256
-	return PortRange{Base: uint16(10000 + rand.IntN(lo-10000-size)), Size: size}
+	return listeners.PortRange{Base: uint16(10000 + rand.IntN(lo-10000-size)), Size: size}
 }

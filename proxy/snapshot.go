@@ -5,65 +5,57 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/uproxy/uproxy/proxy/routing"
+
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/listeners"
 	"github.com/uproxy/uproxy/proxy/service"
 )
-
-// snapshot is a listener's state as the sync goroutine built it: the
-// data path's routing (datapath.Snapshot), which the listener publishes
-// to the data path, with the model it was built from, for Status and
-// Explain. Immutable, replaced whole.
-type snapshot struct {
-	*datapath.Snapshot
-	sp        *service.Port
-	endpoints []service.Endpoint // all endpoints of the listener's family
-	sets      service.EndpointSets
-}
 
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
 // Source-hash balancers take their tables from hashing.
-func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, st changes.ServiceState, zone string, old *snapshot, hashing *balancer.MaglevRebuild) *snapshot {
-	s := &snapshot{sp: sp, Snapshot: &datapath.Snapshot{
-		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.portSlots(sp.Name),
+func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, st changes.ServiceState, zone string, old *routing.Snapshot, hashing *balancer.MaglevRebuild) *routing.Snapshot {
+	s := &routing.Snapshot{ServicePort: sp, Snapshot: &datapath.Snapshot{
+		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.slots.get(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
 		MaxConnections: sp.MaxConnections, MaxConnectionsPerEndpoint: sp.MaxConnectionsPerEndpoint,
 		ProxyProtocol: sp.ProxyProtocol, PreserveSourceIP: sp.PreserveSourceIP, UDPMode: sp.UDPMode,
 	}}
 	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
-		if ip.Is6() == l.key.v6 {
+		if ip.Is6() == l.Key.V6 {
 			s.External = append(s.External, ip)
 		}
 	}
 	eps, refused := service.FilterPortEndpoints(sp, st.Slices, func(ap netip.AddrPort) string { return p.endpointRefusal(sp, ap) })
 	for _, r := range refused {
-		if r.Addr.Addr().Is6() == l.key.v6 { // once, by the listener of its family
+		if r.Addr.Addr().Is6() == l.Key.V6 { // once, by the listener of its family
 			p.log.Warn("refusing an endpoint; the service's other endpoints are used",
 				zap.String("kind", "EndpointSlice"), zap.String("object", r.Slice), zap.String("field", r.Field),
 				zap.Stringer("endpoint", r.Addr), zap.Stringer("servicePort", sp.Name), zap.String("reason", r.Reason))
 		}
 	}
-	otherFamily := func(e service.Endpoint) bool { return e.Addr.Addr().Is6() != l.key.v6 }
+	otherFamily := func(e service.Endpoint) bool { return e.Addr.Addr().Is6() != l.Key.V6 }
 	if !slices.ContainsFunc(eps, otherFamily) {
-		s.endpoints = eps // all of the listener's family: no copy (snapshots are immutable)
+		s.Endpoints = eps // all of the listener's family: no copy (snapshots are immutable)
 	} else {
-		s.endpoints = slices.DeleteFunc(eps, otherFamily) // eps is this call's own
+		s.Endpoints = slices.DeleteFunc(eps, otherFamily) // eps is this call's own
 	}
-	s.sets = service.CategorizeEndpoints(s.endpoints, sp, p.cfg.NodeName, zone)
+	s.Sets = service.CategorizeEndpoints(s.Endpoints, sp, p.cfg.NodeName, zone)
 
 	// One Backend per endpoint address, shared by both sets, found by a
 	// scan of s.Backends while there are few (service.SmallSet).
 	// Sized once: every endpoint has at most one backend, and appending
 	// left the array with up to twice the room, held by the snapshot.
-	s.Backends = make([]*balancer.Backend, 0, len(s.endpoints))
+	s.Backends = make([]*balancer.Backend, 0, len(s.Endpoints))
 	var byAddr map[netip.AddrPort]*balancer.Backend
-	if len(s.endpoints) > service.SmallSet {
-		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.endpoints))
+	if len(s.Endpoints) > service.SmallSet {
+		byAddr = make(map[netip.AddrPort]*balancer.Backend, len(s.Endpoints))
 	}
 	find := func(a netip.AddrPort) *balancer.Backend {
 		if byAddr == nil {
@@ -94,7 +86,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 		}
 		return out
 	}
-	cluster, local := backendsOf(s.sets.Cluster), backendsOf(s.sets.Local)
+	cluster, local := backendsOf(s.Sets.Cluster), backendsOf(s.Sets.Local)
 	if old != nil {
 		for _, ob := range old.Backends {
 			if find(ob.Addr) != ob {
@@ -128,7 +120,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 	s.Cluster, s.Local = build(cluster), build(local)
 	s.ClusterBackends, s.LocalBackends = cluster, local
 	s.Affinity = l.affinity
-	s.Metrics = p.cfg.Metrics.forPort(sp, s.Backends)
+	s.Metrics = p.cfg.Metrics.ForPort(sp, s.Backends)
 	return s
 }
 
@@ -152,90 +144,38 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 		return "the service port's own address and port: the proxy's connections to it would be intercepted again"
 	}
 	for _, s := range p.cfg.ServerAddrs {
-		if sp.Name.Protocol == v1.ProtocolTCP && s.Port() == port && (s.Addr().Unmap() == ip || s.Addr().IsUnspecified() && p.localAddr(ip)) {
+		if sp.Name.Protocol == v1.ProtocolTCP && s.Port() == port && (s.Addr().Unmap() == ip || s.Addr().IsUnspecified() && p.addrs.has(ip)) {
 			return "an address of the proxy's own servers"
 		}
 	}
-	if !p.localAddr(ip) {
+	if !p.addrs.has(ip) {
 		return ""
 	}
 	if sp.NodePort != 0 && port == sp.NodePort {
 		return "the service port's own node port on an address of this node"
 	}
-	if p.ports.inUse(portKey{name: sp.Name, v6: ip.Is6()}.network(), port) {
+	if p.sockets.InUse(listeners.Key{Name: sp.Name, V6: ip.Is6()}.Network(), port) {
 		return "a listener port of the proxy on an address of this node"
 	}
 	return ""
 }
 
-// localAddr reports whether ip is one of the node's addresses, as the
-// last sync read them.
-func (p *Proxier) localAddr(ip netip.Addr) bool {
-	if addrs := p.localAddrs.Load(); addrs != nil {
-		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
-		return found
-	}
-	return false
-}
-
 // intercepts returns the addresses whose traffic the kernel must send to
 // l, given its snapshot s.
-func (l *listener) intercepts(s *snapshot) []Intercept {
-	return interceptsOf(s, l.Port, l.portEnd, l.key.v6)
-}
-
-// interceptsOf returns the intercepts of a listener of family v6 on
-// port (to portEnd), given its snapshot s.
-func interceptsOf(s *snapshot, port, portEnd uint16, v6 bool) []Intercept {
-	proto := s.sp.Name.Protocol
-	base := Intercept{Service: s.sp.Name, Protocol: proto, Port: s.sp.Port, ListenPort: port, ListenPortEnd: portEnd,
-		Reject: len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0}
-	out := []Intercept{with(base, ClusterIP, s.VIP.Addr())}
-	for _, ip := range s.sp.ExternalIPs {
-		if ip.Is6() == v6 {
-			out = append(out, with(base, ExternalIP, ip))
-		}
-	}
-	for _, ip := range s.sp.LoadBalancerIPs {
-		if ip.Is6() == v6 {
-			i := with(base, LoadBalancerIP, ip)
-			i.SourceRanges = s.sp.SourceRanges
-			out = append(out, i)
-		}
-	}
-	if s.NodePort != 0 {
-		any := netip.IPv4Unspecified()
-		if v6 {
-			any = netip.IPv6Unspecified()
-		}
-		i := with(base, NodePort, any)
-		i.Port = s.NodePort
-		out = append(out, i)
-	}
-	return out
-}
-
-func with(i Intercept, k InterceptKind, ip netip.Addr) Intercept {
-	i.Kind, i.VIP = k, ip
-	return i
-}
-
-func interceptEqual(a, b Intercept) bool {
-	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol && a.VIP == b.VIP &&
-		a.Port == b.Port && a.ListenPort == b.ListenPort && a.ListenPortEnd == b.ListenPortEnd &&
-		a.Reject == b.Reject && slices.Equal(a.SourceRanges, b.SourceRanges)
+func (l *listener) intercepts(s *routing.Snapshot) []routing.Intercept {
+	return routing.Intercepts(s, l.Port, l.PortEnd, l.Key.V6)
 }
 
 // Intercepts returns the intercepts of every listener, sorted. It must be
 // called from the sync goroutine (or before Run).
-func (p *Proxier) Intercepts() []Intercept {
-	var out []Intercept
+func (p *Proxier) Intercepts() []routing.Intercept {
+	var out []routing.Intercept
 	for _, ls := range p.services {
 		for _, l := range ls {
 			out = append(out, l.intercepts(l.snap.Load())...)
 		}
 	}
-	slices.SortFunc(out, func(a, b Intercept) int {
+	slices.SortFunc(out, func(a, b routing.Intercept) int {
 		if c := a.VIP.Compare(b.VIP); c != 0 {
 			return c
 		}

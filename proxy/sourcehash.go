@@ -20,18 +20,18 @@ type hashTables struct {
 	degraded map[types.NamespacedName]int64 // services with ports over the bound, and the bytes they wanted
 }
 
-// beginHashing starts the apply of service name's source-hash balancers.
-func (p *Proxier) beginHashing(name types.NamespacedName) *balancer.MaglevRebuild {
-	p.hash.budget.Bound = p.cfg.SourceHashBytes
-	return p.hash.budget.Begin(name.String())
+// begin starts the apply of service name's source-hash balancers, whose
+// tables may take bound bytes in all (zero: DefaultSourceHashBytes).
+func (hs *hashTables) begin(name types.NamespacedName, bound int64) *balancer.MaglevRebuild {
+	hs.budget.Bound = bound
+	return hs.budget.Begin(name.String())
 }
 
-// endHashing records the tables the service's new snapshots use, and logs
+// end records the tables the service's new snapshots use, and logs
 // when the service's balancers go past the bound or come back under it.
-func (p *Proxier) endHashing(name types.NamespacedName, h *balancer.MaglevRebuild) {
-	hs := &p.hash
+func (hs *hashTables) end(name types.NamespacedName, h *balancer.MaglevRebuild, log *zap.Logger) {
 	hs.budget.Commit(h)
-	bound := p.cfg.SourceHashBytes
+	bound := hs.budget.Bound
 	if bound <= 0 {
 		bound = DefaultSourceHashBytes
 	}
@@ -43,13 +43,13 @@ func (p *Proxier) endHashing(name types.NamespacedName, h *balancer.MaglevRebuil
 		}
 		hs.degraded[name] = h.Wanted
 		if !was {
-			p.log.Warn("source-hash lookup tables would pass their memory bound; this service's balancers that did not fit use rendezvous hashing instead: the same client stickiness, a pick that costs more per endpoint, and a mapping that may differ from nodes where the tables fit",
+			log.Warn("source-hash lookup tables would pass their memory bound; this service's balancers that did not fit use rendezvous hashing instead: the same client stickiness, a pick that costs more per endpoint, and a mapping that may differ from nodes where the tables fit",
 				zap.Stringer("service", name), zap.Int("balancers", h.Fallbacks), zap.Int64("wantedBytes", h.Wanted),
 				zap.Int64("tableBytes", hs.budget.Bytes()), zap.Int64("boundBytes", bound))
 		}
 	case was:
 		delete(hs.degraded, name)
-		p.log.Info("this service's source-hash balancers no longer pass the lookup tables' memory bound; none uses rendezvous hashing",
+		log.Info("this service's source-hash balancers no longer pass the lookup tables' memory bound; none uses rendezvous hashing",
 			zap.Stringer("service", name), zap.Int64("tableBytes", hs.budget.Bytes()), zap.Int64("boundBytes", bound))
 	}
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/proxy/listeners"
 	"github.com/uproxy/uproxy/proxy/service"
 )
 
@@ -69,7 +70,7 @@ func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 		if t := p.hash.budget.Table(name.String(), l.snap.Load().ClusterBackends); t != nil && desc == "Maglev" {
 			desc = fmt.Sprintf("Maglev %d", t.Len())
 		}
-		ports[l.key.name.Port] = desc
+		ports[l.Key.Name.Port] = desc
 	}
 	return ports, p.hash.budget.Tables(name.String()), p.hash.budget.Bytes()
 }
@@ -143,7 +144,7 @@ func TestSourceHashTablesBound(t *testing.T) {
 	client := netip.MustParseAddr("192.0.2.7")
 	for _, tt := range []struct{ port, key, hashing string }{{"80", "http", "(Maglev)"}, {"9090", "metrics", "(rendezvous)"}} {
 		ex := p.Explain(netip.MustParseAddrPort("10.96.0.10:"+tt.port), v1.ProtocolTCP, client)
-		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}].get(portKey{name: service.PortName{
+		l := p.services[types.NamespacedName{Namespace: "default", Name: "web"}].get(listeners.Key{Name: service.PortName{
 			NamespacedName: types.NamespacedName{Namespace: "default", Name: "web"}, Port: tt.key, Protocol: v1.ProtocolTCP}})
 		if want := l.snap.Load().Cluster.Pick(client).Addr.String(); ex.Backend != want || !strings.Contains(ex.Pick, tt.hashing) {
 			t.Errorf("explain %s: backend %s by %q; want %s %s", tt.key, ex.Backend, ex.Pick, want, tt.hashing)

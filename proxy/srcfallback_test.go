@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
 
@@ -76,7 +78,7 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 			}
 			const dialTimeout = 300 * time.Millisecond
 			reg := prometheus.NewRegistry()
-			p, rules := startProxier(t, Config{Config: datapath.Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout}, Metrics: NewMetrics(reg)})
+			p, rules := startProxier(t, Config{Config: datapath.Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout}, Metrics: introspect.NewMetrics(reg)})
 			s := svc("web", "10.96.0.10", "http:80")
 			s.Annotations = map[string]string{service.AnnotationPreserveSourceIP: "true", service.AnnotationProxyProtocol: "v1"}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
@@ -80,7 +82,7 @@ func TestServicePortInfoListenPorts(t *testing.T) {
 		{40000, 40000, "40000"},
 		{40000, 40015, "40000-40015"},
 	} {
-		if got := (ServicePortInfo{ListenPort: tt.port, ListenPortEnd: tt.end}).ListenPorts(); got != tt.want {
+		if got := (introspect.ServicePortInfo{ListenPort: tt.port, ListenPortEnd: tt.end}).ListenPorts(); got != tt.want {
 			t.Errorf("ports %d to %d: got %q, want %q", tt.port, tt.end, got, tt.want)
 		}
 	}

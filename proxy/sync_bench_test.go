@@ -8,6 +8,8 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
@@ -106,7 +108,7 @@ func benchProxier(b *testing.B, n int) (*Proxier, []*v1.Service, []*discovery.En
 			OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) { return netip.AddrPort{}, nil },
 		},
 		SharedListeners: []v1.Protocol{v1.ProtocolTCP},
-		Metrics:         NewMetrics(prometheus.NewRegistry()),
+		Metrics:         introspect.NewMetrics(prometheus.NewRegistry()),
 		Rules:           &recordingRules{},
 		// As uproxy wires it: the node's addresses are listed on every
 		// sync (LocalAddrs nil), and the health-check server is told.

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -156,7 +158,7 @@ func TestUDPNoLeaks(t *testing.T) {
 			reg := prometheus.NewRegistry()
 			// Without pooling, every one-query client is a flow
 			// (TestUDPPoolNoLeaks checks the pools).
-			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50, UDPPoolSize: -1}, Metrics: NewMetrics(reg)})
+			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50, UDPPoolSize: -1}, Metrics: introspect.NewMetrics(reg)})
 			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
 			port := rules.port(t, "default/dns:dns")
 			for range 200 {

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
 
@@ -46,7 +48,7 @@ func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 					return d, nil
 				},
 			},
-			Metrics:           NewMetrics(reg),
+			Metrics:           introspect.NewMetrics(reg),
 			UDPCheckEveryFlow: true,
 		})
 		p.Tracker().Replace([]*v1.Service{udpMode(svc("dns", "10.96.0.53", "dns:53/UDP"), "flow")}, udpSlices("dns", a))

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	v1 "k8s.io/api/core/v1"
@@ -324,7 +326,7 @@ func TestUDPPool(t *testing.T) {
 					a, b := newPoolBackend(t, "a", tt.silent), newPoolBackend(t, "b", tt.silent)
 					reg := prometheus.NewRegistry()
 					cfg := tt.cfg
-					cfg.EventLoops, cfg.IOURing, cfg.Metrics = 1, dp.ring, NewMetrics(reg)
+					cfg.EventLoops, cfg.IOURing, cfg.Metrics = 1, dp.ring, introspect.NewMetrics(reg)
 					p, rules := startProxier(t, cfg)
 					s := svc("dns", "10.96.0.10", "dns:53/UDP")
 					if tt.mode != "" {

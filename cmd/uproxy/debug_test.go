@@ -6,16 +6,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/time/rate"
-
-	"github.com/uproxy/uproxy/proxy"
 )
 
 type fakeStatus struct{}
 
-func (fakeStatus) Status() proxy.Status { return proxy.Status{Mode: "redirect"} }
+func (fakeStatus) Status() introspect.Status { return introspect.Status{Mode: "redirect"} }
 
 // statusCodes asks h for each path and returns the status codes.
 func statusCodes(h http.Handler, paths []string) map[string]int {

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/introspect"
 )
 
 func TestE2EExplain(t *testing.T) {
@@ -18,9 +18,9 @@ func TestE2EExplain(t *testing.T) {
 	c.start(4, "--metrics-bind-address", metricsAddr)
 	c.waitSynced()
 	from := c.client.IP.String()
-	explain := func(args ...string) proxy.Explanation {
+	explain := func(args ...string) introspect.Explanation {
 		t.Helper()
-		var ex proxy.Explanation
+		var ex introspect.Explanation
 		out := c.uproxyCmd(append([]string{"explain", "--address", debugAddr, "-o", "json"}, args...)...)
 		if err := json.Unmarshal([]byte(out), &ex); err != nil {
 			t.Fatalf("%v: %s", err, out)
@@ -89,9 +89,9 @@ func TestE2EExplainShared(t *testing.T) {
 	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
 	c.start(1, "--metrics-bind-address", metricsAddr, "--listener", "shared")
 	c.waitSynced()
-	explain := func(arg string) proxy.Explanation {
+	explain := func(arg string) introspect.Explanation {
 		t.Helper()
-		var ex proxy.Explanation
+		var ex introspect.Explanation
 		out := c.uproxyCmd("explain", "-o", "json", arg)
 		if err := json.Unmarshal([]byte(out), &ex); err != nil {
 			t.Fatalf("%v: %s", err, out)

@@ -14,7 +14,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/uproxy/uproxy/datapath"
-	"github.com/uproxy/uproxy/proxy"
+	"github.com/uproxy/uproxy/proxy/introspect"
 )
 
 // uproxyCmd runs the uproxy binary with args in the node namespace.
@@ -42,7 +42,7 @@ func TestE2EStatus(t *testing.T) {
 		t.Fatalf("requests failed: %v", r)
 	}
 
-	var st proxy.Status
+	var st introspect.Status
 	if err := json.Unmarshal([]byte(c.uproxyCmd("status", "-o", "json")), &st); err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/spf13/cobra"
 	v1 "k8s.io/api/core/v1"
 
@@ -124,7 +126,7 @@ not refreshed.`,
 				}
 				q.Set("from", from)
 			}
-			var ex proxy.Explanation
+			var ex introspect.Explanation
 			body, err := o.get(cmd.Context(), "/explain", q, &ex)
 			if err != nil {
 				return err
@@ -141,7 +143,7 @@ not refreshed.`,
 	return cmd
 }
 
-func printExplanation(w io.Writer, ex *proxy.Explanation) {
+func printExplanation(w io.Writer, ex *introspect.Explanation) {
 	client := ex.Client
 	if client == "" {
 		client = "any client"

@@ -41,7 +41,7 @@ func (m *ioURingMode) Set(s string) error {
 // chooseIOURing decides whether the event loops wait in an io_uring, and
 // says why not when the kernel refuses one. loops is --event-loops (-1:
 // no loops, nothing to decide); probe says why the kernel cannot give the
-// loops a ring, or nil (proxy.IOURingSupported), and is called only when
+// loops a ring, or nil (datapath.IOURingSupported), and is called only when
 // the answer depends on it. Under true a refusal is the operator's
 // surprise, under auto the expected case on older or locked-down kernels:
 // the caller logs it accordingly.

@@ -6,10 +6,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/google/go-cmp/cmp"
 	"github.com/spf13/pflag"
-
-	"github.com/uproxy/uproxy/proxy"
 )
 
 // TestIOURingFlag: --io-uring is auto unless set; the boolean forms it had
@@ -103,7 +103,7 @@ func TestPrintStatusDataPath(t *testing.T) {
 	} {
 		t.Run(tt.io, func(t *testing.T) {
 			var b bytes.Buffer
-			if err := printStatus(&b, &proxy.Status{Mode: "redirect", EventLoops: tt.loops, IO: tt.io}); err != nil {
+			if err := printStatus(&b, &introspect.Status{Mode: "redirect", EventLoops: tt.loops, IO: tt.io}); err != nil {
 				t.Fatal(err)
 			}
 			if got, _, _ := strings.Cut(b.String(), "\n"); got != tt.want {

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 
+	"github.com/uproxy/uproxy/proxy/routing"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
@@ -24,7 +26,7 @@ func newRuleCommands(reg prometheus.Registerer) *prometheus.CounterVec {
 
 // syncRules is the proxier's RuleSyncer: it hands the intercepts to k,
 // which syncs them into both families' tables.
-func syncRules(ctx context.Context, k *redirect.Families, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
+func syncRules(ctx context.Context, k *redirect.Families, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
 	res, err := k.Sync(ctx, claims(in), full)
 	return proxy.RuleStats{Rules: res.Rules, Written: res.Written, Commands: res.Commands}, err
 }
@@ -42,16 +44,16 @@ func ipFamilies(k *redirect.Families) []v1.IPFamily {
 // claims translates the proxier's intercepts into the redirect package's
 // claims, in the same order: the first of two that conflict wins (see
 // redirect.ServiceRules).
-func claims(in []proxy.Intercept) []redirect.Intercept {
+func claims(in []routing.Intercept) []redirect.Intercept {
 	out := make([]redirect.Intercept, len(in))
 	for n, i := range in {
 		proto := redirect.TCP
 		if i.Protocol == v1.ProtocolUDP {
 			proto = redirect.UDP
 		}
-		out[n] = redirect.Intercept{Comment: i.Service.String(), NodePort: i.Kind == proxy.NodePort, Protocol: proto,
+		out[n] = redirect.Intercept{Comment: i.Service.String(), NodePort: i.Kind == routing.NodePort, Protocol: proto,
 			Dest: i.VIP, Port: i.Port, ToPort: i.ListenPort, ToPortEnd: i.ListenPortEnd, Reject: i.Reject}
-		if i.Kind == proxy.LoadBalancerIP {
+		if i.Kind == routing.LoadBalancerIP {
 			out[n].SourceRanges = i.SourceRanges
 		}
 	}

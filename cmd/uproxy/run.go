@@ -12,6 +12,12 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
+	"github.com/uproxy/uproxy/proxy/routing"
+
+	"github.com/uproxy/uproxy/proxy/listeners"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
@@ -124,7 +130,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		// The rules refuse what reaches a listener port that uproxy does
 		// not hold; reserving the range keeps other processes' ephemeral
 		// sockets off it, so that the listeners can hold it.
-		if n, err := proxy.ExposedPorts(o.ports); err != nil {
+		if n, err := listeners.ExposedPorts(o.ports); err != nil {
 			log.Warn("cannot check that --proxy-port-range is reserved", zap.Error(err))
 		} else if n > 0 {
 			log.Warn("ports of --proxy-port-range are in the kernel's ephemeral range and not reserved: another process's connection may take a listener's port; add the range to net.ipv4.ip_local_reserved_ports (deploy/README.md)",
@@ -194,7 +200,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	if tproxy {
 		originalDst = redirect.TProxyDst
 	}
-	metrics := proxy.NewMetrics(reg)
+	metrics := introspect.NewMetrics(reg)
 	ruleCommands := newRuleCommands(reg)
 	// The rules of both families, synced side by side. NewFamilies, which
 	// checks the iptables tools, runs below, once the manifests have
@@ -248,7 +254,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			Logger:          log.Named("proxy"),
 		},
 		Metrics: metrics,
-		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []proxy.Intercept, full bool) (proxy.RuleStats, error) {
+		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
 			return syncRules(ctx, rules, in, full)
 		}),
 		SharedListeners:   sharedProtocols,

@@ -9,11 +9,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/listeners"
+
 	"github.com/spf13/pflag"
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/internal/upgrade"
-	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/service"
 )
 
@@ -58,7 +59,7 @@ type runOptions struct {
 	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
 
 	// Parsed by validate.
-	ports         proxy.PortRange
+	ports         listeners.PortRange
 	balancerKind  balancer.Kind
 	clusterCIDRs  []netip.Prefix
 	nodePortCIDRs []netip.Prefix
@@ -122,7 +123,7 @@ func (o *runOptions) validate() error {
 		errs = append(errs, fmt.Errorf("--listener: %q is not supported (want per-service or shared)", o.listener))
 	}
 	var err error
-	if o.ports, err = proxy.ParsePortRange(o.portRange); err != nil {
+	if o.ports, err = listeners.ParsePortRange(o.portRange); err != nil {
 		errs = append(errs, fmt.Errorf("--proxy-port-range: %w", err))
 	}
 	if o.balancerKind, err = balancer.ParseKind(o.balancer); err != nil {

@@ -12,12 +12,13 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/time/rate"
 
 	"github.com/uproxy/uproxy/internal/httplimit"
-	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
 )
 
@@ -69,7 +70,7 @@ func metricsHandler(reg *prometheus.Registry, mode string) http.Handler {
 // debugHandler serves p's /status and explain at /explain (for `uproxy
 // status` and `uproxy explain`), the latter one at a time and within
 // bucket, and pprof when profiling is set.
-func debugHandler(p interface{ Status() proxy.Status }, explain http.Handler, bucket *rate.Limiter, profiling bool) http.Handler {
+func debugHandler(p interface{ Status() introspect.Status }, explain http.Handler, bucket *rate.Limiter, profiling bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")

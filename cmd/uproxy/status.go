@@ -12,10 +12,10 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/introspect"
+
 	"github.com/spf13/cobra"
 	"sigs.k8s.io/yaml"
-
-	"github.com/uproxy/uproxy/proxy"
 )
 
 // clientOptions are the flags of the commands that ask a running uproxy.
@@ -117,7 +117,7 @@ whether it is ejected, and its recent dial errors.`,
 			if err := o.checkOutput("table", "json", "yaml"); err != nil {
 				return err
 			}
-			var st proxy.Status
+			var st introspect.Status
 			body, err := o.get(cmd.Context(), "/status", nil, &st)
 			if err != nil {
 				return err
@@ -135,7 +135,7 @@ whether it is ejected, and its recent dial errors.`,
 // dataPathSummary says what carries the connections: "2 event loops on
 // io_uring", "1 event loop on epoll", "no event loops (goroutines)"; empty for an older
 // uproxy, whose status has neither field.
-func dataPathSummary(st *proxy.Status) string {
+func dataPathSummary(st *introspect.Status) string {
 	switch {
 	case st.IO == "":
 		return ""
@@ -148,7 +148,7 @@ func dataPathSummary(st *proxy.Status) string {
 }
 
 // printStatus prints st as two tables: service ports, then endpoints.
-func printStatus(w io.Writer, st *proxy.Status) error {
+func printStatus(w io.Writer, st *introspect.Status) error {
 	last := "never"
 	if !st.LastSync.IsZero() {
 		last = st.LastSync.Format(time.RFC3339) + " (" + time.Since(st.LastSync).Round(time.Second).String() + " ago)"

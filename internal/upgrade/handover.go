@@ -10,9 +10,9 @@ import (
 	"sync"
 	"time"
 
-	"go.uber.org/zap"
+	"github.com/uproxy/uproxy/proxy/listeners"
 
-	"github.com/uproxy/uproxy/proxy"
+	"go.uber.org/zap"
 )
 
 // Hooks connect the upgrade server to the proxier. A successor's
@@ -23,7 +23,7 @@ type Hooks struct {
 	// Export returns duplicates of the proxier's listeners, which the
 	// upgrader owns from then on and closes once sent. It is called with
 	// the sync loop paused.
-	Export func() ([]proxy.HandoverSocket, error)
+	Export func() ([]listeners.HandoverSocket, error)
 	// Abort ends this process's run with an error: the predecessor took
 	// its sockets back before we were ready. Nil means nothing is done.
 	Abort func(error)
@@ -377,13 +377,13 @@ func (u *Upgrader) handOver() {
 // export duplicates every socket to hand over: the proxier's listeners,
 // the servers' and the upgrade socket itself.
 func (u *Upgrader) export(h Hooks) ([]Socket, []*os.File, error) {
-	listeners, err := h.Export()
+	exported, err := h.Export()
 	if err != nil {
 		return nil, nil, err
 	}
 	var socks []Socket
 	var files []*os.File
-	for _, l := range listeners {
+	for _, l := range exported {
 		socks = append(socks, Socket{Kind: kindListener, Key: l.Key, Port: l.Port})
 		files = append(files, l.File)
 	}
@@ -393,7 +393,7 @@ func (u *Upgrader) export(h Hooks) ([]Socket, []*os.File, error) {
 		return nil, nil, err
 	}
 	socks, files = append(socks, ss...), append(files, sf...)
-	if f, err := proxy.SocketFile(u.ln, u.path); err == nil {
+	if f, err := listeners.SocketFile(u.ln, u.path); err == nil {
 		socks = append(socks, Socket{Kind: kindUpgrade, Key: u.path})
 		files = append(files, f)
 	} else {

@@ -66,7 +66,7 @@ type Socket struct {
 }
 
 // Send sends m with files' descriptors. The files must be
-// ones whose Fd leaves the socket's mode alone (proxy.SocketFile's).
+// ones whose Fd leaves the socket's mode alone (listeners.SocketFile's).
 func Send(c *net.UnixConn, m Message, files []*os.File) error {
 	m.Version = ProtocolVersion
 	b, err := json.Marshal(m)

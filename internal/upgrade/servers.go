@@ -8,9 +8,10 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/uproxy/uproxy/proxy/listeners"
+
 	"go.uber.org/zap"
 
-	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
 )
 
@@ -132,7 +133,7 @@ func (s *serverSockets) export() ([]Socket, []*os.File, error) {
 		if !ok {
 			continue
 		}
-		f, err := proxy.SocketFile(sc, l.key)
+		f, err := listeners.SocketFile(sc, l.key)
 		if err != nil {
 			closeFiles(files)
 			return nil, nil, fmt.Errorf("exporting %s: %w", l.key, err)

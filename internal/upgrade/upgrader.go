@@ -11,10 +11,11 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/uproxy/uproxy/proxy/listeners"
+
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
-	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/healthcheck"
 )
 
@@ -74,7 +75,7 @@ type Upgrader struct {
 	cfg Config // its seams and time-outs, through the accessors
 
 	servers   *serverSockets
-	listeners []proxy.HandoverSocket // inherited; passed on by Inherited()
+	listeners []listeners.HandoverSocket // inherited; passed on by Inherited()
 
 	ln      *net.UnixListener // the upgrade socket; nil when there is none
 	lnFile  fileID            // the socket file we own
@@ -340,7 +341,7 @@ func (u *Upgrader) takeOver(c *net.UnixConn) (err error) {
 func (u *Upgrader) keep(s Socket, f *os.File) {
 	switch s.Kind {
 	case kindListener:
-		u.listeners = append(u.listeners, proxy.HandoverSocket{Key: s.Key, Port: s.Port, File: f})
+		u.listeners = append(u.listeners, listeners.HandoverSocket{Key: s.Key, Port: s.Port, File: f})
 	case kindServer:
 		u.servers.inherit(s.Key, f)
 	case kindUpgrade:
@@ -431,18 +432,18 @@ func pathID(path string) fileID {
 
 // Inherited returns the listeners to adopt, for proxy.Config.Inherited;
 // nil after a cold start. The proxier owns them from then on.
-func (u *Upgrader) Inherited() *proxy.Inherited {
+func (u *Upgrader) Inherited() *listeners.Inherited {
 	if u.pred == nil {
 		return nil
 	}
-	in := proxy.NewInherited(u.listeners)
+	in := listeners.NewInherited(u.listeners)
 	u.listeners = nil
 	return in
 }
 
 // closeInherited closes what was inherited and not passed on.
 func (u *Upgrader) closeInherited() {
-	proxy.CloseHandoverSockets(u.listeners)
+	listeners.CloseHandoverSockets(u.listeners)
 	u.listeners = nil
 	u.servers.closeInherited()
 }

@@ -1,4 +1,4 @@
-package proxy
+package introspect
 
 import (
 	"net/netip"
@@ -66,8 +66,8 @@ type Metrics struct {
 	// have endpoints but none local under a Local policy (index:
 	// family, then internal/external); noLocalTotal sums them. Owned by
 	// the sync goroutine.
-	noLocal      map[types.NamespacedName]noLocalCounts
-	noLocalTotal noLocalCounts
+	noLocal      map[types.NamespacedName]NoLocalCounts
+	noLocalTotal NoLocalCounts
 	// noListener holds, per service, how many of its ports in each
 	// family want a listener (their own, or a place on the shared one)
 	// and could not open it;
@@ -217,7 +217,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name:      "sync_proxy_rules_service_changes_total",
 			Help:      "Cumulative proxy rules Service changes",
 		}),
-		noLocal: map[types.NamespacedName]noLocalCounts{},
+		noLocal: map[types.NamespacedName]NoLocalCounts{},
 		noListenerPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "uproxy_service_ports_without_listener",
 			Help: "Service ports that want a listener (their own, or a place on the shared one) and could not open it (out of descriptors or ports, or past --max-listeners), by IP family; their traffic is not intercepted until a retry opens it.",
@@ -320,19 +320,11 @@ func (m *Metrics) ipFamilies() []v1.IPFamily {
 	return []v1.IPFamily{v1.IPv4Protocol}
 }
 
-// familyOf is the family of an address.
-func familyOf(v6 bool) v1.IPFamily {
-	if v6 {
-		return v1.IPv6Protocol
-	}
-	return v1.IPv4Protocol
-}
-
-// queued records, at now, that a sync was asked for: kube-proxy sets
+// Queued records, at now, that a sync was asked for: kube-proxy sets
 // sync_proxy_rules_last_queued_timestamp_seconds when a change arrives and
 // when its sync loop starts, so that an alert can compare it with the last
 // successful sync and tell a hung sync loop from a quiet cluster.
-func (m *Metrics) queued(now time.Time) {
+func (m *Metrics) Queued(now time.Time) {
 	if m == nil {
 		return
 	}
@@ -343,8 +335,8 @@ func (m *Metrics) queued(now time.Time) {
 
 func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 
-// setPending sets what the *_changes_pending gauges read when scraped.
-func (m *Metrics) setPending(f func() (services, endpoints int)) {
+// SetPending sets what the *_changes_pending gauges read when scraped.
+func (m *Metrics) SetPending(f func() (services, endpoints int)) {
 	if m != nil {
 		m.pending.Store(&f)
 	}
@@ -357,11 +349,11 @@ func (m *Metrics) pendingChanges() (services, endpoints int) {
 	return 0, 0
 }
 
-// observeSync records a successful sync (full or partial) that started at
+// ObserveSync records a successful sync (full or partial) that started at
 // start and ended at end, and the trigger times of the endpoint changes
 // it programmed: each in the family of its EndpointSlice, if that family
 // is in use.
-func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[types.NamespacedName][]changes.TriggerTime) {
+func (m *Metrics) ObserveSync(start, end time.Time, full bool, triggers map[types.NamespacedName][]changes.TriggerTime) {
 	if m == nil {
 		return
 	}
@@ -376,7 +368,7 @@ func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[type
 		m.syncDuration.WithLabelValues(fam).Observe(d)
 		byFamily.WithLabelValues(fam).Observe(d)
 		m.syncLast.WithLabelValues(fam).Set(unixSeconds(end))
-		i := familyIndex(f)
+		i := FamilyIndex(f == v1.IPv6Protocol)
 		m.noLocalEndpoints.WithLabelValues("internal", fam).Set(float64(m.noLocalTotal[i][0]))
 		m.noLocalEndpoints.WithLabelValues("external", fam).Set(float64(m.noLocalTotal[i][1]))
 		m.noListenerPorts.WithLabelValues(fam).Set(float64(m.noListenerTotal[i]))
@@ -390,7 +382,7 @@ func (m *Metrics) observeSync(start, end time.Time, full bool, triggers map[type
 	}
 }
 
-func (m *Metrics) countChanges(services, endpoints int) {
+func (m *Metrics) CountChanges(services, endpoints int) {
 	if m == nil {
 		return
 	}
@@ -398,12 +390,22 @@ func (m *Metrics) countChanges(services, endpoints int) {
 	m.endpointChanges.Add(float64(endpoints))
 }
 
-// noLocalCounts counts service ports per family (0: IPv4, 1: IPv6) and
+// NoLocalCounts counts service ports per family (0: IPv4, 1: IPv6) and
 // policy (0: internal, 1: external).
-type noLocalCounts [2][2]int
+type NoLocalCounts [2][2]int
 
-func familyIndex(f v1.IPFamily) int {
-	if f == v1.IPv6Protocol {
+// Count adds a service port of family v6 to c if noLocalOf says so.
+func (c *NoLocalCounts) Count(v6 bool, sp *service.Port, eps []service.Endpoint, sets service.EndpointSets) {
+	if internal, external := noLocalOf(sp, eps, sets); internal || external {
+		f := FamilyIndex(v6)
+		c[f][0] += b2i(internal)
+		c[f][1] += b2i(external)
+	}
+}
+
+// FamilyIndex indexes counts by family: 0 for IPv4, 1 for IPv6.
+func FamilyIndex(v6 bool) int {
+	if v6 {
 		return 1
 	}
 	return 0
@@ -421,10 +423,10 @@ func noLocalOf(sp *service.Port, eps []service.Endpoint, sets service.EndpointSe
 	return sp.InternalPolicyLocal, sp.ExternalPolicyLocal
 }
 
-// setNoLocal records the counts of one service's ports, replacing its
+// SetNoLocal records the counts of one service's ports, replacing its
 // previous ones; the gauges follow at the end of the sync. Called by the
 // sync goroutine for each service it applies.
-func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
+func (m *Metrics) SetNoLocal(service types.NamespacedName, c NoLocalCounts) {
 	if m == nil {
 		return
 	}
@@ -434,7 +436,7 @@ func (m *Metrics) setNoLocal(service types.NamespacedName, c noLocalCounts) {
 			m.noLocalTotal[f][p] += c[f][p] - old[f][p]
 		}
 	}
-	if c == (noLocalCounts{}) {
+	if c == (NoLocalCounts{}) {
 		delete(m.noLocal, service)
 	} else {
 		m.noLocal[service] = c
@@ -450,10 +452,10 @@ func portLabel(sp *service.Port) string {
 	return strconv.Itoa(int(sp.Port))
 }
 
-// forPort returns the counters of sp and of each of its backends, those
+// ForPort returns the counters of sp and of each of its backends, those
 // of the previous snapshots where they exist. Called by the sync
 // goroutine when it builds a snapshot.
-func (m *Metrics) forPort(sp *service.Port, backends []*balancer.Backend) *datapath.PortMetrics {
+func (m *Metrics) ForPort(sp *service.Port, backends []*balancer.Backend) *datapath.PortMetrics {
 	if m == nil {
 		return nil
 	}
@@ -489,22 +491,22 @@ func (m *Metrics) forPort(sp *service.Port, backends []*balancer.Backend) *datap
 	}, backends, bms)
 }
 
-// beginService starts a round: the service that the sync goroutine
+// BeginService starts a round: the service that the sync goroutine
 // applies next gets all its snapshots' metrics from forPort, and then
 // retainService drops the counters that none of them took.
-func (m *Metrics) beginService() {
+func (m *Metrics) BeginService() {
 	if m != nil {
 		m.round++
 	}
 }
 
-// retainService drops the counters of every port and backend of service
+// RetainService drops the counters of every port and backend of service
 // that the current round's snapshots do not use (beginService). Called by
 // the sync goroutine for each service it applied, so a sync's cost follows
 // the services that changed. Marking in forPort replaced a set of every
 // live label built per service, which cost a tenth of the first sync of
 // 10,000 services (BenchmarkSyncAll).
-func (m *Metrics) retainService(service string) {
+func (m *Metrics) RetainService(service string) {
 	if m == nil {
 		return
 	}
@@ -519,8 +521,8 @@ func (m *Metrics) retainService(service string) {
 	}
 }
 
-// setSource sets what Collect walks: the metrics of every live snapshot.
-func (m *Metrics) setSource(walk func(yield func(*datapath.PortMetrics) bool)) {
+// SetSource sets what Collect walks: the metrics of every live snapshot.
+func (m *Metrics) SetSource(walk func(yield func(*datapath.PortMetrics) bool)) {
 	if m != nil {
 		m.source.Store(&walk)
 	}
@@ -611,10 +613,10 @@ func b2i(b bool) int {
 	return 0
 }
 
-// setNoListener records how many ports of service, per family, have no
+// SetNoListener records how many ports of service, per family, have no
 // listener, replacing its previous counts; the gauge follows at the end of
 // the sync. Called by the sync goroutine for each service it applies.
-func (m *Metrics) setNoListener(service types.NamespacedName, c [2]int) {
+func (m *Metrics) SetNoListener(service types.NamespacedName, c [2]int) {
 	if m == nil {
 		return
 	}

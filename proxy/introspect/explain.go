@@ -1,4 +1,4 @@
-package proxy
+package introspect
 
 import (
 	"fmt"
@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/uproxy/uproxy/proxy/routing"
 
 	v1 "k8s.io/api/core/v1"
 
@@ -55,28 +57,28 @@ type Explanation struct {
 // Explain explains traffic to dst over proto from client (invalid: not
 // given) with the state of the last sync. It has no side effects: it
 // picks nothing and refreshes no affinity. Safe for concurrent use.
-func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Addr) Explanation {
+func (in *Inspector) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Addr) Explanation {
 	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
 	client = client.Unmap()
 	ex := Explanation{Destination: fmt.Sprintf("%s/%s", dst, proto)}
 	if client.IsValid() {
 		ex.Client = client.String()
 	}
-	v := p.statusView()
+	v := in.statusView()
 	if v == nil {
 		ex.Reason = "uproxy has not synced yet"
 		return ex
 	}
-	local := p.isLocalAddr(dst.Addr())
+	local := in.IsLocal(dst.Addr())
 	var (
 		sp     *statusPort
-		caught Intercept
+		caught routing.Intercept
 		others []string // ports served at dst's address
 	)
 	for i := range v.ports {
 		for _, in := range v.ports[i].intercepts {
 			var addrMatch bool
-			if in.Kind == NodePort {
+			if in.Kind == routing.NodePort {
 				addrMatch = local && in.VIP.Is4() == dst.Addr().Is4()
 			} else {
 				addrMatch = in.VIP == dst.Addr()
@@ -90,7 +92,7 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 				}
 				continue
 			}
-			if in.Kind != NodePort {
+			if in.Kind != routing.NodePort {
 				others = append(others, fmt.Sprintf("%d/%s (%s)", in.Port, in.Protocol, in.Service))
 			}
 		}
@@ -109,11 +111,11 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	}
 	s := sp.snap
 	ex.Service, ex.Port, ex.Kind = sp.info.Service, sp.info.Port, caught.Kind.String()
-	ex.Mode = p.mode()
-	if len(s.sets.Cluster) == 0 && len(s.sets.Local) == 0 {
+	ex.Mode = in.mode()
+	if len(s.Sets.Cluster) == 0 && len(s.Sets.Local) == 0 {
 		// The rules refuse a port with no endpoint at all
 		// (Intercept.Reject), from every source, before any listener.
-		ex.Reason = fmt.Sprintf("no ready endpoints at all (%d endpoints of this family, %d not ready): the kernel refuses the connection (uproxy's REJECT rule), before any listener", len(s.endpoints), notReadyEndpoints(s))
+		ex.Reason = fmt.Sprintf("no ready endpoints at all (%d endpoints of this family, %d not ready): the kernel refuses the connection (uproxy's REJECT rule), before any listener", len(s.Endpoints), routing.NotReady(s))
 		return ex
 	}
 	ex.Balancer, ex.Affinity = sp.info.Balancer, sp.info.Affinity
@@ -125,9 +127,9 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		host = "[::]"
 	}
 	udp := proto == v1.ProtocolUDP
-	known := !udp || p.cfg.Transparent
+	known := !udp || in.Transparent
 	switch {
-	case p.cfg.Transparent:
+	case in.Transparent:
 		host = "127.0.0.1"
 		if sp.info.Family == "IPv6" {
 			host = "[::1]"
@@ -155,11 +157,11 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	}
 	ex.Caught = true
 
-	internal := p.internalClient
+	internal := in.Internal
 	if !client.IsValid() {
 		internal = func(netip.Addr) bool { return true }
 	}
-	choice := datapath.PolicySet(s.Policy, !known || caught.Kind == ClusterIP, client, internal)
+	choice := datapath.PolicySet(s.Policy, !known || caught.Kind == routing.ClusterIP, client, internal)
 	backends, set := s.ClusterBackends, s.Cluster
 	if choice.Local() {
 		backends, set = s.LocalBackends, s.Local
@@ -177,11 +179,11 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 	default:
 		ex.EndpointSet = "cluster"
 	}
-	if s.sets.TopologyMode != "" && !choice.Local() {
-		ex.EndpointSet += ", filtered by topology (" + s.sets.TopologyMode + ")"
+	if s.Sets.TopologyMode != "" && !choice.Local() {
+		ex.EndpointSet += ", filtered by topology (" + s.Sets.TopologyMode + ")"
 	}
 	if len(backends) == 0 {
-		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the listener refuses the connection", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.endpoints), notReadyEndpoints(s))
+		ex.Reason = fmt.Sprintf("no ready endpoints in the %s set (%d endpoints of this family, %d not ready): the listener refuses the connection", strings.SplitN(ex.EndpointSet, ":", 2)[0], len(s.Endpoints), routing.NotReady(s))
 		return ex
 	}
 	healthy := slices.ContainsFunc(backends, func(b *balancer.Backend) bool { return !b.Ejected() })
@@ -250,28 +252,4 @@ func (p *Proxier) Explain(dst netip.AddrPort, proto v1.Protocol, client netip.Ad
 		}
 	}
 	return ex
-}
-
-// isLocalAddr reports whether ip is one of the node's addresses (as of the
-// last sync) or loopback.
-func (p *Proxier) isLocalAddr(ip netip.Addr) bool {
-	if ip.IsLoopback() {
-		return true
-	}
-	if addrs := p.localAddrs.Load(); addrs != nil {
-		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
-		return found
-	}
-	return false
-}
-
-// notReadyEndpoints counts the endpoints of s that are not ready.
-func notReadyEndpoints(s *snapshot) int {
-	n := 0
-	for _, e := range s.endpoints {
-		if !e.Ready {
-			n++
-		}
-	}
-	return n
 }

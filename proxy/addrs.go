@@ -1,0 +1,87 @@
+package proxy
+
+import (
+	"net"
+	"net/netip"
+	"slices"
+	"sync/atomic"
+
+	"go.uber.org/zap"
+)
+
+// nodeAddrs are the node's own addresses, re-read at every sync, and the
+// pod networks: what tells a pod or the node from an outside client.
+// refresh runs on the sync goroutine; the rest is safe for concurrent use.
+type nodeAddrs struct {
+	// list returns the node's addresses; nil means those of
+	// net.InterfaceAddrs (Config.LocalAddrs).
+	list         func() ([]netip.Addr, error)
+	clusterCIDRs []netip.Prefix
+	log          *zap.Logger
+	addrs        atomic.Pointer[[]netip.Addr] // sorted
+}
+
+// refresh re-reads the node's addresses.
+func (a *nodeAddrs) refresh() {
+	var addrs []netip.Addr
+	if a.list != nil {
+		var err error
+		if addrs, err = a.list(); err != nil {
+			a.log.Warn("cannot list the node's addresses", zap.Error(err))
+			return
+		}
+	} else {
+		ifAddrs, err := net.InterfaceAddrs()
+		if err != nil {
+			a.log.Warn("cannot list the node's addresses", zap.Error(err))
+			return
+		}
+		for _, a := range ifAddrs {
+			if n, ok := a.(*net.IPNet); ok {
+				if ip, ok := netip.AddrFromSlice(n.IP); ok {
+					addrs = append(addrs, ip.Unmap())
+				}
+			}
+		}
+	}
+	slices.SortFunc(addrs, netip.Addr.Compare)
+	a.addrs.Store(&addrs)
+}
+
+// internal reports whether a client is a pod or the node itself, which
+// kube-proxy sends to the cluster endpoints even when they reach a service
+// through an external address with externalTrafficPolicy Local.
+func (a *nodeAddrs) internal(ip netip.Addr) bool {
+	if ip.IsLoopback() {
+		return true
+	}
+	for _, c := range a.clusterCIDRs {
+		if c.Contains(ip) {
+			return true
+		}
+	}
+	return a.has(ip)
+}
+
+// has reports whether ip is one of the node's addresses, as the
+// last sync read them.
+func (a *nodeAddrs) has(ip netip.Addr) bool {
+	if addrs := a.addrs.Load(); addrs != nil {
+		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
+		return found
+	}
+	return false
+}
+
+// local reports whether ip is one of the node's addresses (as of the
+// last sync) or loopback.
+func (a *nodeAddrs) local(ip netip.Addr) bool {
+	if ip.IsLoopback() {
+		return true
+	}
+	if addrs := a.addrs.Load(); addrs != nil {
+		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
+		return found
+	}
+	return false
+}
