@@ -154,33 +154,35 @@ func (g *loopGroup) listen(ll *loopListener) error {
 
 // addListener registers ll's socket, unless it was closed meanwhile.
 // Runs on the loop.
-func (l *eventLoop) addListener(ll *loopListener) {
+func (la *loopAccept) addListener(ll *loopListener) {
+	l := la.loop
 	var slot int32
-	if n := len(l.freeSlots); n > 0 {
-		slot, l.freeSlots = l.freeSlots[n-1], l.freeSlots[:n-1]
+	if n := len(la.freeSlots); n > 0 {
+		slot, la.freeSlots = la.freeSlots[n-1], la.freeSlots[:n-1]
 	} else {
-		slot = int32(len(l.accepting))
-		l.accepting = append(l.accepting, acceptSlot{})
+		slot = int32(len(la.accepting))
+		la.accepting = append(la.accepting, acceptSlot{})
 	}
 	ll.mu.Lock()
 	defer ll.mu.Unlock()
 	if ll.fd < 0 {
-		l.freeSlots = append(l.freeSlots, slot)
+		la.freeSlots = append(la.freeSlots, slot)
 		return
 	}
-	if err := l.watchListener(ll.fd, slot); err != nil {
-		l.freeSlots = append(l.freeSlots, slot)
+	if err := la.watchListener(ll.fd, slot); err != nil {
+		la.freeSlots = append(la.freeSlots, slot)
 		ll.failed(err, 0)
 		return
 	}
-	l.accepting[slot] = acceptSlot{ll: ll}
+	la.accepting[slot] = acceptSlot{ll: ll}
 	ll.regs = append(ll.regs, listenSlot{loop: l, slot: slot})
 }
 
 // watchListener adds a listening socket to the epoll set. The event's data
 // is the slot, marked by -1 in place of a generation, which no session
 // side and not the wake-up descriptor (0) has.
-func (l *eventLoop) watchListener(fd int, slot int32) error {
+func (la *loopAccept) watchListener(fd int, slot int32) error {
+	l := la.loop
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLEXCLUSIVE, Fd: slot, Pad: -1}
 	return epollAdd(l.epfd, fd, &ev)
 }
@@ -188,7 +190,8 @@ func (l *eventLoop) watchListener(fd int, slot int32) error {
 // dropListener takes fd out of the loop's epoll set and frees its slot.
 // Called by loopListener.close, under ll.mu, on any goroutine. A loop
 // that is stopping closes its epoll instance, registrations and all.
-func (l *eventLoop) dropListener(fd int, slot int32) {
+func (la *loopAccept) dropListener(fd int, slot int32) {
+	l := la.loop
 	l.mu.Lock()
 	if l.stopping {
 		l.mu.Unlock()
@@ -202,25 +205,26 @@ func (l *eventLoop) dropListener(fd int, slot int32) {
 	// at -1; the slot is freed only after them (runTasks runs after the
 	// batch's events).
 	l.post(func() {
-		l.accepting[slot] = acceptSlot{}
-		l.freeSlots = append(l.freeSlots, slot)
+		la.accepting[slot] = acceptSlot{}
+		la.freeSlots = append(la.freeSlots, slot)
 	})
 }
 
 // listenerReady serves the listener in slot, which epoll found readable
 // (ll.readable), and pauses it if that failed. Runs on the loop.
-func (l *eventLoop) listenerReady(slot int32) {
-	if slot < 0 || int(slot) >= len(l.accepting) {
+func (la *loopAccept) listenerReady(slot int32) {
+	l := la.loop
+	if slot < 0 || int(slot) >= len(la.accepting) {
 		return
 	}
-	as := &l.accepting[slot]
+	as := &la.accepting[slot]
 	ll := as.ll
 	if ll == nil || !as.resumeAt.IsZero() {
 		return
 	}
 	more, err := ll.readable(l)
 	if err != nil {
-		l.pauseAccept(slot, err)
+		la.pauseAccept(slot, err)
 		return
 	}
 	as.delay = 0
@@ -260,8 +264,9 @@ func (ll *loopListener) acceptQueued(el *eventLoop) (more bool, err error) {
 
 // pauseAccept stops accepting on the listener in slot after err, for
 // twice the previous delay (see acceptBackoffMin). Runs on the loop.
-func (l *eventLoop) pauseAccept(slot int32, err error) {
-	as := &l.accepting[slot]
+func (la *loopAccept) pauseAccept(slot int32, err error) {
+	l := la.loop
+	as := &la.accepting[slot]
 	as.delay = nextAcceptDelay(as.delay)
 	as.resumeAt = time.Now().Add(as.delay)
 	ll := as.ll
@@ -270,39 +275,39 @@ func (l *eventLoop) pauseAccept(slot int32, err error) {
 		_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, ll.fd, nil)
 	}
 	ll.mu.Unlock()
-	l.paused = append(l.paused, slot)
-	if l.nextResume.IsZero() || as.resumeAt.Before(l.nextResume) {
-		l.nextResume = as.resumeAt
+	la.paused = append(la.paused, slot)
+	if la.nextResume.IsZero() || as.resumeAt.Before(la.nextResume) {
+		la.nextResume = as.resumeAt
 	}
 	ll.failed(err, as.delay)
 }
 
 // resumeAccept registers again the paused listeners whose delay is over,
 // and works out when the next one is due. Runs on the loop.
-func (l *eventLoop) resumeAccept(now time.Time) {
-	l.nextResume = time.Time{}
-	kept := l.paused[:0]
-	for _, slot := range l.paused {
-		as := &l.accepting[slot]
+func (la *loopAccept) resumeAccept(now time.Time) {
+	la.nextResume = time.Time{}
+	kept := la.paused[:0]
+	for _, slot := range la.paused {
+		as := &la.accepting[slot]
 		switch {
 		case as.ll == nil || as.resumeAt.IsZero():
 			// Freed, perhaps reused, since it was paused.
 		case now.Before(as.resumeAt):
 			kept = append(kept, slot)
-			if l.nextResume.IsZero() || as.resumeAt.Before(l.nextResume) {
-				l.nextResume = as.resumeAt
+			if la.nextResume.IsZero() || as.resumeAt.Before(la.nextResume) {
+				la.nextResume = as.resumeAt
 			}
 		default:
 			as.resumeAt = time.Time{}
 			ll := as.ll
 			ll.mu.Lock()
 			if ll.fd >= 0 {
-				if err := l.watchListener(ll.fd, slot); err != nil {
+				if err := la.watchListener(ll.fd, slot); err != nil {
 					ll.failed(err, 0)
 				}
 			}
 			ll.mu.Unlock()
 		}
 	}
-	l.paused = kept
+	la.paused = kept
 }

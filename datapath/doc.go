@@ -9,16 +9,20 @@
 // docs/datapath.md explains the loops, their accept and their io_uring.
 //
 // Where to look:
-//   - engine.go: Engine and Config, the data path's knobs and test seams.
+//   - engine.go: Engine and Config, the data path's knobs and test seams;
+//     the Engine's TCP part is tcpProxy (tcp.go), its UDP part udpRelay
+//     (udp.go, udppool.go).
 //   - snapshot.go: Snapshot, a service port's routing, and Policy.
-//   - loop.go, accept.go: the event loops, and their accept.
-//   - loopsession.go, tcp.go, splice.go: TCP sessions on a loop, and the
+//   - loop.go: the event loops and their poller (epoll, or the loop's
+//     io_uring in loopring.go, which also carries small messages); a
+//     loop's parts are loopTCP (loopsession.go), loopFlows (loopflow.go)
+//     and loopAccept (accept.go).
+//   - tcp.go, splice.go: accepting and carrying TCP connections, and the
 //     copying (splice(2) for bulk, a pooled buffer for small messages).
 //   - dial.go, dialerr.go: the dial to a backend, and whose fault a
 //     failed attempt is.
-//   - loopring.go: the io_uring path of small messages.
-//   - udp.go, udpsock.go, loopflow.go, udppool.go: UDP listeners, flows,
-//     and the request-reply pool.
+//   - udp.go, udpsock.go, udppool.go: UDP listeners, flows, and the
+//     request-reply pool.
 //   - listener.go: Listener, and the shared layout's routing table.
 //   - transparent.go, srcfallback.go: IP_TRANSPARENT, and dialling from
 //     the client's own address.

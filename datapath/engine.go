@@ -213,18 +213,36 @@ type Engine struct {
 	// (NewEngine).
 	internal func(netip.Addr) bool
 
+	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
+
+	loops   loopGroup      // the TCP data path's event loops, started on first use
+	closing bool           // under sessMu
+	wg      sync.WaitGroup // accept and read goroutines, and sessions
+
+	tcpProxy
+	udpRelay
+}
+
+// tcpProxy is the part of the Engine that carries TCP connections: it
+// accepts them, picks and dials a backend, and hands both sockets to an
+// event loop (tcp.go, dial.go). Its methods reach the rest of the Engine
+// through e.
+type tcpProxy struct {
+	e        *Engine
+	sessMu   sync.Mutex
+	sessions map[*session]struct{}
+}
+
+// udpRelay is the part of the Engine that relays UDP: it reads the
+// listeners' datagrams, keeps a flow (or a pooled socket) per client and
+// backend, and relays the replies (udp.go, udppool.go). Its methods reach
+// the rest of the Engine through e.
+type udpRelay struct {
+	e     *Engine
 	flows flowTable // UDP flows, created with the first UDP listener
 	// poolOpen counts the pooled UDP sockets of every event loop, against
 	// Config.UDPPoolMax.
 	poolOpen atomic.Int64
-
-	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
-
-	loops    loopGroup // the TCP data path's event loops, started on first use
-	sessMu   sync.Mutex
-	sessions map[*session]struct{}
-	closing  bool
-	wg       sync.WaitGroup // accept and read goroutines, and sessions
 }
 
 // NewEngine returns an Engine configured by cfg. internal reports whether
@@ -235,13 +253,14 @@ func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
 		cfg:      cfg,
 		log:      cfg.logger(),
 		internal: internal,
-		sessions: map[*session]struct{}{},
 		loops: loopGroup{n: cfg.eventLoops(), opts: loopOptions{
 			idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout(),
 			keepAliveEvery: cfg.backendKeepAliveEvery(), ringBufs: cfg.ioURingBuffers(),
 			stats: cfg.Stats,
 		}},
 	}
+	p.tcpProxy = tcpProxy{e: p, sessions: map[*session]struct{}{}}
+	p.udpRelay.e = p
 	if cfg.StartLoop != nil {
 		p.loops.newLoop = func(o loopOptions) (*eventLoop, error) {
 			if err := cfg.StartLoop(); err != nil {
@@ -449,7 +468,8 @@ func (p *Engine) Closed(l *Listener) {
 // acceptLoop accepts until l is closed. On temporary errors (EMFILE,
 // ENFILE, ENOBUFS) it backs off (nextAcceptDelay), as net/http's Server
 // does, instead of spinning or exiting: the old userspace proxy died here.
-func (p *Engine) acceptLoop(l *Listener) {
+func (tp *tcpProxy) acceptLoop(l *Listener) {
+	p := tp.e
 	defer p.wg.Done()
 	var delay time.Duration
 	for {
@@ -458,7 +478,7 @@ func (p *Engine) acceptLoop(l *Listener) {
 			if errors.Is(err, net.ErrClosed) {
 				return
 			}
-			delay = p.acceptBackoff(l, delay, err)
+			delay = tp.acceptBackoff(l, delay, err)
 			continue
 		}
 		delay = 0
@@ -467,18 +487,19 @@ func (p *Engine) acceptLoop(l *Listener) {
 			c.Close()
 			continue
 		}
-		s := p.newSession(tc, -1)
+		s := tp.newSession(tc, -1)
 		if s == nil {
 			tc.Close()
 			continue
 		}
-		go p.serveTCP(l, tc, s)
+		go tp.serveTCP(l, tc, s)
 	}
 }
 
 // acceptBackoff logs a failed accept and sleeps before the next one, for
 // nextAcceptDelay after the previous delay. It returns the delay slept.
-func (p *Engine) acceptBackoff(l *Listener, delay time.Duration, err error) time.Duration {
+func (tp *tcpProxy) acceptBackoff(l *Listener, delay time.Duration, err error) time.Duration {
+	p := tp.e
 	delay = nextAcceptDelay(delay)
 	p.connLog.Warn("accept failed; backing off", zap.Stringer("servicePort", l.Name), zap.Duration("delay", delay), zap.Error(err))
 	time.Sleep(delay)
@@ -523,14 +544,15 @@ func (p *Engine) rawListenerFD(rc syscall.RawConn) int {
 // connection for nothing: register it, read its local address, set
 // TCP_NODELAY, then duplicate it, deregister it and close it when it moves
 // to a loop.
-func (p *Engine) newLoopListener(l *Listener, fd int) *loopListener {
+func (tp *tcpProxy) newLoopListener(l *Listener, fd int) *loopListener {
+	p := tp.e
 	serve := func(el *eventLoop, fd int, client netip.AddrPort) {
-		s := p.newSession(nil, fd)
+		s := tp.newSession(nil, fd)
 		if s == nil {
 			unix.Close(fd)
 			return
 		}
-		p.startTCP(el, l, accepted{rc: fdConn(fd), client: client}, s)
+		tp.startTCP(el, l, accepted{rc: fdConn(fd), client: client}, s)
 	}
 	failed := func(err error, delay time.Duration) {
 		if delay == 0 {

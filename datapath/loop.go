@@ -138,25 +138,11 @@ type Stats struct {
 	Eligible, OnRing, RingServed, Carried, NoRing, Copied atomic.Int64
 }
 
-// eventLoop carries sessions on one epoll instance. Its goroutine (run)
-// owns the sessions, their descriptors and every field below mu's; other
-// goroutines reach it only through post. The goroutine exits after stop.
-type eventLoop struct {
-	epfd, wakefd int
-	idle         time.Duration
-	dialTimeout  time.Duration
-	done         chan struct{} // closed when run returns
-
-	mu       sync.Mutex
-	tasks    []func()
-	stopping bool
-
-	// Owned by run's goroutine.
-	sides     []*loopSide // by descriptor number
-	sessions  map[*loopSession]struct{}
-	flows     map[*udpFlow]struct{}
-	gen       int32
-	nextSweep time.Time
+// loopTCP is the part of an event loop that carries TCP sessions.
+type loopTCP struct {
+	loop        *eventLoop
+	dialTimeout time.Duration
+	sessions    map[*loopSession]struct{}
 	// keepAliveEvery is how often armKeepAlive runs; nextKeepAlive is
 	// when it runs next.
 	keepAliveEvery time.Duration
@@ -166,12 +152,23 @@ type eventLoop struct {
 	connecting   map[*loopSession]struct{}
 	nextDeadline time.Time
 	buf          [copyBufSize]byte
+}
+
+// loopFlows is the part of an event loop that carries UDP flows.
+type loopFlows struct {
+	loop  *eventLoop
+	flows map[*udpFlow]struct{}
 	// recv and replies relay UDP replies: allocated with the first flow.
 	recv    *flowReceiver
 	replies *replyQueue
 	// pools: the UDP socket pools of request–reply queries (udppool.go),
 	// allocated with the first query.
 	pools *loopPools
+}
+
+// loopAccept is the part of an event loop that accepts on listeners.
+type loopAccept struct {
+	loop *eventLoop
 	// accepting: the listeners registered with the loop, by slot
 	// (accept.go); freeSlots: its unused slots. paused: the slots whose
 	// listener is out of the epoll set after a failed accept, the earliest
@@ -181,6 +178,57 @@ type eventLoop struct {
 	paused     []int32
 	nextResume time.Time
 	acceptAddr unix.RawSockaddrInet6
+}
+
+// poller is how an event loop waits for its descriptors: in epoll_wait
+// (epollPoller), or in its io_uring (loopRing), which polls the epoll set
+// as one of its operations and completes the ring's own between turns.
+type poller interface {
+	// wait returns the epoll events of the loop's next turn, waiting at
+	// most timeout milliseconds (negative: no bound); a ring handles its
+	// completions in it.
+	wait(events []unix.EpollEvent, timeout int) ([]unix.EpollEvent, error)
+	// turnDone ends a turn, after its events and tasks were handled.
+	turnDone()
+}
+
+// epollPoller waits in epoll_wait on the loop's epoll instance.
+type epollPoller struct{ epfd int }
+
+func (p epollPoller) wait(events []unix.EpollEvent, timeout int) ([]unix.EpollEvent, error) {
+	n, err := unix.EpollWait(p.epfd, events, timeout)
+	return events[:max(n, 0)], err
+}
+
+func (epollPoller) turnDone() {}
+
+// eventLoop carries sessions on one epoll instance. Its goroutine (run)
+// owns the sessions, their descriptors and every field below mu's; other
+// goroutines reach it only through post. The goroutine exits after stop.
+//
+// Its parts have a type each, whose methods run on the loop's goroutine
+// and reach the rest of the loop through their loop field: loopTCP
+// (loopsession.go) carries the TCP sessions, loopFlows (loopflow.go,
+// udppool.go) the UDP flows, loopAccept (accept.go) the listeners, and
+// the poller (epoll, or the loop's io_uring in loopring.go) waits.
+type eventLoop struct {
+	epfd, wakefd int
+	idle         time.Duration
+	done         chan struct{} // closed when run returns
+
+	mu       sync.Mutex
+	tasks    []func()
+	stopping bool
+
+	// Owned by run's goroutine.
+	sides     []*loopSide // by descriptor number: sessions' and flows'
+	gen       int32
+	nextSweep time.Time
+	loopTCP
+	loopFlows
+	loopAccept
+	// poll is how the loop waits: its ring, if it has one, else epoll.
+	poll poller
 	// ring is the loop's io_uring, if it has one (loopring.go); ringErr
 	// says why a loop asked for one has none. epollDue: the epoll set may
 	// hold events that raise no new wake-up of the ring's poll of it.
@@ -213,14 +261,14 @@ func newEventLoop(o loopOptions) (*eventLoop, error) {
 		return nil, fmt.Errorf("epoll_ctl add eventfd: %w", err)
 	}
 	l := &eventLoop{
-		epfd: epfd, wakefd: wakefd, idle: idle, dialTimeout: dialTimeout,
+		epfd: epfd, wakefd: wakefd, idle: idle, poll: epollPoller{epfd},
 		done:       make(chan struct{}),
-		sessions:   map[*loopSession]struct{}{},
-		flows:      map[*udpFlow]struct{}{},
-		connecting: map[*loopSession]struct{}{},
 		ringFailed: o.ringFailed,
 		stats:      o.stats,
 	}
+	l.loopTCP = loopTCP{loop: l, dialTimeout: dialTimeout, sessions: map[*loopSession]struct{}{}, connecting: map[*loopSession]struct{}{}}
+	l.loopFlows = loopFlows{loop: l, flows: map[*udpFlow]struct{}{}}
+	l.loopAccept.loop = l
 	now := time.Now()
 	if idle > 0 {
 		l.nextSweep = now.Add(idle)
@@ -287,24 +335,14 @@ func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 	close(started)
 	events := make([]unix.EpollEvent, 256)
 	for {
-		var (
-			ready []unix.EpollEvent
-			err   error
-		)
-		if l.ring != nil {
-			ready, err = l.ringWait(events, l.timeout())
-		} else {
-			var n int
-			n, err = unix.EpollWait(l.epfd, events, l.timeout())
-			ready = events[:max(n, 0)]
-		}
+		ready, err := l.poll.wait(events, l.timeout())
 		if err != nil {
 			if err == unix.EINTR {
 				continue
 			}
 			// Only a bad epoll descriptor or buffer fails epoll_wait: a
-			// bug, not a condition to carry on from. (ringWait handles
-			// the ring's own errors: see abandonRing.)
+			// bug, not a condition to carry on from. (The ring's wait
+			// handles the ring's own errors: see abandonRing.)
 			panic(fmt.Sprintf("uproxy: waiting on an event loop: %v", err))
 		}
 		woken := false
@@ -325,9 +363,7 @@ func (l *eventLoop) run(ring bool, ringBufs int, started chan<- struct{}) {
 				return
 			}
 		}
-		if l.ring != nil {
-			l.ringTurnDone()
-		}
+		l.poll.turnDone()
 		// The UDP replies of everything handled above (runTasks included:
 		// a flow that had more than its budget) go out together.
 		if l.replies != nil {
@@ -401,7 +437,7 @@ func (l *eventLoop) runTasks() bool {
 		l.dropFlow(f)
 	}
 	if l.ring != nil {
-		l.closeRing()
+		l.ring.close()
 	}
 	unix.Close(l.epfd)
 	unix.Close(l.wakefd)
@@ -411,8 +447,8 @@ func (l *eventLoop) runTasks() bool {
 // sweep aborts the sessions that moved nothing, and whose sockets made no
 // progress either, since the previous sweep: idle for between one and two
 // periods.
-func (l *eventLoop) sweep() {
-	for ls := range l.sessions {
+func (lt *loopTCP) sweep() {
+	for ls := range lt.sessions {
 		if ls.connecting {
 			continue // the dial timeout bounds it
 		}
@@ -420,7 +456,7 @@ func (l *eventLoop) sweep() {
 		active := ls.moved || now != ls.progress
 		ls.moved, ls.progress = false, now
 		if !active {
-			l.end(ls, true)
+			lt.end(ls, true)
 		}
 	}
 }
@@ -443,8 +479,8 @@ const defaultKeepAliveEvery = 15 * time.Second
 // Setting TCP_KEEPIDLE counts the idle time already passed
 // (tcp_sock_set_keepidle), so a dead backend is found at most that much
 // later than if the socket had had keep-alive from the start.
-func (l *eventLoop) armKeepAlive() {
-	for ls := range l.sessions {
+func (lt *loopTCP) armKeepAlive() {
+	for ls := range lt.sessions {
 		if ls.keepAlive || ls.connecting || ls.closed || ls.side[1].fd < 0 {
 			continue
 		}

@@ -12,12 +12,13 @@ import (
 
 // addFlow watches a UDP flow's socket for the backend's replies. Runs on
 // the loop, before any dropFlow of the flow (connectFlow).
-func (l *eventLoop) addFlow(f *udpFlow) {
-	if l.recv == nil {
-		l.recv = newFlowReceiver()
-		l.replies = newReplyQueue(func(f *udpFlow, n int, err error) { f.p.replied(f, n, err) })
+func (lf *loopFlows) addFlow(f *udpFlow) {
+	l := lf.loop
+	if lf.recv == nil {
+		lf.recv = newFlowReceiver()
+		lf.replies = newReplyQueue(func(f *udpFlow, n int, err error) { f.p.replied(f, n, err) })
 	}
-	l.flows[f] = struct{}{}
+	lf.flows[f] = struct{}{}
 	f.side = loopSide{flow: f, fd: f.fd}
 	if err := l.watch(&f.side, unix.EPOLLIN|unix.EPOLLET); err != nil {
 		f.p.udpFailed(f, err)
@@ -31,12 +32,13 @@ const flowBudget = 64
 // flowReady relays the replies queued on f's socket to its client. A
 // receive error (ECONNREFUSED after an ICMP port unreachable: udp(7))
 // ends the flow. Runs on the loop.
-func (l *eventLoop) flowReady(f *udpFlow) {
+func (lf *loopFlows) flowReady(f *udpFlow) {
+	l := lf.loop
 	if f.slot != nil {
-		l.slotReady(f)
+		lf.slotReady(f)
 		return
 	}
-	r := l.recv
+	r := lf.recv
 	for relayed := 0; relayed < flowBudget; {
 		if f.closed.Load() {
 			return
@@ -50,7 +52,7 @@ func (l *eventLoop) flowReady(f *udpFlow) {
 			return
 		}
 		for i := range n {
-			f.p.queueReply(f, l.replies, r.datagram(i))
+			f.p.queueReply(f, lf.replies, r.datagram(i))
 		}
 		if n < len(r.hdrs) {
 			// The socket had no more: the next datagram will raise a new
@@ -61,17 +63,18 @@ func (l *eventLoop) flowReady(f *udpFlow) {
 	}
 	// Edge-triggered: no new event comes for what is left. Relay it after
 	// the other ready sockets had their turn.
-	l.post(func() { l.flowReady(f) })
+	l.post(func() { lf.flowReady(f) })
 }
 
 // dropFlow closes a closed flow's socket, which takes it out of the
 // epoll set, and lets go of its backend. Runs on the loop, after the flow
 // was closed; at most once per flow.
-func (l *eventLoop) dropFlow(f *udpFlow) {
-	if _, ok := l.flows[f]; !ok {
+func (lf *loopFlows) dropFlow(f *udpFlow) {
+	l := lf.loop
+	if _, ok := lf.flows[f]; !ok {
 		return
 	}
-	delete(l.flows, f)
+	delete(lf.flows, f)
 	if f.fd < len(l.sides) && l.sides[f.fd] == &f.side {
 		l.sides[f.fd] = nil
 	}

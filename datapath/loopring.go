@@ -42,9 +42,12 @@ func ringData(id uint64, aux uint8, d, tag int) uint64 {
 	return id<<8 | uint64(aux&15)<<4 | uint64(d)<<3 | uint64(tag)
 }
 
-// loopRing is an event loop's io_uring and what it carries. Owned by the
-// loop's goroutine, like the loop's other state.
+// loopRing is an event loop's io_uring and what it carries: it is the
+// loop's poller (it polls the loop's epoll set too) and the path of its
+// sessions' small messages. Owned by the loop's goroutine, like the
+// loop's other state; its methods work on that loop's sessions.
 type loopRing struct {
+	loop     *eventLoop
 	r        *uring.Ring
 	bufs     *uring.BufRing
 	complete func(uring.CQE) // the loop's ringComplete, bound once
@@ -94,7 +97,7 @@ func (l *eventLoop) abandonRing(err error) {
 		}
 	})
 	rs.r.Close()
-	l.ring, l.ringErr, l.epollDue = nil, err, false
+	l.ring, l.poll, l.ringErr, l.epollDue = nil, epollPoller{l.epfd}, err, false
 	for _, ls := range rs.sessions {
 		ls.onRing, ls.leaving, ls.connectArmed, ls.ringOps = false, false, false, 0
 		if !ls.closed {
@@ -153,27 +156,30 @@ func (l *eventLoop) setupRing(bufCount int) error {
 		r.Close()
 		return err
 	}
-	l.ring = &loopRing{r: r, bufs: bufs, complete: l.ringComplete, sessions: map[uint64]*loopSession{}}
-	l.ringPollEpoll()
+	rs := &loopRing{loop: l, r: r, bufs: bufs, sessions: map[uint64]*loopSession{}}
+	rs.complete = rs.completed
+	l.ring, l.poll = rs, rs
+	rs.pollEpoll()
 	return nil
 }
 
-// ringPollEpoll arms the multishot poll of the loop's epoll descriptor,
+// pollEpoll arms the multishot poll of the loop's epoll descriptor,
 // which completes whenever the epoll set has events (ep_poll_callback
 // wakes the set's pollers).
-func (l *eventLoop) ringPollEpoll() {
-	e := l.ring.r.SQE()
+func (rs *loopRing) pollEpoll() {
+	l := rs.loop
+	e := rs.r.SQE()
 	e.Opcode, e.Fd, e.Len, e.OpFlags = uring.OpPollAdd, int32(l.epfd), uring.PollAddMulti, unix.POLLIN
 	e.UserData = ringTagPoll
 }
 
-// ringWait waits for the ring's completions, at most timeout milliseconds
+// wait waits for the ring's completions, at most timeout milliseconds
 // (negative: no bound), and handles them. While nothing is in flight on
 // the ring it waits in epoll_wait instead, which returns the set's events
 // itself: the loops of UDP flows and bulk transfers pay nothing for the
 // ring. It returns the epoll events to handle, if any.
-func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.EpollEvent, error) {
-	rs := l.ring
+func (rs *loopRing) wait(events []unix.EpollEvent, timeout int) ([]unix.EpollEvent, error) {
+	l := rs.loop
 	if rs.ops == 0 && rs.r.Pending() == 0 && len(rs.starved) == 0 && !l.epollDue {
 		n, err := unix.EpollWait(l.epfd, events, timeout)
 		if err != nil {
@@ -225,10 +231,10 @@ func (l *eventLoop) ringWait(events []unix.EpollEvent, timeout int) ([]unix.Epol
 	return events[:n], nil
 }
 
-// ringTurnDone ends a turn of the loop: it publishes the buffers given
+// turnDone ends a turn of the loop: it publishes the buffers given
 // back, and lets the starved directions receive again if one is free.
-func (l *eventLoop) ringTurnDone() {
-	rs := l.ring
+func (rs *loopRing) turnDone() {
+	l := rs.loop
 	if err := rs.err(); err != nil {
 		l.abandonRing(err)
 		return
@@ -242,17 +248,17 @@ func (l *eventLoop) ringTurnDone() {
 	for _, w := range starved {
 		ls, dir := w.ls, &w.ls.dir[w.d]
 		if !ls.closed && ls.onRing && !ls.leaving && !dir.eof && !dir.recving {
-			l.ringRecv(ls, w.d)
+			rs.recv(ls, w.d)
 		}
 	}
 }
 
-// closeRing waits (a little) for what is in flight to complete, and
+// close waits (a little) for what is in flight to complete, and
 // closes the ring. Runs on the loop, as it stops, after its sessions
 // ended, which cancelled their operations and queued their sockets'
 // closes.
-func (l *eventLoop) closeRing() {
-	rs := l.ring
+func (rs *loopRing) close() {
+	l := rs.loop
 	if err := rs.err(); err != nil {
 		l.abandonRing(err)
 		return
@@ -274,13 +280,13 @@ func (l *eventLoop) closeRing() {
 		// into the buffers as it tears the ring down: they stay mapped.
 		rs.bufs.Close()
 	}
-	l.ring = nil
+	l.ring, l.poll = nil, epollPoller{l.epfd}
 }
 
-// ringAdd puts a new session on the ring: it starts the backend
+// add puts a new session on the ring: it starts the backend
 // connection, or receives at once on both sockets of a connected one.
-func (l *eventLoop) ringAdd(ls *loopSession) {
-	rs := l.ring
+func (rs *loopRing) add(ls *loopSession) {
+	l := rs.loop
 	rs.lastID++
 	ls.ringID = rs.lastID
 	ls.onRing = true
@@ -292,52 +298,52 @@ func (l *eventLoop) ringAdd(ls *loopSession) {
 		l.connect(ls)
 		return
 	}
-	l.ringStart(ls)
+	rs.start(ls)
 }
 
-// ringStart starts both directions of a connected session.
-func (l *eventLoop) ringStart(ls *loopSession) {
+// start starts both directions of a connected session.
+func (rs *loopRing) start(ls *loopSession) {
 	for d := range ls.dir {
-		l.ringRecv(ls, d)
+		rs.recv(ls, d)
 	}
 }
 
 // submit counts an operation of ls in flight.
-func (l *eventLoop) submit(ls *loopSession) {
+func (rs *loopRing) submit(ls *loopSession) {
 	ls.ringOps++
-	l.ring.ops++
+	rs.ops++
 }
 
-// ringConnect connects the backend socket of ls to addr. The ring
+// connect connects the backend socket of ls to addr. The ring
 // connects it as connect(2) would, and completes once the connection is
 // made or has failed (io_uring/net.c: EINPROGRESS arms a poll), which
 // saves the connect and the SO_ERROR getsockopt of the epoll path.
-func (l *eventLoop) ringConnect(ls *loopSession, addr netip.AddrPort) {
+func (rs *loopRing) connect(ls *loopSession, addr netip.AddrPort) {
 	ls.attempt++
 	a := addr.Addr().Unmap()
 	n := putSockaddr(&ls.connectAddr, netip.AddrPortFrom(a, addr.Port()), a.Is6())
-	e := l.ring.r.SQE()
+	e := rs.r.SQE()
 	e.Opcode, e.Fd = uring.OpConnect, int32(ls.side[1].fd)
 	e.Addr, e.Off = uint64(uintptr(unsafe.Pointer(&ls.connectAddr))), uint64(n)
 	e.UserData = ringData(ls.ringID, ls.attempt, 0, ringTagConnect)
 	ls.connectArmed = true
-	l.submit(ls)
+	rs.submit(ls)
 }
 
-// ringRecv receives on side d of ls into a provided buffer.
-func (l *eventLoop) ringRecv(ls *loopSession, d int) {
-	rs := l.ring
+// recv receives on side d of ls into a provided buffer.
+func (rs *loopRing) recv(ls *loopSession, d int) {
 	e := rs.r.SQE()
 	e.Opcode, e.Fd, e.Flags = uring.OpRecv, int32(ls.side[d].fd), uring.SQEBufSelect
 	e.Len = uint32(rs.bufs.Size()) // BufIndex 0: any buffer of group 0
 	e.UserData = ringData(ls.ringID, 0, d, ringTagRecv)
 	ls.dir[d].recving = true
-	l.submit(ls)
+	rs.submit(ls)
 }
 
-// ringSend sends what direction d's buffer holds, from off on, to the
+// send sends what direction d's buffer holds, from off on, to the
 // other side.
-func (l *eventLoop) ringSend(ls *loopSession, d int) {
+func (rs *loopRing) send(ls *loopSession, d int) {
+	l := rs.loop
 	rs, dir := l.ring, &ls.dir[d]
 	b := rs.bufs.Buf(dir.rbid)[dir.roff:dir.rlen]
 	e := rs.r.SQE()
@@ -349,58 +355,58 @@ func (l *eventLoop) ringSend(ls *loopSession, d int) {
 	e.Addr, e.Len = uint64(uintptr(unsafe.Pointer(&b[0]))), uint32(len(b))
 	e.UserData = ringData(ls.ringID, 0, d, ringTagSend)
 	dir.sending = true
-	l.submit(ls)
+	rs.submit(ls)
 }
 
-// ringCancel cancels the operation whose user data is ud. Its own
+// cancel cancels the operation whose user data is ud. Its own
 // completion is ignored; the cancelled operation's comes as usual.
-func (l *eventLoop) ringCancel(ud uint64) {
-	e := l.ring.r.SQE()
+func (rs *loopRing) cancel(ud uint64) {
+	e := rs.r.SQE()
 	e.Opcode, e.Addr, e.UserData = uring.OpAsyncCancel, ud, ringTagIgnore
 }
 
-// ringCancelAll cancels every operation of ls in flight. Runs as ls
+// cancelAll cancels every operation of ls in flight. Runs as ls
 // ends; its sockets are closed after, but stay open (and so do not yet
 // send a reset) until the ring lets go of them.
-func (l *eventLoop) ringCancelAll(ls *loopSession) {
+func (rs *loopRing) cancelAll(ls *loopSession) {
 	if ls.connectArmed {
-		l.ringCancel(ringData(ls.ringID, ls.attempt, 0, ringTagConnect))
+		rs.cancel(ringData(ls.ringID, ls.attempt, 0, ringTagConnect))
 	}
 	for d := range ls.dir {
 		if ls.dir[d].recving {
-			l.ringCancel(ringData(ls.ringID, 0, d, ringTagRecv))
+			rs.cancel(ringData(ls.ringID, 0, d, ringTagRecv))
 		}
 		if ls.dir[d].sending {
-			l.ringCancel(ringData(ls.ringID, 0, d, ringTagSend))
+			rs.cancel(ringData(ls.ringID, 0, d, ringTagSend))
 		}
 	}
 }
 
-// ringCloseFD closes fd on the ring, with the loop's next submission. Its
+// closeFD closes fd on the ring, with the loop's next submission. Its
 // number stays taken until then, so no socket opened meanwhile gets it. A
 // socket's close completes as it is submitted (io_close goes to a worker
 // only for files with a flush method), so the number is looked up while
 // it is still the session's.
-func (l *eventLoop) ringCloseFD(fd int) {
-	e := l.ring.r.SQE()
+func (rs *loopRing) closeFD(fd int) {
+	e := rs.r.SQE()
 	e.Opcode, e.Fd, e.UserData = uring.OpClose, int32(fd), ringTagIgnore
 }
 
-// ringForget forgets ls's ring id once nothing of it is in flight.
-func (l *eventLoop) ringForget(ls *loopSession) {
+// forget forgets ls's ring id once nothing of it is in flight.
+func (rs *loopRing) forget(ls *loopSession) {
 	if ls.ringOps == 0 {
-		delete(l.ring.sessions, ls.ringID)
+		delete(rs.sessions, ls.ringID)
 	}
 }
 
-// ringComplete handles one completion.
-func (l *eventLoop) ringComplete(c uring.CQE) {
-	rs := l.ring
+// completed handles one completion.
+func (rs *loopRing) completed(c uring.CQE) {
+	l := rs.loop
 	tag := int(c.UserData & 7)
 	switch tag {
 	case ringTagPoll:
 		if c.Flags&uring.CQEFMore == 0 {
-			l.ringPollEpoll() // the kernel ended it (an overflow, or an error)
+			rs.pollEpoll() // the kernel ended it (an overflow, or an error)
 		}
 		l.epollDue = true
 		return
@@ -449,7 +455,7 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 		if tag == ringTagSend {
 			rs.bufs.Put(dir.rbid)
 		}
-		l.ringForget(ls)
+		rs.forget(ls)
 		return
 	}
 	switch tag {
@@ -462,18 +468,19 @@ func (l *eventLoop) ringComplete(c uring.CQE) {
 			err = os.NewSyscallError("connect", unix.Errno(-c.Res))
 		}
 		if l.connectDone(ls, err) {
-			l.ringStart(ls)
+			rs.start(ls)
 		}
 	case ringTagRecv:
-		l.ringReceived(ls, d, c.Res, bid)
+		rs.received(ls, d, c.Res, bid)
 	case ringTagSend:
-		l.ringSent(ls, d, c.Res)
+		rs.sent(ls, d, c.Res)
 	}
 }
 
-// ringReceived handles direction d's receive, of res bytes into buffer
+// received handles direction d's receive, of res bytes into buffer
 // bid (or an error).
-func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
+func (rs *loopRing) received(ls *loopSession, d int, res int32, bid int) {
+	l := rs.loop
 	rs, dir := l.ring, &ls.dir[d]
 	if res <= 0 && bid >= 0 {
 		// A completion that says its receive took a buffer (CQEFBuffer)
@@ -502,15 +509,15 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 			if int(res) == rs.bufs.Size() {
 				dir.h.splicing = true
 			}
-			l.ringLeave(ls)
+			rs.leave(ls)
 			return
 		}
 		dir.rbid, dir.roff, dir.rlen = uint16(bid), 0, int(res)
-		l.ringSend(ls, d)
+		rs.send(ls, d)
 	case res == 0:
 		dir.eof = true
 		if ls.leaving {
-			l.ringLeave(ls)
+			rs.leave(ls)
 			return
 		}
 		dir.done = true
@@ -530,14 +537,15 @@ func (l *eventLoop) ringReceived(ls *loopSession, d int, res int32, bid int) {
 		rs.starved = append(rs.starved, ringStarved{ls, d})
 		rs.starves++
 	case ls.leaving && res == -int32(unix.ECANCELED), ls.leaving && res == -int32(unix.ENOBUFS):
-		l.ringLeave(ls)
+		rs.leave(ls)
 	default:
 		l.end(ls, true)
 	}
 }
 
-// ringSent handles direction d's send of res bytes (or an error).
-func (l *eventLoop) ringSent(ls *loopSession, d int, res int32) {
+// sent handles direction d's send of res bytes (or an error).
+func (rs *loopRing) sent(ls *loopSession, d int, res int32) {
+	l := rs.loop
 	rs, dir := l.ring, &ls.dir[d]
 	if res == -int32(unix.EAGAIN) {
 		res = 0
@@ -557,33 +565,34 @@ func (l *eventLoop) ringSent(ls *loopSession, d int, res int32) {
 		if !ls.leaving {
 			rs.slowLeaves++
 		}
-		l.ringLeave(ls)
+		rs.leave(ls)
 		return
 	}
 	rs.bufs.Put(dir.rbid)
 	if ls.leaving {
-		l.ringLeave(ls)
+		rs.leave(ls)
 		return
 	}
-	l.ringRecv(ls, d)
+	rs.recv(ls, d)
 }
 
-// ringLeave takes ls off the ring: it cancels the receives in flight and,
+// leave takes ls off the ring: it cancels the receives in flight and,
 // once nothing of ls is in flight, registers its sockets with the epoll
 // set and moves on what the ring left (pending bytes, an EOF).
-func (l *eventLoop) ringLeave(ls *loopSession) {
+func (rs *loopRing) leave(ls *loopSession) {
+	l := rs.loop
 	if !ls.leaving {
 		ls.leaving = true
 		for d := range ls.dir {
 			if ls.dir[d].recving {
-				l.ringCancel(ringData(ls.ringID, 0, d, ringTagRecv))
+				rs.cancel(ringData(ls.ringID, 0, d, ringTagRecv))
 			}
 		}
 	}
 	if ls.ringOps > 0 {
 		return
 	}
-	l.ringForget(ls)
+	rs.forget(ls)
 	ls.onRing, ls.leaving = false, false
 	for i := range ls.side {
 		if err := l.register(ls, i); err != nil {

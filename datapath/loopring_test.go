@@ -268,11 +268,12 @@ func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer unix.Close(epfd)
-	l := &eventLoop{epfd: epfd, sessions: map[*loopSession]struct{}{}, connecting: map[*loopSession]struct{}{}}
+	l := &eventLoop{epfd: epfd}
+	l.loopTCP = loopTCP{loop: l, sessions: map[*loopSession]struct{}{}, connecting: map[*loopSession]struct{}{}}
 	if err := l.setupRing(defaultRingBufs); err != nil {
 		t.Fatal(err)
 	}
-	defer l.closeRing()
+	defer l.ring.close()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -288,7 +289,7 @@ func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
 	rs.lastID++
 	ls.ringID = rs.lastID
 	rs.sessions[ls.ringID] = ls
-	l.ringRecv(ls, 0)
+	l.ring.recv(ls, 0)
 	carried := false
 	deadline := time.Now().Add(5 * time.Second)
 	for ls.dir[0].recving && time.Now().Before(deadline) {
@@ -300,7 +301,7 @@ func TestRingEmptyReceiveGivesItsBufferBack(t *testing.T) {
 				carried = c.Flags&uring.CQEFBuffer != 0
 				c.Res = 0
 			}
-			l.ringComplete(c)
+			l.ring.completed(c)
 		})
 	}
 	if ls.dir[0].recving || !carried {

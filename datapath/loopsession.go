@@ -76,8 +76,9 @@ type loopDir struct {
 
 // add registers a session's sockets, or its client's and starts dialling
 // the backend; on failure it ends the session. Runs on the loop.
-func (l *eventLoop) add(ls *loopSession) {
-	l.sessions[ls] = struct{}{}
+func (lt *loopTCP) add(ls *loopSession) {
+	l := lt.loop
+	lt.sessions[ls] = struct{}{}
 	// A backend connected before the hand-over was dialled by
 	// net.Dialer, with Go's keep-alive, or by Config.Dial, which chooses.
 	ls.keepAlive = ls.dial == nil
@@ -86,19 +87,19 @@ func (l *eventLoop) add(ls *loopSession) {
 		l.stats.Eligible.Add(1)
 	}
 	if l.ring != nil && eligible {
-		l.ringAdd(ls)
+		l.ring.add(ls)
 		return
 	}
-	if err := l.register(ls, 0); err != nil {
-		l.end(ls, true)
+	if err := lt.register(ls, 0); err != nil {
+		lt.end(ls, true)
 		return
 	}
 	if ls.dial != nil {
-		l.connect(ls)
+		lt.connect(ls)
 		return
 	}
-	if err := l.register(ls, 1); err != nil {
-		l.end(ls, true)
+	if err := lt.register(ls, 1); err != nil {
+		lt.end(ls, true)
 	}
 }
 
@@ -106,7 +107,8 @@ func (l *eventLoop) add(ls *loopSession) {
 // edge-triggered. Registering reports the socket's current readiness at
 // once (ep_insert queues a file that is ready already), so bytes that came
 // before the session got here are not missed.
-func (l *eventLoop) register(ls *loopSession, i int) error {
+func (lt *loopTCP) register(ls *loopSession, i int) error {
+	l := lt.loop
 	sd := &ls.side[i]
 	sd.ls, sd.readable, sd.writable = ls, false, !ls.connecting
 	return l.watch(sd, unix.EPOLLIN|unix.EPOLLOUT|unix.EPOLLRDHUP|unix.EPOLLET)
@@ -137,13 +139,14 @@ func (l *eventLoop) watch(sd *loopSide, events uint32) error {
 // moving on at once past attempts that fail to start; when none is left
 // the session ends. The attempt completes in ready (connected), or fails
 // there or at its deadline (expire).
-func (l *eventLoop) connect(ls *loopSession) {
+func (lt *loopTCP) connect(ls *loopSession) {
+	l := lt.loop
 	d := ls.dial
 	for {
 		addr, err := d.next()
 		if err != nil {
 			d.refused(err)
-			l.end(ls, true)
+			lt.end(ls, true)
 			return
 		}
 		var fd int
@@ -159,17 +162,17 @@ func (l *eventLoop) connect(ls *loopSession) {
 		ls.side[1].fd = fd
 		ls.connecting = true
 		if ls.onRing {
-			l.ringConnect(ls, addr)
-		} else if err := l.register(ls, 1); err != nil {
-			l.closeSide(&ls.side[1], false)
+			l.ring.connect(ls, addr)
+		} else if err := lt.register(ls, 1); err != nil {
+			lt.closeSide(&ls.side[1], false)
 			ls.connecting = false
 			d.failed(err)
 			continue
 		}
-		ls.deadline = time.Now().Add(l.dialTimeout)
-		l.connecting[ls] = struct{}{}
-		if l.nextDeadline.IsZero() || ls.deadline.Before(l.nextDeadline) {
-			l.nextDeadline = ls.deadline
+		ls.deadline = time.Now().Add(lt.dialTimeout)
+		lt.connecting[ls] = struct{}{}
+		if lt.nextDeadline.IsZero() || ls.deadline.Before(lt.nextDeadline) {
+			lt.nextDeadline = ls.deadline
 		}
 		return
 	}
@@ -178,24 +181,25 @@ func (l *eventLoop) connect(ls *loopSession) {
 // connectDone ends ls's connection attempt: with err nil the backend is
 // connected, and its PROXY header, if any, is the first thing to send it;
 // otherwise the next attempt starts. False if the session is over.
-func (l *eventLoop) connectDone(ls *loopSession, err error) bool {
+func (lt *loopTCP) connectDone(ls *loopSession, err error) bool {
+	l := lt.loop
 	ls.connecting = false
-	delete(l.connecting, ls)
+	delete(lt.connecting, ls)
 	d := ls.dial
 	if err != nil {
 		if ls.connectArmed {
-			l.ringCancel(ringData(ls.ringID, ls.attempt, 0, ringTagConnect))
+			l.ring.cancel(ringData(ls.ringID, ls.attempt, 0, ringTagConnect))
 		}
-		l.closeSide(&ls.side[1], false)
+		lt.closeSide(&ls.side[1], false)
 		d.failed(err)
-		l.connect(ls)
+		lt.connect(ls)
 		return false
 	}
 	d.connected()
 	hdr, err := d.header()
 	if err != nil {
 		d.p.connLog.Warn("sending the PROXY protocol header failed", zap.Stringer("servicePort", d.name), zap.Error(err))
-		l.end(ls, true)
+		lt.end(ls, true)
 		return false
 	}
 	if len(hdr) > 0 {
@@ -207,16 +211,16 @@ func (l *eventLoop) connectDone(ls *loopSession, err error) bool {
 
 // expire fails the connection attempts past their deadline, and works
 // out the next deadline.
-func (l *eventLoop) expire(now time.Time) {
-	l.nextDeadline = time.Time{}
-	for ls := range l.connecting {
+func (lt *loopTCP) expire(now time.Time) {
+	lt.nextDeadline = time.Time{}
+	for ls := range lt.connecting {
 		if !now.Before(ls.deadline) {
-			l.connectDone(ls, errConnectTimeout)
+			lt.connectDone(ls, errConnectTimeout)
 		}
 	}
-	for ls := range l.connecting { // connectDone may have added some
-		if l.nextDeadline.IsZero() || ls.deadline.Before(l.nextDeadline) {
-			l.nextDeadline = ls.deadline
+	for ls := range lt.connecting { // connectDone may have added some
+		if lt.nextDeadline.IsZero() || ls.deadline.Before(lt.nextDeadline) {
+			lt.nextDeadline = ls.deadline
 		}
 	}
 }
@@ -235,10 +239,15 @@ func (l *eventLoop) ready(ev unix.EpollEvent) {
 		l.flowReady(sd.flow)
 		return
 	}
-	if ev.Events&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+	l.sessionReady(sd, ev.Events)
+}
+
+// sessionReady handles an epoll event of a session's socket.
+func (lt *loopTCP) sessionReady(sd *loopSide, events uint32) {
+	if events&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.readable = true
 	}
-	if ev.Events&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+	if events&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.writable = true
 	}
 	ls := sd.ls
@@ -246,30 +255,30 @@ func (l *eventLoop) ready(ev unix.EpollEvent) {
 		if sd != &ls.side[1] {
 			return // the client's bytes wait until the backend is connected
 		}
-		if ev.Events&(unix.EPOLLOUT|unix.EPOLLERR|unix.EPOLLHUP) == 0 {
+		if events&(unix.EPOLLOUT|unix.EPOLLERR|unix.EPOLLHUP) == 0 {
 			return
 		}
 		soerr, err := unix.GetsockoptInt(sd.fd, unix.SOL_SOCKET, unix.SO_ERROR)
 		if err == nil && soerr != 0 {
 			err = os.NewSyscallError("connect", unix.Errno(soerr))
 		}
-		if !l.connectDone(ls, err) {
+		if !lt.connectDone(ls, err) {
 			return
 		}
 		// The client may have sent its first bytes already.
 	}
-	l.pumpBoth(ls)
+	lt.pumpBoth(ls)
 }
 
 // pumpBoth pumps both directions of ls in turn, and aborts it on an
 // error.
-func (l *eventLoop) pumpBoth(ls *loopSession) {
+func (lt *loopTCP) pumpBoth(ls *loopSession) {
 	for d := range ls.dir {
 		if ls.closed {
 			return
 		}
-		if err := l.pump(ls, d); err != nil {
-			l.end(ls, true)
+		if err := lt.pump(ls, d); err != nil {
+			lt.end(ls, true)
 			return
 		}
 	}
@@ -283,14 +292,14 @@ func (l *eventLoop) pumpBoth(ls *loopSession) {
 // userspace buffer (the loop's own: it is emptied into the destination
 // before the next read) and bulk transfers with splice(2) through a pooled
 // pipe, held only while it has bytes in it.
-func (l *eventLoop) pump(ls *loopSession, d int) error {
+func (lt *loopTCP) pump(ls *loopSession, d int) error {
 	dir, src, dst := &ls.dir[d], &ls.side[d], &ls.side[1-d]
 	for !dir.done {
 		if dir.pipe != nil || len(dir.pending) > 0 {
 			if !dst.writable {
 				return nil
 			}
-			if err := l.flush(dir, dst); err != nil {
+			if err := lt.flush(dir, dst); err != nil {
 				return err
 			}
 			if dir.pipe != nil || len(dir.pending) > 0 {
@@ -304,7 +313,7 @@ func (l *eventLoop) pump(ls *loopSession, d int) error {
 			if ls.dir[1-d].done {
 				// Both EOFs passed: close both at once, which sends the
 				// last FIN without a shutdown call of its own.
-				l.end(ls, false)
+				lt.end(ls, false)
 				return nil
 			}
 			if err := shutdownWrite(dst.fd); err != nil && err != unix.ENOTCONN {
@@ -315,7 +324,7 @@ func (l *eventLoop) pump(ls *loopSession, d int) error {
 		if !src.readable || !dst.writable {
 			return nil
 		}
-		if err := l.read(ls, dir, src, dst); err != nil {
+		if err := lt.read(ls, dir, src, dst); err != nil {
 			return err
 		}
 	}
@@ -324,7 +333,8 @@ func (l *eventLoop) pump(ls *loopSession, d int) error {
 
 // read takes what src has, into a pipe or the loop's buffer, and writes
 // as much of it as dst takes at once; the rest waits in dir.
-func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) error {
+func (lt *loopTCP) read(ls *loopSession, dir *loopDir, src, dst *loopSide) error {
+	l := lt.loop
 	h := &dir.h
 	if h.splicing {
 		p, err := tcpPipes.get()
@@ -333,7 +343,7 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 			switch {
 			case err == unix.EAGAIN:
 				tcpPipes.put(p)
-				l.drained(dir, src)
+				lt.drained(dir, src)
 				return nil
 			case err != nil:
 				tcpPipes.put(p)
@@ -363,14 +373,14 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 		err    error
 	)
 	if h.inq {
-		n, inq, err = recvInq(src.fd, l.buf[:])
+		n, inq, err = recvInq(src.fd, lt.buf[:])
 	} else {
-		n, err = readRetry(src.fd, l.buf[:])
+		n, err = readRetry(src.fd, lt.buf[:])
 		inq = 1 // unknown: read again
 	}
 	switch {
 	case err == unix.EAGAIN:
-		l.drained(dir, src)
+		lt.drained(dir, src)
 		return nil
 	case err != nil:
 		return fmt.Errorf("read from socket: %w", err)
@@ -386,12 +396,12 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 	// (tcp_send_fin appends the FIN to the last unsent skb), as HAProxy's
 	// do: the peer is woken once, not twice.
 	empty, eof := inq == 0, false
-	for !empty && !eof && n < len(l.buf) {
+	for !empty && !eof && n < len(lt.buf) {
 		var m int
 		if h.inq {
-			m, inq, err = recvInq(src.fd, l.buf[n:])
+			m, inq, err = recvInq(src.fd, lt.buf[n:])
 		} else {
-			m, err = readRetry(src.fd, l.buf[n:])
+			m, err = readRetry(src.fd, lt.buf[n:])
 			inq = 1
 		}
 		switch {
@@ -409,12 +419,12 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 	if l.stats != nil {
 		l.stats.Copied.Add(int64(n))
 	}
-	full := n == len(l.buf)
+	full := n == len(lt.buf)
 	flags := 0
 	if eof {
 		flags = unix.MSG_MORE
 	}
-	w, err := sendRetry(dst.fd, l.buf[:n], flags)
+	w, err := sendRetry(dst.fd, lt.buf[:n], flags)
 	if w > 0 {
 		dir.total += int64(w)
 	}
@@ -426,7 +436,7 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 		return fmt.Errorf("write to socket: %w", err)
 	}
 	if w < n {
-		dir.pending = append([]byte(nil), l.buf[w:n]...)
+		dir.pending = append([]byte(nil), lt.buf[w:n]...)
 	}
 	if full {
 		h.splicing = true // a bulk transfer: splice from here on
@@ -437,7 +447,7 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 		// Nothing left (EAGAIN, or no FIN and no bytes by TCP_INQ's
 		// hint): edge-triggered epoll reports the next bytes that arrive,
 		// even ones that came while this ran.
-		l.drained(dir, src)
+		lt.drained(dir, src)
 	}
 	return nil
 }
@@ -445,7 +455,7 @@ func (l *eventLoop) read(ls *loopSession, dir *loopDir, src, dst *loopSide) erro
 // drained notes that src has nothing to read. The second time that
 // happens between messages, TCP_INQ is turned on for src, as in
 // copyMessages.
-func (l *eventLoop) drained(dir *loopDir, src *loopSide) {
+func (lt *loopTCP) drained(dir *loopDir, src *loopSide) {
 	src.readable = false
 	if !dir.moved {
 		return
@@ -461,7 +471,7 @@ func (l *eventLoop) drained(dir *loopDir, src *loopSide) {
 
 // flush writes dir's waiting bytes to dst until they are gone or dst is
 // full.
-func (l *eventLoop) flush(dir *loopDir, dst *loopSide) error {
+func (lt *loopTCP) flush(dir *loopDir, dst *loopSide) error {
 	for len(dir.pending) > 0 {
 		w, err := writeRetry(dst.fd, dir.pending)
 		if w > 0 {
@@ -500,19 +510,20 @@ func (l *eventLoop) flush(dir *loopDir, dst *loopSide) error {
 
 // end closes the session's sockets (abort: with a reset, as
 // session.abort does) and runs its finish. Runs on the loop; once only.
-func (l *eventLoop) end(ls *loopSession, abort bool) {
+func (lt *loopTCP) end(ls *loopSession, abort bool) {
+	l := lt.loop
 	if ls.closed {
 		return
 	}
 	ls.closed = true
-	delete(l.sessions, ls)
-	delete(l.connecting, ls)
+	delete(lt.sessions, ls)
+	delete(lt.connecting, ls)
 	if ls.onRing {
-		l.ringCancelAll(ls)
-		l.ringForget(ls)
+		l.ring.cancelAll(ls)
+		l.ring.forget(ls)
 	}
 	for i := range ls.side {
-		l.closeSide(&ls.side[i], abort)
+		lt.closeSide(&ls.side[i], abort)
 	}
 	for i := range ls.dir {
 		if p := ls.dir[i].pipe; p != nil {
@@ -529,7 +540,8 @@ func (l *eventLoop) end(ls *loopSession, abort bool) {
 
 // closeSide closes sd's socket, if it has one (abort: with a reset). Its
 // descriptor leaves the epoll set as it closes.
-func (l *eventLoop) closeSide(sd *loopSide, abort bool) {
+func (lt *loopTCP) closeSide(sd *loopSide, abort bool) {
+	l := lt.loop
 	if sd.fd < 0 {
 		return
 	}
@@ -540,7 +552,7 @@ func (l *eventLoop) closeSide(sd *loopSide, abort bool) {
 		_ = unix.SetsockoptLinger(sd.fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
 	}
 	if l.ring != nil {
-		l.ringCloseFD(sd.fd)
+		l.ring.closeFD(sd.fd)
 	} else {
 		_ = closeFD(sd.fd)
 	}
@@ -548,6 +560,6 @@ func (l *eventLoop) closeSide(sd *loopSide, abort bool) {
 }
 
 // abort ends ls with a reset, if it has not ended. Runs on the loop.
-func (l *eventLoop) abort(ls *loopSession) {
-	l.end(ls, true)
+func (lt *loopTCP) abort(ls *loopSession) {
+	lt.end(ls, true)
 }

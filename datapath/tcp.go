@@ -164,29 +164,30 @@ func tcpProgress(c *net.TCPConn) uint64 {
 // sockets to an event loop or, without loops, splice both directions on
 // goroutines of its own. With event loops and the default dialer, the
 // loops accept, and the loop that accepted dials (startTCP).
-func (p *Engine) serveTCP(l *Listener, c *net.TCPConn, s *session) {
+func (tp *tcpProxy) serveTCP(l *Listener, c *net.TCPConn, s *session) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		s.abort()
-		p.endSession(s)
+		tp.endSession(s)
 		return
 	}
-	d := p.admitTCP(l, accepted{rc: rc, client: remoteAddr(c)}, s)
+	d := tp.admitTCP(l, accepted{rc: rc, client: remoteAddr(c)}, s)
 	if d == nil {
-		p.endSession(s)
+		tp.endSession(s)
 		return
 	}
-	p.connectTCP(s, d)
+	tp.connectTCP(s, d)
 }
 
 // connectTCP dials d's backend from the calling goroutine, sends the
 // PROXY header, and carries the session to its end.
-func (p *Engine) connectTCP(s *session, d *tcpDial) {
+func (tp *tcpProxy) connectTCP(s *session, d *tcpDial) {
+	p := tp.e
 	finish := func(up, down int64) {
 		d.done(up, down)
-		p.endSession(s)
+		tp.endSession(s)
 	}
-	bc, err := p.dialBackend(d)
+	bc, err := tp.dialBackend(d)
 	if err != nil {
 		d.refused(err)
 		s.abort()
@@ -232,15 +233,15 @@ func (p *Engine) connectTCP(s *session, d *tcpDial) {
 // startTCP starts a connection that event loop el accepted (newLoopListener),
 // on el: it checks the connection, and el dials the backend
 // (eventLoop.connect) and carries the session.
-func (p *Engine) startTCP(el *eventLoop, l *Listener, a accepted, s *session) {
-	d := p.admitTCP(l, a, s)
+func (tp *tcpProxy) startTCP(el *eventLoop, l *Listener, a accepted, s *session) {
+	d := tp.admitTCP(l, a, s)
 	if d == nil {
-		p.endSession(s)
+		tp.endSession(s)
 		return
 	}
 	finish := func(up, down int64) {
 		d.done(up, down)
-		p.endSession(s)
+		tp.endSession(s)
 	}
 	s.mu.Lock()
 	if s.aborted {
@@ -269,7 +270,8 @@ type accepted struct {
 // admitTCP does what comes before dialling: it finds the connection's
 // service port and balancer, and takes a connection slot. Nil means the
 // connection was refused and aborted; only the session remains to end.
-func (p *Engine) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
+func (tp *tcpProxy) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
+	p := tp.e
 	var dst netip.AddrPort
 	known := p.cfg.OriginalDst != nil
 	if l.Shared {
@@ -343,13 +345,13 @@ func remoteAddr(c net.Conn) netip.AddrPort {
 
 // dialBackend connects to d's backend from the calling goroutine, trying
 // backends as d's attempts allow (tcpDial.next).
-func (p *Engine) dialBackend(d *tcpDial) (*net.TCPConn, error) {
+func (tp *tcpProxy) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 	for {
 		addr, err := d.next()
 		if err != nil {
 			return nil, err
 		}
-		c, err := p.dialOnce(addr, d.from)
+		c, err := tp.dialOnce(addr, d.from)
 		if err == nil {
 			d.connected()
 			return c, nil
@@ -369,13 +371,14 @@ func (p *Engine) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 //
 // With event loops the session's goroutine exits once the sockets are
 // handed over, stack and all, so the dial runs on it directly.
-func (p *Engine) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
+func (tp *tcpProxy) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
+	p := tp.e
 	if p.loops.n > 0 {
-		r := p.dialTCP(addr, from)
+		r := tp.dialTCP(addr, from)
 		return r.c, r.err
 	}
 	ch := make(chan dialed, 1)
-	go func() { ch <- p.dialTCP(addr, from) }() // exits once the dial returns
+	go func() { ch <- tp.dialTCP(addr, from) }() // exits once the dial returns
 	r := <-ch
 	return r.c, r.err
 }
@@ -386,8 +389,8 @@ type dialed struct {
 	err error
 }
 
-func (p *Engine) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
-	c, err := dialAs[*net.TCPConn](p.dial("tcp", addr, from))
+func (tp *tcpProxy) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
+	c, err := dialAs[*net.TCPConn](tp.dial("tcp", addr, from))
 	return dialed{c, err}
 }
 
@@ -395,7 +398,8 @@ func (p *Engine) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
 // timeout: from the address from when it is valid, else with the
 // configured or default dialer. Its own dialers mark the socket with
 // Config.OwnMark; Config.Dial's are the caller's.
-func (p *Engine) dial(network string, addr netip.AddrPort, from netip.Addr) (net.Conn, error) {
+func (tp *tcpProxy) dial(network string, addr netip.AddrPort, from netip.Addr) (net.Conn, error) {
+	p := tp.e
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.dialTimeout())
 	defer cancel()
 	switch {
@@ -509,22 +513,24 @@ func isTimeout(err error) bool {
 
 // newSession registers a connection so Shutdown can find it; nil once
 // shutting down.
-func (p *Engine) newSession(c *net.TCPConn, fd int) *session {
-	p.sessMu.Lock()
-	defer p.sessMu.Unlock()
+func (tp *tcpProxy) newSession(c *net.TCPConn, fd int) *session {
+	p := tp.e
+	tp.sessMu.Lock()
+	defer tp.sessMu.Unlock()
 	if p.closing {
 		return nil
 	}
 	s := &session{client: c, fd: fd}
-	p.sessions[s] = struct{}{}
+	tp.sessions[s] = struct{}{}
 	p.wg.Add(1)
 	return s
 }
 
-func (p *Engine) endSession(s *session) {
-	p.sessMu.Lock()
-	delete(p.sessions, s)
-	p.sessMu.Unlock()
+func (tp *tcpProxy) endSession(s *session) {
+	p := tp.e
+	tp.sessMu.Lock()
+	delete(tp.sessions, s)
+	tp.sessMu.Unlock()
 	p.wg.Done()
 }
 

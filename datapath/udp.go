@@ -112,10 +112,10 @@ func (f *udpFlow) touch(p *Engine) {
 // removeFlow removes f from the flow table, which ends it, if it is
 // still its key's flow: a flow that has been replaced leaves its
 // replacement alone.
-func (p *Engine) removeFlow(f *udpFlow) {
-	flows := p.flowTable()
-	p.flows.mu.Lock()
-	defer p.flows.mu.Unlock()
+func (ur *udpRelay) removeFlow(f *udpFlow) {
+	flows := ur.flowTable()
+	ur.flows.mu.Lock()
+	defer ur.flows.mu.Unlock()
 	if cur, ok := flows.Peek(f.key); ok && cur == f {
 		flows.Remove(f.key)
 	}
@@ -124,10 +124,10 @@ func (p *Engine) removeFlow(f *udpFlow) {
 // addFlow makes f its key's flow; true if the table was full and ended
 // its least recently used flow to make room. Only the goroutine or loop
 // that reads f's listener adds flows of its keys.
-func (p *Engine) addFlow(f *udpFlow) bool {
-	flows := p.flowTable()
-	p.flows.mu.Lock()
-	defer p.flows.mu.Unlock()
+func (ur *udpRelay) addFlow(f *udpFlow) bool {
+	flows := ur.flowTable()
+	ur.flows.mu.Lock()
+	defer ur.flows.mu.Unlock()
 	return flows.Add(f.key, f)
 }
 
@@ -203,8 +203,9 @@ type flowTable struct {
 	created atomic.Pointer[expirable.LRU[flowKey, *udpFlow]]
 }
 
-func (p *Engine) flowTable() *expirable.LRU[flowKey, *udpFlow] {
-	p.flows.once.Do(func() {
+func (ur *udpRelay) flowTable() *expirable.LRU[flowKey, *udpFlow] {
+	p := ur.e
+	ur.flows.once.Do(func() {
 		size, ttl := p.cfg.UDPMaxFlows, p.cfg.UDPTimeout
 		if size <= 0 {
 			size = 65536
@@ -214,10 +215,10 @@ func (p *Engine) flowTable() *expirable.LRU[flowKey, *udpFlow] {
 		}
 		// The callback runs with the LRU's lock held: it only closes the
 		// flow's socket, which ends the flow's reply goroutine.
-		p.flows.lru = expirable.NewLRU(size, func(_ flowKey, f *udpFlow) { f.close() }, ttl)
-		p.flows.created.Store(p.flows.lru)
+		ur.flows.lru = expirable.NewLRU(size, func(_ flowKey, f *udpFlow) { f.close() }, ttl)
+		ur.flows.created.Store(ur.flows.lru)
 	})
-	return p.flows.lru
+	return ur.flows.lru
 }
 
 // UDPFlows returns the number of live UDP flows. Safe for concurrent use.
@@ -244,7 +245,8 @@ func (p *Engine) ListenUDP(ctx context.Context, network, addr string) (*net.UDPC
 // udpSocket returns the udpSocket of l's socket, rc, and the
 // listenSocket that reads it. With a nil udpSocket the socket is
 // unusable; with an error besides, it cannot tell datagrams' destinations.
-func (p *Engine) udpSocket(l *Listener, rc syscall.RawConn) (udpSocket, *listenSocket, error) {
+func (ur *udpRelay) udpSocket(l *Listener, rc syscall.RawConn) (udpSocket, *listenSocket, error) {
+	p := ur.e
 	if p.cfg.Transparent {
 		ls, err := newListenSocket(rc, l.V6, false, p.cfg.udpReadBatch())
 		if err != nil {
@@ -258,7 +260,8 @@ func (p *Engine) udpSocket(l *Listener, rc syscall.RawConn) (udpSocket, *listenS
 
 // udpSocketErr logs why the udpSocket of l, sock, is unusable (nil) or
 // cannot tell datagrams' destinations; false if it is unusable.
-func (p *Engine) udpSocketErr(l *Listener, sock udpSocket, err error) bool {
+func (ur *udpRelay) udpSocketErr(l *Listener, sock udpSocket, err error) bool {
+	p := ur.e
 	switch {
 	case err == nil:
 	case sock == nil:
@@ -274,26 +277,27 @@ func (p *Engine) udpSocketErr(l *Listener, sock udpSocket, err error) bool {
 // udpLoop reads the listener's datagrams until it is closed, and forwards
 // each to its client's flow, creating the flow on the first datagram. It
 // is the only goroutine that creates flows for l.
-func (p *Engine) udpLoop(l *Listener) {
+func (ur *udpRelay) udpLoop(l *Listener) {
+	p := ur.e
 	defer p.wg.Done()
 	rc, err := l.PC.SyscallConn()
 	if err != nil {
 		p.log.Error("UDP listener unusable", zap.Stringer("servicePort", l.Name), zap.Error(err))
 		return
 	}
-	sock, _, err := p.udpSocket(l, rc)
-	if !p.udpSocketErr(l, sock, err) {
+	sock, _, err := ur.udpSocket(l, rc)
+	if !ur.udpSocketErr(l, sock, err) {
 		return
 	}
 	defer sock.close()
-	p.flowTable() // created before the first flow
+	ur.flowTable() // created before the first flow
 	batch := make([]datagram, p.cfg.udpReadBatch())
 	var delay time.Duration
 	for {
 		n, err := sock.readBatch(batch)
 		switch {
 		case errors.Is(err, net.ErrClosed):
-			p.removeFlows(l)
+			ur.removeFlows(l)
 			return
 		case errors.Is(err, errNoDestination):
 			p.connLog.Warn("dropping datagrams without their destination address (not redirected)", zap.Stringer("servicePort", l.Name))
@@ -306,7 +310,7 @@ func (p *Engine) udpLoop(l *Listener) {
 		}
 		delay = 0
 		for i := range batch[:n] {
-			p.forwardDatagram(nil, l, sock, &batch[i])
+			ur.forwardDatagram(nil, l, sock, &batch[i])
 			listenBuffers.put(batch[i].buf)
 			batch[i] = datagram{}
 		}
@@ -318,24 +322,25 @@ func (p *Engine) udpLoop(l *Listener) {
 // it is ejected and the next one tried, at most DialAttempts times. el
 // is the event loop that read the datagram, which then carries the new
 // flows; nil on the listener's goroutine.
-func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *datagram) {
+func (ur *udpRelay) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *datagram) {
+	p := ur.e
 	key := flowKey{l, d.client, d.dst}
 	svc, orig := l, netip.AddrPort{}
 	if p.cfg.Transparent {
 		orig = d.dst
 	}
 	// One lookup per datagram: udpFlowFor checks and reuses what it finds.
-	cur, _ := p.flowTable().Peek(key)
+	cur, _ := ur.flowTable().Peek(key)
 	var rq *recentQuery
 	if cur == nil {
-		cur, rq = p.pooledFlow(el, key)
+		cur, rq = ur.pooledFlow(el, key)
 	}
 	switch {
 	case cur != nil && !l.Shared:
 		orig = cur.orig
 	case rq != nil && !l.Shared:
 		orig = rq.orig
-	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil && !p.guardedRoute(l):
+	case !l.Shared && !p.cfg.Transparent && p.cfg.UDPOriginalDst != nil && !ur.guardedRoute(l):
 		// A listener of its own binds every address, and receives what
 		// anyone sends to its port unless the listener guard drops it
 		// (Listener.Guarded): the guard holds the port only from the next
@@ -349,11 +354,11 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 		local := netip.AddrPortFrom(d.dst.Addr(), l.Port)
 		var err error
 		if orig, err = p.cfg.UDPOriginalDst(d.client, local); err != nil {
-			p.notRedirected(l, err)
+			ur.notRedirected(l, err)
 			return
 		}
 	}
-	if (cur != nil || rq != nil) && !orig.IsValid() && !l.Shared && p.routesByDst(l) {
+	if (cur != nil || rq != nil) && !orig.IsValid() && !l.Shared && ur.routesByDst(l) {
 		// A flow admitted on the guard alone, whose service has come to
 		// route by the original destination since (a Local policy): ask
 		// now, rather than take it for cluster-IP traffic. It was
@@ -388,7 +393,7 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 	}
 	payload := (*d.buf)[:d.n]
 	for range p.cfg.dialAttempts() {
-		f, err := p.udpFlowFor(el, svc, key, sock, orig, cur, rq)
+		f, err := ur.udpFlowFor(el, svc, key, sock, orig, cur, rq)
 		if err != nil {
 			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.Name), zap.Error(err))
 			return
@@ -398,7 +403,7 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 				p.connLog.Warn("UDP datagram dropped", zap.Stringer("servicePort", svc.Name), zap.Error(err))
 				return
 			}
-			p.udpFailed(f, err)
+			ur.udpFailed(f, err)
 			cur = nil // removed from the table
 			continue
 		}
@@ -414,7 +419,7 @@ func (p *Engine) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, d *
 // every address of the service routes alike (Snapshot.RoutesAlike), so
 // the original destination would change nothing. It keeps a lookup,
 // a netlink round trip, off every new client of a port like DNS's.
-func (p *Engine) guardedRoute(l *Listener) bool {
+func (ur *udpRelay) guardedRoute(l *Listener) bool {
 	if !l.Guarded.Load() {
 		return false
 	}
@@ -425,7 +430,8 @@ func (p *Engine) guardedRoute(l *Listener) bool {
 // routesByDst reports whether service port l's own listener, in redirect
 // mode with conntrack lookups, routes by a flow's original destination
 // (see guardedRoute).
-func (p *Engine) routesByDst(l *Listener) bool {
+func (ur *udpRelay) routesByDst(l *Listener) bool {
+	p := ur.e
 	if p.cfg.Transparent || p.cfg.UDPOriginalDst == nil {
 		return false
 	}
@@ -435,7 +441,8 @@ func (p *Engine) routesByDst(l *Listener) bool {
 
 // notRedirected counts and logs a datagram that service port l's own
 // listener received with no original destination: not redirected.
-func (p *Engine) notRedirected(l *Listener, err error) {
+func (ur *udpRelay) notRedirected(l *Listener, err error) {
+	p := ur.e
 	if snap := l.Snap.Load(); snap != nil {
 		snap.Metrics.refusedDestination()
 	}
@@ -455,7 +462,8 @@ func (p *Engine) notRedirected(l *Listener, err error) {
 // sent through a pooled socket, unless the port keeps the client's
 // address: such a flow needs a socket of its own, bound to it, whether
 // keepSource grants the address or falls back to the node's.
-func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
+func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
+	p := ur.e
 	client := key.client
 	snap := l.Snap.Load()
 	if snap == nil {
@@ -478,7 +486,7 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
 			return f, nil
 		}
-		p.removeFlow(f)
+		ur.removeFlow(f)
 	}
 	b, long := rq.recentBackend(snap, set)
 	if b == nil {
@@ -496,13 +504,13 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 		from = p.keepSource(snap, client.Addr(), b.Addr.Addr())
 	}
 	if !long && !keep {
-		if f, ok, err := p.checkout(el, l, snap.UDPMode, key, sock, orig, b, pm); ok {
+		if f, ok, err := ur.checkout(el, l, snap.UDPMode, key, sock, orig, b, pm); ok {
 			return f, err
 		}
 	}
 	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
-	err := p.connectFlow(el, f, from)
+	err := ur.connectFlow(el, f, from)
 	pm.dialDone(start, err)
 	if err != nil {
 		if !localDialFailure(err) {
@@ -514,7 +522,7 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	bm.connected()
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
-	if p.addFlow(f) {
+	if ur.addFlow(f) {
 		// The table was full: its least recently used flow ended.
 		pm.flowEvicted()
 		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
@@ -522,7 +530,7 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 	}
 	if f.conn != nil {
 		p.wg.Add(1)
-		go p.udpReplies(f) // ends when the flow's socket is closed
+		go ur.udpReplies(f) // ends when the flow's socket is closed
 	}
 	return f, nil
 }
@@ -535,9 +543,10 @@ func (p *Engine) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSoc
 // its reply are handled by the same thread. Without one (the listener's
 // goroutine reads it: no event loops, a dialer of the caller's, or a
 // socket the loops could not take) the flow gets a goroutine of its own.
-func (p *Engine) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
+func (ur *udpRelay) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
+	p := ur.e
 	if el == nil {
-		conn, err := p.dialUDP(f.backend.Addr, from)
+		conn, err := ur.dialUDP(f.backend.Addr, from)
 		if err != nil {
 			return err
 		}
@@ -558,15 +567,17 @@ func (p *Engine) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
 // udpFailed handles an error sending to or receiving from a flow's
 // backend: ECONNREFUSED (an ICMP port unreachable) ejects the backend;
 // the flow is dropped either way.
-func (p *Engine) udpFailed(f *udpFlow, err error) {
+func (ur *udpRelay) udpFailed(f *udpFlow, err error) {
+	p := ur.e
 	if errors.Is(err, syscall.ECONNREFUSED) {
 		p.health.Failure(f.backend)
 	}
-	p.removeFlow(f)
+	ur.removeFlow(f)
 	f.close()
 }
 
-func (p *Engine) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, error) {
+func (ur *udpRelay) dialUDP(addr netip.AddrPort, from netip.Addr) (*net.UDPConn, error) {
+	p := ur.e
 	return dialAs[*net.UDPConn](p.dial("udp", addr, from))
 }
 
@@ -577,7 +588,8 @@ var replyBuffers bufferPool
 // udpReplies relays the backend's datagrams to the client until the
 // flow's socket is closed (expiry, eviction, replacement, shutdown). It
 // is the flow's goroutine, without event loops.
-func (p *Engine) udpReplies(f *udpFlow) {
+func (ur *udpRelay) udpReplies(f *udpFlow) {
+	p := ur.e
 	defer p.wg.Done()
 	defer f.backend.Release()
 	rc, err := f.conn.SyscallConn()
@@ -589,29 +601,29 @@ func (p *Engine) udpReplies(f *udpFlow) {
 	for {
 		bp, n, err := readDatagram(rc, &replyBuffers)
 		if err != nil {
-			p.udpFailed(f, err)
+			ur.udpFailed(f, err)
 			return
 		}
-		p.relayReply(f, rs, (*bp)[:n])
+		ur.relayReply(f, rs, (*bp)[:n])
 		replyBuffers.put(bp)
 	}
 }
 
 // relayReply sends one of the backend's datagrams to the flow's client.
-func (p *Engine) relayReply(f *udpFlow, rs *replySender, b []byte) {
+func (ur *udpRelay) relayReply(f *udpFlow, rs *replySender, b []byte) {
 	path, err := f.sock.replyPath(f.dst)
 	if err == nil {
 		err = rs.send(path, b, f.key.client)
 	}
-	p.replied(f, len(b), err)
+	ur.replied(f, len(b), err)
 }
 
 // queueReply is relayReply on an event loop: the reply goes out when the
 // loop flushes q.
-func (p *Engine) queueReply(f *udpFlow, q *replyQueue, b []byte) {
+func (ur *udpRelay) queueReply(f *udpFlow, q *replyQueue, b []byte) {
 	path, err := f.sock.replyPath(f.dst)
 	if err != nil {
-		p.replied(f, 0, err)
+		ur.replied(f, 0, err)
 		return
 	}
 	q.add(path, b, f)
@@ -619,7 +631,8 @@ func (p *Engine) queueReply(f *udpFlow, q *replyQueue, b []byte) {
 
 // replied counts a reply of n bytes sent to f's client, or logs why it
 // was not, and pushes the flow's timeout back either way.
-func (p *Engine) replied(f *udpFlow, n int, err error) {
+func (ur *udpRelay) replied(f *udpFlow, n int, err error) {
+	p := ur.e
 	if err != nil {
 		p.connLog.Warn("UDP reply to client failed", zap.Stringer("client", f.key.client), zap.Error(err))
 	} else {
@@ -630,8 +643,8 @@ func (p *Engine) replied(f *udpFlow, n int, err error) {
 
 // removeFlows drops every flow of a closed listener: those its socket
 // received, and those a shared listener routed to it.
-func (p *Engine) removeFlows(l *Listener) {
-	flows := p.flowTable()
+func (ur *udpRelay) removeFlows(l *Listener) {
+	flows := ur.flowTable()
 	for _, k := range flows.Keys() {
 		if f, ok := flows.Peek(k); k.l == l || ok && f.svc == l {
 			flows.Remove(k)
@@ -658,7 +671,8 @@ const udpListenBudget = 64
 // reply sent through the socket: the runtime registers a socket for
 // writability too, edge-triggered, and a UDP socket signals it each time
 // the kernel frees a sent datagram (sock_wfree).
-func (p *Engine) loopPacketListener(l *Listener) error {
+func (ur *udpRelay) loopPacketListener(l *Listener) error {
+	p := ur.e
 	rc, err := l.PC.SyscallConn()
 	if err != nil {
 		return err
@@ -668,8 +682,8 @@ func (p *Engine) loopPacketListener(l *Listener) error {
 		return nil
 	}
 	ll := &loopListener{rawSock: rawSock{fd: fd}, oneLoop: true}
-	sock, ls, err := p.udpSocket(l, ll)
-	if !p.udpSocketErr(l, sock, err) {
+	sock, ls, err := ur.udpSocket(l, ll)
+	if !ur.udpSocketErr(l, sock, err) {
 		ll.close()
 		return err
 	}
@@ -689,7 +703,7 @@ func (p *Engine) loopPacketListener(l *Listener) error {
 				return false, err
 			}
 			for i := range batch[:n] {
-				p.forwardDatagram(el, l, sock, &batch[i])
+				ur.forwardDatagram(el, l, sock, &batch[i])
 				listenBuffers.put(batch[i].buf)
 				batch[i] = datagram{}
 			}
@@ -708,7 +722,7 @@ func (p *Engine) loopPacketListener(l *Listener) error {
 			zap.Error(os.NewSyscallError("recvmmsg", err)))
 	}
 	ll.closed = func() {
-		p.removeFlows(l)
+		ur.removeFlows(l)
 		sock.close()
 	}
 	return nil

@@ -21,6 +21,7 @@ func TestFlowTouchNeverRevivesAReplacedFlow(t *testing.T) {
 	}
 	defer conn.Close()
 	p := &Engine{}
+	p.udpRelay.e = p
 	key := flowKey{client: netip.MustParseAddrPort("10.244.0.5:40000"), dst: netip.MustParseAddrPort("10.96.0.10:53")}
 	// Closing a flow closes conn, which each flow shares: a second close
 	// of it changes nothing.

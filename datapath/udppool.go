@@ -169,9 +169,9 @@ type loopPools struct {
 
 // udpPools returns the loop's pools, creating them on first use. On the
 // loop.
-func (l *eventLoop) udpPools(p *Engine) *loopPools {
-	if l.pools == nil {
-		l.pools = &loopPools{
+func (lf *loopFlows) udpPools(p *Engine) *loopPools {
+	if lf.pools == nil {
+		lf.pools = &loopPools{
 			p:       p,
 			byAddr:  map[netip.AddrPort]*udpPool{},
 			busy:    map[*udpFlow]struct{}{},
@@ -180,7 +180,7 @@ func (l *eventLoop) udpPools(p *Engine) *loopPools {
 			older:   map[flowKey]recentQuery{},
 		}
 	}
-	return l.pools
+	return lf.pools
 }
 
 // pooledFlow looks at a datagram of key that has no flow in the table,
@@ -189,14 +189,14 @@ func (l *eventLoop) udpPools(p *Engine) *loopPools {
 // the flow's, which is returned. Otherwise rq is key's last query, if it
 // is remembered: its destination holds for this datagram, and if rq.long
 // the datagram starts a flow to the same backend. On the loop.
-func (p *Engine) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *recentQuery) {
+func (ur *udpRelay) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *recentQuery) {
 	if el == nil || el.pools == nil {
 		return nil, nil
 	}
 	lp := el.pools
 	if len(lp.pending) > 0 {
 		if f := lp.pending[key]; f != nil {
-			p.keepAsFlow(f)
+			ur.keepAsFlow(f)
 			return f, nil
 		}
 	}
@@ -209,18 +209,18 @@ func (p *Engine) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *recentQ
 // keepAsFlow takes a checked-out socket out of its pool and makes it the
 // flow of its query's client, in the flow table. It keeps the backend it
 // holds (Acquire) until the flow ends. On the loop.
-func (p *Engine) keepAsFlow(f *udpFlow) {
+func (ur *udpRelay) keepAsFlow(f *udpFlow) {
 	lp := f.loop.pools
 	delete(lp.pending, f.key)
 	delete(lp.busy, f)
 	f.slot.pool.open--
-	p.poolOpen.Add(-1)
+	ur.poolOpen.Add(-1)
 	f.pm.poolSockets(-1)
 	f.slot = nil
 	f.pm.pooled(PoolLongFlow)
 	f.refreshed.Store(flowClock())
 	f.pm.flowOpened()
-	if p.addFlow(f) {
+	if ur.addFlow(f) {
 		f.pm.flowEvicted()
 	}
 }
@@ -272,7 +272,8 @@ func (rq *recentQuery) recentBackend(snap *Snapshot, set balancer.Balancer) (b *
 // checkout sends key's query through a socket of b's pool on event loop
 // el, which it returns; ok is false if the query cannot be pooled
 // (no event loop, pooling off, a port of UDPFlow mode). On the loop.
-func (p *Engine) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, pm *PortMetrics) (f *udpFlow, ok bool, err error) {
+func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, pm *PortMetrics) (f *udpFlow, ok bool, err error) {
+	p := ur.e
 	size := p.cfg.udpPoolSize()
 	if el == nil || size == 0 || mode == UDPFlow {
 		return nil, false, nil
@@ -294,7 +295,7 @@ func (p *Engine) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey,
 		}
 	}
 	if f == nil {
-		if f, err = p.openSlot(el, pool, b, pm); err != nil {
+		if f, err = ur.openSlot(el, pool, b, pm); err != nil {
 			return nil, true, err
 		}
 	}
@@ -308,7 +309,7 @@ func (p *Engine) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey,
 		lp.remember(key, recentQuery{at: now, backend: b, svc: l, orig: orig})
 	}
 	if lp.nextTick.IsZero() {
-		lp.nextTick = now.Add(p.poolTick())
+		lp.nextTick = now.Add(ur.poolTick())
 	}
 	pm.pooled(PoolSent)
 	pm.backend(b).connected()
@@ -317,13 +318,14 @@ func (p *Engine) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey,
 
 // openSlot opens a socket for pool, within the pool's and the
 // engine's bounds, and puts it on loop el.
-func (p *Engine) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm *PortMetrics) (*udpFlow, error) {
+func (ur *udpRelay) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm *PortMetrics) (*udpFlow, error) {
+	p := ur.e
 	if pool.open >= p.cfg.udpPoolSize() {
 		pm.pooled(PoolDropped)
 		return nil, errPoolFull
 	}
-	if p.poolOpen.Add(1) > p.cfg.udpPoolMax() {
-		p.poolOpen.Add(-1)
+	if ur.poolOpen.Add(1) > p.cfg.udpPoolMax() {
+		ur.poolOpen.Add(-1)
 		pm.pooled(PoolDropped)
 		return nil, errPoolFull
 	}
@@ -331,7 +333,7 @@ func (p *Engine) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm 
 	fd, err := rawDial(unix.SOCK_DGRAM, b.Addr, netip.Addr{}, p.cfg.OwnMark)
 	pm.dialDone(start, err)
 	if err != nil {
-		p.poolOpen.Add(-1)
+		ur.poolOpen.Add(-1)
 		if !localDialFailure(err) {
 			p.health.Failure(b)
 		}
@@ -351,15 +353,17 @@ func (p *Engine) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm 
 
 // poolTick is how often a loop looks for queries past their timeout and
 // pools to close.
-func (p *Engine) poolTick() time.Duration {
+func (ur *udpRelay) poolTick() time.Duration {
+	p := ur.e
 	return min(max(p.cfg.udpQueryTimeout()/8, 10*time.Millisecond), time.Second)
 }
 
 // slotReady relays the reply on a pooled socket to the client of its
 // query, and returns the socket to its pool; it drops what arrives on an
 // idle one. On the loop.
-func (l *eventLoop) slotReady(f *udpFlow) {
-	r := l.recv
+func (lf *loopFlows) slotReady(f *udpFlow) {
+	l := lf.loop
+	r := lf.recv
 	for read := 0; read < flowBudget; read += len(r.hdrs) {
 		if f.closed.Load() {
 			return
@@ -375,21 +379,21 @@ func (l *eventLoop) slotReady(f *udpFlow) {
 		}
 		if f.slot.busy {
 			for i := range n {
-				f.p.queueReply(f, l.replies, r.datagram(i))
+				f.p.queueReply(f, lf.replies, r.datagram(i))
 			}
-			l.checkin(f)
+			lf.checkin(f)
 		}
 		if n < len(r.hdrs) {
 			return
 		}
 	}
 	// Edge-triggered: what is left raises no new event (flowReady).
-	l.post(func() { l.flowReady(f) })
+	l.post(func() { lf.flowReady(f) })
 }
 
 // checkin returns f, whose query got its reply, to its pool. On the loop.
-func (l *eventLoop) checkin(f *udpFlow) {
-	lp := l.pools
+func (lf *loopFlows) checkin(f *udpFlow) {
+	lp := lf.pools
 	f.slot.busy = false
 	delete(lp.busy, f)
 	if lp.pending[f.key] == f {
@@ -428,8 +432,8 @@ func (f *udpFlow) release() {
 // (a late reply must not reach the socket's next client), and closes the
 // idle sockets of pools that had no query for the UDP timeout. On the
 // loop, once per turn.
-func (l *eventLoop) tickPools() {
-	lp := l.pools
+func (lf *loopFlows) tickPools() {
+	lp := lf.pools
 	if lp == nil || lp.nextTick.IsZero() {
 		return
 	}
@@ -444,7 +448,7 @@ func (l *eventLoop) tickPools() {
 		}
 		f.pm.pooled(PoolTimedOut)
 		f.closed.Store(true)
-		l.dropFlow(f)
+		lf.dropFlow(f)
 	}
 	for addr, pool := range lp.byAddr {
 		if now.Sub(pool.used) < p.cfg.udpTimeout() {
@@ -454,7 +458,7 @@ func (l *eventLoop) tickPools() {
 		pool.idle = nil
 		for _, f := range idle {
 			f.closed.Store(true)
-			l.dropFlow(f)
+			lf.dropFlow(f)
 		}
 		if pool.open == 0 {
 			delete(lp.byAddr, addr)
@@ -468,11 +472,11 @@ func (l *eventLoop) tickPools() {
 
 // poolDeadline returns the earlier of next and the loop's next pool
 // tick; zero times mean none.
-func (l *eventLoop) poolDeadline(next time.Time) time.Time {
-	if l.pools == nil {
+func (lf *loopFlows) poolDeadline(next time.Time) time.Time {
+	if lf.pools == nil {
 		return next
 	}
-	if d := l.pools.nextTick; !d.IsZero() && (next.IsZero() || d.Before(next)) {
+	if d := lf.pools.nextTick; !d.IsZero() && (next.IsZero() || d.Before(next)) {
 		return d
 	}
 	return next
