@@ -100,7 +100,6 @@ var dataPaths = []dataPath{
 	uproxyPath(Subject{"uproxy-tproxy", "uproxy tproxy", "uproxy run --mode=tproxy --manifests <manifests>, when uproxy supports that mode."}, "tproxy"),
 	uproxyPath(Subject{"uproxy-uring", "uproxy redirect, io_uring loops", "uproxy run --io-uring --manifests <manifests>: the event loops wait in an io_uring each and carry small messages on it; bulk transfers leave the ring for the epoll splice path."}, "redirect", "--io-uring"),
 	uproxyPath(Subject{"uproxy-epoll", "uproxy redirect, epoll loops", "uproxy run --io-uring=false --manifests <manifests>: the event loops wait in epoll, with a system call per read, write and wait; what kernels without io_uring get."}, "redirect", "--io-uring=false"),
-	uproxyPath(Subject{"uproxy-goroutines", "uproxy redirect, no event loops", "uproxy run --event-loops=-1 --manifests <manifests>: each TCP connection carried by a goroutine per direction, the data path before event loops (for comparison in the same run)."}, "redirect", "--event-loops=-1"),
 }
 
 func pathByID(id string) *dataPath {

@@ -98,11 +98,8 @@ type Config struct {
 	// refused; zero means 3.
 	DialAttempts int
 	// EventLoops is the number of event loops that carry TCP connections
-	// and relay UDP flows' replies (loop.go). Zero means one less than
-	// GOMAXPROCS, at least one; negative means none: each TCP connection is
-	// carried by goroutines of its own, one per direction, and each UDP
-	// flow by one goroutine (the data path before event loops, kept for
-	// comparison).
+	// and relay UDP flows' replies (loop.go). Zero (or less, which the
+	// command refuses) means one less than GOMAXPROCS, at least one.
 	EventLoops int
 	// IOURing makes each event loop wait in an io_uring, and carry its TCP
 	// connections' small messages through it, receiving into buffers the
@@ -199,11 +196,12 @@ func (c *Config) logger() *zap.Logger {
 // given, each routed by the Snapshot its listener holds: it owns the
 // event loops, the TCP sessions and the UDP flows.
 //
-// Each listener without event loops owns an accept or read goroutine that
-// exits when the listener is closed; each connection owns one goroutine
-// (plus one for its second copy direction) that exits when both
-// directions have ended; with event loops the loops carry them instead.
-// Drain ends them all.
+// The event loops accept, read and carry the connections and flows. A
+// listener they cannot take (a dialer of the caller's, a socket that
+// cannot be duplicated) owns an accept or read goroutine that exits when
+// the listener is closed, and each connection it accepts a goroutine
+// that exits once the connection is handed to a loop. Drain ends them
+// all.
 type Engine struct {
 	cfg     Config
 	log     *zap.Logger
@@ -269,7 +267,7 @@ func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
 			return newEventLoop(o)
 		}
 	}
-	if cfg.IOURing && p.loops.n > 0 {
+	if cfg.IOURing {
 		if err := IOURingSupported(); err != nil {
 			p.log.Warn("io_uring is not available for the event loops; they use epoll only", zap.Error(err))
 		} else {
@@ -340,15 +338,12 @@ func (p *Engine) ActiveConnections() int {
 	return len(p.sessions)
 }
 
-// EventLoops returns how many event loops carry the connections (0 when
-// goroutines do) and how they wait: "io_uring", "epoll", or "goroutines"
-// without loops. A loop whose own ring could not be set up uses epoll,
-// and the log says so. Fixed by NewEngine; safe for concurrent use.
+// EventLoops returns how many event loops carry the connections and how
+// they wait: "io_uring" or "epoll". A loop whose own ring could not be set
+// up uses epoll, and the log says so. Fixed by NewEngine; safe for
+// concurrent use.
 func (p *Engine) EventLoops() (n int, io string) {
-	switch {
-	case p.loops.n == 0:
-		return 0, "goroutines"
-	case p.loops.opts.ring:
+	if p.loops.opts.ring {
 		return p.loops.n, "io_uring"
 	}
 	return p.loops.n, "epoll"
@@ -522,12 +517,12 @@ func ListenerRawConn(ln net.Listener) syscall.RawConn {
 }
 
 // rawListenerFD returns a duplicate of a listener's socket, rc, for
-// the event loops to accept on or read; -1 without event loops, with a dialer of
-// the caller's (Config.Dial, which needs the goroutine path), or if it
-// cannot be duplicated. The caller then closes the listener, leaving the
+// the event loops to accept on or read; -1 with a dialer of the
+// caller's (Config.Dial, which the loops do not call), or if it cannot
+// be duplicated. The caller then closes the listener, leaving the
 // duplicate as the socket's only descriptor.
 func (p *Engine) rawListenerFD(rc syscall.RawConn) int {
-	if p.loops.n <= 0 || p.cfg.Dial != nil {
+	if p.cfg.Dial != nil {
 		return -1
 	}
 	nfd, err := dupRaw(rc)

@@ -131,14 +131,13 @@ func countFDs(t *testing.T) int {
 	return len(entries)
 }
 
-// eachDataPath runs f once per TCP data path: the event loops (the
-// default), the event loops with io_uring (Config.IOURing) and a
-// goroutine per direction (Config.EventLoops < 0).
+// eachDataPath runs f once per TCP data path: the event loops on epoll
+// (the default) and with io_uring (Config.IOURing).
 func eachDataPath(t *testing.T, f func(t *testing.T, dp dataPath)) {
 	for _, tt := range []struct {
 		name string
 		dp   dataPath
-	}{{"loops", dataPath{}}, {"ring", dataPath{ring: true}}, {"goroutines", dataPath{loops: -1}}} {
+	}{{"loops", dataPath{}}, {"ring", dataPath{ring: true}}} {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.dp.ring {
 				if err := IOURingSupported(); err != nil {
@@ -176,9 +175,7 @@ func checkRingCarried(t *testing.T, s *Stats) {
 // so that eachDataPath can check how they carried the test's traffic.
 var startedEngines testbackend.Registry[*Engine]
 
-// dataPath is a data path of the engine's: loops is Config.EventLoops,
-// and ring Config.IOURing.
+// dataPath is a data path of the engine's: ring is Config.IOURing.
 type dataPath struct {
-	loops int
-	ring  bool
+	ring bool
 }

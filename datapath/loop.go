@@ -535,10 +535,7 @@ func dupRaw(rc syscall.RawConn) (int, error) {
 // CPU gains short connections but costs UDP requests, latency and CPU
 // per request (see docs/performance.md).
 func (c *Config) eventLoops() int {
-	switch {
-	case c.EventLoops < 0:
-		return 0
-	case c.EventLoops == 0:
+	if c.EventLoops <= 0 {
 		return max(1, runtime.GOMAXPROCS(0)-1)
 	}
 	return c.EventLoops

@@ -76,12 +76,12 @@ func TestAcceptedSocketsInheritOptions(t *testing.T) {
 }
 
 // TestListenersCarryAcceptOptions checks that uproxy's listening sockets
-// carry setAcceptOptions' options, with and without event loops: their
+// carry setAcceptOptions' options, on epoll and on io_uring: their
 // accepted sockets inherit them (TestAcceptedSocketsInheritOptions).
 func TestListenersCarryAcceptOptions(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		be := nameBackend(t, "a")
-		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring}, be)
+		_, port := proxyWeb(t, Config{IOURing: dp.ring}, be)
 		fd := listeningSocket(t, port)
 		if diff := cmp.Diff(acceptOptions, socketOptions(t, fd)); diff != "" {
 			t.Errorf("listener's options (-want +got):\n%s", diff)

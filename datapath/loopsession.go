@@ -288,10 +288,10 @@ func (lt *loopTCP) pumpBoth(ls *loopSession) {
 // destination is full, or its EOF has been passed on. An error means the
 // session must be aborted.
 //
-// Like session.copyHalf, a direction moves small messages through a
-// userspace buffer (the loop's own: it is emptied into the destination
-// before the next read) and bulk transfers with splice(2) through a pooled
-// pipe, held only while it has bytes in it.
+// A direction moves small messages through a userspace buffer (the
+// loop's own: it is emptied into the destination before the next read)
+// and bulk transfers with splice(2) through a pooled pipe, held only
+// while it has bytes in it.
 func (lt *loopTCP) pump(ls *loopSession, d int) error {
 	dir, src, dst := &ls.dir[d], &ls.side[d], &ls.side[1-d]
 	for !dir.done {
@@ -453,8 +453,7 @@ func (lt *loopTCP) read(ls *loopSession, dir *loopDir, src, dst *loopSide) error
 }
 
 // drained notes that src has nothing to read. The second time that
-// happens between messages, TCP_INQ is turned on for src, as in
-// copyMessages.
+// happens between messages, TCP_INQ is turned on for src (inqAfter).
 func (lt *loopTCP) drained(dir *loopDir, src *loopSide) {
 	src.readable = false
 	if !dir.moved {

@@ -81,8 +81,8 @@ func TestTCPPathSplices(t *testing.T) {
 			return n
 		}
 
-		p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
-		receive(port)                                                                                      // warm up: pipes, goroutines
+		p, port := proxyWeb(t, Config{IOURing: dp.ring, IdleTimeout: time.Hour}, be) // deadlines must not disable splice
+		receive(port)                                                                // warm up: pipes, goroutines
 		before, copiedBefore := readSyscalls(t), p.cfg.Stats.Copied.Load()
 		receive(port)
 		proxied, copied := readSyscalls(t)-before, p.cfg.Stats.Copied.Load()-copiedBefore
@@ -175,15 +175,13 @@ func TestIdleConnectionHoldsTwoFDs(t *testing.T) {
 		// An echo through a userspace buffer: io.Copy on the bare conn would
 		// splice, and hold a pipe in the backend while it waits.
 		be := startBackend(t, func(c net.Conn) { io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c}) })
-		p, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be)
+		p, port := proxyWeb(t, Config{IOURing: dp.ring, IdleTimeout: time.Hour}, be)
 
 		const n = 100
 		// The event loops' own descriptors (an epoll and an eventfd each)
 		// belong to no connection: start them before the count.
-		if dp.loops >= 0 {
-			if _, err := p.loops.loopFor(); err != nil {
-				t.Fatal(err)
-			}
+		if _, err := p.loops.loopFor(); err != nil {
+			t.Fatal(err)
 		}
 		base := proxyFDs(t)
 		conns := make([]net.Conn, 0, n)
@@ -215,7 +213,7 @@ func TestSplicePathKeepsEveryByte(t *testing.T) {
 		be := echoBackend(t)
 		// A short idle timeout, so that deadlines fire in the middle of
 		// transfers and the copy has to resume without losing a byte.
-		p := startEngine(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Second})
+		p := startEngine(t, Config{IOURing: dp.ring, IdleTimeout: time.Second})
 		l := serve(t, p, "tcp4", "default/web:http", be.addr)
 		snap := *l.Snap.Load()
 		snap.Metrics = testPortMetrics(snap.Backends...)
@@ -339,7 +337,7 @@ func TestMessagesThenHalfClose(t *testing.T) {
 			io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
 			c.Write([]byte("bye"))
 		})
-		_, port := proxyWeb(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: time.Hour}, be)
+		_, port := proxyWeb(t, Config{IOURing: dp.ring, IdleTimeout: time.Hour}, be)
 		c, err := net.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
 			t.Fatal(err)
@@ -400,7 +398,7 @@ func TestSplicedSessionsLeakNothing(t *testing.T) {
 		defer release()
 		baseG, baseFD := runtime.NumGoroutine(), proxyFDs(t)
 		func() {
-			p := startEngine(t, Config{EventLoops: dp.loops, IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond})
+			p := startEngine(t, Config{IOURing: dp.ring, IdleTimeout: 300 * time.Millisecond})
 			l := serve(t, p, "tcp4", "default/web:http", be.addr)
 			port := int(l.Port)
 			payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB

@@ -7,9 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
-	"sync/atomic"
 	"syscall"
-	"time"
 
 	proxyproto "github.com/pires/go-proxyproto"
 	"go.uber.org/zap"
@@ -19,9 +17,9 @@ import (
 // errNoEndpoints is returned when a service port has no usable endpoint.
 var errNoEndpoints = errors.New("no usable endpoints")
 
-// session is one proxied TCP connection. Its conns are plain *net.TCPConn
-// values, never wrapped: the data path (copyHalf) splices between the bare
-// sockets through their RawConns.
+// session is one proxied TCP connection, until an event loop carries it.
+// Its conns are plain *net.TCPConn values, never wrapped: their
+// descriptors are what the loop takes over.
 type session struct {
 	// client is the accepted connection, or nil when an event loop
 	// accepted it (newLoopListener): then fd is its socket, owned by the
@@ -29,12 +27,9 @@ type session struct {
 	client *net.TCPConn
 	fd     int
 
-	mu       sync.Mutex
-	backend  *net.TCPConn // nil until dialled
-	aborted  bool
-	progress [2]uint64 // TCP_INFO progress counters seen at the last idle check
-
-	ended atomic.Int32 // directions whose copy has ended (copyHalf)
+	mu      sync.Mutex
+	backend *net.TCPConn // nil until dialled
+	aborted bool
 
 	// loop carries the session once carry has handed its sockets over
 	// (ls is its state there); client and backend are closed then.
@@ -127,43 +122,10 @@ func (s *session) abort() {
 	}
 }
 
-// stillActive reports whether either socket received data or had sent data
-// acknowledged since the previous call, from the kernel's TCP_INFO
-// counters. A splice in progress is invisible to userspace, so this is how
-// the idle timeout tells a quiet direction of a busy connection from a
-// dead connection, and a peer that stopped reading from one that is slow.
-func (s *session) stillActive() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.aborted || s.backend == nil {
-		return false
-	}
-	now := [2]uint64{tcpProgress(s.client), tcpProgress(s.backend)}
-	changed := now != s.progress
-	s.progress = now
-	return changed
-}
-
-// tcpProgress returns bytes received plus bytes acknowledged by the peer.
-func tcpProgress(c *net.TCPConn) uint64 {
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return 0
-	}
-	var v uint64
-	_ = rc.Control(func(fd uintptr) {
-		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			v = info.Bytes_received + info.Bytes_acked
-		}
-	})
-	return v
-}
-
 // serveTCP carries one accepted connection on a goroutine of its own:
 // check its original destination, pick and dial a backend, then hand both
-// sockets to an event loop or, without loops, splice both directions on
-// goroutines of its own. With event loops and the default dialer, the
-// loops accept, and the loop that accepted dials (startTCP).
+// sockets to an event loop. With the default dialer the loops accept
+// instead, and the loop that accepted dials (startTCP).
 func (tp *tcpProxy) serveTCP(l *Listener, c *net.TCPConn, s *session) {
 	rc, err := c.SyscallConn()
 	if err != nil {
@@ -211,23 +173,19 @@ func (tp *tcpProxy) connectTCP(s *session, d *tcpDial) {
 		finish(0, 0)
 		return
 	}
-	if p.loops.n > 0 {
-		err := s.carry(&p.loops, finish)
-		switch {
-		case err == nil:
-			return
-		case errors.Is(err, errAborted):
-			finish(0, 0)
-			return
-		}
-		p.connLog.Warn("no event loop for connection; copying on goroutines",
+	err = s.carry(&p.loops, finish)
+	switch {
+	case err == nil:
+		return
+	case !errors.Is(err, errAborted):
+		// No loop can start (no descriptor left for an epoll instance)
+		// or the loops are stopping: the connection is reset, as one
+		// the loops accepted would be.
+		p.connLog.Error("no event loop to carry a connection; it is reset",
 			zap.Stringer("servicePort", d.name), zap.Error(err))
+		s.abort()
 	}
-	var copied *atomic.Int64
-	if p.cfg.Stats != nil {
-		copied = &p.cfg.Stats.Copied
-	}
-	finish(s.pipe(p.cfg.IdleTimeout, copied))
+	finish(0, 0)
 }
 
 // startTCP starts a connection that event loop el accepted (newLoopListener),
@@ -361,37 +319,11 @@ func (tp *tcpProxy) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 }
 
 // dialOnce connects to addr, from the address from when it is valid
-// (tproxy mode, preserving the client's address).
-//
-// The dial runs in a goroutine of its own, which exits when it returns:
-// net.Dialer's call chain is deep, and would grow the caller's stack to
-// 8 KiB, which the session's goroutine would then keep, idle, for the life
-// of the connection (the runtime shrinks a stack only while a quarter of
-// it or less is in use, and serveTCP's own frame is 1 KiB).
-//
-// With event loops the session's goroutine exits once the sockets are
-// handed over, stack and all, so the dial runs on it directly.
+// (tproxy mode, preserving the client's address), on the calling
+// goroutine: it exits once an event loop has the sockets, stack and all.
 func (tp *tcpProxy) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
-	p := tp.e
-	if p.loops.n > 0 {
-		r := tp.dialTCP(addr, from)
-		return r.c, r.err
-	}
-	ch := make(chan dialed, 1)
-	go func() { ch <- tp.dialTCP(addr, from) }() // exits once the dial returns
-	r := <-ch
-	return r.c, r.err
-}
-
-// dialed is a dial's outcome.
-type dialed struct {
-	c   *net.TCPConn
-	err error
-}
-
-func (tp *tcpProxy) dialTCP(addr netip.AddrPort, from netip.Addr) dialed {
 	c, err := dialAs[*net.TCPConn](tp.dial("tcp", addr, from))
-	return dialed{c, err}
+	return c, err
 }
 
 // dial connects to addr over network ("tcp" or "udp") within the dial
@@ -425,90 +357,6 @@ func dialAs[T net.Conn](c net.Conn, err error) (T, error) {
 		return zero, fmt.Errorf("dialer returned %T, not %T", c, zero)
 	}
 	return t, nil
-}
-
-// pipe copies both directions until both have ended, then closes both
-// connections, and returns the bytes copied each way. It owns one extra
-// goroutine, which exits when its copy ends (at EOF, on error, or when
-// abort closes its sockets). It is the data path without event loops.
-// copied, if set, counts the bytes that go through userspace buffers.
-func (s *session) pipe(idle time.Duration, copied *atomic.Int64) (up, down int64) {
-	tcpPipes.enter()
-	defer tcpPipes.leave()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		up = s.copyHalf(s.backend, s.client, idle, copied)
-	}()
-	down = s.copyHalf(s.client, s.backend, idle, copied)
-	<-done
-	s.client.Close()
-	s.backend.Close()
-	return up, down
-}
-
-// copyHalf copies src to dst until src's EOF, which it passes on with
-// CloseWrite (the other direction may still be sending: HTTP clients that
-// half-close, for one). Any error aborts the whole session. It returns the
-// bytes written to dst.
-//
-// Bulk transfers go through a kernel pipe with splice(2) (spliceOnce),
-// small messages through a pooled userspace buffer (copyMessages), as the
-// traffic so far suggests (halfState.move). Either is taken only while
-// there is something to move: an idle direction holds no pipe and no
-// buffer, only its goroutine. With an idle timeout, src's read deadline
-// interrupts the wait for data once per period; it only ever interrupts
-// that wait, never a write to dst, so no byte is lost when the copy
-// resumes. A period in which bytes moved, or in which either socket made
-// progress (stillActive), starts another period.
-func (s *session) copyHalf(dst, src *net.TCPConn, idle time.Duration, copied *atomic.Int64) int64 {
-	srcRC, err := src.SyscallConn()
-	if err != nil {
-		s.abort()
-		return 0
-	}
-	dstRC, err := dst.SyscallConn()
-	if err != nil {
-		s.abort()
-		return 0
-	}
-	var (
-		h             halfState
-		total, period int64
-	)
-	if idle > 0 {
-		_ = src.SetReadDeadline(time.Now().Add(idle))
-	}
-	for {
-		n, eof, err := h.move(dstRC, srcRC, copied)
-		total += int64(n)
-		period += int64(n)
-		switch {
-		case eof:
-			// Pass the EOF on, unless the other direction has ended
-			// already: then pipe closes both sockets at once, and close
-			// sends the FIN (neither has unread data left) without the
-			// extra shutdown call.
-			if s.ended.Add(1) == 1 {
-				_ = dst.CloseWrite()
-			}
-			return total
-		case err == nil:
-			continue
-		case idle > 0 && isTimeout(err) && (period > 0 || s.stillActive()):
-			period = 0
-			_ = src.SetReadDeadline(time.Now().Add(idle))
-			continue
-		}
-		s.ended.Add(1)
-		s.abort()
-		return total
-	}
-}
-
-func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout() && !errors.Is(err, syscall.ECONNRESET)
 }
 
 // newSession registers a connection so Shutdown can find it; nil once

@@ -40,7 +40,7 @@ type flowKey struct {
 
 // udpFlow is one client's association with one backend: a connected UDP
 // socket towards the backend, whose replies an event loop relays (or,
-// without event loops, a goroutine of the flow's own).
+// for a listener the loops do not read, a goroutine of the flow's own).
 type udpFlow struct {
 	p   *Engine
 	key flowKey
@@ -541,8 +541,8 @@ func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udp
 // first datagram: the socket joins it at once, before anyone else knows
 // the flow, and the loop carries both directions, so that a request and
 // its reply are handled by the same thread. Without one (the listener's
-// goroutine reads it: no event loops, a dialer of the caller's, or a
-// socket the loops could not take) the flow gets a goroutine of its own.
+// goroutine reads it: a dialer of the caller's, or a socket the loops
+// could not take) the flow gets a goroutine of its own.
 func (ur *udpRelay) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) error {
 	p := ur.e
 	if el == nil {
@@ -587,7 +587,7 @@ var replyBuffers bufferPool
 
 // udpReplies relays the backend's datagrams to the client until the
 // flow's socket is closed (expiry, eviction, replacement, shutdown). It
-// is the flow's goroutine, without event loops.
+// is the flow's goroutine, for a listener the loops do not read.
 func (ur *udpRelay) udpReplies(f *udpFlow) {
 	p := ur.e
 	defer p.wg.Done()
@@ -659,8 +659,8 @@ const udpListenBudget = 64
 
 // loopPacketListener moves l's UDP socket, l.PC, to an event loop, which
 // reads it from then on in place of the listener's goroutine (udpLoop):
-// without event loops, or with a dialer of the caller's, it leaves l
-// alone. The loop that reads a datagram also writes it to its flow's
+// with a dialer of the caller's, or a socket it cannot duplicate, it
+// leaves l alone. The loop that reads a datagram also writes it to its flow's
 // backend socket, relays the backend's reply from that socket, and sends
 // it with the other replies of its turn: a request crosses no goroutine
 // and no thread.

@@ -138,7 +138,7 @@ func TestUDPRepliesComeFromTheServiceAddress(t *testing.T) {
 				}()
 				t.Cleanup(func() { pc.Close() })
 				echo := netip.MustParseAddrPort(pc.LocalAddr().String())
-				p := startEngine(t, Config{EventLoops: dp.loops, IOURing: dp.ring})
+				p := startEngine(t, Config{IOURing: dp.ring})
 				port := int(serve(t, p, tt.network, "default/dns:dns", echo).Port)
 				// Without the kernel's REDIRECT, "the service address" is the
 				// address the client sent to: an unconnected socket shows the

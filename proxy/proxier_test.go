@@ -248,7 +248,7 @@ func TestProxyFailsOverRefusedAndBlackholedEndpoints(t *testing.T) {
 		refused := nameBackend(t, "refused")
 		refused.ln.Close()
 		hole := blackhole(t)
-		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute}})
+		p, rules := startProxier(t, Config{Config: datapath.Config{IOURing: dp.ring, DialTimeout: 200 * time.Millisecond, EjectBase: time.Minute}})
 		slices := slicesFor("web", "http", refused, good)
 		slices = append(slices, slice("web-hole", "web", "http", int32(hole.Port()), ep{IP: "127.0.0.1"}))
 		p.Tracker().Replace([]*v1.Service{svc("web", "10.96.0.10", "http:80")}, slices)
@@ -734,7 +734,7 @@ func proxyProtocolHeader(t *testing.T, dp dataPath) {
 				}
 				fmt.Fprintf(c, "v%d %s %s\n", h.Version, h.SourceAddr, h.DestinationAddr)
 			})
-			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
+			p, rules := startProxier(t, Config{Config: datapath.Config{IOURing: dp.ring, OriginalDst: func(syscall.RawConn, bool) (netip.AddrPort, error) {
 				return netip.MustParseAddrPort("10.96.0.10:80"), nil
 			}}})
 			s := svc("web", "10.96.0.10", "http:80")

@@ -69,7 +69,7 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 		name  string
 		loops int
 		ring  bool
-	}{{"event loops", 1, false}, {"io_uring", 1, true}, {"goroutines", -1, false}} {
+	}{{"event loops", 1, false}, {"io_uring", 1, true}} {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.ring {
 				if err := datapath.IOURingSupported(); err != nil {

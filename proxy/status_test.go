@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -99,8 +100,7 @@ func TestStatusDataPath(t *testing.T) {
 		wantIO    string
 		needRing  bool
 	}{
-		{"goroutines", Config{Config: datapath.Config{EventLoops: -1}}, 0, "goroutines", false},
-		{"goroutines, io_uring asked", Config{Config: datapath.Config{EventLoops: -1, IOURing: true}}, 0, "goroutines", false},
+		{"default", Config{}, max(1, runtime.GOMAXPROCS(0)-1), "epoll", false},
 		{"epoll", Config{Config: datapath.Config{EventLoops: 2}}, 2, "epoll", false},
 		{"io_uring", Config{Config: datapath.Config{EventLoops: 2, IOURing: true}}, 2, "io_uring", true},
 	} {

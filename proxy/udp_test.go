@@ -75,7 +75,7 @@ func dialUDP(t testing.TB, port int) *net.UDPConn {
 func TestUDPFlows(t *testing.T) {
 	eachDataPath(t, func(t *testing.T, dp dataPath) {
 		a, b := udpBackend(t, "a", false), udpBackend(t, "b", false)
-		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPTimeout: 300 * time.Millisecond}})
+		p, rules := startProxier(t, Config{Config: datapath.Config{IOURing: dp.ring, UDPTimeout: 300 * time.Millisecond}})
 		dns := udpMode(svc("dns", "10.96.0.10", "dns:53/UDP"), "flow")
 		p.Tracker().Replace([]*v1.Service{dns}, udpSlices("dns", a, b))
 		port := rules.port(t, "default/dns:dns")
@@ -128,7 +128,7 @@ func TestUDPEjectsRefusingBackend(t *testing.T) {
 		}
 		deadAddr := netip.MustParseAddrPort(dead.LocalAddr().String())
 		dead.Close()
-		p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, EjectBase: time.Minute}})
+		p, rules := startProxier(t, Config{Config: datapath.Config{IOURing: dp.ring, EjectBase: time.Minute}})
 		p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", deadAddr, good))
 		port := rules.port(t, "default/dns:dns")
 		// Whichever client lands on the dead backend first loses that datagram
@@ -158,7 +158,7 @@ func TestUDPNoLeaks(t *testing.T) {
 			reg := prometheus.NewRegistry()
 			// Without pooling, every one-query client is a flow
 			// (TestUDPPoolNoLeaks checks the pools).
-			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: dp.loops, IOURing: dp.ring, UDPMaxFlows: 50, UDPPoolSize: -1}, Metrics: introspect.NewMetrics(reg)})
+			p, rules := startProxier(t, Config{Config: datapath.Config{IOURing: dp.ring, UDPMaxFlows: 50, UDPPoolSize: -1}, Metrics: introspect.NewMetrics(reg)})
 			p.Tracker().Replace([]*v1.Service{svc("dns", "10.96.0.10", "dns:53/UDP")}, udpSlices("dns", echo))
 			port := rules.port(t, "default/dns:dns")
 			for range 200 {

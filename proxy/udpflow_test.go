@@ -36,7 +36,7 @@ func TestUDPListenerForwardsOnlyRedirectedFlows(t *testing.T) {
 		reg := prometheus.NewRegistry()
 		p, rules := startProxier(t, Config{
 			Config: datapath.Config{
-				EventLoops: dp.loops, IOURing: dp.ring,
+				IOURing: dp.ring,
 				UDPOriginalDst: func(client, local netip.AddrPort) (netip.AddrPort, error) {
 					mu.Lock()
 					defer mu.Unlock()

@@ -39,14 +39,13 @@ func (m *ioURingMode) Set(s string) error {
 }
 
 // chooseIOURing decides whether the event loops wait in an io_uring, and
-// says why not when the kernel refuses one. loops is --event-loops (-1:
-// no loops, nothing to decide); probe says why the kernel cannot give the
-// loops a ring, or nil (datapath.IOURingSupported), and is called only when
-// the answer depends on it. Under true a refusal is the operator's
+// says why not when the kernel refuses one. probe says why the kernel
+// cannot give the loops a ring, or nil (datapath.IOURingSupported), and is
+// called only when the answer depends on it. Under true a refusal is the operator's
 // surprise, under auto the expected case on older or locked-down kernels:
 // the caller logs it accordingly.
-func chooseIOURing(m ioURingMode, loops int, probe func() error) (use bool, unavailable error) {
-	if loops < 0 || m == ioURingOff {
+func chooseIOURing(m ioURingMode, probe func() error) (use bool, unavailable error) {
+	if m == ioURingOff {
 		return false, nil
 	}
 	if err := probe(); err != nil {

@@ -48,8 +48,8 @@ func TestIOURingFlag(t *testing.T) {
 }
 
 // TestChooseIOURing: auto takes io_uring where the kernel allows it and
-// epoll elsewhere; true and false keep their meaning; without event loops
-// there is nothing to ask the kernel.
+// epoll elsewhere; true and false keep their meaning, and false asks the
+// kernel nothing.
 func TestChooseIOURing(t *testing.T) {
 	refused := errors.New("io_uring_setup: operation not permitted")
 	type result struct {
@@ -60,29 +60,25 @@ func TestChooseIOURing(t *testing.T) {
 	for _, tt := range []struct {
 		name  string
 		mode  ioURingMode
-		loops int
 		probe error
 		want  result
 	}{
-		{"auto, kernel allows", ioURingAuto, 0, nil, result{Use: true, Probed: true}},
-		{"auto, kernel refuses", ioURingAuto, 0, refused, result{Unavailable: refused.Error(), Probed: true}},
-		{"auto, two loops", ioURingAuto, 2, nil, result{Use: true, Probed: true}},
-		{"auto, no loops", ioURingAuto, -1, nil, result{}},
-		{"true, kernel allows", ioURingOn, 0, nil, result{Use: true, Probed: true}},
-		{"true, kernel refuses", ioURingOn, 1, refused, result{Unavailable: refused.Error(), Probed: true}},
-		{"true, no loops", ioURingOn, -1, nil, result{}},
-		{"false", ioURingOff, 0, nil, result{}},
-		{"false, kernel refuses", ioURingOff, 0, refused, result{}},
+		{"auto, kernel allows", ioURingAuto, nil, result{Use: true, Probed: true}},
+		{"auto, kernel refuses", ioURingAuto, refused, result{Unavailable: refused.Error(), Probed: true}},
+		{"true, kernel allows", ioURingOn, nil, result{Use: true, Probed: true}},
+		{"true, kernel refuses", ioURingOn, refused, result{Unavailable: refused.Error(), Probed: true}},
+		{"false", ioURingOff, nil, result{}},
+		{"false, kernel refuses", ioURingOff, refused, result{}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var got result
-			use, err := chooseIOURing(tt.mode, tt.loops, func() error { got.Probed = true; return tt.probe })
+			use, err := chooseIOURing(tt.mode, func() error { got.Probed = true; return tt.probe })
 			got.Use = use
 			if err != nil {
 				got.Unavailable = err.Error()
 			}
 			if diff := cmp.Diff(tt.want, got); diff != "" {
-				t.Errorf("chooseIOURing(%q, %d) (-want +got):\n%s", tt.mode, tt.loops, diff)
+				t.Errorf("chooseIOURing(%q) (-want +got):\n%s", tt.mode, diff)
 			}
 		})
 	}

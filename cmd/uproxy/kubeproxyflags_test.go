@@ -334,6 +334,7 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"bad nodeport keyword", []string{"--nodeport-addresses", "primary,everything"}, `--nodeport-addresses: "everything" is not a CIDR nor one of primary, localhost, all`},
 		{"bad logging format", []string{"--logging-format", "yaml"}, `--logging-format: "yaml" is not text or json`},
 		{"bad detect-local mode", []string{"--detect-local-mode", "Magic"}, `detect-local mode "Magic" is not`},
+		{"no event loops", []string{"--event-loops", "-1"}, "--event-loops: -1 is not a count"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

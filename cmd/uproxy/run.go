@@ -228,7 +228,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		stateFile = "" // the manifests are read before the first sync
 	}
 	servePrevious := stateFile != "" && previous != nil && !up.TookOver()
-	useRing, noRing := chooseIOURing(o.ioURing, o.eventLoops, datapath.IOURingSupported)
+	useRing, noRing := chooseIOURing(o.ioURing, datapath.IOURingSupported)
 	switch {
 	case noRing != nil && o.ioURing == ioURingOn:
 		log.Warn("--io-uring: io_uring is not available for the event loops; they use epoll only", zap.Error(noRing))

@@ -86,7 +86,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "The shortest time between two syncs: changes arriving faster are applied together.")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 25*time.Second, "On SIGTERM or SIGINT, how long established connections may take to finish before they are closed.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", time.Hour, "Close a proxied TCP connection after it has been idle in both directions for this long (detected within twice the period). 0 disables.")
-	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying TCP connections and UDP flows: 0 means one less than GOMAXPROCS (at least one), -1 a goroutine per connection direction and flow instead.")
+	fs.IntVar(&o.eventLoops, "event-loops", 0, "Event loops carrying TCP connections and UDP flows: 0 means one less than GOMAXPROCS (at least one).")
 	o.ioURing = ioURingAuto
 	fs.Var(&o.ioURing, "io-uring", "Whether the event loops wait in an io_uring that carries small TCP messages: auto where the kernel allows it, true to ask for it (warning on fallback), false for epoll.")
 	fs.Lookup("io-uring").NoOptDefVal = string(ioURingOn)
@@ -178,8 +178,8 @@ func (o *runOptions) validate() error {
 	if o.udpQueryTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("--udp-query-timeout: %v must be positive", o.udpQueryTimeout))
 	}
-	if o.eventLoops < -1 {
-		errs = append(errs, fmt.Errorf("--event-loops: %d is neither a count nor -1 (none)", o.eventLoops))
+	if o.eventLoops < 0 {
+		errs = append(errs, fmt.Errorf("--event-loops: %d is not a count (0 means one less than GOMAXPROCS)", o.eventLoops))
 	}
 	if o.minSyncPeriod > o.syncPeriod && o.syncPeriod > 0 {
 		errs = append(errs, fmt.Errorf("--iptables-min-sync-period (%v) is longer than --iptables-sync-period (%v)", o.minSyncPeriod, o.syncPeriod))

@@ -26,12 +26,11 @@ type Status struct {
 	ActiveConnections int `json:"activeConnections"`
 	// UDPFlows counts the live UDP flows.
 	UDPFlows int `json:"udpFlows"`
-	// EventLoops counts the event loops (Config.EventLoops); 0 when
-	// goroutines carry the connections.
+	// EventLoops counts the event loops (Config.EventLoops).
 	EventLoops int `json:"eventLoops"`
 	// IO is how the event loops wait and carry small messages: io_uring
-	// or epoll; "goroutines" without event loops. A loop whose own ring
-	// could not be set up uses epoll, and the log says so.
+	// or epoll. A loop whose own ring could not be set up uses epoll,
+	// and the log says so.
 	IO    string            `json:"io"`
 	Ports []ServicePortInfo `json:"ports"`
 }
