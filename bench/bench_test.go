@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -11,6 +10,12 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/bench/internal/paths"
+
+	"github.com/uproxy/uproxy/bench/internal/harness"
+
+	"github.com/uproxy/uproxy/bench/internal/results"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -32,7 +37,7 @@ func TestSmoke(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	start := time.Now()
-	err := runParts(ctx, Config{Smoke: true, Out: out, Stem: "smoke", Verbose: true, Log: &logWriter{t: t, buf: &log}}, parts, true)
+	err := runParts(ctx, harness.Config{Smoke: true, Out: out, Stem: "smoke", Verbose: true, Log: &logWriter{t: t, buf: &log}}, parts, true)
 	t.Logf("smoke run took %v", time.Since(start).Round(time.Second))
 	if err != nil {
 		t.Fatalf("smoke run: %v", err)
@@ -48,7 +53,7 @@ func TestSmoke(t *testing.T) {
 		}
 	}
 	// Every data path and proxy has a row.
-	for _, p := range dataPaths {
+	for _, p := range paths.All {
 		if !bytes.Contains(report, []byte("| "+p.Title+" |")) {
 			t.Errorf("the report has no row for %s", p.Title)
 		}
@@ -85,92 +90,33 @@ func (w *logWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func TestHistQuantiles(t *testing.T) {
-	var h hist
-	for i := 1; i <= 1000; i++ {
-		h.record(time.Duration(i) * time.Microsecond)
-	}
-	for _, c := range []struct {
-		q    float64
-		want time.Duration
-	}{{0.5, 500 * time.Microsecond}, {0.99, 990 * time.Microsecond}, {1, 1000 * time.Microsecond}} {
-		got := h.quantile(c.q)
-		if d := float64(got-c.want) / float64(c.want); d < -0.035 || d > 0.035 {
-			t.Errorf("quantile(%v) = %v, want %v ± 3.5%%", c.q, got, c.want)
-		}
-	}
-	var empty hist
-	if empty.quantile(0.5) != 0 {
-		t.Error("an empty histogram's quantile is not 0")
-	}
-}
-
-func TestRenderDNAT(t *testing.T) {
-	eps := []netip.AddrPort{netip.MustParseAddrPort("10.244.0.10:8080"), netip.MustParseAddrPort("10.244.0.11:8080"), netip.MustParseAddrPort("10.244.0.12:8080")}
-	p := dnatPort{Name: "default/web:http", ClusterIP: netip.MustParseAddr("10.96.0.10"), Port: 80, Protocol: "tcp", Endpoints: eps}
-	rules := renderDNAT([]dnatPort{p}, "10.244.0.0/16")
-	for _, want := range []string{
-		"-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"default/web:http cluster IP\" -m tcp --dport 80 -j " + svcChain(p),
-		"-m statistic --mode random --probability 0.33333333333 -j " + sepChain(p, eps[0]),
-		"-m statistic --mode random --probability 0.50000000000 -j " + sepChain(p, eps[1]),
-		"-A " + svcChain(p) + " -m comment --comment \"default/web:http -> 10.244.0.12:8080\" -j " + sepChain(p, eps[2]),
-		"-A " + sepChain(p, eps[2]) + " -p tcp -m comment --comment \"default/web:http\" -m tcp -j DNAT --to-destination 10.244.0.12:8080",
-	} {
-		if !strings.Contains(rules, want+"\n") {
-			t.Errorf("rules lack %q:\n%s", want, rules)
-		}
-	}
-	if len(svcChain(p)) > 28 {
-		t.Errorf("chain name %q is longer than iptables allows", svcChain(p))
-	}
-	moved := p
-	moved.Endpoints = eps[2:]
-	change := renderDNATChange(moved, eps, "10.244.0.0/16")
-	if !strings.Contains(change, "-X "+sepChain(p, eps[0])+"\n") || strings.Contains(change, "-X "+sepChain(p, eps[2])) {
-		t.Errorf("the change does not delete exactly the old endpoints' chains:\n%s", change)
-	}
-}
-
-func TestSeriesStats(t *testing.T) {
-	s := Series{Values: []float64{3, 1, 2, 10}}
-	if lo, med, hi := s.stats(); lo != 1 || med != 2.5 || hi != 10 {
-		t.Errorf("stats = %v %v %v, want 1 2.5 10", lo, med, hi)
-	}
-	if q := s.quantile(0.5); q != 2 {
-		t.Errorf("p50 = %v, want 2", q)
-	}
-	if got := fmtNum(12345.6); got != "12,346" {
-		t.Errorf("fmtNum(12345.6) = %q", got)
-	}
-}
-
 // TestWorkloads checks --workloads: known ids select, an unknown one is
 // refused, and none selects every workload.
 func TestWorkloads(t *testing.T) {
-	c, err := Config{Workloads: []string{"udp", "idle"}}.withDefaults()
+	c, err := harness.Config{Workloads: []string{"udp", "idle"}}.WithDefaults(partCatalog())
 	if err != nil {
 		t.Fatal(err)
 	}
 	var got []string
-	for _, w := range workloadIDs {
-		if c.measures(w) {
+	for _, w := range paths.WorkloadIDs {
+		if c.Measures(w) {
 			got = append(got, w)
 		}
 	}
 	if diff := cmp.Diff([]string{"udp", "idle"}, got); diff != "" {
 		t.Errorf("selected workloads (-want +got):\n%s", diff)
 	}
-	if _, err := (Config{Workloads: []string{"udp", "sctp"}}).withDefaults(); err == nil || !strings.Contains(err.Error(), `"sctp"`) {
+	if _, err := (harness.Config{Workloads: []string{"udp", "sctp"}}).WithDefaults(partCatalog()); err == nil || !strings.Contains(err.Error(), `"sctp"`) {
 		t.Errorf("unknown workload: error %v, want one naming it", err)
 	}
-	for _, w := range workloadIDs {
-		if !(Config{}).measures(w) {
+	for _, w := range paths.WorkloadIDs {
+		if !(harness.Config{}).Measures(w) {
 			t.Errorf("no --workloads: %s not measured", w)
 		}
 	}
-	for w, metrics := range workloadMetrics {
+	for w, metrics := range paths.WorkloadMetrics {
 		for _, m := range metrics {
-			if !slices.ContainsFunc(dataMetrics, func(d Metric) bool { return d.ID == m }) {
+			if !slices.ContainsFunc(results.DataPathMetrics, func(d results.Metric) bool { return d.ID == m }) {
 				t.Errorf("workload %s: metric %s is not a data-path metric", w, m)
 			}
 		}

@@ -3,68 +3,30 @@ package main
 import (
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
-	"time"
+
+	"github.com/uproxy/uproxy/bench/internal/paths"
+
+	"github.com/uproxy/uproxy/bench/internal/harness"
+
+	"github.com/uproxy/uproxy/bench/internal/report"
+
+	"github.com/uproxy/uproxy/bench/internal/results"
 
 	"github.com/google/go-cmp/cmp"
 )
 
-func TestStatCPUTicks(t *testing.T) {
-	for _, c := range []struct {
-		name, stat string
-		want       int64
-		wantErr    bool
-	}{
-		// utime 300, stime 20 (fields 14 and 15).
-		{"plain", "201 (iptables-restor) R 100 201 100 0 -1 4194304 1 0 0 0 300 20 0 0 20 0 1 0 90000", 320, false},
-		// A command name with spaces and a parenthesis.
-		{"odd name", "202 (a b) c) S 100 202 100 0 -1 0 0 0 0 0 7 5 0 0 20 0 1 0 119950", 12, false},
-		{"short", "203 (x) S 1 2 3", 0, true},
-		{"no name", "garbage", 0, true},
-		{"not a number", "204 (x) S 100 204 100 0 -1 0 0 0 0 0 x 5 0", 0, true},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			got, err := statCPUTicks(c.stat)
-			if (err != nil) != c.wantErr || got != c.want {
-				t.Errorf("statCPUTicks = %d, %v; want %d, error %v", got, err, c.want, c.wantErr)
-			}
-		})
-	}
-}
-
-// TestCPUTime checks that this process's CPU time, read from /proc, grows
-// while it spins, and by no more than the wall time on every core.
-func TestCPUTime(t *testing.T) {
-	pid := os.Getpid()
-	before, err := cpuTime(pid)
-	if err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	for x := 0; time.Since(start) < 300*time.Millisecond; x++ {
-	}
-	after, err := cpuTime(pid)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wall := time.Since(start)
-	if d := after - before; d <= 0 || d > wall*time.Duration(runtime.NumCPU())+20*time.Millisecond {
-		t.Errorf("spinning for %v used %v of CPU", wall, d)
-	}
-}
-
 // TestCostSummary writes the summary's cost table from synthetic results:
 // each CPU cost next to its rate, n/a for a kernel path.
 func TestCostSummary(t *testing.T) {
-	dp := &DataPathResults{
-		Meta:    RunMeta{Runs: 3},
-		Metrics: dataMetrics,
-		Figures: map[string]map[string]*Series{},
-		Paths:   []Subject{{ID: "dnat", Title: "kernel DNAT"}, {ID: "uproxy", Title: "uproxy redirect"}},
+	dp := &results.DataPathResults{
+		Meta:    results.RunMeta{Runs: 3},
+		Metrics: results.DataPathMetrics,
+		Figures: map[string]map[string]*results.Series{},
+		Paths:   []results.Subject{{ID: "dnat", Title: "kernel DNAT"}, {ID: "uproxy", Title: "uproxy redirect"}},
 	}
-	set := func(metric, path string, v ...float64) { dp.series(metric, path).Values = v }
+	set := func(metric, path string, v ...float64) { dp.Series(metric, path).Values = v }
 	set("bulk_gbps", "dnat", 20)
 	set("rr_rps", "dnat", 50000)
 	set("bulk_gbps", "uproxy", 10, 12, 11)
@@ -73,9 +35,9 @@ func TestCostSummary(t *testing.T) {
 	set("rr_cpu_us", "uproxy", 8, 9, 10)
 	set("short_cps", "uproxy", 5000)
 	set("short_cpu_us", "uproxy", 40)
-	dp.setNA("dnat", kernelCPU, "bulk_cpu_us", "rr_cpu_us")
+	dp.SetNA("dnat", paths.KernelCPU, "bulk_cpu_us", "rr_cpu_us")
 	var b strings.Builder
-	writeCostSummary(&b, dp)
+	report.WriteCostSummary(&b, dp)
 	var rows []string
 	for _, l := range strings.Split(b.String(), "\n") {
 		if strings.HasPrefix(l, "| ") {
@@ -92,14 +54,14 @@ func TestCostSummary(t *testing.T) {
 	}
 	// The rates' table leaves the costs to this one.
 	var sum strings.Builder
-	writeDataSummary(&sum, dp)
+	report.WriteDataSummary(&sum, dp)
 	if strings.Contains(sum.String(), "CPU (µs") {
 		t.Errorf("the rates' summary table has CPU columns:\n%s", sum.String())
 	}
 	// Results from before the costs were measured have no cost table.
-	old := &DataPathResults{Metrics: dataMetrics[:11], Figures: dp.Figures, Paths: dp.Paths}
+	old := &results.DataPathResults{Metrics: results.DataPathMetrics[:11], Figures: dp.Figures, Paths: dp.Paths}
 	var none strings.Builder
-	writeCostSummary(&none, old)
+	report.WriteCostSummary(&none, old)
 	if none.Len() != 0 {
 		t.Errorf("results without CPU costs got a cost table:\n%s", none.String())
 	}
@@ -110,33 +72,33 @@ func TestCostSummary(t *testing.T) {
 // results at the default scales, and checks the summary's text, the charts'
 // files and the points they are drawn through.
 func TestCostCurves(t *testing.T) {
-	cfg, err := Config{Out: t.TempDir(), Stem: "curves"}.withDefaults()
+	cfg, err := harness.Config{Out: t.TempDir(), Stem: "curves"}.WithDefaults(partCatalog())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if diff := cmp.Diff([]int{1000, 5000, 10000, 20000}, cfg.Scales); diff != "" {
 		t.Fatalf("default scales (-want +got):\n%s", diff)
 	}
-	if err := os.MkdirAll(cfg.dataDir(), 0o755); err != nil {
+	if err := os.MkdirAll(cfg.DataDir(), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	cp := &ControlPlaneResults{
-		Metrics: cpMetrics,
+	cp := &results.ControlPlaneResults{
+		Metrics: results.ControlPlaneMetrics,
 		Scales:  cfg.Scales,
-		Figures: map[string]map[string]map[string]*Series{},
-		Proxies: []Subject{{ID: "dnat", Title: "kernel DNAT"}, {ID: "uproxy", Title: "uproxy redirect"}, {ID: "kp-iptables", Title: "kube-proxy iptables"}},
+		Figures: map[string]map[string]map[string]*results.Series{},
+		Proxies: []results.Subject{{ID: "dnat", Title: "kernel DNAT"}, {ID: "uproxy", Title: "uproxy redirect"}, {ID: "kp-iptables", Title: "kube-proxy iptables"}},
 	}
 	for i, n := range cfg.Scales {
-		cp.series("program_s", "uproxy", n).Values = []float64{0.4 * float64(i+1), 0.5 * float64(i+1), 0.6 * float64(i+1)}
-		cp.series("rss_mib", "uproxy", n).Values = []float64{50 * float64(i+1)}
-		cp.series("program_s", "dnat", n).Values = []float64{float64(n) / 1000}
-		cp.setNA("dnat", n, "no process: the rules live in the kernel", "rss_mib")
+		cp.Series("program_s", "uproxy", n).Values = []float64{0.4 * float64(i+1), 0.5 * float64(i+1), 0.6 * float64(i+1)}
+		cp.Series("rss_mib", "uproxy", n).Values = []float64{50 * float64(i+1)}
+		cp.Series("program_s", "dnat", n).Values = []float64{float64(n) / 1000}
+		cp.SetNA("dnat", n, "no process: the rules live in the kernel", "rss_mib")
 	}
-	cp.series("program_s", "kp-iptables", 1000).Values = []float64{5}
-	cp.series("rss_mib", "kp-iptables", 1000).Values = []float64{90}
-	cp.setNA("kp-iptables", 5000, "over 5m0s: did not program 5,000 services", "program_s", "rss_mib")
+	cp.Series("program_s", "kp-iptables", 1000).Values = []float64{5}
+	cp.Series("rss_mib", "kp-iptables", 1000).Values = []float64{90}
+	cp.SetNA("kp-iptables", 5000, "over 5m0s: did not program 5,000 services", "program_s", "rss_mib")
 	var b strings.Builder
-	if err := writeCostCurves(&b, cfg, cp); err != nil {
+	if err := report.WriteCostCurves(&b, cfg.ReportOutput(), cp); err != nil {
 		t.Fatal(err)
 	}
 	for _, s := range []string{"(1,000, 5,000, 10,000, 20,000)", "](curves/cp_rss_mib.png)", "](curves/cp_program_s.png)"} {
@@ -145,7 +107,7 @@ func TestCostCurves(t *testing.T) {
 		}
 	}
 	for _, f := range []string{"cp_rss_mib.png", "cp_program_s.png"} {
-		png, err := os.ReadFile(filepath.Join(cfg.dataDir(), f))
+		png, err := os.ReadFile(filepath.Join(cfg.DataDir(), f))
 		if err != nil || !strings.HasPrefix(string(png), "\x89PNG") {
 			t.Errorf("%s is not a PNG (%v)", f, err)
 		}
@@ -153,7 +115,7 @@ func TestCostCurves(t *testing.T) {
 	points := func(metric, proxy string) []float64 {
 		var out []float64
 		for _, n := range cp.Scales {
-			if v, ok := cpValue(cp, metric, proxy, n); ok {
+			if v, ok := report.ControlPlaneValue(cp, metric, proxy, n); ok {
 				out = append(out, v)
 			}
 		}
@@ -170,7 +132,7 @@ func TestCostCurves(t *testing.T) {
 	}
 	// Without any figure, no charts and no text.
 	var none strings.Builder
-	if err := writeCostCurves(&none, cfg, &ControlPlaneResults{Metrics: cpMetrics, Scales: cfg.Scales, Proxies: cp.Proxies, Figures: map[string]map[string]map[string]*Series{}}); err != nil || none.Len() != 0 {
+	if err := report.WriteCostCurves(&none, cfg.ReportOutput(), &results.ControlPlaneResults{Metrics: results.ControlPlaneMetrics, Scales: cfg.Scales, Proxies: cp.Proxies, Figures: map[string]map[string]map[string]*results.Series{}}); err != nil || none.Len() != 0 {
 		t.Errorf("no figures: %q, %v", none.String(), err)
 	}
 }
@@ -178,11 +140,11 @@ func TestCostCurves(t *testing.T) {
 // TestNotMeasuredGrouped checks that "Not measured" gives one line per
 // data path and reason, naming every figure it holds for.
 func TestNotMeasuredGrouped(t *testing.T) {
-	dp := &DataPathResults{Metrics: dataMetrics, Figures: map[string]map[string]*Series{}, Paths: []Subject{{ID: "dnat", Title: "kernel DNAT"}}}
-	dp.setNA("dnat", kernelCPU, "rr_cpu_us", "short_cpu_us")
-	dp.setNA("dnat", "no process carries the connections", "idle_fds")
+	dp := &results.DataPathResults{Metrics: results.DataPathMetrics, Figures: map[string]map[string]*results.Series{}, Paths: []results.Subject{{ID: "dnat", Title: "kernel DNAT"}}}
+	dp.SetNA("dnat", paths.KernelCPU, "rr_cpu_us", "short_cpu_us")
+	dp.SetNA("dnat", "no process carries the connections", "idle_fds")
 	var b strings.Builder
-	writeNA(&b, dp, &ControlPlaneResults{}, &GoBenchResults{}, true, false, false)
+	report.WriteNA(&b, dp, &results.ControlPlaneResults{}, &results.GoBenchResults{}, true, false, false)
 	var lines []string
 	for _, l := range strings.Split(b.String(), "\n") {
 		if strings.HasPrefix(l, "- ") {
@@ -191,7 +153,7 @@ func TestNotMeasuredGrouped(t *testing.T) {
 	}
 	want := []string{
 		"- kernel DNAT, fds/conn (fd/conn): no process carries the connections",
-		"- kernel DNAT, keep-alive CPU (µs/req), short conns CPU (µs/conn): " + kernelCPU,
+		"- kernel DNAT, keep-alive CPU (µs/req), short conns CPU (µs/conn): " + paths.KernelCPU,
 	}
 	if diff := cmp.Diff(want, lines); diff != "" {
 		t.Errorf("not measured (-want +got):\n%s", diff)

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/bench/internal/harness"
+
 	"github.com/uproxy/uproxy/internal/testlab"
 )
 
@@ -27,10 +29,10 @@ func TestDemo(t *testing.T) {
 	benchBin, uproxyBin := filepath.Join(dir, "bench"), filepath.Join(dir, "uproxy")
 	// The bench is a module of its own, built here; uproxy from the
 	// main module above it.
-	if err := goBuild(ctx, ".", benchBin, "."); err != nil {
+	if err := harness.GoBuild(ctx, ".", benchBin, "."); err != nil {
 		t.Fatal(err)
 	}
-	if err := goBuild(ctx, "..", uproxyBin, "./cmd/uproxy"); err != nil {
+	if err := harness.GoBuild(ctx, "..", uproxyBin, "./cmd/uproxy"); err != nil {
 		t.Fatal(err)
 	}
 	// The demo runs with every program on PATH traced, so that the test

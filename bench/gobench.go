@@ -8,6 +8,10 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/uproxy/uproxy/bench/internal/harness"
+
+	"github.com/uproxy/uproxy/bench/internal/results"
 )
 
 // goBenchPackages are the packages whose benchmarks cover the hot paths.
@@ -26,45 +30,10 @@ var hotPaths = []struct {
 	{"the sync after one endpoint change, among 10k services", "./proxy/", regexp.MustCompile(`^BenchmarkSyncEndpointChange`), "proxy"},
 }
 
-// GoBenchResults is the gobench part's output (gobench.json).
-type GoBenchResults struct {
-	Meta       RunMeta        `json:"meta"`
-	Command    string         `json:"command"`
-	Packages   []GoBenchPkg   `json:"packages"`
-	Benchmarks []GoBenchEntry `json:"benchmarks"`
-	// HotPaths maps each hot path to the benchmarks that cover it, or to
-	// an empty list when none does.
-	HotPaths []HotPath `json:"hotPaths"`
-}
-
-// GoBenchPkg is one package's run.
-type GoBenchPkg struct {
-	Package string `json:"package"`
-	// NA says why the package's benchmarks did not run (a build failure).
-	NA     string `json:"na,omitempty"`
-	Output string `json:"output"`
-}
-
-// GoBenchEntry is one benchmark, over every count.
-type GoBenchEntry struct {
-	Package     string `json:"package"`
-	Name        string `json:"name"`
-	NsPerOp     Series `json:"nsPerOp"`
-	BytesPerOp  Series `json:"bytesPerOp"`
-	AllocsPerOp Series `json:"allocsPerOp"`
-}
-
-// HotPath is whether a hot path has a benchmark.
-type HotPath struct {
-	What       string   `json:"what"`
-	Owner      string   `json:"owner"`
-	Benchmarks []string `json:"benchmarks"`
-}
-
 var benchLine = regexp.MustCompile(`^(Benchmark\S+?)(?:-\d+)?\s+\d+\s+([\d.]+) ns/op(?:\s+([\d.]+) B/op)?(?:\s+([\d.]+) allocs/op)?`)
 
-func runGoBench(ctx context.Context, e *env) error {
-	cfg := e.cfg
+func runGoBench(ctx context.Context, e *harness.Env) error {
+	cfg := e.Config
 	benchtime := "1s"
 	if cfg.Smoke {
 		// One iteration each: smoke checks that every benchmark runs and
@@ -73,8 +42,8 @@ func runGoBench(ctx context.Context, e *env) error {
 		benchtime = "1x"
 	}
 	args := []string{"test", "-run", "^$", "-bench", ".", "-benchmem", "-count", strconv.Itoa(cfg.Runs), "-benchtime", benchtime}
-	res := &GoBenchResults{
-		Meta:    newRunMeta(e, fmt.Sprintf("go %s", strings.Join(args, " "))),
+	res := &results.GoBenchResults{
+		Meta:    harness.NewRunMeta(e, fmt.Sprintf("go %s", strings.Join(args, " "))),
 		Command: "go " + strings.Join(args, " ") + " " + strings.Join(goBenchPackages, " "),
 	}
 	for _, pkg := range goBenchPackages {
@@ -85,17 +54,17 @@ func runGoBench(ctx context.Context, e *env) error {
 		cmd := exec.CommandContext(ctx, "go", append(args, pkg)...)
 		cmd.Dir = cfg.Root
 		out, err := cmd.CombinedOutput()
-		p := GoBenchPkg{Package: pkg, Output: string(out)}
+		p := results.GoBenchPkg{Package: pkg, Output: string(out)}
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			p.NA = fmt.Sprintf("go test failed (%v): %s", err, tail(string(out), 5))
-			e.logf("gobench %s: n/a: %s", pkg, p.NA)
+			p.NA = fmt.Sprintf("go test failed (%v): %s", err, harness.Tail(string(out), 5))
+			e.Logf("gobench %s: n/a: %s", pkg, p.NA)
 			res.Packages = append(res.Packages, p)
 			continue
 		}
-		found := map[string]*GoBenchEntry{}
+		found := map[string]*results.GoBenchEntry{}
 		var order []string
 		for _, line := range strings.Split(string(out), "\n") {
 			m := benchLine.FindStringSubmatch(line)
@@ -104,16 +73,16 @@ func runGoBench(ctx context.Context, e *env) error {
 			}
 			be := found[m[1]]
 			if be == nil {
-				be = &GoBenchEntry{Package: pkg, Name: m[1]}
+				be = &results.GoBenchEntry{Package: pkg, Name: m[1]}
 				found[m[1]] = be
 				order = append(order, m[1])
 			}
 			for _, f := range []struct {
-				s *Series
+				s *results.Series
 				v string
 			}{{&be.NsPerOp, m[2]}, {&be.BytesPerOp, m[3]}, {&be.AllocsPerOp, m[4]}} {
 				if v, err := strconv.ParseFloat(f.v, 64); err == nil {
-					f.s.add(v)
+					f.s.Add(v)
 				}
 			}
 		}
@@ -121,20 +90,20 @@ func runGoBench(ctx context.Context, e *env) error {
 			res.Benchmarks = append(res.Benchmarks, *found[name])
 		}
 		res.Packages = append(res.Packages, p)
-		e.logf("gobench %s: %d benchmarks in %v", pkg, len(order), time.Since(start).Round(100*time.Millisecond))
+		e.Logf("gobench %s: %d benchmarks in %v", pkg, len(order), time.Since(start).Round(100*time.Millisecond))
 	}
 	for _, h := range hotPaths {
-		hp := HotPath{What: h.What, Owner: h.Owner, Benchmarks: []string{}}
+		hp := results.HotPath{What: h.What, Owner: h.Owner, Benchmarks: []string{}}
 		for _, b := range res.Benchmarks {
 			if (h.Package == "" || b.Package == h.Package) && h.Name.MatchString(b.Name) {
 				hp.Benchmarks = append(hp.Benchmarks, strings.TrimPrefix(b.Package, "./")+b.Name)
 			}
 		}
 		if len(hp.Benchmarks) == 0 {
-			e.logf("gobench: no benchmark covers %s (to be added in %s)", h.What, h.Owner)
+			e.Logf("gobench: no benchmark covers %s (to be added in %s)", h.What, h.Owner)
 		}
 		res.HotPaths = append(res.HotPaths, hp)
 	}
-	res.Meta.finish()
-	return writeJSON(cfg, "gobench.json", res)
+	res.Meta.Finish()
+	return harness.WriteJSON(cfg, "gobench.json", res)
 }

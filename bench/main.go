@@ -4,6 +4,9 @@
 //
 //	cd bench && go run . <part> [flags]
 //
+// This package is the command (commands.go wires the parts); the parts
+// and what they share are packages under internal/ (README.md maps them).
+//
 // It measures uproxy from outside, as a binary, and imports none of its
 // packages but the test fixtures it shares with uproxy's own tests
 // (internal/testlab, testkube, testpeer) and internal/uring, the ring
@@ -13,6 +16,8 @@ package main
 import (
 	"fmt"
 	"os"
+
+	"github.com/uproxy/uproxy/bench/internal/load"
 
 	"github.com/spf13/cobra"
 
@@ -28,7 +33,7 @@ func main() {
 	}
 	root.AddCommand(testpeer.Commands()...)
 	root.AddCommand(newDemoCommand())
-	root.AddCommand(newBackendCommand(), newLoadCommand(), newIOCopyCommand(), newURingCommand())
+	root.AddCommand(load.NewBackendCommand(), load.NewLoadCommand(), load.NewIOCopyCommand(), load.NewURingCommand())
 	root.AddCommand(newPartCommands()...)
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)

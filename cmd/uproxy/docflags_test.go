@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"maps"
 	"os"
 	"os/exec"
@@ -36,7 +37,9 @@ func TestDocsCiteExistingFlags(t *testing.T) {
 	flags := map[string]bool{"help": true} // cobra adds it to every command when it runs
 	visitFlags(newRootCommand(), func(_ *cobra.Command, f *pflag.Flag) { flags[f.Name] = true })
 	benchSources, err := filepath.Glob("../../bench/*.go")
-	if err != nil || len(benchSources) == 0 {
+	internal, err2 := filepath.Glob("../../bench/internal/*/*.go")
+	benchSources = append(benchSources, internal...)
+	if err = errors.Join(err, err2); err != nil || len(benchSources) == 0 {
 		t.Fatalf("bench's sources: %v", err)
 	}
 	for _, f := range benchSources {
