@@ -17,8 +17,9 @@
 //     io_uring in loopring.go, which also carries small messages); a
 //     loop's parts are loopTCP (loopsession.go), loopFlows (loopflow.go)
 //     and loopAccept (accept.go).
-//   - tcp.go, splice.go: accepting and carrying TCP connections, and the
-//     copying (splice(2) for bulk, a pooled buffer for small messages).
+//   - tcp.go: accepting a TCP connection and handing it to a loop;
+//     loopsession.go and splice.go: the copying (splice(2) and a pooled
+//     pipe for bulk, a buffer for small messages).
 //   - dial.go, dialerr.go: the dial to a backend, and whose fault a
 //     failed attempt is.
 //   - udp.go, udpsock.go, udppool.go: UDP listeners, flows, and the

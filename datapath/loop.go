@@ -491,8 +491,9 @@ func (lt *loopTCP) armKeepAlive() {
 	}
 }
 
-// fdProgress returns bytes received plus bytes acknowledged by the peer
-// (see tcpProgress).
+// fdProgress returns bytes received plus bytes acknowledged by the peer:
+// how the idle sweep tells a quiet direction of a busy connection, whose
+// splices it cannot see, from a dead one.
 func fdProgress(fd int) uint64 {
 	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
 	if err != nil {
@@ -526,8 +527,8 @@ func dupRaw(rc syscall.RawConn) (int, error) {
 	return nfd, nil
 }
 
-// eventLoops is the number of loops cfg asks for: zero means one less
-// than GOMAXPROCS (at least one), negative none.
+// eventLoops is the number of loops cfg asks for: zero (or less) means
+// one less than GOMAXPROCS, at least one.
 //
 // A loop blocks in epoll_wait, a system call, and keeps its P meanwhile
 // (the runtime retakes it only through sysmon, a tick or more later), so

@@ -50,7 +50,7 @@ type loopRing struct {
 	loop     *eventLoop
 	r        *uring.Ring
 	bufs     *uring.BufRing
-	complete func(uring.CQE) // the loop's ringComplete, bound once
+	complete func(uring.CQE) // completed, bound once
 	// sessions are the sessions on the ring, by ring id, and those that
 	// left it (or ended) with operations still in flight.
 	sessions map[uint64]*loopSession
@@ -62,13 +62,13 @@ type loopRing struct {
 	starved []ringStarved
 	starves int
 	// slowLeaves counts the sessions that left the ring because a
-	// destination was full (ringSent).
+	// destination was full (sent).
 	slowLeaves int
 	// busy counts the turns in a row whose io_uring_enter found a
 	// completion backlog (EBUSY) and nothing to reap.
 	busy int
 	// broken says why the loop can no longer account for the ring's
-	// operations, once a completion of no session came (ringComplete).
+	// operations, once a completion of no session came (completed).
 	broken error
 }
 
@@ -350,7 +350,7 @@ func (rs *loopRing) send(ls *loopSession, d int) {
 	// MSG_DONTWAIT: a send that finds the socket full completes at once,
 	// with what it could send (or EAGAIN), instead of waiting in the ring
 	// with the buffer (io_uring/net.c: REQ_F_NOWAIT), so that the loop's
-	// buffers wait for no slow reader (ringSent).
+	// buffers wait for no slow reader (sent).
 	e.Opcode, e.Fd, e.OpFlags = uring.OpSend, int32(ls.side[1-d].fd), unix.MSG_NOSIGNAL|unix.MSG_DONTWAIT
 	e.Addr, e.Len = uint64(uintptr(unsafe.Pointer(&b[0]))), uint32(len(b))
 	e.UserData = ringData(ls.ringID, 0, d, ringTagSend)

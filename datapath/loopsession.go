@@ -26,7 +26,7 @@ type loopSession struct {
 	connecting bool
 	deadline   time.Time
 	// moved: bytes moved since the last idle sweep. progress: the TCP_INFO
-	// counters of the two sockets at that sweep (see session.stillActive).
+	// counters of the two sockets at that sweep (fdProgress).
 	moved    bool
 	progress [2]uint64
 	// keepAlive: the backend's socket has TCP keep-alive on (armKeepAlive).

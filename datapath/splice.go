@@ -11,20 +11,19 @@ import (
 )
 
 // The TCP data path moves bulk bytes socket → pipe → socket with
-// splice(2), and small messages through a pooled userspace buffer, in the
-// proxy's own loop on the sockets' RawConns rather than
-// net.TCPConn.ReadFrom. ReadFrom takes a pipe from the runtime's pool for
-// the whole call, including the wait for the source to become readable
-// (internal/poll.Splice: getPipe, then spliceDrain blocks in waitRead), so
-// every idle direction of every connection pinned two pipe descriptors:
-// six per proxied connection. Here a direction takes a pipe (or a buffer)
-// only once its source has data, and gives it back as soon as it has been
-// emptied into the destination, so an idle connection holds just its two
-// sockets.
+// splice(2), and small messages through a buffer, on the event loops
+// (loopTCP.read and flush) rather than with net.TCPConn.ReadFrom, which
+// takes a pipe from the runtime's pool for the whole call, including the
+// wait for the source to become readable (internal/poll.Splice: getPipe,
+// then spliceDrain blocks in waitRead), so every idle direction of every
+// connection pinned two pipe descriptors: six per proxied connection.
+// Here a direction takes a pipe (or a buffer) only once its source has
+// data, and gives it back as soon as it has been emptied into the
+// destination, so an idle connection holds just its two sockets.
 
-// spliceFlags: never block inside the kernel (the sockets' readiness comes
-// from Go's netpoller through RawConn), and move pages instead of copying
-// them where the kernel can.
+// spliceFlags: never block inside the kernel (the loop learns the sockets'
+// readiness from epoll), and move pages instead of copying them where the
+// kernel can.
 const spliceFlags = unix.SPLICE_F_NONBLOCK | unix.SPLICE_F_MOVE
 
 // kernelPipe is one pipe(2) pair used as the splice buffer, and how many

@@ -43,8 +43,7 @@ var errAborted = errors.New("session aborted")
 
 // carry hands the session's sockets, both connected, to one of g's loops,
 // which calls finish once both are closed. On an error other than
-// errAborted nothing has changed, and the session can go on without a
-// loop.
+// errAborted nothing has changed: the caller resets the session.
 func (s *session) carry(g *loopGroup, finish func(up, down int64)) error {
 	l, err := g.loopFor()
 	if err != nil {
@@ -92,9 +91,8 @@ func (s *session) setBackend(bc *net.TCPConn) bool {
 	return true
 }
 
-// abort ends both directions at once: it resets and closes both sides, so
-// whichever copy is blocked returns. Used on errors, idle timeouts and
-// forced shutdown.
+// abort ends the session at once: it resets and closes both sides, or has
+// the loop that carries them do it. Used on errors and forced shutdown.
 func (s *session) abort() {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -11,8 +11,8 @@
 //   - snapshot.go: a listener's routing, and the endpoints no Service may
 //     use; intercept.go: what the rules must catch;
 //   - shared.go: the shared listeners' route tables;
-//   - status.go, explain.go, metrics.go: what `uproxy status`, `uproxy
-//     explain` and /metrics show;
+//   - status.go: what the sync stores for `uproxy status` and `uproxy
+//     explain`, which package introspect answers, with the metrics;
 //   - handover.go, previous.go: hitless upgrades, and serving a previous
 //     instance's state before the API server answers.
 //

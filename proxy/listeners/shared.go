@@ -71,7 +71,7 @@ func (m *Manager) HostOn(ctx context.Context, k Key) (*Listener, error) {
 // More than one, so that the kernel's NAT can pick a port whose tuple no
 // TIME_WAIT socket holds, and a client's SYN to one service is not
 // dropped by PAWS for meeting the TIME_WAIT of its connection to another:
-// see "A shared listener's ports" in the package documentation.
+// docs/modes.md says why, with the kernel functions behind it.
 const SharedRedirectPorts = 16
 
 // sharedRangeAttempts is how many first ports HostOn tries for a shared
