@@ -13,16 +13,16 @@ const DefaultMaglevBudget = 64 << 20
 //
 // The zero value is ready, with the default bound. It is not safe for
 // concurrent use: one goroutine (a proxy's sync) rebuilds owners one at a
-// time, with Begin, Balancer and Commit.
-type MaglevBudget struct {
+// time, with Begin, Balancer and Commit. K names an owner.
+type MaglevBudget[K comparable] struct {
 	// Bound is the most bytes the tables may take together; zero means
 	// DefaultMaglevBudget.
 	Bound  int64
-	owners map[string]map[string]*MaglevTable
+	owners map[K]map[string]*MaglevTable
 	tables int64 // the total of every table in owners
 }
 
-func (b *MaglevBudget) bound() int64 {
+func (b *MaglevBudget[K]) bound() int64 {
 	if b.Bound <= 0 {
 		return DefaultMaglevBudget
 	}
@@ -30,13 +30,13 @@ func (b *MaglevBudget) bound() int64 {
 }
 
 // Bytes returns the memory of the tables the owners hold.
-func (b *MaglevBudget) Bytes() int64 { return b.tables }
+func (b *MaglevBudget[K]) Bytes() int64 { return b.tables }
 
 // MaglevRebuild is one owner's balancers being rebuilt: it reuses the
 // tables of the owner's previous ones, and shares new ones between its
 // balancers. Begin makes it, Commit ends it.
-type MaglevRebuild struct {
-	owner      string
+type MaglevRebuild[K comparable] struct {
+	owner      K
 	bound      int64
 	prev, next map[string]*MaglevTable
 	prevBytes  int64
@@ -50,8 +50,8 @@ type MaglevRebuild struct {
 }
 
 // Begin starts rebuilding owner's source-hash balancers.
-func (b *MaglevBudget) Begin(owner string) *MaglevRebuild {
-	r := &MaglevRebuild{owner: owner, bound: b.bound(), prev: b.owners[owner]}
+func (b *MaglevBudget[K]) Begin(owner K) *MaglevRebuild[K] {
+	r := &MaglevRebuild[K]{owner: owner, bound: b.bound(), prev: b.owners[owner]}
 	for _, t := range r.prev {
 		r.prevBytes += t.Bytes()
 	}
@@ -61,7 +61,7 @@ func (b *MaglevBudget) Begin(owner string) *MaglevRebuild {
 
 // Balancer returns a source-hash balancer over bs, with a Maglev table
 // when one fits the bound and rendezvous hashing otherwise.
-func (r *MaglevRebuild) Balancer(bs []*Backend) Balancer {
+func (r *MaglevRebuild[K]) Balancer(bs []*Backend) Balancer {
 	if len(bs) == 0 {
 		return New(SourceHash, nil)
 	}
@@ -94,23 +94,23 @@ func (r *MaglevRebuild) Balancer(bs []*Backend) Balancer {
 
 // Commit records the tables of r's balancers as its owner's, in place of
 // the previous ones, once they have replaced them.
-func (b *MaglevBudget) Commit(r *MaglevRebuild) {
+func (b *MaglevBudget[K]) Commit(r *MaglevRebuild[K]) {
 	b.tables = r.others + r.nextBytes
 	if len(r.next) == 0 {
 		delete(b.owners, r.owner)
 		return
 	}
 	if b.owners == nil {
-		b.owners = map[string]map[string]*MaglevTable{}
+		b.owners = map[K]map[string]*MaglevTable{}
 	}
 	b.owners[r.owner] = r.next
 }
 
 // Tables returns how many tables owner's balancers hold.
-func (b *MaglevBudget) Tables(owner string) int { return len(b.owners[owner]) }
+func (b *MaglevBudget[K]) Tables(owner K) int { return len(b.owners[owner]) }
 
 // Table returns the table owner's balancers over backends share, or nil
 // when they have none (rendezvous hashing, or no such balancer).
-func (b *MaglevBudget) Table(owner string, backends []*Backend) *MaglevTable {
+func (b *MaglevBudget[K]) Table(owner K, backends []*Backend) *MaglevTable {
 	return b.owners[owner][MaglevKey(backends)]
 }

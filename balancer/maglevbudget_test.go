@@ -12,7 +12,7 @@ import (
 func TestMaglevBudget(t *testing.T) {
 	small, large := nBackends(3), nBackends(40)
 	sizeSmall, sizeLarge := MaglevTableBytes(len(small)), MaglevTableBytes(len(large))
-	b := &MaglevBudget{Bound: sizeSmall + sizeLarge}
+	b := &MaglevBudget[string]{Bound: sizeSmall + sizeLarge}
 
 	// Two balancers over the same backends share one table.
 	r := b.Begin("a")
@@ -71,7 +71,7 @@ func TestMaglevBudget(t *testing.T) {
 // TestMaglevBudgetDefault checks that the zero budget bounds the tables by
 // DefaultMaglevBudget.
 func TestMaglevBudgetDefault(t *testing.T) {
-	var b MaglevBudget
+	var b MaglevBudget[string]
 	r := b.Begin("a")
 	if got := SourceHashMethod(r.Balancer(nBackends(3))); got != "Maglev" {
 		t.Errorf("a small table under the default bound: %s", got)

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/datapath"
@@ -20,7 +21,7 @@ import (
 // buildSnapshot builds a listener's next data-path state. Backends that
 // survive keep their identity, so active counts and ejections carry over.
 // Source-hash balancers take their tables from hashing.
-func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, st changes.ServiceState, zone string, old *routing.Snapshot, hashing *balancer.MaglevRebuild) *routing.Snapshot {
+func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, st changes.ServiceState, zone string, old *routing.Snapshot, hashing *balancer.MaglevRebuild[types.NamespacedName]) *routing.Snapshot {
 	s := &routing.Snapshot{ServicePort: sp, Snapshot: &datapath.Snapshot{
 		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.slots.get(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},

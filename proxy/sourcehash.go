@@ -16,20 +16,20 @@ const DefaultSourceHashBytes = balancer.DefaultMaglevBudget
 // services whose balancers passed it, which are logged when they do and
 // when they come back under it. Owned by the sync goroutine.
 type hashTables struct {
-	budget   balancer.MaglevBudget
+	budget   balancer.MaglevBudget[types.NamespacedName]
 	degraded map[types.NamespacedName]int64 // services with ports over the bound, and the bytes they wanted
 }
 
 // begin starts the apply of service name's source-hash balancers, whose
 // tables may take bound bytes in all (zero: DefaultSourceHashBytes).
-func (hs *hashTables) begin(name types.NamespacedName, bound int64) *balancer.MaglevRebuild {
+func (hs *hashTables) begin(name types.NamespacedName, bound int64) *balancer.MaglevRebuild[types.NamespacedName] {
 	hs.budget.Bound = bound
-	return hs.budget.Begin(name.String())
+	return hs.budget.Begin(name)
 }
 
 // end records the tables the service's new snapshots use, and logs
 // when the service's balancers go past the bound or come back under it.
-func (hs *hashTables) end(name types.NamespacedName, h *balancer.MaglevRebuild, log *zap.Logger) {
+func (hs *hashTables) end(name types.NamespacedName, h *balancer.MaglevRebuild[types.NamespacedName], log *zap.Logger) {
 	hs.budget.Commit(h)
 	bound := hs.budget.Bound
 	if bound <= 0 {

@@ -67,12 +67,12 @@ func hashing(p *Proxier) (ports map[string]string, tables int, total int64) {
 	for _, l := range p.services[name] {
 		bal := l.snap.Load().Cluster
 		desc := balancer.SourceHashMethod(bal)
-		if t := p.hash.budget.Table(name.String(), l.snap.Load().ClusterBackends); t != nil && desc == "Maglev" {
+		if t := p.hash.budget.Table(name, l.snap.Load().ClusterBackends); t != nil && desc == "Maglev" {
 			desc = fmt.Sprintf("Maglev %d", t.Len())
 		}
 		ports[l.Key.Name.Port] = desc
 	}
-	return ports, p.hash.budget.Tables(name.String()), p.hash.budget.Bytes()
+	return ports, p.hash.budget.Tables(name), p.hash.budget.Bytes()
 }
 
 // TestSourceHashTablesShared checks that a Maglev table is sized by its
