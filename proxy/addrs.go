@@ -36,8 +36,8 @@ func (a *nodeAddrs) refresh() {
 			a.log.Warn("cannot list the node's addresses", zap.Error(err))
 			return
 		}
-		for _, a := range ifAddrs {
-			if n, ok := a.(*net.IPNet); ok {
+		for _, ia := range ifAddrs {
+			if n, ok := ia.(*net.IPNet); ok {
 				if ip, ok := netip.AddrFromSlice(n.IP); ok {
 					addrs = append(addrs, ip.Unmap())
 				}
