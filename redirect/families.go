@@ -23,12 +23,13 @@ type FamiliesConfig struct {
 	IPv4, IPv6 Config
 	// Services are the choices ServiceRules copies into the rules.
 	// Services.TProxy selects tproxy mode, in which Sync also installs,
-	// and repairs, its Routing for each family.
+	// and repairs, its Routing for each family; so does Services.Replies
+	// in redirect mode.
 	Services ServiceOptions
-	// EnsureRouting installs or repairs a family's TPROXY policy routing,
-	// reporting whether it had to; nil means Services.TProxy.Routing's
-	// Ensure. It is called in tproxy mode only, from Sync, for both
-	// families side by side.
+	// EnsureRouting installs or repairs a family's policy routing,
+	// reporting whether it had to; nil means the Ensure of the Routing of
+	// Services.TProxy, or else of Services.Replies. It is called only when
+	// one of them is set, from Sync, for both families side by side.
 	EnsureRouting func(Family) (repaired bool, err error)
 	// Commands, when not nil, is called with each command's name, as
 	// Config.Commands is, from both families' Syncs side by side.
@@ -49,7 +50,7 @@ type Families struct {
 	cfg    FamiliesConfig
 	v4, v6 *Syncer // v6 is nil when ip6tables is unavailable
 	log    *zap.Logger
-	// routed records, per family, that tproxy mode's routing was ensured
+	// routed records, per family, that the policy routing was ensured
 	// once; warned that the missing IPv6 was logged. Sync's only.
 	routed [2]bool
 	warned bool
@@ -76,8 +77,13 @@ func NewFamilies(cfg FamiliesConfig) (*Families, error) {
 	if f.log == nil {
 		f.log = zap.NewNop()
 	}
-	if f.cfg.EnsureRouting == nil && cfg.Services.TProxy != nil {
-		f.cfg.EnsureRouting = cfg.Services.TProxy.Routing.Ensure
+	if f.cfg.EnsureRouting == nil {
+		switch {
+		case cfg.Services.TProxy != nil:
+			f.cfg.EnsureRouting = cfg.Services.TProxy.Routing.Ensure
+		case cfg.Services.Replies != nil:
+			f.cfg.EnsureRouting = cfg.Services.Replies.Routing.Ensure
+		}
 	}
 	v4 := cfg.IPv4
 	v4.Family, v4.Commands = IPv4, f.countCommand
@@ -166,15 +172,16 @@ func (f *Families) Sync(ctx context.Context, claims []Intercept, full bool) (Fam
 // TPROXY policy routing that tproxy mode needs. It runs on a goroutine of
 // Sync, beside the other family's, and touches only fam's routed.
 func (f *Families) syncFamily(ctx context.Context, fam Family, s *Syncer, rules Rules, full bool) (Result, error) {
-	if f.cfg.Services.TProxy != nil && (full || !f.routed[fam]) {
-		// TPROXY needs the policy routing that delivers marked packets
-		// locally; check it, and repair it, as often as the rules.
+	if routed := f.cfg.Services.TProxy != nil || f.cfg.Services.Replies != nil; routed && (full || !f.routed[fam]) {
+		// TPROXY and the replies to transparent dials need the policy
+		// routing that delivers marked packets locally; check it, and
+		// repair it, as often as the rules.
 		repaired, err := f.cfg.EnsureRouting(fam)
 		if err != nil {
 			return Result{}, err
 		}
 		if repaired && f.routed[fam] {
-			f.log.Warn("TPROXY policy routing had been removed; repaired", zap.Stringer("family", fam))
+			f.log.Warn("the policy routing of marked packets had been removed; repaired", zap.Stringer("family", fam))
 		}
 		f.routed[fam] = true
 	}

@@ -227,8 +227,8 @@ func TestFamiliesTProxyRouting(t *testing.T) {
 		{"first", false, map[Family]int{IPv4: 1, IPv6: 1}, nil},
 		{"partial", false, map[Family]int{}, nil},
 		{"full", true, map[Family]int{IPv4: 1, IPv6: 1}, []string{
-			"warn TPROXY policy routing had been removed; repaired IPv4",
-			"warn TPROXY policy routing had been removed; repaired IPv6",
+			"warn the policy routing of marked packets had been removed; repaired IPv4",
+			"warn the policy routing of marked packets had been removed; repaired IPv6",
 		}},
 	} {
 		logs.TakeAll()

@@ -116,6 +116,7 @@ var kernelRules = Rules{
 		{IPv4, TCP, 40001}, {IPv4, UDP, 40002}, {IPv4, TCP, 40003},
 		{IPv6, TCP, 41001}, {IPv6, UDP, 41002},
 	},
+	Replies: &Replies{},
 }
 
 // unrelatedDest is where the pre-existing rule in nat OUTPUT that uproxy
@@ -150,11 +151,14 @@ func kernelWant(f Family, r Rules, synced bool) string {
 	}
 	b.WriteString("COMMIT\n")
 	b.WriteString("*mangle\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n")
-	// Only tproxy mode jumps to the mangle chains.
+	// Only tproxy mode, and redirect mode with Replies, jump to the
+	// mangle chains.
 	if synced {
-		b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n")
-		if r.TProxy != nil {
+		b.WriteString(":UPROXY-REPLIES - [0:0]\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n")
+		if m := modeOf(r); m.tproxy {
 			b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+		} else if m.replies {
+			b.WriteString("-A PREROUTING " + repliesJumpComment + "\n")
 		}
 	}
 	b.WriteString("-A PREROUTING -d " + unrelatedMangleDest[f] + ` -m comment --comment "someone else" -j RETURN` + "\n")
@@ -162,7 +166,7 @@ func kernelWant(f Family, r Rules, synced bool) string {
 		if r.TProxy != nil {
 			b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 		}
-		for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-BRIDGED", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-OUTPUT", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP"} {
+		for _, c := range []string{"UPROXY-REPLIES", "UPROXY-TPROXY", "UPROXY-TPROXY-BRIDGED", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-OUTPUT", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP"} {
 			for _, l := range st[chainKey{"mangle", c}].rules {
 				b.WriteString(l + "\n")
 			}
@@ -315,6 +319,7 @@ func testKernelSync(t *testing.T, f Family) {
 			fw("tab\there", TCP, "10.96.2.1", 1, "10.1.2.3/8", "0.0.0.0/0"),
 			fw("tab\there", TCP, "2001:db8:2::1", 1, "::/0"),
 		},
+		Replies: kernelRules.Replies,
 	}
 	m := parseState(Render(f, comments)).ruleCount()
 	// No listeners: the rules stop naming the sets, which are destroyed.
@@ -371,7 +376,11 @@ func testKernelSync(t *testing.T, f Family) {
 	ipt("-t", "filter", "-X", "UPROXY-FIREWALL")
 	ipt("-t", "filter", "-F", ListenersChain)
 	ipt("-t", "filter", "-X", ListenersChain)
-	// Redirect mode: nothing jumps to the mangle chains.
+	// Redirect mode: only PREROUTING jumps to UPROXY-REPLIES.
+	ipt("-t", "mangle", "-D", "PREROUTING", "-m", "comment", "--comment", "uproxy replies to transparent dials", "-j", RepliesChain)
+	ipt("-t", "mangle", "-F", RepliesChain)
+	ipt("-t", "mangle", "-X", RepliesChain)
+	ipt("-t", "mangle", "-F", tproxyBridgedChain)
 	ipt("-t", "mangle", "-X", "UPROXY-TPROXY")
 	for _, c := range []string{tproxyServicesTCP, tproxyServicesUDP, tproxyNodePortsTCP, tproxyNodePortsUDP} {
 		ipt("-t", "mangle", "-X", c)

@@ -246,7 +246,7 @@ func TestSyncGivesUpWhileXtablesLocked(t *testing.T) {
 		t.Errorf("error %v does not wrap iptables-restore's exit status 4", err)
 	}
 	for _, want := range []string{
-		"IPv4", "writing chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-BRIDGED,UPROXY-TPROXY-OUTPUT; filter UPROXY-LISTENERS,UPROXY-FIREWALL)",
+		"IPv4", "writing chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-BRIDGED,UPROXY-TPROXY-OUTPUT,UPROXY-REPLIES; filter UPROXY-LISTENERS,UPROXY-FIREWALL)",
 		"gave up after 5 attempts in 1.5s",
 		"iptables-restore --noflush -w 5: exit status 4",
 		"Another app is currently holding the xtables lock. Stopped waiting after 5s.",

@@ -362,6 +362,12 @@ type Rules struct {
 	// service and node-port sets in both layouts: with per-service rules,
 	// the sets gate the rules.
 	TProxy *TProxy
+	// Replies, when not nil in redirect mode, brings back to the proxy
+	// the replies to its sockets that dial backends from a client's own
+	// address (UPROXY-REPLIES): without it the node routes them on to
+	// the client. Tproxy mode's UPROXY-TPROXY does the same for its own
+	// sockets, so there Replies changes nothing.
+	Replies *Replies
 	// Shared, when true, selects the shared layout, for a proxy with one
 	// listener per family and protocol; see "The shared layout" in the
 	// docs/rules.md. Intercepts are not rendered as rules: each
@@ -444,6 +450,11 @@ func (r Rules) validate() error {
 	if r.TProxy != nil {
 		if err := r.TProxy.validate(); err != nil {
 			errs = append(errs, fmt.Errorf("tproxy: %w", err))
+		}
+	}
+	if r.Replies != nil {
+		if err := r.Replies.Routing.validate(); err != nil {
+			errs = append(errs, fmt.Errorf("replies: %w", err))
 		}
 	}
 	if r.Shared {

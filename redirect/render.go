@@ -30,12 +30,12 @@ type chainSpec struct {
 	// inserted: a full sync replaces them with the current jump, and
 	// Cleanup deletes them too.
 	oldJumpMatches [][]string
-	// tproxyOnly: only tproxy mode (Rules.TProxy) jumps to the chain. In
-	// redirect mode the chain is declared, empty, and its jumps are
-	// deleted: a built-in chain that holds a rule puts its hook on every
-	// packet's path, while iptables-nft creates none for a table that
-	// holds only chains no rule jumps to.
-	tproxyOnly bool
+	// only, when set, says in which modes the built-in chains jump to
+	// the chain; nil means in all. In the others the chain is declared,
+	// empty, and its jumps are deleted: a built-in chain that holds a
+	// rule puts its hook on every packet's path, while iptables-nft
+	// creates none for a table that holds only chains no rule jumps to.
+	only func(jumpMode) bool
 	// proto is the protocol of a chain that holds one protocol's rules,
 	// and empty for the others.
 	proto Protocol
@@ -57,7 +57,24 @@ const (
 	ListenersChain    = "UPROXY-LISTENERS"
 	TProxyChain       = "UPROXY-TPROXY"
 	TProxyOutputChain = "UPROXY-TPROXY-OUTPUT"
+	RepliesChain      = "UPROXY-REPLIES"
 )
+
+// jumpMode is what of Rules decides which of uproxy's chains the
+// built-in chains jump to (chainSpec.only).
+type jumpMode struct {
+	// tproxy: Rules.TProxy is set.
+	tproxy bool
+	// replies: Rules.Replies is set, in redirect mode.
+	replies bool
+}
+
+func modeOf(r Rules) jumpMode {
+	return jumpMode{tproxy: r.TProxy != nil, replies: r.TProxy == nil && r.Replies != nil}
+}
+
+func (m jumpMode) isTProxy() bool   { return m.tproxy }
+func (m jumpMode) hasReplies() bool { return m.replies }
 
 // The names of the chains that only uproxy's own chains jump to.
 const (
@@ -123,7 +140,7 @@ var chains = []chainSpec{
 		jumpComment:    "uproxy tproxy",
 		jumpMatch:      notOwnMatch,
 		oldJumpMatches: [][]string{nil},
-		tproxyOnly:     true,
+		only:           jumpMode.isTProxy,
 		rules:          tproxyRules,
 	},
 	// Jumped to from UPROXY-TPROXY by what the service set and the
@@ -152,8 +169,18 @@ var chains = []chainSpec{
 		jumpComment:    "uproxy tproxy node traffic",
 		jumpMatch:      notOwnMatch,
 		oldJumpMatches: [][]string{nil},
-		tproxyOnly:     true,
+		only:           jumpMode.isTProxy,
 		rules:          tproxyOutputRules,
+	},
+	{
+		// Jumped to in redirect mode with Rules.Replies only, for the
+		// same reason as UPROXY-TPROXY.
+		table:       "mangle",
+		name:        RepliesChain,
+		from:        []string{"PREROUTING"},
+		jumpComment: "uproxy replies to transparent dials",
+		only:        jumpMode.hasReplies,
+		rules:       repliesRules,
 	},
 	{
 		// Only INPUT jumps here: the socket match works in PREROUTING

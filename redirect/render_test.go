@@ -321,6 +321,27 @@ func TestRenderGolden(t *testing.T) {
 			NodePorts:  []NodePort{{Family: IPv4, Protocol: TCP, Port: 30080, ToPort: 40001, Comment: "default/web:http"}},
 			TProxy:     &TProxy{NoBridged: true},
 		}},
+		// Redirect mode with the replies to transparent dials brought
+		// back: bridged ones cloned to the IP layer, the rest marked;
+		// without br_netfilter only the mark. In tproxy mode Replies
+		// changes nothing.
+		{"replies", IPv4, Rules{
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Replies:    &Replies{},
+		}},
+		{"replies_v6", IPv6, Rules{
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "2001:db8::10", 80, 41001)},
+			Replies:    &Replies{},
+		}},
+		{"replies_no_bridged", IPv4, Rules{
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			Replies:    &Replies{Routing: Routing{Mark: 0x10, Mask: 0xf0}, NoBridged: true},
+		}},
+		{"replies_tproxy", IPv4, Rules{
+			Intercepts: []InterceptRule{svc("default/web:http", TCP, "10.96.0.10", 80, 40001)},
+			TProxy:     &TProxy{NoBridged: true},
+			Replies:    &Replies{},
+		}},
 		{"tproxy_invalid_skipped", IPv4, tproxied(Rules{
 			Intercepts: []InterceptRule{
 				svc("ok", TCP, "10.96.0.1", 80, 40001),
@@ -483,6 +504,7 @@ func TestParseStateOfRender(t *testing.T) {
 		{"mangle", tproxyNodePortsTCP}:     {exists: true},
 		{"mangle", tproxyNodePortsUDP}:     {exists: true},
 		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true},
+		{"mangle", RepliesChain}:           {exists: true},
 		{"filter", "UPROXY-FIREWALL"}:      {exists: true},
 		{"filter", "UPROXY-LISTENERS"}:     {exists: true},
 	}
@@ -513,6 +535,7 @@ func TestParseStateTables(t *testing.T) {
 		{"mangle", tproxyNodePortsTCP}:     {},
 		{"mangle", tproxyNodePortsUDP}:     {},
 		{"mangle", "UPROXY-TPROXY-OUTPUT"}: {exists: true, rules: []string{"-A UPROXY-TPROXY-OUTPUT -j MARK --set-xmark 0x200000/0x200000"}},
+		{"mangle", RepliesChain}:           {},
 		{"filter", "UPROXY-FIREWALL"}:      {exists: true, rules: []string{"-A UPROXY-FIREWALL -j DROP"}},
 		{"filter", "UPROXY-LISTENERS"}:     {},
 	}

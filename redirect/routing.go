@@ -59,6 +59,17 @@ func (r Routing) priority() int {
 	return r.Priority
 }
 
+// validate reports why r cannot be rendered, or nil.
+func (r Routing) validate() error {
+	if m, mask := r.mark(), r.mask(); m&^mask != 0 {
+		// MARK --set-xmark and TPROXY --tproxy-mark would flip the bits
+		// outside the mask, and the policy rule would test only those
+		// inside.
+		return fmt.Errorf("mark 0x%x has bits outside its mask 0x%x", m, mask)
+	}
+	return nil
+}
+
 // MarkString is the mark as iptables' MARK and TPROXY targets take it.
 func (r Routing) MarkString() string { return fmt.Sprintf("0x%x/0x%x", r.mark(), r.mask()) }
 

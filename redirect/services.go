@@ -51,6 +51,8 @@ type ServiceOptions struct {
 	Shared bool
 	// TProxy is Rules.TProxy; nil selects redirect mode.
 	TProxy *TProxy
+	// Replies is Rules.Replies.
+	Replies *Replies
 }
 
 // claimKey identifies the traffic an Intercept catches: two claims with the
@@ -96,7 +98,7 @@ func (c Intercept) key() claimKey {
 // ServiceRules neither keeps nor changes claims, and the Rules share no
 // memory with them but the SourceRanges slices.
 func ServiceRules(claims []Intercept, opts ServiceOptions) Rules {
-	r := Rules{NodePortAddresses: opts.NodePortAddresses, Shared: opts.Shared, TProxy: opts.TProxy}
+	r := Rules{NodePortAddresses: opts.NodePortAddresses, Shared: opts.Shared, TProxy: opts.TProxy, Replies: opts.Replies}
 	listeners := map[Listener]bool{}
 	seen := make(map[claimKey]bool, len(claims))
 	for _, c := range claims {

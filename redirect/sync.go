@@ -247,9 +247,9 @@ type Syncer struct {
 	// before the first Sync and after a failed one.
 	last     []byte
 	lastSets setState
-	// lastTProxy is the mode of the last successful Sync: whether its
-	// Rules had TProxy set, which decides the mangle jumps.
-	lastTProxy bool
+	// lastMode is the mode of the last successful Sync, which decides
+	// the mangle jumps.
+	lastMode jumpMode
 }
 
 // Result says what a Sync did.
@@ -360,12 +360,12 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	last, lastSets, lastTProxy := s.last, s.lastSets, s.lastTProxy
+	last, lastSets, lastMode := s.last, s.lastSets, s.lastMode
 	// Until this Sync succeeds, the kernel's state is unknown.
 	s.last, s.lastSets = nil, nil
-	tproxy := r.TProxy != nil
+	mode := modeOf(r)
 	// A change of mode changes the jumps, which only the full path does.
-	fullPath := last == nil || full || tproxy != lastTProxy
+	fullPath := last == nil || full || mode != lastMode
 	var read *kernelRead
 	if fullPath {
 		// The full path reads the kernel: the reads wait for processes,
@@ -388,7 +388,7 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 		s.last, s.lastSets = want, wantSets
 		return res, nil
 	}
-	sameMode := last != nil && tproxy == lastTProxy
+	sameMode := last != nil && mode == lastMode
 
 	have, saved, haveSets, err := read.wait()
 	if err != nil {
@@ -404,14 +404,14 @@ func (s *Syncer) Sync(ctx context.Context, r Rules, full bool) (Result, error) {
 	if err := s.write(ctx, &res, rulesDiffer, want, haveSets, wantSets); err != nil {
 		return res, err
 	}
-	changed, err := s.ensureJumps(ctx, savedJumps(saved), tproxy)
+	changed, err := s.ensureJumps(ctx, savedJumps(saved), mode)
 	if err != nil {
 		return res, err
 	}
 	if changed && sameMode {
 		res.Repaired = true
 	}
-	s.last, s.lastSets, s.lastTProxy = want, wantSets, tproxy
+	s.last, s.lastSets, s.lastMode = want, wantSets, mode
 	return res, nil
 }
 
@@ -519,14 +519,14 @@ func restore(ctx context.Context, f Family, x Exec, wait, op string, input []byt
 // ensureJumps inserts each jump rule that saved (savedJumps of the tables
 // as this sync read them) lacks at position 1 of its built-in chain,
 // deletes every copy that saved has of an earlier version's jumps
-// (oldJumpMatches) and, unless tproxy is set, of the jumps to tproxy
-// mode's chains, and reports whether it changed any. Reading the jumps
+// (oldJumpMatches) and of the jumps to chains that mode does not jump to
+// (chainSpec.only), and reports whether it changed any. Reading the jumps
 // from the tables that a full sync saves anyway spares an iptables -C, a
 // process start, per jump: seven per family on every full sync.
-func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, tproxy bool) (bool, error) {
+func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, mode jumpMode) (bool, error) {
 	changed := false
 	for _, c := range chains {
-		wanted := tproxy || !c.tproxyOnly
+		wanted := c.only == nil || c.only(mode)
 		for _, from := range c.from {
 			if err := ctx.Err(); err != nil {
 				return changed, fmt.Errorf("redirect: %s: jump from %s/%s to %s: %w", s.family, c.table, from, c.name, err)
@@ -539,7 +539,7 @@ func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, tproxy b
 			}
 			// The jumps that must go: an earlier version's, once the
 			// current one is in (until then it keeps the chain's rules
-			// working), and in redirect mode, those to tproxy mode's.
+			// working), and those to chains of another mode.
 			unwanted := c.oldJumpMatches
 			if !wanted {
 				unwanted = c.jumpMatches()

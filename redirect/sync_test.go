@@ -512,6 +512,7 @@ const (
 	jumpComment             = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy service portals" -j UPROXY-SERVICES`
 	tproxyJumpComment       = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy tproxy" -j UPROXY-TPROXY`
 	tproxyOutputJumpComment = `-m mark ! --mark 0x400000/0x400000 -m comment --comment "uproxy tproxy node traffic" -j UPROXY-TPROXY-OUTPUT`
+	repliesJumpComment      = `-m comment --comment "uproxy replies to transparent dials" -j UPROXY-REPLIES`
 	firewallJumpComment     = `-m conntrack --ctstate NEW,UNTRACKED -m comment --comment "uproxy firewall" -j UPROXY-FIREWALL`
 	listenersJumpComment    = `-m conntrack --ctstate NEW -m comment --comment "uproxy listener owners" -j UPROXY-LISTENERS`
 	// oldJumpComment is the service jump of earlier versions, which the
@@ -545,7 +546,7 @@ func wantSave(f Family, r Rules) string {
 	for _, c := range builtin["mangle"] {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
-	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n")
+	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-REPLIES - [0:0]\n")
 	// Only tproxy mode jumps to the mangle chains.
 	if r.TProxy != nil {
 		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
@@ -946,7 +947,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 		members      int
 	}{
 		{"nat", "OUTPUT", []string{unrelated}, rulesA, 12, 2},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 24, 5},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 25, 5},
 		{"filter", "FORWARD", nil, rulesA, 12, 2},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
@@ -1014,7 +1015,7 @@ func TestSyncRestoreFailure(t *testing.T) {
 	if !errors.Is(err, errExit) {
 		t.Errorf("error %v does not wrap the exec error", err)
 	}
-	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-BRIDGED,UPROXY-TPROXY-OUTPUT; filter UPROXY-LISTENERS,UPROXY-FIREWALL", stderr} {
+	for _, s := range []string{"IPv4", "writing", "nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-BRIDGED,UPROXY-TPROXY-OUTPUT,UPROXY-REPLIES; filter UPROXY-LISTENERS,UPROXY-FIREWALL", stderr} {
 		if !strings.Contains(err.Error(), s) {
 			t.Errorf("error %q does not mention %q", err, s)
 		}
@@ -1249,7 +1250,7 @@ func TestCleanup(t *testing.T) {
 	// UPROXY-SERVICES jumps to UPROXY-NODEPORTS: both are flushed before
 	// either is deleted.
 	wantInput := "*nat\n:UPROXY-SERVICES - [0:0]\n:UPROXY-NODEPORTS - [0:0]\n-X UPROXY-SERVICES\n-X UPROXY-NODEPORTS\nCOMMIT\n" +
-		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-SERVICES-TCP\n-X UPROXY-TPROXY-SERVICES-UDP\n-X UPROXY-TPROXY-NODEPORTS-TCP\n-X UPROXY-TPROXY-NODEPORTS-UDP\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-BRIDGED\n-X UPROXY-TPROXY-OUTPUT\nCOMMIT\n" +
+		"*mangle\n:UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-REPLIES - [0:0]\n-X UPROXY-TPROXY\n-X UPROXY-TPROXY-SERVICES-TCP\n-X UPROXY-TPROXY-SERVICES-UDP\n-X UPROXY-TPROXY-NODEPORTS-TCP\n-X UPROXY-TPROXY-NODEPORTS-UDP\n-X UPROXY-TPROXY-DIVERT\n-X UPROXY-TPROXY-BRIDGED\n-X UPROXY-TPROXY-OUTPUT\n-X UPROXY-REPLIES\nCOMMIT\n" +
 		"*filter\n:UPROXY-LISTENERS - [0:0]\n:UPROXY-FIREWALL - [0:0]\n-X UPROXY-LISTENERS\n-X UPROXY-FIREWALL\nCOMMIT\n"
 	if got := k.restored[len(k.restored)-1]; got != wantInput {
 		t.Errorf("Cleanup restore input = %q, want %q", got, wantInput)
@@ -1258,9 +1259,11 @@ func TestCleanup(t *testing.T) {
 		// Each chain's current jump, then an earlier version's.
 		"Exists nat PREROUTING", "Delete nat PREROUTING", "Exists nat PREROUTING", "Exists nat PREROUTING",
 		"Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Delete nat OUTPUT", "Exists nat OUTPUT", "Exists nat OUTPUT",
-		// Redirect mode has no mangle jumps: only the one added above.
+		// Redirect mode has no mangle jumps but UPROXY-REPLIES's: only
+		// the one added above.
 		"Exists mangle PREROUTING", "Exists mangle PREROUTING",
 		"Exists mangle OUTPUT", "Delete mangle OUTPUT", "Exists mangle OUTPUT", "Exists mangle OUTPUT",
+		"Exists mangle PREROUTING",
 		"Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT",
 		"Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT", "Delete filter INPUT", "Exists filter INPUT",
 		"Exists filter INPUT",
@@ -1316,7 +1319,7 @@ func TestCleanupErrors(t *testing.T) {
 	}
 	k.failRestore = fmt.Errorf("iptables-restore: %w: referenced", errExit)
 	err = Cleanup(ctx, Config{Exec: k, Jumps: k})
-	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-BRIDGED,UPROXY-TPROXY-OUTPUT; filter UPROXY-LISTENERS,UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
+	if !errors.Is(err, errExit) || !strings.Contains(err.Error(), "deleting chains (nat UPROXY-SERVICES,UPROXY-NODEPORTS; mangle UPROXY-TPROXY,UPROXY-TPROXY-SERVICES-TCP,UPROXY-TPROXY-SERVICES-UDP,UPROXY-TPROXY-NODEPORTS-TCP,UPROXY-TPROXY-NODEPORTS-UDP,UPROXY-TPROXY-DIVERT,UPROXY-TPROXY-BRIDGED,UPROXY-TPROXY-OUTPUT,UPROXY-REPLIES; filter UPROXY-LISTENERS,UPROXY-FIREWALL)") || !strings.Contains(err.Error(), "referenced") {
 		t.Errorf("Cleanup with failing restore = %v", err)
 	}
 }
@@ -1794,8 +1797,8 @@ func TestSyncTProxy(t *testing.T) {
 	ctx := context.Background()
 	k := newFakeKernel(IPv4)
 	s := newFakeSyncer(t, k)
-	// For IPv4, 24 rules: 8 in UPROXY-TPROXY (the TCP socket match, the
-	// bridged clients' and the others' gates of the service set for TCP
+	// For IPv4, 25 rules: 9 in UPROXY-TPROXY (the bridged replies', the
+	// TCP socket match, the bridged clients' and the others' gates of the service set for TCP
 	// and UDP and of the TCP node-port set, the UDP socket match), 2 in
 	// UPROXY-TPROXY-BRIDGED (TEE and DROP), 4 in UPROXY-TPROXY-SERVICES-TCP and
 	// -UDP (the UDP intercept, two allowed prefixes and the DROP of the
@@ -1810,7 +1813,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 24, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
@@ -1823,7 +1826,7 @@ func TestSyncTProxy(t *testing.T) {
 	for _, c := range []struct {
 		table, chain string
 		rules        int
-	}{{"nat", ServicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", TProxyChain, 8}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", TProxyOutputChain, 2}, {"filter", FirewallChain, 2}} {
+	}{{"nat", ServicesChain, 0}, {"nat", nodePortsChain, 0}, {"mangle", TProxyChain, 9}, {"mangle", tproxyServicesTCP, 3}, {"mangle", tproxyServicesUDP, 1}, {"mangle", tproxyNodePortsTCP, 1}, {"mangle", tproxyNodePortsUDP, 0}, {"mangle", TProxyOutputChain, 2}, {"filter", FirewallChain, 2}} {
 		if n := len(st[chainKey{c.table, c.chain}].rules); n != c.rules {
 			t.Errorf("%s %s holds %d rules, want %d", c.table, c.chain, n, c.rules)
 		}
@@ -1833,7 +1836,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 24, SetMembers: 5}); res != want {
+	if want := (Result{Rules: 25, SetMembers: 5}); res != want {
 		t.Errorf("unchanged full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1849,7 +1852,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 24, Repaired: true, SetMembers: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 25, Repaired: true, SetMembers: 5}); res != want {
 		t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1871,7 +1874,7 @@ func TestSyncTProxy(t *testing.T) {
 	}{
 		{"redirect mode", rulesA, Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2},
 			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT"})},
-		{"tproxy mode again", tp, Result{Wrote: true, Rules: 24, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+		{"tproxy mode again", tp, Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
 			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"})},
 	} {
 		res, err := s.Sync(ctx, step.r, false)

@@ -32,14 +32,23 @@ type TProxy struct {
 }
 
 // validate reports why t cannot be rendered, or nil.
-func (t *TProxy) validate() error {
-	if m, mask := t.Routing.mark(), t.Routing.mask(); m&^mask != 0 {
-		// MARK --set-xmark and TPROXY --tproxy-mark would flip the bits
-		// outside the mask, and the policy rule would test only those
-		// inside.
-		return fmt.Errorf("mark 0x%x has bits outside its mask 0x%x", m, mask)
-	}
-	return nil
+func (t *TProxy) validate() error { return t.Routing.validate() }
+
+// Replies configures UPROXY-REPLIES (Rules.Replies): in redirect mode, the
+// packets that come back to a socket of the proxy's that dials a backend
+// from a client's address are marked for local delivery, as tproxy mode
+// marks those of its own sockets, and so reach the socket instead of
+// being routed on to the client. It needs the policy routing of Routing
+// for each family, which the caller installs before the first Sync and
+// removes after Cleanup, as in tproxy mode.
+type Replies struct {
+	// Routing gives the mark; its zero value is DefaultRouting.
+	Routing Routing
+	// NoBridged leaves out the rule that brings back replies bridged
+	// straight to the client, which a backend on the client's Linux
+	// bridge sends: as TProxy.NoBridged, set it where br_netfilter is
+	// not loaded. False renders it.
+	NoBridged bool
 }
 
 // loopbackOf returns the loopback address of f, where the tproxy-mode
@@ -203,7 +212,8 @@ func tproxyRules(c chainSpec, f Family, r Rules) []string {
 		return nil
 	}
 	t := r.TProxy
-	rules := []string{fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain)}
+	rules := bridgedReplyRules(c.name, t.NoBridged)
+	rules = append(rules, fmt.Sprintf("-A %s -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -g %s", c.name, tproxyDivertChain))
 	rules = append(rules, tproxyBridgedGates(c, f, r)...)
 	if !r.Shared {
 		ns := tproxyNodePorts(f, r)
@@ -280,6 +290,44 @@ func tproxyBridgedGates(c chainSpec, f Family, r Rules) []string {
 	return rules
 }
 
+// bridgedReplyRules renders, unless noBridged, the rule of chain that
+// sends to UPROXY-TPROXY-BRIDGED what a Linux bridge carries to one of
+// the proxy's transparent sockets in the reply direction of its
+// connection: the reply of a backend on the bridge of the client whose
+// address the socket dials from, which the bridge would hand straight
+// to the client (which knows no such connection and resets it).
+// br_netfilter runs PREROUTING on it, where the socket match finds the
+// socket. The reply direction keeps out a tproxy-mode client's own
+// packets to its listener's transparent socket, which the routing mark
+// alone delivers; the clone that TEE sends comes back through lo, which
+// the rule leaves alone, and meets the mark rules instead.
+func bridgedReplyRules(chain string, noBridged bool) []string {
+	if noBridged {
+		return nil
+	}
+	return []string{fmt.Sprintf("-A %s ! -i lo -m physdev --physdev-is-in -m conntrack --ctdir REPLY -m socket --transparent -j %s", chain, tproxyBridgedChain)}
+}
+
+// repliesRules renders UPROXY-REPLIES (Replies): in redirect mode, the
+// bridged replies to the proxy's transparent sockets go to
+// UPROXY-TPROXY-BRIDGED, and the others get the routing mark, as do the
+// clones that TEE sends back through lo (which conntrack does not
+// track). Only the reply direction is looked up: a transparent socket
+// of redirect mode only dials. Tproxy mode leaves the chain empty:
+// UPROXY-TPROXY does the same for every transparent socket.
+func repliesRules(c chainSpec, _ Family, r Rules) []string {
+	if r.Replies == nil || r.TProxy != nil {
+		return nil
+	}
+	mark := "-j MARK --set-xmark " + r.Replies.Routing.MarkString()
+	rules := bridgedReplyRules(c.name, r.Replies.NoBridged)
+	rules = append(rules, fmt.Sprintf("-A %s -m conntrack --ctdir REPLY -m socket --transparent %s", c.name, mark))
+	if !r.Replies.NoBridged {
+		rules = append(rules, fmt.Sprintf("-A %s -i lo -m socket --transparent %s", c.name, mark))
+	}
+	return rules
+}
+
 // tproxyBridgedRules renders UPROXY-TPROXY-BRIDGED: TEE sends a copy of
 // the packet from the IP layer, towards loopback, and the packet itself
 // is dropped. The copy leaves through OUTPUT, where UPROXY-TPROXY-OUTPUT
@@ -290,7 +338,9 @@ func tproxyBridgedGates(c chainSpec, f Family, r Rules) []string {
 // UPROXY-TPROXY's first rule sends the rest of a connection to its
 // socket's mark before the gates.
 func tproxyBridgedRules(c chainSpec, f Family, r Rules) []string {
-	if r.TProxy == nil || r.TProxy.NoBridged {
+	switch {
+	case r.TProxy != nil && r.TProxy.NoBridged,
+		r.TProxy == nil && (r.Replies == nil || r.Replies.NoBridged):
 		return nil
 	}
 	return []string{
