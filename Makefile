@@ -109,7 +109,8 @@ cluster-status:
 
 # cluster-verify: the checks that need a real kubelet, on the running
 # cluster (cluster/verify.sh): uproxy's rolling update under load, backend
-# deletion and readiness, CoreDNS over UDP and TCP.
+# deletion and readiness, CoreDNS over UDP and TCP, a NetworkPolicy under
+# kube-network-policies (which it deploys).
 cluster-verify:
 	cluster/verify.sh
 

@@ -12,6 +12,9 @@
 #	cluster.sh mode M    switch uproxy to --mode M (redirect or tproxy)
 #	cluster.sh proxy P   swap the service proxy: uproxy, or kube-proxy-iptables
 #	                     or kube-proxy-nftables (the reference)
+#	cluster.sh netpol    run kube-network-policies, SIG Network's
+#	                     NetworkPolicy implementation (its nftables table
+#	                     goes with down)
 #
 # The environment sets it up (zero or empty: the default):
 #	CLUSTER_STATE   every file it writes: PKI, kubeconfigs, data, logs
@@ -56,6 +59,8 @@ kubernetes_ip=10.96.0.1
 dns_ip=10.96.0.10
 cgroup_root=/uproxy-cluster${netns:+-$netns}
 version=v1.37.2
+# SIG Network's NetworkPolicy implementation (cluster.sh netpol).
+netpol_version=v0.8.0
 
 # The sysctls that the kubelet (its kernel defaults), the CNI bridge plugin
 # (ip_forward), kube-proxy and uproxy may change: saved by up, restored by
@@ -166,6 +171,17 @@ build() {
 			say "building coredns"
 			go build -trimpath -ldflags "-s -w" -o "$bin/coredns" github.com/coredns/coredns
 		fi
+		# Built in module mode from its own go.mod, whose Kubernetes
+		# libraries are older than ours.
+		if [[ ! -x $bin/kube-network-policies || $(cat "$bin/kube-network-policies.version" 2>/dev/null) != "$netpol_version" ]]; then
+			say "building kube-network-policies $netpol_version"
+			local gobin
+			gobin=$(mktemp -d "${TMPDIR:-/tmp}/cluster-netpol.XXXXXX")
+			GOBIN=$gobin GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kube-network-policies/cmd@$netpol_version"
+			mv -f "$gobin/cmd" "$bin/kube-network-policies"
+			rm -rf "$gobin"
+			echo "$netpol_version" >"$bin/kube-network-policies.version"
+		fi
 	)
 	(
 		cd "$repo"
@@ -180,7 +196,7 @@ build() {
 		# is rebuilt only then.
 		if cmp -s "$bin/$b.new" "$bin/$b"; then rm -f "$bin/$b.new"; else mv -f "$bin/$b.new" "$bin/$b"; fi
 	done
-	"$here/images.sh" "$cache" pause coredns busybox agnhost uproxy
+	"$here/images.sh" "$cache" pause coredns busybox agnhost uproxy netpol
 }
 
 # snapshot DIR: what the node's network and the host look like, in files
@@ -793,6 +809,17 @@ status() {
 	kubectl -n kube-system get pods -o wide
 }
 
+# netpol: runs kube-network-policies as the node's NetworkPolicy engine,
+# and waits until it is up.
+netpol() {
+	[[ -f $state/up ]] || die "no cluster runs at $state"
+	import_images
+	kubectl apply -f "$here/manifests/kube-network-policies.yaml" >/dev/null
+	kubectl -n kube-system rollout status ds/kube-network-policies --timeout=120s >/dev/null
+	wait_for "kube-network-policies' nftables table" 60 onnode nft list table inet kube-network-policies
+	say "kube-network-policies $netpol_version enforces NetworkPolicy on the node"
+}
+
 # reload: imports the images that changed since up (after cluster.sh
 # build) and restarts uproxy's pods on them, with the manifests of deploy/
 # as they are now.
@@ -825,6 +852,7 @@ mode)
 	swap_proxy uproxy
 	;;
 proxy) swap_proxy "${2:?usage: cluster.sh proxy uproxy|kube-proxy-iptables|kube-proxy-nftables}" ;;
+netpol) netpol ;;
 *)
 	sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
 	exit 2

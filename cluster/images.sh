@@ -12,6 +12,8 @@
 #	          shell, nc, dig, curl, ip and socat that the e2e specs run in it
 #	busybox   registry.k8s.io/e2e-test-images/busybox:1.37.0-2
 #	uproxy    uproxy:latest, as make image builds it (deploy/image)
+#	netpol    registry.k8s.io/networking/kube-network-policies:v0.8.0, SIG
+#	          Network's NetworkPolicy implementation (cluster.sh netpol)
 #
 # The names and tags are the ones the kubelet and Kubernetes' e2e suite ask
 # for (test/utils/image/manifest.go at the pinned release), so that no
@@ -119,6 +121,12 @@ build() {
 		printf 'user-defined-in-image:x:1000:\ngroup-defined-in-image:x:50000:user-defined-in-image\n' >>"$rootfs/etc/group"
 		oci_pack "$rootfs" "$tar.new" '"Entrypoint":["/agnhost"],"Cmd":["pause"],"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]' \
 			registry.k8s.io/e2e-test-images/agnhost:2.66.1 registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1
+		;;
+	netpol)
+		stale "$tar" "$bin/kube-network-policies" "$0" "$repo/deploy/image/oci.sh" || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }
+		base "$rootfs"
+		install -m 0755 "$bin/kube-network-policies" "$rootfs/bin/netpol"
+		oci_pack "$rootfs" "$tar.new" '"Entrypoint":["/bin/netpol"]' registry.k8s.io/networking/kube-network-policies:v0.8.0
 		;;
 	uproxy)
 		stale "$tar" "$bin/uproxy-static" "$repo"/deploy/image/* || { echo "images.sh: $tar is up to date"; rm -rf "$work"; return; }

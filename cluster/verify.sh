@@ -9,9 +9,14 @@
 #             terminating, well before its grace period ends; a new pod is
 #             served within a second of becoming Ready;
 #   dns       CoreDNS answers pods through uproxy over UDP and TCP, for A
-#             and AAAA.
+#             and AAAA;
+#   netpol    under kube-network-policies (cluster.sh netpol, which it
+#             runs), a backend isolated by a NetworkPolicy that admits only
+#             role=client is reached through its ClusterIP and its DNS
+#             names by a role=client pod, which it sees with the pod's own
+#             address, and by no role=other pod on the same node.
 #
-#	cluster/verify.sh [rollout|endpoints|dns ...]   (default: all three)
+#	cluster/verify.sh [rollout|endpoints|dns|netpol ...]   (default: all four)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -198,13 +203,79 @@ done')
 		die "dns: no AAAA answer (NOERROR, empty) over UDP and TCP"
 }
 
+netpol() {
+	"$here/cluster.sh" netpol
+	kubectl -n "$ns" apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: isolated, labels: {app: isolated}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: web
+    image: $agnhost
+    args: [netexec, --http-port=8080]
+    readinessProbe:
+      httpGet: {path: /healthz, port: 8080}
+      periodSeconds: 1
+---
+apiVersion: v1
+kind: Service
+metadata: {name: isolated}
+spec:
+  selector: {app: isolated}
+  ports: [{port: 80, targetPort: 8080}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: isolated}
+spec:
+  podSelector: {matchLabels: {app: isolated}}
+  policyTypes: [Ingress]
+  ingress:
+  - from: [{podSelector: {matchLabels: {role: client}}}]
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: allowed, labels: {role: client}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - {name: c, image: $agnhost, command: [sleep, "86400"]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: other, labels: {role: other}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - {name: c, image: $agnhost, command: [sleep, "86400"]}
+EOF
+	kubectl -n "$ns" wait --for=condition=Ready pod/isolated pod/allowed pod/other --timeout=120s >/dev/null
+	local vip ip target out rc
+	vip=$(kubectl -n "$ns" get svc isolated -o jsonpath='{.spec.clusterIP}')
+	ip=$(kubectl -n "$ns" get pod allowed -o jsonpath='{.status.podIP}')
+	for target in "$vip" isolated "isolated.$ns.svc.cluster.local"; do
+		# netexec's /clientip answers with the address it sees.
+		out=$(kubectl -n "$ns" exec allowed -- curl -s -m 5 "http://$target/clientip") ||
+			die "netpol: the role=client pod got no answer from http://$target/"
+		[[ ${out%:*} == "$ip" ]] || die "netpol: http://$target/ saw the role=client pod ($ip) as $out"
+		say "netpol: role=client ($ip) -> http://$target/: served, seen as ${out%:*}"
+		rc=0
+		out=$(kubectl -n "$ns" exec other -- curl -s -m 5 "http://$target/clientip") || rc=$?
+		[[ $rc != 0 ]] || die "netpol: the role=other pod was served by http://$target/ (seen as $out)"
+		say "netpol: role=other -> http://$target/: not served (curl exit $rc)"
+	done
+	kubectl -n "$ns" delete networkpolicy isolated >/dev/null
+}
+
 setup
 checks=("$@")
-[[ ${#checks[@]} -gt 0 ]] || checks=(dns endpoints rollout)
+[[ ${#checks[@]} -gt 0 ]] || checks=(dns endpoints rollout netpol)
 for c in "${checks[@]}"; do
 	case $c in
-	rollout | endpoints | dns) "$c" ;;
-	*) die "no check named $c (rollout, endpoints, dns)" ;;
+	rollout | endpoints | dns | netpol) "$c" ;;
+	*) die "no check named $c (rollout, endpoints, dns, netpol)" ;;
 	esac
 done
 kubectl delete namespace "$ns" --wait=true --timeout=180s >/dev/null

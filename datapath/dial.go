@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"runtime"
 	"time"
 
 	"go.uber.org/zap"
@@ -31,8 +32,8 @@ type tcpDial struct {
 	snap        *Snapshot
 	bal         balancer.Balancer
 	client, dst netip.AddrPort // dst: the original destination, if known
-	from        netip.Addr     // valid: dial from this address (tproxy mode)
-	src         srcAttempt     // preserve-source-ip: whether from keeps the client's address
+	from        netip.AddrPort // valid: dial from this address and port (the client's)
+	src         srcAttempt     // whether from keeps the client's address
 
 	tries int
 	errs  []error
@@ -85,14 +86,18 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 }
 
 // failed reports that the attempt at next's backend failed. A failure
-// of the node's own (localDialFailure) does not eject the backend.
+// of the node's own (localDialFailure) does not eject the backend, nor
+// does a dial from the client's address that timed out: that is how a
+// NetworkPolicy drops this client alone, which must not take the
+// backend from the clients it admits. A backend that refuses, or is
+// silent to the node's address too, is ejected as before.
 func (d *tcpDial) failed(err error) {
 	if d.fallBack(err) {
 		return
 	}
 	d.snap.Metrics.dialDone(d.start, err)
 	d.b.Release()
-	if !localDialFailure(err) {
+	if !localDialFailure(err) && !(d.fromClient() && transparentFailure(err) == fallbackNoReply) {
 		d.p.health.Failure(d.b)
 	}
 	d.last = d.bm
@@ -148,18 +153,25 @@ func (d *tcpDial) done(up, down int64) {
 
 // rawDial opens a non-blocking socket of type sotype (SOCK_STREAM or
 // SOCK_DGRAM) connected to addr, from the address from when it is valid
-// (tproxy mode: IP_TRANSPARENT, then bind), carrying mark when it is not
-// zero (setOwnMark). A TCP socket gets
-// TCP_NODELAY; its keep-alive comes later from its event loop
-// (eventLoop.armKeepAlive), once the connection has lasted. Its connection
-// completes, or fails, when the socket turns writable (connect(2):
-// EINPROGRESS, then SO_ERROR). A UDP socket is connected on return.
-func rawDial(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (fd int, err error) {
+// (a client's: IP_TRANSPARENT, then bind), carrying mark when it is not
+// zero (setOwnMark). A TCP socket gets TCP_NODELAY; its keep-alive comes
+// later from its event loop (eventLoop.armKeepAlive), once the connection
+// has lasted. Its connection completes, or fails, when the socket turns
+// writable (connect(2): EINPROGRESS, then SO_ERROR). A UDP socket is
+// connected on return. A port of from's that another of the proxy's
+// connections to addr holds already (EADDRNOTAVAIL) gives way to one
+// the kernel picks.
+func rawDial(sotype int, addr netip.AddrPort, from netip.AddrPort, mark uint32) (fd int, err error) {
 	if fd, err = rawSocket(sotype, addr, from, mark); err != nil {
 		return -1, err
 	}
 	a := addr.Addr().Unmap()
-	switch err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), a.Is6()); err {
+	err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), a.Is6())
+	if err == unix.EADDRNOTAVAIL && from.Port() != 0 {
+		unix.Close(fd)
+		return rawDial(sotype, addr, netip.AddrPortFrom(from.Addr(), 0), mark)
+	}
+	switch err {
 	case nil, unix.EINPROGRESS, unix.EINTR:
 		// EINTR: the connection goes on asynchronously, as after
 		// EINPROGRESS (connect(2)).
@@ -171,14 +183,22 @@ func rawDial(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (fd 
 
 // rawSocket is rawDial without the connect: a socket of addr's family,
 // bound to from if that is valid, marked with mark if that is not zero,
-// to connect to addr.
-func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (fd int, err error) {
+// to connect to addr. A port in from is the client's own, which the
+// socket shares (SO_REUSEADDR) with the proxy's other connections from
+// that client and port, as the client's own kernel shares it between
+// destinations; one the node holds otherwise (a listener on every
+// address) gives way to one the kernel picks.
+func rawSocket(sotype int, addr netip.AddrPort, from netip.AddrPort, mark uint32) (fd int, err error) {
 	a := addr.Addr().Unmap()
 	family := unix.AF_INET
 	if a.Is6() {
 		family = unix.AF_INET6
 	}
-	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if from.IsValid() {
+		fd, err = clientSocket(family, sotype)
+	} else {
+		fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	}
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
@@ -197,7 +217,7 @@ func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (f
 		return fd, err
 	}
 	if from.IsValid() {
-		from = from.Unmap()
+		src := from.Addr().Unmap()
 		if family == unix.AF_INET6 {
 			err = unix.SetsockoptInt(fd, unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
 		} else {
@@ -206,11 +226,44 @@ func rawSocket(sotype int, addr netip.AddrPort, from netip.Addr, mark uint32) (f
 		if err != nil {
 			return fd, fmt.Errorf("setting IP_TRANSPARENT: %w", err)
 		}
-		if err = bindFD(fd, netip.AddrPortFrom(from, 0), from.Is6()); err != nil {
+		if from.Port() != 0 {
+			if err = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+				return fd, os.NewSyscallError("setsockopt SO_REUSEADDR", err)
+			}
+			if err = bindFD(fd, netip.AddrPortFrom(src, from.Port()), src.Is6()); err == nil {
+				return fd, nil
+			}
+		}
+		if err = bindFD(fd, netip.AddrPortFrom(src, 0), src.Is6()); err != nil {
 			return fd, os.NewSyscallError("bind", err)
 		}
 	}
 	return fd, nil
+}
+
+// clientSocketUID owns the sockets that dial from a client's address:
+// the overflow uid (nobody), not root.
+const clientSocketUID = 65534
+
+// clientSocket opens a non-blocking socket owned by clientSocketUID,
+// which it takes from the thread's filesystem uid when the socket is
+// created (sock_alloc, net/socket.c). A dial from a client's address is
+// the client's traffic, and policy engines that let the node's own root
+// sockets pass unchecked (kube-network-policies accepts "meta skuid 0"
+// in POSTROUTING) must police it as the client's. setfsuid(2) changes
+// the calling thread only, and only the filesystem capabilities with
+// it, so the thread is held for the two calls; the socket's other
+// operations need CAP_NET_ADMIN, which it keeps. Without the privilege
+// to change it, the socket is the process's own.
+func clientSocket(family, sotype int) (int, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	// setfsuid returns the previous filesystem uid whether it changed
+	// it or not.
+	prev, _ := unix.SetfsuidRetUid(clientSocketUID)
+	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	_, _ = unix.SetfsuidRetUid(prev)
+	return fd, err
 }
 
 // setOwnMark puts mark (Config.OwnMark) on the socket fd, unless it is

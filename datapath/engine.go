@@ -42,6 +42,18 @@ type Config struct {
 	// redirect mode: listeners on every address, destinations rewritten by
 	// REDIRECT.
 	Transparent bool
+	// MasqueradeAll dials every backend from the node's address, as
+	// kube-proxy's --masquerade-all masquerades everything; a service
+	// port's SourceIP SourceClient still keeps the client's. False keeps
+	// the client's own address wherever kube-proxy would (KeepClient).
+	MasqueradeAll bool
+	// BridgedReplies says that the kernel rules take a backend's replies
+	// to a client's address off a Linux bridge whose frames pass
+	// iptables (br_netfilter), up to the proxy's socket
+	// (redirect.Replies, redirect.TProxy): a client and a backend on one
+	// such bridge keep the client's address. False dials them from the
+	// node's address (fallbackSameSegment).
+	BridgedReplies bool
 	// Listen opens a listener; nil means net.ListenConfig.Listen.
 	Listen func(ctx context.Context, network, address string) (net.Listener, error)
 	// ListenUDP opens a UDP listener; nil means net.ListenConfig.ListenPacket.
@@ -207,9 +219,9 @@ type Engine struct {
 	log     *zap.Logger
 	connLog *zap.Logger // sampled: per-connection errors
 	health  *balancer.Health
-	// internal reports whether a client is a pod or the node
+	// clients tells a pod, the node and an outside client apart
 	// (NewEngine).
-	internal func(netip.Addr) bool
+	clients Clients
 
 	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
 
@@ -243,20 +255,23 @@ type udpRelay struct {
 	poolOpen atomic.Int64
 }
 
-// NewEngine returns an Engine configured by cfg. internal reports whether
-// a client is a pod or the node, for externalTrafficPolicy Local
-// (Snapshot.Route); it is called concurrently, from the data path.
-func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
+// NewEngine returns an Engine configured by cfg. clients tells a pod, the
+// node and an outside client apart, for externalTrafficPolicy Local
+// (Snapshot.Route) and for the address backends see (KeepClient); nil
+// counts every client as outside the cluster, and dials every backend
+// from the node's address.
+func NewEngine(cfg Config, clients Clients) *Engine {
 	p := &Engine{
-		cfg:      cfg,
-		log:      cfg.logger(),
-		internal: internal,
+		cfg:     cfg,
+		log:     cfg.logger(),
+		clients: clients,
 		loops: loopGroup{n: cfg.eventLoops(), opts: loopOptions{
 			idle: cfg.IdleTimeout, dialTimeout: cfg.dialTimeout(),
 			keepAliveEvery: cfg.backendKeepAliveEvery(), ringBufs: cfg.ioURingBuffers(),
 			stats: cfg.Stats,
 		}},
 	}
+	p.src.bridgedReplies = cfg.BridgedReplies
 	p.tcpProxy = tcpProxy{e: p, sessions: map[*session]struct{}{}}
 	p.udpRelay.e = p
 	if cfg.StartLoop != nil {
@@ -290,7 +305,14 @@ func NewEngine(cfg Config, internal func(netip.Addr) bool) *Engine {
 }
 
 // internalClient reports whether ip is a pod's or the node's.
-func (p *Engine) internalClient(ip netip.Addr) bool { return p.internal(ip) }
+func (p *Engine) internalClient(ip netip.Addr) bool { return internal(p.clients, ip) }
+
+// keepClient reports whether a connection or flow of snap from client,
+// sent to the cluster IP or not (toClusterIP), is to be dialled from the
+// client's own address (KeepClient).
+func (p *Engine) keepClient(snap *Snapshot, toClusterIP bool, client netip.Addr) bool {
+	return KeepClient(snap.SourceIP, p.cfg.MasqueradeAll, snap.Policy, toClusterIP, client, p.clients)
+}
 
 // Forget stops tracking b's failures: b has left every service.
 func (p *Engine) Forget(b *balancer.Backend) { p.health.Forget(b) }

@@ -23,15 +23,29 @@ type portName string
 
 func (n portName) String() string { return string(n) }
 
+// outsideClients is the Clients of the tests' Engines: every client is
+// outside the cluster, which has pod networks.
+type outsideClients struct{}
+
+func (outsideClients) Node(netip.Addr) bool             { return false }
+func (outsideClients) Pod(netip.Addr) (pod, known bool) { return false, true }
+
+// podClients is the Clients of a test whose clients on loopback stand for
+// pods.
+type podClients struct{}
+
+func (podClients) Node(netip.Addr) bool             { return false }
+func (podClients) Pod(netip.Addr) (pod, known bool) { return true, true }
+
 // startEngine runs an Engine configured by cfg until the test ends, then
-// drains it and checks that no session is left. No client counts as
-// internal.
+// drains it and checks that no session is left. Every client is outside
+// the cluster (outsideClients).
 func startEngine(t testing.TB, cfg Config) *Engine {
 	t.Helper()
 	if cfg.Stats == nil {
 		cfg.Stats = new(Stats) // for the tests that tell the data paths apart
 	}
-	p := NewEngine(cfg, func(netip.Addr) bool { return false })
+	p := NewEngine(cfg, outsideClients{})
 	startedEngines.Add(t, p)
 	t.Cleanup(func() {
 		p.Refuse()

@@ -67,7 +67,7 @@ type PortMetrics struct {
 	// labels of the port's samples.
 	Service, Port string
 	C             *PortCounters
-	// KeepsSource: the port asks to keep the client's address, so its
+	// KeepsSource: the port may keep the client's address, so its
 	// C.SourceFallbacks are reported.
 	KeepsSource bool
 	M           *Meters

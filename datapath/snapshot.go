@@ -51,9 +51,10 @@ type Snapshot struct {
 	// ProxyProtocol is the PROXY protocol version sent to the backend
 	// first: 0 (none), 1 or 2.
 	ProxyProtocol int
-	// PreserveSourceIP dials the backend from the client's address, in
-	// tproxy mode.
-	PreserveSourceIP bool
+	// SourceIP chooses the address the backends see connections and
+	// flows come from (KeepClient); the zero value keeps the client's
+	// where kube-proxy would.
+	SourceIP SourceIP
 	// UDPMode is how a UDP port carries its clients (udppool.go); the
 	// zero value, UDPFlow, gives each a flow.
 	UDPMode UDPMode
@@ -114,7 +115,7 @@ type Policy struct {
 // destination is unknown (no OriginalDst configured): the cluster IP is
 // assumed.
 func (s *Snapshot) Route(dst netip.AddrPort, known bool, client netip.Addr, internal func(netip.Addr) bool) balancer.Balancer {
-	toClusterIP := !known || (dst.Addr().Unmap() == s.VIP.Addr() && dst.Port() == s.VIP.Port())
+	toClusterIP := s.ToClusterIP(dst, known)
 	if !toClusterIP {
 		external := (s.NodePort != 0 && dst.Port() == s.NodePort) ||
 			(dst.Port() == s.VIP.Port() && slices.Contains(s.External, dst.Addr().Unmap()))
@@ -128,13 +129,23 @@ func (s *Snapshot) Route(dst netip.AddrPort, known bool, client netip.Addr, inte
 	return s.Cluster
 }
 
-// RoutesAlike reports whether Route picks the same balancer for every
-// address of the service port, whatever the client, so that a flow's
-// original destination need not be known: without a Local policy every
-// address routes to Cluster, and with only a cluster IP (no node port,
-// external or load-balancer IP) there is one address to route.
+// ToClusterIP reports whether a connection originally sent to dst was
+// sent to the cluster IP, which an unknown destination (known false) is
+// taken to be.
+func (s *Snapshot) ToClusterIP(dst netip.AddrPort, known bool) bool {
+	return !known || (dst.Addr().Unmap() == s.VIP.Addr() && dst.Port() == s.VIP.Port())
+}
+
+// RoutesAlike reports whether Route picks the same balancer, and
+// KeepClient the same source address, for every address of the service
+// port, whatever the client, so that a flow's original destination need
+// not be known: with only a cluster IP (no node port, external or
+// load-balancer IP) there is one address to route; else, without a
+// Local policy every address routes to Cluster, and the source is the
+// same for all when the service's annotation chooses it. Otherwise a
+// pod keeps its address to the cluster IP but not to a node port.
 func (s *Snapshot) RoutesAlike() bool {
-	return s.Policy == (Policy{}) || (s.NodePort == 0 && len(s.External) == 0)
+	return (s.NodePort == 0 && len(s.External) == 0) || (s.Policy == (Policy{}) && s.SourceIP != SourceAsKubeProxy)
 }
 
 // EndpointSet is the traffic policies' choice of a service port's

@@ -14,18 +14,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// preserve-source-ip dials a backend from the client's own address (tproxy
-// mode). The backend's replies then go to the client's address, and come
-// back to uproxy only if they pass through the node. When the client and
-// the backend share one of the node's L2 segments (two pods on one Linux
-// bridge, as flannel and the bridge CNI attach them), the backend reaches
-// the client directly, the client drops the SYN-ACK of a connection it
-// never opened, and the dial times out. A bridge rule could send
-// those replies up to the node's IP layer, but one on addresses and ports
-// cannot tell them from the pods' own connections, and the bridge is the
-// CNI's, not uproxy's. So uproxy keeps the client's address wherever the replies
-// come back through the node, and elsewhere dials from the node's address:
-// the annotation is a request, never a reason to fail a connection.
+// A connection that keeps the client's address (KeepClient) dials its
+// backend from that address. The backend's replies then go to the
+// client's address, and reach the proxy's socket only if they pass
+// through the node's IP layer, where the rules mark them for local
+// delivery (redirect.Replies, and tproxy mode's own rules). Routed
+// replies do: a backend on another node answers through the client's
+// node, a pod on a link of its own through the node. A backend on the
+// client's own Linux bridge (flannel, the bridge CNI, kubenet) answers
+// the client directly: with br_netfilter, the rules take that reply off
+// the bridge and up to the IP layer (Config.BridgedReplies); without
+// it, the client drops the SYN-ACK of a connection it never opened, and
+// the dial would time out. So uproxy keeps the client's address wherever
+// the replies come back, and elsewhere dials from the node's address:
+// keeping it is never a reason to fail a connection.
 
 // Reasons of uproxy_source_ip_fallbacks_total.
 const (
@@ -33,7 +35,9 @@ const (
 	// service port does not ask to keep it.
 	fallbackNone = iota
 	// fallbackSameSegment: the node's routes put the client and the
-	// backend on the same link with no gateway.
+	// backend on the same link with no gateway, and the rules cannot
+	// take the backend's replies off it (not a bridge whose frames
+	// pass iptables, or Config.BridgedReplies not set).
 	fallbackSameSegment
 	// fallbackNoReply: a dial from the client's address got no SYN-ACK,
 	// on this connection or recently for the same client and backend.
@@ -72,6 +76,9 @@ type segment struct {
 	// direct: the route is a unicast route with no gateway, so the node
 	// delivers to the address over link's L2 segment itself.
 	direct bool
+	// bridged: link is a Linux bridge whose frames br_netfilter hands to
+	// iptables (bridge-nf-call-iptables, or -ip6tables, is 1).
+	bridged bool
 }
 
 // sameSegment reports whether the node reaches a and b directly over the
@@ -91,10 +98,28 @@ func routeSegment(addr netip.Addr) (segment, error) {
 		return segment{}, nil
 	}
 	r := routes[0]
-	return segment{
+	seg := segment{
 		link:   r.LinkIndex,
 		direct: r.Type == unix.RTN_UNICAST && r.Gw == nil && r.Via == nil && len(r.MultiPath) == 0,
-	}, nil
+	}
+	if seg.direct && seg.link != 0 {
+		if l, err := netlink.LinkByIndex(seg.link); err == nil && l.Type() == "bridge" {
+			seg.bridged = bridgeCallsIPTables(addr.Unmap().Is6())
+		}
+	}
+	return seg, nil
+}
+
+// bridgeCallsIPTables reports whether br_netfilter hands bridged frames
+// of the family to iptables (or ip6tables) in the proxy's network
+// namespace.
+func bridgeCallsIPTables(v6 bool) bool {
+	name := "/proc/sys/net/bridge/bridge-nf-call-iptables"
+	if v6 {
+		name = "/proc/sys/net/bridge/bridge-nf-call-ip6tables"
+	}
+	b, err := os.ReadFile(name)
+	return err == nil && len(b) > 0 && b[0] == '1'
 }
 
 // sourceKeeper decides which address each preserve-source-ip attempt
@@ -107,6 +132,9 @@ func routeSegment(addr netip.Addr) (segment, error) {
 type sourceKeeper struct {
 	// lookup, when set, replaces routeSegment (tests).
 	lookup func(netip.Addr) (segment, error)
+	// bridgedReplies: the rules take a backend's replies off a bridge
+	// whose frames pass iptables (Config.BridgedReplies).
+	bridgedReplies bool
 
 	mu       sync.RWMutex
 	segments map[netip.Addr]segmentEntry
@@ -137,7 +165,7 @@ func (k *sourceKeeper) reason(now time.Time, client, backend netip.Addr) int {
 	if !bok || !now.Before(b.expires) {
 		b = k.learn(now, backend)
 	}
-	if sameSegment(c.seg, b.seg) {
+	if sameSegment(c.seg, b.seg) && !(k.bridgedReplies && c.seg.bridged) {
 		return fallbackSameSegment
 	}
 	return fallbackNone
@@ -186,6 +214,9 @@ func (k *sourceKeeper) firstFallback(svc string) bool {
 // is counted and, the first time for the service, logged. Used where no
 // dial can time out waiting for a reply (UDP).
 func (p *Engine) keepSource(snap *Snapshot, client, backend netip.Addr) netip.Addr {
+	if p.nodeBackend(client, backend) {
+		return netip.Addr{}
+	}
 	r := p.src.reason(p.cfg.clock().Now(), client, backend)
 	if r == fallbackNone {
 		return client
@@ -206,11 +237,29 @@ func (p *Engine) sourceFellBack(snap *Snapshot, reason int, client, backend neti
 	}
 }
 
-// srcAttempt is a TCP connection's state of preserve-source-ip.
+// nodeBackend reports whether backend is dialled from the node's address
+// though the connection or flow from client would keep the client's:
+// when it is the client itself (a hairpin, which kube-proxy masquerades;
+// a socket cannot connect to its own address and port, and the client
+// would see its own address answer), or one of the node's own addresses
+// (a host-network endpoint on this node), whose replies the node sends
+// from its own sockets, through OUTPUT, where no rule of uproxy's can
+// turn them back to the dialling socket. NetworkPolicy does not select
+// host-network pods, so their seeing the node loses it nothing.
+func (p *Engine) nodeBackend(client, backend netip.Addr) bool {
+	backend = backend.Unmap()
+	return backend == client || p.clients != nil && p.clients.Node(backend)
+}
+
+// srcAttempt is a TCP connection's state of keeping the client's address.
 type srcAttempt struct {
-	// keep is the client's address, to dial from when the service port
-	// asks to keep it (tproxy mode); the zero Addr otherwise.
-	keep netip.Addr
+	// keep is the client's address and port, to dial from when the
+	// connection keeps the client's address (KeepClient); the zero
+	// AddrPort otherwise.
+	keep netip.AddrPort
+	// pod: the client is in the pod networks, whose replies come back
+	// to the node wherever its routes say they do (fallBack).
+	pod bool
 	// reason is why the current attempt dials from the node's address
 	// though keep is set (fallbackNone: it does not).
 	reason int
@@ -222,45 +271,81 @@ type srcAttempt struct {
 	// dial timed out, which the connection, if it works, teaches the
 	// sourceKeeper (noReplyFrom).
 	timedOut bool
+	// anyPort: the client's port was taken for the backend (another
+	// connection of the client's, or the last attempt's socket, holds
+	// the same addresses and ports): the next attempt dials the same
+	// backend from the client's address and a port the kernel picks.
+	anyPort bool
 }
 
 // chooseSource sets the address the attempt at d.b dials from (d.from):
-// the client's when the service port asks to keep it and the backend's
-// replies come back through the node, else the node's.
+// the client's when the connection keeps it and the backend's replies
+// come back through the node, else the node's (nodeBackend for the
+// backends that are always dialled from it).
 func (d *tcpDial) chooseSource() {
 	d.from, d.src.reason, d.src.timedOut = d.src.keep, fallbackNone, false
 	if !d.src.keep.IsValid() {
 		return
 	}
-	if r := d.p.src.reason(d.p.cfg.clock().Now(), d.src.keep, d.b.Addr.Addr()); r != fallbackNone {
-		d.from, d.src.reason = netip.Addr{}, r
+	if d.p.nodeBackend(d.src.keep.Addr(), d.b.Addr.Addr()) {
+		d.from = netip.AddrPort{}
+		return
+	}
+	if r := d.p.src.reason(d.p.cfg.clock().Now(), d.src.keep.Addr(), d.b.Addr.Addr()); r != fallbackNone {
+		d.from, d.src.reason = netip.AddrPort{}, r
 	}
 }
 
 // retryFromNode returns the backend whose transparent attempt just
-// failed (fallBack), to dial again from the node's address; false when
-// there is none. The retry is not an attempt of its own (dialAttempts):
+// failed (fallBack), to dial again from the node's address, or from the
+// client's with another port when its own was taken; false when there
+// is none. The retry is not an attempt of its own (dialAttempts):
 // it is the same attempt, from another address.
 func (d *tcpDial) retryFromNode() (netip.AddrPort, bool) {
+	if d.src.anyPort {
+		d.src.anyPort = false
+		d.from = netip.AddrPortFrom(d.src.keep.Addr(), 0)
+		return d.b.Addr, true
+	}
 	if d.src.retry == fallbackNone {
 		return netip.AddrPort{}, false
 	}
-	d.from, d.src.reason, d.src.retry = netip.Addr{}, d.src.retry, fallbackNone
+	d.from, d.src.reason, d.src.retry = netip.AddrPort{}, d.src.retry, fallbackNone
 	d.src.timedOut = d.src.reason == fallbackNoReply
 	return d.b.Addr, true
 }
 
 // fallBack reports whether the failed attempt at d.b is retried from the
 // node's address before it counts as failed: a dial from the client's
-// address that timed out or could not take that address
-// (transparentFailure). d.b stays acquired for the retry (retryFromNode).
-// A backend that fails from the node's address too is a real failure.
+// address that could not take that address, or that timed out
+// (transparentFailure), unless the client is a pod. A pod's address is
+// routed to its node, and a reply bridged to it is taken off the bridge
+// (Config.BridgedReplies; where it cannot be, chooseSource dials from
+// the node's address in the first place), so a pod's dial that times
+// out was dropped on its way: by the backend's NetworkPolicy, most
+// often, which a retry from the node's address would get around. The
+// pod waits, as it would under kube-proxy. d.b stays acquired for the
+// retry (retryFromNode). A backend that fails from the node's address
+// too is a real failure.
 func (d *tcpDial) fallBack(err error) bool {
-	if !d.from.IsValid() || d.from != d.src.keep {
+	if !d.fromClient() {
 		return false
 	}
+	if d.from.Port() != 0 && (errors.Is(err, unix.EADDRNOTAVAIL) || errors.Is(err, unix.EADDRINUSE)) {
+		d.src.anyPort = true
+		return true
+	}
 	d.src.retry = transparentFailure(err)
+	if d.src.retry == fallbackNoReply && d.src.pod {
+		d.src.retry = fallbackNone
+	}
 	return d.src.retry != fallbackNone
+}
+
+// fromClient reports whether the current attempt dials from the
+// client's address.
+func (d *tcpDial) fromClient() bool {
+	return d.from.IsValid() && d.src.keep.IsValid() && d.from.Addr() == d.src.keep.Addr()
 }
 
 // sourceConnected records, once the attempt at d.b connected, a fallback
@@ -274,9 +359,9 @@ func (d *tcpDial) sourceConnected() {
 		return
 	}
 	if d.src.timedOut {
-		d.p.src.noReplyFrom(d.p.cfg.clock().Now(), d.src.keep, d.b.Addr.Addr())
+		d.p.src.noReplyFrom(d.p.cfg.clock().Now(), d.src.keep.Addr(), d.b.Addr.Addr())
 	}
-	d.p.sourceFellBack(d.snap, d.src.reason, d.src.keep, d.b.Addr.Addr())
+	d.p.sourceFellBack(d.snap, d.src.reason, d.src.keep.Addr(), d.b.Addr.Addr())
 }
 
 // transparentFailure returns why a dial from the client's address that

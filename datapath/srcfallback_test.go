@@ -6,12 +6,16 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/internal/testlab"
 )
 
 // fakeRoutes answers route lookups from a table, and counts them.
@@ -46,16 +50,24 @@ func TestSourceKeeperReason(t *testing.T) {
 		netip.MustParseAddr("10.244.9.2"):   {link: 9, direct: true},        // a routed pod on a veth of its own
 		netip.MustParseAddr("2001:db8::10"): {link: bridge, direct: true},
 		netip.MustParseAddr("2001:db8::11"): {link: bridge, direct: true},
+		// Pods on a bridge whose frames pass iptables (br_netfilter).
+		netip.MustParseAddr("10.244.2.10"): {link: bridge + 10, direct: true, bridged: true},
+		netip.MustParseAddr("10.244.2.11"): {link: bridge + 10, direct: true, bridged: true},
 	}}
 	now := time.Unix(1000, 0)
 	k := &sourceKeeper{lookup: routes.lookup}
-	k.noReplyFrom(now, netip.MustParseAddr("10.244.9.2"), netip.MustParseAddr("10.244.1.5"))
-	k.noReplyFrom(now.Add(-noReplyTTL), netip.MustParseAddr("192.0.2.7"), netip.MustParseAddr("10.244.1.5"))
+	// The rules take the replies off the bridge that passes iptables.
+	caught := &sourceKeeper{lookup: routes.lookup, bridgedReplies: true}
+	for _, k := range []*sourceKeeper{k, caught} {
+		k.noReplyFrom(now, netip.MustParseAddr("10.244.9.2"), netip.MustParseAddr("10.244.1.5"))
+		k.noReplyFrom(now.Add(-noReplyTTL), netip.MustParseAddr("192.0.2.7"), netip.MustParseAddr("10.244.1.5"))
+	}
 
 	for _, tt := range []struct {
 		name, client, backend string
 		want                  string
 	}{
+		{"pods on a bridge that passes iptables, no rules to catch the replies", "10.244.2.10", "10.244.2.11", "same_segment"},
 		{"both pods on the bridge", "10.244.0.10", "10.244.0.11", "same_segment"},
 		{"a pod calling itself", "10.244.0.10", "10.244.0.10", "same_segment"},
 		{"IPv6 pods on the bridge", "2001:db8::10", "2001:db8::11", "same_segment"},
@@ -71,6 +83,16 @@ func TestSourceKeeperReason(t *testing.T) {
 			r := k.reason(now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
 			if diff := cmp.Diff(tt.want, fallbackReasonNames[r]); diff != "" {
 				t.Errorf("reason(%s, %s) (-want +got):\n%s", tt.client, tt.backend, diff)
+			}
+			// Only the bridge that passes iptables changes when the
+			// rules catch what it carries.
+			want := tt.want
+			if tt.client == "10.244.2.10" {
+				want = ""
+			}
+			r = caught.reason(now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
+			if diff := cmp.Diff(want, fallbackReasonNames[r]); diff != "" {
+				t.Errorf("with the bridged replies caught, reason(%s, %s) (-want +got):\n%s", tt.client, tt.backend, diff)
 			}
 		})
 	}
@@ -152,5 +174,149 @@ func TestTransparentFailure(t *testing.T) {
 		if diff := cmp.Diff(tt.want, fallbackReasonNames[transparentFailure(tt.err)]); diff != "" {
 			t.Errorf("%s: transparentFailure(%v) (-want +got):\n%s", tt.name, tt.err, diff)
 		}
+	}
+}
+
+// TestFallBackNotForPods checks which failed dials from the client's
+// address are retried from the node's: one that could not take the
+// address always, one that timed out only for a client outside the pod
+// networks, whose replies may take another way back. A pod's timeout is
+// what its backend's NetworkPolicy answered, which a retry from the
+// node's address would get around; and no timeout from the client's
+// address ejects the backend, while a refusal does.
+func TestFallBackNotForPods(t *testing.T) {
+	client := netip.MustParseAddrPort("10.244.0.10:40000")
+	timeout := fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
+	bind := os.NewSyscallError("bind", unix.EADDRNOTAVAIL)
+	refused := os.NewSyscallError("connect", unix.ECONNREFUSED)
+	for _, tt := range []struct {
+		name     string
+		pod      bool
+		err      error
+		want     bool
+		failures int
+	}{
+		{"a pod's dial timed out", true, timeout, false, 0},
+		{"a pod's dial was refused", true, refused, false, 1},
+		{"a pod's address could not be taken", true, bind, true, 0},
+		{"an outside client's dial timed out", false, timeout, true, 0},
+		{"an outside client's dial was refused", false, refused, false, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			p := NewEngine(Config{}, outsideClients{})
+			b := balancer.NewBackend(netip.MustParseAddrPort("10.244.0.11:8080"), 0)
+			snap := &Snapshot{Name: portName("default/web:http")}
+			d := &tcpDial{p: p, snap: snap, b: b, from: client, src: srcAttempt{keep: client, pod: tt.pod}}
+			b.Acquire()
+			if got := d.fallBack(tt.err); got != tt.want {
+				t.Errorf("fallBack(%v) = %v, want %v", tt.err, got, tt.want)
+			}
+			if !tt.want {
+				d.failed(tt.err)
+			}
+			if got := p.Failures(b); got != tt.failures {
+				t.Errorf("after the failure, the backend has %d failures, want %d", got, tt.failures)
+			}
+		})
+	}
+	// From the node's address, a timeout is the backend's.
+	p := NewEngine(Config{}, outsideClients{})
+	b := balancer.NewBackend(netip.MustParseAddrPort("10.244.0.11:8080"), 0)
+	b.Acquire()
+	d := &tcpDial{p: p, snap: &Snapshot{Name: portName("default/web:http")}, b: b, src: srcAttempt{keep: client, pod: true}}
+	d.failed(timeout)
+	if got := p.Failures(b); got != 1 {
+		t.Errorf("a timeout from the node's address: %d failures, want 1", got)
+	}
+}
+
+// TestChooseSourceHairpin checks that a client that is its own backend
+// is dialled from the node's address, as kube-proxy masquerades it, and
+// so is a backend on the node's own address (a host-network endpoint),
+// whose replies no rule can take back to the dialling socket.
+func TestChooseSourceHairpin(t *testing.T) {
+	p := NewEngine(Config{}, cidrClients{node: netip.MustParseAddr("10.244.0.1")})
+	p.src.lookup = func(netip.Addr) (segment, error) { return segment{}, nil }
+	client := netip.MustParseAddrPort("10.244.0.10:40000")
+	for _, tt := range []struct {
+		backend string
+		want    netip.AddrPort
+	}{
+		{"10.244.0.10:8080", netip.AddrPort{}},
+		{"10.244.0.1:6443", netip.AddrPort{}},
+		{"10.244.0.11:8080", client},
+	} {
+		d := &tcpDial{p: p, b: balancer.NewBackend(netip.MustParseAddrPort(tt.backend), 0), src: srcAttempt{keep: client}}
+		d.chooseSource()
+		if d.from != tt.want {
+			t.Errorf("backend %s: dials from %v, want %v", tt.backend, d.from, tt.want)
+		}
+	}
+}
+
+// TestRetryAnotherPort checks that a dial from the client's address and
+// port that finds them taken for the backend (EADDRNOTAVAIL, as when
+// the last attempt's socket still holds them) is retried at once from
+// the client's address with another port, not from the node's, which
+// would hand a client that its backend's policy refuses to the node.
+func TestRetryAnotherPort(t *testing.T) {
+	p := NewEngine(Config{}, outsideClients{})
+	client := netip.MustParseAddrPort("10.244.0.10:40000")
+	b := balancer.NewBackend(netip.MustParseAddrPort("10.244.0.11:8080"), 0)
+	b.Acquire()
+	d := &tcpDial{p: p, snap: testSnapshot("default/web:http"), b: b, from: client, src: srcAttempt{keep: client, pod: true}}
+	if !d.fallBack(os.NewSyscallError("connect", unix.EADDRNOTAVAIL)) {
+		t.Fatal("fallBack(EADDRNOTAVAIL) = false, want a retry")
+	}
+	addr, ok := d.retryFromNode()
+	if want := netip.AddrPortFrom(client.Addr(), 0); !ok || addr != b.Addr || d.from != want {
+		t.Errorf("retry: %v %v from %v, want %v from %v", addr, ok, d.from, b.Addr, want)
+	}
+	// With a port the kernel picked, EADDRNOTAVAIL is the client
+	// address's ports running out: that one is the node's to work around.
+	if !d.fallBack(os.NewSyscallError("connect", unix.EADDRNOTAVAIL)) {
+		t.Fatal("fallBack(EADDRNOTAVAIL) from any port = false, want a retry")
+	}
+	if _, ok := d.retryFromNode(); !ok || d.from.IsValid() {
+		t.Errorf("ports of the client's address exhausted: retry from %v, want the node's address", d.from)
+	}
+}
+
+// TestClientSocketOwner checks that a socket that dials from a client's
+// address is not root's, so that policy engines that let the node's root
+// sockets pass (kube-network-policies) police it as the client's, while
+// the node's own dials stay the process's.
+func TestClientSocketOwner(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	backend := netip.MustParseAddrPort("10.244.0.11:8080")
+	for _, tt := range []struct {
+		name string
+		from netip.AddrPort
+		want uint32
+	}{
+		{"from a client's address", netip.MustParseAddrPort("10.244.0.10:40000"), clientSocketUID},
+		{"from the node's address", netip.AddrPort{}, uint32(os.Getuid())},
+	} {
+		fd, err := rawSocket(unix.SOCK_STREAM, backend, tt.from, 0)
+		if err != nil {
+			t.Fatalf("%s: %v", tt.name, err)
+		}
+		var st unix.Stat_t
+		err = unix.Fstat(fd, &st)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Uid != tt.want {
+			t.Errorf("%s: the socket is uid %d's, want %d's", tt.name, st.Uid, tt.want)
+		}
+	}
+	// The thread's own filesystem uid is back.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if prev, _ := unix.SetfsuidRetUid(-1); prev != os.Getuid() {
+		t.Errorf("the thread's filesystem uid is %d after the dial, want %d", prev, os.Getuid())
 	}
 }

@@ -285,8 +285,9 @@ func (tp *tcpProxy) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 		return nil
 	}
 	d := &tcpDial{p: p, name: l.Name, snap: snap, bal: bal, client: client, dst: dst}
-	if p.cfg.Transparent && snap.PreserveSourceIP {
-		d.src.keep = client.Addr()
+	if p.keepClient(snap, snap.ToClusterIP(dst, known), client.Addr()) {
+		d.src.keep = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
+		d.src.pod, _ = p.clients.Pod(d.src.keep.Addr())
 	}
 	return d
 }
@@ -307,7 +308,7 @@ func (tp *tcpProxy) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 		if err != nil {
 			return nil, err
 		}
-		c, err := tp.dialOnce(addr, d.from)
+		c, err := tp.dialOnce(addr, d.from.Addr())
 		if err == nil {
 			d.connected()
 			return c, nil

@@ -459,9 +459,9 @@ func (ur *udpRelay) notRedirected(l *Listener, err error) {
 // (udppool.go): if rq.long, the client has become a long flow, which goes
 // to the same backend if it can. Otherwise, on an event loop, a new
 // client's datagram on a port of request-reply or auto mode is a query
-// sent through a pooled socket, unless the port keeps the client's
-// address: such a flow needs a socket of its own, bound to it, whether
-// keepSource grants the address or falls back to the node's.
+// sent through a pooled socket: one of the pool that dials the backend
+// from the client's address when the client keeps it (keepSource), else
+// from the node's.
 func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
 	p := ur.e
 	client := key.client
@@ -499,12 +499,12 @@ func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udp
 	bm := pm.backend(b)
 	bm.picked()
 	var from netip.Addr
-	keep := p.cfg.Transparent && snap.PreserveSourceIP
+	keep := p.keepClient(snap, snap.ToClusterIP(orig, orig.IsValid()), client.Addr())
 	if keep {
 		from = p.keepSource(snap, client.Addr(), b.Addr.Addr())
 	}
-	if !long && !keep {
-		if f, ok, err := ur.checkout(el, l, snap.UDPMode, key, sock, orig, b, pm); ok {
+	if !long {
+		if f, ok, err := ur.checkout(el, l, snap.UDPMode, key, sock, orig, b, from, pm); ok {
 			return f, err
 		}
 	}
@@ -554,7 +554,7 @@ func (ur *udpRelay) connectFlow(el *eventLoop, f *udpFlow, from netip.Addr) erro
 		f.backend.Acquire()
 		return nil
 	}
-	fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, from, p.cfg.OwnMark)
+	fd, err := rawDial(unix.SOCK_DGRAM, f.backend.Addr, netip.AddrPortFrom(from, 0), p.cfg.OwnMark)
 	if err != nil {
 		return err
 	}

@@ -13,8 +13,10 @@ import (
 // port's own UDP listener in redirect mode, UDPOriginalDst standing for
 // conntrack and counting its lookups: a listener whose kernel guard is in
 // place (Guarded) and whose addresses all route alike forwards new flows
-// without asking; one without the guard, or whose Local policy
-// routes by the original destination, still asks once per new client.
+// without asking; one without the guard, or whose Local policy routes by
+// the original destination, or whose source address depends on it (a
+// pod keeps its address to the cluster IP, not to a node port), still
+// asks once per new client.
 func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 	const clients = 4
 	vip := netip.MustParseAddrPort("10.96.0.10:53")
@@ -26,11 +28,15 @@ func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 		// destination when both are set.
 		nodePort uint16
 		policy   Policy
-		want     int
+		// source, unless the annotation sets it, makes the source
+		// address depend on the original destination with a node port.
+		source SourceIP
+		want   int
 	}{
 		{name: "guarded cluster IP", guarded: true, want: 0},
 		{name: "guarded cluster IP, request-reply", guarded: true, mode: UDPRequestReply, want: 0},
-		{name: "guarded node port, cluster policies", guarded: true, nodePort: 30053, want: 0},
+		{name: "guarded node port, cluster policies, source by annotation", guarded: true, nodePort: 30053, source: SourceNode, want: 0},
+		{name: "guarded node port, cluster policies, source as kube-proxy", guarded: true, nodePort: 30053, want: clients},
 		{name: "guarded cluster IP, internal Local", guarded: true, policy: Policy{InternalLocal: true}, want: 0},
 		{name: "unguarded", want: clients},
 		{name: "unguarded, request-reply", mode: UDPRequestReply, want: clients},
@@ -43,7 +49,7 @@ func TestUDPGuardedListenerSkipsConntrack(t *testing.T) {
 			p, lookups := lookupCountingEngine(t, vip)
 			l := serve(t, p, "udp4", "kube-system/kube-dns:dns", be)
 			snap := testSnapshot("kube-system/kube-dns:dns", be)
-			snap.VIP, snap.NodePort, snap.Policy, snap.UDPMode = vip, tc.nodePort, tc.policy, tc.mode
+			snap.VIP, snap.NodePort, snap.Policy, snap.UDPMode, snap.SourceIP = vip, tc.nodePort, tc.policy, tc.mode, tc.source
 			if tc.policy.InternalLocal {
 				// The backend is local, so that Local routes reach it too.
 				snap.LocalBackends, snap.Local = snap.ClusterBackends, snap.Cluster
@@ -76,7 +82,9 @@ func TestUDPGuardedFlowRoutedByDestinationLater(t *testing.T) {
 	p, lookups := lookupCountingEngine(t, nodePort)
 	l := serve(t, p, "udp4", "default/syslog:syslog", a)
 	snap := testSnapshot("default/syslog:syslog", a)
-	snap.VIP, snap.NodePort = netip.MustParseAddrPort("10.96.0.11:514"), nodePort.Port()
+	// The annotation chooses the source: only the policy routes by the
+	// original destination.
+	snap.VIP, snap.NodePort, snap.SourceIP = netip.MustParseAddrPort("10.96.0.11:514"), nodePort.Port(), SourceNode
 	l.Snap.Store(snap)
 	l.Guarded.Store(true)
 	c := dialUDP(t, int(l.Port))
@@ -84,7 +92,7 @@ func TestUDPGuardedFlowRoutedByDestinationLater(t *testing.T) {
 	n := []int32{lookups.Load()}
 	// The same endpoints, now with b local and externalTrafficPolicy Local.
 	local := testSnapshot("default/syslog:syslog", a, b)
-	local.VIP, local.NodePort, local.Policy = snap.VIP, snap.NodePort, Policy{ExternalLocal: true}
+	local.VIP, local.NodePort, local.Policy, local.SourceIP = snap.VIP, snap.NodePort, Policy{ExternalLocal: true}, SourceNode
 	local.LocalBackends = local.Backends[1:]
 	local.Local = balancer.New(balancer.RoundRobin, local.LocalBackends)
 	l.Snap.Store(local)

@@ -38,13 +38,13 @@ package datapath
 // moment before is taken for a long flow too: it works as before pooling,
 // just without its saving.
 //
-// Nothing is pooled where a flow needs a socket of its own by design:
-// preserve-source-ip in tproxy mode (a transparent socket bound to the
-// client's address), even where srcfallback.go dials from the node's
-// address instead: that choice is per client and backend and changes with
-// the routes, and a client must not move between a flow and the pools as
-// it does. Nor are the datagrams of listeners read by goroutines rather
-// than event loops.
+// A client whose address its backend sees (KeepClient) has pools of its
+// own, whose sockets are transparent and bound to its address: a pool
+// is an endpoint's and a source address's (poolKey), so that a pod's
+// resolver, which sends each query from a new port, reuses the sockets
+// of its address as the node's queries reuse the node's. Nothing is
+// pooled for the datagrams of listeners read by goroutines rather than
+// event loops.
 // Session affinity holds: the balancer picks each query's backend
 // from the client's address, as it picks a flow's. The redirect mode
 // check of new flows (Config.UDPOriginalDst) runs for a client's first
@@ -129,10 +129,18 @@ type poolSlot struct {
 	deadline time.Time
 }
 
-// udpPool is a loop's sockets connected to one endpoint. Owned by the
-// loop.
+// poolKey names a pool: the endpoint its sockets are connected to, and
+// the address they dial it from, a client's (a transparent socket, for a
+// client whose address its backend sees) or, when not valid, the node's.
+type poolKey struct {
+	backend netip.AddrPort
+	from    netip.Addr
+}
+
+// udpPool is a loop's sockets connected to one endpoint from one
+// address. Owned by the loop.
 type udpPool struct {
-	addr netip.AddrPort
+	key  poolKey
 	idle []*udpFlow // oldest first
 	open int        // sockets, idle or busy
 	used time.Time  // the last checkout
@@ -153,7 +161,7 @@ type recentQuery struct {
 // carry. Owned by the loop.
 type loopPools struct {
 	p      *Engine
-	byAddr map[netip.AddrPort]*udpPool
+	byAddr map[poolKey]*udpPool
 	busy   map[*udpFlow]struct{} // the checked-out sockets
 	// pending: the checked-out sockets of UDPAuto ports, by client.
 	pending map[flowKey]*udpFlow
@@ -173,7 +181,7 @@ func (lf *loopFlows) udpPools(p *Engine) *loopPools {
 	if lf.pools == nil {
 		lf.pools = &loopPools{
 			p:       p,
-			byAddr:  map[netip.AddrPort]*udpPool{},
+			byAddr:  map[poolKey]*udpPool{},
 			busy:    map[*udpFlow]struct{}{},
 			pending: map[flowKey]*udpFlow{},
 			recent:  map[flowKey]recentQuery{},
@@ -272,17 +280,18 @@ func (rq *recentQuery) recentBackend(snap *Snapshot, set balancer.Balancer) (b *
 // checkout sends key's query through a socket of b's pool on event loop
 // el, which it returns; ok is false if the query cannot be pooled
 // (no event loop, pooling off, a port of UDPFlow mode). On the loop.
-func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, pm *PortMetrics) (f *udpFlow, ok bool, err error) {
+func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, from netip.Addr, pm *PortMetrics) (f *udpFlow, ok bool, err error) {
 	p := ur.e
 	size := p.cfg.udpPoolSize()
 	if el == nil || size == 0 || mode == UDPFlow {
 		return nil, false, nil
 	}
 	lp := el.udpPools(p)
-	pool := lp.byAddr[b.Addr]
+	pk := poolKey{backend: b.Addr, from: from}
+	pool := lp.byAddr[pk]
 	if pool == nil {
-		pool = &udpPool{addr: b.Addr}
-		lp.byAddr[b.Addr] = pool
+		pool = &udpPool{key: pk}
+		lp.byAddr[pk] = pool
 	}
 	now := time.Now()
 	pool.used = now
@@ -330,7 +339,7 @@ func (ur *udpRelay) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, 
 		return nil, errPoolFull
 	}
 	start := pm.dialStart()
-	fd, err := rawDial(unix.SOCK_DGRAM, b.Addr, netip.Addr{}, p.cfg.OwnMark)
+	fd, err := rawDial(unix.SOCK_DGRAM, b.Addr, netip.AddrPortFrom(pool.key.from, 0), p.cfg.OwnMark)
 	pm.dialDone(start, err)
 	if err != nil {
 		ur.poolOpen.Add(-1)

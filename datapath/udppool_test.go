@@ -20,14 +20,15 @@ import (
 	"github.com/uproxy/uproxy/internal/testwait"
 )
 
-// TestUDPPoolNotForPreserveSourceIP runs a request-reply port in tproxy
-// mode, in a namespace of its own, where the node's routes put every
-// client on its backend's segment, so that preserve-source-ip falls back
-// to the node's address (srcfallback.go): a port that asks to keep the
-// client's address still gives each client a flow of its own, never a
-// pooled socket, whichever address the flow is dialled from. The same
-// port without the annotation pools its queries.
-func TestUDPPoolNotForPreserveSourceIP(t *testing.T) {
+// TestUDPPoolBySourceAddress runs a request-reply port in tproxy mode,
+// in a namespace of its own, with clients on two addresses that stand
+// for pods: a client whose address its backend sees gets the sockets of
+// a pool of that address's (transparent, bound to it), reused by its
+// later queries; where the node's routes put the clients on their
+// backend's segment, the address falls back to the node's
+// (srcfallback.go), and the queries share the node's pool, as those of a
+// port that dials from the node's address.
+func TestUDPPoolBySourceAddress(t *testing.T) {
 	if !testlab.RunInNetns(t) {
 		return
 	}
@@ -66,29 +67,41 @@ func TestUDPPoolNotForPreserveSourceIP(t *testing.T) {
 		Flows, Pooled int
 		Fallbacks     uint64
 	}
+	clients := []netip.Addr{netip.MustParseAddr("127.0.0.5"), netip.MustParseAddr("127.0.0.6"), netip.MustParseAddr("127.0.0.5")}
 	for _, tt := range []struct {
-		name     string
-		preserve bool
-		want     counts
+		name        string
+		source      SourceIP
+		sameSegment bool
+		want        counts
 	}{
-		{"preserve-source-ip", true, counts{Replies: 3, Flows: 3, Fallbacks: 3}},
-		{"the node's address", false, counts{Replies: 3, Pooled: 1}},
+		// One pool per client address, each query reusing its own.
+		{"the clients' addresses", SourceClient, false, counts{Replies: 3, Pooled: 2}},
+		{"the clients' addresses, on their backend's segment", SourceClient, true, counts{Replies: 3, Pooled: 1, Fallbacks: 3}},
+		{"the node's address", SourceNode, false, counts{Replies: 3, Pooled: 1}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			be := udpBackend(t, "a", false)
 			p := startEngine(t, Config{Transparent: true, EventLoops: 1, ListenUDP: listenUDP})
-			// One segment for every address: no reply could come back.
-			p.src.lookup = func(netip.Addr) (segment, error) { return segment{link: 1, direct: true}, nil }
+			// The clients stand for pods.
+			p.clients = podClients{}
+			p.src.lookup = func(netip.Addr) (segment, error) {
+				if tt.sameSegment {
+					return segment{link: 1, direct: true}, nil
+				}
+				return segment{}, nil
+			}
 			l := serve(t, p, "udp4", "default/dns:dns", be)
 			snap := testSnapshot("default/dns:dns", be)
 			snap.VIP, snap.External = netip.AddrPortFrom(vips[0], l.Port), vips[1:]
 			snap.Metrics = testPortMetrics(snap.Backends...)
-			snap.UDPMode, snap.PreserveSourceIP = UDPRequestReply, tt.preserve
+			snap.UDPMode, snap.SourceIP = UDPRequestReply, tt.source
 			l.Snap.Store(snap)
 
 			var got counts
-			for _, vip := range vips {
-				c, err := net.DialUDP("udp4", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(vip, l.Port)))
+			for i, vip := range vips {
+				// From addresses of their own: the backend's, 127.0.0.1,
+				// would be a hairpin, never dialled from the client's.
+				c, err := net.DialUDP("udp4", &net.UDPAddr{IP: clients[i].AsSlice()}, net.UDPAddrFromAddrPort(netip.AddrPortFrom(vip, l.Port)))
 				if err != nil {
 					t.Fatal(err)
 				}

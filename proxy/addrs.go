@@ -52,20 +52,16 @@ func (a *nodeAddrs) refresh() {
 // kube-proxy sends to the cluster endpoints even when they reach a service
 // through an external address with externalTrafficPolicy Local.
 func (a *nodeAddrs) internal(ip netip.Addr) bool {
+	pod, _ := a.Pod(ip)
+	return pod || a.Node(ip)
+}
+
+// Node reports whether ip is one of the node's addresses (as of the last
+// sync) or loopback (datapath.Clients).
+func (a *nodeAddrs) Node(ip netip.Addr) bool {
 	if ip.IsLoopback() {
 		return true
 	}
-	for _, c := range a.clusterCIDRs {
-		if c.Contains(ip) {
-			return true
-		}
-	}
-	return a.has(ip)
-}
-
-// has reports whether ip is one of the node's addresses, as the
-// last sync read them.
-func (a *nodeAddrs) has(ip netip.Addr) bool {
 	if addrs := a.addrs.Load(); addrs != nil {
 		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
 		return found
@@ -73,12 +69,20 @@ func (a *nodeAddrs) has(ip netip.Addr) bool {
 	return false
 }
 
-// local reports whether ip is one of the node's addresses (as of the
-// last sync) or loopback.
-func (a *nodeAddrs) local(ip netip.Addr) bool {
-	if ip.IsLoopback() {
-		return true
+// Pod reports whether ip is in the pod networks; known is false when
+// none is configured (datapath.Clients).
+func (a *nodeAddrs) Pod(ip netip.Addr) (pod, known bool) {
+	for _, c := range a.clusterCIDRs {
+		if c.Contains(ip) {
+			return true, true
+		}
 	}
+	return false, len(a.clusterCIDRs) > 0
+}
+
+// has reports whether ip is one of the node's addresses, as the
+// last sync read them.
+func (a *nodeAddrs) has(ip netip.Addr) bool {
 	if addrs := a.addrs.Load(); addrs != nil {
 		_, found := slices.BinarySearchFunc(*addrs, ip, netip.Addr.Compare)
 		return found

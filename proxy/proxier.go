@@ -93,8 +93,12 @@ type Config struct {
 	NodeName string
 	// ClusterCIDRs are the pod networks (--cluster-cidr). Like kube-proxy,
 	// uproxy sends pods that reach a service's external address to the
-	// cluster endpoints even under externalTrafficPolicy Local. Nil means
-	// only the node's own addresses count as internal clients.
+	// cluster endpoints even under externalTrafficPolicy Local, and dials
+	// a backend from the client's own address where kube-proxy would not
+	// masquerade (datapath.KeepClient): clients outside them reaching a
+	// cluster IP are masqueraded. Nil means only the node's own addresses
+	// count as internal clients, and no client of a cluster IP is
+	// masqueraded, as kube-proxy without a local detector.
 	ClusterCIDRs []netip.Prefix
 	// LocalAddrs lists the node's own addresses; clients using them count
 	// as internal (kube-proxy's "addrtype LOCAL" short circuit). Nil means
@@ -214,10 +218,11 @@ func NewProxier(cfg Config) *Proxier {
 	p.ignored.log = p.log
 	p.health.log = p.log
 	p.addrs = &nodeAddrs{list: cfg.LocalAddrs, clusterCIDRs: cfg.ClusterCIDRs, log: p.log}
-	p.dp = datapath.NewEngine(cfg.Config, p.addrs.internal)
+	p.dp = datapath.NewEngine(cfg.Config, p.addrs)
 	p.inspect = &introspect.Inspector{
 		Engine: p.dp, Transparent: cfg.Transparent, LastSync: p.LastSync,
-		IsLocal: p.addrs.local, Internal: p.addrs.internal,
+		IsLocal: p.addrs.Node, Internal: p.addrs.internal,
+		Clients: p.addrs, MasqueradeAll: cfg.MasqueradeAll,
 	}
 	p.sockets = listeners.NewManager(listeners.Config{
 		Transparent:  cfg.Transparent,

@@ -26,7 +26,7 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 		Name: sp.Name, Service: sp.Name.NamespacedName.String(), VIP: netip.AddrPortFrom(vip, sp.Port), NodePort: sp.NodePort, Slots: p.slots.get(sp.Name),
 		Policy:         datapath.Policy{InternalLocal: sp.InternalPolicyLocal, ExternalLocal: sp.ExternalPolicyLocal},
 		MaxConnections: sp.MaxConnections, MaxConnectionsPerEndpoint: sp.MaxConnectionsPerEndpoint,
-		ProxyProtocol: sp.ProxyProtocol, PreserveSourceIP: sp.PreserveSourceIP, UDPMode: sp.UDPMode,
+		ProxyProtocol: sp.ProxyProtocol, SourceIP: sp.SourceIP, UDPMode: sp.UDPMode,
 	}}
 	for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs) {
 		if ip.Is6() == l.Key.V6 {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"net"
+	"net/netip"
 	"os/exec"
 	"strings"
 	"testing"
@@ -78,7 +79,10 @@ func TestPreserveSourceIPFallsBackWhenNoReply(t *testing.T) {
 			}
 			const dialTimeout = 300 * time.Millisecond
 			reg := prometheus.NewRegistry()
-			p, rules := startProxier(t, Config{Config: datapath.Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout}, Metrics: introspect.NewMetrics(reg)})
+			// The client's address is on lo, but stands for one outside
+			// the cluster, not the node's.
+			nodeOnly := func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("10.244.0.1")}, nil }
+			p, rules := startProxier(t, Config{Config: datapath.Config{Transparent: true, EventLoops: tt.loops, IOURing: tt.ring, DialTimeout: dialTimeout}, Metrics: introspect.NewMetrics(reg), LocalAddrs: nodeOnly})
 			s := svc("web", "10.96.0.10", "http:80")
 			s.Annotations = map[string]string{service.AnnotationPreserveSourceIP: "true", service.AnnotationProxyProtocol: "v1"}
 			p.Tracker().Replace([]*v1.Service{s}, slicesFor("web", "http", be))

@@ -69,8 +69,8 @@ var honouredConfigFields = []string{
 	"hostnameOverride", "clusterCIDR", "bindAddress", "healthzBindAddress", "metricsBindAddress",
 	"nodePortAddresses", "oomScoreAdj", "logging.format", "logging.verbosity",
 	"detectLocalMode", "configSyncPeriod", "featureGates.", "mode",
-	"iptables.syncPeriod", "iptables.minSyncPeriod",
-	"nftables.syncPeriod", "nftables.minSyncPeriod",
+	"iptables.syncPeriod", "iptables.minSyncPeriod", "iptables.masqueradeAll",
+	"nftables.syncPeriod", "nftables.minSyncPeriod", "nftables.masqueradeAll",
 	"ipvs.syncPeriod", "ipvs.minSyncPeriod",
 }
 
@@ -112,6 +112,12 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 		sync, minSync = cfg.NFTables.SyncPeriod.Duration, cfg.NFTables.MinSyncPeriod.Duration
 	case "ipvs":
 		sync, minSync = cfg.IPVS.SyncPeriod.Duration, cfg.IPVS.MinSyncPeriod.Duration
+	}
+	// kube-proxy reads masqueradeAll from the mode's section too
+	// (v1alpha1's conversion).
+	k.masqueradeAll = cfg.IPTables.MasqueradeAll
+	if cfg.Mode == "nftables" {
+		k.masqueradeAll = cfg.NFTables.MasqueradeAll
 	}
 	o.syncPeriod = cmp.Or(sync, 30*time.Second)
 	o.minSyncPeriod = cmp.Or(minSync, time.Second)
@@ -379,10 +385,13 @@ func (o *runOptions) effectiveConfig(lf *logFlags) *kpconfig.KubeProxyConfigurat
 	switch k.proxyMode {
 	case "nftables":
 		cfg.NFTables.SyncPeriod, cfg.NFTables.MinSyncPeriod = sync.SyncPeriod, sync.MinSyncPeriod
+		cfg.NFTables.MasqueradeAll = k.masqueradeAll
 	case "ipvs":
 		cfg.IPVS.SyncPeriod, cfg.IPVS.MinSyncPeriod = sync.SyncPeriod, sync.MinSyncPeriod
+		cfg.IPTables.MasqueradeAll = k.masqueradeAll
 	default:
 		cfg.IPTables = sync
+		cfg.IPTables.MasqueradeAll = k.masqueradeAll
 	}
 	cfg.Logging.Format = "text"
 	if lf.format == "json" {

@@ -17,9 +17,10 @@ import (
 // (testlab's BridgeCNI), pods on a second node behind a route, and an
 // external host, in both modes and both listener layouts. Every client
 // kind reaches cluster IPs, node ports and external IPs over TCP and UDP,
-// and each backend sees the address the mode promises (docs/modes.md,
-// "Source addresses"): the client's for a preserving Service in tproxy
-// mode, the node's otherwise.
+// and each backend sees the address kube-proxy's DNAT would show it
+// (docs/modes.md, "Source addresses"), in both modes: the client's own
+// wherever kube-proxy does not masquerade, or the Service asks for it,
+// whether the backend is on the client's bridge or on another node.
 func TestE2EBridgeCNI(t *testing.T) {
 	for _, variant := range []string{"redirect", "tproxy", "redirect/shared", "tproxy/shared"} {
 		mode, layout, _ := strings.Cut(variant, "/")
@@ -112,34 +113,38 @@ endpoints:
 
 			// The node's address on the way to each group of backends.
 			nodeNear, nodeFar := "10.244.0.1", "198.51.100.1"
-			type target struct {
-				tcp, udp []string
+			// dest is a destination of a client, and whether it is the
+			// service's cluster IP (else a node port or external IP).
+			type dest struct {
+				addr      string
+				clusterIP bool
 			}
+			type target struct{ tcp, udp []dest }
 			clients := []struct {
 				name, ns, ip string
-				// bridged: the client is on cni0, with near's backends.
-				bridged bool
-				addrs   func(s string) target
+				// pod: the client is in --cluster-cidr.
+				pod   bool
+				addrs func(s string) target
 			}{
 				{"node", c.lab.Node, nodeNear, false, func(s string) target {
-					return target{[]string{"http://10.96.0." + s + "/"}, []string{"10.96.0." + s + ":53"}}
+					return target{[]dest{{"http://10.96.0." + s + "/", true}}, []dest{{"10.96.0." + s + ":53", true}}}
 				}},
 				{"bridged pod", c.client.NS, c.client.IP.String(), true, func(s string) target {
 					return target{
-						[]string{"http://10.96.0." + s + "/", "http://10.244.0.1:3" + s + "80/", "http://10.96.200." + s + "/"},
-						[]string{"10.96.0." + s + ":53", "10.244.0.1:3" + s + "53"},
+						[]dest{{"http://10.96.0." + s + "/", true}, {"http://10.244.0.1:3" + s + "80/", false}, {"http://10.96.200." + s + "/", false}},
+						[]dest{{"10.96.0." + s + ":53", true}, {"10.244.0.1:3" + s + "53", false}},
 					}
 				}},
-				{"second node's pod", remote.NS, remote.IP.String(), false, func(s string) target {
+				{"second node's pod", remote.NS, remote.IP.String(), true, func(s string) target {
 					return target{
-						[]string{"http://10.96.0." + s + "/", "http://198.51.100.1:3" + s + "80/"},
-						[]string{"10.96.0." + s + ":53", "198.51.100.1:3" + s + "53"},
+						[]dest{{"http://10.96.0." + s + "/", true}, {"http://198.51.100.1:3" + s + "80/", false}},
+						[]dest{{"10.96.0." + s + ":53", true}, {"198.51.100.1:3" + s + "53", false}},
 					}
 				}},
 				{"external", ext.NS, ext.IP.String(), false, func(s string) target {
 					return target{
-						[]string{"http://192.0.2.1:3" + s + "80/", "http://10.96.200." + s + "/"},
-						[]string{"192.0.2.1:3" + s + "53", "10.96.200." + s + ":53"},
+						[]dest{{"http://192.0.2.1:3" + s + "80/", false}, {"http://10.96.200." + s + "/", false}},
+						[]dest{{"192.0.2.1:3" + s + "53", false}, {"10.96.200." + s + ":53", false}},
 					}
 				}},
 			}
@@ -156,32 +161,33 @@ endpoints:
 						continue
 					}
 					t.Run(cl.name+"/"+s.name, func(t *testing.T) {
-						want := s.node
-						if mode == "tproxy" && s.preserve {
-							want = cl.ip
-							if cl.name == "node" {
-								want = nodeNear // the node's own connections come from its bridge address
+						// What kube-proxy's DNAT would show the backend, in
+						// both modes: the client's own address, unless the
+						// node is the client, or kube-proxy would masquerade
+						// (an external destination under
+						// externalTrafficPolicy Cluster); the annotation
+						// keeps it there too. A backend on the client's
+						// bridge is no exception: its replies are taken off
+						// the bridge.
+						want := func(d dest) string {
+							if cl.name == "node" || !s.preserve && !(d.clusterIP && cl.pod) {
+								return s.node
 							}
-							if cl.bridged && !s.farBackends {
-								// The backend shares the client's bridge: it
-								// would answer the client straight over it, so
-								// uproxy dials from the node's address instead.
-								want = nodeNear
-							}
+							return cl.ip
 						}
 						tg := cl.addrs(s.suffix)
-						for _, url := range tg.tcp {
-							r := c.get(cl.ns, url, 4)
-							if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+						for _, d := range tg.tcp {
+							r := c.get(cl.ns, d.addr, 4)
+							if w := want(d); r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[w] == 0 {
 								t.Errorf("%s → %s: spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
-									cl.name, url, r.Counts, r.Peers, r.Errors, r.FirstError, want)
+									cl.name, d.addr, r.Counts, r.Peers, r.Errors, r.FirstError, w)
 							}
 						}
-						for _, addr := range tg.udp {
-							r := c.query(cl.ns, addr, 4)
-							if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+						for _, d := range tg.udp {
+							r := c.query(cl.ns, d.addr, 4)
+							if w := want(d); r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[w] == 0 {
 								t.Errorf("%s → udp %s: spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
-									cl.name, addr, r.Counts, r.Peers, r.Errors, r.FirstError, want)
+									cl.name, d.addr, r.Counts, r.Peers, r.Errors, r.FirstError, w)
 							}
 						}
 					})
@@ -192,10 +198,8 @@ endpoints:
 					name, ns string
 					ip       netip.Addr
 				}{{"bridged pod", c.client.NS, c.client.IP6}, {"external", ext.NS, ext.IP6}} {
-					want := "2001:db8:51::1" // the node's address towards the second node
-					if mode == "tproxy" {
-						want = cl.ip.String()
-					}
+					// A preserving service: the client's own address.
+					want := cl.ip.String()
 					r := c.get(cl.ns, "http://[2001:db8:96::24]/", 4)
 					if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
 						t.Errorf("%s → http://[2001:db8:96::24]/: spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",

@@ -15,8 +15,9 @@ import (
 // TestE2EModes runs every combination the modes must serve: redirect and
 // tproxy mode; TCP and UDP; clients on the node itself, in a pod routed
 // through the node, and on an external host reaching a node port and an
-// external IP. In tproxy mode, services that ask for it show backends the
-// client's own address; in redirect mode backends see the node's. Each
+// external IP. In both modes backends see the client's own address where
+// kube-proxy would keep it, or the service asks for it, and the node's
+// elsewhere. Each
 // mode runs with a listener per service port and with shared listeners
 // (--listener=shared), where no rule names a service: the service
 // addresses are kernel set members.
@@ -138,23 +139,27 @@ endpoints:
 					name, suffix string
 					preserve     bool
 				}{{"kept", "11", true}, {"plain", "12", false}} {
-					want := node
-					if mode == "tproxy" && s.preserve {
-						want = cl.sees
+					// Both modes: the client's own address where kube-proxy
+					// would keep it (a pod to the cluster IP) or the service
+					// asks for it, else the node's, on the bridge.
+					want := func(dest string) string {
+						clusterIP := strings.HasPrefix(strings.TrimPrefix(dest, "http://"), "10.96.0.")
+						if cl.name != "node" && (s.preserve || clusterIP && cl.name == "pod") {
+							return cl.sees
+						}
+						return node
 					}
-					// In redirect mode the backends see the node's address on
-					// the bridge, whatever the client.
 					tcp, udp := cl.addrs(s.suffix)
 					for _, url := range tcp {
 						r := c.get(cl.ns, url, 4)
-						if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+						if want := want(url); r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
 							t.Errorf("%s → %s (%s): spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
 								cl.name, url, s.name, r.Counts, r.Peers, r.Errors, r.FirstError, want)
 						}
 					}
 					for _, addr := range udp {
 						r := c.query(cl.ns, addr, 4)
-						if r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
+						if want := want(addr); r.Errors > 0 || len(r.Counts) != 2 || len(r.Peers) != 1 || r.Peers[want] == 0 {
 							t.Errorf("%s → udp %s (%s): spread %v, backends saw %v, %d errors (%s); want both backends, seeing %s",
 								cl.name, addr, s.name, r.Counts, r.Peers, r.Errors, r.FirstError, want)
 						}

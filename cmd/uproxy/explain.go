@@ -173,6 +173,7 @@ func printExplanation(w io.Writer, ex *introspect.Explanation) {
 		return
 	}
 	line("endpoint set", ex.EndpointSet)
+	line("backends see", ex.BackendsSee)
 	line("balancer", ex.Balancer)
 	line("affinity", ex.Affinity)
 	if len(ex.Candidates) > 0 {

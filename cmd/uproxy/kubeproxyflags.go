@@ -53,6 +53,9 @@ type kubeProxyOptions struct {
 	// traffic; uproxy tells it by source address (ClusterCIDR, or the
 	// Node's podCIDRs with NodeCIDR).
 	detectLocalMode string
+	// masqueradeAll is --masquerade-all: every backend is dialled from
+	// the node's address (datapath.Config.MasqueradeAll).
+	masqueradeAll bool
 	// healthzPort and metricsPort are kube-proxy's deprecated port
 	// flags: 0 disables the server, another port replaces the address's.
 	healthzPort, metricsPort int32
@@ -119,8 +122,7 @@ var ignoredKubeProxyFlags = []struct {
 	{"conntrack-udp-timeout", "duration", "uproxy does not tune conntrack; see --udp-timeout"},
 	{"conntrack-udp-timeout-stream", "duration", "uproxy does not tune conntrack; see --udp-timeout"},
 	{"iptables-localhost-nodeports", "bool", "node ports on loopback follow --nodeport-addresses"},
-	{"iptables-masquerade-bit", "int32", "uproxy does not masquerade: backends see the node's address, or the client's in tproxy mode"},
-	{"masquerade-all", "bool", "uproxy does not masquerade"},
+	{"iptables-masquerade-bit", "int32", "uproxy marks nothing for SNAT: it dials a backend from the node's address where kube-proxy would masquerade"},
 	{"ipvs-exclude-cidrs", "strings", "uproxy has no IPVS mode"},
 	{"ipvs-min-sync-period", "duration", "uproxy has no IPVS mode; see --iptables-min-sync-period"},
 	{"ipvs-scheduler", "string", "uproxy has no IPVS mode; see --balancer"},
@@ -152,6 +154,7 @@ func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
 	fs.Int32Var(&k.apiBurst, "kube-api-burst", defaultAPIBurst, "Burst of queries to the API server.")
 	fs.StringVar(&k.apiContentType, "kube-api-content-type", defaultAPIContentType, "Content type of requests sent to the API server.")
 	fs.StringVar(&k.detectLocalMode, "detect-local-mode", "", "How pod traffic is told apart: ClusterCIDR (source in --cluster-cidr, the default) or NodeCIDR (in the Node's podCIDRs); the interface modes fall back to ClusterCIDR.")
+	fs.BoolVar(&k.masqueradeAll, "masquerade-all", false, "Dial every backend from the node's address, as kube-proxy SNATs all service traffic with it; a Service annotated uproxy.io/preserve-source-ip: \"true\" still keeps its clients' addresses.")
 	fs.Int32Var(&k.healthzPort, "healthz-port", defaultHealthzPort, "The port of the health server; 0 disables it.")
 	_ = fs.MarkDeprecated("healthz-port", "use --healthz-bind-address instead")
 	fs.Int32Var(&k.metricsPort, "metrics-port", defaultMetricsPort, "The port of the metrics server; 0 disables it.")
@@ -278,7 +281,7 @@ func (k *kubeProxyOptions) notef(warn bool, msg string, fields ...zap.Field) {
 var kubeProxyFlagsReplacedByConfig = []string{
 	"kubeconfig", "kube-api-content-type", "kube-api-burst", "kube-api-qps",
 	"bind-address", "healthz-bind-address", "metrics-bind-address", "proxy-mode",
-	"iptables-sync-period", "iptables-min-sync-period", "detect-local-mode", "cluster-cidr",
+	"iptables-sync-period", "iptables-min-sync-period", "detect-local-mode", "cluster-cidr", "masquerade-all",
 	"nodeport-addresses", "oom-score-adj", "config-sync-period", "feature-gates",
 	"healthz-port", "metrics-port",
 }

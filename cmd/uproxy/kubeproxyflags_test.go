@@ -117,6 +117,7 @@ type completed struct {
 	QPS                                                       float32
 	Burst                                                     int32
 	Accept                                                    string
+	MasqueradeAll                                             bool
 	Notes                                                     []string
 }
 
@@ -164,7 +165,8 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 		Healthz: o.healthzBindAddress, Metrics: o.metricsBindAddress, NodePorts: o.nodePortAddresses,
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
-		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes, Notes: notes,
+		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes,
+		MasqueradeAll: o.kubeProxy.masqueradeAll, Notes: notes,
 	}, &o, &lf, nil
 }
 
@@ -226,6 +228,8 @@ featureGates:
   SomeGate: true
 `)
 	empty := write("empty.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n")
+	masq := write("masq.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {masqueradeAll: true}\nnftables: {masqueradeAll: false}\n")
+	masqNFT := write("masq-nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\niptables: {masqueradeAll: false}\nnftables: {masqueradeAll: true}\n")
 	nft := write("nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables: {syncPeriod: 20s, minSyncPeriod: 3s}\nbindAddress: \"::\"\n")
 	tests := []struct {
 		name string
@@ -268,6 +272,13 @@ featureGates:
 				c.Notes = []string{"kube-proxy feature gate ignored: uproxy has no feature gates gate=A", "kube-proxy feature gate ignored: uproxy has no feature gates gate=B"}
 			})},
 		{"an empty file takes kube-proxy's defaults", []string{"--config", empty}, defaults},
+		{"--masquerade-all", []string{"--masquerade-all"}, with(func(c *completed) { c.MasqueradeAll = true })},
+		{"masqueradeAll of the iptables section", []string{"--config", masq}, with(func(c *completed) { c.MasqueradeAll = true })},
+		{"masqueradeAll of the nftables section, in nftables mode", []string{"--config", masqNFT},
+			with(func(c *completed) {
+				c.MasqueradeAll, c.NodePorts = true, []string{"primary"}
+				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=nftables"}
+			})},
 		{"an IPv6 bind address makes IPv6 default addresses; nftables' sync periods", []string{"--config", nft},
 			with(func(c *completed) {
 				c.Healthz, c.Metrics, c.NodePorts, c.Sync, c.MinSync = "[::]:10256", "[::1]:10249", []string{"primary"}, 20*time.Second, 3*time.Second
@@ -282,9 +293,9 @@ featureGates:
 				Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 5 * time.Minute, OOM: -500,
 				LogFormat: "json", Verbosity: 1, QPS: 20, Burst: 40, Accept: "application/json",
 				Notes: []string{
-					"kube-proxy flag ignored: uproxy does not masquerade flag=--masquerade-all",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--proxy-mode",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--iptables-sync-period",
+					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--masquerade-all",
 					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=conntrack.tcpBeLiberal",
 					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=ipvs.strictARP",
 					"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=ipvs",

@@ -212,11 +212,18 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Commands: func(name string) { ruleCommands.WithLabelValues(name).Inc() },
 		Logger:   log.Named("rules"),
 	}
+	// Both modes dial backends from a client's own address where
+	// kube-proxy would keep it, so both need the policy routing that
+	// brings the replies back, and with br_netfilter the rules that take
+	// them off a bridge.
+	bridged := brNetfilterLoaded()
 	if tproxy {
-		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting, NoBridged: !brNetfilterLoaded()}
-		if rulesCfg.Services.TProxy.NoBridged {
-			log.Info("br_netfilter is not loaded: no rules for clients behind a Linux bridge, whose match would load it; restart uproxy after loading it")
-		}
+		rulesCfg.Services.TProxy = &redirect.TProxy{Routing: redirect.DefaultRouting, NoBridged: !bridged}
+	} else {
+		rulesCfg.Services.Replies = &redirect.Replies{Routing: redirect.DefaultRouting, NoBridged: !bridged}
+	}
+	if !bridged {
+		log.Info("br_netfilter is not loaded: no rules for clients behind a Linux bridge, whose match would load it, so a backend on its client's bridge sees the node's address, not the client's (counted in uproxy_source_ip_fallbacks_total); restart uproxy after loading it")
 	}
 	var rules *redirect.Families // set below, before the sync loop starts
 	synced := make(chan struct{})
@@ -239,6 +246,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Config: datapath.Config{
 			OriginalDst:     originalDst,
 			Transparent:     tproxy,
+			MasqueradeAll:   o.kubeProxy.masqueradeAll,
+			BridgedReplies:  bridged,
 			UDPOriginalDst:  udpOriginalDst,
 			OwnMark:         redirect.OwnMark,
 			DialTimeout:     o.dialTimeout,

@@ -42,6 +42,8 @@ type Explanation struct {
 	// EndpointSet is the traffic policy's choice: cluster or local
 	// endpoints, and why.
 	EndpointSet string `json:"endpointSet,omitempty"`
+	// BackendsSee is the source address the backend sees, and why.
+	BackendsSee string `json:"backendsSee,omitempty"`
 	Balancer    string `json:"balancer,omitempty"`
 	Affinity    string `json:"affinity,omitempty"`
 	// Pick says how the endpoint is chosen for this client; Backend is
@@ -179,6 +181,7 @@ func (in *Inspector) Explain(dst netip.AddrPort, proto v1.Protocol, client netip
 	default:
 		ex.EndpointSet = "cluster"
 	}
+	ex.BackendsSee = in.backendsSee(s, !known || caught.Kind == routing.ClusterIP, client)
 	if s.Sets.TopologyMode != "" && !choice.Local() {
 		ex.EndpointSet += ", filtered by topology (" + s.Sets.TopologyMode + ")"
 	}
@@ -252,4 +255,29 @@ func (in *Inspector) Explain(dst netip.AddrPort, proto v1.Protocol, client netip
 		}
 	}
 	return ex
+}
+
+// backendsSee says which address the backends of s see a client's
+// connection come from, and why (datapath.KeepClient).
+func (in *Inspector) backendsSee(s *routing.Snapshot, toClusterIP bool, client netip.Addr) string {
+	const fallback = " (the node's where the replies could not come back: counted in uproxy_source_ip_fallbacks_total)"
+	switch {
+	case s.SourceIP == datapath.SourceNode:
+		return `the node's address: the service's uproxy.io/preserve-source-ip is "false"`
+	case !client.IsValid():
+		return "the client's own address where kube-proxy would keep it, else the node's (give --from)"
+	case in.Clients != nil && in.Clients.Node(client):
+		return "the node's address: the client is the node"
+	case datapath.KeepClient(s.SourceIP, in.MasqueradeAll, s.Policy, toClusterIP, client, in.Clients):
+		why := "as kube-proxy, which does not masquerade it"
+		if s.SourceIP == datapath.SourceClient {
+			why = `the service's uproxy.io/preserve-source-ip is "true"`
+		}
+		return fmt.Sprintf("the client's own address, %s: %s%s", client, why, fallback)
+	case in.MasqueradeAll:
+		return "the node's address: --masquerade-all"
+	case toClusterIP:
+		return "the node's address: the client is outside the pod networks, which kube-proxy masquerades"
+	}
+	return "the node's address: externalTrafficPolicy Cluster, under which kube-proxy masquerades external traffic (it may cross nodes)"
 }

@@ -253,7 +253,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			"Backends picked by the balancers (including failover retries), by service and backend.",
 			[]string{"service", "backend"}, nil),
 		fallbacks: prometheus.NewDesc("uproxy_source_ip_fallbacks_total",
-			"Connections (TCP) and flows (UDP) of preserve-source-ip service ports dialled from the node's address instead of the client's, by reason (same_segment: client and backend share a link of the node; no_reply: a dial from the client's address got no reply; transparent_error: the socket could not take the client's address).",
+			"Connections (TCP) and flows (UDP) that would keep the client's address dialled from the node's address instead, by reason (same_segment: client and backend share a link of the node past iptables; no_reply: a dial from an outside client's address got no reply; transparent_error: the socket could not take the client's address).",
 			[]string{"service", "port", "reason"}, nil),
 		ports: map[string][]*portState{},
 	}
@@ -487,7 +487,7 @@ func (m *Metrics) ForPort(sp *service.Port, backends []*balancer.Backend) *datap
 		Port:        port,
 		C:           st.c,
 		M:           &m.dp,
-		KeepsSource: sp.PreserveSourceIP,
+		KeepsSource: sp.SourceIP != datapath.SourceNode,
 	}, backends, bms)
 }
 
@@ -580,8 +580,10 @@ func (c dataPathCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(m.connections, pm.C.Limit.Load(), svc, port, "", resultLimit)
 			counter(m.connections, pm.C.EndpointLimit.Load(), svc, port, "", resultEndpointLimit)
 			if pm.KeepsSource {
+				// Only the reasons that happened: every port may keep
+				// its clients' addresses, and most never fall back.
 				for r, name := range datapath.FallbackReasons() {
-					if name != "" {
+					if name != "" && pm.C.SourceFallbacks[r].Load() > 0 {
 						counter(m.fallbacks, pm.C.SourceFallbacks[r].Load(), svc, port, name)
 					}
 				}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy/routing"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -169,6 +170,10 @@ type Inspector struct {
 	IsLocal func(netip.Addr) bool
 	// Internal reports whether a client is a pod or the node itself.
 	Internal func(netip.Addr) bool
+	// Clients and MasqueradeAll are the data path's, which decide the
+	// address backends see (datapath.KeepClient).
+	Clients       datapath.Clients
+	MasqueradeAll bool
 }
 
 // statusPort builds the status of the listener of e.

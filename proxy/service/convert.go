@@ -275,16 +275,19 @@ func parseUDPMode(ann map[string]string) (m UDPMode, set bool, err error) {
 	return UDPFlow, false, fmt.Errorf("annotation %s: %q is not request-reply, flow or auto", AnnotationUDPMode, v)
 }
 
-func parsePreserveSourceIP(ann map[string]string) (bool, error) {
+func parsePreserveSourceIP(ann map[string]string) (datapath.SourceIP, error) {
 	v, ok := ann[AnnotationPreserveSourceIP]
 	if !ok {
-		return false, nil
+		return datapath.SourceAsKubeProxy, nil
 	}
 	b, err := strconv.ParseBool(strings.TrimSpace(v))
 	if err != nil {
-		return false, fmt.Errorf("annotation %s: %q is not true or false", AnnotationPreserveSourceIP, v)
+		return datapath.SourceAsKubeProxy, fmt.Errorf("annotation %s: %q is not true or false", AnnotationPreserveSourceIP, v)
 	}
-	return b, nil
+	if b {
+		return datapath.SourceClient, nil
+	}
+	return datapath.SourceNode, nil
 }
 
 func parseProxyProtocol(ann map[string]string) (int, error) {
@@ -440,7 +443,7 @@ func Ports(svc *v1.Service, d Defaults) []*Port {
 		}
 	}
 	ranges, _ := sourceRanges(svc)
-	preserve, _ := parsePreserveSourceIP(svc.Annotations)
+	sourceIP, _ := parsePreserveSourceIP(svc.Annotations)
 	proxyProto, _ := parseProxyProtocol(svc.Annotations)
 	udpMode, udpModeSet, _ := parseUDPMode(svc.Annotations)
 	maxConns, maxPerEndpoint, _ := connectionLimits(svc.Annotations)
@@ -466,7 +469,7 @@ func Ports(svc *v1.Service, d Defaults) []*Port {
 			sp.NodePort = uint16(p.NodePort)
 		}
 		sp.ExternalPolicyLocal = svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && sp.ExternallyAccessible()
-		sp.PreserveSourceIP = preserve || sp.ExternalPolicyLocal
+		sp.SourceIP = sourceIP
 		sp.ProxyProtocol = proxyProto
 		sp.UDPMode = udpMode
 		if !udpModeSet && p.Port == 53 {

@@ -19,6 +19,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/balancer"
+	"github.com/uproxy/uproxy/datapath"
 )
 
 // The fuzz targets below run their seeds with every `go test`; `make fuzz`
@@ -577,8 +578,8 @@ func FuzzAnnotations(f *testing.F) {
 		}
 
 		keep, presErr := parsePreserveSourceIP(ann)
-		if presErr == nil {
-			again, err := parsePreserveSourceIP(map[string]string{AnnotationPreserveSourceIP: strconv.FormatBool(keep)})
+		if _, set := ann[AnnotationPreserveSourceIP]; presErr == nil && set {
+			again, err := parsePreserveSourceIP(map[string]string{AnnotationPreserveSourceIP: strconv.FormatBool(keep == datapath.SourceClient)})
 			if err != nil || again != keep {
 				t.Errorf("parsePreserveSourceIP(%q) = %v, which written back reads as %v, %v", ann[AnnotationPreserveSourceIP], keep, again, err)
 			}
@@ -613,7 +614,7 @@ func FuzzAnnotations(f *testing.F) {
 			t.Fatalf("Ports() = %v, want one port", sps)
 		}
 		want := *sps[0]
-		want.Balancer, want.Weights, want.PreserveSourceIP, want.ProxyProtocol = kind, w, keep, version
+		want.Balancer, want.Weights, want.SourceIP, want.ProxyProtocol = kind, w, keep, version
 		if kind == "" {
 			want.Balancer = balancer.LeastConn
 		}

@@ -20,9 +20,11 @@ const (
 	// AnnotationWeights gives endpoint weights for the weighted balancers,
 	// as "10.244.0.11=3,10.244.0.12=1". Unlisted endpoints weigh 1.
 	AnnotationWeights = "uproxy.io/weights"
-	// AnnotationPreserveSourceIP, "true", makes backends see the client's
-	// own address (in tproxy mode, which dials from it). Services with
-	// externalTrafficPolicy Local get it without the annotation.
+	// AnnotationPreserveSourceIP overrides, in both directions, which
+	// address backends see: without it, the client's own wherever
+	// kube-proxy would leave it (datapath.KeepClient), else the node's;
+	// "true", the client's wherever its replies can come back; "false",
+	// always the node's.
 	AnnotationPreserveSourceIP = "uproxy.io/preserve-source-ip"
 	// AnnotationProxyProtocol, "v1" or "v2", sends a PROXY protocol header
 	// with the client's address to the backend at the start of every TCP
@@ -134,10 +136,10 @@ type Port struct {
 	// AffinityTimeout is the ClientIP session affinity timeout; zero means
 	// no session affinity.
 	AffinityTimeout time.Duration
-	// PreserveSourceIP asks that backends see the client's address: the
-	// annotation, or externalTrafficPolicy Local. Only tproxy mode can
-	// honour it (by dialling from the client's address).
-	PreserveSourceIP bool
+	// SourceIP chooses the address backends see (the annotation
+	// AnnotationPreserveSourceIP); the zero value keeps the client's
+	// wherever kube-proxy would.
+	SourceIP datapath.SourceIP
 	// ProxyProtocol is the PROXY protocol version sent to the backend: 0
 	// (none), 1 or 2.
 	ProxyProtocol int

@@ -37,7 +37,7 @@ var All = []dataPath{
 	{results.Subject{ID: "nginx", Title: "nginx stream", How: "nginx's stream module in the node (worker_processes auto, round-robin upstreams, proxy_half_close on; UDP with proxy_responses 1), reached through the same REDIRECT rules."}, setupNginx, nil},
 	{results.Subject{ID: "iocopy", Title: "Go io.Copy proxy", How: "The reference Go proxy (bench iocopy, about 30 lines): accept, dial the next backend round-robin, one goroutine per direction with io.Copy, which Go carries with splice(2) between TCP sockets; reached through the same REDIRECT rules. What a Go proxy gets for free."}, setupIOCopy, nil},
 	{results.Subject{ID: "uring", Title: "Go io_uring loop", How: "A yardstick (bench uring): one goroutine, locked to its thread, drives one io_uring. Accept (multishot), connect, recv, send, shutdown and close are ring operations, and one io_uring_enter per turn of the loop submits them all and waits. A receive takes a 16 KiB buffer from a provided-buffer ring when data arrives, and gives it back once sent on, so an idle connection holds none. No splice: bulk is copied through the buffers. What a Go data path on io_uring could carry; reached through the same REDIRECT rules."}, setupURing, nil},
-	uproxyPath(results.Subject{ID: "uproxy", Title: "uproxy redirect", How: "uproxy run --manifests <manifests> (default flags: --mode redirect, --io-uring=auto), built from the working tree; it installs its own REDIRECT rules."}, "redirect"),
+	uproxyPath(results.Subject{ID: "uproxy", Title: "uproxy redirect", How: "uproxy run --manifests <manifests> --cluster-cidr 10.244.0.0/16 (default flags otherwise: --mode redirect, --io-uring=auto), built from the working tree; it installs its own REDIRECT rules. The client pod keeps its address to the backends."}, "redirect"),
 	uproxyPath(results.Subject{ID: "uproxy-tproxy", Title: "uproxy tproxy", How: "uproxy run --mode=tproxy --manifests <manifests>, when uproxy supports that mode."}, "tproxy"),
 	uproxyPath(results.Subject{ID: "uproxy-uring", Title: "uproxy redirect, io_uring loops", How: "uproxy run --io-uring --manifests <manifests>: the event loops wait in an io_uring each and carry small messages on it; bulk transfers leave the ring for the epoll splice path."}, "redirect", "--io-uring"),
 	uproxyPath(results.Subject{ID: "uproxy-epoll", Title: "uproxy redirect, epoll loops", How: "uproxy run --io-uring=false --manifests <manifests>: the event loops wait in epoll, with a system call per read, write and wait; what kernels without io_uring get."}, "redirect", "--io-uring=false"),
@@ -340,7 +340,9 @@ func setupUproxy(bin func(*harness.Env) (string, error), mode string, extra ...s
 			return nil, err
 		}
 		// The socket is the lab's own, not the host's default.
-		args := []string{uproxyBin, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling"}
+		// The pod network, as a cluster's DaemonSet gives it: the
+		// client pod keeps its own address to the service.
+		args := []string{uproxyBin, "run", "--manifests", dir, "--upgrade-socket", filepath.Join(dir, "upgrade.sock"), "--profiling", "--cluster-cidr", harness.ClusterCIDR}
 		if mode != "redirect" {
 			args = append(args, "--mode="+mode)
 		}
