@@ -136,3 +136,49 @@ func TestExplainLeastConn(t *testing.T) {
 		t.Errorf("Explain named %s, the next connection went to %s (%s)", ex.Backend, second, addrOf[second])
 	}
 }
+
+// TestExplainBackendsSee checks that Explain says which address the
+// backends see, and why, as the data path decides it: a pod keeps its
+// own to a cluster IP, an outside client and external traffic under
+// externalTrafficPolicy Cluster get the node's, the node is the node,
+// and the annotation and --masquerade-all override.
+func TestExplainBackendsSee(t *testing.T) {
+	a := nameBackend(t, "a")
+	for _, masqAll := range []bool{false, true} {
+		cfg := Config{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
+		cfg.MasqueradeAll = masqAll
+		p, rules := startProxier(t, cfg)
+		on, off := svc("on", "10.96.0.11", "http:80"), svc("off", "10.96.0.12", "http:80")
+		on.Annotations = map[string]string{service.AnnotationPreserveSourceIP: "true"}
+		off.Annotations = map[string]string{service.AnnotationPreserveSourceIP: "false"}
+		web := svc("web", "10.96.0.10", "http:80")
+		web.Spec.ExternalIPs = []string{"10.96.200.1"}
+		sl := slicesFor("web", "http", a)
+		sl = append(sl, slicesFor("on", "http", a)...)
+		sl = append(sl, slicesFor("off", "http", a)...)
+		p.Tracker().Replace([]*v1.Service{web, on, off}, sl)
+		rules.port(t, "default/off:http")
+		testwait.Until(t, 5*time.Second, "a sync", func() bool { return len(p.Status().Ports) == 3 })
+		for _, c := range []struct{ dst, from, want string }{
+			{"10.96.0.10:80", "10.244.1.5", "the client's own address, 10.244.1.5: as kube-proxy"},
+			{"10.96.0.10:80", "192.0.2.7", "the node's address: the client is outside the pod networks"},
+			{"10.96.0.10:80", "127.0.0.1", "the node's address: the client is the node"},
+			{"10.96.0.10:80", "", "give --from"},
+			{"10.96.200.1:80", "10.244.1.5", "the node's address: externalTrafficPolicy Cluster"},
+			{"10.96.0.11:80", "192.0.2.7", `the client's own address, 192.0.2.7: the service's uproxy.io/preserve-source-ip is "true"`},
+			{"10.96.0.12:80", "10.244.1.5", `the node's address: the service's uproxy.io/preserve-source-ip is "false"`},
+		} {
+			// --masquerade-all answers wherever the kube-proxy rule would.
+			if masqAll && (strings.Contains(c.want, "as kube-proxy") || strings.Contains(c.want, "outside the pod networks") || strings.Contains(c.want, "externalTrafficPolicy")) {
+				c.want = "the node's address: --masquerade-all"
+			}
+			var from netip.Addr
+			if c.from != "" {
+				from = netip.MustParseAddr(c.from)
+			}
+			if ex := p.Explain(netip.MustParseAddrPort(c.dst), v1.ProtocolTCP, from); !strings.Contains(ex.BackendsSee, c.want) {
+				t.Errorf("masquerade-all %v, %s from %q: backends see %q, want %q", masqAll, c.dst, c.from, ex.BackendsSee, c.want)
+			}
+		}
+	}
+}
