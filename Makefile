@@ -93,7 +93,7 @@ demo: deps-demo build
 # binaries and images are built once into bench/.cache (the Kubernetes ones
 # by bench/tools/build.sh), then reused. CLUSTER_PROXY and UPROXY_MODE
 # choose the proxy (cluster/cluster.sh's header).
-CLUSTER_PKGS := containerd runc containernetworking-plugins conntrack openssl iptables ipset nftables iproute2 procps curl etcd-server util-linux
+CLUSTER_PKGS := containerd runc containernetworking-plugins conntrack openssl iptables ipset nftables iproute2 procps curl etcd-server util-linux patch
 
 cluster-build: deps-cluster
 	cluster/cluster.sh build

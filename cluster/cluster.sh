@@ -171,16 +171,23 @@ build() {
 			say "building coredns"
 			go build -trimpath -ldflags "-s -w" -o "$bin/coredns" github.com/coredns/coredns
 		fi
-		# Built in module mode from its own go.mod, whose Kubernetes
-		# libraries are older than ours.
-		if [[ ! -x $bin/kube-network-policies || $(cat "$bin/kube-network-policies.version" 2>/dev/null) != "$netpol_version" ]]; then
+		# Built from its own module and go.mod, whose Kubernetes libraries
+		# are older than ours, with the queue statement that this kernel
+		# may lack replaced (kube-network-policies-xt-queue.patch says why).
+		local stamp
+		stamp="$netpol_version $(sha256sum <"$here/kube-network-policies-xt-queue.patch" | cut -c1-16)"
+		if [[ ! -x $bin/kube-network-policies || $(cat "$bin/kube-network-policies.version" 2>/dev/null) != "$stamp" ]]; then
 			say "building kube-network-policies $netpol_version"
-			local gobin
-			gobin=$(mktemp -d "${TMPDIR:-/tmp}/cluster-netpol.XXXXXX")
-			GOBIN=$gobin GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kube-network-policies/cmd@$netpol_version"
-			mv -f "$gobin/cmd" "$bin/kube-network-policies"
-			rm -rf "$gobin"
-			echo "$netpol_version" >"$bin/kube-network-policies.version"
+			local src work
+			src=$(cd / && GOFLAGS=-mod=mod go mod download -json "sigs.k8s.io/kube-network-policies@$netpol_version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+			[[ -d $src ]] || die "cannot download sigs.k8s.io/kube-network-policies@$netpol_version"
+			work=$(mktemp -d "${TMPDIR:-/tmp}/cluster-netpol.XXXXXX")
+			cp -r "$src/." "$work"
+			chmod -R u+w "$work"
+			patch -s -d "$work" -p1 <"$here/kube-network-policies-xt-queue.patch"
+			(cd "$work" && GOFLAGS=-mod=mod go build -trimpath -ldflags "-s -w" -o "$bin/kube-network-policies" ./cmd)
+			rm -rf "$work"
+			echo "$stamp" >"$bin/kube-network-policies.version"
 		fi
 	)
 	(

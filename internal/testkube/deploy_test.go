@@ -191,7 +191,7 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 	if sc == nil || sc.Capabilities == nil {
 		t.Fatalf("container %s has no securityContext capabilities: %+v", c.Name, sc)
 	}
-	if diff := cmp.Diff([]v1.Capability{"NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"}, sc.Capabilities.Add); diff != "" {
+	if diff := cmp.Diff([]v1.Capability{"NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE", "SETUID"}, sc.Capabilities.Add); diff != "" {
 		t.Errorf("capabilities.add (-want +got):\n%s", diff)
 	}
 	if diff := cmp.Diff([]v1.Capability{"ALL"}, sc.Capabilities.Drop); diff != "" {
