@@ -86,18 +86,18 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 }
 
 // failed reports that the attempt at next's backend failed. A failure
-// of the node's own (localDialFailure) does not eject the backend, nor
-// does a dial from the client's address that timed out: that is how a
-// NetworkPolicy drops this client alone, which must not take the
-// backend from the clients it admits. A backend that refuses, or is
-// silent to the node's address too, is ejected as before.
+// of the node's own (localDialFailure) does not eject the backend.
+// Neither a timeout nor a refusal tells a dead backend from a
+// NetworkPolicy that drops or rejects this client alone; either counts,
+// since an ejection steers the balancers away for a while but never
+// takes the last usable backends from anyone (balancer.Health).
 func (d *tcpDial) failed(err error) {
 	if d.fallBack(err) {
 		return
 	}
 	d.snap.Metrics.dialDone(d.start, err)
 	d.b.Release()
-	if !localDialFailure(err) && !(d.fromClient() && transparentFailure(err) == fallbackNoReply) {
+	if !localDialFailure(err) {
 		d.p.health.Failure(d.b)
 	}
 	d.last = d.bm

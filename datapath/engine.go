@@ -36,9 +36,10 @@ type Config struct {
 	// connections and datagrams to listeners bound to the loopback address
 	// with IP_TRANSPARENT, destination unchanged: the original destination
 	// is a connection's local address, or a datagram's IP_RECVORIGDSTADDR;
-	// UDP replies leave from transparent sockets bound to it; and services
-	// that ask for it are dialled from the client's own address. Listeners
-	// on loopback cannot be reached from outside the node. False is
+	// UDP replies leave from transparent sockets bound to it. Listeners
+	// on loopback cannot be reached from outside the node. Either mode
+	// dials backends from the client's own address where KeepClient says
+	// so. False is
 	// redirect mode: listeners on every address, destinations rewritten by
 	// REDIRECT.
 	Transparent bool
@@ -223,7 +224,7 @@ type Engine struct {
 	// (NewEngine).
 	clients Clients
 
-	src sourceKeeper // preserve-source-ip's fallbacks (srcfallback.go)
+	src sourceKeeper // where a client's address cannot be kept (srcfallback.go)
 
 	loops   loopGroup      // the TCP data path's event loops, started on first use
 	closing bool           // under sessMu

@@ -102,8 +102,8 @@ type PortCounters struct {
 	Upstream, Downstream                       atomic.Uint64
 	NoEndpoints, Refused, Limit, EndpointLimit atomic.Uint64
 	// SourceFallbacks count, by reason (FallbackReasons), the connections
-	// and flows dialled from the node's address though the port asks to
-	// keep the client's.
+	// and flows dialled from the node's address though they would keep
+	// the client's (KeepClient).
 	SourceFallbacks [numFallbackReasons]atomic.Uint64
 }
 
@@ -164,7 +164,7 @@ func (pm *PortMetrics) endpointsFull() {
 }
 
 // sourceFallback counts a connection or flow dialled from the node's
-// address though the port asks to keep the client's, for reason.
+// address though it would keep the client's (KeepClient), for reason.
 func (pm *PortMetrics) sourceFallback(reason int) {
 	if pm != nil {
 		pm.C.SourceFallbacks[reason].Add(1)

@@ -26,8 +26,11 @@ import (
 // the bridge and up to the IP layer (Config.BridgedReplies); without
 // it, the client drops the SYN-ACK of a connection it never opened, and
 // the dial would time out. So uproxy keeps the client's address wherever
-// the replies come back, and elsewhere dials from the node's address:
-// keeping it is never a reason to fail a connection.
+// the replies come back, and elsewhere dials from the node's address. A
+// dial from the client's address that gets no reply is retried from the
+// node's only for a client behind a gateway (fallBack): for a pod of
+// this node the silence is the backend's policy, and the retry would
+// get around it.
 
 // Reasons of uproxy_source_ip_fallbacks_total.
 const (
@@ -122,7 +125,7 @@ func bridgeCallsIPTables(v6 bool) bool {
 	return err == nil && len(b) > 0 && b[0] == '1'
 }
 
-// sourceKeeper decides which address each preserve-source-ip attempt
+// sourceKeeper decides which address each attempt that keeps the client's
 // dials from, and remembers what it learnt: the route lookups per
 // address, and the client and backend pairs whose transparent dial got no
 // reply. Its zero value is ready to use; it is safe for concurrent use by
@@ -169,6 +172,18 @@ func (k *sourceKeeper) reason(now time.Time, client, backend netip.Addr) int {
 		return fallbackSameSegment
 	}
 	return fallbackNone
+}
+
+// direct reports whether the node's routes reach addr directly over one
+// of its links, with no gateway (the cached route, as reason uses it).
+func (k *sourceKeeper) direct(now time.Time, addr netip.Addr) bool {
+	k.mu.RLock()
+	e, ok := k.segments[addr]
+	k.mu.RUnlock()
+	if !ok || !now.Before(e.expires) {
+		e = k.learn(now, addr)
+	}
+	return e.seg.direct && e.seg.link != 0
 }
 
 // learn looks up addr's route and caches it. A failed lookup is cached as
@@ -231,7 +246,7 @@ func (p *Engine) keepSource(snap *Snapshot, client, backend netip.Addr) netip.Ad
 func (p *Engine) sourceFellBack(snap *Snapshot, reason int, client, backend netip.Addr) {
 	snap.Metrics.sourceFallback(reason)
 	if p.src.firstFallback(snap.Service) {
-		p.log.Info("preserve-source-ip: the client's address cannot be kept for this backend, so uproxy dials it from the node's address (the PROXY protocol header, if the service asks for one, still carries the client's); logged once per service, counted in uproxy_source_ip_fallbacks_total",
+		p.log.Info("the client's address cannot be kept for this backend, so uproxy dials it from the node's address (the PROXY protocol header, if the service asks for one, still carries the client's); logged once per service, counted in uproxy_source_ip_fallbacks_total",
 			zap.Stringer("servicePort", snap.Name), zap.String("reason", fallbackReasonNames[reason]),
 			zap.Stringer("client", client), zap.Stringer("backend", backend))
 	}
@@ -257,9 +272,10 @@ type srcAttempt struct {
 	// connection keeps the client's address (KeepClient); the zero
 	// AddrPort otherwise.
 	keep netip.AddrPort
-	// pod: the client is in the pod networks, whose replies come back
-	// to the node wherever its routes say they do (fallBack).
-	pod bool
+	// local: the node reaches the client directly, over one of its own
+	// links (a pod of this node, on its bridge or a veth of its own), so
+	// the backend's replies to it come back through the node (fallBack).
+	local bool
 	// reason is why the current attempt dials from the node's address
 	// though keep is set (fallbackNone: it does not).
 	reason int
@@ -318,15 +334,18 @@ func (d *tcpDial) retryFromNode() (netip.AddrPort, bool) {
 // fallBack reports whether the failed attempt at d.b is retried from the
 // node's address before it counts as failed: a dial from the client's
 // address that could not take that address, or that timed out
-// (transparentFailure), unless the client is a pod. A pod's address is
-// routed to its node, and a reply bridged to it is taken off the bridge
+// (transparentFailure), unless the node reaches the client directly. The
+// replies to such a client (a pod of this node) come back through the
+// node, and a reply bridged to it is taken off the bridge
 // (Config.BridgedReplies; where it cannot be, chooseSource dials from
-// the node's address in the first place), so a pod's dial that times
-// out was dropped on its way: by the backend's NetworkPolicy, most
-// often, which a retry from the node's address would get around. The
-// pod waits, as it would under kube-proxy. d.b stays acquired for the
-// retry (retryFromNode). A backend that fails from the node's address
-// too is a real failure.
+// the node's address in the first place), so its dial that times out
+// was dropped on its way: by the backend's NetworkPolicy, most often,
+// which a retry from the node's address would get around. The client
+// waits, as it would under kube-proxy. A client behind a gateway (a pod
+// of another node reaching a node port, a host beyond a router) may
+// have its replies routed past the node, and is retried. d.b stays
+// acquired for the retry (retryFromNode). A backend that fails from the
+// node's address too is a real failure.
 func (d *tcpDial) fallBack(err error) bool {
 	if !d.fromClient() {
 		return false
@@ -336,7 +355,7 @@ func (d *tcpDial) fallBack(err error) bool {
 		return true
 	}
 	d.src.retry = transparentFailure(err)
-	if d.src.retry == fallbackNoReply && d.src.pod {
+	if d.src.retry == fallbackNoReply && d.src.local {
 		d.src.retry = fallbackNone
 	}
 	return d.src.retry != fallbackNone

@@ -177,56 +177,55 @@ func TestTransparentFailure(t *testing.T) {
 	}
 }
 
-// TestFallBackNotForPods checks which failed dials from the client's
-// address are retried from the node's: one that could not take the
-// address always, one that timed out only for a client outside the pod
-// networks, whose replies may take another way back. A pod's timeout is
-// what its backend's NetworkPolicy answered, which a retry from the
-// node's address would get around; and no timeout from the client's
-// address ejects the backend, while a refusal does.
-func TestFallBackNotForPods(t *testing.T) {
+// TestFallBackNotForLocalClients checks which failed dials from the
+// client's address are retried from the node's: one that could not take
+// the address (bound to a port the kernel picked) always; one that timed
+// out only for a client behind a gateway, whose replies may take another
+// way back. A client the node reaches directly (a pod of this node) gets
+// its replies through the node, so its timeout is what its backend's
+// NetworkPolicy answered, which a retry from the node's address would
+// get around. Every failure that is not retried counts against the
+// backend.
+func TestFallBackNotForLocalClients(t *testing.T) {
 	client := netip.MustParseAddrPort("10.244.0.10:40000")
+	anyPort := netip.AddrPortFrom(client.Addr(), 0)
 	timeout := fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
 	bind := os.NewSyscallError("bind", unix.EADDRNOTAVAIL)
 	refused := os.NewSyscallError("connect", unix.ECONNREFUSED)
 	for _, tt := range []struct {
 		name     string
-		pod      bool
+		local    bool
 		err      error
 		want     bool
 		failures int
 	}{
-		{"a pod's dial timed out", true, timeout, false, 0},
-		{"a pod's dial was refused", true, refused, false, 1},
-		{"a pod's address could not be taken", true, bind, true, 0},
-		{"an outside client's dial timed out", false, timeout, true, 0},
-		{"an outside client's dial was refused", false, refused, false, 1},
+		{"a local pod's dial timed out", true, timeout, false, 1},
+		{"a local pod's dial was refused", true, refused, false, 1},
+		{"a local pod's address could not be taken", true, bind, true, 0},
+		{"a remote client's dial timed out", false, timeout, true, 0},
+		{"a remote client's dial was refused", false, refused, false, 1},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			p := NewEngine(Config{}, outsideClients{})
 			b := balancer.NewBackend(netip.MustParseAddrPort("10.244.0.11:8080"), 0)
 			snap := &Snapshot{Name: portName("default/web:http")}
-			d := &tcpDial{p: p, snap: snap, b: b, from: client, src: srcAttempt{keep: client, pod: tt.pod}}
+			d := &tcpDial{p: p, snap: snap, b: b, from: anyPort, src: srcAttempt{keep: client, local: tt.local}}
 			b.Acquire()
 			if got := d.fallBack(tt.err); got != tt.want {
 				t.Errorf("fallBack(%v) = %v, want %v", tt.err, got, tt.want)
 			}
-			if !tt.want {
+			if tt.want {
+				// The retry dials the same backend from the node's address.
+				if addr, ok := d.retryFromNode(); !ok || addr != b.Addr || d.from.IsValid() {
+					t.Errorf("retry: %v %v from %v, want %v from the node's address", addr, ok, d.from, b.Addr)
+				}
+			} else {
 				d.failed(tt.err)
 			}
 			if got := p.Failures(b); got != tt.failures {
 				t.Errorf("after the failure, the backend has %d failures, want %d", got, tt.failures)
 			}
 		})
-	}
-	// From the node's address, a timeout is the backend's.
-	p := NewEngine(Config{}, outsideClients{})
-	b := balancer.NewBackend(netip.MustParseAddrPort("10.244.0.11:8080"), 0)
-	b.Acquire()
-	d := &tcpDial{p: p, snap: &Snapshot{Name: portName("default/web:http")}, b: b, src: srcAttempt{keep: client, pod: true}}
-	d.failed(timeout)
-	if got := p.Failures(b); got != 1 {
-		t.Errorf("a timeout from the node's address: %d failures, want 1", got)
 	}
 }
 
@@ -264,7 +263,7 @@ func TestRetryAnotherPort(t *testing.T) {
 	client := netip.MustParseAddrPort("10.244.0.10:40000")
 	b := balancer.NewBackend(netip.MustParseAddrPort("10.244.0.11:8080"), 0)
 	b.Acquire()
-	d := &tcpDial{p: p, snap: testSnapshot("default/web:http"), b: b, from: client, src: srcAttempt{keep: client, pod: true}}
+	d := &tcpDial{p: p, snap: testSnapshot("default/web:http"), b: b, from: client, src: srcAttempt{keep: client, local: true}}
 	if !d.fallBack(os.NewSyscallError("connect", unix.EADDRNOTAVAIL)) {
 		t.Fatal("fallBack(EADDRNOTAVAIL) = false, want a retry")
 	}
@@ -291,6 +290,10 @@ func TestClientSocketOwner(t *testing.T) {
 		return
 	}
 	backend := netip.MustParseAddrPort("10.244.0.11:8080")
+	// On one thread throughout, so that its filesystem uid can be checked
+	// after the dials.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	for _, tt := range []struct {
 		name string
 		from netip.AddrPort
@@ -314,9 +317,30 @@ func TestClientSocketOwner(t *testing.T) {
 		}
 	}
 	// The thread's own filesystem uid is back.
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	if prev, _ := unix.SetfsuidRetUid(-1); prev != os.Getuid() {
 		t.Errorf("the thread's filesystem uid is %d after the dial, want %d", prev, os.Getuid())
+	}
+}
+
+// TestSourceKeeperDirect checks which clients the node reaches directly,
+// whose replies come back through it: a pod on the node's bridge or on a
+// veth of its own, not a pod of another node or a host behind a gateway,
+// nor an address with no route.
+func TestSourceKeeperDirect(t *testing.T) {
+	routes := &fakeRoutes{table: map[netip.Addr]segment{
+		netip.MustParseAddr("10.244.0.10"): {link: 3, direct: true},
+		netip.MustParseAddr("10.244.9.2"):  {link: 9, direct: true},
+		netip.MustParseAddr("10.244.1.5"):  {link: 4},
+		netip.MustParseAddr("192.0.2.7"):   {link: 2},
+	}}
+	k := &sourceKeeper{lookup: routes.lookup}
+	now := time.Unix(1000, 0)
+	got := map[string]bool{}
+	for _, a := range []string{"10.244.0.10", "10.244.9.2", "10.244.1.5", "192.0.2.7", "198.51.100.1"} {
+		got[a] = k.direct(now, netip.MustParseAddr(a))
+	}
+	want := map[string]bool{"10.244.0.10": true, "10.244.9.2": true, "10.244.1.5": false, "192.0.2.7": false, "198.51.100.1": false}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("direct (-want +got):\n%s", diff)
 	}
 }

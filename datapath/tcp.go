@@ -287,7 +287,7 @@ func (tp *tcpProxy) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 	d := &tcpDial{p: p, name: l.Name, snap: snap, bal: bal, client: client, dst: dst}
 	if p.keepClient(snap, snap.ToClusterIP(dst, known), client.Addr()) {
 		d.src.keep = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
-		d.src.pod, _ = p.clients.Pod(d.src.keep.Addr())
+		d.src.local = p.src.direct(p.cfg.clock().Now(), d.src.keep.Addr())
 	}
 	return d
 }
@@ -318,7 +318,7 @@ func (tp *tcpProxy) dialBackend(d *tcpDial) (*net.TCPConn, error) {
 }
 
 // dialOnce connects to addr, from the address from when it is valid
-// (tproxy mode, preserving the client's address), on the calling
+// (the client's, KeepClient), on the calling
 // goroutine: it exits once an event loop has the sockets, stack and all.
 func (tp *tcpProxy) dialOnce(addr netip.AddrPort, from netip.Addr) (*net.TCPConn, error) {
 	c, err := dialAs[*net.TCPConn](tp.dial("tcp", addr, from))

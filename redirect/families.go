@@ -169,7 +169,7 @@ func (f *Families) Sync(ctx context.Context, claims []Intercept, full bool) (Fam
 }
 
 // syncFamily syncs rules into family fam's tables with s, after the
-// TPROXY policy routing that tproxy mode needs. It runs on a goroutine of
+// policy routing that TPROXY and the replies to transparent dials need. It runs on a goroutine of
 // Sync, beside the other family's, and touches only fam's routed.
 func (f *Families) syncFamily(ctx context.Context, fam Family, s *Syncer, rules Rules, full bool) (Result, error) {
 	if routed := f.cfg.Services.TProxy != nil || f.cfg.Services.Replies != nil; routed && (full || !f.routed[fam]) {

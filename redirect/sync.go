@@ -569,10 +569,10 @@ func (s *Syncer) ensureJumps(ctx context.Context, saved map[string]int, mode jum
 // Cleanup leaves the sets alone. It must not run while a Syncer of the
 // same family syncs.
 //
-// Cleanup removes the mangle chains of tproxy mode and their jumps like
-// the others, but not tproxy mode's policy routing (the fwmark rule and
-// the route of its table), which Cleanup neither installs nor knows the
-// Routing of: a caller that ran in tproxy mode, or may have, also calls
+// Cleanup removes the mangle chains and their jumps like the others, but
+// not the policy routing of TProxy and Replies (the fwmark rule and the
+// route of its table), which Cleanup neither installs nor knows the
+// Routing of: a caller that used either, or may have, also calls
 // Routing.Remove for the family, after Cleanup, so that no packet is
 // marked any more when the route that delivers marked packets goes.
 func Cleanup(ctx context.Context, cfg Config) error {

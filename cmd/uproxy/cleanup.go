@@ -18,7 +18,8 @@ func newCleanupCommand(lf *logFlags) *cobra.Command {
 		Use:   "cleanup",
 		Short: "Remove every rule and chain uproxy created, and nothing else",
 		Long: `cleanup deletes uproxy's jump rules from the built-in chains, uproxy's own
-chains and kernel sets, and tproxy mode's policy rule and route, for IPv4 and
+chains and kernel sets, and the policy rule and route that bring back replies
+(both modes), for IPv4 and
 (when ip6tables is installed) IPv6. Running it when nothing is
 installed succeeds. Stop uproxy first: a running instance puts its rules back.
 
@@ -92,8 +93,8 @@ func cleanup(ctx context.Context) error {
 		ctx = context.Background()
 	}
 	return errors.Join(eachInstalledFamily(func(f redirect.Family) error {
-		// tproxy mode's policy routing is absent in redirect mode, which
-		// is fine.
+		// The policy routing may be absent (an instance that never
+		// synced), which is fine.
 		return errors.Join(redirect.Cleanup(ctx, redirect.Config{Family: f}), redirect.DefaultRouting.Remove(f))
 	})...)
 }

@@ -104,7 +104,7 @@ endpoints:
 			t.Errorf("uproxy_source_ip_fallbacks_total%v = %v, want %v", labels, got, tt.want)
 		}
 	}
-	if got := strings.Count(c.up.Output(), "preserve-source-ip: the client's address cannot be kept"); got != 1 {
+	if got := strings.Count(c.up.Output(), "the client's address cannot be kept for this backend"); got != 1 {
 		t.Errorf("the fallback was logged %d times, want once for the service:\n%s", got, c.up.Output())
 	}
 }
