@@ -547,15 +547,18 @@ func wantSave(f Family, r Rules) string {
 		fmt.Fprintf(&b, ":%s ACCEPT [7:420]\n", c)
 	}
 	b.WriteString(":UPROXY-TPROXY - [0:0]\n:UPROXY-TPROXY-SERVICES-TCP - [0:0]\n:UPROXY-TPROXY-SERVICES-UDP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-TCP - [0:0]\n:UPROXY-TPROXY-NODEPORTS-UDP - [0:0]\n:UPROXY-TPROXY-DIVERT - [0:0]\n:UPROXY-TPROXY-BRIDGED - [0:0]\n:UPROXY-TPROXY-OUTPUT - [0:0]\n:UPROXY-REPLIES - [0:0]\n")
-	// Only tproxy mode jumps to the mangle chains.
-	if r.TProxy != nil {
+	// Only tproxy mode, and redirect mode with Replies, jump to the
+	// mangle chains.
+	if m := modeOf(r); m.tproxy {
 		b.WriteString("-A PREROUTING " + tproxyJumpComment + "\n")
+	} else if m.replies {
+		b.WriteString("-A PREROUTING " + repliesJumpComment + "\n")
 	}
 	b.WriteString(unrelatedMangle + "\n")
 	if r.TProxy != nil {
 		b.WriteString("-A OUTPUT " + tproxyOutputJumpComment + "\n")
 	}
-	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-BRIDGED", "UPROXY-TPROXY-OUTPUT"} {
+	for _, c := range []string{"UPROXY-TPROXY", "UPROXY-TPROXY-SERVICES-TCP", "UPROXY-TPROXY-SERVICES-UDP", "UPROXY-TPROXY-NODEPORTS-TCP", "UPROXY-TPROXY-NODEPORTS-UDP", "UPROXY-TPROXY-DIVERT", "UPROXY-TPROXY-BRIDGED", "UPROXY-TPROXY-OUTPUT", "UPROXY-REPLIES"} {
 		for _, l := range st[chainKey{"mangle", c}].rules {
 			b.WriteString(l + "\n")
 		}
@@ -1862,6 +1865,8 @@ func TestSyncTProxy(t *testing.T) {
 		t.Errorf("kernel after repair (-want +got):\n%s", diff)
 	}
 
+	withReplies := rulesA
+	withReplies.Replies = &Replies{}
 	// A change of mode reads the tables, as a full Sync does, to insert
 	// or delete the mangle jumps; it repairs nothing. The gates' sets are
 	// filled before the rules that name them are restored, and
@@ -1876,6 +1881,13 @@ func TestSyncTProxy(t *testing.T) {
 			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT"})},
 		{"tproxy mode again", tp, Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
 			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"})},
+		// Redirect mode with the replies to transparent dials brought
+		// back: tproxy's jumps go, UPROXY-REPLIES's comes, with its
+		// rules (the bridged replies', two marks) and UPROXY-TPROXY-BRIDGED's.
+		{"redirect mode with replies", withReplies, Result{Wrote: true, Rules: 17, WroteSets: true, SetMembers: 2},
+			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT", "Insert mangle PREROUTING 1"})},
+		{"tproxy mode from redirect mode with replies", tp, Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1", "Delete mangle PREROUTING"})},
 	} {
 		res, err := s.Sync(ctx, step.r, false)
 		if err != nil {
