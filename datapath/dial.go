@@ -255,15 +255,25 @@ const clientSocketUID = 65534
 // it, so the thread is held for the two calls; the socket's other
 // operations need CAP_NET_ADMIN, which it keeps. Without the privilege
 // to change it, the socket is the process's own.
-func clientSocket(family, sotype int) (int, error) {
+func clientSocket(family, sotype int) (fd int, err error) {
+	err = asClientSocketOwner(func() error {
+		fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		return err
+	})
+	return fd, err
+}
+
+// asClientSocketOwner runs f, which creates a socket on the calling
+// goroutine (a net.Dialer's dial does, before it waits), with the
+// thread's filesystem uid set to clientSocketUID (clientSocket).
+func asClientSocketOwner(f func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	// setfsuid returns the previous filesystem uid whether it changed
 	// it or not.
 	prev, _ := unix.SetfsuidRetUid(clientSocketUID)
-	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-	_, _ = unix.SetfsuidRetUid(prev)
-	return fd, err
+	defer unix.SetfsuidRetUid(prev)
+	return f()
 }
 
 // setOwnMark puts mark (Config.OwnMark) on the socket fd, unless it is

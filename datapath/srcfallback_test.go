@@ -316,6 +316,31 @@ func TestClientSocketOwner(t *testing.T) {
 			t.Errorf("%s: the socket is uid %d's, want %d's", tt.name, st.Uid, tt.want)
 		}
 	}
+	// The goroutine dial path (listeners the event loops cannot take)
+	// too: a net.Dialer's socket, from a client's address.
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	p := startEngine(t, Config{})
+	c, err := p.dial("tcp", netip.MustParseAddrPort(ln.Addr().String()), netip.MustParseAddr("127.0.0.5"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rc, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
+		t.Fatal(err, serr)
+	}
+	if st.Uid != clientSocketUID {
+		t.Errorf("a goroutine's dial from a client's address: the socket is uid %d's, want %d's", st.Uid, clientSocketUID)
+	}
 	// The thread's own filesystem uid is back.
 	if prev, _ := unix.SetfsuidRetUid(-1); prev != os.Getuid() {
 		t.Errorf("the thread's filesystem uid is %d after the dial, want %d", prev, os.Getuid())

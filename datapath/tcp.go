@@ -335,7 +335,12 @@ func (tp *tcpProxy) dial(network string, addr netip.AddrPort, from netip.Addr) (
 	defer cancel()
 	switch {
 	case from.IsValid():
-		return transparentDialer(from, network == "udp", p.cfg.OwnMark).DialContext(ctx, network, addr.String())
+		var c net.Conn
+		err := asClientSocketOwner(func() (err error) {
+			c, err = transparentDialer(from, network == "udp", p.cfg.OwnMark).DialContext(ctx, network, addr.String())
+			return err
+		})
+		return c, err
 	case p.cfg.Dial != nil:
 		return p.cfg.Dial(ctx, network, addr.String())
 	}
