@@ -335,8 +335,18 @@ func (ur *udpRelay) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, 
 	}
 	if ur.poolOpen.Add(1) > p.cfg.udpPoolMax() {
 		ur.poolOpen.Add(-1)
-		pm.pooled(PoolDropped)
-		return nil, errPoolFull
+		// Pools of many source addresses could hold the engine's bound
+		// in idle sockets: one gives way, on this loop, to a query that
+		// needs a socket now.
+		if !el.closeIdleSlot(pool) {
+			pm.pooled(PoolDropped)
+			return nil, errPoolFull
+		}
+		if ur.poolOpen.Add(1) > p.cfg.udpPoolMax() { // another loop took it
+			ur.poolOpen.Add(-1)
+			pm.pooled(PoolDropped)
+			return nil, errPoolFull
+		}
 	}
 	start := pm.dialStart()
 	fd, err := rawDial(unix.SOCK_DGRAM, b.Addr, netip.AddrPortFrom(pool.key.from, 0), p.cfg.OwnMark)
@@ -435,6 +445,31 @@ func (f *udpFlow) release() {
 		s.busy = false
 		f.backend.Release()
 	}
+}
+
+// closeIdleSlot closes the oldest idle socket of the loop's pool, other
+// than except, that was used least recently, and reports whether there
+// was one. On the loop.
+func (lf *loopFlows) closeIdleSlot(except *udpPool) bool {
+	lp := lf.pools
+	if lp == nil {
+		return false
+	}
+	var victim *udpPool
+	for _, pool := range lp.byAddr {
+		if pool != except && len(pool.idle) > 0 && (victim == nil || pool.used.Before(victim.used)) {
+			victim = pool
+		}
+	}
+	if victim == nil {
+		return false
+	}
+	f := victim.idle[0]
+	victim.idle[0] = nil
+	victim.idle = victim.idle[1:]
+	f.closed.Store(true)
+	lf.dropFlow(f)
+	return true
 }
 
 // tickPools ends the queries past their timeout, closing their sockets

@@ -258,3 +258,37 @@ func value(m prometheus.Metric) float64 {
 	}
 	return d.Counter.GetValue()
 }
+
+// TestUDPPoolIdleSocketGivesWay checks that pools of many source
+// addresses cannot hold the engine's bound on pooled sockets in idle
+// ones: at the bound, a query from a new client's address closes the
+// least recently used idle socket of another pool and is answered.
+func TestUDPPoolIdleSocketGivesWay(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	be := udpBackend(t, "a", false)
+	p := startEngine(t, Config{EventLoops: 1, UDPPoolMax: 1})
+	p.clients = podClients{}
+	p.src.lookup = func(netip.Addr) (segment, error) { return segment{}, nil }
+	l := serve(t, p, "udp4", "default/dns:dns", be)
+	snap := testSnapshot("default/dns:dns", be)
+	snap.Metrics = testPortMetrics(snap.Backends...)
+	snap.UDPMode, snap.SourceIP = UDPRequestReply, SourceClient
+	l.Snap.Store(snap)
+	var replies []string
+	for _, from := range []net.IP{net.IPv4(127, 0, 0, 5), net.IPv4(127, 0, 0, 6), net.IPv4(127, 0, 0, 5)} {
+		c, err := net.DialUDP("udp4", &net.UDPAddr{IP: from}, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: int(l.Port)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		replies = append(replies, exchange(t, c, []byte("q")))
+	}
+	if diff := cmp.Diff([]string{"a:1", "a:1", "a:1"}, replies); diff != "" {
+		t.Errorf("replies (-want +got):\n%s", diff)
+	}
+	if got := p.poolOpen.Load(); got != 1 {
+		t.Errorf("%d pooled sockets open, want the bound, 1", got)
+	}
+}
