@@ -756,6 +756,11 @@ down() {
 		ip link del cni0 2>/dev/null || true
 		[[ -x $bin/uproxy ]] && "$bin/uproxy" cleanup >/dev/null 2>&1 || true
 		[[ -x $bin/uproxy ]] && "$bin/uproxy" cleanup --kube-proxy >/dev/null 2>&1 || true
+		# kube-network-policies (cluster.sh netpol) leaves its table, rules
+		# and all, when its pod is stopped with the kubelet.
+		if [[ -f $before/nft ]] && ! grep -q "^table inet kube-network-policies " "$before/nft"; then
+			nft delete table inet kube-network-policies 2>/dev/null || true
+		fi
 		if [[ -f $before/iptables ]]; then remove_new_chains "$before"; fi
 		if [[ -f $before/nft ]]; then remove_new_tables "$before/nft"; fi
 	fi
