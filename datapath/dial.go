@@ -159,19 +159,14 @@ func (d *tcpDial) done(up, down int64) {
 // has lasted. Its connection completes, or fails, when the socket turns
 // writable (connect(2): EINPROGRESS, then SO_ERROR). A UDP socket is
 // connected on return. A port of from's that another of the proxy's
-// connections to addr holds already (EADDRNOTAVAIL) gives way to one
-// the kernel picks.
+// connections to addr holds already fails the connect with
+// EADDRNOTAVAIL, which tcpDial.fallBack retries from another port.
 func rawDial(sotype int, addr netip.AddrPort, from netip.AddrPort, mark uint32) (fd int, err error) {
 	if fd, err = rawSocket(sotype, addr, from, mark); err != nil {
 		return -1, err
 	}
 	a := addr.Addr().Unmap()
-	err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), a.Is6())
-	if err == unix.EADDRNOTAVAIL && from.Port() != 0 {
-		unix.Close(fd)
-		return rawDial(sotype, addr, netip.AddrPortFrom(from.Addr(), 0), mark)
-	}
-	switch err {
+	switch err = connectFD(fd, netip.AddrPortFrom(a, addr.Port()), a.Is6()); err {
 	case nil, unix.EINPROGRESS, unix.EINTR:
 		// EINTR: the connection goes on asynchronously, as after
 		// EINPROGRESS (connect(2)).

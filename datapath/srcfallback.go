@@ -289,7 +289,8 @@ type srcAttempt struct {
 	timedOut bool
 	// anyPort: the client's port was taken for the backend (another
 	// connection of the client's, or the last attempt's socket, holds
-	// the same addresses and ports): the next attempt dials the same
+	// the same addresses and ports; the connect, synchronous or on the
+	// ring, failed with EADDRNOTAVAIL): the next attempt dials the same
 	// backend from the client's address and a port the kernel picks.
 	anyPort bool
 }

@@ -7,12 +7,14 @@ import (
 	"net/netip"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/uproxy/uproxy/proxy/introspect"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
@@ -133,4 +135,84 @@ func plusLabel(m map[string]string, k, v string) map[string]string {
 		out[a] = b
 	}
 	return out
+}
+
+// TestClientPortTakenRetriesAnotherPort runs a client that connects to
+// two services with the same backend from one address and port (a
+// kernel shares an ephemeral port between destinations): the proxy
+// dials the backend from the client's address and port for the first,
+// finds that pair of addresses and ports taken for the second
+// (EADDRNOTAVAIL), and dials it from the client's address and another
+// port, never from the node's, on the epoll and the io_uring loops.
+func TestClientPortTakenRetriesAnotherPort(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	// The client's address: local, so that the backend's replies come
+	// back, but not one of the node's as the proxier sees them.
+	// The backend's too: one on loopback would be the node's, dialled
+	// from the node's address.
+	for _, a := range []string{"192.0.2.7/32", "192.0.2.8/32"} {
+		if out, err := exec.Command("ip", "addr", "add", a, "dev", "lo").CombinedOutput(); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+	}
+	ln, err := net.Listen("tcp4", "192.0.2.8:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	be := startBackendOn(t, ln, func(c net.Conn) { fmt.Fprintln(c, c.RemoteAddr()) })
+	for _, tt := range []struct {
+		name string
+		ring bool
+	}{{"epoll", false}, {"io_uring", true}} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.ring {
+				if err := datapath.IOURingSupported(); err != nil {
+					t.Skipf("skipping: %v", err)
+				}
+			}
+			nodeOnly := func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("10.244.0.1")}, nil }
+			p, rules := startProxier(t, Config{Config: datapath.Config{EventLoops: 1, IOURing: tt.ring}, LocalAddrs: nodeOnly})
+			var svcs []*v1.Service
+			var sl = slicesFor("one", "http", be)
+			for _, name := range []string{"one", "two"} {
+				s := svc(name, map[string]string{"one": "10.96.0.11", "two": "10.96.0.12"}[name], "http:80")
+				s.Annotations = map[string]string{service.AnnotationPreserveSourceIP: "true"}
+				svcs = append(svcs, s)
+			}
+			sl = append(sl, slicesFor("two", "http", be)...)
+			p.Tracker().Replace(svcs, sl)
+			var from *net.TCPAddr
+			var seen []string
+			for _, name := range []string{"default/one:http", "default/two:http"} {
+				d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("192.0.2.7")}, Timeout: 2 * time.Second,
+					Control: func(_, _ string, c syscall.RawConn) error {
+						var serr error
+						if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) }); err != nil {
+							return err
+						}
+						return serr
+					}}
+				if from != nil {
+					d.LocalAddr = from
+				}
+				c, err := d.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", rules.port(t, name)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close() // held open: its dial keeps the pair of addresses and ports taken
+				from = c.LocalAddr().(*net.TCPAddr)
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				line, err := bufio.NewReader(c).ReadString('\n')
+				if err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+				seen = append(seen, strings.TrimSpace(line))
+			}
+			if want := from.String(); len(seen) != 2 || seen[0] != want || seen[1] == want || !strings.HasPrefix(seen[1], "192.0.2.7:") {
+				t.Errorf("the backend saw %q; want the client's address and port (%s), then its address from another port", seen, want)
+			}
+		})
+	}
 }
