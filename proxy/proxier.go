@@ -130,6 +130,12 @@ type Config struct {
 	// and the reason; it must not block. Nil means nothing is. uproxy
 	// reports it as a Warning event on the object.
 	OnReject func(obj k8sruntime.Object, err error)
+	// OnRefuse is called, from the sync goroutine, with each Service
+	// part of which the proxier refuses while serving the rest (an
+	// external address that is another Service's cluster IP), when the
+	// refusal starts; it must not block. Nil means nothing is. uproxy
+	// reports it as a Warning event on the Service.
+	OnRefuse func(obj k8sruntime.Object, err error)
 	// Metrics receives the proxier's Prometheus metrics (see NewMetrics);
 	// nil means none are kept.
 	Metrics *introspect.Metrics
@@ -187,6 +193,11 @@ type Proxier struct {
 	retired []*listener
 	// requeued: a service of this sync failed and waits for a retry.
 	requeued bool
+	// claims: who owns each cluster IP, who names each external address.
+	claims addrClaims
+	// reclaim: a service outside this sync must be re-applied because an
+	// address it names changed owner (refuseTakenAddrs).
+	reclaim bool
 	// budgetRefused counts the listeners of this sync that
 	// Config.MaxListeners refused, for one log line per sync.
 	budgetRefused int
@@ -295,6 +306,7 @@ func (p *Proxier) applyServices(ctx context.Context, changed []changes.ServiceSt
 	for i, st := range changed {
 		wants[i] = wantOf(st, p.cfg.Defaults)
 	}
+	p.refuseTakenAddrs(wants)
 	opened := p.openListeners(ctx, wants)
 	for _, w := range wants {
 		p.applyService(ctx, w, zone, opened)
@@ -369,6 +381,10 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		p.runner.Run()
 	}
 	p.requeued = false
+	if p.reclaim {
+		p.reclaim = false
+		p.runner.Run()
+	}
 	end := p.cfg.clock().Now()
 	p.lastSync.Store(end.UnixNano())
 	p.cfg.Inherited.Synced(p.log)

@@ -11,7 +11,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/uproxy/uproxy/datapath"
-	"github.com/uproxy/uproxy/proxy/service"
 )
 
 // The shared listener layout (Config.SharedListeners, --listener=shared).
@@ -52,25 +51,31 @@ func (p *Proxier) rebuildRoutes() {
 	for _, sh := range shared {
 		tables[sh] = datapath.RouteTable{}
 	}
+	// The claim that holds each route, for routing.CompareClaims.
+	holders := map[*listeners.Listener]map[datapath.RouteKey]routing.Intercept{}
 	for _, ls := range p.services {
 		for _, l := range ls {
 			if l.Host == nil {
 				continue
 			}
 			t := tables[l.Host]
+			held := holders[l.Host]
+			if held == nil {
+				held = map[datapath.RouteKey]routing.Intercept{}
+				holders[l.Host] = held
+			}
 			for _, i := range l.intercepts(l.snap.Load()) {
 				k := datapath.RouteKey{Addr: i.VIP.Unmap(), Port: i.Port}
 				if i.Kind == routing.NodePort {
 					k.Addr = netip.Addr{}
 				}
-				if prev := t[k]; prev != nil && prev != l.Listener.Listener {
-					// Two services claim one external address and port;
-					// the rules send it to the first in the proxier's
-					// order (redirect.ServiceRules), and so does this.
-					if servicePortLess(prev.Name.(service.PortName), l.Key.Name) {
-						continue
-					}
+				if prev, ok := held[k]; ok && routing.CompareClaims(prev, i) <= 0 {
+					// Two services claim one address and port; the rules
+					// send it to the first in the proxier's order
+					// (Intercepts, redirect.ServiceRules), and so does this.
+					continue
 				}
+				held[k] = i
 				t[k] = l.Listener.Listener
 			}
 		}
@@ -79,7 +84,3 @@ func (p *Proxier) rebuildRoutes() {
 		sh.StoreRoutes(&t)
 	}
 }
-
-// servicePortLess orders service port names as strings, the tie-break of
-// two services claiming one destination.
-func servicePortLess(a, b service.PortName) bool { return a.String() < b.String() }

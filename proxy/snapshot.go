@@ -186,12 +186,10 @@ func (p *Proxier) Intercepts() []routing.Intercept {
 		if a.Protocol != b.Protocol {
 			return strings.Compare(string(a.Protocol), string(b.Protocol))
 		}
-		if a.Kind != b.Kind {
-			return int(a.Kind) - int(b.Kind)
-		}
 		// Two services claiming one destination: the first wins in the
-		// rules, and in a shared listener's routes (servicePortLess).
-		return strings.Compare(a.Service.String(), b.Service.String())
+		// rules (redirect.ServiceRules), and in a shared listener's
+		// routes (rebuildRoutes).
+		return routing.CompareClaims(a, b)
 	})
 	return out
 }

@@ -279,6 +279,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		OnSync:            func() { health.Updated(); firstSync() },
 		OnChange:          health.QueuedUpdate,
 		OnReject:          events.Rejected(),
+		OnRefuse:          events.Refused(),
 		Inherited:         up.Inherited(),
 		PreviousPort:      previous,
 		StateFile:         stateFile,

@@ -68,6 +68,19 @@ func (r *Recorder) Rejected() func(obj runtime.Object, err error) {
 	}
 }
 
+// Refused returns the proxier's OnRefuse hook, which records a Warning
+// on a Service part of which uproxy refuses (an address another Service
+// owns) while serving the rest. A nil r returns nil.
+func (r *Recorder) Refused() func(obj runtime.Object, err error) {
+	if r == nil {
+		return nil
+	}
+	return func(obj runtime.Object, err error) {
+		r.recorder.Eventf(obj, nil, v1.EventTypeWarning, "Rejected", "Proxy",
+			"uproxy refuses part of this object and serves the rest: %v", err)
+	}
+}
+
 // Stop ends the broadcaster's goroutine, dropping what it has not sent.
 func (r *Recorder) Stop() {
 	if r != nil {

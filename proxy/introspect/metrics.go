@@ -72,9 +72,10 @@ type Metrics struct {
 	// family want a listener (their own, or a place on the shared one)
 	// and could not open it;
 	// noListenerTotal sums them. Owned by the sync goroutine.
-	noListener      map[types.NamespacedName][2]int
-	noListenerTotal [2]int
-	noListenerPorts *prometheus.GaugeVec // ip_family
+	noListener       map[types.NamespacedName][2]int
+	noListenerTotal  [2]int
+	noListenerPorts  *prometheus.GaugeVec   // ip_family
+	refusedAddresses *prometheus.CounterVec // reason
 
 	// dp are the data path's own metrics, which every port's counters
 	// point to.
@@ -218,6 +219,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:      "Cumulative proxy rules Service changes",
 		}),
 		noLocal: map[types.NamespacedName]NoLocalCounts{},
+		refusedAddresses: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "uproxy_service_addresses_refused_total",
+			Help: "Addresses that a Service names and uproxy refuses to intercept for it, counted when a refusal starts, by reason (cluster_ip_of_another_service: an external or load-balancer IP that is another Service's cluster IP).",
+		}, []string{"reason"}),
 		noListenerPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "uproxy_service_ports_without_listener",
 			Help: "Service ports that want a listener (their own, or a place on the shared one) and could not open it (out of descriptors or ports, or past --max-listeners), by IP family; their traffic is not intercepted until a retry opens it.",
@@ -283,10 +288,18 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:      "Pending proxy rules Service changes",
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
-			m.netProgramming, m.noLocalEndpoints, m.noListenerPorts, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
+			m.netProgramming, m.noLocalEndpoints, m.noListenerPorts, m.refusedAddresses, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
 			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted, udpPool, m.dp.UDPPoolSockets)
 	}
 	return m
+}
+
+// CountRefusedAddress counts an address a Service names that the proxier
+// refused, for reason. A nil m counts nothing.
+func (m *Metrics) CountRefusedAddress(reason string) {
+	if m != nil {
+		m.refusedAddresses.WithLabelValues(reason).Inc()
+	}
 }
 
 // mergeBuckets concatenates bucket lists after a bucket of 0, as

@@ -3,6 +3,7 @@ package routing
 import (
 	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/proxy/service"
@@ -99,6 +100,20 @@ func Intercepts(s *Snapshot, port, portEnd uint16, v6 bool) []Intercept {
 func with(i Intercept, k InterceptKind, ip netip.Addr) Intercept {
 	i.Kind, i.VIP = k, ip
 	return i
+}
+
+// CompareClaims orders two intercepts that catch the same traffic (the
+// same address, port and protocol): the one ordered first gets it, in
+// the rules and in a shared listener's routes alike. A cluster IP comes
+// first, then an external IP, a load-balancer IP and a node port, as
+// kube-proxy's rules match a cluster IP first; then the service port's
+// name, which only settles two claims of one kind, which the API server
+// does not prevent for external addresses.
+func CompareClaims(a, b Intercept) int {
+	if a.Kind != b.Kind {
+		return int(a.Kind) - int(b.Kind)
+	}
+	return strings.Compare(a.Service.String(), b.Service.String())
 }
 
 // SameIntercept reports whether a and b catch the same traffic for the
