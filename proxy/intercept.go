@@ -54,4 +54,10 @@ type RuleStats struct {
 	// Commands is the number of processes (iptables, ipset) this call
 	// ran: zero when the kernel already held the rules and sets.
 	Commands int
+	// Unguarded, by family (index 0 IPv4, 1 IPv6), is true when the
+	// family's rules were not written although the call returned nil
+	// (the family's rule tool is missing): nothing in the kernel guards
+	// its listeners' ports, so its UDP listeners must check every new
+	// flow themselves.
+	Unguarded [2]bool
 }

@@ -338,7 +338,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	if reapply {
 		// A handover or zone change re-applies everything; until the
 		// rules are written again, trust no guard.
-		p.setGuarded(false)
+		p.setGuarded([2]bool{})
 	}
 	p.addrs.refresh()
 	var programmed []types.NamespacedName
@@ -367,12 +367,12 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 		var err error
 		if rules, err = p.cfg.Rules.SyncRules(ctx, p.Intercepts(), full); err != nil {
 			p.rulesDirty = true
-			p.setGuarded(false)
+			p.setGuarded([2]bool{})
 			p.log.Error("syncing rules failed; will retry with a full resync", zap.Error(err))
 			return fmt.Errorf("syncing rules: %w", err)
 		}
 		synced = true
-		p.setGuarded(true)
+		p.setGuarded([2]bool{!rules.Unguarded[0], !rules.Unguarded[1]})
 	}
 	p.rulesDirty = false
 	if p.closeRetired() && p.requeued {
@@ -411,19 +411,19 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	return nil
 }
 
-// setGuarded marks whether the kernel's listener guard holds the port of
-// every listener the services have: set after a rules write that
-// succeeded, which listed each of them (Intercepts), cleared when one
-// failed, which may have left the guard out, or before a forced resync.
-// A UDP listener that is not marked asks conntrack whether each new flow
-// was redirected to it (datapath.Listener.Guarded). A listener opened
-// since the last write is not marked until the next one. Called by the
-// sync goroutine. With UDPCheckEveryFlow no listener is marked.
-func (p *Proxier) setGuarded(on bool) {
-	on = on && !p.cfg.UDPCheckEveryFlow
+// setGuarded marks, by family (index 0 IPv4, 1 IPv6), whether the
+// kernel's listener guard holds the port of every listener the services
+// have: set after a rules write that succeeded, which listed each of
+// them (Intercepts), for the families it wrote; cleared when one failed,
+// which may have left the guard out, or before a forced resync. A UDP
+// listener that is not marked asks conntrack whether each new flow was
+// redirected to it (datapath.Listener.Guarded). A listener opened since
+// the last write is not marked until the next one. Called by the sync
+// goroutine. With UDPCheckEveryFlow no listener is marked.
+func (p *Proxier) setGuarded(on [2]bool) {
 	for _, ls := range p.services {
 		for _, l := range ls {
-			l.Guarded.Store(on)
+			l.Guarded.Store(on[introspect.FamilyIndex(l.Key.V6)] && !p.cfg.UDPCheckEveryFlow)
 		}
 	}
 }

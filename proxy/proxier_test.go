@@ -44,6 +44,8 @@ type recordingRules struct {
 	calls int
 	full  bool // the last call's
 	fail  error
+	// unguarded is returned as RuleStats.Unguarded.
+	unguarded [2]bool
 	// onSync, when set, is called at each call, with mu held.
 	onSync func()
 }
@@ -61,7 +63,7 @@ func (r *recordingRules) SyncRules(_ context.Context, in []routing.Intercept, fu
 	}
 	r.last = in
 	// As if one iptables-restore wrote them.
-	return RuleStats{Rules: len(in), Written: len(in), Commands: 1}, nil
+	return RuleStats{Rules: len(in), Written: len(in), Commands: 1, Unguarded: r.unguarded}, nil
 }
 
 // port returns the listener port of the intercept for service name (as
@@ -877,6 +879,34 @@ func TestListenerGuardFollowsRuleWrites(t *testing.T) {
 	}
 	if diff := cmp.Diff(map[string]bool{"kube-dns": false, "syslog": false}, guarded()); diff != "" {
 		t.Errorf("after a failed full resync (-want +got):\n%s", diff)
+	}
+}
+
+// TestUnsyncedFamilyMarksNoListener checks that a rules write that
+// succeeded without writing one family's rules (ip6tables missing)
+// leaves that family's listeners unguarded, so that their UDP listeners
+// check every new flow with conntrack: nothing in the kernel drops
+// datagrams sent straight to them.
+func TestUnsyncedFamilyMarksNoListener(t *testing.T) {
+	rules := &recordingRules{unguarded: [2]bool{false, true}}
+	p := newTestProxier(t, Config{LoopbackEndpoints: true, Rules: rules})
+	dns := svc("kube-dns", "10.96.0.10", "dns:53/UDP")
+	dns.Spec.ClusterIPs = []string{"10.96.0.10", "2001:db8::10"}
+	p.Tracker().Replace([]*v1.Service{dns}, []*discovery.EndpointSlice{
+		slice("kube-dns-4", "kube-dns", "dns", 53, ep{IP: "10.244.0.1"}),
+		slice("kube-dns-6", "kube-dns", "dns", 53, ep{IP: "2001:db8:244::1"}),
+	})
+	if err := p.sync(t.Context(), true); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]bool{}
+	for _, ls := range p.services {
+		for _, l := range ls {
+			got[map[bool]string{false: "IPv4", true: "IPv6"}[l.Key.V6]] = l.Guarded.Load()
+		}
+	}
+	if diff := cmp.Diff(map[string]bool{"IPv4": true, "IPv6": false}, got); diff != "" {
+		t.Errorf("listeners guarded, by family (-want +got):\n%s", diff)
 	}
 }
 

@@ -68,6 +68,11 @@ type FamiliesResult struct {
 	Written int
 	// Commands is the number of processes this Sync ran.
 	Commands int
+	// Skipped, by family (index 0 IPv4, 1 IPv6), is true when the
+	// claims have addresses of the family and its rules were not
+	// written because its tool is missing (ip6tables): no error, but no
+	// rule, and no listener guard, for them.
+	Skipped [2]bool
 }
 
 // NewFamilies returns the Families for cfg. It checks that the iptables
@@ -139,9 +144,12 @@ func (f *Families) Sync(ctx context.Context, claims []Intercept, full bool) (Fam
 	)
 	for fam, s := range []*Syncer{f.v4, f.v6} {
 		if s == nil {
-			if !f.warned && hasIPv6(claims) {
-				f.log.Error("IPv6 services present but ip6tables is unavailable; their IPv6 addresses are not proxied")
-				f.warned = true
+			if hasIPv6(claims) {
+				out.Skipped[fam] = true
+				if !f.warned {
+					f.log.Error("IPv6 services present but ip6tables is unavailable; their IPv6 addresses are not proxied, and uproxy's IPv6 UDP listeners check every datagram's destination with conntrack")
+					f.warned = true
+				}
 			}
 			continue
 		}

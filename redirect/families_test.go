@@ -185,7 +185,8 @@ func TestFamiliesOneFails(t *testing.T) {
 
 // TestFamiliesWithoutIPv6 checks a node whose ip6tables is unusable:
 // New's refusal is logged, only IPv4 is available and synced, and an
-// IPv6 claim is reported once, not at every sync.
+// IPv6 claim is reported once, not at every sync, and every sync says
+// that IPv6 was skipped, so that the proxier guards no IPv6 listener.
 func TestFamiliesWithoutIPv6(t *testing.T) {
 	v4 := newFakeKernel(IPv4)
 	v6 := newFakeKernel(IPv6)
@@ -194,8 +195,12 @@ func TestFamiliesWithoutIPv6(t *testing.T) {
 		t.Errorf("Available (-want +got):\n%s", diff)
 	}
 	for range 2 {
-		if _, err := f.Sync(t.Context(), familyClaims, false); err != nil {
+		res, err := f.Sync(t.Context(), familyClaims, false)
+		if err != nil {
 			t.Fatal(err)
+		}
+		if res.Skipped != [2]bool{false, true} {
+			t.Errorf("Skipped = %v, want IPv6's", res.Skipped)
 		}
 	}
 	if v6.callCount() != 0 {
@@ -203,7 +208,7 @@ func TestFamiliesWithoutIPv6(t *testing.T) {
 	}
 	want := []string{
 		"warn ip6tables is not usable; IPv6 service addresses will not be proxied",
-		"error IPv6 services present but ip6tables is unavailable; their IPv6 addresses are not proxied",
+		"error IPv6 services present but ip6tables is unavailable; their IPv6 addresses are not proxied, and uproxy's IPv6 UDP listeners check every datagram's destination with conntrack",
 		"debug iptables rules written IPv4",
 	}
 	if diff := cmp.Diff(want, messages(logs)); diff != "" {

@@ -28,7 +28,7 @@ func newRuleCommands(reg prometheus.Registerer) *prometheus.CounterVec {
 // which syncs them into both families' tables.
 func syncRules(ctx context.Context, k *redirect.Families, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
 	res, err := k.Sync(ctx, claims(in), full)
-	return proxy.RuleStats{Rules: res.Rules, Written: res.Written, Commands: res.Commands}, err
+	return proxy.RuleStats{Rules: res.Rules, Written: res.Written, Commands: res.Commands, Unguarded: res.Skipped}, err
 }
 
 // ipFamilies returns the families k syncs, as health and metrics report
