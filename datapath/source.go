@@ -92,3 +92,14 @@ func KeepClient(src SourceIP, masqueradeAll bool, pol Policy, toClusterIP bool, 
 	// this node.
 	return pol.ExternalLocal
 }
+
+// forgedLoopback reports whether a client with a loopback address sent to
+// dst, a known destination that is not loopback. The kernel routes a
+// loopback source to loopback destinations only (ip_route_output refuses
+// the others, and ip_route_input drops them as martians), but in tproxy
+// mode a pod's bridged frame re-enters through lo (the TEE path), where
+// those checks do not apply: such a packet is forged, and serving it
+// would send the backend's replies to the node's loopback services.
+func forgedLoopback(client netip.Addr, dst netip.AddrPort) bool {
+	return dst.IsValid() && client.Unmap().IsLoopback() && !dst.Addr().Unmap().IsLoopback()
+}

@@ -12,6 +12,8 @@ import (
 	proxyproto "github.com/pires/go-proxyproto"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/balancer"
 )
 
 // errNoEndpoints is returned when a service port has no usable endpoint.
@@ -266,7 +268,10 @@ func (tp *tcpProxy) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 		}
 	}
 	client := a.client
-	bal := snap.Route(dst, known, client.Addr(), p.internalClient)
+	var bal balancer.Balancer
+	if !(p.cfg.Transparent && forgedLoopback(client.Addr(), dst)) {
+		bal = snap.Route(dst, known, client.Addr(), p.internalClient)
+	}
 	if bal == nil {
 		p.connLog.Warn("dropping connection not addressed to this listener's service",
 			zap.Stringer("servicePort", l.Name), zap.Stringer("originalDst", dst))

@@ -473,7 +473,10 @@ func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udp
 	// Without an original destination (a listener of its own in redirect
 	// mode, without Config.UDPOriginalDst or guarded with every address
 	// routing alike) a datagram counts as cluster-IP traffic.
-	bal := snap.Route(orig, orig.IsValid(), client.Addr(), p.internalClient)
+	var bal balancer.Balancer
+	if !(p.cfg.Transparent && forgedLoopback(client.Addr(), orig)) {
+		bal = snap.Route(orig, orig.IsValid(), client.Addr(), p.internalClient)
+	}
 	if bal == nil {
 		pm.refusedDestination()
 		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.Name, orig)

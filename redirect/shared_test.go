@@ -598,7 +598,7 @@ func TestSyncShared(t *testing.T) {
 	// Tproxy mode: the same sets, the rules in mangle, and the jumps to
 	// them, which a change of mode reads the tables for.
 	sharedSyncStep(t, k, s, "tproxy mode", tproxied(withUDP, Routing{}), false,
-		Result{Wrote: true, Rules: 20, SetMembers: 7}, concat(callsRead, callRestore, "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"))
+		Result{Wrote: true, Rules: 21, SetMembers: 7}, concat(callsRead, callRestore, "Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"))
 
 	// Cleanup destroys every set, once the rules are gone.
 	if err := Cleanup(context.Background(), Config{Exec: k, Jumps: k}); err != nil {

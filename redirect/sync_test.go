@@ -950,7 +950,7 @@ func TestSyncFullRepairsMissingJump(t *testing.T) {
 		members      int
 	}{
 		{"nat", "OUTPUT", []string{unrelated}, rulesA, 12, 2},
-		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 25, 5},
+		{"mangle", "PREROUTING", []string{unrelatedMangle}, tp, 26, 5},
 		{"filter", "FORWARD", nil, rulesA, 12, 2},
 	} {
 		t.Run(tt.table+"/"+tt.chain, func(t *testing.T) {
@@ -1816,7 +1816,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 26, WroteSets: true, SetMembers: 5, SetMembersWritten: 5}); res != want {
 		t.Errorf("first Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callSetRestore, callRestore, callsInsertJumpsTProxy), k.takeCalls()); diff != "" {
@@ -1839,7 +1839,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Rules: 25, SetMembers: 5}); res != want {
+	if want := (Result{Rules: 26, SetMembers: 5}); res != want {
 		t.Errorf("unchanged full Sync = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callsJumps), k.takeCalls()); diff != "" {
@@ -1855,7 +1855,7 @@ func TestSyncTProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (Result{Wrote: true, Rules: 25, Repaired: true, SetMembers: 5}); res != want {
+	if want := (Result{Wrote: true, Rules: 26, Repaired: true, SetMembers: 5}); res != want {
 		t.Errorf("full Sync after drift = %+v, want %+v", res, want)
 	}
 	if diff := cmp.Diff(concat(callsRead, callRestore, callsJumps), k.takeCalls()); diff != "" {
@@ -1879,14 +1879,14 @@ func TestSyncTProxy(t *testing.T) {
 	}{
 		{"redirect mode", rulesA, Result{Wrote: true, Rules: 12, WroteSets: true, SetMembers: 2},
 			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT"})},
-		{"tproxy mode again", tp, Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+		{"tproxy mode again", tp, Result{Wrote: true, Rules: 26, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
 			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1"})},
 		// Redirect mode with the replies to transparent dials brought
 		// back: tproxy's jumps go, UPROXY-REPLIES's comes, with its
 		// rules (the bridged replies', two marks) and UPROXY-TPROXY-BRIDGED's.
-		{"redirect mode with replies", withReplies, Result{Wrote: true, Rules: 17, WroteSets: true, SetMembers: 2},
+		{"redirect mode with replies", withReplies, Result{Wrote: true, Rules: 18, WroteSets: true, SetMembers: 2},
 			concat(callsRead, callRestore, []string{"ipset destroy uproxy-services4", "ipset destroy uproxy-nodeports-tcp4", "Delete mangle PREROUTING", "Delete mangle OUTPUT", "Insert mangle PREROUTING 1"})},
-		{"tproxy mode from redirect mode with replies", tp, Result{Wrote: true, Rules: 25, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
+		{"tproxy mode from redirect mode with replies", tp, Result{Wrote: true, Rules: 26, WroteSets: true, SetMembers: 5, SetMembersWritten: 3},
 			concat(callsRead, callSetRestore, callRestore, []string{"Insert mangle PREROUTING 1", "Insert mangle OUTPUT 1", "Delete mangle PREROUTING"})},
 	} {
 		res, err := s.Sync(ctx, step.r, false)

@@ -328,8 +328,9 @@ func repliesRules(c chainSpec, _ Family, r Rules) []string {
 	return rules
 }
 
-// tproxyBridgedRules renders UPROXY-TPROXY-BRIDGED: TEE sends a copy of
-// the packet from the IP layer, towards loopback, and the packet itself
+// tproxyBridgedRules renders UPROXY-TPROXY-BRIDGED: a packet from one of
+// the node's own addresses is dropped; TEE sends a copy of the others
+// from the IP layer, towards loopback, and the packet itself
 // is dropped. The copy leaves through OUTPUT, where UPROXY-TPROXY-OUTPUT
 // marks it as the node's own traffic to a service is marked, and comes
 // back in through lo, where PREROUTING runs at the IP layer and TPROXY
@@ -344,6 +345,11 @@ func tproxyBridgedRules(c chainSpec, f Family, r Rules) []string {
 		return nil
 	}
 	return []string{
+		// The clone re-enters through lo, where neither rp_filter nor the
+		// martian-source checks of ip_route_input apply: a pod's frame
+		// forged from a node address (127.0.0.1 included) would become a
+		// flow whose replies uproxy sends to that address's services.
+		fmt.Sprintf("-A %s -m addrtype --src-type LOCAL -j DROP", c.name),
 		fmt.Sprintf("-A %s -j TEE --gateway %s", c.name, loopbackOf(f)),
 		fmt.Sprintf("-A %s -j DROP", c.name),
 	}

@@ -598,3 +598,72 @@ func TestTrafficTProxyBridgeNetfilter(t *testing.T) {
 	got := tl.dial(tl.pods[0].NS, TCP, vip)
 	t.Logf("VIP from a bridged pod with br_netfilter on: %q (handed over: %v)", got, got == wantTCP(vip, tl.pods[0].IP))
 }
+
+// TestTrafficTProxyBridgedMartianSource checks that a pod on the node's
+// bridge cannot make the proxy talk to the node's loopback services: a
+// datagram to a VIP forged from 127.0.0.1 would re-enter through lo by
+// the TEE path, where the kernel's martian-source checks do not apply,
+// and the listener's answer, which the tenant chooses through the
+// backend, would go to the node's 127.0.0.1 port. UPROXY-TPROXY-BRIDGED
+// drops it first. The lab's listener answers as uproxy does, from the
+// original destination to the source.
+func TestTrafficTProxyBridgedMartianSource(t *testing.T) {
+	f := IPv4
+	tl := newTProxyLab(t, f, 1, true)
+	if got := strings.TrimSpace(tl.exec(tl.lab.Node, "sysctl", "-n", "net.bridge.bridge-nf-call-iptables")); got != "1" {
+		t.Skipf("bridge-nf-call-iptables is %s in a new namespace: no bridged path to test", got)
+	}
+	dns := ap(tproxyDNS[f], 53)
+	tl.syncTProxy(Rules{Intercepts: []InterceptRule{{Comment: "kube-system/kube-dns:dns", Protocol: UDP, Dest: dns.Addr(), Port: 53, ToPort: tproxyUDPPort}}})
+
+	// The node's loopback-only service.
+	var local *net.UDPConn
+	tl.node(func() (err error) {
+		local, err = net.ListenUDP("udp4", net.UDPAddrFromAddrPort(netip.MustParseAddrPort("127.0.0.1:7777")))
+		return err
+	})
+	defer local.Close()
+
+	pod := tl.pods[0]
+	forged := udp4Packet(netip.MustParseAddrPort("127.0.0.1:7777"), dns, []byte("forged\n"))
+	if err := testlab.DoInNetns(pod.NS, func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW, unix.IPPROTO_RAW)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		return unix.Sendto(fd, forged, 0, &unix.SockaddrInet4{Addr: dns.Addr().As4()})
+	}); err != nil {
+		t.Fatalf("sending the forged datagram: %v", err)
+	}
+	// A genuine datagram of the same pod, sent after the forged one on
+	// the same path, is answered: the TEE path works, and the forged
+	// one has been handled by the time the answer is here.
+	tl.expectUDP("DNS VIP from a bridged pod", pod.NS, dns, wantUDP(dns, pod.IP))
+
+	_ = local.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+	b := make([]byte, 1500)
+	if n, from, err := local.ReadFromUDPAddrPort(b); err == nil {
+		t.Errorf("the node's 127.0.0.1:7777 received %q from %s: a forged loopback source passed the bridged path", b[:n], from)
+	}
+}
+
+// udp4Packet builds an IPv4 datagram from src to dst, for a raw socket
+// (IPPROTO_RAW: the kernel fills in the header's length, identification
+// and checksum; a UDP checksum of zero means none in IPv4).
+func udp4Packet(src, dst netip.AddrPort, payload []byte) []byte {
+	b := make([]byte, 28+len(payload))
+	b[0] = 0x45
+	b[8] = 64 // TTL
+	b[9] = unix.IPPROTO_UDP
+	s4, d4 := src.Addr().As4(), dst.Addr().As4()
+	copy(b[12:16], s4[:])
+	copy(b[16:20], d4[:])
+	u := b[20:]
+	u[0], u[1] = byte(src.Port()>>8), byte(src.Port())
+	u[2], u[3] = byte(dst.Port()>>8), byte(dst.Port())
+	l := 8 + len(payload)
+	u[4], u[5] = byte(l>>8), byte(l)
+	copy(u[8:], payload)
+	return b
+}
