@@ -37,13 +37,14 @@ func TestEndpointRefusal(t *testing.T) {
 		LocalAddrs: func() ([]netip.Addr, error) {
 			return []netip.Addr{netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("2001:db8::1")}, nil
 		},
-		ServerAddrs: []netip.AddrPort{netip.MustParseAddrPort("0.0.0.0:10256"), netip.MustParseAddrPort("127.0.0.1:10249")},
+		ServerAddrs:  []netip.AddrPort{netip.MustParseAddrPort("0.0.0.0:10256"), netip.MustParseAddrPort("127.0.0.1:10249")},
+		ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")},
 	})
 	t.Cleanup(func() { p.Shutdown(context.Background()) })
 	p.addrs.refresh()
 	s := svc("web", "10.96.0.10", "http:80")
 	s.Spec.Type = v1.ServiceTypeLoadBalancer
-	s.Spec.ExternalIPs = []string{"192.0.2.50"}
+	s.Spec.ExternalIPs = []string{"192.0.2.50", "10.244.1.5"}
 	s.Spec.Ports[0].NodePort = 30080
 	s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "192.0.2.60"}}
 	sp := service.Ports(s, service.Defaults{})[0]
@@ -78,6 +79,9 @@ func TestEndpointRefusal(t *testing.T) {
 		{"192.0.2.50:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
 		{"192.0.2.60:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
 		{"[::ffff:192.0.2.50]:80", "the service port's own address and port: the proxy's connections to it would be intercepted again"},
+		// An external IP that is a pod's address: one hop, to the pod's
+		// node, whose proxy delivers it.
+		{"10.244.1.5:80", ""},
 		{"192.0.2.1:30080", "the service port's own node port on an address of this node"},
 		{listenerPort, "a listener port of the proxy on an address of this node"},
 		{"192.0.2.1:10256", "an address of the proxy's own servers"},

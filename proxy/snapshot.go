@@ -130,7 +130,10 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 // no Service may use (service.AddrRefusal), it refuses:
 //   - an address and port that sp itself intercepts: the proxy's own
 //     dial skips this node's rules (Config.OwnMark) but not another
-//     node's, which would send it back, and so on;
+//     node's, which would send it back, and so on. An external IP that
+//     is a pod's address (in the cluster CIDR) is the exception: it ends
+//     at the pod's node, whose proxy delivers it to the pod, one hop, as
+//     kube-proxy does;
 //   - on an address of this node, the proxy's own ports: sp's node
 //     port, a listener port, or a server of ServerAddrs, which a pod
 //     must not reach through a Service address.
@@ -141,7 +144,8 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 	if why := service.AddrRefusal(ip, p.cfg.LoopbackEndpoints); why != "" {
 		return why
 	}
-	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.ExternalIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip)) {
+	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip) ||
+		slices.Contains(sp.ExternalIPs, ip) && !p.podAddr(ip)) {
 		return "the service port's own address and port: the proxy's connections to it would be intercepted again"
 	}
 	for _, s := range p.cfg.ServerAddrs {
@@ -192,4 +196,11 @@ func (p *Proxier) Intercepts() []routing.Intercept {
 		return routing.CompareClaims(a, b)
 	})
 	return out
+}
+
+// podAddr reports whether ip is in the cluster CIDR, as configured (none
+// configured: no address is known to be a pod's).
+func (p *Proxier) podAddr(ip netip.Addr) bool {
+	pod, _ := p.addrs.Pod(ip)
+	return pod
 }
