@@ -68,6 +68,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParsePortRange$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/listeners/
 	$(GO) test -run '^$$' -fuzz '^FuzzConnectionLimits$$' -fuzztime $(or $(FUZZTIME),10000x) -timeout 10m ./proxy/service/
 	$(GO) test -run '^$$' -fuzz '^FuzzTopologyHints$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/service/
+	$(GO) test -run '^$$' -fuzz '^FuzzEndpointPolicyFlags$$' -fuzztime $(or $(FUZZTIME),20000x) -timeout 10m ./proxy/service/
 	$(GO) test -run '^$$' -fuzz '^FuzzConntrackEntry$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/
 	$(GO) test -run '^$$' -fuzz '^FuzzIptablesSave$$' -fuzztime $(or $(FUZZTIME),100000x) -timeout 10m ./redirect/
 	$(GO) test -run '^$$' -fuzz '^FuzzIpsetSave$$' -fuzztime $(or $(FUZZTIME),50000x) -timeout 10m ./redirect/

@@ -37,8 +37,9 @@ func TestEndpointRefusal(t *testing.T) {
 		LocalAddrs: func() ([]netip.Addr, error) {
 			return []netip.Addr{netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("2001:db8::1")}, nil
 		},
-		ServerAddrs:  []netip.AddrPort{netip.MustParseAddrPort("0.0.0.0:10256"), netip.MustParseAddrPort("127.0.0.1:10249")},
-		ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")},
+		ServerAddrs:       []netip.AddrPort{netip.MustParseAddrPort("0.0.0.0:10256"), netip.MustParseAddrPort("127.0.0.1:10249")},
+		ClusterCIDRs:      []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")},
+		NodeEndpointPorts: service.PortRanges{{First: 8080, Last: 8080}, {First: 9100, Last: 9110}},
 	})
 	t.Cleanup(func() { p.Shutdown(context.Background()) })
 	p.addrs.refresh()
@@ -59,7 +60,15 @@ func TestEndpointRefusal(t *testing.T) {
 		want string // "" when the endpoint is used
 	}{
 		{"10.244.0.5:8080", ""},
-		{"192.0.2.1:8080", ""},   // a host-network pod on this node
+		{"192.0.2.1:8080", ""}, // a host-network pod on this node, on an allowed port
+		{"192.0.2.1:9110", ""}, // the same, the last of a range
+		{"192.0.2.1:10250", "an address of this node, on a port that --node-endpoint-ports does not allow"}, // the kubelet
+		{"[2001:db8::1]:9111", "an address of this node, on a port that --node-endpoint-ports does not allow"},
+		{"192.0.2.9:10250", ""}, // another node's kubelet: as any pod could
+		{"[fd00:ec2::254]:80", "in fd00:ec2::254/128, a network no endpoint may be in (--endpoint-deny-cidrs)"},
+		{"100.100.100.200:80", "in 100.100.100.200/32, a network no endpoint may be in (--endpoint-deny-cidrs)"},
+		{"168.63.129.16:80", "in 168.63.129.16/32, a network no endpoint may be in (--endpoint-deny-cidrs)"},
+		{"[::ffff:168.63.129.16]:80", "in 168.63.129.16/32, a network no endpoint may be in (--endpoint-deny-cidrs)"},
 		{"192.0.2.50:8080", ""},  // the external IP, on another port
 		{"10.96.0.10:8080", ""},  // the cluster IP, on another port
 		{"192.0.2.9:30080", ""},  // another node's node port
@@ -103,6 +112,22 @@ func TestEndpointRefusal(t *testing.T) {
 	}
 	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("127.0.0.1:10249")); got == "" {
 		t.Error("with LoopbackEndpoints, the metrics server 127.0.0.1:10249 is used")
+	}
+	p.cfg.LoopbackEndpoints = false
+
+	// The API server's own Service may have the node's addresses, on
+	// any port; an operator's list replaces the default deny list.
+	api := service.Ports(svc("kubernetes", "10.96.0.1", "https:443"), service.Defaults{})[0]
+	if got := p.endpointRefusal(api, netip.MustParseAddrPort("192.0.2.1:6443")); got != "" {
+		t.Errorf("the API server's endpoint on this node refused: %q", got)
+	}
+	p.cfg.DeniedEndpoints = []netip.Prefix{}
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("168.63.129.16:80")); got != "" {
+		t.Errorf("with an empty deny list, 168.63.129.16:80 refused: %q", got)
+	}
+	p.cfg.DeniedEndpoints = []netip.Prefix{netip.MustParsePrefix("10.250.0.0/16")}
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("10.250.3.4:80")); got == "" {
+		t.Error("an endpoint in the operator's deny list is used")
 	}
 }
 

@@ -109,6 +109,18 @@ type Config struct {
 	// every address of the node. No endpoint may be one of them on an
 	// address of the node. Nil means none.
 	ServerAddrs []netip.AddrPort
+	// DeniedEndpoints are the networks no endpoint may be in
+	// (--endpoint-deny-cidrs). Nil means service.DefaultDeniedEndpoints,
+	// the clouds' metadata services; an empty, non-nil list denies none.
+	DeniedEndpoints []netip.Prefix
+	// NodeEndpointPorts are the ports on which an endpoint may be one of
+	// this node's own addresses, a host-network pod of this node
+	// (--node-endpoint-ports). The API server's own Service
+	// (default/kubernetes), which only the API server writes, may always
+	// be. Nil allows no other: the proxy would dial the node's own
+	// services from the node's address on a pod's behalf, where
+	// kube-proxy's DNAT leaves the pod the client.
+	NodeEndpointPorts service.PortRanges
 	// LoopbackEndpoints lets endpoints on loopback addresses through,
 	// for tests whose backends listen there. False refuses them, as a
 	// pod could otherwise reach the node's own local services through a
@@ -214,6 +226,14 @@ type Proxier struct {
 	lastSync  atomic.Int64 // unix nanos of the last successful sync
 	zone      atomic.Pointer[string]
 	forceFull atomic.Bool
+}
+
+// deniedEndpoints returns DeniedEndpoints, or its default.
+func (c *Config) deniedEndpoints() []netip.Prefix {
+	if c.DeniedEndpoints == nil {
+		return service.DefaultDeniedEndpoints
+	}
+	return c.DeniedEndpoints
 }
 
 // NewProxier returns a Proxier with an empty Tracker. Feed the tracker

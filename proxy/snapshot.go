@@ -136,13 +136,21 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 //     kube-proxy does;
 //   - on an address of this node, the proxy's own ports: sp's node
 //     port, a listener port, or a server of ServerAddrs, which a pod
-//     must not reach through a Service address.
+//     must not reach through a Service address;
+//   - an address in Config.DeniedEndpoints;
+//   - an address of this node on a port Config.NodeEndpointPorts does
+//     not allow.
 //
 // Called by the sync goroutine, which owns the port allocator.
 func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 	ip, port := ap.Addr(), ap.Port()
 	if why := service.AddrRefusal(ip, p.cfg.LoopbackEndpoints); why != "" {
 		return why
+	}
+	for _, n := range p.cfg.deniedEndpoints() {
+		if n.Contains(ip) {
+			return "in " + n.String() + ", a network no endpoint may be in (--endpoint-deny-cidrs)"
+		}
 	}
 	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip) ||
 		slices.Contains(sp.ExternalIPs, ip) && !p.podAddr(ip)) {
@@ -162,8 +170,16 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 	if p.sockets.InUse(listeners.Key{Name: sp.Name, V6: ip.Is6()}.Network(), port) {
 		return "a listener port of the proxy on an address of this node"
 	}
-	return ""
+	if ip.IsLoopback() && p.cfg.LoopbackEndpoints || sp.Name.NamespacedName == apiServerService || p.cfg.NodeEndpointPorts.Contains(port) {
+		return ""
+	}
+	return "an address of this node, on a port that --node-endpoint-ports does not allow"
 }
+
+// apiServerService is the Service of the API server, whose endpoints
+// the API server itself writes: they are its own addresses, which on a
+// control-plane node are the node's.
+var apiServerService = types.NamespacedName{Namespace: "default", Name: "kubernetes"}
 
 // intercepts returns the addresses whose traffic the kernel must send to
 // l, given its snapshot s.

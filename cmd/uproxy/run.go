@@ -273,6 +273,8 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Defaults:          service.Defaults{Balancer: o.balancerKind},
 		Sync:              changes.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
 		ServerAddrs:       serverAddrs(o.healthzBindAddress, o.metricsBindAddress),
+		DeniedEndpoints:   o.deniedEPs,
+		NodeEndpointPorts: o.nodeEPPorts,
 		NodeName:          o.nodeName,
 		ClusterCIDRs:      o.clusterCIDRs,
 		ServiceHealth:     svcHealth,

@@ -56,6 +56,8 @@ type runOptions struct {
 	stateFile          string
 	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
+	endpointDenyCIDRs  string
+	nodeEndpointPorts  string
 	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
 
 	// Parsed by validate.
@@ -64,6 +66,8 @@ type runOptions struct {
 	clusterCIDRs  []netip.Prefix
 	nodePortCIDRs []netip.Prefix
 	nodeName      string
+	deniedEPs     []netip.Prefix
+	nodeEPPorts   service.PortRanges
 }
 
 func (o *runOptions) register(fs *pflag.FlagSet) {
@@ -104,6 +108,10 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades, where a starting uproxy takes a running one's listening sockets over; empty disables.")
 	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where each sync's Services and EndpointSlices are saved, for a restart to serve before the API server answers (API server source only); empty disables.")
 	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", upgrade.DefaultReadyTimeout, "How long the old process of an upgrade waits, its syncs paused, for the new one's first sync before it takes the handover back.")
+	fs.StringVar(&o.endpointDenyCIDRs, "endpoint-deny-cidrs", prefixList(service.DefaultDeniedEndpoints),
+		"Networks (CIDRs or addresses, comma-separated) no endpoint may be in; the default holds the clouds' metadata services that are not link-local, and empty denies none.")
+	fs.StringVar(&o.nodeEndpointPorts, "node-endpoint-ports", "",
+		"Ports and ranges (6443,9100-9110) on which an endpoint may be an address of this node, a host-network pod; empty allows only the Service default/kubernetes.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing over and draining, wait for SIGTERM instead of exiting (default true when uproxy is PID 1, so a container restart does not take the sockets back).")
 }
 
@@ -128,6 +136,12 @@ func (o *runOptions) validate() error {
 	}
 	if o.balancerKind, err = balancer.ParseKind(o.balancer); err != nil {
 		errs = append(errs, fmt.Errorf("--balancer: %w", err))
+	}
+	if o.deniedEPs, err = service.ParsePrefixes(o.endpointDenyCIDRs); err != nil {
+		errs = append(errs, fmt.Errorf("--endpoint-deny-cidrs: %w", err))
+	}
+	if o.nodeEPPorts, err = service.ParsePortRanges(o.nodeEndpointPorts); err != nil {
+		errs = append(errs, fmt.Errorf("--node-endpoint-ports: %w", err))
 	}
 	if o.clusterCIDRs, err = parseCIDRs(strings.Split(o.clusterCIDR, ",")); err != nil {
 		errs = append(errs, fmt.Errorf("--cluster-cidr: %w", err))
@@ -212,4 +226,13 @@ func parseCIDRs(raw []string) ([]netip.Prefix, error) {
 		out = append(out, p.Masked())
 	}
 	return out, nil
+}
+
+// prefixList formats networks as --endpoint-deny-cidrs takes them.
+func prefixList(ps []netip.Prefix) string {
+	out := make([]string, len(ps))
+	for i, p := range ps {
+		out[i] = p.String()
+	}
+	return strings.Join(out, ",")
 }
