@@ -54,6 +54,7 @@ type runOptions struct {
 	cleanupAndExit     bool
 	upgradeSocket      string
 	stateFile          string
+	stateFileMaxAge    time.Duration
 	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
 	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
@@ -103,6 +104,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades, where a starting uproxy takes a running one's listening sockets over; empty disables.")
 	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where each sync's Services and EndpointSlices are saved, for a restart to serve before the API server answers (API server source only); empty disables.")
+	fs.DurationVar(&o.stateFileMaxAge, "state-file-max-age", 10*time.Minute, "How old a --state-file may be for a restart to serve it: an older one's endpoints may be other pods' by now; 0 serves any age.")
 	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", upgrade.DefaultReadyTimeout, "How long the old process of an upgrade waits, its syncs paused, for the new one's first sync before it takes the handover back.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing over and draining, wait for SIGTERM instead of exiting (default true when uproxy is PID 1, so a container restart does not take the sockets back).")
 }
@@ -155,6 +157,7 @@ func (o *runOptions) validate() error {
 		{"--drain-timeout", o.drainTimeout, true},
 		{"--upgrade-ready-timeout", o.upgradeReadyTime, false},
 		{"--tcp-idle-timeout", o.tcpIdleTimeout, true},
+		{"--state-file-max-age", o.stateFileMaxAge, true},
 		{"--endpoint-dial-timeout", o.dialTimeout, false},
 		{"--iptables-wait", o.iptablesWait, false},
 		{"--udp-timeout", o.udpTimeout, false},
