@@ -16,8 +16,16 @@ import (
 // later sync (the periodic one at the latest).
 const defaultStateInterval = 10 * time.Second
 
+// StateRefreshInterval is the longest time between two writes of the
+// state file while syncs succeed and nothing changes, so that its time
+// tells how long ago a uproxy last synced it: a restart refuses a state
+// older than a limit (source.LoadFreshState), and a quiet cluster's must
+// pass. A write waits for a sync, so the file can be as old as this plus
+// the longest time between syncs (the periodic full sync's).
+const StateRefreshInterval = time.Minute
+
 // ServePrevious records the Services and EndpointSlices of a previous
-// instance's last sync (LoadState), to be served before the sources'
+// instance's last sync (source.LoadFreshState), to be served before the sources'
 // initial lists arrive: the sync loop's first run opens their listeners,
 // on the ports the previous rules name (Config.PreviousPort), and
 // balances over their endpoints, but writes no rule. Once the initial
@@ -43,19 +51,25 @@ func (p *Proxier) applyPrevious(ctx context.Context) {
 }
 
 // saveStateAfterSync writes the state file after a successful sync that
-// changed something, at most once per defaultStateInterval; the periodic
-// full sync writes what a closer one left.
+// changed something, at most once per defaultStateInterval, and after
+// one that changed nothing once StateRefreshInterval has passed; the
+// periodic full sync writes what a closer one left.
 func (p *Proxier) saveStateAfterSync(changed bool) {
 	if p.cfg.StateFile == "" {
 		return
 	}
 	p.stateDirty = p.stateDirty || changed
 	now := p.cfg.clock().Now()
-	if !p.stateDirty || (!p.stateSaved.IsZero() && now.Sub(p.stateSaved) < defaultStateInterval) {
+	since := now.Sub(p.stateSaved)
+	switch {
+	case p.stateSaved.IsZero():
+	case since < defaultStateInterval:
+		return
+	case !p.stateDirty && since < StateRefreshInterval:
 		return
 	}
 	services, slices := p.tracker.Objects()
-	if err := source.SaveState(p.cfg.StateFile, services, slices); err != nil {
+	if err := source.SaveState(p.cfg.StateFile, source.State{Services: services, EndpointSlices: slices, SavedAt: now}); err != nil {
 		p.log.Warn("cannot save the state for a restart without the API server", zap.Error(err))
 		return
 	}

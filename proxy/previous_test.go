@@ -10,7 +10,9 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy/changes"
 	"github.com/uproxy/uproxy/proxy/service"
@@ -85,15 +87,16 @@ func TestServePreviousState(t *testing.T) {
 		"default/b:http": uint16(rules.port(t, "default/b:http")),
 	}
 	testwait.Until(t, 5*time.Second, "the state file to hold both services", func() bool {
-		saved, _, _ := source.LoadState(state)
-		return len(saved) >= 2
+		saved, _ := source.LoadState(state)
+		return len(saved.Services) >= 2
 	})
 	cancel()
 	<-done
 	if err := prev.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	savedServices, savedSlices, err := source.LoadState(state)
+	saved, err := source.LoadState(state)
+	savedServices, savedSlices := saved.Services, saved.EndpointSlices
 	if err != nil || len(savedServices) != 2 || len(savedSlices) != 2 {
 		t.Fatalf("the saved state: %d services, %d slices, %v", len(savedServices), len(savedSlices), err)
 	}
@@ -137,5 +140,45 @@ func TestServePreviousState(t *testing.T) {
 	}
 	if got, err := get(t, int(ports["default/b:http"])); got != "b" {
 		t.Errorf("b after the initial lists: %q, %v", got, err)
+	}
+}
+
+// TestStateFileRefreshedWhileUnchanged checks that the state file's time
+// follows the syncs even when nothing changes, so that a restart's age
+// limit (source.LoadFreshState) tells how long ago a uproxy last synced,
+// not how long ago a quiet cluster last changed; and that writes stay
+// spaced, changed or not.
+func TestStateFileRefreshedWhileUnchanged(t *testing.T) {
+	start := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	clk := clocktesting.NewFakeClock(start)
+	state := filepath.Join(t.TempDir(), "state.json")
+	p := NewProxier(Config{Config: datapath.Config{Clock: clk}, StateFile: state})
+	t.Cleanup(func() { p.Shutdown(context.Background()) })
+	p.Tracker().Replace([]*v1.Service{svc("a", "10.96.0.10", "http:80")}, nil)
+	// Each step: time passes, then a sync that changed something or not;
+	// want is the file's time after it.
+	for _, step := range []struct {
+		after   time.Duration
+		changed bool
+		want    time.Duration // since start
+	}{
+		{0, false, 0}, // the first sync writes, changed or not
+		{5 * time.Second, true, 0},
+		{10 * time.Second, false, 15 * time.Second}, // the change left above
+		{30 * time.Second, false, 15 * time.Second},
+		{40 * time.Second, false, 85 * time.Second}, // a minute since the last write
+		{10 * time.Second, false, 85 * time.Second},
+		{StateRefreshInterval, false, 85*time.Second + 10*time.Second + StateRefreshInterval},
+	} {
+		clk.Step(step.after)
+		p.saveStateAfterSync(step.changed)
+		saved, err := source.LoadState(state)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := saved.SavedAt.Sub(start); got != step.want || len(saved.Services) != 1 {
+			t.Fatalf("at %v: the file holds %d services, saved at %v; want 1, at %v",
+				clk.Now().Sub(start), len(saved.Services), got, step.want)
+		}
 	}
 }

@@ -51,8 +51,8 @@ type Config struct {
 	// Nil means none.
 	PreviousPort func(name service.PortName, network string) uint16
 	// StateFile is where each successful sync's Services and
-	// EndpointSlices are saved (source.SaveState), for ServePrevious after a
-	// restart. Empty means none is saved.
+	// EndpointSlices are saved (source.SaveState), with the sync's time,
+	// for ServePrevious after a restart. Empty means none is saved.
 	StateFile string
 	// SharedListeners lists the protocols whose service ports share one
 	// listener per family (--listener=shared; see package listeners): the

@@ -66,8 +66,8 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 		return a.Errors == 0 && len(a.Counts) == 2 && b.Errors == 0 && len(b.Counts) == 2
 	})
 	testwait.Until(t, 40*time.Second, "the state file to hold both Services", func() bool {
-		services, _, err := source.LoadState(state)
-		return err == nil && len(services) >= 2
+		st, err := source.LoadState(state)
+		return err == nil && len(st.Services) >= 2
 	})
 
 	// Killed: the rules stay. "gone" is deleted while uproxy is away,

@@ -346,6 +346,7 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"bad logging format", []string{"--logging-format", "yaml"}, `--logging-format: "yaml" is not text or json`},
 		{"bad detect-local mode", []string{"--detect-local-mode", "Magic"}, `detect-local mode "Magic" is not`},
 		{"no event loops", []string{"--event-loops", "-1"}, "--event-loops: -1 is not a count"},
+		{"a negative state file age", []string{"--state-file-max-age", "-1m"}, "--state-file-max-age: -1m0s must be positive"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -11,6 +11,7 @@ import (
 	"runtime/debug"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/uproxy/uproxy/proxy/introspect"
 
@@ -25,6 +26,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/clock"
 
 	"github.com/uproxy/uproxy/datapath"
 	"github.com/uproxy/uproxy/internal/kubeevents"
@@ -323,15 +325,15 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 				zap.String("address", o.debugBindAddress))
 		}
 	}
+	if stateFile != "" && o.stateFileMaxAge > 0 && o.stateFileMaxAge < o.syncPeriod+proxy.StateRefreshInterval {
+		log.Warn("--state-file-max-age is shorter than the state file's refresh, which follows the syncs: a restart may refuse the state of a cluster where nothing changed",
+			zap.Duration("maxAge", o.stateFileMaxAge), zap.Duration("refresh", proxy.StateRefreshInterval), zap.Duration("syncPeriod", o.syncPeriod))
+	}
 	if servePrevious {
 		// The previous instance's rules still send its Services here:
 		// serve them until the API server answers.
-		services, slices, err := source.LoadState(stateFile)
-		switch {
-		case err != nil:
-			log.Warn("cannot serve the previous instance's Services before the initial lists", zap.Error(err))
-		case len(services) > 0:
-			p.ServePrevious(services, slices)
+		if st := loadPreviousState(stateFile, o.stateFileMaxAge, clock.RealClock{}, log); len(st.Services) > 0 {
+			p.ServePrevious(st.Services, st.EndpointSlices)
 		}
 	}
 
@@ -409,6 +411,27 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	log.Info("stopped; rules left in place for the next instance")
 	return failure
+}
+
+// loadPreviousState reads the state file at path for ServePrevious. A
+// state saved more than maxAge before clk's time (0: no limit) is refused
+// and logged, with its path, age and the limit: its endpoints may name
+// pod IPs that other pods, of other tenants, have been given since, and
+// serving nothing until the initial lists arrive is the safer outage. It
+// returns the zero State when there is nothing to serve.
+func loadPreviousState(path string, maxAge time.Duration, clk clock.PassiveClock, log *zap.Logger) source.State {
+	st, err := source.LoadFreshState(path, maxAge, clk.Now())
+	var stale *source.StaleStateError
+	switch {
+	case errors.As(err, &stale):
+		log.Warn("refusing the previous instance's state file, older than --state-file-max-age (its endpoints may be other pods' by now): serving nothing until the initial lists arrive",
+			zap.String("path", stale.Path), zap.Duration("age", stale.Age), zap.Duration("maxAge", stale.MaxAge), zap.Time("savedAt", stale.SavedAt))
+	case err != nil:
+		log.Warn("cannot serve the previous instance's Services before the initial lists", zap.Error(err))
+	default:
+		return st
+	}
+	return source.State{}
 }
 
 // brNetfilterLoaded reports whether br_netfilter is loaded, which shows

@@ -54,6 +54,7 @@ type runOptions struct {
 	cleanupAndExit     bool
 	upgradeSocket      string
 	stateFile          string
+	stateFileMaxAge    time.Duration
 	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
 	endpointDenyCIDRs  string
@@ -107,6 +108,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades, where a starting uproxy takes a running one's listening sockets over; empty disables.")
 	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where each sync's Services and EndpointSlices are saved, for a restart to serve before the API server answers (API server source only); empty disables.")
+	fs.DurationVar(&o.stateFileMaxAge, "state-file-max-age", 10*time.Minute, "How old a --state-file may be for a restart to serve it: an older one's endpoints may be other pods' by now; 0 serves any age.")
 	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", upgrade.DefaultReadyTimeout, "How long the old process of an upgrade waits, its syncs paused, for the new one's first sync before it takes the handover back.")
 	fs.StringVar(&o.endpointDenyCIDRs, "endpoint-deny-cidrs", prefixList(service.DefaultDeniedEndpoints),
 		"Networks (CIDRs or addresses, comma-separated) no endpoint may be in; the default holds the clouds' metadata services that are not link-local, and empty denies none.")
@@ -169,6 +171,7 @@ func (o *runOptions) validate() error {
 		{"--drain-timeout", o.drainTimeout, true},
 		{"--upgrade-ready-timeout", o.upgradeReadyTime, false},
 		{"--tcp-idle-timeout", o.tcpIdleTimeout, true},
+		{"--state-file-max-age", o.stateFileMaxAge, true},
 		{"--endpoint-dial-timeout", o.dialTimeout, false},
 		{"--iptables-wait", o.iptablesWait, false},
 		{"--udp-timeout", o.udpTimeout, false},

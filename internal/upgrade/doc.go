@@ -24,7 +24,11 @@
 //     answers released once its sockets are closed.
 //   - New adopts the sockets, and sends ready after its first sync. Old
 //     then closes its descriptors and drains. Past its ready time-out old
-//     closes the connection and syncs again; new, seeing that, exits.
+//     sends abort, closes the connection and syncs again; new, seeing the
+//     abort, exits. The connection's end without an abort (old was killed,
+//     or stopped on a signal) leaves new serving: old's offer says it
+//     sends aborts, and an offer of an older version, which does not, makes
+//     new take any end for an abort.
 //
 // The handshake time-out bounds the exchange up to the sockets' arrival.
 // An Upgrader runs both sides; SyncLoop lets it pause the proxier's sync

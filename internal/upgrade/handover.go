@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/uproxy/uproxy/proxy/listeners"
@@ -25,7 +26,8 @@ type Hooks struct {
 	// the sync loop paused.
 	Export func() ([]listeners.HandoverSocket, error)
 	// Abort ends this process's run with an error: the predecessor took
-	// its sockets back before we were ready. Nil means nothing is done.
+	// its sockets back before we were ready (not when it died, or
+	// stopped, meanwhile: we serve on). Nil means nothing is done.
 	Abort func(error)
 }
 
@@ -72,7 +74,7 @@ func (u *Upgrader) Serve(ctx context.Context, synced <-chan struct{}, h Hooks) *
 	defer stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	wg.Go(func() { u.afterFirstSync(ctx, synced, h.Abort) })
+	wg.Go(func() { u.afterFirstSync(ctx, synced) })
 	u.mu.Lock()
 	pred := u.pred
 	u.mu.Unlock()
@@ -122,7 +124,7 @@ func (u *Upgrader) Serve(ctx context.Context, synced <-chan struct{}, h Hooks) *
 // afterFirstSync waits for the first successful sync, closes the
 // inherited server sockets nothing claimed, and tells the predecessor we
 // are ready.
-func (u *Upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, abort func(error)) {
+func (u *Upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}) {
 	select {
 	case <-ctx.Done():
 		return
@@ -134,15 +136,18 @@ func (u *Upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, a
 	u.servers.closeInherited()
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	if u.aborted {
+		return
+	}
+	u.synced = true
 	if u.pred != nil {
 		if err := Send(u.pred, Message{Type: "ready"}, nil); err != nil {
-			// It gave up on us (the ready timeout) and syncs again.
-			u.pred.Close()
-			u.pred = nil
-			u.gone = true
-			if abort != nil {
-				abort(fmt.Errorf("hitless upgrade: cannot tell the predecessor (pid %d) we are ready; it serves on: %w", u.predPID, err))
-			}
+			// Its end of the connection is closed: it took the handover
+			// back, and its abort waits in our queue, or it is gone.
+			// watchPredecessor reads which, and ends our run or makes us
+			// ready.
+			u.log.Info("cannot tell the predecessor we are ready; waiting to learn whether it took the handover back",
+				zap.Int("predecessor", u.predPID), zap.Error(err))
 			return
 		}
 		u.pred.Close()
@@ -152,40 +157,66 @@ func (u *Upgrader) afterFirstSync(ctx context.Context, synced <-chan struct{}, a
 	u.ready = true
 }
 
-// watchPredecessor ends our run, through abort, should the predecessor
-// end the handover before we are ready: it gave up waiting for our first
-// sync and syncs again itself, and two processes must not both program
-// the rules. The upgrade socket's path stays the predecessor's.
+// watchPredecessor waits for the predecessor's connection to end before
+// we are ready. With an abort, the predecessor gave up waiting for our
+// first sync and syncs again itself: two processes must not both program
+// the rules, so abort ends our run, and the upgrade socket's path stays
+// the predecessor's. Without one, from a predecessor that says it sends
+// abort (Message.Aborts), the kernel closed its end as it died, or it
+// stopped on a signal: either way it syncs no more, and we serve on, the
+// sockets and the path ours. A predecessor of an older version sends no
+// abort, so its end means either: we take it for a taken-back handover,
+// as that version's successors did.
 func (u *Upgrader) watchPredecessor(ctx context.Context, pred *net.UnixConn, abort func(error)) {
-	// The predecessor sends nothing after the sockets: any answer to this
-	// read is its end of the connection.
+	// The predecessor sends nothing after the sockets but abort: any
+	// answer to this read ends the handover.
 	stop := context.AfterFunc(ctx, func() { pred.SetReadDeadline(time.Now()) })
 	defer stop()
-	_, files, err := Recv(pred)
+	m, files, err := Recv(pred)
 	closeFiles(files)
 	if ctx.Err() != nil {
 		return
 	}
 	u.mu.Lock()
-	aborted := u.pred == pred // not told ready yet
-	if aborted {
-		u.pred.Close()
-		u.pred = nil
+	if u.pred != pred { // told ready meanwhile
+		u.mu.Unlock()
+		return
+	}
+	u.pred.Close()
+	u.pred = nil
+	// A message, even one we cannot read, comes from a live predecessor;
+	// the end of the connection, orderly or with unread data (a reset),
+	// from one that is going or gone.
+	ended := errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
+	tookBack := !ended || !u.predAborts
+	if tookBack {
+		u.aborted = true
 		u.gone = true
+	} else {
+		u.ready = u.synced // its ready may have failed on the closed connection
 	}
 	u.mu.Unlock()
-	if aborted && abort != nil {
-		abort(fmt.Errorf("hitless upgrade: the predecessor (pid %d) ended the handover before our first sync completed, and serves on: %w", u.predPID, errPredecessorResumed(err)))
+	if !tookBack {
+		u.log.Warn("the predecessor ended before our first sync completed without taking the handover back (it was killed, or stopped): serving on",
+			zap.Int("predecessor", u.predPID), zap.Error(err))
+		return
 	}
-}
-
-// errPredecessorResumed is the cause given when the predecessor's
-// connection ended: the read's error, or a plain one at EOF.
-func errPredecessorResumed(err error) error {
-	if err == nil || errors.Is(err, io.EOF) {
-		return errors.New("connection closed")
+	if abort == nil {
+		return
 	}
-	return err
+	switch {
+	case err == nil && m.Type == "abort":
+		abort(fmt.Errorf("hitless upgrade: the predecessor (pid %d) took the handover back before our first sync completed, and serves on", u.predPID))
+	case err == nil:
+		abort(fmt.Errorf("hitless upgrade: the predecessor (pid %d) sent %q before our first sync completed: taking the handover for taken back", u.predPID, m.Type))
+	case !ended:
+		abort(fmt.Errorf("hitless upgrade: reading from the predecessor (pid %d) before our first sync completed: taking the handover for taken back: %w", u.predPID, err))
+	default:
+		if errors.Is(err, io.EOF) {
+			err = errors.New("connection closed")
+		}
+		abort(fmt.Errorf("hitless upgrade: the predecessor (pid %d) ended the handover before our first sync completed; of a version that sends no abort, it may serve on, or have died: %w", u.predPID, err))
+	}
 }
 
 // handle runs the old process's side of one handshake; it returns the
@@ -222,7 +253,7 @@ func (u *Upgrader) handle(ctx context.Context, c *net.UnixConn, h Hooks) *Handov
 		return nil
 	}
 	log := u.log.With(zap.Int("successor", hello.PID), zap.Int32("peerPID", cred.Pid))
-	offer := Message{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode}
+	offer := Message{Type: "offer", PID: os.Getpid(), Netns: u.netns, Mode: u.mode, Aborts: true}
 	refuse := func(why string) *Handover {
 		offer.Error = why
 		if err := Send(c, offer, nil); err != nil {
@@ -275,11 +306,20 @@ func (u *Upgrader) handle(ctx context.Context, c *net.UnixConn, h Hooks) *Handov
 			return
 		}
 		if ctx.Err() != nil {
-			// We stop meanwhile: the successor, if it lives on, holds the
-			// upgrade socket, so its path stays (gone, if set, stays set).
+			// We stop meanwhile, without an abort: the successor, which
+			// then serves on, holds the upgrade socket, so its path stays
+			// (gone, if set, stays set).
 			return
 		}
-		log.Info("the new process went away before it was ready; carrying on")
+		// The successor, if it is still there, must stop before we sync
+		// again: an abort tells it so, where the connection's end alone
+		// would tell it that we died.
+		c.SetDeadline(time.Now().Add(u.cfg.handshakeTimeout()))
+		if err := Send(c, Message{Type: "abort"}, nil); err == nil {
+			log.Info("the handover is taken back: the new process stops; carrying on")
+		} else {
+			log.Info("the new process went away before it was ready; carrying on")
+		}
 		u.mu.Lock()
 		u.gone = false
 		u.mu.Unlock()

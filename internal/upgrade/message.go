@@ -56,6 +56,12 @@ type Message struct {
 	Count   int      `json:"count,omitempty"`
 	Error   string   `json:"error,omitempty"`
 	Sockets []Socket `json:"sockets,omitempty"`
+	// Aborts, in an offer, says that the sender sends abort before it
+	// takes a handover back: the connection's end without one then means
+	// that the sender died or stopped, and the successor serves on. An
+	// older sender leaves it out, and its successor can tell neither
+	// apart, so it stops either way. Older receivers ignore it.
+	Aborts bool `json:"aborts,omitempty"`
 }
 
 // Socket describes one descriptor of a sockets message.

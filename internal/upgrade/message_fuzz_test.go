@@ -24,6 +24,8 @@ func FuzzUpgradeMessage(f *testing.F) {
 		`{"type":"offer","version":2,"netns":"1:2","error":"another network namespace","somethingNew":true}`,
 		`{"type":"sockets","version":1,"sockets":[{"kind":"listener","key":"tcp4 default/web:http","port":40000},{"kind":"server","key":"metrics tcp4 127.0.0.1:10249"},{"kind":"upgrade","key":"/run/uproxy/upgrade.sock"}]}`,
 		`{"type":"ready","version":1}`,
+		`{"type":"offer","version":1,"pid":7,"netns":"4:4026531840","mode":"redirect","count":3,"aborts":true}`,
+		`{"type":"abort","version":1}`,
 		`{"type":"release","version":1}`,
 		`{"type":"released"}`,
 		`{"type":"offer","count":-1}`,

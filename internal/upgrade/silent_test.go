@@ -21,8 +21,8 @@ import (
 
 // TestUpgradeSilentSuccessor checks that a successor which says hello and
 // never says ready does not stop the old process's syncing for good:
-// past the ready timeout the old process closes the connection and syncs
-// again, serving its upgrade socket as before.
+// past the ready timeout the old process says abort, closes the
+// connection and syncs again, serving its upgrade socket as before.
 func TestUpgradeSilentSuccessor(t *testing.T) {
 	netns, err := netnsID()
 	if err != nil {
@@ -79,6 +79,12 @@ func TestUpgradeSilentSuccessor(t *testing.T) {
 			testwait.Until(t, 10*time.Second, "a sync after the aborted handover", func() bool { return pr.syncs.Load() > paused })
 			if !tc.readSockets {
 				readAll() // what was queued before the old process gave up
+			}
+			// An abort tells the successor that the old process syncs
+			// again, where the connection's end alone would tell it that
+			// the old process died.
+			if m, _, err := Recv(c); err != nil || m.Type != "abort" {
+				t.Fatalf("got %+v, %v; want the old process to take the handover back with abort", m, err)
 			}
 			if m, _, err := Recv(c); !errors.Is(err, io.EOF) {
 				t.Fatalf("got %+v, %v; want the old process to have closed the connection", m, err)

@@ -81,11 +81,16 @@ type Upgrader struct {
 	lnFile  fileID            // the socket file we own
 	predPID int
 
-	mu      sync.Mutex
-	pred    *net.UnixConn // the predecessor, until it is told we are ready
-	ready   bool          // the first sync is done: we can hand over
-	handing bool          // a handover is in progress, or done
-	gone    bool          // handed over: the path is the successor's
+	mu   sync.Mutex
+	pred *net.UnixConn // the predecessor, until it is told we are ready or its connection ends
+	// predAborts: the predecessor's offer said it sends abort before it
+	// takes the handover back (Message.Aborts).
+	predAborts bool
+	synced     bool // the first sync is done, ready told or not
+	aborted    bool // the predecessor took the handover back: our run ends
+	ready      bool // the first sync is done and the predecessor told or gone: we can hand over
+	handing    bool // a handover is in progress, or done
+	gone       bool // handed over: the path is the successor's
 }
 
 // New returns the Upgrader that cfg describes. It does nothing until
@@ -328,7 +333,7 @@ func (u *Upgrader) takeOver(c *net.UnixConn) (err error) {
 		received += len(files)
 	}
 	c.SetDeadline(time.Time{})
-	u.pred, u.predPID = c, offer.PID
+	u.pred, u.predPID, u.predAborts = c, offer.PID, offer.Aborts
 	if u.ln == nil {
 		log.Warn("the predecessor did not hand its upgrade socket over: hitless upgrades of this process are disabled")
 	}

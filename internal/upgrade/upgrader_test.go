@@ -1,6 +1,7 @@
 package upgrade
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -26,6 +27,7 @@ import (
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy"
 	"github.com/uproxy/uproxy/proxy/changes"
+	"github.com/uproxy/uproxy/proxy/listeners"
 )
 
 // fakePredecessor listens on path and answers the first connection with
@@ -398,63 +400,219 @@ func TestUpgradeRefusesPeers(t *testing.T) {
 	}
 }
 
-// TestUpgradeSuccessorStopsWhenAborted checks that a successor whose
-// predecessor ends the handover before ready (its ready timeout) stops,
-// and leaves the predecessor's upgrade socket file alone.
-func TestUpgradeSuccessorStopsWhenAborted(t *testing.T) {
+// idleSync is a sync loop with nothing to pause, and noListeners a
+// proxier without listeners: an Upgrader over them hands over its
+// servers' sockets and the upgrade socket only.
+type idleSync struct{}
+
+func (idleSync) Pause(context.Context) bool { return true }
+func (idleSync) Resume(context.Context)     {}
+
+func noListeners() ([]listeners.HandoverSocket, error) { return nil, nil }
+
+// fakeEnding starts, at path, a predecessor that offers no socket and
+// ends the handover when told: with an abort if sendAbort is set, else
+// by closing the connection. aborts is what its offer says of its aborts
+// (an older version's says nothing).
+func fakeEnding(aborts, sendAbort bool) func(t *testing.T, path, netns string) func() {
+	return func(t *testing.T, path, netns string) func() {
+		end := make(chan struct{})
+		fakePredecessor(t, path, func(c *net.UnixConn) []string {
+			m, files, _ := Recv(c)
+			closeFiles(files)
+			Send(c, Message{Type: "offer", PID: os.Getpid(), Netns: netns, Mode: "redirect", Aborts: aborts}, nil)
+			<-end
+			if sendAbort {
+				Send(c, Message{Type: "abort"}, nil)
+			}
+			return []string{m.Type} // closes the connection
+		})
+		endOnce := sync.OnceFunc(func() { close(end) })
+		t.Cleanup(endOnce)
+		return endOnce
+	}
+}
+
+// killedPredecessor runs the test binary as a predecessor of this version
+// (upgradePredecessorMain) at path, and returns what kills it: SIGKILL,
+// to its pid.
+func killedPredecessor(t *testing.T, path, _ string) func() {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), upgradePredecessorEnv+"="+path)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe() // it serves until this closes, or it is killed
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	kill := sync.OnceFunc(func() {
+		cmd.Process.Signal(syscall.SIGKILL)
+		cmd.Wait()
+	})
+	t.Cleanup(func() { stdin.Close(); kill() })
+	line, err := bufio.NewReader(stdout).ReadString('\n') // it exits, closing stdout, if it fails
+	if err != nil || line != "ready\n" {
+		t.Fatalf("the predecessor process said %q, %v; want ready", line, err)
+	}
+	return kill
+}
+
+// TestUpgradeSuccessorWhenPredecessorEnds checks what a successor does
+// when its predecessor's connection ends before the successor's first
+// sync. A predecessor that takes the handover back (its ready timeout)
+// says abort, and the successor stops, leaving the socket file to it. One
+// that ends without an abort, killed or stopping, syncs no more: the
+// successor serves on, becomes ready after its first sync, and hands its
+// sockets to a successor of its own. A predecessor of an older version
+// sends no abort, so its end is taken for a handover taken back.
+func TestUpgradeSuccessorWhenPredecessorEnds(t *testing.T) {
+	netns, err := netnsID()
+	if err != nil {
+		t.Skip(err)
+	}
+	type outcome struct {
+		Aborted bool // the successor's run ended
+		Ready   bool // it may hand over
+		Serving bool // it offers the sockets to a successor of its own
+	}
+	for _, tc := range []struct {
+		name string
+		// start starts a predecessor at path that answers with netns, and
+		// returns what ends its handover.
+		start func(t *testing.T, path, netns string) func()
+		want  outcome
+	}{
+		{"takes the handover back", fakeEnding(true, true), outcome{Aborted: true}},
+		{"is killed", killedPredecessor, outcome{Ready: true, Serving: true}},
+		{"closes without an abort, stopping", fakeEnding(true, false), outcome{Ready: true}},
+		{"of an older version, closes", fakeEnding(false, false), outcome{Aborted: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "upgrade.sock")
+			end := tc.start(t, path, netns)
+			next := New(Config{Path: path, Mode: "redirect", Logger: zaptest.NewLogger(t).Named("new")})
+			if err := next.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer next.Close()
+			if !next.TookOver() {
+				t.Fatal("no handover in progress")
+			}
+			aborted := make(chan error, 1)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			synced := make(chan struct{})
+			done := make(chan struct{})
+			go func() { // ends with cancel
+				next.Serve(ctx, synced, Hooks{Sync: idleSync{}, Export: noListeners, Abort: func(err error) { aborted <- err }})
+				close(done)
+			}()
+			end()
+			testwait.Until(t, 10*time.Second, "the successor to see its predecessor's end", func() bool {
+				next.mu.Lock()
+				defer next.mu.Unlock()
+				return next.pred == nil
+			})
+			close(synced)
+			var got outcome
+			if !tc.want.Aborted {
+				testwait.Until(t, 10*time.Second, "the successor to be ready", func() bool {
+					next.mu.Lock()
+					defer next.mu.Unlock()
+					return next.ready
+				})
+				if next.ln != nil {
+					// The upgrade socket came along (from a real
+					// predecessor): the successor serves it.
+					c := dialPredecessor(t, path, netns)
+					offer, files, err := Recv(c)
+					closeFiles(files)
+					got.Serving = err == nil && offer.Type == "offer" && offer.Error == "" && offer.Count > 0 && offer.Aborts
+					t.Logf("a successor of the successor got %+v, %v", offer, err)
+				}
+			}
+			cancel()
+			<-done // Serve has waited for watchPredecessor, which calls Abort
+			select {
+			case err := <-aborted:
+				got.Aborted = true
+				t.Logf("aborted: %v", err)
+			default:
+			}
+			next.mu.Lock()
+			got.Ready = next.ready
+			next.mu.Unlock()
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("(-want +got):\n%s", diff)
+			}
+			if tc.want.Aborted {
+				next.Close()
+				if _, err := os.Stat(path); err != nil {
+					t.Errorf("the predecessor's upgrade socket file was removed: %v", err)
+				}
+			}
+		})
+	}
+}
+
+// TestUpgradeReadyAfterPredecessorDied checks a successor whose first
+// sync completes after its predecessor has died but before it has read
+// the connection's end: its ready fails on the closed connection, and it
+// waits for the connection's end to tell a death from a handover taken
+// back, then is ready.
+func TestUpgradeReadyAfterPredecessorDied(t *testing.T) {
 	netns, err := netnsID()
 	if err != nil {
 		t.Skip(err)
 	}
 	path := filepath.Join(t.TempDir(), "upgrade.sock")
-	abortNow := make(chan struct{})
+	end := make(chan struct{})
 	received := fakePredecessor(t, path, func(c *net.UnixConn) []string {
-		m, _, _ := Recv(c)
-		Send(c, Message{Type: "offer", PID: 1, Netns: netns, Mode: "redirect"}, nil)
-		<-abortNow
-		return []string{m.Type} // closes the connection: the ready timeout
+		m, files, _ := Recv(c)
+		closeFiles(files)
+		Send(c, Message{Type: "offer", PID: os.Getpid(), Netns: netns, Mode: "redirect", Aborts: true}, nil)
+		<-end
+		return []string{m.Type}
 	})
 	next := New(Config{Path: path, Mode: "redirect", Logger: zaptest.NewLogger(t).Named("new")})
 	if err := next.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer next.Close()
-	if next.pred == nil {
+	pred := next.pred
+	if pred == nil {
 		t.Fatal("no handover in progress")
 	}
-	aborted := make(chan error, 1)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	never := make(chan struct{}) // the first sync never completes
-	done := make(chan struct{})
-	go func() { // ends with cancel
-		next.Serve(ctx, never, Hooks{Abort: func(err error) { aborted <- err }})
-		close(done)
-	}()
-	select {
-	case err := <-aborted:
-		t.Fatalf("aborted before the predecessor ended the handover: %v", err)
-	case <-time.After(100 * time.Millisecond):
+	close(end)
+	for range received { // closed once the predecessor's end is
 	}
-	close(abortNow)
-	<-received
-	select {
-	case err := <-aborted:
-		t.Logf("aborted: %v", err)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the successor carries on after its predecessor ended the handover")
+	// The two halves of Serve, in this order.
+	synced := make(chan struct{})
+	close(synced)
+	next.afterFirstSync(context.Background(), synced)
+	if next.ready || next.pred == nil {
+		t.Fatalf("ready %v, predecessor %v: want the verdict left to the connection's end", next.ready, next.pred)
 	}
-	cancel()
-	<-done
-	next.Close()
-	if _, err := os.Stat(path); err != nil {
-		t.Errorf("the predecessor's upgrade socket file was removed: %v", err)
+	var aborted error
+	next.watchPredecessor(context.Background(), pred, func(err error) { aborted = err })
+	if aborted != nil || !next.ready || next.pred != nil {
+		t.Errorf("aborted %v, ready %v, predecessor %v: want the successor ready, serving on", aborted, next.ready, next.pred)
 	}
 }
 
 func TestMain(m *testing.M) {
 	if path := os.Getenv(upgradePeerEnv); path != "" {
 		os.Exit(upgradePeerMain(path)) // the test binary as a peer
+	}
+	if path := os.Getenv(upgradePredecessorEnv); path != "" {
+		os.Exit(upgradePredecessorMain(path)) // the test binary as a predecessor
 	}
 	os.Exit(m.Run())
 }
@@ -500,6 +658,36 @@ func upgradePeerMain(path string) int {
 	}
 	m.Sockets = make([]Socket, len(files)) // what it got
 	json.NewEncoder(os.Stdout).Encode(m)
+	return 0
+}
+
+// upgradePredecessorEnv names, in the environment of the test binary run
+// as a predecessor, its upgrade socket (see TestMain).
+const upgradePredecessorEnv = "UPROXY_TEST_UPGRADE_PREDECESSOR"
+
+// upgradePredecessorMain is the test binary run as a running uproxy: an
+// Upgrader that has synced, over no listeners, and serves the upgrade
+// socket at path. It prints "ready" once it would hand over, and serves
+// until its stdin closes, or it is killed.
+func upgradePredecessorMain(path string) int {
+	u := New(Config{Path: path, Mode: "redirect"})
+	if err := u.Start(); err != nil || u.ln == nil {
+		fmt.Fprintf(os.Stderr, "start: %v, socket %v\n", err, u.ln)
+		return 1
+	}
+	synced := make(chan struct{})
+	close(synced)
+	go u.Serve(context.Background(), synced, Hooks{Sync: idleSync{}, Export: noListeners}) // ends with the process
+	if !testwait.Poll(10*time.Second, func() bool {
+		u.mu.Lock()
+		defer u.mu.Unlock()
+		return u.ready
+	}) {
+		fmt.Fprintln(os.Stderr, "not ready")
+		return 1
+	}
+	fmt.Println("ready")
+	io.Copy(io.Discard, os.Stdin)
 	return 0
 }
 
