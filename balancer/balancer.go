@@ -113,10 +113,13 @@ const (
 	// WeightedRoundRobin hands out backends in turn in proportion to
 	// their weights, interleaved as by nginx's smooth weighted round-robin.
 	WeightedRoundRobin Kind = "weighted-round-robin"
-	// LeastConn picks the backend with the fewest active connections.
+	// LeastConn picks the backend with the fewest active connections;
+	// past MaxLeastConnScan backends, the one with fewer of two drawn at
+	// random.
 	LeastConn Kind = "least-conn"
 	// WeightedLeastConn picks the backend with the fewest active
-	// connections per unit of weight.
+	// connections per unit of weight; past MaxLeastConnScan backends, the
+	// one with fewer of two drawn in proportion to their weights.
 	WeightedLeastConn Kind = "weighted-least-conn"
 	// SourceHash maps each client address to a backend with Maglev
 	// consistent hashing, identically on every node, so that a backend

@@ -1,7 +1,6 @@
 package balancer
 
 import (
-	"fmt"
 	"net/netip"
 	"slices"
 	"sync"
@@ -168,13 +167,17 @@ func TestSpill(t *testing.T) {
 }
 
 // TestConcurrent is for the race detector: every kind, plain and with
-// affinity, picked from many goroutines while ejections toggle.
+// affinity, over few backends and over more than MaxLeastConnScan, picked
+// from many goroutines while ejections toggle.
 func TestConcurrent(t *testing.T) {
-	bs := testBackends(1, 2, 3, 4, 5, 6, 7, 8)
+	few, many := testBackends(1, 2, 3, 4, 5, 6, 7, 8), testBackends(weightsCycling(100)...)
+	bs := slices.Concat(few, many)
 	table := NewAffinityTable(AffinityConfig{MaxEntries: 100})
 	var bals []Balancer
 	for _, k := range Kinds {
-		bals = append(bals, New(k, bs), table.Wrap(New(k, bs), bs))
+		for _, set := range [][]*Backend{few, many} {
+			bals = append(bals, New(k, set), table.Wrap(New(k, set), set))
+		}
 	}
 	done := make(chan struct{})
 	var toggler sync.WaitGroup
@@ -218,21 +221,23 @@ func TestConcurrent(t *testing.T) {
 func TestPickAllocs(t *testing.T) {
 	client := clientAddr(7)
 	for _, k := range Kinds {
-		for _, state := range []string{"healthy", "one-ejected", "all-ejected"} {
-			bs := testBackends(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-			bal := New(k, bs)
-			switch state {
-			case "one-ejected": // the client's own, so that Pick takes the fallback path
-				bal.Pick(client).SetEjected(true)
-			case "all-ejected":
-				for _, b := range bs {
-					b.SetEjected(true)
+		for _, n := range []int{10, 100} {
+			for _, state := range []string{"healthy", "one-ejected", "all-ejected"} {
+				bs := testBackends(weightsCycling(n)...)
+				bal := New(k, bs)
+				switch state {
+				case "one-ejected": // the client's own, so that Pick takes the fallback path
+					bal.Pick(client).SetEjected(true)
+				case "all-ejected":
+					for _, b := range bs {
+						b.SetEjected(true)
+					}
 				}
-			}
-			allocs := testing.AllocsPerRun(1000, func() { bal.Pick(client) })
-			t.Logf("%s/%s: %v allocs/Pick", k, state, allocs)
-			if allocs != 0 {
-				t.Errorf("%s/%s: %v allocs/Pick, want 0", k, state, allocs)
+				allocs := testing.AllocsPerRun(1000, func() { bal.Pick(client) })
+				t.Logf("%s/n=%d/%s: %v allocs/Pick", k, n, state, allocs)
+				if allocs != 0 {
+					t.Errorf("%s/n=%d/%s: %v allocs/Pick, want 0", k, n, state, allocs)
+				}
 			}
 		}
 		bs := nBackends(10)
@@ -243,39 +248,5 @@ func TestPickAllocs(t *testing.T) {
 		if allocs != 0 {
 			t.Errorf("%s/affinity-hit: %v allocs/Pick, want 0", k, allocs)
 		}
-	}
-}
-
-func BenchmarkPick(b *testing.B) {
-	clients := make([]netip.Addr, 1024)
-	for i := range clients {
-		clients[i] = clientAddr(i)
-	}
-	for _, k := range Kinds {
-		for _, n := range []int{10, 100} {
-			bs := nBackends(n)
-			bal := New(k, bs)
-			b.Run(fmt.Sprintf("%s/%d", k, n), func(b *testing.B) {
-				i := 0
-				for b.Loop() {
-					bal.Pick(clients[i%len(clients)])
-					i++
-				}
-			})
-		}
-	}
-	for _, n := range []int{10, 100} {
-		bs := nBackends(n)
-		bal := NewAffinityTable(AffinityConfig{}).Wrap(New(RoundRobin, bs), bs)
-		for _, c := range clients {
-			bal.Pick(c)
-		}
-		b.Run(fmt.Sprintf("affinity-hit/%d", n), func(b *testing.B) {
-			i := 0
-			for b.Loop() {
-				bal.Pick(clients[i%len(clients)])
-				i++
-			}
-		})
 	}
 }

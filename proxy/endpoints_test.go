@@ -159,6 +159,71 @@ func TestRefusedEndpointIsLogged(t *testing.T) {
 	}
 }
 
+// TestEndpointsPastTheBound checks that a service port with more
+// endpoints than Config.MaxEndpointsPerPort balances over that many of
+// them, and that each change that leaves some out is logged once, with
+// the count left out.
+func TestEndpointsPastTheBound(t *testing.T) {
+	a, b, c, d := nameBackend(t, "a"), nameBackend(t, "b"), nameBackend(t, "c"), nameBackend(t, "d")
+	core, logs := observer.New(zap.WarnLevel)
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, MaxEndpointsPerPort: 2})
+	web := svc("web", "10.96.0.10", "http:80")
+	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", a, b, c))
+	port := rules.port(t, "default/web:http")
+	const message = "too many endpoints for one service port; balancing over a subset of them"
+	seen := map[string]bool{}
+	for range 20 {
+		name, err := get(t, port)
+		if err != nil {
+			t.Fatalf("request failed: %v", err)
+		}
+		seen[name] = true
+	}
+	if len(seen) != 2 {
+		t.Errorf("connections reached %v, want two of the three endpoints", seen)
+	}
+	if n := len(p.Status().Ports[0].Endpoints); n != 2 {
+		t.Errorf("status lists %d endpoints, want 2", n)
+	}
+	want := []map[string]any{{
+		"servicePort": "default/web:http", "family": "IPv4", "endpoints": int64(3), "leftOut": int64(1), "maxEndpointsPerPort": int64(2),
+	}}
+	logged := func() []map[string]any {
+		var out []map[string]any
+		for _, e := range logs.FilterMessage(message).All() {
+			out = append(out, e.ContextMap())
+		}
+		return out
+	}
+	if diff := cmp.Diff(want, logged()); diff != "" {
+		t.Errorf("log lines after the first sync (-want +got):\n%s", diff)
+	}
+	p.Tracker().Replace([]*v1.Service{web}, slicesFor("web", "http", a, b, c, d))
+	testwait.Until(t, 5*time.Second, "the change is logged", func() bool { return logs.FilterMessage(message).Len() == 2 })
+	want = append(want, map[string]any{
+		"servicePort": "default/web:http", "family": "IPv4", "endpoints": int64(4), "leftOut": int64(2), "maxEndpointsPerPort": int64(2),
+	})
+	if diff := cmp.Diff(want, logged()); diff != "" {
+		t.Errorf("log lines after a change (-want +got):\n%s", diff)
+	}
+}
+
+func TestMaxEndpointsPerPort(t *testing.T) {
+	tests := []struct {
+		set, want int
+	}{
+		{0, DefaultMaxEndpointsPerPort},
+		{-1, 0},
+		{25, 25},
+	}
+	for _, tt := range tests {
+		c := Config{MaxEndpointsPerPort: tt.set}
+		if got := c.maxEndpointsPerPort(); got != tt.want {
+			t.Errorf("MaxEndpointsPerPort %d: bound %d, want %d", tt.set, got, tt.want)
+		}
+	}
+}
+
 // probeRules is a RuleSyncer that runs probe with every set of
 // intercepts before it takes them.
 type probeRules struct {

@@ -12,9 +12,11 @@ import (
 
 	"github.com/uproxy/uproxy/proxy/introspect"
 
+	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/internal/testwait"
 	"github.com/uproxy/uproxy/proxy/service"
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 )
 
 func TestExplain(t *testing.T) {
@@ -88,6 +90,25 @@ func TestExplain(t *testing.T) {
 	// Explaining picked nothing: the affinity table still has one client.
 	if ex := explain("10.96.0.12:80", v1.ProtocolTCP, netip.MustParseAddr("10.1.1.1")); ex.Backend != "" {
 		t.Errorf("explain recorded an affinity: %+v", ex)
+	}
+}
+
+// TestExplainLeastConnSampled checks that Explain names no endpoint for a
+// least-conn service with more endpoints than the balancer scans, and
+// says that it draws two at random instead.
+func TestExplainLeastConnSampled(t *testing.T) {
+	p, _ := startProxier(t, Config{})
+	lc := svc("lc", "10.96.0.15", "http:80")
+	lc.Annotations = map[string]string{service.AnnotationBalancer: "least-conn"}
+	var eps []ep
+	for i := range balancer.MaxLeastConnScan + 1 {
+		eps = append(eps, ep{IP: fmt.Sprintf("127.0.0.%d", i+2)})
+	}
+	p.Tracker().Replace([]*v1.Service{lc}, []*discovery.EndpointSlice{slice("lc-0", "lc", "http", 8080, eps...)})
+	testwait.Until(t, 5*time.Second, "a sync", func() bool { return p.Status().Ports != nil })
+	ex := p.Explain(netip.MustParseAddrPort("10.96.0.15:80"), v1.ProtocolTCP, netip.MustParseAddr("127.0.0.1"))
+	if ex.Backend != "" || !strings.Contains(ex.Pick, "two endpoints drawn at random (power of two choices") {
+		t.Errorf("explained %+v; want no endpoint named, and the two random choices", ex)
 	}
 }
 

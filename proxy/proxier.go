@@ -157,6 +157,35 @@ type Config struct {
 	// balancer.MaglevBudget), and the service is logged. Zero means
 	// DefaultSourceHashBytes.
 	SourceHashBytes int64
+	// MaxEndpointsPerPort bounds the endpoints of one service port, in
+	// one family, that the proxy balances over. Past it, the port uses a
+	// subset (service.SubsetEndpoints: this node's and the ready ones
+	// first, and otherwise a different subset on each node), and each
+	// change is logged with the count left out. Zero means
+	// DefaultMaxEndpointsPerPort; negative means no bound.
+	MaxEndpointsPerPort int
+}
+
+// DefaultMaxEndpointsPerPort is the bound on a service port's endpoints
+// per family when Config.MaxEndpointsPerPort is zero. A change to a port
+// rebuilds its backends and balancers on the sync goroutine, while every
+// other Service's changes wait, at a cost that grows with the endpoints
+// (Maglev tables and weighted schedules); the bound caps that wait. It is
+// far above the replicas one Service is meant to spread over, and past it
+// another endpoint adds little but cost: each node still spreads its
+// connections over a subset that large, and the nodes together over all.
+const DefaultMaxEndpointsPerPort = 10000
+
+// maxEndpointsPerPort returns the bound on a service port's endpoints per
+// family, or 0 for none.
+func (c *Config) maxEndpointsPerPort() int {
+	switch {
+	case c.MaxEndpointsPerPort == 0:
+		return DefaultMaxEndpointsPerPort
+	case c.MaxEndpointsPerPort < 0:
+		return 0
+	}
+	return c.MaxEndpointsPerPort
 }
 
 func (c *Config) clock() clock.WithTickerAndDelayedExecution {

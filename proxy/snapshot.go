@@ -47,6 +47,25 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 	} else {
 		s.Endpoints = slices.DeleteFunc(eps, otherFamily) // eps is this call's own
 	}
+	// Source-hash ports keep the same subset on every node, so that every
+	// node sends a client to the same endpoint; the others a subset of
+	// their own, so that the nodes together reach every endpoint.
+	seed := p.cfg.NodeName
+	if sp.Balancer == balancer.SourceHash {
+		seed = ""
+	}
+	all := len(s.Endpoints)
+	limit := p.cfg.maxEndpointsPerPort()
+	var left int
+	if s.Endpoints, left = service.SubsetEndpoints(s.Endpoints, limit, p.cfg.NodeName, seed); left > 0 {
+		fam := v1.IPv4Protocol
+		if l.Key.V6 {
+			fam = v1.IPv6Protocol
+		}
+		p.log.Warn("too many endpoints for one service port; balancing over a subset of them",
+			zap.Stringer("servicePort", sp.Name), zap.String("family", string(fam)),
+			zap.Int("endpoints", all), zap.Int("leftOut", left), zap.Int("maxEndpointsPerPort", limit))
+	}
 	s.Sets = service.CategorizeEndpoints(s.Endpoints, sp, p.cfg.NodeName, zone)
 
 	// One Backend per endpoint address, shared by both sets, found by a

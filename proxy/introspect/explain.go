@@ -231,10 +231,19 @@ func (in *Inspector) Explain(dst netip.AddrPort, proto v1.Protocol, client netip
 			ex.Pick += "; rendezvous because the source-hash tables reached their memory bound"
 		}
 	case balancer.LeastConn, balancer.WeightedLeastConn:
+		weighted := balancer.Kind(sp.info.Balancer) == balancer.WeightedLeastConn
+		if balancer.PowerOfTwoChoices(set) {
+			ex.Pick = "the fewer active connections of two endpoints drawn at random"
+			if weighted {
+				ex.Pick = "the fewer active connections per unit of weight of two endpoints drawn in proportion to their weights"
+			}
+			ex.Pick += fmt.Sprintf(" (power of two choices, past %d endpoints)", balancer.MaxLeastConnScan) + then
+			break
+		}
 		// The balancer's own comparison, without taking its turn.
 		best := balancer.LeastLoaded(set)
 		ex.Pick = "the fewest active connections"
-		if balancer.Kind(sp.info.Balancer) == balancer.WeightedLeastConn {
+		if weighted {
 			ex.Pick += " per unit of weight"
 		}
 		if len(best) == 1 {
