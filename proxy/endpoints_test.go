@@ -69,9 +69,13 @@ func TestEndpointRefusal(t *testing.T) {
 		{"100.100.100.200:80", "in 100.100.100.200/32, a network no endpoint may be in (--endpoint-deny-cidrs)"},
 		{"168.63.129.16:80", "in 168.63.129.16/32, a network no endpoint may be in (--endpoint-deny-cidrs)"},
 		{"[::ffff:168.63.129.16]:80", "in 168.63.129.16/32, a network no endpoint may be in (--endpoint-deny-cidrs)"},
-		{"192.0.2.50:8080", ""},  // the external IP, on another port
-		{"10.96.0.10:8080", ""},  // the cluster IP, on another port
-		{"192.0.2.9:30080", ""},  // another node's node port
+		{"192.0.2.50:8080", ""}, // the external IP, on another port
+		{"10.96.0.10:8080", ""}, // the cluster IP, on another port
+		{"192.0.2.9:30080", "a port of the node-port range on an address outside the pod networks: a node's proxy would intercept it and could send it back"}, // another node's node port: a loop between nodes
+		{"192.0.2.9:32767", "a port of the node-port range on an address outside the pod networks: a node's proxy would intercept it and could send it back"},
+		{"192.0.2.9:32768", ""},  // outside the range
+		{"10.244.3.7:30080", ""}, // a pod listening on a port of the range
+		{"192.0.2.1:30999", "a port of the node-port range on an address outside the pod networks: a node's proxy would intercept it and could send it back"}, // this node, another Service's node port
 		{"[2001:db8::5]:80", ""}, // an IPv6 pod
 		{"[::ffff:10.244.0.6]:80", ""},
 		{"127.0.0.1:10249", "a loopback address"},

@@ -121,6 +121,13 @@ type Config struct {
 	// services from the node's address on a pod's behalf, where
 	// kube-proxy's DNAT leaves the pod the client.
 	NodeEndpointPorts service.PortRanges
+	// NodePortRange is the API server's --service-node-port-range: no
+	// endpoint outside the pod networks (ClusterCIDRs), or on this node's
+	// addresses, may be at one of its ports, where another node's proxy
+	// would intercept the connection and could send it back, a loop
+	// between nodes that no TTL ends, since each hop is a new connection.
+	// The zero value means 30000-32767, the API server's default.
+	NodePortRange service.PortRange
 	// LoopbackEndpoints lets endpoints on loopback addresses through,
 	// for tests whose backends listen there. False refuses them, as a
 	// pod could otherwise reach the node's own local services through a
@@ -255,6 +262,14 @@ type Proxier struct {
 	lastSync  atomic.Int64 // unix nanos of the last successful sync
 	zone      atomic.Pointer[string]
 	forceFull atomic.Bool
+}
+
+// nodePortRange returns NodePortRange, or its default.
+func (c *Config) nodePortRange() service.PortRange {
+	if c.NodePortRange == (service.PortRange{}) {
+		return service.DefaultNodePortRange
+	}
+	return c.NodePortRange
 }
 
 // deniedEndpoints returns DeniedEndpoints, or its default.

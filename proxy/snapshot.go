@@ -156,6 +156,8 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 //   - on an address of this node, the proxy's own ports: sp's node
 //     port, a listener port, or a server of ServerAddrs, which a pod
 //     must not reach through a Service address;
+//   - a port of Config.NodePortRange on an address outside the pod
+//     networks or of this node: a loop between nodes;
 //   - an address in Config.DeniedEndpoints;
 //   - an address of this node on a port Config.NodeEndpointPorts does
 //     not allow.
@@ -180,11 +182,14 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 			return "an address of the proxy's own servers"
 		}
 	}
-	if !p.addrs.has(ip) {
-		return ""
-	}
-	if sp.NodePort != 0 && port == sp.NodePort {
+	local := p.addrs.has(ip)
+	switch {
+	case local && sp.NodePort != 0 && port == sp.NodePort:
 		return "the service port's own node port on an address of this node"
+	case p.cfg.nodePortRange().Contains(port) && (local || !p.podAddr(ip)) && !(ip.IsLoopback() && p.cfg.LoopbackEndpoints):
+		return "a port of the node-port range on an address outside the pod networks: a node's proxy would intercept it and could send it back"
+	case !local:
+		return ""
 	}
 	if p.sockets.InUse(listeners.Key{Name: sp.Name, V6: ip.Is6()}.Network(), port) {
 		return "a listener port of the proxy on an address of this node"

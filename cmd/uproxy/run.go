@@ -277,6 +277,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		ServerAddrs:       serverAddrs(o.healthzBindAddress, o.metricsBindAddress),
 		DeniedEndpoints:   o.deniedEPs,
 		NodeEndpointPorts: o.nodeEPPorts,
+		NodePortRange:     o.nodePorts,
 		NodeName:          o.nodeName,
 		ClusterCIDRs:      o.clusterCIDRs,
 		ServiceHealth:     svcHealth,

@@ -58,6 +58,7 @@ type runOptions struct {
 	upgradeReadyTime   time.Duration
 	lingerAfterUpgrade bool
 	endpointDenyCIDRs  string
+	nodePortRange      string
 	nodeEndpointPorts  string
 	kubeProxy          kubeProxyOptions // kube-proxy's other flags and --config
 
@@ -68,6 +69,7 @@ type runOptions struct {
 	nodePortCIDRs []netip.Prefix
 	nodeName      string
 	deniedEPs     []netip.Prefix
+	nodePorts     service.PortRange
 	nodeEPPorts   service.PortRanges
 }
 
@@ -112,6 +114,8 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.upgradeReadyTime, "upgrade-ready-timeout", upgrade.DefaultReadyTimeout, "How long the old process of an upgrade waits, its syncs paused, for the new one's first sync before it takes the handover back.")
 	fs.StringVar(&o.endpointDenyCIDRs, "endpoint-deny-cidrs", prefixList(service.DefaultDeniedEndpoints),
 		"Networks (CIDRs or addresses, comma-separated) no endpoint may be in; the default holds the clouds' metadata services that are not link-local, and empty denies none.")
+	fs.StringVar(&o.nodePortRange, "service-node-port-range", "30000-32767",
+		"The API server's node-port range: no endpoint outside --cluster-cidr, or on this node, may be at one of its ports, which another node would intercept and could send back.")
 	fs.StringVar(&o.nodeEndpointPorts, "node-endpoint-ports", "",
 		"Ports and ranges (6443,9100-9110) on which an endpoint may be an address of this node, a host-network pod; empty allows only the Service default/kubernetes.")
 	fs.BoolVar(&o.lingerAfterUpgrade, "linger-after-upgrade", os.Getpid() == 1, "After handing over and draining, wait for SIGTERM instead of exiting (default true when uproxy is PID 1, so a container restart does not take the sockets back).")
@@ -141,6 +145,11 @@ func (o *runOptions) validate() error {
 	}
 	if o.deniedEPs, err = service.ParsePrefixes(o.endpointDenyCIDRs); err != nil {
 		errs = append(errs, fmt.Errorf("--endpoint-deny-cidrs: %w", err))
+	}
+	if r, err := service.ParsePortRanges(o.nodePortRange); err != nil || len(r) != 1 || r[0].First == r[0].Last {
+		errs = append(errs, fmt.Errorf("--service-node-port-range: %q is not a range of ports (30000-32767)", o.nodePortRange))
+	} else {
+		o.nodePorts = r[0]
 	}
 	if o.nodeEPPorts, err = service.ParsePortRanges(o.nodeEndpointPorts); err != nil {
 		errs = append(errs, fmt.Errorf("--node-endpoint-ports: %w", err))

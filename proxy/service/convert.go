@@ -399,6 +399,10 @@ type Defaults struct {
 	// Balancer is used when the Service has no uproxy.io/balancer
 	// annotation. Empty means round-robin.
 	Balancer balancer.Kind
+	// MaxConnections bounds the TCP connections in progress per service
+	// port when the Service has no uproxy.io/max-connections annotation.
+	// Zero means no bound.
+	MaxConnections int
 }
 
 // Ports converts a valid Service (see ValidateService) into its
@@ -476,6 +480,9 @@ func Ports(svc *v1.Service, d Defaults) []*Port {
 			sp.UDPMode = UDPRequestReply
 		}
 		sp.MaxConnections, sp.MaxConnectionsPerEndpoint = maxConns, maxPerEndpoint
+		if sp.MaxConnections == 0 {
+			sp.MaxConnections = d.MaxConnections
+		}
 		if sp.ExternalPolicyLocal && svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.HealthCheckNodePort = uint16(svc.Spec.HealthCheckNodePort)
 		}

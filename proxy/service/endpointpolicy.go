@@ -60,13 +60,20 @@ func ParsePrefixes(s string) ([]netip.Prefix, error) {
 // PortRange is the ports First to Last, inclusive.
 type PortRange struct{ First, Last uint16 }
 
+// Contains reports whether port is in r.
+func (r PortRange) Contains(port uint16) bool { return r.First <= port && port <= r.Last }
+
+// DefaultNodePortRange is the API server's default
+// --service-node-port-range.
+var DefaultNodePortRange = PortRange{First: 30000, Last: 32767}
+
 // PortRanges is a set of ports, as --node-endpoint-ports takes it. The
 // zero value holds none.
 type PortRanges []PortRange
 
 // Contains reports whether port is in r.
 func (r PortRanges) Contains(port uint16) bool {
-	return slices.ContainsFunc(r, func(pr PortRange) bool { return pr.First <= port && port <= pr.Last })
+	return slices.ContainsFunc(r, func(pr PortRange) bool { return pr.Contains(port) })
 }
 
 // String formats r as ParsePortRanges reads it.
