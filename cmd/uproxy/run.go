@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/httplimit"
 	"github.com/uproxy/uproxy/internal/kubeevents"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
@@ -370,13 +371,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg, o.mode), up.Listen("metrics")); err != nil {
+		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg, o.mode), up.Listen("metrics"), httplimit.ServerConfig{}); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
 	wg.Go(func() {
 		debug := debugHandler(p, explainHandler(p, tproxy), explainBucket(), o.profiling)
-		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.Listen("debug")); err != nil {
+		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.Listen("debug"), httplimit.ServerConfig{}); err != nil {
 			cancel(fmt.Errorf("debug server: %w", err))
 		}
 	})
