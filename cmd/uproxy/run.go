@@ -254,6 +254,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			DialTimeout:     o.dialTimeout,
 			DialAttempts:    o.dialAttempts,
 			IdleTimeout:     o.tcpIdleTimeout,
+			MaxConnections:  maxConnections(o.maxConnections, noFile),
 			EventLoops:      o.eventLoops,
 			IOURing:         useRing,
 			UDPTimeout:      o.udpTimeout,
