@@ -14,7 +14,6 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
-	"golang.org/x/sys/unix"
 	"k8s.io/utils/clock"
 
 	"github.com/uproxy/uproxy/balancer"
@@ -135,6 +134,15 @@ type Config struct {
 	// received anything for about that long (between one and two periods).
 	// Zero means no idle timeout.
 	IdleTimeout time.Duration
+	// MaxConnections bounds the TCP connections in progress at once,
+	// across every listener, from accept to close: past it, a connection
+	// accepted is reset at once, before any backend is dialled, and
+	// counted (ConnectionsOverMax). Each holds two descriptors (client
+	// and backend); a bound below the open-files limit keeps the
+	// descriptors that the rules writes (iptables-restore) and the
+	// control plane need, which accept(2) would otherwise take until it
+	// failed with EMFILE. Zero (or less) means no bound.
+	MaxConnections int
 	// EjectBase is how long a backend that refused or timed out a
 	// connection is skipped by the balancers; it doubles with each
 	// consecutive failure up to EjectMax. Zeros mean 1s and 30s.
@@ -242,6 +250,8 @@ type tcpProxy struct {
 	e        *Engine
 	sessMu   sync.Mutex
 	sessions map[*session]struct{}
+	// overMax counts the connections refused at Config.MaxConnections.
+	overMax atomic.Uint64
 }
 
 // udpRelay is the part of the Engine that relays UDP: it reads the
@@ -360,6 +370,10 @@ func (p *Engine) ActiveConnections() int {
 	defer p.sessMu.Unlock()
 	return len(p.sessions)
 }
+
+// ConnectionsOverMax returns how many connections were refused because
+// Config.MaxConnections were in progress. Safe for concurrent use.
+func (p *Engine) ConnectionsOverMax() uint64 { return p.overMax.Load() }
 
 // EventLoops returns how many event loops carry the connections and how
 // they wait: "io_uring" or "epoll". A loop whose own ring could not be set
@@ -505,12 +519,9 @@ func (tp *tcpProxy) acceptLoop(l *Listener) {
 			c.Close()
 			continue
 		}
-		s := tp.newSession(tc, -1)
-		if s == nil {
-			tc.Close()
-			continue
+		if s := tp.newSession(l, tc, -1); s != nil {
+			go tp.serveTCP(l, tc, s)
 		}
-		go tp.serveTCP(l, tc, s)
 	}
 }
 
@@ -565,12 +576,9 @@ func (p *Engine) rawListenerFD(rc syscall.RawConn) int {
 func (tp *tcpProxy) newLoopListener(l *Listener, fd int) *loopListener {
 	p := tp.e
 	serve := func(el *eventLoop, fd int, client netip.AddrPort) {
-		s := tp.newSession(nil, fd)
-		if s == nil {
-			unix.Close(fd)
-			return
+		if s := tp.newSession(l, nil, fd); s != nil {
+			tp.startTCP(el, l, accepted{rc: fdConn(fd), client: client}, s)
 		}
-		tp.startTCP(el, l, accepted{rc: fdConn(fd), client: client}, s)
 	}
 	failed := func(err error, delay time.Duration) {
 		if delay == 0 {

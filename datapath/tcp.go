@@ -368,19 +368,33 @@ func dialAs[T net.Conn](c net.Conn, err error) (T, error) {
 	return t, nil
 }
 
-// newSession registers a connection so Shutdown can find it; nil once
-// shutting down.
-func (tp *tcpProxy) newSession(c *net.TCPConn, fd int) *session {
+// newSession registers a connection accepted on l, c or its socket fd,
+// so that Shutdown can find it. Once shutdown has begun, or while
+// Config.MaxConnections are in progress (counted in overMax), it refuses
+// the connection instead: it resets and closes it (abort), so that the
+// client fails at once, and returns nil. The bound is checked under the
+// lock that registration takes anyway, so that an admitted connection
+// costs nothing more.
+func (tp *tcpProxy) newSession(l *Listener, c *net.TCPConn, fd int) *session {
 	p := tp.e
-	tp.sessMu.Lock()
-	defer tp.sessMu.Unlock()
-	if p.closing {
-		return nil
-	}
 	s := &session{client: c, fd: fd}
-	tp.sessions[s] = struct{}{}
-	p.wg.Add(1)
-	return s
+	tp.sessMu.Lock()
+	closing := p.closing
+	full := p.cfg.MaxConnections > 0 && len(tp.sessions) >= p.cfg.MaxConnections
+	if !closing && !full {
+		tp.sessions[s] = struct{}{}
+		p.wg.Add(1)
+		tp.sessMu.Unlock()
+		return s
+	}
+	tp.sessMu.Unlock()
+	if !closing {
+		tp.overMax.Add(1)
+		p.connLog.Warn("refusing connection: the proxy carries its most connections at once",
+			zap.Stringer("servicePort", l.Name), zap.Int("maxConnections", p.cfg.MaxConnections))
+	}
+	s.abort()
+	return nil
 }
 
 func (tp *tcpProxy) endSession(s *session) {

@@ -217,6 +217,33 @@ func TestProxyConnectionLimit(t *testing.T) {
 	}
 }
 
+// TestProxyMaxConnections checks the bound of connections across every
+// service port (datapath.Config.MaxConnections): past it a connection to
+// any service is reset and counted in uproxy_connections_over_max_total,
+// whatever each service's own limit.
+func TestProxyMaxConnections(t *testing.T) {
+	const limit = 2
+	be, accepted := holdingBackend(t)
+	reg := prometheus.NewRegistry()
+	p, rules := startProxier(t, Config{Config: datapath.Config{MaxConnections: limit}, Metrics: introspect.NewMetrics(reg)})
+	web, db := svc("web", "10.96.0.10", "http:80"), svc("db", "10.96.0.11", "http:80")
+	p.Tracker().Replace([]*v1.Service{web, db}, append(slicesFor("web", "http", be), slicesFor("db", "http", be)...))
+	webPort, dbPort := rules.port(t, "default/web:http"), rules.port(t, "default/db:http")
+	for _, port := range []int{webPort, dbPort} {
+		if _, err := open(t, "tcp4", port); err != nil {
+			t.Fatal(err)
+		}
+	}
+	refused(t, "tcp4", webPort, fmt.Sprintf("a third connection with a bound of %d", limit))
+	refused(t, "tcp4", dbPort, "another service's, at the bound")
+	if n := accepted.Load(); n != limit {
+		t.Errorf("the backend accepted %d connections, want %d: the refused ones must not be dialled", n, limit)
+	}
+	if n, _ := scrape(t, reg, "uproxy_connections_over_max_total", nil); n != 2 {
+		t.Errorf("uproxy_connections_over_max_total = %v, want 2", n)
+	}
+}
+
 // TestProxyConnectionLimitSpansFamilies checks that a dual-stack service
 // port's limit counts its IPv4 and IPv6 listeners together.
 func TestProxyConnectionLimitSpansFamilies(t *testing.T) {

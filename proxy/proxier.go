@@ -321,6 +321,7 @@ func NewProxier(cfg Config) *Proxier {
 	})
 	p.tracker.OnReject = cfg.OnReject
 	cfg.Metrics.SetPending(p.tracker.Pending)
+	cfg.Metrics.SetConnectionsOverMax(p.dp.ConnectionsOverMax)
 	return p
 }
 

@@ -72,6 +72,7 @@ func TestE2EMetrics(t *testing.T) {
 		"uproxy_dial_errors_total":                          dto.MetricType_COUNTER,
 		"uproxy_udp_flows_active":                           dto.MetricType_GAUGE,
 		"uproxy_udp_flows_evicted_total":                    dto.MetricType_COUNTER,
+		"uproxy_connections_over_max_total":                 dto.MetricType_COUNTER,
 		"uproxy_balancer_picks_total":                       dto.MetricType_COUNTER,
 		"uproxy_rule_commands_total":                        dto.MetricType_COUNTER,
 		"go_goroutines":                                     dto.MetricType_GAUGE,

@@ -96,12 +96,17 @@ func udpPoolMax(flag int, noFile uint64) int {
 	return maxUDPPool
 }
 
+// descriptorReserve is how many of noFile, the open-files limit, the
+// listeners and the proxied connections each leave to the rest: an eighth
+// of it, at least 1,024, at most half. Either one taking every descriptor
+// left iptables-restore unable to start, so no rules were written for
+// any service.
+func descriptorReserve(noFile uint64) uint64 { return min(max(noFile/8, 1024), noFile/2) }
+
 // maxListeners is the listener budget (proxy.Config.MaxListeners): flag,
 // the --max-listeners value, if set (-1: no bound); else noFile, the
-// open-files limit (0: unknown, no bound), less what stays for
-// connections, flows and the control plane: an eighth of it, at least
-// 1,024, at most half. Listeners up to the limit left iptables-restore
-// unable to start, so no rules were written for any service.
+// open-files limit (0: unknown, no bound), less descriptorReserve, which
+// stays for connections, flows and the control plane.
 func maxListeners(flag int, noFile uint64) int {
 	switch {
 	case flag > 0:
@@ -109,6 +114,22 @@ func maxListeners(flag int, noFile uint64) int {
 	case flag < 0 || noFile == 0:
 		return 0
 	}
-	keep := min(max(noFile/8, 1024), noFile/2)
-	return max(int(noFile-keep), 1)
+	return max(int(noFile-descriptorReserve(noFile)), 1)
+}
+
+// maxConnections is the bound of proxied TCP connections
+// (datapath.Config.MaxConnections): flag, the --max-connections value, if
+// set (-1: no bound); else as many as noFile, the open-files limit (0:
+// unknown, no bound), less descriptorReserve, holds at two descriptors
+// each (client and backend). Connections up to the limit would take the
+// descriptors that iptables-restore and the health servers need: accept
+// fails with EMFILE only once none is left.
+func maxConnections(flag int, noFile uint64) int {
+	switch {
+	case flag > 0:
+		return flag
+	case flag < 0 || noFile == 0:
+		return 0
+	}
+	return max(int((noFile-descriptorReserve(noFile))/2), 1)
 }

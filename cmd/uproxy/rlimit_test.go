@@ -88,6 +88,15 @@ func TestDescriptorBounds(t *testing.T) {
 			{"the flag", 100, 4096, 100},
 			{"-1: no bound", -1, 4096, 0},
 		}},
+		{"maxConnections", maxConnections, []boundCase{
+			{"half of a large limit less an eighth", 0, 1 << 20, (1<<20 - 1<<17) / 2},
+			{"half of a mid limit less 1,024", 0, 4096, 1536},
+			{"a quarter of a small limit", 0, 1024, 256},
+			{"a limit of one", 0, 1, 1},
+			{"an unknown limit: no bound", 0, 0, 0},
+			{"the flag", 100, 4096, 100},
+			{"-1: no bound", -1, 4096, 0},
+		}},
 	} {
 		for _, tt := range b.cases {
 			t.Run(b.name+"/"+tt.name, func(t *testing.T) {

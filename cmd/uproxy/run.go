@@ -29,6 +29,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/uproxy/uproxy/datapath"
+	"github.com/uproxy/uproxy/internal/httplimit"
 	"github.com/uproxy/uproxy/internal/kubeevents"
 	"github.com/uproxy/uproxy/internal/upgrade"
 	"github.com/uproxy/uproxy/proxy"
@@ -255,6 +256,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			DialTimeout:     o.dialTimeout,
 			DialAttempts:    o.dialAttempts,
 			IdleTimeout:     o.tcpIdleTimeout,
+			MaxConnections:  maxConnections(o.maxConnections, noFile),
 			EventLoops:      o.eventLoops,
 			IOURing:         useRing,
 			UDPTimeout:      o.udpTimeout,
@@ -376,13 +378,13 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	})
 	wg.Go(func() {
-		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg, o.mode), up.Listen("metrics")); err != nil {
+		if err := serveHTTP(ctx, o.metricsBindAddress, metricsHandler(reg, o.mode), up.Listen("metrics"), httplimit.ServerConfig{}); err != nil {
 			cancel(fmt.Errorf("metrics server: %w", err))
 		}
 	})
 	wg.Go(func() {
 		debug := debugHandler(p, explainHandler(p, tproxy), explainBucket(), o.profiling)
-		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.Listen("debug")); err != nil {
+		if err := serveHTTP(ctx, o.debugBindAddress, debug, up.Listen("debug"), httplimit.ServerConfig{}); err != nil {
 			cancel(fmt.Errorf("debug server: %w", err))
 		}
 	})

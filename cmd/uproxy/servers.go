@@ -94,9 +94,11 @@ func debugHandler(p interface{ Status() introspect.Status }, explain http.Handle
 // second (and httplimit.OneAtATime runs one at a time).
 func explainBucket() *rate.Limiter { return rate.NewLimiter(rate.Every(time.Second), 5) }
 
-// serveHTTP serves h on addr until ctx is done. An empty addr disables
-// it.
-func serveHTTP(ctx context.Context, addr string, h http.Handler, listen healthcheck.ListenFunc) error {
+// serveHTTP serves h on addr until ctx is done, within limits: idle and
+// slow clients are closed, and past its bound of connections the longest
+// idle one. An empty addr disables it. The pprof handlers that sample for
+// ?seconds= extend their own write deadline past limits' WriteTimeout.
+func serveHTTP(ctx context.Context, addr string, h http.Handler, listen healthcheck.ListenFunc, limits httplimit.ServerConfig) error {
 	if addr == "" {
 		return nil
 	}
@@ -104,9 +106,10 @@ func serveHTTP(ctx context.Context, addr string, h http.Handler, listen healthch
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	lim := limits.Limiter()
+	srv := limits.Server(h, lim, nil)
 	go func() { <-ctx.Done(); srv.Close() }() // ends when ctx is done
-	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+	if err := srv.Serve(lim.Listener(ln)); !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil

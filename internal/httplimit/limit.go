@@ -1,9 +1,13 @@
-// Package httplimit owns the admission of costly debug requests: one at a
-// time, under a token bucket, and answered 429 with Retry-After past either.
+// Package httplimit bounds what clients can cost uproxy's HTTP servers:
+// the time-outs and connection bound of every server (ServerConfig,
+// ConnLimiter), and the admission of costly debug requests, one at a
+// time, under a token bucket, and answered 429 with Retry-After past
+// either (OneAtATime).
 //
 // The debug server's /explain runs several iptables-save, ipset and ip
-// processes per request; this bounds what a client looping on it can cost
-// the node.
+// processes per request; OneAtATime bounds what a client looping on it
+// can cost the node. Every idle connection to a server holds a
+// descriptor; ServerConfig bounds how many and for how long.
 package httplimit
 
 import (

@@ -15,6 +15,8 @@ import (
 	"go.uber.org/zap"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/utils/clock"
+
+	"github.com/uproxy/uproxy/internal/httplimit"
 )
 
 const (
@@ -27,11 +29,6 @@ const (
 	// it is about to delete. A node with it is not eligible for load
 	// balancer traffic: /healthz answers 503.
 	ToBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
-
-	// readHeaderTimeout bounds how long a health-check client may take to
-	// send its request headers, so that idle or slow clients cannot pin
-	// connections (and their goroutines) forever.
-	readHeaderTimeout = 10 * time.Second
 )
 
 // ListenFunc opens a listening socket, with net.Listen's contract. It is
@@ -70,6 +67,10 @@ type ProxyHealthConfig struct {
 	Logger *zap.Logger
 	// Listen opens the listening socket; nil means net.Listen.
 	Listen ListenFunc
+	// Server bounds the time-outs and open connections of the server
+	// (idle and slow clients are closed, the longest idle first at the
+	// bound); the zero value means httplimit's defaults.
+	Server httplimit.ServerConfig
 }
 
 // ProxyHealth tracks whether the proxy's rules are up to date, and serves
@@ -93,6 +94,7 @@ type ProxyHealth struct {
 	clock    clock.PassiveClock
 	log      *zap.Logger
 	listen   ListenFunc
+	server   httplimit.ServerConfig
 
 	mu sync.RWMutex
 	// lastUpdated holds, per family, when the last sync completed; a
@@ -117,6 +119,7 @@ func NewProxyHealth(cfg ProxyHealthConfig) *ProxyHealth {
 		clock:         cfg.Clock,
 		log:           cfg.Logger,
 		listen:        cfg.Listen,
+		server:        cfg.Server,
 		lastUpdated:   make(map[v1.IPFamily]time.Time),
 		oldestPending: make(map[v1.IPFamily]time.Time),
 		// Without a Node source (the manifests) the node counts as
@@ -367,14 +370,11 @@ func (h *ProxyHealth) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("proxy health: listening on %s: %w", h.addr, err)
 	}
-	srv := &http.Server{
-		Handler:           h.Handler(),
-		ReadHeaderTimeout: readHeaderTimeout,
-		ErrorLog:          zap.NewStdLog(h.log),
-	}
+	lim := h.server.Limiter()
+	srv := h.server.Server(h.Handler(), lim, zap.NewStdLog(h.log))
 	h.log.Info("serving proxy health", zap.Stringer("address", ln.Addr()))
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln) }()
+	go func() { served <- srv.Serve(lim.Listener(ln)) }()
 	select {
 	case err := <-served:
 		_ = srv.Close()

@@ -13,6 +13,8 @@ import (
 
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/uproxy/uproxy/internal/httplimit"
 )
 
 // ServiceHealthConfig configures a ServiceHealth.
@@ -29,6 +31,12 @@ type ServiceHealthConfig struct {
 	// Logger receives opening, closing and serving events; nil discards
 	// them.
 	Logger *zap.Logger
+	// Server bounds the time-outs of every health-check server, and the
+	// connections open to all of them together (idle and slow clients
+	// are closed, the longest idle first at the bound), so that the
+	// descriptors they hold do not grow with the number of services; the
+	// zero value means httplimit's defaults.
+	Server httplimit.ServerConfig
 	// ProxyHealth, if not nil, gates every answer: as in kube-proxy, a
 	// service is healthy on this node only while the proxy itself is
 	// (ProxyHealth.Health, which ignores node eligibility). The body
@@ -70,6 +78,8 @@ type ServiceHealth struct {
 	listen   ListenFunc
 	log      *zap.Logger
 	proxy    *ProxyHealth
+	server   httplimit.ServerConfig
+	conns    *httplimit.ConnLimiter // shared by every server
 	// interfaceAddrs lists the node's addresses; tests replace it.
 	interfaceAddrs func() ([]net.Addr, error)
 
@@ -100,6 +110,8 @@ func NewServiceHealth(cfg ServiceHealthConfig) *ServiceHealth {
 		listen:         cfg.Listen,
 		log:            cfg.Logger,
 		proxy:          cfg.ProxyHealth,
+		server:         cfg.Server,
+		conns:          cfg.Server.Limiter(),
 		interfaceAddrs: net.InterfaceAddrs,
 		services:       make(map[types.NamespacedName]*hcInstance),
 	}
@@ -311,14 +323,10 @@ func (s *ServiceHealth) open(nsn types.NamespacedName, port uint16, addrs []bind
 			s.closeInstance(inst)
 			return nil, err
 		}
-		srv := &http.Server{
-			Handler:           handler,
-			ReadHeaderTimeout: readHeaderTimeout,
-			ErrorLog:          zap.NewStdLog(s.log),
-		}
+		srv := s.server.Server(handler, s.conns, zap.NewStdLog(s.log))
 		inst.servers = append(inst.servers, srv)
 		inst.serving.Go(func() {
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := srv.Serve(s.conns.Listener(ln)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				s.log.Error("service health check stopped serving", zap.Stringer("service", nsn), zap.Stringer("address", ln.Addr()), zap.Error(err))
 			}
 		})

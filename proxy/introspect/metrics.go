@@ -62,6 +62,10 @@ type Metrics struct {
 	// for the *_changes_pending gauges; set by NewProxier (the tracker's
 	// counts), nil until then.
 	pending atomic.Pointer[func() (services, endpoints int)]
+	// overMax reads the data path's count of connections refused at its
+	// bound, for uproxy_connections_over_max_total; set by NewProxier
+	// (Engine.ConnectionsOverMax), nil until then.
+	overMax atomic.Pointer[func() uint64]
 	// noLocal holds, per service, how many of its ports in each family
 	// have endpoints but none local under a Local policy (index:
 	// family, then internal/external); noLocalTotal sums them. Owned by
@@ -287,9 +291,20 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name:      "sync_proxy_rules_service_changes_pending",
 			Help:      "Pending proxy rules Service changes",
 		}, func() float64 { s, _ := m.pendingChanges(); return float64(s) })
+		// A CounterFunc: the data path counts in a plain atomic, read
+		// only when scraped.
+		overMax := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "uproxy_connections_over_max_total",
+			Help: "TCP connections reset on accept, before any backend was dialled, because the proxy carried --max-connections already, across every service port: the bound keeps their descriptors out of the reserve that iptables-restore needs.",
+		}, func() float64 {
+			if f := m.overMax.Load(); f != nil {
+				return float64((*f)())
+			}
+			return 0
+		})
 		reg.MustRegister(m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.syncLast, m.lastQueued,
 			m.netProgramming, m.noLocalEndpoints, m.noListenerPorts, m.refusedAddresses, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
-			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted, udpPool, m.dp.UDPPoolSockets)
+			dataPathCollector{m}, m.dp.DialDuration, dialErrors, m.dp.UDPFlows, m.dp.UDPEvicted, udpPool, m.dp.UDPPoolSockets, overMax)
 	}
 	return m
 }
@@ -352,6 +367,15 @@ func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 func (m *Metrics) SetPending(f func() (services, endpoints int)) {
 	if m != nil {
 		m.pending.Store(&f)
+	}
+}
+
+// SetConnectionsOverMax sets what uproxy_connections_over_max_total reads
+// when scraped: the data path's count of connections refused at its
+// bound (datapath.Engine.ConnectionsOverMax).
+func (m *Metrics) SetConnectionsOverMax(f func() uint64) {
+	if m != nil {
+		m.overMax.Store(&f)
 	}
 }
 
