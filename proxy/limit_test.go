@@ -27,6 +27,32 @@ import (
 	"github.com/uproxy/uproxy/proxy/service"
 )
 
+// TestDefaultConnectionLimit checks that Defaults.MaxConnections bounds
+// the service ports of a Service without the annotation, and that the
+// annotation overrides it, up or down.
+func TestDefaultConnectionLimit(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		ann  map[string]string
+		def  int
+		want int
+	}{
+		{"no default, no annotation", nil, 0, 0},
+		{"the default", nil, 384, 384},
+		{"the annotation, below", map[string]string{service.AnnotationMaxConnections: "10"}, 384, 10},
+		{"the annotation, above", map[string]string{service.AnnotationMaxConnections: "1000"}, 384, 1000},
+		{"an invalid annotation: the default", map[string]string{service.AnnotationMaxConnections: "x"}, 384, 384},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := svc("web", "10.96.0.10", "http:80")
+			s.Annotations = tt.ann
+			if got := service.Ports(s, service.Defaults{MaxConnections: tt.def})[0].MaxConnections; got != tt.want {
+				t.Errorf("MaxConnections = %d, want %d", got, tt.want)
+			}
+		})
+	}
+}
+
 func TestConnectionLimitAnnotations(t *testing.T) {
 	type limits struct{ Total, PerEndpoint int }
 	tests := []struct {

@@ -133,3 +133,20 @@ func maxConnections(flag int, noFile uint64) int {
 	}
 	return max(int((noFile-descriptorReserve(noFile))/2), 1)
 }
+
+// maxConnectionsPerPort is the default bound of one service port's TCP
+// connections (service.Defaults.MaxConnections), for Services without the
+// uproxy.io/max-connections annotation: flag, the
+// --max-connections-per-service-port value, if set (-1: no bound); else a
+// quarter of total, the bound across every service (0: none, no bound),
+// so that no single Service, a loop between nodes included, takes the
+// connections of all the others.
+func maxConnectionsPerPort(flag, total int) int {
+	switch {
+	case flag > 0:
+		return flag
+	case flag < 0 || total == 0:
+		return 0
+	}
+	return max(total/4, 1)
+}

@@ -97,6 +97,13 @@ func TestDescriptorBounds(t *testing.T) {
 			{"the flag", 100, 4096, 100},
 			{"-1: no bound", -1, 4096, 0},
 		}},
+		{"maxConnectionsPerPort", func(flag int, total uint64) int { return maxConnectionsPerPort(flag, int(total)) }, []boundCase{
+			{"a quarter of the bound across services", 0, 1536, 384},
+			{"a bound of one", 0, 1, 1},
+			{"no bound across services: none", 0, 0, 0},
+			{"the flag", 100, 1536, 100},
+			{"-1: no bound", -1, 1536, 0},
+		}},
 	} {
 		for _, tt := range b.cases {
 			t.Run(b.name+"/"+tt.name, func(t *testing.T) {

@@ -50,6 +50,7 @@ type runOptions struct {
 	udpPoolMax         int
 	maxListeners       int
 	maxConnections     int
+	maxConnsPerPort    int
 	udpQueryTimeout    time.Duration
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
@@ -103,6 +104,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", 30*time.Second, "How long a UDP flow (a client's association with an endpoint) lives without traffic in either direction; 30s is conntrack's timeout for UDP streams.")
 	fs.BoolVar(&o.udpCheckEveryFlow, "udp-check-every-flow", false, "In redirect mode, ask conntrack whether every new UDP flow was redirected to its listener, even while the kernel's listener guard holds the port.")
 	fs.IntVar(&o.maxListeners, "max-listeners", 0, "The most listening sockets uproxy holds, past which a service port is not intercepted: 0 means the open-files limit less an eighth, -1 no bound.")
+	fs.IntVar(&o.maxConnsPerPort, "max-connections-per-service-port", 0, "The most TCP connections proxied at once for one service port without the uproxy.io/max-connections annotation: 0 means a quarter of --max-connections, -1 no bound.")
 	fs.IntVar(&o.maxConnections, "max-connections", 0, "The most TCP connections proxied at once across every service, past which a new one is reset: 0 means as many as the open-files limit less an eighth holds at two descriptors each, -1 no bound.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, least recently used out first: 0 means 65,536, or half the open-files limit if lower.")
 	fs.IntVar(&o.udpPoolSize, "udp-pool-size", 0, "The most sockets each event loop keeps per endpoint for UDP request-reply queries: 0 means 256, -1 turns pooling off.")
@@ -199,6 +201,9 @@ func (o *runOptions) validate() error {
 	}
 	if o.maxListeners < -1 {
 		errs = append(errs, fmt.Errorf("--max-listeners: %d is neither a count, 0 for the default, nor -1 (no bound)", o.maxListeners))
+	}
+	if o.maxConnsPerPort < -1 {
+		errs = append(errs, fmt.Errorf("--max-connections-per-service-port: %d is neither a count, 0 for the default, nor -1 (no bound)", o.maxConnsPerPort))
 	}
 	if o.maxConnections < -1 {
 		errs = append(errs, fmt.Errorf("--max-connections: %d is neither a count, 0 for the default, nor -1 (no bound)", o.maxConnections))

@@ -97,3 +97,8 @@ func (l *Lab) AddRemotePod(name string) (*Pod, error) {
 	l.pods[name] = p
 	return p, nil
 }
+
+// Node2 is the second node's namespace (AddRemotePod creates it), or
+// empty. Its addresses are 198.51.100.2 on the link to this node and
+// 10.244.2.1 on its pod bridge.
+func (l *Lab) Node2() string { return l.node2 }
