@@ -345,6 +345,12 @@ type Rules struct {
 	// means every local address except loopback (127.0.0.0/8, ::1). An
 	// IPv4-mapped IPv6 prefix of length 96 or more counts as IPv4.
 	NodePortAddresses []netip.Prefix
+	// LocalhostNodePorts admits IPv4 loopback addresses (127.0.0.0/8)
+	// for node ports where NodePortAddresses covers them, as kube-proxy's
+	// iptables mode does with --iptables-localhost-nodeports, its
+	// default. False admits no loopback address, nor does IPv6 ever (::1),
+	// as in kube-proxy.
+	LocalhostNodePorts bool
 	// Firewalls restrict who may reach a destination
 	// (loadBalancerSourceRanges); see Firewall.
 	Firewalls []Firewall

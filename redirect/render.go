@@ -415,17 +415,56 @@ func serviceRules(c chainSpec, f Family, r Rules) []string {
 	if !slices.ContainsFunc(r.NodePorts, func(n NodePort) bool { return n.validate() == nil && n.Family == f }) {
 		return rules
 	}
-	if len(r.NodePortAddresses) == 0 {
-		loopback := netip.MustParsePrefix("127.0.0.0/8")
-		if f == IPv6 {
-			loopback = netip.MustParsePrefix("::1/128")
-		}
-		return append(rules, fmt.Sprintf("-A %s ! -d %s -m addrtype --dst-type LOCAL -j %s", c.name, loopback, nodePortsChain))
-	}
-	for _, p := range prefixesOf(f, r.NodePortAddresses) {
-		rules = append(rules, fmt.Sprintf("-A %s%s -m addrtype --dst-type LOCAL -j %s", c.name, prefixMatch("-d", p), nodePortsChain))
+	for _, d := range nodePortDests(f, r) {
+		rules = append(rules, fmt.Sprintf("-A %s%s -m addrtype --dst-type LOCAL -j %s", c.name, d, nodePortsChain))
 	}
 	return rules
+}
+
+// nodePortDests returns the destination matches of f's node ports, each
+// with a leading space: every local address but loopback, or those in
+// NodePortAddresses (none when no prefix is of f), less loopback unless
+// LocalhostNodePorts admits IPv4's. A prefix that covers loopback is
+// split around it, as one rule takes one -d; the whole address space,
+// the usual case, takes one "! -d".
+func nodePortDests(f Family, r Rules) []string {
+	lo := loopbackPrefixOf(f)
+	if len(r.NodePortAddresses) == 0 {
+		return []string{" ! -d " + lo.String()}
+	}
+	keepLo := f == IPv4 && r.LocalhostNodePorts
+	var dsts []string
+	for _, p := range prefixesOf(f, r.NodePortAddresses) {
+		switch {
+		case keepLo || !p.Overlaps(lo):
+			dsts = append(dsts, prefixMatch("-d", p))
+		case p.Bits() == 0:
+			dsts = append(dsts, " ! -d "+lo.String())
+		default:
+			for _, q := range excludePrefix(p, lo) {
+				dsts = append(dsts, prefixMatch("-d", q))
+			}
+		}
+	}
+	return dsts
+}
+
+// excludePrefix returns the prefixes that cover p less x, fewest first
+// split: none when x covers p, p itself when they do not overlap.
+func excludePrefix(p, x netip.Prefix) []netip.Prefix {
+	switch {
+	case !p.Overlaps(x):
+		return []netip.Prefix{p}
+	case x.Bits() <= p.Bits():
+		return nil
+	}
+	lo := netip.PrefixFrom(p.Addr(), p.Bits()+1)
+	b := p.Addr().AsSlice()
+	bit := p.Bits()
+	b[bit/8] |= 0x80 >> (bit % 8)
+	hiAddr, _ := netip.AddrFromSlice(b)
+	hi := netip.PrefixFrom(hiAddr, p.Bits()+1)
+	return append(excludePrefix(lo, x), excludePrefix(hi, x)...)
 }
 
 // firewallAllows returns, for each destination, protocol and port that a

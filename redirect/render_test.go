@@ -201,6 +201,24 @@ func TestRenderGolden(t *testing.T) {
 			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
 			NodePortAddresses: pfx("::/0"),
 		}},
+		// --iptables-localhost-nodeports, kube-proxy's default: IPv4
+		// loopback is a node-port address too; IPv6's never is.
+		{"nodeport_addresses_localhost", IPv4, Rules{
+			NodePorts:          []NodePort{np("default/web:http", IPv4, TCP, 30080, 40001)},
+			NodePortAddresses:  pfx("0.0.0.0/0", "127.0.0.0/8"),
+			LocalhostNodePorts: true,
+		}},
+		{"nodeport_addresses_localhost_v6", IPv6, Rules{
+			NodePorts:          []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
+			NodePortAddresses:  pfx("::/0"),
+			LocalhostNodePorts: true,
+		}},
+		// Without it, a prefix inside loopback is left out, and one that
+		// covers it partly is split around it.
+		{"nodeport_addresses_no_localhost", IPv4, Rules{
+			NodePorts:         []NodePort{np("default/web:http", IPv4, TCP, 30080, 40001)},
+			NodePortAddresses: pfx("127.0.0.1/32", "0.0.0.0/1", "192.168.0.0/16"),
+		}},
 		// Node-port addresses of only the other family: no jump.
 		{"nodeport_addresses_other_family", IPv6, Rules{
 			NodePorts:         []NodePort{np("default/web:http", IPv6, TCP, 30080, 41001)},
@@ -863,4 +881,31 @@ func checkGolden(t *testing.T, name string, got []byte) {
 func sharedTProxy(r Rules) Rules {
 	r.Shared, r.TProxy = true, &TProxy{}
 	return r
+}
+
+func TestExcludePrefix(t *testing.T) {
+	for _, tt := range []struct {
+		p, x string
+		want []string
+	}{
+		{"10.0.0.0/8", "127.0.0.0/8", []string{"10.0.0.0/8"}},
+		{"127.0.0.1/32", "127.0.0.0/8", nil},
+		{"127.0.0.0/8", "127.0.0.0/8", nil},
+		{"0.0.0.0/1", "127.0.0.0/8", []string{"0.0.0.0/2", "64.0.0.0/3", "96.0.0.0/4", "112.0.0.0/5", "120.0.0.0/6", "124.0.0.0/7", "126.0.0.0/8"}},
+		{"::/1", "::1/128", nil}, // checked below by count: 127 prefixes
+	} {
+		var got []string
+		for _, q := range excludePrefix(netip.MustParsePrefix(tt.p), netip.MustParsePrefix(tt.x)) {
+			got = append(got, q.String())
+		}
+		if tt.p == "::/1" {
+			if len(got) != 127 || slices.Contains(got, "::1/128") {
+				t.Errorf("excludePrefix(::/1, ::1/128): %d prefixes", len(got))
+			}
+			continue
+		}
+		if diff := cmp.Diff(tt.want, got); diff != "" {
+			t.Errorf("excludePrefix(%s, %s) (-want +got):\n%s", tt.p, tt.x, diff)
+		}
+	}
 }

@@ -46,6 +46,8 @@ type Intercept struct {
 type ServiceOptions struct {
 	// NodePortAddresses is Rules.NodePortAddresses.
 	NodePortAddresses []netip.Prefix
+	// LocalhostNodePorts is Rules.LocalhostNodePorts.
+	LocalhostNodePorts bool
 	// Shared is Rules.Shared: the claims of one family and protocol all
 	// name one listener.
 	Shared bool
@@ -98,7 +100,7 @@ func (c Intercept) key() claimKey {
 // ServiceRules neither keeps nor changes claims, and the Rules share no
 // memory with them but the SourceRanges slices.
 func ServiceRules(claims []Intercept, opts ServiceOptions) Rules {
-	r := Rules{NodePortAddresses: opts.NodePortAddresses, Shared: opts.Shared, TProxy: opts.TProxy, Replies: opts.Replies}
+	r := Rules{NodePortAddresses: opts.NodePortAddresses, LocalhostNodePorts: opts.LocalhostNodePorts, Shared: opts.Shared, TProxy: opts.TProxy, Replies: opts.Replies}
 	listeners := map[Listener]bool{}
 	seen := make(map[claimKey]bool, len(claims))
 	for _, c := range claims {

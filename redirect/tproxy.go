@@ -420,22 +420,6 @@ func tproxyNodePorts(f Family, r Rules) []NodePort {
 	return ns
 }
 
-// nodePortDests returns the destination matches of f's node ports in
-// tproxy mode, each with a leading space: every local address but
-// loopback, or those in NodePortAddresses (none when no prefix is of f),
-// as in redirect mode; an empty match for a /0, which iptables-save
-// leaves out.
-func nodePortDests(f Family, r Rules) []string {
-	if len(r.NodePortAddresses) == 0 {
-		return []string{" ! -d " + loopbackPrefixOf(f).String()}
-	}
-	var dsts []string
-	for _, p := range prefixesOf(f, r.NodePortAddresses) {
-		dsts = append(dsts, prefixMatch("-d", p))
-	}
-	return dsts
-}
-
 // tproxyNodePortRules renders UPROXY-TPROXY-NODEPORTS-TCP or -UDP (see
 // TProxy): with per-service rules, one TPROXY per node port of f and the
 // chain's protocol and node-port address; in the shared layout, none.

@@ -69,7 +69,7 @@ var honouredConfigFields = []string{
 	"hostnameOverride", "clusterCIDR", "bindAddress", "healthzBindAddress", "metricsBindAddress",
 	"nodePortAddresses", "oomScoreAdj", "logging.format", "logging.verbosity",
 	"detectLocalMode", "configSyncPeriod", "featureGates.", "mode",
-	"iptables.syncPeriod", "iptables.minSyncPeriod", "iptables.masqueradeAll",
+	"iptables.syncPeriod", "iptables.minSyncPeriod", "iptables.masqueradeAll", "iptables.localhostNodePorts",
 	"nftables.syncPeriod", "nftables.minSyncPeriod", "nftables.masqueradeAll",
 	"ipvs.syncPeriod", "ipvs.minSyncPeriod",
 }
@@ -119,6 +119,7 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 	if cfg.Mode == "nftables" {
 		k.masqueradeAll = cfg.NFTables.MasqueradeAll
 	}
+	k.localhostNodePorts = cfg.IPTables.LocalhostNodePorts == nil || *cfg.IPTables.LocalhostNodePorts
 	o.syncPeriod = cmp.Or(sync, 30*time.Second)
 	o.minSyncPeriod = cmp.Or(minSync, time.Second)
 	// Logging flags override the file, as in kube-proxy (copyLogsFromFlags).
@@ -392,6 +393,7 @@ func (o *runOptions) effectiveConfig(lf *logFlags) *kpconfig.KubeProxyConfigurat
 	default:
 		cfg.IPTables = sync
 		cfg.IPTables.MasqueradeAll = k.masqueradeAll
+		cfg.IPTables.LocalhostNodePorts = ptr.To(k.localhostNodePorts)
 	}
 	cfg.Logging.Format = "text"
 	if lf.format == "json" {

@@ -56,6 +56,9 @@ type kubeProxyOptions struct {
 	// masqueradeAll is --masquerade-all: every backend is dialled from
 	// the node's address (datapath.Config.MasqueradeAll).
 	masqueradeAll bool
+	// localhostNodePorts is --iptables-localhost-nodeports: IPv4 node
+	// ports are served on 127.0.0.0/8 too (see localhostNodePortsOn).
+	localhostNodePorts bool
 	// healthzPort and metricsPort are kube-proxy's deprecated port
 	// flags: 0 disables the server, another port replaces the address's.
 	healthzPort, metricsPort int32
@@ -121,7 +124,6 @@ var ignoredKubeProxyFlags = []struct {
 	{"conntrack-tcp-timeout-established", "duration", "uproxy does not tune conntrack; see --tcp-idle-timeout"},
 	{"conntrack-udp-timeout", "duration", "uproxy does not tune conntrack; see --udp-timeout"},
 	{"conntrack-udp-timeout-stream", "duration", "uproxy does not tune conntrack; see --udp-timeout"},
-	{"iptables-localhost-nodeports", "bool", "node ports on loopback follow --nodeport-addresses"},
 	{"iptables-masquerade-bit", "int32", "uproxy marks nothing for SNAT: it dials a backend from the node's address where kube-proxy would masquerade"},
 	{"ipvs-exclude-cidrs", "strings", "uproxy has no IPVS mode"},
 	{"ipvs-min-sync-period", "duration", "uproxy has no IPVS mode; see --iptables-min-sync-period"},
@@ -154,6 +156,7 @@ func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
 	fs.Int32Var(&k.apiBurst, "kube-api-burst", defaultAPIBurst, "Burst of queries to the API server.")
 	fs.StringVar(&k.apiContentType, "kube-api-content-type", defaultAPIContentType, "Content type of requests sent to the API server.")
 	fs.StringVar(&k.detectLocalMode, "detect-local-mode", "", "How pod traffic is told apart: ClusterCIDR (source in --cluster-cidr, the default) or NodeCIDR (in the Node's podCIDRs); the interface modes fall back to ClusterCIDR.")
+	fs.BoolVar(&k.localhostNodePorts, "iptables-localhost-nodeports", true, "Serve IPv4 node ports on 127.0.0.0/8 too, where --nodeport-addresses admits it, as kube-proxy's iptables mode; never with --proxy-mode nftables or ipvs, nor for IPv6.")
 	fs.BoolVar(&k.masqueradeAll, "masquerade-all", false, "Dial every backend from the node's address, as kube-proxy SNATs all service traffic with it; a Service annotated uproxy.io/preserve-source-ip: \"true\" still keeps its clients' addresses.")
 	fs.Int32Var(&k.healthzPort, "healthz-port", defaultHealthzPort, "The port of the health server; 0 disables it.")
 	_ = fs.MarkDeprecated("healthz-port", "use --healthz-bind-address instead")
@@ -397,4 +400,12 @@ func subcommandNames(root *cobra.Command) []string {
 func printVersion(fs *pflag.FlagSet) bool {
 	v := fs.Lookup("version")
 	return v != nil && v.Changed && v.Value.String() != "false"
+}
+
+// localhostNodePortsOn reports whether IPv4 node ports are served on
+// loopback addresses (redirect.Rules.LocalhostNodePorts): with
+// --iptables-localhost-nodeports, kube-proxy's iptables-mode default, and
+// not in kube-proxy's nftables or ipvs modes, which never serve them.
+func (k *kubeProxyOptions) localhostNodePortsOn() bool {
+	return k.localhostNodePorts && k.proxyMode != "nftables" && k.proxyMode != "ipvs"
 }

@@ -118,6 +118,7 @@ type completed struct {
 	Burst                                                     int32
 	Accept                                                    string
 	MasqueradeAll                                             bool
+	LocalhostNodePorts                                        bool // effective
 	Notes                                                     []string
 }
 
@@ -166,7 +167,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
 		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes,
-		MasqueradeAll: o.kubeProxy.masqueradeAll, Notes: notes,
+		MasqueradeAll: o.kubeProxy.masqueradeAll, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(), Notes: notes,
 	}, &o, &lf, nil
 }
 
@@ -175,7 +176,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 var defaults = completed{
 	Mode: "redirect", Healthz: "0.0.0.0:10256", Metrics: "127.0.0.1:10249", NodePorts: []string{"all"},
 	Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 15 * time.Minute, OOM: -999,
-	LogFormat: "console", QPS: 5, Burst: 10,
+	LogFormat: "console", QPS: 5, Burst: 10, LocalhostNodePorts: true,
 }
 
 func with(f func(*completed)) completed {
@@ -228,6 +229,7 @@ featureGates:
   SomeGate: true
 `)
 	empty := write("empty.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n")
+	noLocalhost := write("nolocalhost.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {localhostNodePorts: false}\n")
 	masq := write("masq.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {masqueradeAll: true}\nnftables: {masqueradeAll: false}\n")
 	masqNFT := write("masq-nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\niptables: {masqueradeAll: false}\nnftables: {masqueradeAll: true}\n")
 	nft := write("nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables: {syncPeriod: 20s, minSyncPeriod: 3s}\nbindAddress: \"::\"\n")
@@ -248,11 +250,11 @@ featureGates:
 			})},
 		{"proxy-mode nftables defaults node ports to primary", []string{"--proxy-mode=nftables"},
 			with(func(c *completed) {
-				c.NodePorts = []string{"primary"}
+				c.NodePorts, c.LocalhostNodePorts = []string{"primary"}, false
 				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=nftables"}
 			})},
 		{"proxy-mode tproxy", []string{"--proxy-mode", "tproxy"}, with(func(c *completed) { c.Mode = "tproxy" })},
-		{"--mode wins over a kube-proxy mode", []string{"--proxy-mode", "ipvs", "--mode", "tproxy"}, with(func(c *completed) { c.Mode = "tproxy" })},
+		{"--mode wins over a kube-proxy mode", []string{"--proxy-mode", "ipvs", "--mode", "tproxy"}, with(func(c *completed) { c.Mode, c.LocalhostNodePorts = "tproxy", false })},
 		{"k3s's flags", []string{"--proxy-mode=iptables", "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0s", "--kube-api-qps=50", "--cluster-cidr=10.42.0.0/16", "--nodeport-addresses=primary,localhost"},
 			with(func(c *completed) {
 				c.QPS, c.ClusterCIDR, c.NodePorts = 50, "10.42.0.0/16", []string{"primary", "localhost"}
@@ -273,15 +275,23 @@ featureGates:
 			})},
 		{"an empty file takes kube-proxy's defaults", []string{"--config", empty}, defaults},
 		{"--masquerade-all", []string{"--masquerade-all"}, with(func(c *completed) { c.MasqueradeAll = true })},
+		{"--iptables-localhost-nodeports=false", []string{"--iptables-localhost-nodeports=false"}, with(func(c *completed) { c.LocalhostNodePorts = false })},
+		{"localhostNodePorts: false of the iptables section", []string{"--config", noLocalhost}, with(func(c *completed) { c.LocalhostNodePorts = false })},
+		{"no localhost node ports in kube-proxy's ipvs mode", []string{"--proxy-mode", "ipvs"},
+			with(func(c *completed) {
+				c.LocalhostNodePorts = false
+				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=ipvs"}
+			})},
 		{"masqueradeAll of the iptables section", []string{"--config", masq}, with(func(c *completed) { c.MasqueradeAll = true })},
 		{"masqueradeAll of the nftables section, in nftables mode", []string{"--config", masqNFT},
 			with(func(c *completed) {
-				c.MasqueradeAll, c.NodePorts = true, []string{"primary"}
+				c.MasqueradeAll, c.NodePorts, c.LocalhostNodePorts = true, []string{"primary"}, false
 				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=nftables"}
 			})},
 		{"an IPv6 bind address makes IPv6 default addresses; nftables' sync periods", []string{"--config", nft},
 			with(func(c *completed) {
 				c.Healthz, c.Metrics, c.NodePorts, c.Sync, c.MinSync = "[::]:10256", "[::1]:10249", []string{"primary"}, 20*time.Second, 3*time.Second
+				c.LocalhostNodePorts = false
 				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=nftables"}
 			})},
 		{"every honoured field of the file, and the flags kube-proxy lets override it",

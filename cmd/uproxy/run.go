@@ -211,7 +211,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	rulesCfg := redirect.FamiliesConfig{
 		IPv4:     redirect.Config{Wait: o.iptablesWait},
 		IPv6:     redirect.Config{Wait: o.iptablesWait},
-		Services: redirect.ServiceOptions{NodePortAddresses: o.nodePortCIDRs, Shared: shared},
+		Services: redirect.ServiceOptions{NodePortAddresses: o.nodePortCIDRs, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(), Shared: shared},
 		Commands: func(name string) { ruleCommands.WithLabelValues(name).Inc() },
 		Logger:   log.Named("rules"),
 	}
