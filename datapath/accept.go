@@ -96,6 +96,13 @@ func (ll *loopListener) dup() (int, error) {
 	return unix.FcntlInt(uintptr(ll.fd), unix.F_DUPFD_CLOEXEC, 0)
 }
 
+// open reports whether the socket is not closed yet.
+func (ll *loopListener) open() bool {
+	ll.mu.Lock()
+	defer ll.mu.Unlock()
+	return ll.fd >= 0
+}
+
 // close takes the socket out of every loop's epoll set, then closes it.
 // Taking it out first matters: a duplicate of the descriptor (one handed
 // to the next process, ExportListeners) keeps the socket open after close,

@@ -34,6 +34,11 @@ type tcpDial struct {
 	client, dst netip.AddrPort // dst: the original destination, if known
 	from        netip.AddrPort // valid: dial from this address and port (the client's)
 	src         srcAttempt     // whether from keeps the client's address
+	// loop and ls, when set, are the event loop that dials and the
+	// session it dials for, which hear the routes a source choice waited
+	// for (chooseSource); nil for a goroutine's dial.
+	loop *eventLoop
+	ls   *loopSession
 
 	tries int
 	errs  []error
@@ -46,8 +51,15 @@ type tcpDial struct {
 	start time.Time
 }
 
+// errSourcePending: the attempt's backend is picked, and the address it
+// dials from waits for route lookups (chooseSource).
+var errSourcePending = errors.New("the source address waits for route lookups")
+
 // next picks the backend of the next attempt and Acquires it; an error
-// when there is none, or no attempt left.
+// when there is none, or no attempt left. On an event loop, the error
+// errSourcePending says that the attempt's backend is picked but its
+// source address waits for the routes, which the loop hears
+// (tcpDial.routed) before it dials d.b.
 func (d *tcpDial) next() (netip.AddrPort, error) {
 	if addr, ok := d.retryFromNode(); ok {
 		return addr, nil
@@ -81,7 +93,9 @@ func (d *tcpDial) next() (netip.AddrPort, error) {
 	d.b, d.bm = b, pm.backend(b)
 	d.bm.picked()
 	d.start = pm.dialStart()
-	d.chooseSource()
+	if !d.chooseSource() {
+		return netip.AddrPort{}, errSourcePending
+	}
 	return b.Addr, nil
 }
 

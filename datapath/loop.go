@@ -164,6 +164,9 @@ type loopFlows struct {
 	// pools: the UDP socket pools of request–reply queries (udppool.go),
 	// allocated with the first query.
 	pools *loopPools
+	// held counts the datagrams the loop holds while their routes are
+	// looked up, against maxHeldBytes (heldDatagram).
+	held int
 }
 
 // loopAccept is the part of an event loop that accepts on listeners.

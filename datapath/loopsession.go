@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"time"
 
@@ -138,44 +139,76 @@ func (l *eventLoop) watch(sd *loopSide, events uint32) error {
 // connect starts the next attempt at a backend for ls (tcpDial.next),
 // moving on at once past attempts that fail to start; when none is left
 // the session ends. The attempt completes in ready (connected), or fails
-// there or at its deadline (expire).
+// there or at its deadline (expire). An attempt whose source address
+// waits for route lookups (errSourcePending) starts in routed instead;
+// meanwhile ls counts as connecting, so the client's bytes wait, and the
+// idle sweep leaves it alone.
 func (lt *loopTCP) connect(ls *loopSession) {
-	l := lt.loop
 	d := ls.dial
 	for {
 		addr, err := d.next()
+		if err == errSourcePending {
+			ls.connecting = true
+			return
+		}
 		if err != nil {
 			d.refused(err)
 			lt.end(ls, true)
 			return
 		}
-		var fd int
-		if ls.onRing {
-			fd, err = rawSocket(unix.SOCK_STREAM, addr, d.from, d.p.cfg.OwnMark)
-		} else {
-			fd, err = rawDial(unix.SOCK_STREAM, addr, d.from, d.p.cfg.OwnMark)
+		if lt.dial(ls, addr) {
+			return
 		}
-		if err != nil {
-			d.failed(err)
-			continue
-		}
-		ls.side[1].fd = fd
-		ls.connecting = true
-		if ls.onRing {
-			l.ring.connect(ls, addr)
-		} else if err := lt.register(ls, 1); err != nil {
-			lt.closeSide(&ls.side[1], false)
-			ls.connecting = false
-			d.failed(err)
-			continue
-		}
-		ls.deadline = time.Now().Add(lt.dialTimeout)
-		lt.connecting[ls] = struct{}{}
-		if lt.nextDeadline.IsZero() || ls.deadline.Before(lt.nextDeadline) {
-			lt.nextDeadline = ls.deadline
-		}
+	}
+}
+
+// routed starts ls's attempt at its picked backend once r, the routes
+// its source address waited for, are known (tcpDial.routed); a session
+// that ended meanwhile is left alone.
+func (lt *loopTCP) routed(ls *loopSession, r routePair) {
+	if ls.closed {
 		return
 	}
+	ls.connecting = false
+	d := ls.dial
+	d.sourceRouted(r)
+	if !lt.dial(ls, d.b.Addr) {
+		lt.connect(ls)
+	}
+}
+
+// dial starts ls's connection attempt at addr, from d.from; false if it
+// failed to start, which the attempt has been told (tcpDial.failed).
+func (lt *loopTCP) dial(ls *loopSession, addr netip.AddrPort) bool {
+	l := lt.loop
+	d := ls.dial
+	var fd int
+	var err error
+	if ls.onRing {
+		fd, err = rawSocket(unix.SOCK_STREAM, addr, d.from, d.p.cfg.OwnMark)
+	} else {
+		fd, err = rawDial(unix.SOCK_STREAM, addr, d.from, d.p.cfg.OwnMark)
+	}
+	if err != nil {
+		d.failed(err)
+		return false
+	}
+	ls.side[1].fd = fd
+	ls.connecting = true
+	if ls.onRing {
+		l.ring.connect(ls, addr)
+	} else if err := lt.register(ls, 1); err != nil {
+		lt.closeSide(&ls.side[1], false)
+		ls.connecting = false
+		d.failed(err)
+		return false
+	}
+	ls.deadline = time.Now().Add(lt.dialTimeout)
+	lt.connecting[ls] = struct{}{}
+	if lt.nextDeadline.IsZero() || ls.deadline.Before(lt.nextDeadline) {
+		lt.nextDeadline = ls.deadline
+	}
+	return true
 }
 
 // connectDone ends ls's connection attempt: with err nil the backend is

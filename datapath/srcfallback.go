@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/hashicorp/golang-lru/v2/simplelru"
 	"github.com/vishvananda/netlink"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
@@ -68,7 +69,8 @@ const (
 	// the client's again: long enough that the wait is rare, short enough
 	// that a fixed network is noticed.
 	noReplyTTL = 5 * time.Minute
-	// maxSourceEntries bounds each cache; a full cache starts over.
+	// maxSourceEntries bounds each cache: past it, the least recently
+	// used entry makes room.
 	maxSourceEntries = 16384
 )
 
@@ -83,6 +85,11 @@ type segment struct {
 	// iptables (bridge-nf-call-iptables, or -ip6tables, is 1).
 	bridged bool
 }
+
+// local reports whether the node reaches the address directly over one
+// of its links, with no gateway: a pod of this node, on its bridge or a
+// veth of its own, whose replies come back through the node.
+func (s segment) local() bool { return s.direct && s.link != 0 }
 
 // sameSegment reports whether the node reaches a and b directly over the
 // same link, so that b's replies to a never pass through the node.
@@ -125,94 +132,249 @@ func bridgeCallsIPTables(v6 bool) bool {
 	return err == nil && len(b) > 0 && b[0] == '1'
 }
 
+// routePair is what a source decision needs to know: the routes to the
+// client and to the backend.
+type routePair struct{ client, backend segment }
+
+// routeWaiter hears the routes that a decision on an event loop waited
+// for (sourceKeeper.await). routed runs once, on the resolver's
+// goroutine or await's caller, and must not block: an event loop's
+// posts the rest of the decision back to the loop.
+type routeWaiter interface{ routed(routePair) }
+
+// routeCh is the routeWaiter of a goroutine that waits (sourceKeeper.wait).
+type routeCh chan routePair
+
+func (c routeCh) routed(r routePair) { c <- r }
+
 // sourceKeeper decides which address each attempt that keeps the client's
 // dials from, and remembers what it learnt: the route lookups per
 // address, and the client and backend pairs whose transparent dial got no
 // reply. Its zero value is ready to use; it is safe for concurrent use by
-// every connection's dialler (goroutines and event loops). A steady
-// connection rate costs two map reads under a read lock; a route lookup
-// (a netlink round trip) happens once per address per segmentTTL.
+// every connection's dialler (goroutines and event loops).
+//
+// A route lookup is a netlink round trip, which an event loop must not
+// wait for: the loop's other connections would wait with it. So lookups
+// are made by the keeper's resolver goroutine only, once per address per
+// segmentTTL, and their answers cached. A decision whose routes are
+// cached is made at once (cached); an event loop's that misses asks the
+// resolver (await) and finishes the decision when the answer is posted
+// back to it; a goroutine waits for the answer (wait). The answer is the
+// same as a lookup made on the spot, so the decision is too. The
+// resolver goroutine is started by the first lookup asked for and exits
+// once none is left to make: it runs only while a lookup is pending, and
+// needs no stopping.
 type sourceKeeper struct {
 	// lookup, when set, replaces routeSegment (tests).
 	lookup func(netip.Addr) (segment, error)
 	// bridgedReplies: the rules take a backend's replies off a bridge
 	// whose frames pass iptables (Config.BridgedReplies).
 	bridgedReplies bool
+	// size bounds each cache; zero means maxSourceEntries (tests set
+	// less).
+	size int
 
-	mu       sync.RWMutex
-	segments map[netip.Addr]segmentEntry
-	noReply  map[[2]netip.Addr]time.Time // (client, backend) → expiry
+	mu       sync.Mutex
+	segments *simplelru.LRU[netip.Addr, segmentEntry]
+	noReply  *simplelru.LRU[[2]netip.Addr, int64] // (client, backend) → expiry, in Unix nanoseconds
+	// pending holds the addresses being looked up, or queued for the
+	// resolver (queue, in the order asked), with the decisions that wait
+	// for them. resolving: the resolver goroutine runs.
+	pending   map[netip.Addr]*pendingRoute
+	queue     []netip.Addr
+	resolving bool
 
 	logged sync.Map // service ("namespace/name") → struct{}: services whose fallback was logged
 }
 
 type segmentEntry struct {
 	seg     segment
-	expires time.Time
+	expires int64 // Unix nanoseconds: smaller and quicker to compare than a time.Time
 }
 
-// reason returns why an attempt from client to backend cannot keep the
-// client's address, or fallbackNone when it can.
-func (k *sourceKeeper) reason(now time.Time, client, backend netip.Addr) int {
-	k.mu.RLock()
-	until, known := k.noReply[[2]netip.Addr{client, backend}]
-	c, cok := k.segments[client]
-	b, bok := k.segments[backend]
-	k.mu.RUnlock()
-	if known && now.Before(until) {
-		return fallbackNoReply
-	}
-	if !cok || !now.Before(c.expires) {
-		c = k.learn(now, client)
-	}
-	if !bok || !now.Before(b.expires) {
-		b = k.learn(now, backend)
-	}
-	if sameSegment(c.seg, b.seg) && !(k.bridgedReplies && c.seg.bridged) {
-		return fallbackSameSegment
-	}
-	return fallbackNone
+// pendingRoute is an address queued for the resolver, or being looked up.
+type pendingRoute struct {
+	// asked is when it was first asked for: the answer is trusted for
+	// segmentTTL from then.
+	asked time.Time
+	waits []*routeWait
 }
 
-// direct reports whether the node's routes reach addr directly over one
-// of its links, with no gateway (the cached route, as reason uses it).
-func (k *sourceKeeper) direct(now time.Time, addr netip.Addr) bool {
-	k.mu.RLock()
-	e, ok := k.segments[addr]
-	k.mu.RUnlock()
-	if !ok || !now.Before(e.expires) {
-		e = k.learn(now, addr)
-	}
-	return e.seg.direct && e.seg.link != 0
+// routeWait is a decision that waits for the routes to its client and
+// backend: missing counts the addresses not answered yet.
+type routeWait struct {
+	client, backend netip.Addr
+	r               routePair
+	missing         int
+	w               routeWaiter
 }
 
-// learn looks up addr's route and caches it. A failed lookup is cached as
-// an unknown segment: the transparent dial is tried, and a missing reply
-// still falls back (fallbackNoReply).
-func (k *sourceKeeper) learn(now time.Time, addr netip.Addr) segmentEntry {
+// init creates the caches. Called with mu held.
+func (k *sourceKeeper) init() {
+	if k.segments != nil {
+		return
+	}
+	size := k.size
+	if size <= 0 {
+		size = maxSourceEntries
+	}
+	// NewLRU fails only for a size below one.
+	k.segments, _ = simplelru.NewLRU[netip.Addr, segmentEntry](size, nil)
+	k.noReply, _ = simplelru.NewLRU[[2]netip.Addr, int64](size, nil)
+	k.pending = map[netip.Addr]*pendingRoute{}
+}
+
+// fresh returns addr's cached route, if it is still fresh at now.
+// Called with mu held.
+func (k *sourceKeeper) fresh(now time.Time, addr netip.Addr) (segment, bool) {
+	e, ok := k.segments.Get(addr)
+	if !ok || now.UnixNano() >= e.expires {
+		return segment{}, false
+	}
+	return e.seg, true
+}
+
+// cached returns the routes to client and backend from the cache, and
+// the reason of an attempt from one to the other (reason), all under one
+// lock, as every connection of a steady client takes it; false when
+// either route has to be looked up first (await, wait).
+func (k *sourceKeeper) cached(now time.Time, client, backend netip.Addr) (routePair, int, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.init()
+	c, cok := k.fresh(now, client)
+	b, bok := k.fresh(now, backend)
+	if !cok || !bok {
+		return routePair{}, fallbackNone, false
+	}
+	r := routePair{c, b}
+	return r, k.reasonLocked(now, client, backend, r), true
+}
+
+// wait returns the routes to client and backend, waiting for the
+// resolver to look up those that are not cached. For goroutines only:
+// an event loop awaits.
+func (k *sourceKeeper) wait(now time.Time, client, backend netip.Addr) routePair {
+	if r, _, ok := k.cached(now, client, backend); ok {
+		return r
+	}
+	ch := make(routeCh, 1)
+	k.await(now, client, backend, ch)
+	return <-ch
+}
+
+// await has the resolver look up the routes to client and backend that
+// are not cached, and hands both to w once it has them; at once, on the
+// caller's goroutine, if both are cached by now. A failed lookup is
+// cached as an unknown segment: the transparent dial is tried, and a
+// missing reply still falls back (fallbackNoReply).
+func (k *sourceKeeper) await(now time.Time, client, backend netip.Addr, w routeWaiter) {
+	k.mu.Lock()
+	k.init()
+	rw := &routeWait{client: client, backend: backend, w: w}
+	var ok bool
+	if rw.r.client, ok = k.fresh(now, client); !ok {
+		k.ask(now, client, rw)
+	}
+	if rw.r.backend, ok = k.fresh(now, backend); !ok && backend != client {
+		k.ask(now, backend, rw)
+	}
+	// Once unlocked, rw is the resolver's to hand over.
+	known := rw.missing == 0
+	if !known && !k.resolving {
+		k.resolving = true
+		go k.resolve() // exits once no lookup is pending
+	}
+	k.mu.Unlock()
+	if known {
+		w.routed(rw.r)
+	}
+}
+
+// ask queues addr's lookup for rw, unless it is pending already. Called
+// with mu held.
+func (k *sourceKeeper) ask(now time.Time, addr netip.Addr, rw *routeWait) {
+	rw.missing++
+	pr := k.pending[addr]
+	if pr == nil {
+		pr = &pendingRoute{asked: now}
+		k.pending[addr] = pr
+		k.queue = append(k.queue, addr)
+	}
+	pr.waits = append(pr.waits, rw)
+}
+
+// resolve is the resolver goroutine: it looks up the queued addresses
+// one at a time, caches each answer and hands the decisions that waited
+// for it their routes, until the queue is empty.
+func (k *sourceKeeper) resolve() {
 	lookup := k.lookup
 	if lookup == nil {
 		lookup = routeSegment
 	}
-	seg, _ := lookup(addr)
-	e := segmentEntry{seg: seg, expires: now.Add(segmentTTL)}
-	k.mu.Lock()
-	if k.segments == nil || len(k.segments) >= maxSourceEntries {
-		k.segments = map[netip.Addr]segmentEntry{}
+	for {
+		k.mu.Lock()
+		if len(k.queue) == 0 {
+			k.resolving = false
+			k.queue = nil
+			k.mu.Unlock()
+			return
+		}
+		addr := k.queue[0]
+		k.queue = k.queue[1:]
+		k.mu.Unlock()
+
+		seg, _ := lookup(addr)
+
+		k.mu.Lock()
+		pr := k.pending[addr]
+		delete(k.pending, addr)
+		k.segments.Add(addr, segmentEntry{seg: seg, expires: pr.asked.Add(segmentTTL).UnixNano()})
+		var ready []*routeWait
+		for _, rw := range pr.waits {
+			if rw.client == addr {
+				rw.r.client = seg
+			}
+			if rw.backend == addr {
+				rw.r.backend = seg
+			}
+			if rw.missing--; rw.missing == 0 {
+				ready = append(ready, rw)
+			}
+		}
+		k.mu.Unlock()
+		for _, rw := range ready {
+			rw.w.routed(rw.r)
+		}
 	}
-	k.segments[addr] = e
-	k.mu.Unlock()
-	return e
+}
+
+// reason returns why an attempt from client to backend, whose routes are
+// r, cannot keep the client's address, or fallbackNone when it can.
+func (k *sourceKeeper) reason(now time.Time, client, backend netip.Addr, r routePair) int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.init()
+	return k.reasonLocked(now, client, backend, r)
+}
+
+// reasonLocked is reason, called with mu held.
+func (k *sourceKeeper) reasonLocked(now time.Time, client, backend netip.Addr, r routePair) int {
+	if until, known := k.noReply.Get([2]netip.Addr{client, backend}); known && now.UnixNano() < until {
+		return fallbackNoReply
+	}
+	if sameSegment(r.client, r.backend) && !(k.bridgedReplies && r.client.bridged) {
+		return fallbackSameSegment
+	}
+	return fallbackNone
 }
 
 // noReplyFrom remembers that client's transparent dials to backend get no
 // reply, though the node's own do.
 func (k *sourceKeeper) noReplyFrom(now time.Time, client, backend netip.Addr) {
 	k.mu.Lock()
-	if k.noReply == nil || len(k.noReply) >= maxSourceEntries {
-		k.noReply = map[[2]netip.Addr]time.Time{}
-	}
-	k.noReply[[2]netip.Addr{client, backend}] = now.Add(noReplyTTL)
+	k.init()
+	k.noReply.Add([2]netip.Addr{client, backend}, now.Add(noReplyTTL).UnixNano())
 	k.mu.Unlock()
 }
 
@@ -223,20 +385,18 @@ func (k *sourceKeeper) firstFallback(svc string) bool {
 	return !seen
 }
 
-// keepSource returns the address to dial backend from, for a flow or
-// connection of sp from client: the client's, unless its replies cannot
-// come back through the node, then the node's (the zero Addr). A fallback
-// is counted and, the first time for the service, logged. Used where no
-// dial can time out waiting for a reply (UDP).
-func (p *Engine) keepSource(snap *Snapshot, client, backend netip.Addr) netip.Addr {
-	if p.nodeBackend(client, backend) {
-		return netip.Addr{}
-	}
-	r := p.src.reason(p.cfg.clock().Now(), client, backend)
-	if r == fallbackNone {
+// keepSource returns the address to dial backend from, for a flow of
+// snap from client: the client's, unless its replies cannot come back
+// through the node (reason, from the keeper), then the node's (the zero
+// Addr). A fallback is counted and, the first time for the service,
+// logged. Used where no dial can time out waiting for a reply (UDP); the
+// caller has ruled out the backends always dialled from the node's
+// address (nodeBackend).
+func (p *Engine) keepSource(snap *Snapshot, client, backend netip.Addr, reason int) netip.Addr {
+	if reason == fallbackNone {
 		return client
 	}
-	p.sourceFellBack(snap, r, client, backend)
+	p.sourceFellBack(snap, reason, client, backend)
 	return netip.Addr{}
 }
 
@@ -275,6 +435,7 @@ type srcAttempt struct {
 	// local: the node reaches the client directly, over one of its own
 	// links (a pod of this node, on its bridge or a veth of its own), so
 	// the backend's replies to it come back through the node (fallBack).
+	// Set from the routes of the attempt's source choice (sourceRouted).
 	local bool
 	// reason is why the current attempt dials from the node's address
 	// though keep is set (fallbackNone: it does not).
@@ -298,19 +459,56 @@ type srcAttempt struct {
 // chooseSource sets the address the attempt at d.b dials from (d.from):
 // the client's when the connection keeps it and the backend's replies
 // come back through the node, else the node's (nodeBackend for the
-// backends that are always dialled from it).
-func (d *tcpDial) chooseSource() {
+// backends that are always dialled from it). The choice needs the routes
+// to the client and the backend: a goroutine's dial waits for those not
+// cached; an event loop's (d.loop set) does not, and chooseSource
+// returns false: the resolver posts the routes to the loop, which
+// finishes the choice (sourceRouted) and dials (loopTCP.routed).
+func (d *tcpDial) chooseSource() bool {
 	d.from, d.src.reason, d.src.timedOut = d.src.keep, fallbackNone, false
 	if !d.src.keep.IsValid() {
-		return
+		return true
 	}
-	if d.p.nodeBackend(d.src.keep.Addr(), d.b.Addr.Addr()) {
+	client, backend := d.src.keep.Addr(), d.b.Addr.Addr()
+	if d.p.nodeBackend(client, backend) {
 		d.from = netip.AddrPort{}
-		return
+		return true
 	}
-	if r := d.p.src.reason(d.p.cfg.clock().Now(), d.src.keep.Addr(), d.b.Addr.Addr()); r != fallbackNone {
-		d.from, d.src.reason = netip.AddrPort{}, r
+	now := d.p.cfg.clock().Now()
+	r, reason, ok := d.p.src.cached(now, client, backend)
+	switch {
+	case !ok && d.loop != nil:
+		d.p.src.await(now, client, backend, d)
+		return false
+	case !ok:
+		r = d.p.src.wait(now, client, backend)
+		reason = d.p.src.reason(now, client, backend, r)
 	}
+	d.sourceChosen(r, reason)
+	return true
+}
+
+// sourceRouted finishes chooseSource with r, the routes to the client
+// and the backend, once the resolver has them.
+func (d *tcpDial) sourceRouted(r routePair) {
+	d.sourceChosen(r, d.p.src.reason(d.p.cfg.clock().Now(), d.src.keep.Addr(), d.b.Addr.Addr(), r))
+}
+
+// sourceChosen sets the attempt's source from r, the routes to the
+// client and the backend, and reason, the keeper's decision with them.
+func (d *tcpDial) sourceChosen(r routePair, reason int) {
+	d.src.local = r.client.local()
+	if reason != fallbackNone {
+		d.from, d.src.reason = netip.AddrPort{}, reason
+	}
+}
+
+// routed posts the routes chooseSource waited for to the event loop that
+// dials, which goes on with the attempt (loopTCP.routed). If the loop is
+// stopping, the session ends with it.
+func (d *tcpDial) routed(r routePair) {
+	l, ls := d.loop, d.ls
+	l.post(func() { l.routed(ls, r) })
 }
 
 // retryFromNode returns the backend whose transparent attempt just

@@ -3,6 +3,8 @@ package datapath
 import (
 	"errors"
 	"fmt"
+	"io"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -16,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/balancer"
 	"github.com/uproxy/uproxy/internal/testlab"
+	"github.com/uproxy/uproxy/internal/testwait"
 )
 
 // fakeRoutes answers route lookups from a table, and counts them.
@@ -37,6 +40,12 @@ func (f *fakeRoutes) lookup(a netip.Addr) (segment, error) {
 		return segment{}, errors.New("network is unreachable")
 	}
 	return s, nil
+}
+
+// decide returns the reason of an attempt from client to backend made on
+// a goroutine: it waits for the routes, then decides.
+func decide(k *sourceKeeper, now time.Time, client, backend netip.Addr) int {
+	return k.reason(now, client, backend, k.wait(now, client, backend))
 }
 
 func TestSourceKeeperReason(t *testing.T) {
@@ -80,7 +89,7 @@ func TestSourceKeeperReason(t *testing.T) {
 		{"a missing reply that has expired", "192.0.2.7", "10.244.1.5", ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			r := k.reason(now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
+			r := decide(k, now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
 			if diff := cmp.Diff(tt.want, fallbackReasonNames[r]); diff != "" {
 				t.Errorf("reason(%s, %s) (-want +got):\n%s", tt.client, tt.backend, diff)
 			}
@@ -90,7 +99,7 @@ func TestSourceKeeperReason(t *testing.T) {
 			if tt.client == "10.244.2.10" {
 				want = ""
 			}
-			r = caught.reason(now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
+			r = decide(caught, now, netip.MustParseAddr(tt.client), netip.MustParseAddr(tt.backend))
 			if diff := cmp.Diff(want, fallbackReasonNames[r]); diff != "" {
 				t.Errorf("with the bridged replies caught, reason(%s, %s) (-want +got):\n%s", tt.client, tt.backend, diff)
 			}
@@ -106,7 +115,7 @@ func TestSourceKeeperCaches(t *testing.T) {
 	k := &sourceKeeper{lookup: routes.lookup}
 	now := time.Unix(1000, 0)
 	for i := range 100 {
-		if r := k.reason(now.Add(time.Duration(i)*time.Millisecond), a, b); r != fallbackSameSegment {
+		if r := decide(k, now.Add(time.Duration(i)*time.Millisecond), a, b); r != fallbackSameSegment {
 			t.Fatalf("connection %d: reason %q, want same_segment", i, fallbackReasonNames[r])
 		}
 	}
@@ -117,7 +126,7 @@ func TestSourceKeeperCaches(t *testing.T) {
 	routes.mu.Lock()
 	routes.table[b] = segment{link: 4}
 	routes.mu.Unlock()
-	if r := k.reason(now.Add(segmentTTL), a, b); r != fallbackNone {
+	if r := decide(k, now.Add(segmentTTL), a, b); r != fallbackNone {
 		t.Errorf("after the TTL, with the backend routed elsewhere: reason %q, want none", fallbackReasonNames[r])
 	}
 	if diff := cmp.Diff(map[netip.Addr]int{a: 2, b: 2}, routes.lookups); diff != "" {
@@ -142,7 +151,7 @@ func TestSourceKeeperConcurrent(t *testing.T) {
 			defer wg.Done()
 			for i := range 200 {
 				c, b := netip.AddrFrom4([4]byte{10, 244, 0, byte(i % 16)}), netip.AddrFrom4([4]byte{10, 244, 0, byte(g)})
-				if r := k.reason(now.Add(time.Duration(i)*time.Second), c, b); r == fallbackNone {
+				if r := decide(k, now.Add(time.Duration(i)*time.Second), c, b); r == fallbackNone {
 					t.Errorf("%s → %s: no fallback, want one", c, b)
 					return
 				}
@@ -362,10 +371,369 @@ func TestSourceKeeperDirect(t *testing.T) {
 	now := time.Unix(1000, 0)
 	got := map[string]bool{}
 	for _, a := range []string{"10.244.0.10", "10.244.9.2", "10.244.1.5", "192.0.2.7", "198.51.100.1"} {
-		got[a] = k.direct(now, netip.MustParseAddr(a))
+		addr := netip.MustParseAddr(a)
+		got[a] = k.wait(now, addr, addr).client.local()
 	}
 	want := map[string]bool{"10.244.0.10": true, "10.244.9.2": true, "10.244.1.5": false, "192.0.2.7": false, "198.51.100.1": false}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("direct (-want +got):\n%s", diff)
+	}
+}
+
+// TestSourceKeeperEvictsLeastRecentlyUsed checks that a full cache makes
+// room by forgetting its least recently used entry alone: the others
+// stay cached, and cost no lookup again.
+func TestSourceKeeperEvictsLeastRecentlyUsed(t *testing.T) {
+	a, b, c, d := netip.MustParseAddr("10.244.0.1"), netip.MustParseAddr("10.244.0.2"), netip.MustParseAddr("10.244.0.3"), netip.MustParseAddr("10.244.0.4")
+	backend := netip.MustParseAddr("10.244.1.5")
+	now := time.Unix(1000, 0)
+
+	t.Run("routes", func(t *testing.T) {
+		routes := &fakeRoutes{table: map[netip.Addr]segment{}}
+		k := &sourceKeeper{lookup: routes.lookup, size: 3}
+		k.wait(now, a, b)
+		k.wait(now, c, c) // full
+		k.wait(now, a, a) // b is the least recently used now
+		k.wait(now, d, d) // b makes room
+		for _, addr := range []netip.Addr{a, c, d, b} {
+			k.wait(now, addr, addr)
+		}
+		if diff := cmp.Diff(map[netip.Addr]int{a: 1, b: 2, c: 1, d: 1}, routes.lookups); diff != "" {
+			t.Errorf("lookups (-want +got):\n%s", diff)
+		}
+	})
+
+	t.Run("missing replies", func(t *testing.T) {
+		k := &sourceKeeper{lookup: (&fakeRoutes{}).lookup, size: 3}
+		for _, client := range []netip.Addr{a, b, c} {
+			k.noReplyFrom(now, client, backend)
+		}
+		noRoutes := routePair{}
+		k.reason(now, a, backend, noRoutes) // b is the least recently used now
+		k.noReplyFrom(now, d, backend)      // b makes room
+		got := map[netip.Addr]string{}
+		for _, client := range []netip.Addr{a, b, c, d} {
+			got[client] = fallbackReasonNames[k.reason(now, client, backend, noRoutes)]
+		}
+		want := map[netip.Addr]string{a: "no_reply", b: "", c: "no_reply", d: "no_reply"}
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Errorf("reasons (-want +got):\n%s", diff)
+		}
+	})
+}
+
+// blockingRoutes answers every route lookup with an unknown segment, as a
+// failed lookup is, and counts them; the lookup of slow waits until
+// unblock, as a netlink round trip that takes its time, and signals
+// asked when it starts.
+type blockingRoutes struct {
+	slow    netip.Addr
+	asked   chan struct{}
+	release chan struct{}
+	once    sync.Once
+
+	mu      sync.Mutex
+	lookups map[netip.Addr]int
+}
+
+func newBlockingRoutes(slow netip.Addr) *blockingRoutes {
+	return &blockingRoutes{slow: slow, asked: make(chan struct{}, 1), release: make(chan struct{}), lookups: map[netip.Addr]int{}}
+}
+
+func (r *blockingRoutes) lookup(a netip.Addr) (segment, error) {
+	r.mu.Lock()
+	r.lookups[a]++
+	r.mu.Unlock()
+	if a == r.slow {
+		select {
+		case r.asked <- struct{}{}:
+		default:
+		}
+		<-r.release
+	}
+	return segment{}, nil
+}
+
+func (r *blockingRoutes) unblock() { r.once.Do(func() { close(r.release) }) }
+
+// waitAsked waits for the slow lookup to start.
+func (r *blockingRoutes) waitAsked(t *testing.T) {
+	t.Helper()
+	select {
+	case <-r.asked:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("the route to %s was never looked up", r.slow)
+	}
+}
+
+// heard is a routeWaiter that passes the routes on.
+type heard chan routePair
+
+func (h heard) routed(r routePair) { h <- r }
+
+// TestSourceKeeperAwait checks that a decision that misses the cache
+// does not wait for the lookup: await returns at once, one lookup
+// answers every decision that asked for the address meanwhile, and the
+// resolver goroutine exits once no lookup is left.
+func TestSourceKeeperAwait(t *testing.T) {
+	slow, backend := netip.MustParseAddr("10.244.0.10"), netip.MustParseAddr("10.244.0.11")
+	routes := newBlockingRoutes(slow)
+	defer routes.unblock()
+	k := &sourceKeeper{lookup: routes.lookup}
+	now := time.Unix(1000, 0)
+	first, second := make(heard, 1), make(heard, 1)
+	k.await(now, slow, backend, first)
+	routes.waitAsked(t)
+	k.await(now, slow, slow, second)
+	if _, _, ok := k.cached(now, slow, backend); ok {
+		t.Fatal("the route being looked up is cached already")
+	}
+	select {
+	case <-first:
+		t.Fatal("a decision heard its routes before the lookup answered")
+	case <-second:
+		t.Fatal("a decision heard its routes before the lookup answered")
+	default:
+	}
+	routes.unblock()
+	for _, h := range []heard{first, second} {
+		select {
+		case <-h:
+		case <-time.After(5 * time.Second):
+			t.Fatal("a decision never heard its routes")
+		}
+	}
+	routes.mu.Lock()
+	got := maps.Clone(routes.lookups)
+	routes.mu.Unlock()
+	if diff := cmp.Diff(map[netip.Addr]int{slow: 1, backend: 1}, got); diff != "" {
+		t.Errorf("lookups (-want +got):\n%s", diff)
+	}
+	testwait.Until(t, 5*time.Second, "the resolver goroutine to exit with no lookup left", func() bool {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return !k.resolving
+	})
+}
+
+// TestRouteLookupOffTheLoopTCP checks that an event loop does not wait
+// for the route lookup of a new client that keeps its address: while the
+// lookup hangs, the loop goes on accepting and serving other clients,
+// and the waiting connection is dialled, from the client's own address
+// as a lookup made on the spot would have it, once the answer comes.
+func TestRouteLookupOffTheLoopTCP(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	eachDataPath(t, func(t *testing.T, dp dataPath) {
+		slow, other := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3")
+		routes := newBlockingRoutes(slow)
+		p := startEngine(t, Config{EventLoops: 1, IOURing: dp.ring})
+		t.Cleanup(routes.unblock) // before the engine drains
+		p.clients = podClients{}
+		p.src.lookup = routes.lookup
+		// The backend answers with the address the connection comes from.
+		be := startBackend(t, func(c net.Conn) {
+			defer c.Close()
+			fmt.Fprint(c, netip.MustParseAddrPort(c.RemoteAddr().String()).Addr())
+		})
+		l := serve(t, p, "tcp4", "default/web:http", be.addr)
+		snap := testSnapshot("default/web:http", be.addr)
+		snap.SourceIP = SourceClient
+		l.Snap.Store(snap)
+		connect := func(from netip.Addr) net.Conn {
+			t.Helper()
+			d := net.Dialer{LocalAddr: &net.TCPAddr{IP: from.AsSlice()}, Timeout: 5 * time.Second}
+			c, err := d.Dial("tcp4", fmt.Sprintf("127.0.0.1:%d", l.Port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			return c
+		}
+		seen := func(c net.Conn) string {
+			b, err := io.ReadAll(c)
+			if err != nil {
+				return err.Error()
+			}
+			return string(b)
+		}
+
+		// The other client's route, and the backend's, are cached.
+		if got := seen(connect(other)); got != other.String() {
+			t.Fatalf("the backend saw the connection from %q, want %q", got, other)
+		}
+		waiting := connect(slow)
+		routes.waitAsked(t)
+		if got := seen(connect(other)); got != other.String() {
+			t.Fatalf("while a route is looked up, the loop's next connection: the backend saw it from %q, want %q", got, other)
+		}
+		routes.unblock()
+		if got := seen(waiting); got != slow.String() {
+			t.Errorf("once its route is known, the waiting connection: the backend saw it from %q, want %q", got, slow)
+		}
+	})
+}
+
+// TestRouteLookupOffTheLoopUDP is TestRouteLookupOffTheLoopTCP for UDP:
+// a new client's datagram waits for its route off the loop, which goes
+// on relaying other clients' datagrams, flows and pooled queries alike.
+func TestRouteLookupOffTheLoopUDP(t *testing.T) {
+	if !testlab.RunInNetns(t) {
+		return
+	}
+	for _, mode := range []UDPMode{UDPFlow, UDPRequestReply} {
+		t.Run(fmt.Sprint(mode), func(t *testing.T) {
+			slow, other := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3")
+			routes := newBlockingRoutes(slow)
+			p := startEngine(t, Config{EventLoops: 1})
+			t.Cleanup(routes.unblock) // before the engine drains
+			p.clients = podClients{}
+			p.src.lookup = routes.lookup
+			be := sourceUDPBackend(t)
+			l := serve(t, p, "udp4", "default/dns:dns", be)
+			snap := testSnapshot("default/dns:dns", be)
+			snap.Metrics = testPortMetrics(snap.Backends...)
+			snap.UDPMode, snap.SourceIP = mode, SourceClient
+			l.Snap.Store(snap)
+			client := func(from netip.Addr) *net.UDPConn {
+				t.Helper()
+				c, err := net.DialUDP("udp4", &net.UDPAddr{IP: from.AsSlice()}, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: int(l.Port)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { c.Close() })
+				return c
+			}
+
+			// The other client's route, and the backend's, are cached.
+			if got := exchange(t, client(other), []byte("q")); got != other.String() {
+				t.Fatalf("the backend saw the datagram from %q, want %q", got, other)
+			}
+			waiting := client(slow)
+			if _, err := waiting.Write([]byte("q")); err != nil {
+				t.Fatal(err)
+			}
+			routes.waitAsked(t)
+			if got := exchange(t, client(other), []byte("q")); got != other.String() {
+				t.Fatalf("while a route is looked up, the loop's next client: the backend saw its datagram from %q, want %q", got, other)
+			}
+			routes.unblock()
+			waiting.SetReadDeadline(time.Now().Add(5 * time.Second))
+			buf := make([]byte, 100)
+			n, err := waiting.Read(buf)
+			if err != nil {
+				t.Fatalf("the datagram that waited for its route: no reply: %v", err)
+			}
+			if got := string(buf[:n]); got != slow.String() {
+				t.Errorf("once its route is known, the datagram that waited: the backend saw it from %q, want %q", got, slow)
+			}
+		})
+	}
+}
+
+// sourceUDPBackend answers each datagram with the address it came from.
+func sourceUDPBackend(t *testing.T) netip.AddrPort {
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { // ends when the cleanup closes pc
+		defer close(done)
+		buf := make([]byte, 100)
+		for {
+			_, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo([]byte(netip.MustParseAddrPort(from.String()).Addr().String()), from)
+		}
+	}()
+	t.Cleanup(func() { pc.Close(); <-done })
+	return netip.MustParseAddrPort(pc.LocalAddr().String())
+}
+
+// BenchmarkSourceKeeperCached measures a connection's source choice when
+// the routes are cached, as on every connection of a steady client: what
+// each event loop pays, from every loop at once.
+func BenchmarkSourceKeeperCached(b *testing.B) {
+	k := &sourceKeeper{lookup: func(netip.Addr) (segment, error) { return segment{link: 3, direct: true}, nil }}
+	now := time.Unix(1000, 0)
+	var clients [64]netip.Addr
+	for i := range clients {
+		clients[i] = netip.AddrFrom4([4]byte{10, 244, 0, byte(i + 1)})
+	}
+	backend := netip.MustParseAddr("10.244.1.5")
+	for _, c := range clients {
+		k.wait(now, c, backend)
+	}
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		i := 0
+		for pb.Next() {
+			c := clients[i%len(clients)]
+			i++
+			if _, _, ok := k.cached(now, c, backend); !ok {
+				b.Fatal("not cached")
+			}
+		}
+	})
+}
+
+// TestHeldDatagrams checks what an event loop holds of the datagrams
+// whose routes are being looked up: no more than maxHeldBytes (the rest
+// is dropped, as a full socket buffer drops it), and each one given back
+// once its routes are known, here dropped because its listener closed
+// while it waited, where a new flow would never be read again.
+func TestHeldDatagrams(t *testing.T) {
+	slow := netip.MustParseAddr("127.0.0.2")
+	routes := newBlockingRoutes(slow)
+	defer routes.unblock()
+	p := NewEngine(Config{}, podClients{})
+	p.src.lookup = routes.lookup
+	el, err := newEventLoop(loopOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer el.stop()
+	// A listener that was closed, and that would otherwise take a new
+	// flow from the node's address.
+	closed := &Listener{Name: portName("default/dns:dns"), UDP: true, raw: &loopListener{rawSock: rawSock{fd: -1}}}
+	// A backend that never replies.
+	be, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	snap := testSnapshot("default/dns:dns", netip.MustParseAddrPort(be.LocalAddr().String()))
+	snap.SourceIP = SourceNode
+	closed.Snap.Store(snap)
+	target := udpTarget{el: el, svc: closed, key: flowKey{l: closed, client: netip.AddrPortFrom(slow, 5353)}}
+	b := snap.Backends[0]
+	onLoop := func(f func() int) int {
+		got := make(chan int, 1)
+		el.post(func() { got <- f() })
+		return <-got
+	}
+
+	const size = 60000
+	fits := maxHeldBytes / (size + heldOverhead)
+	held := onLoop(func() int {
+		for range fits + 1 {
+			p.hold(target, b, make([]byte, size), 1)
+		}
+		return el.held
+	})
+	if want := fits * (size + heldOverhead); held != want {
+		t.Errorf("the loop holds %d bytes, want %d: %d datagrams, the last one dropped", held, want, fits)
+	}
+	routes.unblock()
+	testwait.Until(t, 5*time.Second, "the held datagrams to be given back", func() bool {
+		return onLoop(func() int { return el.held }) == 0
+	})
+	if n := p.UDPFlows(); n != 0 {
+		t.Errorf("%d UDP flows for a closed listener, want none", n)
 	}
 }

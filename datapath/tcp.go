@@ -209,6 +209,7 @@ func (tp *tcpProxy) startTCP(el *eventLoop, l *Listener, a accepted, s *session)
 		return
 	}
 	ls := &loopSession{finish: finish, dial: d}
+	d.loop, d.ls = el, ls
 	ls.side[0].fd, ls.side[1].fd = s.fd, -1
 	s.fd = -1
 	s.loop, s.ls = el, ls
@@ -292,7 +293,6 @@ func (tp *tcpProxy) admitTCP(l *Listener, a accepted, s *session) *tcpDial {
 	d := &tcpDial{p: p, name: l.Name, snap: snap, bal: bal, client: client, dst: dst}
 	if p.keepClient(snap, snap.ToClusterIP(dst, known), client.Addr()) {
 		d.src.keep = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
-		d.src.local = p.src.direct(p.cfg.clock().Now(), d.src.keep.Addr())
 	}
 	return d
 }

@@ -1,6 +1,7 @@
 package datapath
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -391,26 +392,130 @@ func (ur *udpRelay) forwardDatagram(el *eventLoop, l *Listener, sock udpSocket, 
 			}
 		}
 	}
-	payload := (*d.buf)[:d.n]
-	for range p.cfg.dialAttempts() {
-		f, err := ur.udpFlowFor(el, svc, key, sock, orig, cur, rq)
+	t := udpTarget{el: el, svc: svc, key: key, sock: sock, orig: orig}
+	ur.deliver(t, cur, rq, (*d.buf)[:d.n], p.cfg.dialAttempts(), nil)
+}
+
+// udpTarget is where forwardDatagram sends a datagram: to the flow of
+// key, a client of service port svc whose datagrams come through sock,
+// sent to orig (when known), on event loop el (nil: the listener's
+// goroutine).
+type udpTarget struct {
+	el   *eventLoop
+	svc  *Listener
+	key  flowKey
+	sock udpSocket
+	orig netip.AddrPort
+}
+
+// deliver sends payload to t's flow: cur, the one it has, if still
+// usable, else a new one (udpFlowFor), trying at most tries backends.
+// pick, when set, is the backend picked for the datagram before it
+// waited for the routes that choose its new flow's source address, with
+// those routes (resume).
+func (ur *udpRelay) deliver(t udpTarget, cur *udpFlow, rq *recentQuery, payload []byte, tries int, pick *udpPick) {
+	p := ur.e
+	for ; tries > 0; tries-- {
+		f, waits, err := ur.udpFlowFor(t, cur, rq, pick)
+		pick = nil
+		if waits != nil {
+			ur.hold(t, waits, payload, tries)
+			return
+		}
 		if err != nil {
-			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", svc.Name), zap.Error(err))
+			p.connLog.Warn("no backend for UDP flow", zap.Stringer("servicePort", t.svc.Name), zap.Error(err))
 			return
 		}
 		if err := f.send(payload); err != nil {
 			if errors.Is(err, errDatagramDropped) {
-				p.connLog.Warn("UDP datagram dropped", zap.Stringer("servicePort", svc.Name), zap.Error(err))
+				p.connLog.Warn("UDP datagram dropped", zap.Stringer("servicePort", t.svc.Name), zap.Error(err))
 				return
 			}
 			ur.udpFailed(f, err)
 			cur = nil // removed from the table
 			continue
 		}
-		f.pm.up(int64(d.n))
+		f.pm.up(int64(len(payload)))
 		f.touch(p)
 		return
 	}
+}
+
+// udpPick is the backend picked, on an event loop, for a datagram's new
+// flow whose source address waits for the routes to the client and the
+// backend, and those routes once the resolver has them.
+type udpPick struct {
+	b      *balancer.Backend
+	routes routePair
+}
+
+// heldDatagram is a datagram whose new flow waits for the routes that
+// choose its source address, which the event loop must not wait for (a
+// netlink round trip): a copy of the datagram, off the listener's
+// buffers, that the loop forwards once the resolver has posted the
+// routes to it (routed, resume). Owned by the loop; tries is what is
+// left of its DialAttempts.
+type heldDatagram struct {
+	ur      *udpRelay
+	t       udpTarget
+	pick    udpPick
+	payload []byte
+	tries   int
+}
+
+const (
+	// maxHeldBytes bounds what an event loop holds of the datagrams that
+	// wait for route lookups: about a socket's default receive buffer
+	// (net.core.rmem_default), which would have held them had the loop
+	// waited for the lookups itself.
+	maxHeldBytes = 256 << 10
+	// heldOverhead is what holding a datagram costs besides its payload,
+	// so that empty datagrams count against maxHeldBytes too.
+	heldOverhead = 256
+)
+
+// hold keeps payload, a datagram to t whose new flow to backend b waits
+// for routes, until the resolver has them; its loop forwards it then
+// (resume). Past maxHeldBytes the datagram is dropped, as a full
+// socket buffer would drop it. On the loop.
+func (ur *udpRelay) hold(t udpTarget, b *balancer.Backend, payload []byte, tries int) {
+	p := ur.e
+	el := t.el
+	if el.held+len(payload)+heldOverhead > maxHeldBytes {
+		p.connLog.Warn("UDP datagram dropped: its event loop holds too many datagrams of new clients whose routes are being looked up",
+			zap.Stringer("servicePort", t.svc.Name), zap.Stringer("client", t.key.client))
+		return
+	}
+	el.held += len(payload) + heldOverhead
+	h := &heldDatagram{ur: ur, t: t, pick: udpPick{b: b}, payload: bytes.Clone(payload), tries: tries}
+	p.src.await(p.cfg.clock().Now(), t.key.client.Addr(), b.Addr.Addr(), h)
+}
+
+// routed posts h back to its loop with its routes. If the loop is
+// stopping, h is dropped with it.
+func (h *heldDatagram) routed(r routePair) {
+	h.pick.routes = r
+	el := h.t.el
+	el.post(func() { h.ur.resume(h) })
+}
+
+// resume forwards h, on its loop, once its routes are known: to the flow
+// its client has by now, if an earlier datagram made one, else to a new
+// one, to the backend picked before if it is still usable. A datagram
+// whose listener closed while it waited is dropped, as the listener's
+// flows were.
+func (ur *udpRelay) resume(h *heldDatagram) {
+	el, key := h.t.el, h.t.key
+	el.held -= len(h.payload) + heldOverhead
+	if !key.l.raw.open() {
+		return
+	}
+	cur, _ := ur.flowTable().Peek(key)
+	var rq *recentQuery
+	if cur == nil {
+		cur, rq = ur.pooledFlow(el, key)
+	}
+	ur.deliver(h.t, cur, rq, h.payload, h.tries, &h.pick)
 }
 
 // guardedRoute reports whether a new flow of service port l's own
@@ -449,25 +554,33 @@ func (ur *udpRelay) notRedirected(l *Listener, err error) {
 	p.connLog.Warn("dropping a UDP datagram that was not redirected to the service", zap.Stringer("servicePort", l.Name), zap.Error(err))
 }
 
-// udpFlowFor returns cur, the table's flow of key (nil: none), if it is
-// still usable for service port l, or creates one, on event loop el when
-// it is set (see connectFlow). orig is the datagram's original
-// destination when known (tproxy mode, or a shared listener's conntrack
-// lookup). A flow whose backend is no longer usable (removed, no longer
-// ready, ejected) is replaced, so no client stays blackholed behind a
-// dead endpoint. rq, when set, is the client's last pooled query
-// (udppool.go): if rq.long, the client has become a long flow, which goes
-// to the same backend if it can. Otherwise, on an event loop, a new
-// client's datagram on a port of request-reply or auto mode is a query
-// sent through a pooled socket: one of the pool that dials the backend
-// from the client's address when the client keeps it (keepSource), else
-// from the node's.
-func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udpSocket, orig netip.AddrPort, cur *udpFlow, rq *recentQuery) (*udpFlow, error) {
+// udpFlowFor returns cur, the table's flow of t.key (nil: none), if it
+// is still usable for service port t.svc, or creates one, on event loop
+// t.el when it is set (see connectFlow). t.orig is the datagram's
+// original destination when known (tproxy mode, or a shared listener's
+// conntrack lookup). A flow whose backend is no longer usable (removed,
+// no longer ready, ejected) is replaced, so no client stays blackholed
+// behind a dead endpoint. rq, when set, is the client's last pooled
+// query (udppool.go): if rq.long, the client has become a long flow,
+// which goes to the same backend if it can. Otherwise, on an event loop,
+// a new client's datagram on a port of request-reply or auto mode is a
+// query sent through a pooled socket: one of the pool that dials the
+// backend from the client's address when the client keeps it
+// (keepSource), else from the node's.
+//
+// Where the client keeps its address, the new flow's source address
+// needs the routes to the client and the backend. On an event loop,
+// when the resolver has yet to look them up, udpFlowFor returns the
+// backend it picked as waits, and no flow: the caller holds the datagram
+// (hold), and calls again with pick, the backend and its routes, once
+// they are known.
+func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick *udpPick) (f *udpFlow, waits *balancer.Backend, err error) {
 	p := ur.e
+	el, l, key, sock, orig := t.el, t.svc, t.key, t.sock, t.orig
 	client := key.client
 	snap := l.Snap.Load()
 	if snap == nil {
-		return nil, fmt.Errorf("%s: not synced yet", l.Name)
+		return nil, nil, fmt.Errorf("%s: not synced yet", l.Name)
 	}
 	pm := snap.Metrics
 	// Without an original destination (a listener of its own in redirect
@@ -479,7 +592,7 @@ func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udp
 	}
 	if bal == nil {
 		pm.refusedDestination()
-		return nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.Name, orig)
+		return nil, nil, fmt.Errorf("%s: datagram to %s, not one of the service's addresses", snap.Name, orig)
 	}
 	set := snap.Cluster
 	if bal == snap.Local {
@@ -487,40 +600,58 @@ func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udp
 	}
 	if f := cur; f != nil {
 		if !f.closed.Load() && !f.backend.Ejected() && snap.serves(set, f.backend) {
-			return f, nil
+			return f, nil, nil
 		}
 		ur.removeFlow(f)
 	}
 	b, long := rq.recentBackend(snap, set)
+	if b == nil && pick != nil && !pick.b.Ejected() && snap.serves(set, pick.b) {
+		b = pick.b
+	}
 	if b == nil {
 		b = bal.Pick(client.Addr())
 	}
 	if b == nil {
 		pm.noEndpoint()
-		return nil, fmt.Errorf("%s: %w", snap.Name, errNoEndpoints)
+		return nil, nil, fmt.Errorf("%s: %w", snap.Name, errNoEndpoints)
 	}
 	bm := pm.backend(b)
-	bm.picked()
+	if pick == nil || b != pick.b {
+		bm.picked() // a pick that waited for its routes counted then
+	}
 	var from netip.Addr
 	keep := p.keepClient(snap, snap.ToClusterIP(orig, orig.IsValid()), client.Addr())
-	if keep {
-		from = p.keepSource(snap, client.Addr(), b.Addr.Addr())
+	if keep && !p.nodeBackend(client.Addr(), b.Addr.Addr()) {
+		now := p.cfg.clock().Now()
+		var (
+			reason int
+			ok     bool
+		)
+		if pick != nil && b == pick.b {
+			reason = p.src.reason(now, client.Addr(), b.Addr.Addr(), pick.routes)
+		} else if _, reason, ok = p.src.cached(now, client.Addr(), b.Addr.Addr()); !ok {
+			if el != nil {
+				return nil, b, nil
+			}
+			reason = p.src.reason(now, client.Addr(), b.Addr.Addr(), p.src.wait(now, client.Addr(), b.Addr.Addr()))
+		}
+		from = p.keepSource(snap, client.Addr(), b.Addr.Addr(), reason)
 	}
 	if !long {
 		if f, ok, err := ur.checkout(el, l, snap.UDPMode, key, sock, orig, b, from, pm); ok {
-			return f, err
+			return f, nil, err
 		}
 	}
-	f := &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
+	f = &udpFlow{p: p, key: key, svc: l, orig: orig, backend: b, fd: -1, dst: key.dst, sock: sock, pm: pm}
 	start := pm.dialStart()
-	err := ur.connectFlow(el, f, from)
+	err = ur.connectFlow(el, f, from)
 	pm.dialDone(start, err)
 	if err != nil {
 		if !localDialFailure(err) {
 			p.health.Failure(b)
 		}
 		bm.failed()
-		return nil, fmt.Errorf("dial %s: %w", b.Addr, err)
+		return nil, nil, fmt.Errorf("dial %s: %w", b.Addr, err)
 	}
 	bm.connected()
 	f.refreshed.Store(flowClock())
@@ -535,7 +666,7 @@ func (ur *udpRelay) udpFlowFor(el *eventLoop, l *Listener, key flowKey, sock udp
 		p.wg.Add(1)
 		go ur.udpReplies(f) // ends when the flow's socket is closed
 	}
-	return f, nil
+	return f, nil, nil
 }
 
 // connectFlow connects f's socket to its backend, from the address from
