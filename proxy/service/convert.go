@@ -499,14 +499,14 @@ func Ports(svc *v1.Service, d Defaults) []*Port {
 // hashing.
 const SmallSet = 16
 
-// hasEndpoint reports whether eps holds an endpoint at ap.
-func hasEndpoint(eps []Endpoint, ap netip.AddrPort) bool {
-	for _, e := range eps {
+// endpointIndex returns the index of the endpoint at ap in eps, or -1.
+func endpointIndex(eps []Endpoint, ap netip.AddrPort) int {
+	for i, e := range eps {
 		if e.Addr == ap {
-			return true
+			return i
 		}
 	}
-	return false
+	return -1
 }
 
 // PortEndpoints returns the endpoints of sp found in its service's slices,
@@ -563,9 +563,9 @@ func FilterPortEndpoints(sp *Port, slices []*discovery.EndpointSlice, refuse fun
 		n += len(s.Endpoints)
 	}
 	out := make([]Endpoint, 0, n)
-	var seen map[netip.AddrPort]bool // nil: out is scanned instead
+	var seen map[netip.AddrPort]int // index in out; nil: out is scanned instead
 	if n > SmallSet {
-		seen = make(map[netip.AddrPort]bool, n)
+		seen = make(map[netip.AddrPort]int, n)
 	}
 	for _, s := range sortedSlices(slices) {
 		if s.AddressType != discovery.AddressTypeIPv4 && s.AddressType != discovery.AddressTypeIPv6 {
@@ -595,23 +595,29 @@ func FilterPortEndpoints(sp *Port, slices []*discovery.EndpointSlice, refuse fun
 					continue
 				}
 			}
+			// An address in two slices (an endpoint moving between
+			// slices, or a pod IP reused while the terminating pod that
+			// had it is still listed) keeps its first copy, unless that
+			// one is terminating and the later one is not: the running
+			// pod wins, as in kube-proxy's EndpointSliceCache.
+			terminating := ep.Conditions.Terminating != nil && *ep.Conditions.Terminating
+			at := -1
 			if seen != nil {
-				if seen[ap] {
-					continue
+				if i, ok := seen[ap]; ok {
+					at = i
 				}
-				seen[ap] = true
-			} else if hasEndpoint(out, ap) {
+			} else {
+				at = endpointIndex(out, ap)
+			}
+			if at >= 0 && (terminating || !out[at].Terminating) {
 				continue
 			}
 			e := Endpoint{Addr: ap}
-			// The API's rules for unset conditions: ready unknown counts as
-			// ready, serving defaults to ready, terminating to false.
+			// kube-proxy's reading of unset conditions: ready and serving
+			// count as true, terminating as false.
 			e.Ready = ep.Conditions.Ready == nil || *ep.Conditions.Ready
-			e.Serving = e.Ready
-			if ep.Conditions.Serving != nil {
-				e.Serving = *ep.Conditions.Serving
-			}
-			e.Terminating = ep.Conditions.Terminating != nil && *ep.Conditions.Terminating
+			e.Serving = ep.Conditions.Serving == nil || *ep.Conditions.Serving
+			e.Terminating = terminating
 			if ep.NodeName != nil {
 				e.NodeName = *ep.NodeName
 			}
@@ -626,6 +632,13 @@ func FilterPortEndpoints(sp *Port, slices []*discovery.EndpointSlice, refuse fun
 				for _, n := range h.ForNodes {
 					e.Hints.Nodes = append(e.Hints.Nodes, n.Name)
 				}
+			}
+			if at >= 0 {
+				out[at] = e
+				continue
+			}
+			if seen != nil {
+				seen[ap] = len(out)
 			}
 			out = append(out, e)
 		}

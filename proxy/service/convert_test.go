@@ -192,6 +192,41 @@ func TestPortEndpointsDeduplicates(t *testing.T) {
 	}
 }
 
+// TestPortEndpointsPrefersRunningCopy checks that of an address listed
+// twice, a terminating copy gives way to a running one whichever slice
+// comes first, as in kube-proxy (a pod IP reused while the terminating
+// pod that had it is still listed), and that unset conditions read as
+// kube-proxy reads them: ready and serving true, terminating false.
+func TestPortEndpointsPrefersRunningCopy(t *testing.T) {
+	name := PortName{types.NamespacedName{Namespace: "default", Name: "web"}, "http", v1.ProtocolTCP}
+	sp := &Port{Name: name, Port: 80}
+	for _, n := range []int{2, SmallSet + 1} {
+		var old, running []ep
+		var want []Endpoint
+		for i := range n {
+			ip := fmt.Sprintf("10.244.0.%d", i+1)
+			old = append(old, ep{IP: ip, NotReady: true, Serving: true, Terminating: true})
+			running = append(running, ep{IP: ip})
+			want = append(want, Endpoint{Addr: netip.MustParseAddrPort(ip + ":8080"), Ready: true, Serving: true})
+		}
+		a, b := slice("web-a", "web", "http", 8080, old...), slice("web-b", "web", "http", 8080, running...)
+		for _, order := range [][]*discovery.EndpointSlice{{a, b}, {b, a}} {
+			got := PortEndpoints(sp, order)
+			if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
+				t.Errorf("%d endpoints, slices %s then %s (-want +got):\n%s", n, order[0].Name, order[1].Name, diff)
+			}
+		}
+	}
+
+	notReady := slice("web-c", "web", "http", 8080, ep{IP: "10.244.1.1"})
+	notReady.Endpoints[0].Conditions = discovery.EndpointConditions{Ready: ptr.To(false)}
+	got := PortEndpoints(sp, []*discovery.EndpointSlice{notReady})
+	want := []Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.1:8080"), Serving: true}}
+	if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b netip.AddrPort) bool { return a == b })); diff != "" {
+		t.Errorf("ready false, serving unset (-want +got):\n%s", diff)
+	}
+}
+
 func TestParseWeights(t *testing.T) {
 	tests := []struct {
 		in      string
