@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"maps"
 	"net"
 	"net/netip"
 	"path/filepath"
@@ -40,9 +39,14 @@ type kubeProxyOptions struct {
 	oomScoreAdj int32
 	// configSyncPeriod is the informers' resync period.
 	configSyncPeriod time.Duration
-	// featureGates are kube-proxy's; uproxy has none, so each is logged
-	// as ignored.
+	// featureGates are kube-proxy's --feature-gates, validated as
+	// kube-proxy does (featureGateSet).
 	featureGates map[string]bool
+	// noExternalIPs: AllowServiceExternalIPs is off, and spec.externalIPs
+	// are ignored (service.Defaults.NoExternalIPs).
+	noExternalIPs bool
+	// nftLocalhostNodePorts: KubeProxyNFTablesLocalhostNodePorts is on.
+	nftLocalhostNodePorts bool
 	// apiQPS, apiBurst, apiContentType and apiAcceptContentTypes (the
 	// file's only) configure the API client.
 	apiQPS                float32
@@ -151,7 +155,7 @@ func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&k.bindAddress, "bind-address", "", "kube-proxy's node primary IP, which --nodeport-addresses' keyword primary means; empty or 0.0.0.0 takes the Node object's addresses.")
 	fs.Int32Var(&k.oomScoreAdj, "oom-score-adj", defaultOOMScoreAdj, "The oom_score_adj of the uproxy process, in [-1000, 1000], as kube-proxy's.")
 	fs.DurationVar(&k.configSyncPeriod, "config-sync-period", defaultConfigSyncPeriod, "How often the informers replay every Service and EndpointSlice (kube-proxy's resync period), greater than 0.")
-	fs.Var(cliflag.NewMapStringBool(&k.featureGates), "feature-gates", "kube-proxy's feature gates (key=value pairs): accepted, and each logged as ignored, since uproxy has none.")
+	fs.Var(cliflag.NewMapStringBool(&k.featureGates), "feature-gates", "kube-proxy's feature gates (key=value pairs), checked as kube-proxy checks them; uproxy honours AllowServiceExternalIPs and KubeProxyNFTablesLocalhostNodePorts.")
 	fs.Float32Var(&k.apiQPS, "kube-api-qps", defaultAPIQPS, "Queries per second to the API server.")
 	fs.Int32Var(&k.apiBurst, "kube-api-burst", defaultAPIBurst, "Burst of queries to the API server.")
 	fs.StringVar(&k.apiContentType, "kube-api-content-type", defaultAPIContentType, "Content type of requests sent to the API server.")
@@ -266,9 +270,12 @@ func (k *kubeProxyOptions) complete(fs *pflag.FlagSet, o *runOptions, lf *logFla
 			o.nodePortAddresses = []string{nodePortPrimary}
 		}
 	}
-	for _, g := range slices.Sorted(maps.Keys(k.featureGates)) {
-		k.notef(false, "kube-proxy feature gate ignored: uproxy has no feature gates", zap.String("gate", g), zap.Bool("value", k.featureGates[g]))
+	gates, err := k.featureGateSet()
+	if err != nil {
+		return err
 	}
+	k.noExternalIPs = !gates.Enabled(gateExternalIPs)
+	k.nftLocalhostNodePorts = gates.Enabled(gateNFTablesLocalhostNodePorts)
 	return nil
 }
 
@@ -403,9 +410,25 @@ func printVersion(fs *pflag.FlagSet) bool {
 }
 
 // localhostNodePortsOn reports whether IPv4 node ports are served on
-// loopback addresses (redirect.Rules.LocalhostNodePorts): with
-// --iptables-localhost-nodeports, kube-proxy's iptables-mode default, and
-// not in kube-proxy's nftables or ipvs modes, which never serve them.
-func (k *kubeProxyOptions) localhostNodePortsOn() bool {
-	return k.localhostNodePorts && k.proxyMode != "nftables" && k.proxyMode != "ipvs"
+// loopback addresses (redirect.Rules.LocalhostNodePorts), given the
+// --nodeport-addresses entries: with --iptables-localhost-nodeports,
+// kube-proxy's iptables-mode default; never in kube-proxy's ipvs mode;
+// in its nftables mode only with KubeProxyNFTablesLocalhostNodePorts and
+// a loopback entry.
+func (k *kubeProxyOptions) localhostNodePortsOn(nodePortAddresses []string) bool {
+	switch k.proxyMode {
+	case "nftables":
+		// Behind its gate, kube-proxy's nftables mode serves them where
+		// the list names loopback.
+		return k.nftLocalhostNodePorts && slices.ContainsFunc(nodePortAddresses, func(a string) bool {
+			if a == nodePortLocalhost {
+				return true
+			}
+			p, err := netip.ParsePrefix(strings.TrimSpace(a))
+			return err == nil && p.Addr().Is4() && p.Overlaps(netip.MustParsePrefix("127.0.0.0/8"))
+		})
+	case "ipvs":
+		return false
+	}
+	return k.localhostNodePorts
 }

@@ -119,6 +119,7 @@ type completed struct {
 	Accept                                                    string
 	MasqueradeAll                                             bool
 	LocalhostNodePorts                                        bool // effective
+	NoExternalIPs                                             bool
 	Notes                                                     []string
 }
 
@@ -167,7 +168,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
 		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes,
-		MasqueradeAll: o.kubeProxy.masqueradeAll, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(), Notes: notes,
+		MasqueradeAll: o.kubeProxy.masqueradeAll, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(o.nodePortAddresses), NoExternalIPs: o.kubeProxy.noExternalIPs, Notes: notes,
 	}, &o, &lf, nil
 }
 
@@ -226,7 +227,7 @@ mode: ipvs
 nodePortAddresses: [primary, 192.0.2.0/24]
 oomScoreAdj: -500
 featureGates:
-  SomeGate: true
+  ContextualLogging: true
 `)
 	empty := write("empty.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n")
 	noLocalhost := write("nolocalhost.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {localhostNodePorts: false}\n")
@@ -269,9 +270,16 @@ featureGates:
 				c.LogFormat, c.Verbosity = "json", 4
 				c.Notes = []string{"kube-proxy flag ignored: uproxy's verbosity is global (-v) flag=--vmodule"}
 			})},
-		{"feature gates", []string{"--feature-gates=B=false,A=true"},
+		{"feature gates", []string{"--feature-gates=NativeHistograms=true,AllowServiceExternalIPs=false"},
 			with(func(c *completed) {
-				c.Notes = []string{"kube-proxy feature gate ignored: uproxy has no feature gates gate=A", "kube-proxy feature gate ignored: uproxy has no feature gates gate=B"}
+				c.NoExternalIPs = true
+				c.Notes = []string{"kube-proxy feature gate has no effect on uproxy gate=NativeHistograms"}
+			})},
+		{"kube-proxy's nftables mode serves localhost node ports behind its gate, where the list names them",
+			[]string{"--proxy-mode=nftables", "--feature-gates=KubeProxyNFTablesLocalhostNodePorts=true", "--nodeport-addresses=primary,localhost"},
+			with(func(c *completed) {
+				c.NodePorts = []string{"primary", "localhost"}
+				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=nftables"}
 			})},
 		{"an empty file takes kube-proxy's defaults", []string{"--config", empty}, defaults},
 		{"--masquerade-all", []string{"--masquerade-all"}, with(func(c *completed) { c.MasqueradeAll = true })},
@@ -309,7 +317,7 @@ featureGates:
 					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=conntrack.tcpBeLiberal",
 					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=ipvs.strictARP",
 					"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=ipvs",
-					"kube-proxy feature gate ignored: uproxy has no feature gates gate=SomeGate",
+					"kube-proxy feature gate has no effect on uproxy gate=ContextualLogging",
 				},
 			}},
 	}
@@ -356,6 +364,8 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"bad logging format", []string{"--logging-format", "yaml"}, `--logging-format: "yaml" is not text or json`},
 		{"bad detect-local mode", []string{"--detect-local-mode", "Magic"}, `detect-local mode "Magic" is not`},
 		{"no event loops", []string{"--event-loops", "-1"}, "--event-loops: -1 is not a count"},
+		{"an unknown feature gate", []string{"--feature-gates=NoSuchGate=true"}, "--feature-gates: unrecognized feature gate: NoSuchGate"},
+		{"a locked feature gate", []string{"--feature-gates=PreferSameTrafficDistribution=false"}, "--feature-gates: cannot set feature gate PreferSameTrafficDistribution to false, feature is locked to true"},
 		{"a negative state file age", []string{"--state-file-max-age", "-1m"}, "--state-file-max-age: -1m0s must be positive"},
 	}
 	for _, tt := range tests {

@@ -211,7 +211,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	rulesCfg := redirect.FamiliesConfig{
 		IPv4:     redirect.Config{Wait: o.iptablesWait},
 		IPv6:     redirect.Config{Wait: o.iptablesWait},
-		Services: redirect.ServiceOptions{NodePortAddresses: o.nodePortCIDRs, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(), Shared: shared},
+		Services: redirect.ServiceOptions{NodePortAddresses: o.nodePortCIDRs, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(o.nodePortAddresses), Shared: shared},
 		Commands: func(name string) { ruleCommands.WithLabelValues(name).Inc() },
 		Logger:   log.Named("rules"),
 	}
@@ -274,7 +274,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		MaxListeners:      maxListeners(o.maxListeners, noFile),
 		UDPCheckEveryFlow: o.udpCheckEveryFlow,
 		PortRange:         o.ports,
-		Defaults: service.Defaults{Balancer: o.balancerKind,
+		Defaults: service.Defaults{Balancer: o.balancerKind, NoExternalIPs: o.kubeProxy.noExternalIPs,
 			MaxConnections: maxConnectionsPerPort(o.maxConnsPerPort, maxConnections(o.maxConnections, noFile))},
 		Sync:              changes.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},
 		ServerAddrs:       serverAddrs(o.healthzBindAddress, o.metricsBindAddress),

@@ -399,6 +399,10 @@ type Defaults struct {
 	// Balancer is used when the Service has no uproxy.io/balancer
 	// annotation. Empty means round-robin.
 	Balancer balancer.Kind
+	// NoExternalIPs ignores spec.externalIPs, as kube-proxy does with the
+	// AllowServiceExternalIPs feature gate off (the CVE-2020-8554
+	// mitigation). False intercepts them.
+	NoExternalIPs bool
 	// MaxConnections bounds the TCP connections in progress per service
 	// port when the Service has no uproxy.io/max-connections annotation.
 	// Zero means no bound.
@@ -433,7 +437,10 @@ func Ports(svc *v1.Service, d Defaults) []*Port {
 	}
 	name := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
 	nodePorts := svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer
-	externalIPs, _ := parseIPs("", svc.Spec.ExternalIPs)
+	var externalIPs []netip.Addr
+	if !d.NoExternalIPs {
+		externalIPs, _ = parseIPs("", svc.Spec.ExternalIPs)
+	}
 	var lbIPs []netip.Addr
 	if svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 		for _, ing := range svc.Status.LoadBalancer.Ingress {

@@ -257,3 +257,25 @@ func TestParseWeights(t *testing.T) {
 		}
 	}
 }
+
+// TestNoExternalIPs checks that with the AllowServiceExternalIPs gate off
+// (Defaults.NoExternalIPs) spec.externalIPs are ignored, as kube-proxy
+// ignores them, and a load balancer's address is still served.
+func TestNoExternalIPs(t *testing.T) {
+	s := svc("web", "10.96.0.10", "http:80")
+	s.Spec.Type = v1.ServiceTypeLoadBalancer
+	s.Spec.ExternalIPs = []string{"192.0.2.10"}
+	s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "192.0.2.20"}}
+	for _, tt := range []struct {
+		off  bool
+		want []netip.Addr
+	}{{false, []netip.Addr{netip.MustParseAddr("192.0.2.10")}}, {true, nil}} {
+		sp := Ports(s, Defaults{NoExternalIPs: tt.off})[0]
+		if diff := cmp.Diff(tt.want, sp.ExternalIPs, cmp.Comparer(func(a, b netip.Addr) bool { return a == b })); diff != "" {
+			t.Errorf("NoExternalIPs %v: external IPs (-want +got):\n%s", tt.off, diff)
+		}
+		if len(sp.LoadBalancerIPs) != 1 {
+			t.Errorf("NoExternalIPs %v: load-balancer IPs %v, want the one", tt.off, sp.LoadBalancerIPs)
+		}
+	}
+}
