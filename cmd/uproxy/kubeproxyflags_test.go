@@ -347,6 +347,8 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"bad detect-local mode", []string{"--detect-local-mode", "Magic"}, `detect-local mode "Magic" is not`},
 		{"no event loops", []string{"--event-loops", "-1"}, "--event-loops: -1 is not a count"},
 		{"a negative state file age", []string{"--state-file-max-age", "-1m"}, "--state-file-max-age: -1m0s must be positive"},
+		{"a Service quota below -1", []string{"--max-listeners-per-service", "-2"}, "--max-listeners-per-service: -2 is neither a count, 0 for the default, nor -1 (no bound)"},
+		{"a namespace quota below -1", []string{"--max-listeners-per-namespace", "-5"}, "--max-listeners-per-namespace: -5 is neither a count"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
