@@ -1,9 +1,10 @@
 package proxy
 
 import (
+	"cmp"
 	"context"
-	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"runtime"
 	"slices"
@@ -81,6 +82,17 @@ type Config struct {
 	// is out of descriptors, and then no service is proxied at all.
 	// Zero means no bound.
 	MaxListeners int
+	// MaxListenersPerService bounds the listening sockets of one
+	// Service's own listeners (its ports in each family), and
+	// MaxListenersPerNamespace those of the Services of one namespace, so
+	// that neither can take the whole budget or port range and leave the
+	// other Services none. Past them, a service port is refused as past
+	// MaxListeners. Zero means listeners.DefaultServiceQuota and
+	// listeners.DefaultNamespaceQuota of the budget: the smaller of
+	// MaxListeners and the ports the listeners may take (the PortRange's
+	// size, or half of the kernel's range); negative means no bound.
+	MaxListenersPerService   int
+	MaxListenersPerNamespace int
 	// PortRange limits listener ports; zero means the ports the kernel
 	// assigns to bind(0), chosen by uproxy (listeners.Config.PortRange).
 	PortRange listeners.PortRange
@@ -246,12 +258,12 @@ type Proxier struct {
 	// reclaim: a service outside this sync must be re-applied because an
 	// address it names changed owner (refuseTakenAddrs).
 	reclaim bool
-	// budgetRefused counts the listeners of this sync that
-	// Config.MaxListeners refused, for one log line per sync.
-	budgetRefused int
-	slots         connSlots    // per service port, shared by its listeners
-	hash          hashTables   // the source-hash balancers' tables
-	ignored       ignoredParts // the Services whose ignored parts were logged
+	// refused holds the listeners of this sync that a budget or quota
+	// refused, for one log line per reason and sync.
+	refused refusedListeners
+	slots   connSlots    // per service port, shared by its listeners
+	hash    hashTables   // the source-hash balancers' tables
+	ignored ignoredParts // the Services whose ignored parts were logged
 	// health holds what the ServiceHealth server was last given.
 	health healthPorts
 	// stateDirty: changes applied since the state file was last saved,
@@ -300,13 +312,15 @@ func NewProxier(cfg Config) *Proxier {
 		Clients: p.addrs, MasqueradeAll: cfg.MasqueradeAll,
 	}
 	p.sockets = listeners.NewManager(listeners.Config{
-		Transparent:  cfg.Transparent,
-		Redirected:   cfg.Rules != nil && !cfg.Transparent,
-		MaxListeners: cfg.MaxListeners,
-		PortRange:    cfg.PortRange,
-		Inherited:    cfg.Inherited,
-		PreviousPort: cfg.PreviousPort,
-		Logger:       p.log,
+		Transparent:     cfg.Transparent,
+		Redirected:      cfg.Rules != nil && !cfg.Transparent,
+		MaxListeners:    cfg.MaxListeners,
+		MaxPerService:   cfg.MaxListenersPerService,
+		MaxPerNamespace: cfg.MaxListenersPerNamespace,
+		PortRange:       cfg.PortRange,
+		Inherited:       cfg.Inherited,
+		PreviousPort:    cfg.PreviousPort,
+		Logger:          p.log,
 	}, p.dp)
 	cfg.Metrics.SetSource(func(yield func(*datapath.PortMetrics) bool) {
 		p.inspect.Range(func(e introspect.Entry) bool { return yield(e.Snap.Metrics) })
@@ -415,11 +429,7 @@ func (p *Proxier) sync(ctx context.Context, full bool) error {
 	ch := p.tracker.Take(reapply, programmed)
 	p.cfg.Metrics.CountChanges(ch.ServiceChanges, ch.SliceChanges)
 	p.applyServices(ctx, ch.Services)
-	if p.budgetRefused > 0 {
-		p.log.Error("service ports have no listener: the listener budget is spent; they are retried at each sync (raise the open-files limit, or --max-listeners, or use --listener=shared)",
-			zap.Int("servicePorts", p.budgetRefused), zap.Int("listeningSockets", p.sockets.Sockets()), zap.Int("maxListeners", p.cfg.MaxListeners))
-		p.budgetRefused = 0
-	}
+	p.refused.log(p.log, p.sockets.Sockets(), p.cfg.MaxListeners, p.cfg.PortRange.Size > 0)
 	// The shared listeners' routes, like the rules, follow the intercepts:
 	// they change only with them (rulesDirty).
 	if reapply || p.rulesDirty {
@@ -577,33 +587,86 @@ type opening struct {
 	err error
 }
 
-// openListeners opens the per-service listeners that the changed services
-// want and do not have, before they are applied: every one of them on a
-// first sync. This goroutine binds them one by one in the services' order,
-// so each gets the port that opening them in applyService would give it (a
-// --proxy-port-range is handed out in order). Meanwhile workers on the other
-// CPUs finish the bound ones (listeners.Manager.Start: socket options, the runtime's
-// poller, the log line, starting to accept), which is more than half of a
-// listener's cost, so a large first sync is shorter.
-//
-// applyService takes the listeners from the result. It is empty, and
-// applyService opens them itself, with a single CPU, or with fewer than
-// two listeners to open. The workers belong to this call and end with it.
-func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[listeners.Key]opening {
-	var need []listeners.Key
-	for _, w := range wants {
-		have := p.services[w.st.Name]
-		for _, wp := range w.ports {
-			if have.get(wp.key) == nil && !p.cfg.sharedFor(wp.key.Name.Protocol) {
-				need = append(need, wp.key)
+// pendingListener is a listener that openListeners opens, and its rank:
+// how many listeners its Service holds or opens before it.
+type pendingListener struct {
+	key  listeners.Key
+	rank int
+}
+
+// fairOrder returns the keys of pending in the order openListeners opens
+// them: round by round, each namespace's next listener in turn, and
+// within a namespace the Services' next ones by rank. When the budget,
+// the ports or a quota runs out within a sync, the namespace and the
+// Service that come first in name order would otherwise have taken all
+// they want before the next one had any; in rounds, each namespace and
+// each Service gets its first listeners before any gets more. Within a
+// round, names give the order, so that the same objects get the same
+// ports each time.
+func fairOrder(pending []pendingListener) []listeners.Key {
+	byNamespace := map[string][]pendingListener{}
+	for _, pl := range pending {
+		ns := pl.key.Name.Namespace
+		byNamespace[ns] = append(byNamespace[ns], pl)
+	}
+	namespaces := slices.Sorted(maps.Keys(byNamespace))
+	most := 0
+	for _, ns := range namespaces {
+		// Stable: a Service's listeners keep the order of its ports.
+		slices.SortStableFunc(byNamespace[ns], func(a, b pendingListener) int {
+			return cmp.Or(cmp.Compare(a.rank, b.rank), cmp.Compare(a.key.Name.Name, b.key.Name.Name))
+		})
+		most = max(most, len(byNamespace[ns]))
+	}
+	need := make([]listeners.Key, 0, len(pending))
+	for round := range most {
+		for _, ns := range namespaces {
+			if l := byNamespace[ns]; round < len(l) {
+				need = append(need, l[round].key)
 			}
 		}
 	}
-	workers := min(runtime.GOMAXPROCS(0)-1, len(need)-1)
-	if workers < 1 {
+	return need
+}
+
+// openListeners opens the per-service listeners that the changed services
+// want and do not have, before they are applied: every one of them on a
+// first sync. This goroutine binds them one by one, in fairOrder, which
+// decides who gets the budget, the ports and the quotas when they run out
+// within the sync (a --proxy-port-range is handed out in that order).
+// Meanwhile workers on the other CPUs finish the bound ones
+// (listeners.Manager.Start: socket options, the runtime's poller, the log
+// line, starting to accept), which is more than half of a listener's
+// cost, so a large first sync is shorter; with a single CPU, or a single
+// listener to open, this goroutine finishes each itself.
+//
+// applyService takes the listeners from the result. The workers belong to
+// this call and end with it.
+func (p *Proxier) openListeners(ctx context.Context, wants []serviceWant) map[listeners.Key]opening {
+	var pending []pendingListener
+	for _, w := range wants {
+		have := p.services[w.st.Name]
+		rank := len(have)
+		for _, wp := range w.ports {
+			if have.get(wp.key) == nil && !p.cfg.sharedFor(wp.key.Name.Protocol) {
+				pending = append(pending, pendingListener{wp.key, rank})
+				rank++
+			}
+		}
+	}
+	if len(pending) == 0 {
 		return nil
 	}
+	need := fairOrder(pending)
 	opened := make(map[listeners.Key]opening, len(need))
+	workers := min(runtime.GOMAXPROCS(0)-1, len(need)-1)
+	if workers < 1 {
+		for _, k := range need {
+			l, err := p.sockets.Open(ctx, k)
+			opened[k] = opening{l: l, err: err}
+		}
+		return opened
+	}
 	bound := make(chan *listeners.Listener, 64)
 	var (
 		wg       sync.WaitGroup
@@ -682,10 +745,10 @@ func (p *Proxier) applyService(ctx context.Context, w serviceWant, zone string, 
 				sock, err = p.sockets.Open(ctx, k)
 			}
 			if err != nil {
-				if errors.Is(err, listeners.ErrBudget) {
-					// Said once per sync (budgetRefused), not per port.
+				if why, ok := refusalOf(err); ok {
+					// Said once per sync (refused), not per port.
 					p.log.Debug("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
-					p.budgetRefused++
+					p.refused.add(why, st.Name, err)
 				} else {
 					p.log.Error("cannot open listener; will retry", zap.Stringer("servicePort", sp.Name), zap.Error(err))
 				}

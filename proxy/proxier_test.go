@@ -633,7 +633,8 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 	base := int(freePortRange(t, n))
 	be := nameBackend(t, "a")
 	core, logs := observer.New(zap.ErrorLevel)
-	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, PortRange: listeners.PortRange{Base: uint16(base), Size: n}})
+	// One namespace fills the whole range: no quota keeps a part for others.
+	p, rules := startProxier(t, Config{Config: datapath.Config{Logger: zap.New(core)}, PortRange: listeners.PortRange{Base: uint16(base), Size: n}, MaxListenersPerNamespace: -1})
 	var svcs []*v1.Service
 	var eps []*discovery.EndpointSlice
 	for i := range n + 1 { // one more than the range holds
@@ -655,11 +656,12 @@ func TestFirstSyncOpensListenersInServiceOrder(t *testing.T) {
 	if rules.has(last) {
 		t.Errorf("%s has an intercept, with every port of the range taken", last)
 	}
-	testwait.Until(t, 5*time.Second, "the failure is logged", func() bool {
-		return logs.FilterMessage("cannot open listener; will retry").FilterFieldKey("servicePort").Len() > 0
+	const spent = "every port of --proxy-port-range is taken"
+	testwait.Until(t, 5*time.Second, "the refusal is logged", func() bool {
+		return logs.FilterMessageSnippet(spent).Len() > 0
 	})
-	if e := logs.FilterMessage("cannot open listener; will retry").All()[0]; e.ContextMap()["servicePort"] != last {
-		t.Errorf("the failure names %v; want %s", e.ContextMap()["servicePort"], last)
+	if e := logs.FilterMessageSnippet(spent).All()[0]; fmt.Sprint(e.ContextMap()["services"]) != fmt.Sprintf("[default/s%02d]", n) {
+		t.Errorf("the refusal names %v; want [default/s%02d]", e.ContextMap()["services"], n)
 	}
 	// A port comes free: the failed service is retried and takes it.
 	p.Tracker().Replace(svcs[1:], eps[1:])

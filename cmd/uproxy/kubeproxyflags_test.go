@@ -367,6 +367,8 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"an unknown feature gate", []string{"--feature-gates=NoSuchGate=true"}, "--feature-gates: unrecognized feature gate: NoSuchGate"},
 		{"a locked feature gate", []string{"--feature-gates=PreferSameTrafficDistribution=false"}, "--feature-gates: cannot set feature gate PreferSameTrafficDistribution to false, feature is locked to true"},
 		{"a negative state file age", []string{"--state-file-max-age", "-1m"}, "--state-file-max-age: -1m0s must be positive"},
+		{"a Service quota below -1", []string{"--max-listeners-per-service", "-2"}, "--max-listeners-per-service: -2 is neither a count, 0 for the default, nor -1 (no bound)"},
+		{"a namespace quota below -1", []string{"--max-listeners-per-namespace", "-5"}, "--max-listeners-per-namespace: -5 is neither a count"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -270,10 +270,12 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
 			return syncRules(ctx, rules, in, full)
 		}),
-		SharedListeners:   sharedProtocols,
-		MaxListeners:      maxListeners(o.maxListeners, noFile),
-		UDPCheckEveryFlow: o.udpCheckEveryFlow,
-		PortRange:         o.ports,
+		SharedListeners:          sharedProtocols,
+		MaxListeners:             maxListeners(o.maxListeners, noFile),
+		MaxListenersPerService:   o.maxPerService,
+		MaxListenersPerNamespace: o.maxPerNamespace,
+		UDPCheckEveryFlow:        o.udpCheckEveryFlow,
+		PortRange:                o.ports,
 		Defaults: service.Defaults{Balancer: o.balancerKind, NoExternalIPs: o.kubeProxy.noExternalIPs,
 			MaxConnections: maxConnectionsPerPort(o.maxConnsPerPort, maxConnections(o.maxConnections, noFile))},
 		Sync:              changes.RunnerConfig{MinInterval: o.minSyncPeriod, MaxInterval: o.syncPeriod},

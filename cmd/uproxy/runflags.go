@@ -51,6 +51,8 @@ type runOptions struct {
 	maxListeners       int
 	maxConnections     int
 	maxConnsPerPort    int
+	maxPerService      int
+	maxPerNamespace    int
 	udpQueryTimeout    time.Duration
 	iptablesWait       time.Duration
 	cleanupAndExit     bool
@@ -106,6 +108,8 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.IntVar(&o.maxListeners, "max-listeners", 0, "The most listening sockets uproxy holds, past which a service port is not intercepted: 0 means the open-files limit less an eighth, -1 no bound.")
 	fs.IntVar(&o.maxConnsPerPort, "max-connections-per-service-port", 0, "The most TCP connections proxied at once for one service port without the uproxy.io/max-connections annotation: 0 means a quarter of --max-connections, -1 no bound.")
 	fs.IntVar(&o.maxConnections, "max-connections", 0, "The most TCP connections proxied at once across every service, past which a new one is reset: 0 means as many as the open-files limit less an eighth holds at two descriptors each, -1 no bound.")
+	fs.IntVar(&o.maxPerService, "max-listeners-per-service", 0, "The most listening sockets one Service's ports may hold, in all families: 0 means a 64th of the listener budget (at least 16, or half a smaller budget), -1 no bound.")
+	fs.IntVar(&o.maxPerNamespace, "max-listeners-per-namespace", 0, "The most listening sockets the Services of one namespace may hold: 0 means the listener budget less an eighth, kept for the other namespaces; -1 means no bound.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", 0, "The most UDP flows kept at once, least recently used out first: 0 means 65,536, or half the open-files limit if lower.")
 	fs.IntVar(&o.udpPoolSize, "udp-pool-size", 0, "The most sockets each event loop keeps per endpoint for UDP request-reply queries: 0 means 256, -1 turns pooling off.")
 	fs.IntVar(&o.udpPoolMax, "udp-pool-max", 0, "The most pooled UDP sockets across all endpoints and event loops. 0 means 4,096, or a quarter of the open-files limit if that is lower.")
@@ -207,6 +211,14 @@ func (o *runOptions) validate() error {
 	}
 	if o.maxConnections < -1 {
 		errs = append(errs, fmt.Errorf("--max-connections: %d is neither a count, 0 for the default, nor -1 (no bound)", o.maxConnections))
+	}
+	for _, q := range []struct {
+		flag string
+		v    int
+	}{{"--max-listeners-per-service", o.maxPerService}, {"--max-listeners-per-namespace", o.maxPerNamespace}} {
+		if q.v < -1 {
+			errs = append(errs, fmt.Errorf("%s: %d is neither a count, 0 for the default, nor -1 (no bound)", q.flag, q.v))
+		}
 	}
 	if o.udpPoolMax < 0 {
 		errs = append(errs, fmt.Errorf("--udp-pool-max: %d must be positive, or 0 for the default", o.udpPoolMax))

@@ -6,8 +6,11 @@
 //   - listener.go: Listener, and the Manager that opens them (Bind, then
 //     Start, which may run on other goroutines), bounds their number
 //     (Config.MaxListeners) and closes them;
+//   - quota.go: the quotas per Service and per namespace that share the
+//     budget out (Config.MaxPerService, Config.MaxPerNamespace);
 //   - ports.go: the ports they bind, from --proxy-port-range or the
-//     kernel's own range (PortRange, ParsePortRange);
+//     kernel's own range, of which they hold at most half (PortRange,
+//     ParsePortRange);
 //   - shared.go: the shared listeners and their range of ports under
 //     REDIRECT (docs/modes.md says why a range);
 //   - handover.go: sockets exported to, and adopted from, the process

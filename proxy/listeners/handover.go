@@ -203,7 +203,7 @@ func (m *Manager) adoptOrAllocate(l *Listener, host string, exact uint16, try fu
 		m.log.Warn("cannot adopt the inherited socket; binding a new one, so its rules change",
 			zap.Stringer("servicePort", l.Key.Name), zap.String("network", network), zap.Error(err))
 	}
-	if err := m.listenerBudget(l.Key); err != nil {
+	if err := m.admit(l.Key); err != nil {
 		return 0, err
 	}
 	if exact != 0 {

@@ -94,6 +94,14 @@ type Config struct {
 	// MaxListeners bounds the listening sockets of the service ports' own
 	// listeners (see Manager.Open); zero means no bound.
 	MaxListeners int
+	// MaxPerService bounds the listening sockets of one Service's ports
+	// (see quota.go); zero means DefaultServiceQuota of the budget,
+	// negative no bound.
+	MaxPerService int
+	// MaxPerNamespace bounds the listening sockets of the Services of one
+	// namespace; zero means DefaultNamespaceQuota of the budget,
+	// negative no bound.
+	MaxPerNamespace int
 	// PortRange limits listener ports; zero means the ports the kernel
 	// assigns to bind(0), chosen by uproxy (portAllocator).
 	PortRange PortRange
@@ -118,6 +126,11 @@ type Manager struct {
 	log    *zap.Logger
 	ports  portAllocator
 	shared map[Key]*Listener // the shared listeners, by family and protocol
+	held   holdings          // the sockets by Service and namespace, for the quotas
+	// perService and perNamespace are the quotas, set on first use
+	// (quotasSet, quotas).
+	perService, perNamespace int
+	quotasSet                bool
 }
 
 // NewManager returns a Manager that opens sockets through dp.
@@ -167,6 +180,7 @@ func (m *Manager) OpenAt(ctx context.Context, k Key, exact uint16) (*Listener, e
 func (m *Manager) Unbind(l *Listener) {
 	l.Close()
 	m.ports.release(l.Key.Network(), l.Port)
+	m.held.add(l.Key, -1)
 }
 
 // Bind is the first half of OpenAt: it binds (or adopts)
@@ -215,6 +229,7 @@ func (m *Manager) Bind(ctx context.Context, k Key, exact uint16) (*Listener, err
 		return nil, fmt.Errorf("listening for %s (%s): %w", k.Name, network, err)
 	}
 	l.Port = port
+	m.held.add(k, 1)
 	return l, nil
 }
 
@@ -226,7 +241,7 @@ var ErrBudget = errors.New("the listener budget is spent")
 // sockets count, but are never refused: each stands for every service.
 func (m *Manager) listenerBudget(k Key) error {
 	limit := m.cfg.MaxListeners
-	if limit <= 0 || k.Name == service.SharedName(k.Name.Protocol) {
+	if limit <= 0 || k.Name.IsShared() {
 		return nil
 	}
 	if n := m.ports.count(); n >= limit {
@@ -272,5 +287,6 @@ func (m *Manager) Close(l *Listener) {
 	}
 	l.Close()
 	m.ports.release(l.Key.Network(), l.Port)
+	m.held.add(l.Key, -1)
 	m.log.Info("closed listener", zap.Stringer("servicePort", l.Key.Name), zap.Uint16("port", l.Port))
 }

@@ -74,8 +74,13 @@ func (r PortRange) String() string {
 	return fmt.Sprintf("%d-%d", r.Base, int(r.Base)+r.Size-1)
 }
 
+// ErrPorts says that the listeners hold every port they may: all of
+// --proxy-port-range, or, without one, their share of the kernel's range
+// for bind(0) (portAllocator.checkShare).
+var ErrPorts = errors.New("the listener ports are spent")
+
 // errRangeExhausted says that every port of the range is taken.
-var errRangeExhausted = errors.New("proxy port range exhausted")
+var errRangeExhausted = fmt.Errorf("%w: every port of the proxy port range is taken", ErrPorts)
 
 // errOutsideRange says that a port is not in the range.
 var errOutsideRange = errors.New("outside the proxy port range")
@@ -89,7 +94,8 @@ var errOutsideRange = errors.New("outside the proxy port range")
 // binding port 0: with thousands of listeners, each bind(0) scans the
 // range past the ports already taken (inet_csk_find_open_port), so
 // binding them all grows with the square of their number, where a port
-// named in the call is found at once.
+// named in the call is found at once. Of that range, the listeners of a
+// protocol hold at most half (checkShare).
 type portAllocator struct {
 	r    PortRange
 	next int
@@ -100,6 +106,11 @@ type portAllocator struct {
 	// assigns ports.
 	eph     *ephemeralPorts
 	ephOnce bool
+	// ephShare is how many ports of eph one protocol's listeners may
+	// hold (checkShare); ephHeld counts those they hold, by protocol
+	// ("tcp", "udp"), a port held in both families once.
+	ephShare int
+	ephHeld  map[string]int
 	// readEph reads the kernel's range; nil means readEphemeralPorts.
 	readEph func() (*ephemeralPorts, error)
 	// randN returns a random offset in [0, n), where a scan of the
@@ -185,6 +196,12 @@ func parseEphemeralPorts(rng, reserved string) (*ephemeralPorts, error) {
 	return e, nil
 }
 
+// handedOut reports whether the kernel may hand port to bind(0) or to an
+// outgoing connection: it is in the range and not reserved.
+func (e *ephemeralPorts) handedOut(port uint16) bool {
+	return port >= e.lo && port <= e.hi && !e.reserved[port]
+}
+
 // ephemeral returns the kernel's range for bind(0), reading it on first
 // use; nil when it cannot be read.
 func (a *portAllocator) ephemeral() *ephemeralPorts {
@@ -199,8 +216,79 @@ func (a *portAllocator) ephemeral() *ephemeralPorts {
 		if a.eph, err = read(); err != nil && a.warn != nil {
 			a.warn(err)
 		}
+		if a.eph != nil {
+			// Half, the odd ports that bind(0) and allocateEphemeral take
+			// first: connect() starts from the even ones, which then stay
+			// whole for the node's own connections.
+			a.ephShare = a.eph.exposed(PortRange{Base: a.eph.lo, Size: a.eph.size()}) / 2
+		}
 	}
 	return a.eph
+}
+
+// portCapacity returns how many ports one network's listeners may hold:
+// the range's size, or without one the share of the kernel's range
+// (checkShare); zero when the kernel's range is unknown.
+func (a *portAllocator) portCapacity() int {
+	if a.r.Size > 0 {
+		return a.r.Size
+	}
+	if a.ephemeral() == nil {
+		return 0
+	}
+	return a.ephShare
+}
+
+// checkShare returns ErrPorts when, with no range, the listeners of
+// network's protocol hold their share of the kernel's range for bind(0):
+// half of the ports it hands out. The kernel's connect() and UDP's
+// autobind skip every port that a socket of either family is bound to
+// (__inet_hash_connect, udp_lib_get_port), so listeners that held the
+// whole range would leave the node's own outgoing connections none, and
+// they would fail with EADDRNOTAVAIL.
+func (a *portAllocator) checkShare(network string) error {
+	if a.r.Size > 0 {
+		return nil
+	}
+	e := a.ephemeral()
+	if e == nil {
+		return nil
+	}
+	proto := network[:3]
+	if n := a.ephHeld[proto]; n >= a.ephShare {
+		return fmt.Errorf("%w: %s listeners hold %d ports of the kernel's local port range %d-%d (net.ipv4.ip_local_port_range), the half they may take; the rest stays for the node's own connections",
+			ErrPorts, strings.ToUpper(proto), n, e.lo, e.hi)
+	}
+	return nil
+}
+
+// countShare adds d to the ports of the kernel's range that network's
+// protocol holds, when port is one of them and the protocol's other
+// family does not hold it too. Called after port was marked (d = 1) or
+// released (d = -1) in network.
+func (a *portAllocator) countShare(network string, port uint16, d int) {
+	if a.r.Size > 0 {
+		return
+	}
+	if e := a.ephemeral(); e == nil || !e.handedOut(port) {
+		return
+	}
+	if a.used[otherFamily(network)][port] {
+		return
+	}
+	if a.ephHeld == nil {
+		a.ephHeld = map[string]int{}
+	}
+	a.ephHeld[network[:3]] += d
+}
+
+// otherFamily returns the network of the other address family and the
+// same protocol: "tcp6" for "tcp4".
+func otherFamily(network string) string {
+	if strings.HasSuffix(network, "6") {
+		return network[:3] + "4"
+	}
+	return network[:3] + "6"
 }
 
 // allocatePreferred tries want first, when it is in the range (any port
@@ -243,6 +331,9 @@ func (a *portAllocator) allocateExact(network string, port uint16, try func(port
 
 // mark records port as in use: allocated, or an adopted socket's.
 func (a *portAllocator) mark(network string, port uint16) {
+	if a.used[network][port] {
+		return
+	}
 	if a.used == nil {
 		a.used = map[string]map[uint16]bool{}
 	}
@@ -250,6 +341,7 @@ func (a *portAllocator) mark(network string, port uint16) {
 		a.used[network] = map[uint16]bool{}
 	}
 	a.used[network][port] = true
+	a.countShare(network, port, 1)
 }
 
 // allocate calls try with candidate ports until it succeeds, and returns
@@ -337,9 +429,11 @@ func (a *portAllocator) count() int {
 
 // release returns a port to the range.
 func (a *portAllocator) release(network string, port uint16) {
-	if a.used != nil && a.used[network] != nil {
-		delete(a.used[network], port)
+	if !a.used[network][port] {
+		return
 	}
+	delete(a.used[network], port)
+	a.countShare(network, port, -1)
 }
 
 // inUse reports whether port is a listener's port of network ("tcp4",
