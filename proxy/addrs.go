@@ -89,3 +89,10 @@ func (a *nodeAddrs) has(ip netip.Addr) bool {
 	}
 	return false
 }
+
+// isPod reports whether ip is in the cluster CIDR, as configured (none
+// configured: no address is known to be a pod's).
+func (a *nodeAddrs) isPod(ip netip.Addr) bool {
+	pod, _ := a.Pod(ip)
+	return pod
+}

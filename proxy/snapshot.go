@@ -174,7 +174,7 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 		}
 	}
 	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip) ||
-		slices.Contains(sp.ExternalIPs, ip) && !p.podAddr(ip)) {
+		slices.Contains(sp.ExternalIPs, ip) && !p.addrs.isPod(ip)) {
 		return "the service port's own address and port: the proxy's connections to it would be intercepted again"
 	}
 	for _, s := range p.cfg.ServerAddrs {
@@ -186,7 +186,7 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 	switch {
 	case local && sp.NodePort != 0 && port == sp.NodePort:
 		return "the service port's own node port on an address of this node"
-	case p.cfg.nodePortRange().Contains(port) && (local || !p.podAddr(ip)) && !(ip.IsLoopback() && p.cfg.LoopbackEndpoints):
+	case p.cfg.nodePortRange().Contains(port) && (local || !p.addrs.isPod(ip)) && !(ip.IsLoopback() && p.cfg.LoopbackEndpoints):
 		return "a port of the node-port range on an address outside the pod networks: a node's proxy would intercept it and could send it back"
 	case !local:
 		return ""
@@ -236,11 +236,4 @@ func (p *Proxier) Intercepts() []routing.Intercept {
 		return routing.CompareClaims(a, b)
 	})
 	return out
-}
-
-// podAddr reports whether ip is in the cluster CIDR, as configured (none
-// configured: no address is known to be a pod's).
-func (p *Proxier) podAddr(ip netip.Addr) bool {
-	pod, _ := p.addrs.Pod(ip)
-	return pod
 }
