@@ -592,7 +592,10 @@ func TestE2ERelLoad(t *testing.T) {
 		servers = append(servers, startEcho(t, p.Name, p.NS, 9000))
 	}
 	c.write("echo.yaml", echoServiceYAML("echo", "10.96.0.20", nil, c))
-	c.start(1, "--metrics-bind-address", metricsAddr, "--profiling")
+	// The test fills uproxy's descriptors up to its limit through one
+	// VIP: the bounds that keep a reserve below the limit
+	// (--max-connections, and a quarter of it per service port) are off.
+	c.start(1, "--metrics-bind-address", metricsAddr, "--profiling", "--max-connections", "-1", "--max-connections-per-service-port", "-1")
 	c.waitSynced()
 	const vip = "10.96.0.20:80"
 	pid := c.upPID()
