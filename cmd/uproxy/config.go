@@ -337,6 +337,10 @@ func (o *runOptions) resolveNodeAddresses(ctx context.Context, client kubernetes
 	needNode := slices.Contains(o.nodePortAddresses, nodePortPrimary) || k.detectLocalMode == "NodeCIDR"
 	if needNode && client != nil {
 		ips, podCIDRs = nodeInfo(ctx, client, o.nodeName, 30*time.Second, time.Second, log)
+		o.node = nodeWatch{
+			ips: ips, watchIPs: slices.Contains(o.nodePortAddresses, nodePortPrimary),
+			podCIDRs: podCIDRs, watchPodCIDRs: k.detectLocalMode == "NodeCIDR",
+		}
 	}
 	ips = withBindAddress(ips, k.bindAddress)
 	var err error

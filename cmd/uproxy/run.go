@@ -10,6 +10,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -297,6 +298,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	// runSource runs the source until ctx is done: the folder's watch
 	// (after its first load), or the informers.
 	var runSource func(context.Context) error
+	// nodeChanged stops uproxy when the Node's IPs or podCIDRs that it
+	// uses change (nodeWatch); set once the run's context can carry why.
+	var nodeChanged atomic.Pointer[func(error)]
 	if o.config != "" {
 		fs := &source.FileSource{Path: o.config, Tracker: p.Tracker(), Logger: log.Named("manifests")}
 		if err := fs.Load(); err != nil {
@@ -313,6 +317,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 				health.SyncNode(n)
 				if n != nil {
 					p.SetZone(n.Labels[v1.LabelTopologyZone])
+				}
+				if err := o.node.changed(n); err != nil {
+					if stop := nodeChanged.Load(); stop != nil {
+						(*stop)(err)
+					}
 				}
 			},
 			Logger: log.Named("kube"),
@@ -351,6 +360,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	signals := ctx
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
+	stopForNode := func(err error) {
+		log.Warn("stopping: this node's Node changed", zap.Error(err))
+		cancel(err)
+	}
+	nodeChanged.Store(&stopForNode)
 	var wg sync.WaitGroup
 	if o.healthzBindAddress != "" {
 		up.Expect("healthz")

@@ -72,6 +72,7 @@ type runOptions struct {
 	clusterCIDRs  []netip.Prefix
 	nodePortCIDRs []netip.Prefix
 	nodeName      string
+	node          nodeWatch // what resolveNodeAddresses read of the Node
 	deniedEPs     []netip.Prefix
 	nodePorts     service.PortRange
 	nodeEPPorts   service.PortRanges

@@ -151,10 +151,12 @@ func TrimSlice(s *discovery.EndpointSlice) {
 }
 
 // TrimNode keeps what uproxy reads of its own Node: its deletion, its
-// taints (the health check's eligibility) and its zone label. The
-// status, with its images and conditions, is the largest part dropped.
+// taints (the health check's eligibility), its zone label, and its
+// addresses and podCIDRs, whose change stops uproxy as it stops
+// kube-proxy. The rest of the status, with its images and conditions, is
+// the largest part dropped.
 func TrimNode(n *v1.Node) {
 	trimMeta(&n.ObjectMeta, isNodeLabel, none)
-	n.Spec = v1.NodeSpec{Taints: n.Spec.Taints}
-	n.Status = v1.NodeStatus{}
+	n.Spec = v1.NodeSpec{Taints: n.Spec.Taints, PodCIDR: n.Spec.PodCIDR, PodCIDRs: n.Spec.PodCIDRs}
+	n.Status = v1.NodeStatus{Addresses: n.Status.Addresses}
 }
