@@ -101,6 +101,18 @@ func testRestartWithoutAPIServer(t *testing.T, layout string) {
 	if out := c.up.Output(); strings.Contains(out, "\tsynced\t") || !strings.Contains(out, "serving the previous instance's Services") {
 		t.Errorf("want the previous Services served and no sync before the initial lists; uproxy:\n%s", out)
 	}
+	if layout == "per-service" {
+		// Longer than deploy/'s liveness probe takes to restart a
+		// container (10 s, then 6 failures 10 s apart): /livez passes
+		// while the saved Services are served; /healthz does not, as
+		// kube-proxy's, which has not synced.
+		testwait.Throughout(t, 75*time.Second, 5*time.Second, "/livez 200 and /healthz 503 while the saved Services are served", func() (bool, string) {
+			live, healthz := c.probeHealth("/livez"), c.probeHealth("/healthz")
+			r := serves("web")
+			return live.Code == 200 && healthz.Code == 503 && r.Errors == 0,
+				fmt.Sprintf("/livez %d, /healthz %d, requests %+v", live.Code, healthz.Code, r)
+		})
+	}
 
 	// The API server returns: the initial lists reconcile.
 	sctx, cancel := context.WithTimeout(ctx, time.Minute)

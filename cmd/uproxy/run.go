@@ -349,6 +349,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		// serve them until the API server answers.
 		if st := loadPreviousState(stateFile, o.stateFileMaxAge, clock.RealClock{}, log); len(st.Services) > 0 {
 			p.ServePrevious(st.Services, st.EndpointSlices)
+			health.ServingPrevious()
 		}
 	}
 

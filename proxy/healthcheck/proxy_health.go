@@ -97,6 +97,9 @@ type ProxyHealth struct {
 	server   httplimit.ServerConfig
 
 	mu sync.RWMutex
+	// previous: the proxy serves its predecessor's saved state
+	// (ServingPrevious).
+	previous bool
 	// lastUpdated holds, per family, when the last sync completed; a
 	// family is absent until the first Updated.
 	lastUpdated map[v1.IPFamily]time.Time
@@ -198,6 +201,19 @@ func (h *ProxyHealth) Updated() {
 		delete(h.oldestPending, f)
 		h.lastUpdated[f] = now
 	}
+}
+
+// ServingPrevious records that the proxy serves its predecessor's saved
+// Services (a restart while the API server is unreachable, see
+// proxy.Proxier.ServePrevious). Until its first sync completes, /livez
+// then answers 200: the process is doing its work, and a liveness probe
+// that restarted it would take the node's Services away for the length
+// of the outage. /healthz keeps kube-proxy's meaning and answers 503
+// until the first sync.
+func (h *ProxyHealth) ServingPrevious() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.previous = true
 }
 
 // SyncNode records the state of this node. The node is eligible for load
@@ -323,9 +339,16 @@ func (h *ProxyHealth) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	h.write(w, h.healthzTotal, r, r.Healthy && eligible)
 }
 
-// serveLivez answers 200 when the proxy is healthy, whatever the node.
+// serveLivez answers 200 when the proxy is healthy, whatever the node,
+// or serves its predecessor's state before its first sync
+// (ServingPrevious).
 func (h *ProxyHealth) serveLivez(w http.ResponseWriter, _ *http.Request) {
 	r := h.health()
+	h.mu.RLock()
+	if h.previous && len(h.lastUpdated) == 0 {
+		r.Healthy = true // serving the saved state, before the first sync
+	}
+	h.mu.RUnlock()
 	h.write(w, h.livezTotal, r, r.Healthy)
 }
 

@@ -399,3 +399,30 @@ func TestProxyHealthCounters(t *testing.T) {
 		t.Errorf("counters (-want +got):\n%s", diff)
 	}
 }
+
+// TestProxyHealthServingPrevious checks that a proxy serving its
+// predecessor's saved state answers /livez 200 until its first sync, so
+// that a liveness probe does not restart it through an API server
+// outage, while /healthz answers 503 as before; after the first sync,
+// /livez follows the usual rule again.
+func TestProxyHealthServingPrevious(t *testing.T) {
+	clk := testingclock.NewFakeClock(t0)
+	h := NewProxyHealth(ProxyHealthConfig{HealthTimeout: 10 * time.Second, IPFamilies: []v1.IPFamily{v1.IPv4Protocol}, Clock: clk})
+	handler := h.Handler()
+	codes := func() [2]int { return [2]int{serve(handler, "/healthz").Code, serve(handler, "/livez").Code} }
+	if got := codes(); got != [2]int{503, 503} {
+		t.Errorf("fresh: /healthz, /livez = %v, want 503, 503", got)
+	}
+	h.ServingPrevious()
+	h.QueuedUpdate()
+	clk.Step(5 * time.Minute)
+	if got := codes(); got != [2]int{503, 200} {
+		t.Errorf("serving the saved state, minutes into an outage: /healthz, /livez = %v, want 503, 200", got)
+	}
+	h.Updated()
+	h.QueuedUpdate()
+	clk.Step(time.Minute)
+	if got := codes(); got != [2]int{503, 503} {
+		t.Errorf("synced, then a change not synced for a minute: /healthz, /livez = %v, want 503, 503", got)
+	}
+}
