@@ -118,6 +118,7 @@ type completed struct {
 	Burst                                                     int32
 	Accept                                                    string
 	MasqueradeAll                                             bool
+	Conntrack                                                 conntrackOptions
 	Notes                                                     []string
 }
 
@@ -166,7 +167,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
 		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes,
-		MasqueradeAll: o.kubeProxy.masqueradeAll, Notes: notes,
+		MasqueradeAll: o.kubeProxy.masqueradeAll, Conntrack: o.kubeProxy.conntrack, Notes: notes,
 	}, &o, &lf, nil
 }
 
@@ -175,7 +176,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 var defaults = completed{
 	Mode: "redirect", Healthz: "0.0.0.0:10256", Metrics: "127.0.0.1:10249", NodePorts: []string{"all"},
 	Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 15 * time.Minute, OOM: -999,
-	LogFormat: "console", QPS: 5, Burst: 10,
+	LogFormat: "console", QPS: 5, Burst: 10, Conntrack: defaultConntrackOptions,
 }
 
 func with(f func(*completed)) completed {
@@ -230,6 +231,7 @@ featureGates:
 	empty := write("empty.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n")
 	masq := write("masq.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {masqueradeAll: true}\nnftables: {masqueradeAll: false}\n")
 	masqNFT := write("masq-nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\niptables: {masqueradeAll: false}\nnftables: {masqueradeAll: true}\n")
+	conntrackFile := write("conntrack.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 0s, udpStreamTimeout: 5m}\n")
 	nft := write("nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables: {syncPeriod: 20s, minSyncPeriod: 3s}\nbindAddress: \"::\"\n")
 	tests := []struct {
 		name string
@@ -256,9 +258,8 @@ featureGates:
 		{"k3s's flags", []string{"--proxy-mode=iptables", "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0s", "--kube-api-qps=50", "--cluster-cidr=10.42.0.0/16", "--nodeport-addresses=primary,localhost"},
 			with(func(c *completed) {
 				c.QPS, c.ClusterCIDR, c.NodePorts = 50, "10.42.0.0/16", []string{"primary", "localhost"}
+				c.Conntrack.MaxPerCore, c.Conntrack.TCPEstablishedTimeout = 0, 0
 				c.Notes = []string{
-					"kube-proxy flag ignored: uproxy does not tune conntrack: proxied connections end in its listeners flag=--conntrack-max-per-core",
-					"kube-proxy flag ignored: uproxy does not tune conntrack; see --tcp-idle-timeout flag=--conntrack-tcp-timeout-established",
 					"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=iptables",
 				}
 			})},
@@ -273,6 +274,18 @@ featureGates:
 			})},
 		{"an empty file takes kube-proxy's defaults", []string{"--config", empty}, defaults},
 		{"--masquerade-all", []string{"--masquerade-all"}, with(func(c *completed) { c.MasqueradeAll = true })},
+		{"every conntrack flag", []string{"--conntrack-max-per-core=65536", "--conntrack-min=0", "--conntrack-tcp-timeout-established=2h",
+			"--conntrack-tcp-timeout-close-wait=0", "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout=10s", "--conntrack-udp-timeout-stream=2m"},
+			with(func(c *completed) {
+				c.Conntrack = conntrackOptions{MaxPerCore: 65536, TCPEstablishedTimeout: 2 * time.Hour, TCPBeLiberal: true,
+					UDPTimeout: 10 * time.Second, UDPStreamTimeout: 2 * time.Minute}
+			})},
+		{"the file's conntrack section", []string{"--config", conntrackFile, "--conntrack-min=1"},
+			with(func(c *completed) {
+				c.Conntrack = conntrackOptions{MaxPerCore: 0, Min: 1000, TCPEstablishedTimeout: 0, TCPCloseWaitTimeout: time.Hour,
+					UDPStreamTimeout: 5 * time.Minute}
+				c.Notes = []string{"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--conntrack-min"}
+			})},
 		{"masqueradeAll of the iptables section", []string{"--config", masq}, with(func(c *completed) { c.MasqueradeAll = true })},
 		{"masqueradeAll of the nftables section, in nftables mode", []string{"--config", masqNFT},
 			with(func(c *completed) {
@@ -292,11 +305,12 @@ featureGates:
 				// mode ipvs: the ipvs section's periods, unset, so kube-proxy's defaults.
 				Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 5 * time.Minute, OOM: -500,
 				LogFormat: "json", Verbosity: 1, QPS: 20, Burst: 40, Accept: "application/json",
+				Conntrack: conntrackOptions{Min: defaultConntrackMin, TCPEstablishedTimeout: defaultConntrackTCPEstablished,
+					TCPCloseWaitTimeout: defaultConntrackTCPCloseWait, TCPBeLiberal: true},
 				Notes: []string{
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--proxy-mode",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--iptables-sync-period",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--masquerade-all",
-					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=conntrack.tcpBeLiberal",
 					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=ipvs.strictARP",
 					"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=ipvs",
 					"kube-proxy feature gate ignored: uproxy has no feature gates gate=SomeGate",
@@ -329,6 +343,7 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 	}
 	typo := write("typo.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCidr: 10.244.0.0/16\n")
 	svc := write("svc.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: web}\n")
+	negativeConntrack := write("negative.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack: {udpTimeout: -1s}\n")
 	tests := []struct {
 		name    string
 		args    []string
@@ -347,6 +362,8 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"bad detect-local mode", []string{"--detect-local-mode", "Magic"}, `detect-local mode "Magic" is not`},
 		{"no event loops", []string{"--event-loops", "-1"}, "--event-loops: -1 is not a count"},
 		{"a negative state file age", []string{"--state-file-max-age", "-1m"}, "--state-file-max-age: -1m0s must be positive"},
+		{"a negative conntrack minimum", []string{"--conntrack-min=-1"}, "--conntrack-min (or the file's conntrack section): must be greater than or equal to 0"},
+		{"a negative conntrack timeout in the file", []string{"--config", negativeConntrack}, "--conntrack-udp-timeout (or the file's conntrack section): must be greater than or equal to 0"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -444,6 +461,7 @@ func TestWriteConfigTo(t *testing.T) {
 		{"--proxy-mode=ipvs", "--ipvs-sync-period=20s", "--kube-api-qps=50", "--kube-api-burst=80", "--oom-score-adj=-500"},
 		{"--mode=tproxy", "--nodeport-addresses=primary,192.0.2.0/24", "--bind-address=192.0.2.10", "--healthz-bind-address=127.0.0.1", "--metrics-bind-address=0.0.0.0:9100", "--config-sync-period=1h"},
 		{"--logging-format=json", "-v=3", "--kubeconfig=/etc/kube-proxy.conf", "--detect-local-mode=NodeCIDR", "--feature-gates=A=true"},
+		{"--conntrack-max-per-core=0", "--conntrack-min=7", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout-stream=3m"},
 	} {
 		want, o, lf, err := completeOptions(t, args...)
 		if err != nil {
