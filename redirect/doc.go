@@ -1,8 +1,8 @@
 // Package redirect puts uproxy's interception rules into the kernel and
 // keeps them there: iptables chains of its own (UPROXY-*), ipset sets, the
-// TPROXY policy route, and reads of conntrack. It knows nothing of
-// Kubernetes. docs/rules.md explains the chains, the layouts and the
-// kernel behaviour each rule relies on.
+// TPROXY policy route, and reads and deletions of conntrack entries. It
+// knows nothing of Kubernetes. docs/rules.md explains the chains, the
+// layouts and the kernel behaviour each rule relies on.
 //
 // Where to look:
 //   - redirect.go: Rules, the wanted state (InterceptRule, NodePort, Firewall,
@@ -21,6 +21,8 @@
 //   - families.go: Families, one Syncer per IP family.
 //   - origdst.go, conntrack.go: a connection's original destination
 //     (OriginalDst, TProxyDst, ConntrackLookup).
+//   - stale.go, conntrack_netlink.go: StaleConntrack, which deletes the UDP
+//     conntrack entries that keep flows from the rules (NetlinkConntrack).
 //   - explain.go: MatchingRules, the rules that catch a destination.
 //   - previous.go, kubeproxy.go: reading a previous uproxy's rules, and
 //     removing kube-proxy's.

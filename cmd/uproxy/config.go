@@ -72,6 +72,7 @@ var honouredConfigFields = []string{
 	"iptables.syncPeriod", "iptables.minSyncPeriod", "iptables.masqueradeAll", "iptables.localhostNodePorts",
 	"nftables.syncPeriod", "nftables.minSyncPeriod", "nftables.masqueradeAll",
 	"ipvs.syncPeriod", "ipvs.minSyncPeriod",
+	"conntrack.",
 }
 
 // applyConfig sets o, lf and k from cfg, with kube-proxy's defaults for
@@ -101,6 +102,7 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 		k.oomScoreAdj = *cfg.OOMScoreAdj
 	}
 	k.detectLocalMode = string(cfg.DetectLocalMode)
+	k.conntrack = conntrackFromConfig(cfg.Conntrack)
 	k.configSyncPeriod = cmp.Or(cfg.ConfigSyncPeriod.Duration, defaultConfigSyncPeriod)
 	k.featureGates = cfg.FeatureGates
 	k.proxyMode = string(cfg.Mode)
@@ -137,6 +139,26 @@ func (k *kubeProxyOptions) applyConfig(cfg *kpconfig.KubeProxyConfiguration, fs 
 		k.notef(false, "KubeProxyConfiguration field ignored: it has no meaning for uproxy", zap.String("field", f.path), zap.String("value", f.value), zap.String("file", k.configFile))
 	}
 	return nil
+}
+
+// conntrackFromConfig returns the conntrack options of a
+// KubeProxyConfiguration's section, with kube-proxy's defaults for the
+// fields it leaves out (SetDefaults_KubeProxyConfiguration defaults the
+// pointer fields only).
+func conntrackFromConfig(c kpconfig.KubeProxyConntrackConfiguration) conntrackOptions {
+	out := conntrackOptions{
+		MaxPerCore:   ptr.Deref(c.MaxPerCore, defaultConntrackMaxPerCore),
+		Min:          ptr.Deref(c.Min, defaultConntrackMin),
+		TCPBeLiberal: c.TCPBeLiberal, UDPTimeout: c.UDPTimeout.Duration, UDPStreamTimeout: c.UDPStreamTimeout.Duration,
+		TCPEstablishedTimeout: defaultConntrackTCPEstablished, TCPCloseWaitTimeout: defaultConntrackTCPCloseWait,
+	}
+	if c.TCPEstablishedTimeout != nil {
+		out.TCPEstablishedTimeout = c.TCPEstablishedTimeout.Duration
+	}
+	if c.TCPCloseWaitTimeout != nil {
+		out.TCPCloseWaitTimeout = c.TCPCloseWaitTimeout.Duration
+	}
+	return out
 }
 
 type configField struct{ path, value string }
@@ -398,6 +420,15 @@ func (o *runOptions) effectiveConfig(lf *logFlags) *kpconfig.KubeProxyConfigurat
 		cfg.IPTables = sync
 		cfg.IPTables.MasqueradeAll = k.masqueradeAll
 		cfg.IPTables.LocalhostNodePorts = ptr.To(k.localhostNodePorts)
+	}
+	ct := k.conntrack
+	cfg.Conntrack = kpconfig.KubeProxyConntrackConfiguration{
+		MaxPerCore: ptr.To(ct.MaxPerCore), Min: ptr.To(ct.Min),
+		TCPEstablishedTimeout: &metav1.Duration{Duration: ct.TCPEstablishedTimeout},
+		TCPCloseWaitTimeout:   &metav1.Duration{Duration: ct.TCPCloseWaitTimeout},
+		TCPBeLiberal:          ct.TCPBeLiberal,
+		UDPTimeout:            metav1.Duration{Duration: ct.UDPTimeout},
+		UDPStreamTimeout:      metav1.Duration{Duration: ct.UDPStreamTimeout},
 	}
 	cfg.Logging.Format = "text"
 	if lf.format == "json" {

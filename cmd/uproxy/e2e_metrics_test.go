@@ -75,6 +75,7 @@ func TestE2EMetrics(t *testing.T) {
 		"uproxy_connections_over_max_total":                 dto.MetricType_COUNTER,
 		"uproxy_balancer_picks_total":                       dto.MetricType_COUNTER,
 		"uproxy_rule_commands_total":                        dto.MetricType_COUNTER,
+		"uproxy_conntrack_entries_deleted_total":            dto.MetricType_COUNTER,
 		"go_goroutines":                                     dto.MetricType_GAUGE,
 		"process_open_fds":                                  dto.MetricType_GAUGE,
 	} {

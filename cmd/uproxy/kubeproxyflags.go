@@ -71,9 +71,12 @@ type kubeProxyOptions struct {
 	// version is --version: non-empty and not "false" prints the version
 	// and exits.
 	version string
-	// initOnly is --init-only: uproxy needs no privileged setup of its
-	// own before it runs, so it exits at once.
+	// initOnly is --init-only: set conntrack's parameters (the
+	// privileged setup kube-proxy's init container does) and exit.
 	initOnly bool
+	// conntrack are the --conntrack-* flags, or the file's conntrack
+	// section, applied to the node's sysctls at start.
+	conntrack conntrackOptions
 	// writeConfigTo is --write-config-to: write the configuration the
 	// command line resolves to there, as a KubeProxyConfiguration, and
 	// exit.
@@ -121,13 +124,6 @@ var ignoredKubeProxyFlags = []struct {
 	name, typ, why string
 }{
 	{"bind-address-hard-fail", "bool", "uproxy always exits when it cannot bind a server"},
-	{"conntrack-max-per-core", "int32", "uproxy does not tune conntrack: proxied connections end in its listeners"},
-	{"conntrack-min", "int32", "uproxy does not tune conntrack"},
-	{"conntrack-tcp-be-liberal", "bool", "uproxy does not tune conntrack"},
-	{"conntrack-tcp-timeout-close-wait", "duration", "uproxy does not tune conntrack"},
-	{"conntrack-tcp-timeout-established", "duration", "uproxy does not tune conntrack; see --tcp-idle-timeout"},
-	{"conntrack-udp-timeout", "duration", "uproxy does not tune conntrack; see --udp-timeout"},
-	{"conntrack-udp-timeout-stream", "duration", "uproxy does not tune conntrack; see --udp-timeout"},
 	{"iptables-masquerade-bit", "int32", "uproxy marks nothing for SNAT: it dials a backend from the node's address where kube-proxy would masquerade"},
 	{"ipvs-exclude-cidrs", "strings", "uproxy has no IPVS mode"},
 	{"ipvs-min-sync-period", "duration", "uproxy has no IPVS mode; see --iptables-min-sync-period"},
@@ -169,7 +165,14 @@ func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&k.loggingFormat, "logging-format", "", "kube-proxy's log format, text (uproxy's console format) or json, which overrides --log-format.")
 	fs.StringVar(&k.version, "version", "", "Print the version and exit, as kube-proxy's --version.")
 	fs.Lookup("version").NoOptDefVal = "true"
-	fs.BoolVar(&k.initOnly, "init-only", false, "Exit at once: uproxy needs no privileged setup before it runs, unlike kube-proxy.")
+	fs.BoolVar(&k.initOnly, "init-only", false, "Set conntrack's parameters (the --conntrack-* flags), the privileged setup kube-proxy's init container does, and exit.")
+	fs.Int32Var(&k.conntrack.MaxPerCore, "conntrack-max-per-core", defaultConntrackMaxPerCore, "Raise nf_conntrack_max to this many entries per CPU, at least --conntrack-min (0 leaves it as is and ignores --conntrack-min).")
+	fs.Int32Var(&k.conntrack.Min, "conntrack-min", defaultConntrackMin, "The least nf_conntrack_max that --conntrack-max-per-core raises to.")
+	fs.DurationVar(&k.conntrack.TCPEstablishedTimeout, "conntrack-tcp-timeout-established", defaultConntrackTCPEstablished, "Set conntrack's idle timeout of established TCP connections (0 leaves it as is).")
+	fs.DurationVar(&k.conntrack.TCPCloseWaitTimeout, "conntrack-tcp-timeout-close-wait", defaultConntrackTCPCloseWait, "Set conntrack's timeout of TCP connections in CLOSE_WAIT (0 leaves it as is).")
+	fs.BoolVar(&k.conntrack.TCPBeLiberal, "conntrack-tcp-be-liberal", false, "Set nf_conntrack_tcp_be_liberal to 1, so that out-of-window TCP packets are not marked INVALID.")
+	fs.DurationVar(&k.conntrack.UDPTimeout, "conntrack-udp-timeout", 0, "Set conntrack's idle timeout of UDP flows without replies (0 leaves it as is).")
+	fs.DurationVar(&k.conntrack.UDPStreamTimeout, "conntrack-udp-timeout-stream", 0, "Set conntrack's idle timeout of UDP flows with replies (0 leaves it as is).")
 	fs.StringVar(&k.writeConfigTo, "write-config-to", "", "Write the configuration this command line resolves to into this file, as a KubeProxyConfiguration that --config reads back, and exit.")
 	for _, f := range ignoredKubeProxyFlags {
 		usage := "kube-proxy's flag, ignored: " + f.why + "."
@@ -251,6 +254,9 @@ func (k *kubeProxyOptions) complete(fs *pflag.FlagSet, o *runOptions, lf *logFla
 	if k.configSyncPeriod <= 0 {
 		return fmt.Errorf("config sync period %v must be greater than 0", k.configSyncPeriod)
 	}
+	if err := k.conntrack.validate(); err != nil {
+		return err
+	}
 	if k.bindAddress != "" {
 		if _, err := netip.ParseAddr(k.bindAddress); err != nil {
 			return fmt.Errorf("bind address %q is not an IP address", k.bindAddress)
@@ -294,6 +300,8 @@ var kubeProxyFlagsReplacedByConfig = []string{
 	"iptables-sync-period", "iptables-min-sync-period", "detect-local-mode", "cluster-cidr", "masquerade-all",
 	"nodeport-addresses", "oom-score-adj", "config-sync-period", "feature-gates",
 	"healthz-port", "metrics-port",
+	"conntrack-max-per-core", "conntrack-min", "conntrack-tcp-timeout-established", "conntrack-tcp-timeout-close-wait",
+	"conntrack-tcp-be-liberal", "conntrack-udp-timeout", "conntrack-udp-timeout-stream",
 }
 
 // resolveMode maps kube-proxy's proxy mode onto uproxy's --mode. An

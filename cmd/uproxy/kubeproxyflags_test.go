@@ -120,6 +120,7 @@ type completed struct {
 	MasqueradeAll                                             bool
 	LocalhostNodePorts                                        bool // effective
 	NoExternalIPs                                             bool
+	Conntrack                                                 conntrackOptions
 	Notes                                                     []string
 }
 
@@ -168,7 +169,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 		Sync: o.syncPeriod, MinSync: o.minSyncPeriod, ConfigSync: o.kubeProxy.configSyncPeriod,
 		OOM: o.kubeProxy.oomScoreAdj, LogFormat: lf.format, Verbosity: lf.verbosity,
 		QPS: o.kubeProxy.apiQPS, Burst: o.kubeProxy.apiBurst, Accept: o.kubeProxy.apiAcceptContentTypes,
-		MasqueradeAll: o.kubeProxy.masqueradeAll, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(o.nodePortAddresses), NoExternalIPs: o.kubeProxy.noExternalIPs, Notes: notes,
+		MasqueradeAll: o.kubeProxy.masqueradeAll, LocalhostNodePorts: o.kubeProxy.localhostNodePortsOn(o.nodePortAddresses), NoExternalIPs: o.kubeProxy.noExternalIPs, Conntrack: o.kubeProxy.conntrack, Notes: notes,
 	}, &o, &lf, nil
 }
 
@@ -177,7 +178,7 @@ func completeOptions(t *testing.T, args ...string) (completed, *runOptions, *log
 var defaults = completed{
 	Mode: "redirect", Healthz: "0.0.0.0:10256", Metrics: "127.0.0.1:10249", NodePorts: []string{"all"},
 	Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 15 * time.Minute, OOM: -999,
-	LogFormat: "console", QPS: 5, Burst: 10, LocalhostNodePorts: true,
+	LogFormat: "console", QPS: 5, Burst: 10, LocalhostNodePorts: true, Conntrack: defaultConntrackOptions,
 }
 
 func with(f func(*completed)) completed {
@@ -233,6 +234,7 @@ featureGates:
 	noLocalhost := write("nolocalhost.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {localhostNodePorts: false}\n")
 	masq := write("masq.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {masqueradeAll: true}\nnftables: {masqueradeAll: false}\n")
 	masqNFT := write("masq-nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\niptables: {masqueradeAll: false}\nnftables: {masqueradeAll: true}\n")
+	conntrackFile := write("conntrack.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 0s, udpStreamTimeout: 5m}\n")
 	nft := write("nft.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables: {syncPeriod: 20s, minSyncPeriod: 3s}\nbindAddress: \"::\"\n")
 	tests := []struct {
 		name string
@@ -259,9 +261,8 @@ featureGates:
 		{"k3s's flags", []string{"--proxy-mode=iptables", "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0s", "--kube-api-qps=50", "--cluster-cidr=10.42.0.0/16", "--nodeport-addresses=primary,localhost"},
 			with(func(c *completed) {
 				c.QPS, c.ClusterCIDR, c.NodePorts = 50, "10.42.0.0/16", []string{"primary", "localhost"}
+				c.Conntrack.MaxPerCore, c.Conntrack.TCPEstablishedTimeout = 0, 0
 				c.Notes = []string{
-					"kube-proxy flag ignored: uproxy does not tune conntrack: proxied connections end in its listeners flag=--conntrack-max-per-core",
-					"kube-proxy flag ignored: uproxy does not tune conntrack; see --tcp-idle-timeout flag=--conntrack-tcp-timeout-established",
 					"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=iptables",
 				}
 			})},
@@ -290,6 +291,18 @@ featureGates:
 				c.LocalhostNodePorts = false
 				c.Notes = []string{"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=ipvs"}
 			})},
+		{"every conntrack flag", []string{"--conntrack-max-per-core=65536", "--conntrack-min=0", "--conntrack-tcp-timeout-established=2h",
+			"--conntrack-tcp-timeout-close-wait=0", "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout=10s", "--conntrack-udp-timeout-stream=2m"},
+			with(func(c *completed) {
+				c.Conntrack = conntrackOptions{MaxPerCore: 65536, TCPEstablishedTimeout: 2 * time.Hour, TCPBeLiberal: true,
+					UDPTimeout: 10 * time.Second, UDPStreamTimeout: 2 * time.Minute}
+			})},
+		{"the file's conntrack section", []string{"--config", conntrackFile, "--conntrack-min=1"},
+			with(func(c *completed) {
+				c.Conntrack = conntrackOptions{MaxPerCore: 0, Min: 1000, TCPEstablishedTimeout: 0, TCPCloseWaitTimeout: time.Hour,
+					UDPStreamTimeout: 5 * time.Minute}
+				c.Notes = []string{"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--conntrack-min"}
+			})},
 		{"masqueradeAll of the iptables section", []string{"--config", masq}, with(func(c *completed) { c.MasqueradeAll = true })},
 		{"masqueradeAll of the nftables section, in nftables mode", []string{"--config", masqNFT},
 			with(func(c *completed) {
@@ -310,11 +323,12 @@ featureGates:
 				// mode ipvs: the ipvs section's periods, unset, so kube-proxy's defaults.
 				Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 5 * time.Minute, OOM: -500,
 				LogFormat: "json", Verbosity: 1, QPS: 20, Burst: 40, Accept: "application/json",
+				Conntrack: conntrackOptions{Min: defaultConntrackMin, TCPEstablishedTimeout: defaultConntrackTCPEstablished,
+					TCPCloseWaitTimeout: defaultConntrackTCPCloseWait, TCPBeLiberal: true},
 				Notes: []string{
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--proxy-mode",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--iptables-sync-period",
 					"flag ignored: --config is given, and kube-proxy takes this setting from the file flag=--masquerade-all",
-					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=conntrack.tcpBeLiberal",
 					"KubeProxyConfiguration field ignored: it has no meaning for uproxy field=ipvs.strictARP",
 					"kube-proxy's proxy mode is served by uproxy's redirect mode: iptables REDIRECT rules into uproxy's listeners proxyMode=ipvs",
 					"kube-proxy feature gate has no effect on uproxy gate=ContextualLogging",
@@ -347,6 +361,7 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 	}
 	typo := write("typo.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCidr: 10.244.0.0/16\n")
 	svc := write("svc.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: web}\n")
+	negativeConntrack := write("negative.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack: {udpTimeout: -1s}\n")
 	tests := []struct {
 		name    string
 		args    []string
@@ -369,6 +384,8 @@ func TestKubeProxyCommandLineErrors(t *testing.T) {
 		{"a negative state file age", []string{"--state-file-max-age", "-1m"}, "--state-file-max-age: -1m0s must be positive"},
 		{"a Service quota below -1", []string{"--max-listeners-per-service", "-2"}, "--max-listeners-per-service: -2 is neither a count, 0 for the default, nor -1 (no bound)"},
 		{"a namespace quota below -1", []string{"--max-listeners-per-namespace", "-5"}, "--max-listeners-per-namespace: -5 is neither a count"},
+		{"a negative conntrack minimum", []string{"--conntrack-min=-1"}, "--conntrack-min (or the file's conntrack section): must be greater than or equal to 0"},
+		{"a negative conntrack timeout in the file", []string{"--config", negativeConntrack}, "--conntrack-udp-timeout (or the file's conntrack section): must be greater than or equal to 0"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -465,7 +482,8 @@ func TestWriteConfigTo(t *testing.T) {
 		{"--proxy-mode=nftables", "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16", "--iptables-sync-period=1m"},
 		{"--proxy-mode=ipvs", "--ipvs-sync-period=20s", "--kube-api-qps=50", "--kube-api-burst=80", "--oom-score-adj=-500"},
 		{"--mode=tproxy", "--nodeport-addresses=primary,192.0.2.0/24", "--bind-address=192.0.2.10", "--healthz-bind-address=127.0.0.1", "--metrics-bind-address=0.0.0.0:9100", "--config-sync-period=1h"},
-		{"--logging-format=json", "-v=3", "--kubeconfig=/etc/kube-proxy.conf", "--detect-local-mode=NodeCIDR", "--feature-gates=A=true"},
+		{"--logging-format=json", "-v=3", "--kubeconfig=/etc/kube-proxy.conf", "--detect-local-mode=NodeCIDR", "--feature-gates=ContextualLogging=true"},
+		{"--conntrack-max-per-core=0", "--conntrack-min=7", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout-stream=3m"},
 	} {
 		want, o, lf, err := completeOptions(t, args...)
 		if err != nil {

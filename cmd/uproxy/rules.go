@@ -25,9 +25,17 @@ func newRuleCommands(reg prometheus.Registerer) *prometheus.CounterVec {
 }
 
 // syncRules is the proxier's RuleSyncer: it hands the intercepts to k,
-// which syncs them into both families' tables.
-func syncRules(ctx context.Context, k *redirect.Families, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
-	res, err := k.Sync(ctx, claims(in), full)
+// which syncs them into both families' tables, and then, once the rules
+// are in place, to stale (when not nil), which deletes the conntrack
+// entries that would keep flows from them.
+func syncRules(ctx context.Context, k *redirect.Families, stale *redirect.StaleConntrack, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
+	cl := claims(in)
+	res, err := k.Sync(ctx, cl, full)
+	if err == nil && stale != nil {
+		// A failed sync is retried in full, which cleans: until then the
+		// old entries may be the flows' only way through.
+		stale.Trigger(cl, k.Available(), full)
+	}
 	return proxy.RuleStats{Rules: res.Rules, Written: res.Written, Commands: res.Commands, Unguarded: res.Skipped}, err
 }
 

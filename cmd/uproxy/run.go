@@ -85,7 +85,8 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 				return o.writeConfig(path, lf)
 			}
 			if o.kubeProxy.initOnly {
-				log.Info("--init-only: uproxy needs no privileged setup before it runs; exiting")
+				applyConntrack(o.kubeProxy.conntrack, log.Named("conntrack"))
+				log.Info("--init-only: conntrack's parameters are set; exiting")
 				return nil
 			}
 			if o.cleanupAndExit {
@@ -206,6 +207,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	metrics := introspect.NewMetrics(reg)
 	ruleCommands := newRuleCommands(reg)
+	conntrackDeleted := newConntrackDeleted(reg)
 	// The rules of both families, synced side by side. NewFamilies, which
 	// checks the iptables tools, runs below, once the manifests have
 	// loaded.
@@ -230,6 +232,22 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		log.Info("br_netfilter is not loaded: no rules for clients behind a Linux bridge, whose match would load it, so a backend on its client's bridge sees the node's address, not the client's (counted in uproxy_source_ip_fallbacks_total); restart uproxy after loading it")
 	}
 	var rules *redirect.Families // set below, before the sync loop starts
+	// The stale UDP conntrack entries are deleted after each sync that
+	// may have made some (syncRules), on a goroutine of their own (below).
+	var stale *redirect.StaleConntrack
+	if table, err := redirect.NewNetlinkConntrack(); err != nil {
+		log.Warn("conntrack's netlink interface is not available: stale UDP conntrack entries, which keep a flow from uproxy's rules, will not be deleted", zap.Error(err))
+	} else {
+		defer table.Close() // after the goroutines, which wg.Wait waits for
+		if stale, err = redirect.NewStaleConntrack(redirect.StaleConntrackConfig{
+			Table:             table,
+			NodePortAddresses: o.nodePortCIDRs,
+			Deleted:           func(n int) { conntrackDeleted.Add(float64(n)) },
+			Logger:            log.Named("conntrack"),
+		}); err != nil {
+			return err
+		}
+	}
 	synced := make(chan struct{})
 	restoreGC := startupGC(debug.FreeOSMemory)
 	firstSync := sync.OnceFunc(func() { restoreGC(); close(synced) })
@@ -269,7 +287,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		},
 		Metrics: metrics,
 		Rules: proxy.RuleSyncerFunc(func(ctx context.Context, in []routing.Intercept, full bool) (proxy.RuleStats, error) {
-			return syncRules(ctx, rules, in, full)
+			return syncRules(ctx, rules, stale, in, full)
 		}),
 		SharedListeners:          sharedProtocols,
 		MaxListeners:             maxListeners(o.maxListeners, noFile),
@@ -328,6 +346,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 		runSource = ks.Run
 	}
+	// kube-proxy sets these at start too: the manifests or the API
+	// server's configuration have been checked by now.
+	applyConntrack(o.kubeProxy.conntrack, log.Named("conntrack"))
 	rules, err := redirect.NewFamilies(rulesCfg)
 	if err != nil {
 		return err
@@ -353,11 +374,11 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		}
 	}
 
-	// Goroutines owned here: the sync loop, the source, the two servers
-	// and the upgrade server. All return when ctx is done; wg waits for
-	// them before the drain. A server that cannot listen stops uproxy: a
-	// health check that silently does not exist is worse than a clear
-	// failure.
+	// Goroutines owned here: the sync loop, the source, the two servers,
+	// the upgrade server and the stale conntrack entries' cleaner. All
+	// return when ctx is done; wg waits for them before the drain. A
+	// server that cannot listen stops uproxy: a health check that
+	// silently does not exist is worse than a clear failure.
 	signals := ctx
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -378,6 +399,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 	}
 	syncLoop := upgrade.NewSyncLoop(p)
 	wg.Go(func() { syncLoop.Run(ctx) })
+	if stale != nil {
+		wg.Go(func() { stale.Run(ctx) })
+	}
 	var handedOver *upgrade.Handover // set when a successor has taken the sockets over
 	wg.Go(func() {
 		if h := up.Serve(ctx, synced, upgrade.Hooks{Sync: syncLoop, Export: p.ExportListeners, Abort: cancel}); h != nil {
