@@ -73,7 +73,9 @@ type Config struct {
 	// default for UDP streams.
 	UDPTimeout time.Duration
 	// UDPMaxFlows bounds the UDP flow table, across all services: past it
-	// the least recently used flow is dropped. Zero means 65536.
+	// a new flow ends the least recently used flow of its own service
+	// port, if the port holds its fair share of the table or more, else
+	// of the port with the most flows (udpfair.go). Zero means 65536.
 	UDPMaxFlows int
 	// UDPPoolSize bounds, on each event loop, the sockets connected to one
 	// endpoint that carry request–reply queries, one query at a time each
@@ -82,7 +84,9 @@ type Config struct {
 	// 256; negative means no pooling: every client is a flow of its own.
 	UDPPoolSize int
 	// UDPPoolMax bounds the pooled sockets across every endpoint and
-	// loop. Zero means 4096.
+	// loop. At the bound a service port's queries take no more than its
+	// fair share of the sockets from the other ports' (udpfair.go). Zero
+	// means 4096.
 	UDPPoolMax int
 	// UDPQueryTimeout is how long a pooled socket waits for the reply to
 	// its query; past it the socket is closed. Zero means 5s, a stub
@@ -264,6 +268,9 @@ type udpRelay struct {
 	// poolOpen counts the pooled UDP sockets of every event loop, against
 	// Config.UDPPoolMax.
 	poolOpen atomic.Int64
+	// fair shares poolOpen's bound and the flow table's among the
+	// service ports (udpfair.go).
+	fair udpFairness
 }
 
 // NewEngine returns an Engine configured by cfg. clients tells a pod, the

@@ -12,11 +12,16 @@ import (
 var errEndpointsFull = errors.New("every endpoint is at its connection limit")
 
 // ConnSlots counts the TCP connections of one service port in progress,
-// against its uproxy.io/max-connections limit. One ConnSlots serves the
-// port's listeners of both families and every snapshot they build, so
-// the count survives endpoint changes; the sync goroutine hands it from
-// one snapshot to the next (the proxier keeps one per service port). Safe for concurrent use.
-type ConnSlots struct{ n atomic.Int64 }
+// against its uproxy.io/max-connections limit, and the port's part of
+// the engine's pooled UDP sockets and UDP flows, for its fair share of
+// their bounds (udpfair.go). One ConnSlots serves the port's listeners
+// of both families and every snapshot they build, so the counts survive
+// endpoint changes; the sync goroutine hands it from one snapshot to the
+// next (the proxier keeps one per service port). Safe for concurrent use.
+type ConnSlots struct {
+	n   atomic.Int64
+	udp udpShare // guarded by the engine's udpFairness.mu
+}
 
 // acquire takes a slot if fewer than limit connections are in progress
 // (zero or less: no limit, and the slot is always taken) and reports

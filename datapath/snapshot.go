@@ -41,8 +41,11 @@ type Snapshot struct {
 	// without session affinity. Read by Explain (Lookup has no effects).
 	Affinity *balancer.AffinityTable
 	// Slots counts the service port's TCP connections against
-	// MaxConnections; shared with the port's other listener and with
-	// the snapshots before and after this one. Nil counts nothing.
+	// MaxConnections, and its UDP queries and flows for its fair share
+	// of the engine's bounds; shared with the port's other listener and
+	// with the snapshots before and after this one. Nil counts no
+	// connections, and shares the engine's UDP bounds with every other
+	// port without Slots as one port.
 	Slots *ConnSlots
 	// MaxConnections bounds the TCP connections of the service port,
 	// MaxConnectionsPerEndpoint those to any one backend; zero means no

@@ -77,6 +77,11 @@ type udpFlow struct {
 	// table, that carries one request–reply query at a time (udppool.go).
 	// Owned by loop.
 	slot *poolSlot
+	// share is the service port whose query the socket carries, or whose
+	// flow it is, and fair its place among the port's (udpfair.go).
+	// Guarded by udpFairness.mu.
+	share *ConnSlots
+	fair  fairLink
 }
 
 // touchInterval bounds how often a flow's traffic pushes its timeout back
@@ -107,6 +112,7 @@ func (f *udpFlow) touch(p *Engine) {
 	// goroutine nothing would then end.
 	if cur, ok := p.flows.lru.Peek(f.key); ok && cur == f {
 		p.flows.lru.Add(f.key, f)
+		p.fair.flowUsed(f)
 	}
 }
 
@@ -122,14 +128,39 @@ func (ur *udpRelay) removeFlow(f *udpFlow) {
 	}
 }
 
-// addFlow makes f its key's flow; true if the table was full and ended
-// its least recently used flow to make room. Only the goroutine or loop
-// that reads f's listener adds flows of its keys.
-func (ur *udpRelay) addFlow(f *udpFlow) bool {
+// addFlow makes f its key's flow, a flow of the service port whose
+// snapshot has slots s. If the table is full, a flow ends to make room
+// (udpfair.go): the least recently used of s, if s holds its share of
+// the table or more, else of the port with the most flows; ended tells
+// whether one did, and of tells which port's it was, when known. Only
+// the goroutine or loop that reads f's listener adds flows of its keys.
+func (ur *udpRelay) addFlow(f *udpFlow, s *ConnSlots) (ended bool, of fmt.Stringer) {
 	flows := ur.flowTable()
+	share := ur.fair.of(s)
 	ur.flows.mu.Lock()
 	defer ur.flows.mu.Unlock()
-	return flows.Add(f.key, f)
+	if flows.Contains(f.key) {
+		// A flow past its timeout that the LRU's expiry has not removed
+		// yet: Add would replace it without its eviction callback, which
+		// ends it and forgets its share.
+		flows.Remove(f.key)
+	}
+	if flows.Len() >= ur.flows.max {
+		if v := ur.fair.flowVictim(share, ur.flows.max); v != nil {
+			ended = true
+			if v.svc != nil {
+				of = v.svc.Name
+			}
+			if !flows.Remove(v.key) {
+				ur.fair.flowRemoved(v)
+			}
+		}
+	}
+	ur.fair.flowAdded(f, share)
+	if flows.Add(f.key, f) && !ended {
+		ended = true
+	}
+	return ended, of
 }
 
 // flowStart anchors flowClock.
@@ -202,6 +233,8 @@ type flowTable struct {
 	// created publishes lru to readers that must not create it (UDPFlows,
 	// from any goroutine).
 	created atomic.Pointer[expirable.LRU[flowKey, *udpFlow]]
+	// max is the table's bound (Config.UDPMaxFlows), set with lru.
+	max int
 }
 
 func (ur *udpRelay) flowTable() *expirable.LRU[flowKey, *udpFlow] {
@@ -214,9 +247,14 @@ func (ur *udpRelay) flowTable() *expirable.LRU[flowKey, *udpFlow] {
 		if ttl <= 0 {
 			ttl = 30 * time.Second
 		}
-		// The callback runs with the LRU's lock held: it only closes the
-		// flow's socket, which ends the flow's reply goroutine.
-		ur.flows.lru = expirable.NewLRU(size, func(_ flowKey, f *udpFlow) { f.close() }, ttl)
+		// The callback runs with the LRU's lock held: it only forgets the
+		// flow's share and closes its socket, which ends the flow's reply
+		// goroutine.
+		ur.flows.max = size
+		ur.flows.lru = expirable.NewLRU(size, func(_ flowKey, f *udpFlow) {
+			ur.fair.flowRemoved(f)
+			f.close()
+		}, ttl)
 		ur.flows.created.Store(ur.flows.lru)
 	})
 	return ur.flows.lru
@@ -638,7 +676,7 @@ func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick 
 		from = p.keepSource(snap, client.Addr(), b.Addr.Addr(), reason)
 	}
 	if !long {
-		if f, ok, err := ur.checkout(el, l, snap.UDPMode, key, sock, orig, b, from, pm); ok {
+		if f, ok, err := ur.checkout(el, l, snap, key, sock, orig, b, from); ok {
 			return f, nil, err
 		}
 	}
@@ -656,17 +694,27 @@ func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick 
 	bm.connected()
 	f.refreshed.Store(flowClock())
 	pm.flowOpened()
-	if ur.addFlow(f) {
-		// The table was full: its least recently used flow ended.
-		pm.flowEvicted()
-		p.connLog.Warn("UDP flow table full; its least recently used flow ended to make room (raise --udp-max-flows, or the open-files limit)",
-			zap.Stringer("servicePort", snap.Name))
+	if ended, of := ur.addFlow(f, snap.Slots); ended {
+		ur.flowEnded(pm, snap.Name, of)
 	}
 	if f.conn != nil {
 		p.wg.Add(1)
 		go ur.udpReplies(f) // ends when the flow's socket is closed
 	}
 	return f, nil, nil
+}
+
+// flowEnded counts and logs a flow that the full table ended to make
+// room for a new flow of service port name (with metrics pm): one of
+// port of's, when known.
+func (ur *udpRelay) flowEnded(pm *PortMetrics, name, of fmt.Stringer) {
+	pm.flowEvicted()
+	fields := []zap.Field{zap.Stringer("servicePort", name)}
+	if of != nil {
+		fields = append(fields, zap.Stringer("endedFlowOf", of))
+	}
+	ur.e.connLog.Warn("UDP flow table full; the least recently used flow of a service port holding its share of the table or more ended to make room (raise --udp-max-flows, or the open-files limit)",
+		fields...)
 }
 
 // connectFlow connects f's socket to its backend, from the address from

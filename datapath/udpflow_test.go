@@ -27,7 +27,7 @@ func TestFlowTouchNeverRevivesAReplacedFlow(t *testing.T) {
 	// of it changes nothing.
 	newFlow := func() *udpFlow { return &udpFlow{p: p, key: key, conn: conn, fd: -1} }
 	first := newFlow()
-	p.addFlow(first)
+	p.addFlow(first, nil)
 	var current atomic.Pointer[udpFlow]
 	current.Store(first)
 	all := []*udpFlow{first}
@@ -49,7 +49,7 @@ func TestFlowTouchNeverRevivesAReplacedFlow(t *testing.T) {
 	for range 100000 {
 		old, f := current.Load(), newFlow()
 		p.removeFlow(old)
-		p.addFlow(f)
+		p.addFlow(f, nil)
 		current.Store(f)
 		all = append(all, f)
 	}

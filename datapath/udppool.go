@@ -56,7 +56,11 @@ package datapath
 // run the process out of descriptors: a query that finds its endpoint's
 // pool busy to its bound is dropped and counted
 // (uproxy_udp_pool_queries_total{result="dropped"}), as the kernel drops
-// a datagram that finds a full socket buffer. A pool whose endpoint got
+// a datagram that finds a full socket buffer. The engine's bound is
+// shared fairly among the service ports (udpfair.go): at it, a port's
+// query is dropped only if the port holds its share of the sockets, and
+// otherwise takes the socket of the oldest query of the port with the
+// most, which is counted as dropped instead. A pool whose endpoint got
 // no query for the UDP timeout (removed from the Service, or idle) closes
 // its idle sockets; an endpoint removed from the Service gets no queries,
 // as only the current endpoints are picked.
@@ -203,8 +207,7 @@ func (ur *udpRelay) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *rece
 	}
 	lp := el.pools
 	if len(lp.pending) > 0 {
-		if f := lp.pending[key]; f != nil {
-			ur.keepAsFlow(f)
+		if f := lp.pending[key]; f != nil && ur.keepAsFlow(f) {
 			return f, nil
 		}
 	}
@@ -216,8 +219,13 @@ func (ur *udpRelay) pooledFlow(el *eventLoop, key flowKey) (f *udpFlow, rq *rece
 
 // keepAsFlow takes a checked-out socket out of its pool and makes it the
 // flow of its query's client, in the flow table. It keeps the backend it
-// holds (Acquire) until the flow ends. On the loop.
-func (ur *udpRelay) keepAsFlow(f *udpFlow) {
+// holds (Acquire) until the flow ends. False if the socket is closing,
+// its place taken by another port's query (reclaim): the client's
+// datagram is then a new query. On the loop.
+func (ur *udpRelay) keepAsFlow(f *udpFlow) bool {
+	if !ur.fair.returned(f) {
+		return false
+	}
 	lp := f.loop.pools
 	delete(lp.pending, f.key)
 	delete(lp.busy, f)
@@ -228,9 +236,10 @@ func (ur *udpRelay) keepAsFlow(f *udpFlow) {
 	f.pm.pooled(PoolLongFlow)
 	f.refreshed.Store(flowClock())
 	f.pm.flowOpened()
-	if ur.addFlow(f) {
-		f.pm.flowEvicted()
+	if ended, of := ur.addFlow(f, f.share); ended {
+		ur.flowEnded(f.pm, f.svc.Name, of)
 	}
+	return true
 }
 
 // lookup returns key's last query, if it is younger than the UDP
@@ -277,11 +286,13 @@ func (rq *recentQuery) recentBackend(snap *Snapshot, set balancer.Balancer) (b *
 	return rq.backend, true
 }
 
-// checkout sends key's query through a socket of b's pool on event loop
-// el, which it returns; ok is false if the query cannot be pooled
-// (no event loop, pooling off, a port of UDPFlow mode). On the loop.
-func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, from netip.Addr, pm *PortMetrics) (f *udpFlow, ok bool, err error) {
+// checkout sends key's query, to the service port of snapshot snap,
+// through a socket of b's pool on event loop el, which it returns; ok is
+// false if the query cannot be pooled (no event loop, pooling off, a
+// port of UDPFlow mode). On the loop.
+func (ur *udpRelay) checkout(el *eventLoop, l *Listener, snap *Snapshot, key flowKey, sock udpSocket, orig netip.AddrPort, b *balancer.Backend, from netip.Addr) (f *udpFlow, ok bool, err error) {
 	p := ur.e
+	mode, pm, share := snap.UDPMode, snap.Metrics, ur.fair.of(snap.Slots)
 	size := p.cfg.udpPoolSize()
 	if el == nil || size == 0 || mode == UDPFlow {
 		return nil, false, nil
@@ -304,7 +315,7 @@ func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowK
 		}
 	}
 	if f == nil {
-		if f, err = ur.openSlot(el, pool, b, pm); err != nil {
+		if f, err = ur.openSlot(el, pool, b, pm, share); err != nil {
 			return nil, true, err
 		}
 	}
@@ -312,6 +323,7 @@ func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowK
 	f.slot.busy, f.slot.deadline = true, now.Add(p.cfg.udpQueryTimeout())
 	b.Acquire()
 	lp.busy[f] = struct{}{}
+	ur.fair.checkedOut(f, share)
 	if mode == UDPAuto {
 		lp.pending[key] = f
 	} else {
@@ -325,28 +337,14 @@ func (ur *udpRelay) checkout(el *eventLoop, l *Listener, mode UDPMode, key flowK
 	return f, true, nil
 }
 
-// openSlot opens a socket for pool, within the pool's and the
-// engine's bounds, and puts it on loop el.
-func (ur *udpRelay) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm *PortMetrics) (*udpFlow, error) {
+// openSlot opens a socket for pool, for a query of the service port
+// share, within the pool's bound and the port's share of the engine's,
+// and puts it on loop el.
+func (ur *udpRelay) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, pm *PortMetrics, share *ConnSlots) (*udpFlow, error) {
 	p := ur.e
-	if pool.open >= p.cfg.udpPoolSize() {
+	if pool.open >= p.cfg.udpPoolSize() || !ur.takePlace(el, pool, share) {
 		pm.pooled(PoolDropped)
 		return nil, errPoolFull
-	}
-	if ur.poolOpen.Add(1) > p.cfg.udpPoolMax() {
-		ur.poolOpen.Add(-1)
-		// Pools of many source addresses could hold the engine's bound
-		// in idle sockets: one gives way, on this loop, to a query that
-		// needs a socket now.
-		if !el.closeIdleSlot(pool) {
-			pm.pooled(PoolDropped)
-			return nil, errPoolFull
-		}
-		if ur.poolOpen.Add(1) > p.cfg.udpPoolMax() { // another loop took it
-			ur.poolOpen.Add(-1)
-			pm.pooled(PoolDropped)
-			return nil, errPoolFull
-		}
 	}
 	start := pm.dialStart()
 	fd, err := rawDial(unix.SOCK_DGRAM, b.Addr, netip.AddrPortFrom(pool.key.from, 0), p.cfg.OwnMark)
@@ -368,6 +366,44 @@ func (ur *udpRelay) openSlot(el *eventLoop, pool *udpPool, b *balancer.Backend, 
 	f.pm = pm
 	pm.poolSockets(1)
 	return f, nil
+}
+
+// takePlace counts a new pooled socket on loop el, for pool and a query
+// of the service port share, against the engine's bound; false if the
+// query is to be dropped. At the bound an idle socket of another pool on
+// the loop gives way, or else, if share holds less than its share of
+// the bound, the oldest checked-out socket of the port with the most
+// (udpfair.go).
+func (ur *udpRelay) takePlace(el *eventLoop, pool *udpPool, share *ConnSlots) bool {
+	limit := ur.e.cfg.udpPoolMax()
+	if ur.poolOpen.Add(1) <= limit {
+		return true
+	}
+	ur.poolOpen.Add(-1)
+	// Pools of many source addresses could hold the engine's bound in
+	// idle sockets: one gives way, on this loop, to a query that needs a
+	// socket now.
+	if el.closeIdleSlot(pool) {
+		if ur.poolOpen.Add(1) <= limit {
+			return true
+		}
+		ur.poolOpen.Add(-1) // another loop took it
+	}
+	f := ur.fair.reclaim(share, limit)
+	if f == nil {
+		return false
+	}
+	f.pm.pooled(PoolDropped)
+	if f.loop == el {
+		f.closed.Store(true)
+		el.dropFlow(f)
+	} else if f.closed.CompareAndSwap(false, true) {
+		// Only its loop closes its descriptor; the engine holds one
+		// socket past its bound until it does.
+		f.drop()
+	}
+	ur.poolOpen.Add(1)
+	return true
 }
 
 // poolTick is how often a loop looks for queries past their timeout and
@@ -410,7 +446,9 @@ func (lf *loopFlows) slotReady(f *udpFlow) {
 	l.post(func() { lf.flowReady(f) })
 }
 
-// checkin returns f, whose query got its reply, to its pool. On the loop.
+// checkin returns f, whose query got its reply, to its pool, unless
+// another port's query took its place (reclaim): the drop that query's
+// loop posted closes it. On the loop.
 func (lf *loopFlows) checkin(f *udpFlow) {
 	lp := lf.pools
 	f.slot.busy = false
@@ -420,7 +458,9 @@ func (lf *loopFlows) checkin(f *udpFlow) {
 		lp.remember(f.key, recentQuery{at: time.Now(), backend: f.backend, svc: f.svc, orig: f.orig, answered: true})
 	}
 	f.backend.Release()
-	f.slot.pool.idle = append(f.slot.pool.idle, f)
+	if f.p.fair.returned(f) {
+		f.slot.pool.idle = append(f.slot.pool.idle, f)
+	}
 }
 
 // release lets go of what f's socket held, as the loop closes it
@@ -443,6 +483,7 @@ func (f *udpFlow) release() {
 	f.pm.poolSockets(-1)
 	if s.busy {
 		s.busy = false
+		f.p.fair.returned(f)
 		f.backend.Release()
 	}
 }
@@ -490,8 +531,9 @@ func (lf *loopFlows) tickPools() {
 		if now.Before(f.slot.deadline) {
 			continue
 		}
-		f.pm.pooled(PoolTimedOut)
-		f.closed.Store(true)
+		if f.closed.CompareAndSwap(false, true) { // else closed by a failure, or for another port's query (reclaim)
+			f.pm.pooled(PoolTimedOut)
+		}
 		lf.dropFlow(f)
 	}
 	for addr, pool := range lp.byAddr {

@@ -66,8 +66,9 @@ const maxUDPFlows = 65536
 // flow, and a modest query rate holds every descriptor the process may
 // open: every new flow, and every new TCP connection, would then fail
 // with EMFILE until old flows expired. Bounded below the limit, the
-// table makes room by ending its least recently used flows instead, and
-// the other sockets keep theirs (see docs/performance.md).
+// table makes room by ending least recently used flows instead (of the
+// Service port with the most), and the other sockets keep theirs (see
+// docs/performance.md).
 func udpMaxFlows(flag int, noFile uint64) int {
 	if flag > 0 {
 		return flag

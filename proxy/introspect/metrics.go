@@ -252,7 +252,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			}),
 			UDPEvicted: prometheus.NewCounter(prometheus.CounterOpts{
 				Name: "uproxy_udp_flows_evicted_total",
-				Help: "UDP flows ended before their timeout because the flow table was full (--udp-max-flows): the least recently used flow makes room for a new one.",
+				Help: "UDP flows ended before their timeout because the flow table was full (--udp-max-flows): the least recently used flow of the Service port with the most flows, or of the new flow's own if that holds its fair share, makes room for a new one.",
 			}),
 			UDPPoolSockets: prometheus.NewGauge(prometheus.GaugeOpts{
 				Name: "uproxy_udp_pool_sockets",
@@ -275,7 +275,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	udpPool := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_udp_pool_queries_total",
-		Help: "UDP request-reply queries sent through pooled backend sockets, by result: sent, dropped (the endpoint's pool was at its bound), timeout (no reply in time), long_flow (the client sent again, and became a flow).",
+		Help: "UDP request-reply queries sent through pooled backend sockets, by result: sent, dropped (the endpoint's pool was at its bound, or the engine's at its bound and the query's Service port at its fair share; or its socket went to another Service port's query), timeout (no reply in time), long_flow (the client sent again, and became a flow).",
 	}, []string{"result"})
 	for i, r := range datapath.PoolResultNames {
 		m.dp.UDPPoolQueries[i] = udpPool.WithLabelValues(r)
