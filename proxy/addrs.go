@@ -17,8 +17,10 @@ type nodeAddrs struct {
 	// net.InterfaceAddrs (Config.LocalAddrs).
 	list         func() ([]netip.Addr, error)
 	clusterCIDRs []netip.Prefix
-	log          *zap.Logger
-	addrs        atomic.Pointer[[]netip.Addr] // sorted
+	// podNetworks are the whole cluster's pod networks (Config.PodNetworks).
+	podNetworks []netip.Prefix
+	log         *zap.Logger
+	addrs       atomic.Pointer[[]netip.Addr] // sorted
 }
 
 // refresh re-reads the node's addresses.
@@ -90,9 +92,13 @@ func (a *nodeAddrs) has(ip netip.Addr) bool {
 	return false
 }
 
-// isPod reports whether ip is in the cluster CIDR, as configured (none
-// configured: no address is known to be a pod's).
-func (a *nodeAddrs) isPod(ip netip.Addr) bool {
-	pod, _ := a.Pod(ip)
-	return pod
+// inPodNetworks reports whether ip is in the cluster's pod networks
+// (Config.PodNetworks), and whether they are known at all.
+func (a *nodeAddrs) inPodNetworks(ip netip.Addr) (in, known bool) {
+	for _, p := range a.podNetworks {
+		if p.Contains(ip) {
+			return true, true
+		}
+	}
+	return false, len(a.podNetworks) > 0
 }

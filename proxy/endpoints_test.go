@@ -133,6 +133,22 @@ func TestEndpointRefusal(t *testing.T) {
 	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("10.250.3.4:80")); got == "" {
 		t.Error("an endpoint in the operator's deny list is used")
 	}
+
+	// With detect-local mode NodeCIDR the proxier's ClusterCIDRs are this
+	// node's pod network; a pod of another node is still a pod.
+	p.addrs.clusterCIDRs = []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24")}
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("10.244.3.7:30080")); got != "" {
+		t.Errorf("another node's pod at a port of the node-port range refused: %q", got)
+	}
+	// Without the pod networks, only this node's addresses are refused
+	// at the node-port range: another node's cannot be told from a pod's.
+	p.addrs.podNetworks = nil
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("192.0.2.9:30080")); got != "" {
+		t.Errorf("without pod networks, 192.0.2.9:30080 refused: %q", got)
+	}
+	if got := p.endpointRefusal(sp, netip.MustParseAddrPort("192.0.2.1:30999")); got == "" {
+		t.Error("without pod networks, this node's address at a port of the node-port range is used")
+	}
 }
 
 // TestRefusedEndpointIsLogged checks that a refused endpoint is left out

@@ -112,6 +112,14 @@ type Config struct {
 	// count as internal clients, and no client of a cluster IP is
 	// masqueraded, as kube-proxy without a local detector.
 	ClusterCIDRs []netip.Prefix
+	// PodNetworks are the pod networks of the whole cluster
+	// (--cluster-cidr), which endpoint refusals tell pods by: an endpoint
+	// in them at a port of NodePortRange is a pod's, not another node's
+	// node port, and an external IP in them is a pod's own address. They
+	// differ from ClusterCIDRs with detect-local mode NodeCIDR, where
+	// ClusterCIDRs are this node's pod networks only. Nil means
+	// ClusterCIDRs.
+	PodNetworks []netip.Prefix
 	// LocalAddrs lists the node's own addresses; clients using them count
 	// as internal (kube-proxy's "addrtype LOCAL" short circuit). Nil means
 	// the addresses of net.InterfaceAddrs, read at every sync.
@@ -276,6 +284,14 @@ type Proxier struct {
 	forceFull atomic.Bool
 }
 
+// podNetworks returns PodNetworks, or ClusterCIDRs.
+func (c *Config) podNetworks() []netip.Prefix {
+	if c.PodNetworks == nil {
+		return c.ClusterCIDRs
+	}
+	return c.PodNetworks
+}
+
 // nodePortRange returns NodePortRange, or its default.
 func (c *Config) nodePortRange() service.PortRange {
 	if c.NodePortRange == (service.PortRange{}) {
@@ -304,7 +320,7 @@ func NewProxier(cfg Config) *Proxier {
 	}
 	p.ignored.log = p.log
 	p.health.log = p.log
-	p.addrs = &nodeAddrs{list: cfg.LocalAddrs, clusterCIDRs: cfg.ClusterCIDRs, log: p.log}
+	p.addrs = &nodeAddrs{list: cfg.LocalAddrs, clusterCIDRs: cfg.ClusterCIDRs, podNetworks: cfg.podNetworks(), log: p.log}
 	p.dp = datapath.NewEngine(cfg.Config, p.addrs)
 	p.inspect = &introspect.Inspector{
 		Engine: p.dp, Transparent: cfg.Transparent, LastSync: p.LastSync,

@@ -156,8 +156,9 @@ func (p *Proxier) buildSnapshot(l *listener, sp *service.Port, vip netip.Addr, s
 //   - on an address of this node, the proxy's own ports: sp's node
 //     port, a listener port, or a server of ServerAddrs, which a pod
 //     must not reach through a Service address;
-//   - a port of Config.NodePortRange on an address outside the pod
-//     networks or of this node: a loop between nodes;
+//   - a port of Config.NodePortRange on an address of this node, or
+//     outside the pod networks when they are known: a loop between
+//     nodes;
 //   - an address in Config.DeniedEndpoints;
 //   - an address of this node on a port Config.NodeEndpointPorts does
 //     not allow.
@@ -173,8 +174,9 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 			return "in " + n.String() + ", a network no endpoint may be in (--endpoint-deny-cidrs)"
 		}
 	}
+	pod, podsKnown := p.addrs.inPodNetworks(ip)
 	if port == sp.Port && (slices.Contains(sp.ClusterIPs, ip) || slices.Contains(sp.LoadBalancerIPs, ip) ||
-		slices.Contains(sp.ExternalIPs, ip) && !p.addrs.isPod(ip)) {
+		slices.Contains(sp.ExternalIPs, ip) && !pod) {
 		return "the service port's own address and port: the proxy's connections to it would be intercepted again"
 	}
 	for _, s := range p.cfg.ServerAddrs {
@@ -186,7 +188,7 @@ func (p *Proxier) endpointRefusal(sp *service.Port, ap netip.AddrPort) string {
 	switch {
 	case local && sp.NodePort != 0 && port == sp.NodePort:
 		return "the service port's own node port on an address of this node"
-	case p.cfg.nodePortRange().Contains(port) && (local || !p.addrs.isPod(ip)) && !(ip.IsLoopback() && p.cfg.LoopbackEndpoints):
+	case p.cfg.nodePortRange().Contains(port) && (local || podsKnown && !pod) && !(ip.IsLoopback() && p.cfg.LoopbackEndpoints):
 		return "a port of the node-port range on an address outside the pod networks: a node's proxy would intercept it and could send it back"
 	case !local:
 		return ""

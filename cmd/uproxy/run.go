@@ -304,6 +304,7 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 		NodePortRange:     o.nodePorts,
 		NodeName:          o.nodeName,
 		ClusterCIDRs:      o.clusterCIDRs,
+		PodNetworks:       o.podNetworks,
 		ServiceHealth:     svcHealth,
 		OnSync:            func() { health.Updated(); firstSync() },
 		OnChange:          health.QueuedUpdate,
@@ -360,6 +361,9 @@ func run(ctx context.Context, o *runOptions, log *zap.Logger) error {
 			log.Warn("--debug-bind-address is not a loopback address: /status and /explain (and pprof with --profiling) have no authentication, and show every Service's endpoints to whoever reaches it",
 				zap.String("address", o.debugBindAddress))
 		}
+	}
+	if len(o.podNetworks) == 0 {
+		log.Warn("without --cluster-cidr, uproxy cannot tell another node's address from a pod's: an endpoint at another node's node port is not refused, and a loop between nodes ends only at --max-connections-per-service-port")
 	}
 	if stateFile != "" && o.stateFileMaxAge > 0 && o.stateFileMaxAge < o.syncPeriod+proxy.StateRefreshInterval {
 		log.Warn("--state-file-max-age is shorter than the state file's refresh, which follows the syncs: a restart may refuse the state of a cluster where nothing changed",

@@ -74,6 +74,7 @@ type runOptions struct {
 	nodeName      string
 	node          nodeWatch // what resolveNodeAddresses read of the Node
 	deniedEPs     []netip.Prefix
+	podNetworks   []netip.Prefix // --cluster-cidr, kept when NodeCIDR replaces clusterCIDRs
 	nodePorts     service.PortRange
 	nodeEPPorts   service.PortRanges
 }
@@ -166,6 +167,7 @@ func (o *runOptions) validate() error {
 	if o.clusterCIDRs, err = parseCIDRs(strings.Split(o.clusterCIDR, ",")); err != nil {
 		errs = append(errs, fmt.Errorf("--cluster-cidr: %w", err))
 	}
+	o.podNetworks = append([]netip.Prefix{}, o.clusterCIDRs...)
 	// Without the Node's IPs yet: resolveNodeAddresses completes
 	// 'primary' once the API client exists.
 	if o.nodePortCIDRs, err = nodePortPrefixes(o.nodePortAddresses, withBindAddress(nil, o.kubeProxy.bindAddress)); err != nil {

@@ -324,7 +324,7 @@ func connectionLimits(ann map[string]string) (total, perEndpoint int, errs []err
 		}
 		n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 		if err != nil || n < 1 || n > maxConnectionLimit {
-			errs = append(errs, fmt.Errorf("annotation %s: %q is not an integer in 1-%d; ignored, the service has no such limit", name, v, maxConnectionLimit))
+			errs = append(errs, fmt.Errorf("annotation %s: %q is not an integer in 1-%d; ignored; the default applies", name, v, maxConnectionLimit))
 			return 0
 		}
 		return int(n)
