@@ -251,7 +251,8 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet, objs []runtime.Object) {
 		Image:     "uproxy:latest",
 		Args: []string{"run", "--kubeconfig=/var/lib/uproxy/kubeconfig.conf", "--hostname-override=$(NODE_NAME)",
 			"--cluster-cidr=10.244.0.0/16", "--healthz-bind-address=0.0.0.0:10256",
-			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json", "--proxy-port-range=40000-49999"},
+			"--metrics-bind-address=127.0.0.1:10249", "--log-format=json", "--proxy-port-range=40000-49999",
+			"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0"},
 		Grace: 30,
 	}
 	if spec.DNSPolicy == "" {
