@@ -3,6 +3,7 @@ package redirect
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -14,10 +15,48 @@ import (
 // pkg/proxy/iptables CleanupLeftovers in v1.37) deletes, by table. The
 // chains kubelet creates (KUBE-IPTABLES-HINT, KUBE-KUBELET-CANARY,
 // KUBE-FIREWALL) are not among them: kubelet still needs them.
+// Its IPVS mode's chains (pkg/proxy/ipvs iptablesCleanupChains) are
+// among them too: KUBE-NODE-PORT, KUBE-LOAD-BALANCER and the filters.
 var kubeProxyChains = map[string][]string{
-	"nat":    {"KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-PROXY-CANARY"},
-	"filter": {"KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL", "KUBE-PROXY-CANARY"},
+	"nat": {"KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-PROXY-CANARY",
+		"KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"},
+	"filter": {"KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL", "KUBE-PROXY-CANARY",
+		"KUBE-NODE-PORT", "KUBE-SOURCE-RANGES-FIREWALL", "KUBE-IPVS-FILTER", "KUBE-IPVS-OUT-FILTER"},
 	"mangle": {"KUBE-PROXY-CANARY"},
+}
+
+// kubeProxyIPVSSets are the ipsets of kube-proxy's IPVS mode
+// (pkg/proxy/ipvs ipsetInfo in v1.37), which its cleanup destroys once
+// no rule refers to them.
+var kubeProxyIPVSSets = []string{
+	"KUBE-LOOP-BACK", "KUBE-CLUSTER-IP", "KUBE-EXTERNAL-IP", "KUBE-EXTERNAL-IP-LOCAL",
+	"KUBE-LOAD-BALANCER", "KUBE-LOAD-BALANCER-FW", "KUBE-LOAD-BALANCER-LOCAL",
+	"KUBE-LOAD-BALANCER-SOURCE-IP", "KUBE-LOAD-BALANCER-SOURCE-CIDR",
+	"KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP", "KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP",
+	"KUBE-NODE-PORT-SCTP-HASH", "KUBE-NODE-PORT-LOCAL-SCTP-HASH", "KUBE-HEALTH-CHECK-NODE-PORT", "KUBE-IPVS-IPS",
+}
+
+// CleanupKubeProxySets destroys the ipsets of kube-proxy's IPVS mode
+// that exist, after CleanupKubeProxy has removed the rules that refer to
+// them, and returns how many it destroyed. x runs ipset.
+func CleanupKubeProxySets(ctx context.Context, x Exec) (int, error) {
+	out, err := x.Run(ctx, "ipset", []string{"list", "-n"}, nil)
+	if err != nil {
+		return 0, fmt.Errorf("redirect: kube-proxy cleanup: listing ipsets: %w", err)
+	}
+	n := 0
+	var errs []error
+	for name := range strings.FieldsSeq(string(out)) {
+		if !slices.Contains(kubeProxyIPVSSets, name) {
+			continue
+		}
+		if _, err := x.Run(ctx, "ipset", []string{"destroy", name}, nil); err != nil {
+			errs = append(errs, fmt.Errorf("redirect: kube-proxy cleanup: destroying ipset %s: %w", name, err))
+			continue
+		}
+		n++
+	}
+	return n, errors.Join(errs...)
 }
 
 // kubeProxyServicePrefixes name kube-proxy's per-service and per-endpoint

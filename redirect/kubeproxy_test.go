@@ -1,6 +1,8 @@
 package redirect
 
 import (
+	"context"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -40,6 +42,23 @@ func TestRenderKubeProxyCleanup(t *testing.T) {
 				"-X KUBE-FORWARD\nCOMMIT\n",
 			chains: 4,
 		},
+		{
+			name: "IPVS mode",
+			saved: "*nat\n:POSTROUTING ACCEPT [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n" +
+				"-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n" +
+				"-A KUBE-LOAD-BALANCER -j KUBE-NODE-PORT\nCOMMIT\n" +
+				"*filter\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:KUBE-IPVS-FILTER - [0:0]\n:KUBE-IPVS-OUT-FILTER - [0:0]\n:KUBE-SOURCE-RANGES-FIREWALL - [0:0]\n" +
+				"-A INPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-FILTER\n" +
+				"-A OUTPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-OUT-FILTER\nCOMMIT\n",
+			want: "*nat\n:KUBE-POSTROUTING - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n" +
+				"-D POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n" +
+				"-X KUBE-POSTROUTING\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n" +
+				"*filter\n:KUBE-IPVS-FILTER - [0:0]\n:KUBE-IPVS-OUT-FILTER - [0:0]\n:KUBE-SOURCE-RANGES-FIREWALL - [0:0]\n" +
+				"-D INPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-FILTER\n" +
+				"-D OUTPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-OUT-FILTER\n" +
+				"-X KUBE-IPVS-FILTER\n-X KUBE-IPVS-OUT-FILTER\n-X KUBE-SOURCE-RANGES-FIREWALL\nCOMMIT\n",
+			chains: 6,
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, n := RenderKubeProxyCleanup([]byte(tc.saved))
@@ -50,5 +69,34 @@ func TestRenderKubeProxyCleanup(t *testing.T) {
 				t.Errorf("chains = %d, want %d", n, tc.chains)
 			}
 		})
+	}
+}
+
+// recordingExec answers ipset list -n with list and records every call.
+type recordingExec struct {
+	list  string
+	calls []string
+}
+
+func (r *recordingExec) Run(_ context.Context, name string, args []string, _ []byte) ([]byte, error) {
+	r.calls = append(r.calls, name+" "+strings.Join(args, " "))
+	if name == "ipset" && len(args) > 0 && args[0] == "list" {
+		return []byte(r.list), nil
+	}
+	return nil, nil
+}
+
+// TestCleanupKubeProxySets checks that kube-proxy's cleanup destroys the
+// IPVS mode's ipsets that exist, and no other set: uproxy's and a
+// stranger's KUBE-* set stay.
+func TestCleanupKubeProxySets(t *testing.T) {
+	x := &recordingExec{list: "KUBE-CLUSTER-IP\nuproxy-services4\nKUBE-NODE-PORT-TCP\nKUBE-SOMEONE-ELSES\n"}
+	n, err := CleanupKubeProxySets(t.Context(), x)
+	if err != nil || n != 2 {
+		t.Fatalf("CleanupKubeProxySets = %d, %v; want 2, nil", n, err)
+	}
+	want := []string{"ipset list -n", "ipset destroy KUBE-CLUSTER-IP", "ipset destroy KUBE-NODE-PORT-TCP"}
+	if diff := cmp.Diff(want, x.calls); diff != "" {
+		t.Errorf("commands (-want +got):\n%s", diff)
 	}
 }

@@ -269,3 +269,56 @@ func TestE2ECleanupKubeProxy(t *testing.T) {
 		t.Errorf("uproxy exited:\n%s", c.up.Output())
 	}
 }
+
+// TestE2ERunCleanupRemovesBoth runs `uproxy run --cleanup`, kube-proxy's
+// own flag, on a node where both uproxy and kube-proxy left state behind
+// (kube-proxy's iptables and IPVS modes' chains, an IPVS-mode ipset):
+// as kube-proxy --cleanup, which runbooks call with whatever image the
+// DaemonSet has, it removes uproxy's and kube-proxy's, and leaves
+// kubelet's chain and a rule of someone else's.
+func TestE2ERunCleanupRemovesBoth(t *testing.T) {
+	c := newCluster(t, 1)
+	ctx := context.Background()
+	c.write("web.yaml", serviceYAML("web", "10.96.0.10", 80, nil, false, c.pods...))
+	c.start(1)
+	if err := c.up.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	c.up.Wait(30 * time.Second)
+	restore := "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n" +
+		"-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n" +
+		"-A KUBE-SERVICES -j KUBE-NODE-PORT\nCOMMIT\n" +
+		"*filter\n:KUBE-IPVS-FILTER - [0:0]\n-A INPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-FILTER\n" +
+		"-A INPUT -s 192.0.2.1/32 -m comment --comment \"a firewall of its own\" -j ACCEPT\nCOMMIT\n"
+	for _, cmd := range [][]string{
+		{"sh", "-c", fmt.Sprintf("printf '%%s' '%s' | iptables-restore --noflush", restore)},
+		{"ipset", "create", "KUBE-CLUSTER-IP", "hash:ip,port"},
+	} {
+		if out, err := c.lab.Exec(ctx, c.lab.Node, cmd...); err != nil {
+			t.Fatalf("%v: %v\n%s", cmd, err, out)
+		}
+	}
+	before, _ := c.lab.Exec(ctx, c.lab.Node, "iptables-save")
+	if !strings.Contains(before, ":UPROXY-SERVICES") {
+		t.Fatalf("uproxy left no rules behind to clean:\n%s", before)
+	}
+
+	if out, err := c.lab.Exec(ctx, c.lab.Node, c.uproxy, "run", "--cleanup"); err != nil {
+		t.Fatalf("uproxy run --cleanup: %v\n%s", err, out)
+	}
+	after, _ := c.lab.Exec(ctx, c.lab.Node, "iptables-save")
+	for _, gone := range []string{":UPROXY-", ":KUBE-SERVICES", ":KUBE-NODE-PORT", ":KUBE-IPVS-FILTER", "-j KUBE-SERVICES", "-j KUBE-IPVS-FILTER"} {
+		if strings.Contains(after, gone) {
+			t.Errorf("after run --cleanup, %q is left:\n%s", gone, after)
+		}
+	}
+	for _, kept := range []string{":KUBE-KUBELET-CANARY", "a firewall of its own"} {
+		if !strings.Contains(after, kept) {
+			t.Errorf("after run --cleanup, %q is gone:\n%s", kept, after)
+		}
+	}
+	sets, _ := c.lab.Exec(ctx, c.lab.Node, "ipset", "list", "-n")
+	if strings.Contains(sets, "KUBE-CLUSTER-IP") || strings.Contains(sets, "uproxy-") {
+		t.Errorf("after run --cleanup, sets are left:\n%s", sets)
+	}
+}

@@ -90,7 +90,13 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 				return nil
 			}
 			if o.cleanupAndExit {
-				return cleanup(context.Background())
+				// kube-proxy --cleanup, which runbooks call with whatever
+				// image the DaemonSet has: uproxy's state and kube-proxy's.
+				n, kerr := cleanupKubeProxy(context.Background(), redirect.OSExec{}, procIPVS)
+				if kerr == nil {
+					log.Info("removed kube-proxy's rules", zap.Int("removed", n))
+				}
+				return errors.Join(cleanup(context.Background()), kerr)
 			}
 			applyOOMScoreAdj(oomScoreAdjPath, o.kubeProxy.oomScoreAdj, log)
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)

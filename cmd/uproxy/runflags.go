@@ -117,7 +117,7 @@ func (o *runOptions) register(fs *pflag.FlagSet) {
 	fs.IntVar(&o.udpPoolMax, "udp-pool-max", 0, "The most pooled UDP sockets across all endpoints and event loops, shared fairly among Service ports: 0 means 4,096, or a quarter of the open-files limit if that is lower.")
 	fs.DurationVar(&o.udpQueryTimeout, "udp-query-timeout", 5*time.Second, "How long a pooled UDP socket waits for the reply to its query before it is closed; 5s is a stub resolver's default timeout.")
 	fs.DurationVar(&o.iptablesWait, "iptables-wait", 5*time.Second, "How long iptables commands wait for the xtables lock.")
-	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and exit (the same as `uproxy cleanup`, named as in kube-proxy).")
+	fs.BoolVar(&o.cleanupAndExit, "cleanup", false, "Remove uproxy's rules and kube-proxy's leftover state (iptables, IPVS and nftables modes') and exit, as kube-proxy --cleanup does.")
 	fs.StringVar(&o.upgradeSocket, "upgrade-socket", "/run/uproxy/upgrade.sock", "Unix socket for hitless upgrades, where a starting uproxy takes a running one's listening sockets over; empty disables.")
 	fs.StringVar(&o.stateFile, "state-file", "/run/uproxy/state.json", "Where each sync's Services and EndpointSlices are saved, for a restart to serve before the API server answers (API server source only); empty disables.")
 	fs.DurationVar(&o.stateFileMaxAge, "state-file-max-age", 10*time.Minute, "How old a --state-file may be for a restart to serve it: an older one's endpoints may be other pods' by now; 0 serves any age.")
