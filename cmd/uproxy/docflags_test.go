@@ -140,3 +140,41 @@ func TestFlagHelpIsOneSentence(t *testing.T) {
 		}
 	}
 }
+
+// TestRunHelpGroupsIgnoredFlags checks that `uproxy run --help` lists the
+// kube-proxy flags it accepts and ignores apart, after the flags that do
+// something, and that the address flags name their value.
+func TestRunHelpGroupsIgnoredFlags(t *testing.T) {
+	root := newRootCommand()
+	var out strings.Builder
+	root.SetOut(&out)
+	root.SetErr(&out)
+	root.SetArgs([]string{"run", "--help"})
+	if err := root.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	help := out.String()
+	own, ignored, found := strings.Cut(help, "kube-proxy's flags, accepted and ignored")
+	if !found {
+		t.Fatalf("no section of ignored kube-proxy flags in:\n%s", help)
+	}
+	ignored, _, _ = strings.Cut(ignored, "Global Flags:")
+	listed := func(in, name string) bool {
+		return strings.Contains(in, "--"+name+" ") || strings.Contains(in, "--"+name+"[")
+	}
+	for _, f := range ignoredKubeProxyFlags {
+		if !listed(ignored, f.name) || listed(own, f.name) {
+			t.Errorf("--%s is not listed among the ignored flags alone", f.name)
+		}
+	}
+	for _, f := range []string{"--balancer ", "--mode ", "--cleanup[", "--masquerade-all[", "--feature-gates "} {
+		if !strings.Contains(own, f) || strings.Contains(ignored, f) {
+			t.Errorf("%s is not listed among uproxy's flags alone", strings.TrimRight(f, " ["))
+		}
+	}
+	for _, f := range []string{"--debug-bind-address host:port", "--healthz-bind-address host:port", "--metrics-bind-address host:port"} {
+		if !strings.Contains(own, f) {
+			t.Errorf("help lacks %q", f)
+		}
+	}
+}

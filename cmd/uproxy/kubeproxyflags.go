@@ -190,7 +190,36 @@ func (k *kubeProxyOptions) register(fs *pflag.FlagSet) {
 		default:
 			panic("ignoredKubeProxyFlags: unknown type " + f.typ)
 		}
+		_ = fs.SetAnnotation(f.name, ignoredFlagAnnotation, []string{"true"})
 	}
+}
+
+// ignoredFlagAnnotation marks the kube-proxy flags uproxy accepts and
+// ignores, which its help lists apart (groupIgnoredFlags).
+const ignoredFlagAnnotation = "uproxy.io/kube-proxy-ignored"
+
+// groupIgnoredFlags makes cmd's help list the kube-proxy flags it accepts
+// and ignores in a section of their own, after uproxy's flags, so that
+// the flags that do something are not lost among them.
+func groupIgnoredFlags(cmd *cobra.Command) {
+	split := func(fs *pflag.FlagSet, ignored bool) string {
+		part := pflag.NewFlagSet("", pflag.ContinueOnError)
+		fs.VisitAll(func(f *pflag.Flag) {
+			if _, ok := f.Annotations[ignoredFlagAnnotation]; ok == ignored {
+				part.AddFlag(f)
+			}
+		})
+		return part.FlagUsages()
+	}
+	cobra.AddTemplateFunc("ownFlagUsages", func(fs *pflag.FlagSet) string { return split(fs, false) })
+	cobra.AddTemplateFunc("ignoredFlagUsages", func(fs *pflag.FlagSet) string { return split(fs, true) })
+	const flags = "{{.LocalFlags.FlagUsages | trimTrailingWhitespaces}}"
+	tmpl := cmd.UsageTemplate()
+	if !strings.Contains(tmpl, flags) {
+		return // another cobra's template: one list, as before
+	}
+	cmd.SetUsageTemplate(strings.Replace(tmpl, flags,
+		"{{ownFlagUsages .LocalFlags | trimTrailingWhitespaces}}\n\nkube-proxy's flags, accepted and ignored (each is logged when given):\n{{ignoredFlagUsages .LocalFlags | trimTrailingWhitespaces}}", 1))
 }
 
 // complete merges the kube-proxy command line and configuration file into

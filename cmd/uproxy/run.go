@@ -105,6 +105,7 @@ On SIGTERM or SIGINT it stops accepting, lets established connections finish for
 		},
 	}
 	o.register(cmd.Flags())
+	groupIgnoredFlags(cmd)
 	return cmd
 }
 
