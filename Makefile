@@ -18,8 +18,14 @@ GOTESTFLAGS ?=
 
 all: build
 
+# VERSION is stamped into the binary (uproxy version) and names the image:
+# the tag, or the commits since the last one and the revision, -dirty for a
+# modified tree; "devel" outside a git checkout.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+LDFLAGS := -X main.version=$(VERSION)
+
 build:
-	$(GO) build -o $(BIN)/uproxy ./cmd/uproxy
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/uproxy ./cmd/uproxy
 
 # image: the container image, as an OCI image tar file, without a container
 # engine: a static uproxy and Debian's iptables and ipset (apt-get download),
@@ -28,7 +34,7 @@ build:
 # `podman load`. deploy/Dockerfile builds the same image with docker.
 IMAGE ?= uproxy:latest
 image:
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/image/uproxy ./cmd/uproxy
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/image/uproxy ./cmd/uproxy
 	deploy/image/build.sh $(BIN)/image/uproxy $(BIN)/uproxy-image.tar $(IMAGE)
 
 # make test: vet, then every test with the race detector, in the main
