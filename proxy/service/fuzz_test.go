@@ -470,11 +470,19 @@ func checkEndpoints(t *testing.T, sp *Port, s *discovery.EndpointSlice, eps []En
 			t.Errorf("%s: endpoint %v listed twice", sp.Name, e.Addr)
 		}
 		seen[e.Addr] = true
-		// The first endpoint of the slice with this address is the one kept.
-		i := slices.IndexFunc(s.Endpoints, func(ep discovery.Endpoint) bool {
+		// Of the endpoints of the slice with this address, the first one
+		// not terminating is kept, else the first: a running pod wins
+		// over a terminating one with the same IP, as in kube-proxy.
+		withAddr := func(ep discovery.Endpoint) bool {
 			ip, err := netip.ParseAddr(ep.Addresses[0])
 			return err == nil && ip.Unmap() == a
+		}
+		i := slices.IndexFunc(s.Endpoints, func(ep discovery.Endpoint) bool {
+			return withAddr(ep) && !ptr.Deref(ep.Conditions.Terminating, false)
 		})
+		if i < 0 {
+			i = slices.IndexFunc(s.Endpoints, withAddr)
+		}
 		if i < 0 {
 			t.Errorf("%s: endpoint %v is not in the slice", sp.Name, e.Addr)
 			continue
@@ -487,7 +495,7 @@ func checkEndpoints(t *testing.T, sp *Port, s *discovery.EndpointSlice, eps []En
 			NodeName:    ptr.Deref(src.NodeName, ""),
 			Zone:        ptr.Deref(src.Zone, ""),
 		}
-		want.Serving = ptr.Deref(src.Conditions.Serving, want.Ready)
+		want.Serving = ptr.Deref(src.Conditions.Serving, true) // kube-proxy's reading of an unset condition
 		if h := src.Hints; h != nil && len(h.ForZones)+len(h.ForNodes) > 0 {
 			want.Hints = &EndpointHints{}
 			for _, z := range h.ForZones {
