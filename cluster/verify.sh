@@ -255,6 +255,14 @@ EOF
 	local vip ip target out rc
 	vip=$(kubectl -n "$ns" get svc isolated -o jsonpath='{.spec.clusterIP}')
 	ip=$(kubectl -n "$ns" get pod allowed -o jsonpath='{.status.podIP}')
+	# The pod is Ready before a proxy's sync (up to --iptables-min-sync-period
+	# later, for kube-proxy too) replaces the Service's no-endpoint reject
+	# with its endpoint: give the client that long.
+	local try
+	for try in 1 2 3 4 5; do
+		kubectl -n "$ns" exec allowed -- curl -s -m 5 -o /dev/null "http://$vip/clientip" && break
+		sleep 1
+	done
 	for target in "$vip" isolated "isolated.$ns.svc.cluster.local"; do
 		# netexec's /clientip answers with the address it sees.
 		out=$(kubectl -n "$ns" exec allowed -- curl -s -m 5 "http://$target/clientip") ||
