@@ -722,7 +722,7 @@ func TestHeldDatagrams(t *testing.T) {
 	fits := maxHeldBytes / (size + heldOverhead)
 	held := onLoop(func() int {
 		for range fits + 1 {
-			p.hold(target, b, make([]byte, size), 1)
+			p.hold(target, udpPick{b: b}, make([]byte, size), 1)
 		}
 		return el.held
 	})
@@ -735,5 +735,41 @@ func TestHeldDatagrams(t *testing.T) {
 	})
 	if n := p.UDPFlows(); n != 0 {
 		t.Errorf("%d UDP flows for a closed listener, want none", n)
+	}
+}
+
+// TestHeldDatagramKeepsLongFlow checks that a datagram of a client that
+// has become a long flow, held while its routes are looked up, is still
+// one of a long flow when it resumes: the lookup of its last query
+// consumed that record, so the pick it waits with must carry it, or the
+// datagram would go out as a new pooled query.
+func TestHeldDatagramKeepsLongFlow(t *testing.T) {
+	slow := netip.MustParseAddr("127.0.0.2")
+	routes := newBlockingRoutes(slow)
+	defer routes.unblock()
+	p := NewEngine(Config{}, podClients{})
+	p.src.lookup = routes.lookup
+	el, err := newEventLoop(loopOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer el.stop()
+	l := &Listener{Name: portName("default/dns:dns"), UDP: true, raw: &loopListener{rawSock: rawSock{fd: -1}}}
+	snap := testSnapshot("default/dns:dns", netip.MustParseAddrPort("127.0.0.1:53"))
+	snap.SourceIP, snap.UDPMode = SourceClient, UDPRequestReply
+	l.Snap.Store(snap)
+	target := udpTarget{el: el, svc: l, key: flowKey{l: l, client: netip.AddrPortFrom(slow, 5353)}}
+	rq := &recentQuery{backend: snap.Backends[0], svc: l, answered: true, long: true}
+	got := make(chan *udpPick, 1)
+	el.post(func() {
+		_, waits, _ := p.udpFlowFor(target, nil, rq, nil)
+		got <- waits
+	})
+	waits := <-got
+	if waits == nil {
+		t.Fatal("the datagram did not wait for its client's route")
+	}
+	if !waits.long || waits.b != snap.Backends[0] {
+		t.Errorf("the pick it waits with is %+v, want the long flow's backend, marked long", *waits)
 	}
 }

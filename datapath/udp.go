@@ -457,7 +457,7 @@ func (ur *udpRelay) deliver(t udpTarget, cur *udpFlow, rq *recentQuery, payload 
 		f, waits, err := ur.udpFlowFor(t, cur, rq, pick)
 		pick = nil
 		if waits != nil {
-			ur.hold(t, waits, payload, tries)
+			ur.hold(t, *waits, payload, tries)
 			return
 		}
 		if err != nil {
@@ -485,6 +485,9 @@ func (ur *udpRelay) deliver(t udpTarget, cur *udpFlow, rq *recentQuery, payload 
 type udpPick struct {
 	b      *balancer.Backend
 	routes routePair
+	// long: the client had become a long flow (recentQuery.long), which
+	// the lookup of its last query consumed before the datagram waited.
+	long bool
 }
 
 // heldDatagram is a datagram whose new flow waits for the routes that
@@ -516,7 +519,7 @@ const (
 // for routes, until the resolver has them; its loop forwards it then
 // (resume). Past maxHeldBytes the datagram is dropped, as a full
 // socket buffer would drop it. On the loop.
-func (ur *udpRelay) hold(t udpTarget, b *balancer.Backend, payload []byte, tries int) {
+func (ur *udpRelay) hold(t udpTarget, pick udpPick, payload []byte, tries int) {
 	p := ur.e
 	el := t.el
 	if el.held+len(payload)+heldOverhead > maxHeldBytes {
@@ -525,8 +528,8 @@ func (ur *udpRelay) hold(t udpTarget, b *balancer.Backend, payload []byte, tries
 		return
 	}
 	el.held += len(payload) + heldOverhead
-	h := &heldDatagram{ur: ur, t: t, pick: udpPick{b: b}, payload: bytes.Clone(payload), tries: tries}
-	p.src.await(p.cfg.clock().Now(), t.key.client.Addr(), b.Addr.Addr(), h)
+	h := &heldDatagram{ur: ur, t: t, pick: pick, payload: bytes.Clone(payload), tries: tries}
+	p.src.await(p.cfg.clock().Now(), t.key.client.Addr(), pick.b.Addr.Addr(), h)
 }
 
 // routed posts h back to its loop with its routes. If the loop is
@@ -612,7 +615,7 @@ func (ur *udpRelay) notRedirected(l *Listener, err error) {
 // backend it picked as waits, and no flow: the caller holds the datagram
 // (hold), and calls again with pick, the backend and its routes, once
 // they are known.
-func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick *udpPick) (f *udpFlow, waits *balancer.Backend, err error) {
+func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick *udpPick) (f *udpFlow, waits *udpPick, err error) {
 	p := ur.e
 	el, l, key, sock, orig := t.el, t.svc, t.key, t.sock, t.orig
 	client := key.client
@@ -643,6 +646,9 @@ func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick 
 		ur.removeFlow(f)
 	}
 	b, long := rq.recentBackend(snap, set)
+	if pick != nil {
+		long = long || pick.long
+	}
 	if b == nil && pick != nil && !pick.b.Ejected() && snap.serves(set, pick.b) {
 		b = pick.b
 	}
@@ -669,7 +675,7 @@ func (ur *udpRelay) udpFlowFor(t udpTarget, cur *udpFlow, rq *recentQuery, pick 
 			reason = p.src.reason(now, client.Addr(), b.Addr.Addr(), pick.routes)
 		} else if _, reason, ok = p.src.cached(now, client.Addr(), b.Addr.Addr()); !ok {
 			if el != nil {
-				return nil, b, nil
+				return nil, &udpPick{b: b, long: long}, nil
 			}
 			reason = p.src.reason(now, client.Addr(), b.Addr.Addr(), p.src.wait(now, client.Addr(), b.Addr.Addr()))
 		}
